@@ -1,0 +1,52 @@
+"""Plain single-process training on the global batch: the oracle for every runtime.
+
+Deliberately independent of unbroken.mecefo and unbroken.runtime's step code:
+one forward over the concatenated global batch, mean cross-entropy, backward,
+clip, AdamW. Only the data sampler, the model and the optimizer/schedule
+builders are shared.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from unbroken.config import Config
+from unbroken.data import BatchSampler, prepare_data
+from unbroken.models import build_model
+from unbroken.runtime.optim import build_optimizer, lr_at, set_lr
+
+
+def reference_train(cfg: Config, steps: int | None = None) -> dict[str, torch.Tensor]:
+    d, t = cfg.data, cfg.train
+    data = prepare_data(source=d.source, vocab_size=d.vocab_size, val_fraction=d.val_fraction,
+                        cache_dir=d.cache_dir, max_bytes=d.max_bytes)
+    sampler = BatchSampler(data.train, seed=t.seed, n_slots=t.workers, micro_batch=d.micro_batch, seq_len=d.seq_len)
+    model = build_model(cfg.model.preset, vocab_size=data.vocab_size, seq_len=d.seq_len, seed=t.seed)
+    opt = build_optimizer(model, cfg.optim)
+    for step in range(steps if steps is not None else t.steps):
+        xs, ys = zip(*(sampler.batch(step, slot) for slot in range(t.workers)))
+        x, y = torch.cat(xs), torch.cat(ys)
+        logits = model(x)
+        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if cfg.optim.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip, foreach=False)
+        set_lr(opt, lr_at(step, cfg=cfg.optim, total_steps=t.steps))
+        opt.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def checkpoint_params(ckpt_dir) -> dict[str, torch.Tensor]:
+    """Model parameters of a committed checkpoint, read with safetensors (no pickle)."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(Path(ckpt_dir).glob("*.safetensors")):
+        for k, v in load_file(str(f)).items():
+            if k.startswith("model."):
+                out[k[len("model."):]] = v
+    return out

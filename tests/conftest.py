@@ -1,0 +1,21 @@
+"""Shared fixtures: one tokenizer/token cache per test session, small corpus slice."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+
+# Set before any test imports unbroken.data, and inherited by spawned workers.
+_SESSION_CACHE = Path(tempfile.mkdtemp(prefix="unbroken-test-cache-"))
+os.environ.setdefault("UNBROKEN_CACHE_DIR", str(_SESSION_CACHE))
+
+CORPUS_BYTES = 1_500_000
+"""Slice of the stdlib corpus used by multi-process tests (BPE trains in ~2 s)."""
+
+
+@pytest.fixture(scope="session")
+def corpus_overrides() -> list[str]:
+    return [f"data.max_bytes={CORPUS_BYTES}"]

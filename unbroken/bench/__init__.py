@@ -1,0 +1,24 @@
+"""Benchmarks: each is ``main(argv) -> dict``, prints a table and writes JSON.
+
+Figures are ratios measured side by side in one run (machines are shared and
+noisy), or deterministic counts (FLOPs, bytes, steps).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, Callable
+
+
+def _lazy(module: str) -> Callable[[list[str] | None], dict[str, Any]]:
+    def run(argv: list[str] | None = None) -> dict[str, Any]:
+        return importlib.import_module(f"unbroken.bench.{module}").main(argv)
+
+    return run
+
+
+BENCHMARKS: dict[str, Callable[[list[str] | None], dict[str, Any]]] = {
+    "throughput": _lazy("throughput"),
+}
+
+__all__ = ["BENCHMARKS"]

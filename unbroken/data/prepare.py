@@ -1,0 +1,206 @@
+"""``prepare_data``: corpus -> tokenizer -> train/val token memmaps, cached.
+
+Invariants:
+
+- Everything built lives under one cache directory (argument, else
+  ``$UNBROKEN_CACHE_DIR``, else ``~/.cache/unbroken``), keyed by content
+  fingerprints: a changed corpus, ``max_bytes``, ``val_fraction`` or
+  ``vocab_size`` builds new files and never reuses stale ones.
+- Safe under concurrency: many processes may call ``prepare_data`` on the same
+  cache at once. Each takes an exclusive ``fcntl.flock`` on
+  ``<cache_dir>/.lock`` (with a timeout) to look up or build the caches, so
+  exactly one builds and the others then reuse its files (a lookup holds the
+  lock for milliseconds: fingerprints are computed before taking it). Files
+  are written atomically, so no reader sees a partial file even without the
+  lock.
+- The result is the same on every process and every run for the same inputs
+  (:attr:`PreparedData.fingerprint` identifies the token streams exactly).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import hashlib
+import logging
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from unbroken.data.corpus import TextCorpus, check_val_fraction, is_token_file, open_text_corpus, open_token_file
+from unbroken.data.token_cache import load_or_build_token_cache, token_dtype_for
+from unbroken.data.tokenizer import check_vocab_size, load_or_train_tokenizer
+
+logger = logging.getLogger(__name__)
+
+CACHE_DIR_ENV = "UNBROKEN_CACHE_DIR"
+DEFAULT_CACHE_DIR = Path("~/.cache/unbroken")
+LOCK_TIMEOUT_S = 600.0
+_LOCK_POLL_S = 0.1
+
+
+@dataclass(frozen=True)
+class PreparedData:
+    """Token streams ready for the samplers.
+
+    Attributes:
+        train: training tokens, 1-D read-only (memmap).
+        val: validation tokens, 1-D read-only (may be empty).
+        vocab_size: the model's vocabulary size; every token is below it.
+        tokenizer_path: the tokenizer JSON (None for pre-tokenized sources).
+        fingerprint: sha256 identifying exactly these train/val streams.
+        source: ``"stdlib"`` or the resolved path of the source.
+    """
+
+    train: np.ndarray
+    val: np.ndarray
+    vocab_size: int
+    tokenizer_path: str | None
+    fingerprint: str
+    source: str
+
+
+def default_cache_dir() -> Path:
+    """``$UNBROKEN_CACHE_DIR`` if set, else ``~/.cache/unbroken``."""
+    env = os.environ.get(CACHE_DIR_ENV)
+    return Path(env).expanduser() if env else DEFAULT_CACHE_DIR.expanduser()
+
+
+@contextlib.contextmanager
+def cache_lock(cache_dir: str | os.PathLike[str], timeout_s: float = LOCK_TIMEOUT_S) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``<cache_dir>/.lock``.
+
+    The kernel drops the lock when its holder dies, so a crashed builder never
+    blocks the others.
+
+    Raises:
+        TimeoutError: the lock was not acquired within ``timeout_s`` seconds.
+    """
+    path = Path(cache_dir) / ".lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError as e:
+                if e.errno not in (errno.EAGAIN, errno.EACCES):
+                    raise
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"could not lock {path} within {timeout_s:.0f} s: another process is "
+                                       "still preparing data there; wait for it, or use another cache dir "
+                                       f"(${CACHE_DIR_ENV})") from None
+                time.sleep(_LOCK_POLL_S)
+        try:
+            yield
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
+def _streams_fingerprint(train: np.ndarray, val: np.ndarray, *parts: str) -> str:
+    h = hashlib.sha256("\0".join(parts).encode())
+    h.update(f"{train.dtype.name}:{len(train)}:{val.dtype.name}:{len(val)}".encode())
+    return h.hexdigest()
+
+
+def _prepare_tokens_file(source: str, *, vocab_size: int, val_fraction: float, token_dtype: str | None,
+                         max_bytes: int | None) -> PreparedData:
+    if max_bytes is not None:
+        raise ValueError(f"max_bytes={max_bytes} applies to text sources only, not the token file {source}")
+    token_file = open_token_file(source, dtype=token_dtype, vocab_size=vocab_size)
+    train, val = token_file.split(val_fraction)
+    fp = _streams_fingerprint(train, val, token_file.fingerprint, repr(val_fraction))
+    logger.info("using pre-tokenized %s: %d train / %d val tokens", source, len(train), len(val))
+    return PreparedData(train=train, val=val, vocab_size=token_file.vocab_size, tokenizer_path=None,
+                        fingerprint=fp, source=str(token_file.path.resolve()))
+
+
+def _split_text(corpus: TextCorpus, val_fraction: float) -> tuple[TextCorpus, TextCorpus]:
+    train_corpus, val_corpus = corpus.split(val_fraction)
+    if len(train_corpus) == 0:
+        raise ValueError(f"{corpus.source}: all {len(corpus)} documents fell into the validation split at "
+                         f"val_fraction={val_fraction}; lower it or add documents")
+    if len(val_corpus) == 0 and val_fraction > 0:
+        logger.warning("%s: no document fell into the validation split at val_fraction=%s",
+                       corpus.source, val_fraction)
+    # Hash the files now, outside the lock, so waiting processes do not queue behind each other's reads.
+    train_corpus.fingerprint()
+    val_corpus.fingerprint()
+    return train_corpus, val_corpus
+
+
+def _prepare_text(train_corpus: TextCorpus, val_corpus: TextCorpus, *, vocab_size: int, cache_dir: Path,
+                  token_dtype: str | None) -> tuple[np.ndarray, np.ndarray, str, str]:
+    tokenizer = load_or_train_tokenizer(train_corpus, vocab_size=vocab_size, cache_dir=cache_dir)
+    common = dict(cache_dir=cache_dir, vocab_size=vocab_size, token_dtype=token_dtype)
+    train = load_or_build_token_cache(train_corpus, tokenizer, split="train", **common)
+    val = load_or_build_token_cache(val_corpus, tokenizer, split="val", **common)
+    assert tokenizer.path is not None
+    fp = _streams_fingerprint(train, val, train_corpus.fingerprint(), val_corpus.fingerprint(),
+                              tokenizer.sha256, str(vocab_size))
+    return train, val, str(tokenizer.path), fp
+
+
+def prepare_data(
+    *,
+    source: str = "stdlib",
+    vocab_size: int = 4096,
+    val_fraction: float = 0.05,
+    cache_dir: str | os.PathLike[str] | None = None,
+    token_dtype: str | None = None,
+    max_bytes: int | None = None,
+) -> PreparedData:
+    """Build or reuse the tokenizer and the train/val token caches of a corpus.
+
+    Args:
+        source: ``"stdlib"``, a directory of ``*.txt`` files, or a
+            pre-tokenized ``.bin``/``.npy`` file (see :mod:`unbroken.data.corpus`).
+        vocab_size: tokenizer size for text sources; for a token file, its
+            vocabulary size unless its sidecar states one.
+        val_fraction: share held out for validation, in ``[0, 1)`` (by
+            document-name hash for text, the tail of a token file).
+        cache_dir: where to cache; default ``$UNBROKEN_CACHE_DIR`` or
+            ``~/.cache/unbroken``.
+        token_dtype: ``"uint16"``/``"uint32"``: the dtype of a ``.bin`` token
+            file without sidecar, or the storage dtype of a text source's cache
+            (default: the smallest that holds ``vocab_size``).
+        max_bytes: keep only the first text documents (by name) up to this many
+            bytes, for quick tests and benchmarks.
+
+    Returns:
+        The prepared streams; text sources map cached files read-only.
+
+    Raises:
+        ValueError: bad arguments or a bad source (the message names it).
+        TimeoutError: another process held the cache lock too long.
+    """
+    check_val_fraction(val_fraction)
+    if is_token_file(source):
+        return _prepare_tokens_file(source, vocab_size=vocab_size, val_fraction=val_fraction,
+                                    token_dtype=token_dtype, max_bytes=max_bytes)
+    check_vocab_size(vocab_size)
+    token_dtype_for(vocab_size, token_dtype)  # reject a bad dtype before any work
+    start = time.perf_counter()
+    corpus = open_text_corpus(source)
+    if max_bytes is not None:
+        corpus = corpus.truncate(max_bytes)
+    cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    cache.mkdir(parents=True, exist_ok=True)
+    train_corpus, val_corpus = _split_text(corpus, val_fraction)
+    with cache_lock(cache):
+        train, val, tokenizer_path, fp = _prepare_text(train_corpus, val_corpus, vocab_size=vocab_size,
+                                                       cache_dir=cache, token_dtype=token_dtype)
+    logger.info("data ready in %.1f s: %s, %d train / %d val tokens, vocab %d",
+                time.perf_counter() - start, corpus.source, len(train), len(val), vocab_size)
+    resolved = source if source == "stdlib" else str(Path(source).resolve())
+    return PreparedData(train=train, val=val, vocab_size=vocab_size, tokenizer_path=tokenizer_path,
+                        fingerprint=fp, source=resolved)

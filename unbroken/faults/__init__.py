@@ -1,0 +1,36 @@
+"""unbroken.faults: failure traces and fault-injection specs.
+
+Traces (``traces``) say which worker is down at which step, drawn from a seeded
+failure model; specs (``fail_at``) say which process to kill, stop or
+terminate at which step. Both are pure data: nothing here touches processes.
+"""
+
+from unbroken.faults.fail_at import FaultSpec, fail_at, format_fail_at, parse_fail_at, trace_to_faults
+from unbroken.faults.traces import (
+    TRACE_PRESETS,
+    FailureTrace,
+    Outage,
+    TracePreset,
+    expected_degraded_fraction,
+    expected_down_fraction,
+    generate_trace,
+    step_time_for,
+    trace_preset,
+)
+
+__all__ = [
+    "TRACE_PRESETS",
+    "FailureTrace",
+    "FaultSpec",
+    "Outage",
+    "TracePreset",
+    "expected_degraded_fraction",
+    "expected_down_fraction",
+    "fail_at",
+    "format_fail_at",
+    "generate_trace",
+    "parse_fail_at",
+    "step_time_for",
+    "trace_preset",
+    "trace_to_faults",
+]

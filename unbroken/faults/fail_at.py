@@ -1,0 +1,255 @@
+"""Declarative fault-injection specs: what to break, where, and when.
+
+This module only parses and validates; the injector that sends the signals
+lives elsewhere. The string form (``--fail-at``) is a comma-separated list of
+items, each a colon-separated list of fields::
+
+    step=40:worker=2:kill,step=90:node=1:kill,step=120:worker=0:stop:for=3.5
+
+Fields of an item, in any order:
+
+* ``step=N`` (required): the training step during which the fault fires;
+* exactly one of ``worker=I`` or ``node=I``: the target;
+* ``kill`` | ``stop`` | ``term`` (bare word, or ``how=...``; default ``kill``):
+  SIGKILL, SIGSTOP (a hang), SIGTERM;
+* ``phase=forward|backward|allreduce|any`` (default ``any``): where in the step;
+* ``for=SECONDS`` (only with ``stop``): send SIGCONT after that long; absent
+  means the process stays stopped.
+
+Invariants: every ``FaultSpec`` is valid on its own (construction checks it);
+``parse_fail_at`` keeps the order of the items and reports every problem of
+the whole string in one ``ValueError``; ``parse_fail_at(format_fail_at(s)) == s``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+from unbroken.faults.traces import FailureTrace
+
+__all__ = ["FaultSpec", "fail_at", "format_fail_at", "parse_fail_at", "trace_to_faults"]
+
+Target = Literal["worker", "node"]
+How = Literal["kill", "stop", "term"]
+Phase = Literal["forward", "backward", "allreduce", "any"]
+
+_TARGETS: tuple[str, ...] = get_args(Target)
+_HOWS: tuple[str, ...] = get_args(How)
+_PHASES: tuple[str, ...] = get_args(Phase)
+_KEYS = ("step", "worker", "node", "how", "phase", "for")
+
+
+def _is_int(x: object) -> bool:
+    # bool is an int subclass; step=True is a bug, not step 1.
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+@dataclass(frozen=True, kw_only=True)
+class FaultSpec:
+    """One fault: at ``step``, do ``how`` to ``target`` number ``index`` during ``phase``.
+
+    Attributes:
+        step: training step (>= 0) during which the fault fires.
+        target: ``"worker"`` (one training process) or ``"node"`` (an agent
+            and all its workers).
+        index: worker or node number (>= 0).
+        how: ``"kill"`` (SIGKILL), ``"stop"`` (SIGSTOP, a hang), ``"term"`` (SIGTERM).
+        phase: part of the step in which to fire; ``"any"`` leaves it to the injector.
+        duration_s: for ``stop`` only: send SIGCONT after this many seconds;
+            ``None`` = stay stopped.
+    """
+
+    step: int
+    target: Target
+    index: int
+    how: How
+    phase: Phase = "any"
+    duration_s: float | None = None
+
+    def __post_init__(self) -> None:
+        problems = _spec_problems(self)
+        if problems:
+            raise ValueError(f"invalid fault spec {self!r}: " + "; ".join(problems))
+
+
+def _spec_problems(s: FaultSpec) -> list[str]:
+    problems = []
+    if not (_is_int(s.step) and s.step >= 0):
+        problems.append(f"step={s.step!r}: expected an integer >= 0")
+    if s.target not in _TARGETS:
+        problems.append(f"target={s.target!r}: expected one of {', '.join(_TARGETS)}")
+    if not (_is_int(s.index) and s.index >= 0):
+        problems.append(f"{s.target}={s.index!r}: expected an integer >= 0")
+    if s.how not in _HOWS:
+        problems.append(f"how={s.how!r}: expected one of {', '.join(_HOWS)}")
+    if s.phase not in _PHASES:
+        problems.append(f"phase={s.phase!r}: expected one of {', '.join(_PHASES)}")
+    if s.duration_s is not None:
+        if s.how != "stop":
+            problems.append(f"for={s.duration_s!r}: only how=stop takes a duration; drop it or use stop")
+        elif isinstance(s.duration_s, bool) or not (
+            isinstance(s.duration_s, (int, float)) and 0 < s.duration_s < math.inf
+        ):
+            problems.append(f"for={s.duration_s!r}: expected a finite number of seconds > 0")
+    return problems
+
+
+def fail_at(
+    *,
+    step: int,
+    worker: int | None = None,
+    node: int | None = None,
+    how: str = "kill",
+    phase: str = "any",
+    duration_s: float | None = None,
+) -> FaultSpec:
+    """Build a ``FaultSpec`` for tests: ``fail_at(step=5, worker=1, how="kill")``.
+
+    Raises:
+        ValueError: not exactly one of ``worker`` / ``node``, or an invalid field.
+    """
+    if (worker is None) == (node is None):
+        raise ValueError(
+            f"fail_at(step={step!r}, worker={worker!r}, node={node!r}): give exactly one of worker= or node="
+        )
+    target: Target = "worker" if worker is not None else "node"
+    index = worker if worker is not None else node
+    assert index is not None
+    return FaultSpec(step=step, target=target, index=index, how=how, phase=phase, duration_s=duration_s)  # type: ignore[arg-type]
+
+
+def _parse_int(item: str, key: str, value: str, problems: list[str]) -> int | None:
+    try:
+        n = int(value)
+    except ValueError:
+        problems.append(f"item {item!r}: {key}={value!r} is not an integer; expected an integer >= 0")
+        return None
+    if n < 0:
+        problems.append(f"item {item!r}: {key}={value!r} is negative; expected an integer >= 0")
+        return None
+    return n
+
+
+def _parse_item(
+    item: str, n_workers: int | None, n_nodes: int | None, problems: list[str]
+) -> FaultSpec | None:
+    """Parse one item, appending its problems; ``None`` if it has any."""
+    before = len(problems)
+    fields: dict[str, str] = {}
+    for raw in item.split(":"):
+        part = raw.strip()
+        key, sep, value = part.partition("=")
+        key, value = key.strip(), value.strip()
+        if not sep:
+            if part in _HOWS:
+                key, value = "how", part
+            else:
+                problems.append(
+                    f"item {item!r}: {part!r} is neither key=value nor one of {', '.join(_HOWS)}"
+                )
+                continue
+        if key not in _KEYS:
+            problems.append(f"item {item!r}: unknown key {key!r} (={value!r}); expected one of {', '.join(_KEYS)}")
+        elif key in fields:
+            problems.append(f"item {item!r}: {key} given twice ({fields[key]!r} and {value!r}); keep one")
+        else:
+            fields[key] = value
+
+    step = None
+    if "step" not in fields:
+        problems.append(f"item {item!r}: missing step=N")
+    else:
+        step = _parse_int(item, "step", fields["step"], problems)
+
+    targets = [t for t in _TARGETS if t in fields]
+    index = None
+    if len(targets) != 1:
+        what = "both worker= and node=" if targets else "neither worker= nor node="
+        problems.append(f"item {item!r}: {what}; give exactly one")
+    else:
+        index = _parse_int(item, targets[0], fields[targets[0]], problems)
+        bound = n_workers if targets[0] == "worker" else n_nodes
+        if index is not None and bound is not None and index >= bound:
+            problems.append(
+                f"item {item!r}: {targets[0]}={index} out of range; expected 0..{bound - 1} "
+                f"(n_{targets[0]}s={bound})"
+            )
+
+    how = fields.get("how", "kill")
+    if how not in _HOWS:
+        problems.append(f"item {item!r}: how={how!r}; expected one of {', '.join(_HOWS)}")
+    phase = fields.get("phase", "any")
+    if phase not in _PHASES:
+        problems.append(f"item {item!r}: phase={phase!r}; expected one of {', '.join(_PHASES)}")
+    duration_s = None
+    if "for" in fields:
+        try:
+            duration_s = float(fields["for"])
+        except ValueError:
+            duration_s = math.nan
+        if not 0 < duration_s < math.inf:
+            problems.append(f"item {item!r}: for={fields['for']!r}; expected a finite number of seconds > 0")
+        elif how != "stop":
+            problems.append(f"item {item!r}: for={fields['for']!r} only applies to stop; drop it or use stop")
+
+    if len(problems) > before:
+        return None
+    assert step is not None and index is not None
+    return FaultSpec(step=step, target=targets[0], index=index, how=how, phase=phase, duration_s=duration_s)  # type: ignore[arg-type]
+
+
+def parse_fail_at(
+    text: str, *, n_workers: int | None = None, n_nodes: int | None = None
+) -> tuple[FaultSpec, ...]:
+    """Parse the ``--fail-at`` string form (module docstring); empty text gives ``()``.
+
+    Args:
+        text: e.g. ``"step=40:worker=2:kill,step=120:worker=0:stop:for=3.5"``.
+        n_workers, n_nodes: when given, indices must be below them.
+
+    Raises:
+        ValueError: listing every problem of every item, each with the item,
+            the key and value, and what would be accepted.
+    """
+    if not text.strip():
+        return ()
+    problems: list[str] = []
+    specs = []
+    for i, raw in enumerate(text.split(",")):
+        item = raw.strip()
+        if not item:
+            problems.append(f"item {i + 1} is empty; remove the extra comma")
+            continue
+        spec = _parse_item(item, n_workers, n_nodes, problems)
+        if spec is not None:
+            specs.append(spec)
+    if problems:
+        raise ValueError(f"invalid fail-at spec {text!r}:\n  " + "\n  ".join(problems))
+    return tuple(specs)
+
+
+def format_fail_at(specs: Iterable[FaultSpec]) -> str:
+    """The string form of ``specs``; ``parse_fail_at`` reads it back unchanged."""
+    items = []
+    for s in specs:
+        fields = [f"step={s.step}", f"{s.target}={s.index}", s.how]
+        if s.phase != "any":
+            fields.append(f"phase={s.phase}")
+        if s.duration_s is not None:
+            fields.append(f"for={float(s.duration_s)!r}")  # repr round-trips a float exactly
+        items.append(":".join(fields))
+    return ",".join(items)
+
+
+def trace_to_faults(trace: FailureTrace) -> tuple[FaultSpec, ...]:
+    """A kill of each outage's worker at its start step, in trace order.
+
+    Returns are not faults: whoever drives the run rejoins workers at
+    ``trace.returns_at(step)``.
+    """
+    return tuple(
+        FaultSpec(step=o.start_step, target="worker", index=o.worker, how="kill") for o in trace.outages
+    )

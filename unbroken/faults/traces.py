@@ -1,0 +1,468 @@
+"""Seeded failure traces: which worker is down at which training step.
+
+Model
+-----
+Failures of the whole job arrive as a Poisson process in wall-clock time with
+mean time between failures ``MTBF`` hours (rate ``lam = 1 / MTBF`` for the job,
+not per worker). Each arrival hits one worker drawn uniformly among the workers
+that are up at that moment; that worker stays down for an exponentially
+distributed repair time of mean ``MTTR`` hours and is then back. An arrival is
+*dropped* (not applied, not postponed, counted in ``FailureTrace.dropped``) when
+
+* no worker is up (possible only with ``min_live=0``): there is nobody to hit;
+* the hit would leave fewer than ``min_live`` workers up (default 1, so the job
+  always keeps a live worker to take over the dead slots).
+
+Dropping rather than postponing keeps the model a plain Erlang loss system (see
+below); postponed failures would pile up and strike the moment a worker returns.
+
+From wall clock to steps
+------------------------
+A run of ``n_steps`` steps stands for ``n_steps * step_time_s`` seconds of wall
+clock. For an arrival at time ``t`` (seconds from the start) with repair time
+``r`` seconds::
+
+    failure step = floor(t / step_time_s)          # the worker dies during this step
+    return step  = ceil((t + r) / step_time_s)     # the worker is back from this step
+
+with at least one step down. The outage is ``[failure step, return step)``, cut
+at ``n_steps`` when it outlasts the run. Whether a worker can be hit is judged
+on these step-level outages, so the outages of one worker never overlap.
+
+The step time is a parameter so that a short run sees the same fraction of
+degraded steps as a long one: with ``step_time_s = step_time_for(n_steps,
+job_hours) = job_hours * 3600 / n_steps`` every run stands for ``job_hours`` of
+wall clock (default 24 h), the expected number of arrivals is ``job_hours /
+MTBF`` whatever ``n_steps``, and ``n_steps`` only sets the resolution (outages
+are lengthened by about one step by the rounding). The draws are made in wall
+clock and in a fixed order per arrival (gap, choice, repair, all three even for a
+dropped arrival), so one seed tells the same wall-clock story at every
+resolution, up to rounding.
+
+Long-run analytics
+------------------
+The number ``k`` of down workers goes ``k -> k+1`` at rate ``lam`` while
+``k < K = n_workers - min_live`` and ``k -> k-1`` at rate ``k / MTTR``: an
+Erlang loss system with ``K`` servers and offered load ``rho = MTTR / MTBF``::
+
+    pi_k = (rho**k / k!) / sum_{j=0..K} rho**j / j!
+
+    expected_degraded_fraction = 1 - pi_0        # steps with at least one worker down
+    expected_down_fraction     = sum_k k * pi_k / n_workers
+    fraction of arrivals dropped = pi_K
+
+A trace starts with every worker up, so a run spanning only a few MTTRs sees a
+little less than these stationary values; ``FailureTrace.degraded_fraction()``
+is the realized value that benchmarks report.
+
+Worked example: ``high`` (MTBF 0.5 h, MTTR 2 h), 4 workers, ``min_live=1``,
+1000 steps standing for 24 h. ``step_time_s = 24 * 3600 / 1000 = 86.4 s``, so
+MTBF = 1800 s = 20.8 steps and MTTR = 7200 s = 83.3 steps. Expected arrivals
+``24 / 0.5 = 48``. ``rho = 4``, ``K = 3``: ``pi = (3, 12, 24, 32) / 71``, so
+about 95.8 % of steps are degraded, 54.9 % of worker-steps are down on average,
+and 45 % of arrivals (about 22 of 48) are dropped because three workers are
+already down. MTTR > MTBF with few workers means several workers down at once:
+that is the MeCeFO paper's setting, not a bug.
+
+Invariants of a ``FailureTrace``
+--------------------------------
+* outages are sorted by ``(start_step, worker)``, with ``0 <= worker <
+  n_workers`` and ``0 <= start_step < end_step <= n_steps``;
+* outages of one worker are disjoint; one may start at the step where the
+  previous one ended (the worker rejoins at the step boundary, then fails again
+  during that step: consumers apply ``returns_at(s)`` before ``failures_at(s)``);
+* a generated trace keeps at least ``min_live`` workers up at every step;
+* ``generate_trace`` is a pure function of its arguments.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "TRACE_PRESETS",
+    "FailureTrace",
+    "Outage",
+    "TracePreset",
+    "down_distribution",
+    "expected_degraded_fraction",
+    "expected_down_fraction",
+    "generate_trace",
+    "step_time_for",
+    "trace_preset",
+]
+
+_SECONDS_PER_HOUR = 3600.0
+_JSON_FORMAT = "unbroken.failure_trace"
+_JSON_VERSION = 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class TracePreset:
+    """A failure regime.
+
+    Attributes:
+        name: preset name, recorded in traces for provenance.
+        mtbf_hours: mean time between failures of the whole job, in hours;
+            ``math.inf`` means nothing ever fails.
+        mttr_hours: mean repair time of a failed worker, in hours (finite, > 0;
+            may be 0 only when nothing fails).
+    """
+
+    name: str
+    mtbf_hours: float
+    mttr_hours: float
+
+    def __post_init__(self) -> None:
+        problems = []
+        if not self.name:
+            problems.append("name must be a non-empty string")
+        if not self.mtbf_hours > 0:  # also rejects NaN
+            problems.append(f"mtbf_hours={self.mtbf_hours!r} must be > 0 (math.inf for no failures)")
+        if self.fails and not (0 < self.mttr_hours < math.inf):
+            problems.append(f"mttr_hours={self.mttr_hours!r} must be a finite number > 0")
+        if not self.fails and not self.mttr_hours >= 0:
+            problems.append(f"mttr_hours={self.mttr_hours!r} must be >= 0")
+        if problems:
+            raise ValueError(f"invalid TracePreset {self.name!r}: " + "; ".join(problems))
+
+    @property
+    def fails(self) -> bool:
+        """Whether any failure can happen under this preset."""
+        return math.isfinite(self.mtbf_hours)
+
+
+# MeCeFO's low / mid / high regimes, plus a harsher one and a failure-free baseline.
+TRACE_PRESETS: dict[str, TracePreset] = {
+    p.name: p
+    for p in (
+        TracePreset(name="none", mtbf_hours=math.inf, mttr_hours=0.0),
+        TracePreset(name="low", mtbf_hours=2.0, mttr_hours=4.0),
+        TracePreset(name="mid", mtbf_hours=1.0, mttr_hours=3.0),
+        TracePreset(name="high", mtbf_hours=0.5, mttr_hours=2.0),
+        TracePreset(name="extreme", mtbf_hours=0.25, mttr_hours=1.0),
+    )
+}
+
+
+def trace_preset(name: str) -> TracePreset:
+    """Return the preset called ``name``.
+
+    Raises:
+        ValueError: unknown name; the message lists the valid ones.
+    """
+    try:
+        return TRACE_PRESETS[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown failure trace {name!r}; expected one of {', '.join(TRACE_PRESETS)}"
+        ) from None
+
+
+def step_time_for(n_steps: int, job_hours: float = 24.0) -> float:
+    """Seconds of wall clock per step so that ``n_steps`` steps stand for ``job_hours``.
+
+    Raises:
+        ValueError: ``n_steps < 1`` or ``job_hours`` not a finite number > 0.
+    """
+    problems = []
+    if not n_steps >= 1:
+        problems.append(f"n_steps={n_steps!r} must be >= 1")
+    if not 0 < job_hours < math.inf:
+        problems.append(f"job_hours={job_hours!r} must be a finite number > 0")
+    if problems:
+        raise ValueError("step_time_for: " + "; ".join(problems))
+    return job_hours * _SECONDS_PER_HOUR / n_steps
+
+
+@dataclass(frozen=True, kw_only=True)
+class Outage:
+    """Worker ``worker`` is down for steps ``[start_step, end_step)``."""
+
+    worker: int
+    start_step: int
+    end_step: int
+
+    def __post_init__(self) -> None:
+        if not (0 <= self.worker and 0 <= self.start_step < self.end_step):
+            raise ValueError(
+                f"invalid {self!r}: need worker >= 0 and 0 <= start_step < end_step"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class FailureTrace:
+    """Outages of ``n_workers`` workers over ``n_steps`` steps (see module invariants).
+
+    Attributes:
+        n_workers: number of workers (= slots).
+        n_steps: steps covered; queries take ``0 <= step < n_steps``.
+        outages: sorted into ``(start_step, worker)`` order on construction.
+        dropped: failure arrivals that were not applied (nobody up, or ``min_live``).
+        preset, step_time_s, seed, min_live: provenance of a generated trace,
+            ``None`` for a hand-made one; not used by the queries.
+    """
+
+    n_workers: int
+    n_steps: int
+    outages: tuple[Outage, ...]
+    dropped: int = 0
+    preset: TracePreset | None = None
+    step_time_s: float | None = None
+    seed: int | None = None
+    min_live: int | None = None
+    _starts: tuple[int, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        ordered = tuple(sorted(self.outages, key=lambda o: (o.start_step, o.worker)))
+        object.__setattr__(self, "outages", ordered)
+        object.__setattr__(self, "_starts", tuple(o.start_step for o in ordered))
+        problems = []
+        if self.n_workers < 1:
+            problems.append(f"n_workers={self.n_workers} must be >= 1")
+        if self.n_steps < 1:
+            problems.append(f"n_steps={self.n_steps} must be >= 1")
+        if self.dropped < 0:
+            problems.append(f"dropped={self.dropped} must be >= 0")
+        last_end: dict[int, int] = {}
+        for o in ordered:
+            if o.worker >= self.n_workers or o.end_step > self.n_steps:
+                problems.append(f"{o} outside {self.n_workers} workers x {self.n_steps} steps")
+            if o.start_step < last_end.get(o.worker, 0):
+                problems.append(f"{o} overlaps an earlier outage of worker {o.worker}")
+            last_end[o.worker] = o.end_step
+        if problems:
+            raise ValueError("invalid FailureTrace: " + "; ".join(problems))
+
+    def _check_step(self, step: int) -> None:
+        if not 0 <= step < self.n_steps:
+            raise ValueError(f"step={step} outside this trace; expected 0 <= step < {self.n_steps}")
+
+    def down_at(self, step: int) -> frozenset[int]:
+        """Workers down during ``step``."""
+        self._check_step(step)
+        # Only outages started by now can cover the step; the sort makes that a prefix.
+        stop = bisect.bisect_right(self._starts, step)
+        return frozenset(o.worker for o in self.outages[:stop] if o.end_step > step)
+
+    def failures_at(self, step: int) -> tuple[int, ...]:
+        """Workers that fail during ``step`` (their outage starts there), ascending."""
+        self._check_step(step)
+        lo = bisect.bisect_left(self._starts, step)
+        hi = bisect.bisect_right(self._starts, step)
+        return tuple(o.worker for o in self.outages[lo:hi])
+
+    def returns_at(self, step: int) -> tuple[int, ...]:
+        """Workers back from ``step`` on (rejoining at the boundary before it), ascending."""
+        self._check_step(step)
+        return tuple(sorted(o.worker for o in self.outages if o.end_step == step))
+
+    @cached_property
+    def _down_counts(self) -> np.ndarray:
+        delta = np.zeros(self.n_steps + 1, dtype=np.int64)
+        for o in self.outages:
+            delta[o.start_step] += 1
+            delta[o.end_step] -= 1
+        return np.cumsum(delta[:-1])
+
+    def degraded_fraction(self) -> float:
+        """Fraction of steps with at least one worker down."""
+        return float(np.count_nonzero(self._down_counts)) / self.n_steps
+
+    def down_fraction(self) -> float:
+        """Mean fraction of workers down per step (worker-steps lost / all worker-steps)."""
+        return float(self._down_counts.sum()) / (self.n_steps * self.n_workers)
+
+    def max_down(self) -> int:
+        """Largest number of workers down at the same step."""
+        return int(self._down_counts.max())
+
+    def to_json(self) -> dict[str, Any]:
+        """Plain-JSON form (``json.dumps``-able, infinities written as ``null``)."""
+        preset = None
+        if self.preset is not None:
+            preset = {
+                "name": self.preset.name,
+                "mtbf_hours": self.preset.mtbf_hours if self.preset.fails else None,
+                "mttr_hours": self.preset.mttr_hours,
+            }
+        return {
+            "format": _JSON_FORMAT,
+            "version": _JSON_VERSION,
+            "n_workers": self.n_workers,
+            "n_steps": self.n_steps,
+            "dropped": self.dropped,
+            "outages": [
+                {"worker": o.worker, "start_step": o.start_step, "end_step": o.end_step}
+                for o in self.outages
+            ],
+            "preset": preset,
+            "step_time_s": self.step_time_s,
+            "seed": self.seed,
+            "min_live": self.min_live,
+        }
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> FailureTrace:
+        """Inverse of :meth:`to_json`.
+
+        Raises:
+            ValueError: not a failure trace of a known version, or malformed.
+        """
+        if d.get("format") != _JSON_FORMAT or d.get("version") != _JSON_VERSION:
+            raise ValueError(
+                f"not a failure trace: format={d.get('format')!r} version={d.get('version')!r}; "
+                f"expected format={_JSON_FORMAT!r} version={_JSON_VERSION}"
+            )
+        try:
+            p = d["preset"]
+            preset = None
+            if p is not None:
+                mtbf = math.inf if p["mtbf_hours"] is None else float(p["mtbf_hours"])
+                preset = TracePreset(name=p["name"], mtbf_hours=mtbf, mttr_hours=float(p["mttr_hours"]))
+            return cls(
+                n_workers=int(d["n_workers"]),
+                n_steps=int(d["n_steps"]),
+                dropped=int(d["dropped"]),
+                outages=tuple(
+                    Outage(worker=int(o["worker"]), start_step=int(o["start_step"]), end_step=int(o["end_step"]))
+                    for o in d["outages"]
+                ),
+                preset=preset,
+                step_time_s=None if d["step_time_s"] is None else float(d["step_time_s"]),
+                seed=None if d["seed"] is None else int(d["seed"]),
+                min_live=None if d["min_live"] is None else int(d["min_live"]),
+            )
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"malformed failure trace JSON: {e!r}") from e
+
+
+def _resolve(preset: str | TracePreset) -> TracePreset:
+    return preset if isinstance(preset, TracePreset) else trace_preset(preset)
+
+
+def _shape_problems(p: TracePreset, n_workers: int, min_live: int) -> list[str]:
+    problems = []
+    if n_workers < 1:
+        problems.append(f"n_workers={n_workers} must be >= 1")
+    elif p.fails and n_workers < 2:
+        problems.append(
+            f"n_workers={n_workers} with failure trace {p.name!r}: no one to take over; "
+            "use n_workers >= 2 or trace 'none'"
+        )
+    if min_live < 0:
+        problems.append(f"min_live={min_live} must be >= 0")
+    elif p.fails and n_workers >= 2 and min_live >= n_workers:
+        problems.append(
+            f"min_live={min_live} with n_workers={n_workers} would drop every failure; "
+            f"use min_live <= {n_workers - 1}"
+        )
+    return problems
+
+
+def generate_trace(
+    preset: str | TracePreset,
+    *,
+    n_workers: int,
+    n_steps: int,
+    step_time_s: float,
+    seed: int,
+    min_live: int = 1,
+) -> FailureTrace:
+    """Draw a failure trace (model and step mapping in the module docstring).
+
+    Args:
+        preset: a name in ``TRACE_PRESETS`` or a ``TracePreset``.
+        n_workers: workers in the job.
+        n_steps: steps the trace covers.
+        step_time_s: wall-clock seconds per step; see ``step_time_for``.
+        seed: seed of ``numpy.random.default_rng``.
+        min_live: arrivals that would leave fewer workers up are dropped;
+            0 lets every worker be down at once (the runtime must then wait).
+
+    Raises:
+        ValueError: every invalid argument, all in one message.
+    """
+    p = _resolve(preset)
+    problems = _shape_problems(p, n_workers, min_live)
+    if n_steps < 1:
+        problems.append(f"n_steps={n_steps} must be >= 1")
+    if not 0 < step_time_s < math.inf:
+        problems.append(f"step_time_s={step_time_s!r} must be a finite number > 0; see step_time_for()")
+    if not (isinstance(seed, int) and seed >= 0):
+        problems.append(f"seed={seed!r} must be an integer >= 0")
+    if problems:
+        raise ValueError("generate_trace: " + "; ".join(problems))
+
+    outages: list[Outage] = []
+    dropped = 0
+    if p.fails:
+        rng = np.random.default_rng(seed)
+        mtbf_s = p.mtbf_hours * _SECONDS_PER_HOUR
+        mttr_s = p.mttr_hours * _SECONDS_PER_HOUR
+        horizon_s = n_steps * step_time_s
+        back_at = [0] * n_workers  # first step each worker is up again
+        t = 0.0
+        while True:
+            t += mtbf_s * rng.standard_exponential()
+            if t >= horizon_s:
+                break
+            u = rng.random()
+            repair_s = mttr_s * rng.standard_exponential()
+            # min() guards the float division rounding t just below the horizon up to n_steps.
+            start = min(math.floor(t / step_time_s), n_steps - 1)
+            up = [w for w in range(n_workers) if back_at[w] <= start]
+            if not up or len(up) - 1 < min_live:
+                dropped += 1
+                continue
+            worker = up[int(u * len(up))]
+            end = max(start + 1, math.ceil((t + repair_s) / step_time_s))
+            back_at[worker] = end
+            outages.append(Outage(worker=worker, start_step=start, end_step=min(end, n_steps)))
+    return FailureTrace(
+        n_workers=n_workers,
+        n_steps=n_steps,
+        outages=tuple(outages),
+        dropped=dropped,
+        preset=p,
+        step_time_s=step_time_s,
+        seed=seed,
+        min_live=min_live,
+    )
+
+
+def down_distribution(preset: str | TracePreset, *, n_workers: int, min_live: int = 1) -> tuple[float, ...]:
+    """Long-run probability ``pi_k`` that ``k`` workers are down, ``k = 0..n_workers - min_live``.
+
+    Erlang loss formula with offered load ``MTTR / MTBF`` (module docstring);
+    ``(1.0,)`` for a preset that never fails.
+    """
+    p = _resolve(preset)
+    problems = _shape_problems(p, n_workers, min_live)
+    if problems:
+        raise ValueError("down_distribution: " + "; ".join(problems))
+    if not p.fails:
+        return (1.0,)
+    rho = p.mttr_hours / p.mtbf_hours
+    weights = [1.0]
+    for k in range(1, n_workers - min_live + 1):
+        weights.append(weights[-1] * rho / k)
+    total = sum(weights)
+    return tuple(w / total for w in weights)
+
+
+def expected_degraded_fraction(preset: str | TracePreset, *, n_workers: int, min_live: int = 1) -> float:
+    """Long-run fraction of time with at least one worker down: ``1 - pi_0``."""
+    return 1.0 - down_distribution(preset, n_workers=n_workers, min_live=min_live)[0]
+
+
+def expected_down_fraction(preset: str | TracePreset, *, n_workers: int, min_live: int = 1) -> float:
+    """Long-run mean fraction of workers down: ``sum_k k * pi_k / n_workers``."""
+    pi = down_distribution(preset, n_workers=n_workers, min_live=min_live)
+    return sum(k * q for k, q in enumerate(pi)) / n_workers

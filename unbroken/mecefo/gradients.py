@@ -1,0 +1,146 @@
+"""Per-slot gradient sums and the aggregation rule shared by simulator and runtime.
+
+A worker is handed a list of :class:`SlotWork` items: "rows ``[a, b)`` of slot
+``k``'s micro-batch of this step, in mode ``exact`` or ``approx``". It computes
+their gradients into one flat buffer of **sums**, plus, per parameter group, the
+**weight** (in slot-equivalents, ``rows / micro_batch``) that contributed to that
+group. Buffers from all workers are summed (all-reduce, or plain addition in the
+single-process simulator) and each group's gradient is ``sum / weight``.
+
+Invariants:
+- a slot computed exactly adds ``rows / micro_batch`` to every group's weight;
+- a slot computed in ``approx`` mode adds nothing to groups the approximation
+  leaves without gradient (attention), and ``rows / micro_batch`` to the others;
+- with no failure every group's weight is ``n`` and the result is the mean of
+  the per-slot gradients: plain data-parallel training on the global batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Literal, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from unbroken.mecefo.adapter import ModelAdapter
+
+Mode = Literal["exact", "approx"]
+BatchFn = Callable[[int, int, tuple[int, int]], tuple[torch.Tensor, torch.Tensor]]
+"""``batch_fn(step, slot, (a, b)) -> (x_BT, y_BT)``."""
+
+
+@dataclass(frozen=True)
+class SlotWork:
+    """Rows ``[rows[0], rows[1])`` of slot ``slot``'s micro-batch, in ``mode``."""
+
+    slot: int
+    rows: tuple[int, int]
+    mode: Mode = "exact"
+
+    @property
+    def n_rows(self) -> int:
+        return self.rows[1] - self.rows[0]
+
+
+class GradLayout:
+    """Where each trainable parameter's gradient sits in the flat buffer.
+
+    The buffer is ``[grads..., weight per group..., loss_sum, token_count]``, all
+    float32, so one all-reduce carries everything a step needs.
+    """
+
+    def __init__(self, model: torch.nn.Module, adapter: ModelAdapter) -> None:
+        self.names: list[str] = []
+        self.params: list[torch.nn.Parameter] = []
+        self.groups: list[int] = []
+        self.offsets: list[int] = []
+        offset = 0
+        for name, p in model.named_parameters():
+            if not p.requires_grad:
+                continue
+            self.names.append(name)
+            self.params.append(p)
+            self.groups.append(adapter.group_of(name))
+            self.offsets.append(offset)
+            offset += p.numel()
+        self.group_names = adapter.group_names
+        self.n_grad = offset
+        self.size = offset + len(self.group_names) + 2
+
+    def new_buffer(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        return torch.zeros(self.size, dtype=torch.float32, device=device)
+
+    def weights(self, buf: torch.Tensor) -> torch.Tensor:
+        return buf[self.n_grad : self.n_grad + len(self.group_names)]
+
+    def loss_sum(self, buf: torch.Tensor) -> float:
+        return float(buf[-2])
+
+    def token_count(self, buf: torch.Tensor) -> float:
+        return float(buf[-1])
+
+    def grad_view(self, buf: torch.Tensor, i: int) -> torch.Tensor:
+        p = self.params[i]
+        return buf[self.offsets[i] : self.offsets[i] + p.numel()].view_as(p)
+
+
+def compute_gradient_sums(
+    model: torch.nn.Module,
+    adapter: ModelAdapter,
+    layout: GradLayout,
+    work: Sequence[SlotWork],
+    *,
+    step: int,
+    micro_batch: int,
+    batch_fn: BatchFn,
+    device: torch.device | str = "cpu",
+) -> torch.Tensor:
+    """Compute the gradient sums of ``work`` for ``step`` into a fresh flat buffer.
+
+    Each item's loss is the token-mean cross-entropy over a full micro-batch,
+    restricted to the item's rows, so an item of ``rows`` rows carries weight
+    ``rows / micro_batch`` of one slot. Parameter ``.grad`` is used as scratch.
+    """
+    buf = layout.new_buffer(device)
+    weights = layout.weights(buf)
+    for p in layout.params:
+        p.grad = None
+    loss_sum = 0.0
+    tokens = 0
+    for item in work:
+        if not 0 <= item.rows[0] < item.rows[1] <= micro_batch:
+            raise ValueError(f"rows {item.rows} outside micro-batch of {micro_batch} rows")
+        x, y = batch_fn(step, item.slot, item.rows)
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        with adapter.mode(item.mode, step=step):
+            logits = model(x)
+            loss_tok = F.cross_entropy(
+                logits.float().reshape(-1, logits.size(-1)), y.reshape(-1), reduction="sum"
+            )
+            (loss_tok / (micro_batch * y.size(1))).backward()
+        loss_sum += float(loss_tok.detach())
+        tokens += y.numel()
+        share = item.n_rows / micro_batch
+        for g, name in enumerate(layout.group_names):
+            if item.mode == "exact" or not adapter.dropped_in_approx(name):
+                weights[g] += share
+    for i, p in enumerate(layout.params):
+        if p.grad is not None:
+            layout.grad_view(buf, i).copy_(p.grad)
+            p.grad = None
+    buf[-2] = loss_sum
+    buf[-1] = tokens
+    return buf
+
+
+def apply_reduced(layout: GradLayout, buf: torch.Tensor) -> None:
+    """Turn a reduced buffer into ``.grad`` of each parameter (``sum / weight``).
+
+    A group with zero weight (no slot computed it) gets ``grad = None`` so the
+    optimizer leaves it untouched this step.
+    """
+    weights = layout.weights(buf)
+    for i, p in enumerate(layout.params):
+        w = float(weights[layout.groups[i]])
+        p.grad = (layout.grad_view(buf, i) / w).clone() if w > 0 else None
