@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from unbroken.config import Config
 from unbroken.data import BatchSampler, prepare_data
 from unbroken.models import build_model
-from unbroken.runtime.optim import build_optimizer, lr_at, set_lr
+from unbroken.models.optim import build_optimizer, lr_at, set_lr
 
 
 def reference_train(cfg: Config, steps: int | None = None) -> dict[str, torch.Tensor]:

@@ -134,6 +134,24 @@ def compute_gradient_sums(
     return buf
 
 
+def apply_step(
+    layout: GradLayout, buf: torch.Tensor, optimizer: torch.optim.Optimizer, *, lr: float, grad_clip: float
+) -> float:
+    """Apply one reduced step: gradients from ``buf``, clip, set lr, optimizer step.
+
+    Returns:
+        The global gradient norm before clipping.
+    """
+    apply_reduced(layout, buf)
+    params = [p for p in layout.params if p.grad is not None]
+    max_norm = grad_clip if grad_clip > 0 else float("inf")
+    norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=False))
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    optimizer.step()
+    return norm
+
+
 def apply_reduced(layout: GradLayout, buf: torch.Tensor) -> None:
     """Turn a reduced buffer into ``.grad`` of each parameter (``sum / weight``).
 

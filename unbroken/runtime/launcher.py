@@ -30,7 +30,7 @@ from unbroken.config import Config, config_diff, config_hash
 from unbroken.data import BatchSampler, prepare_data
 from unbroken.models import model_args
 from unbroken.runtime.checkpoint import latest_checkpoint, read_commit
-from unbroken.runtime.metrics import JsonlTail, read_jsonl
+from unbroken.jsonl import JsonlTail, read_jsonl
 
 logger = logging.getLogger(__name__)
 

@@ -30,11 +30,11 @@ import torch.distributed as dist
 from unbroken.config import Config, config_hash
 from unbroken.data import BatchSampler, prepare_data
 from unbroken.mecefo.adapter import LlamaAdapter
-from unbroken.mecefo.gradients import GradLayout, SlotWork, apply_reduced, compute_gradient_sums
+from unbroken.mecefo.gradients import GradLayout, SlotWork, apply_step, compute_gradient_sums
 from unbroken.models import build_model
 from unbroken.runtime.checkpoint import AsyncCheckpointer, load_checkpoint, training_state
-from unbroken.runtime.metrics import JsonlWriter
-from unbroken.runtime.optim import build_optimizer, lr_at, set_lr
+from unbroken.jsonl import JsonlWriter
+from unbroken.models.optim import build_optimizer, lr_at
 from unbroken.runtime.step import StepProtocol, resolve_device
 
 logger = logging.getLogger(__name__)
@@ -106,10 +106,7 @@ class Trainer:
                 step=step, micro_batch=cfg.data.micro_batch, batch_fn=self.sampler.batch, device=self.device,
             )
             buf = self.protocol.reduce(buf)
-            apply_reduced(self.layout, buf)
-            grad_norm = self._clip()
-            set_lr(self.optimizer, lr)
-            self.optimizer.step()
+            grad_norm = apply_step(self.layout, buf, self.optimizer, lr=lr, grad_clip=cfg.optim.grad_clip)
             dt = time.perf_counter() - t0
             loss = self.layout.loss_sum(buf) / self.layout.token_count(buf)
             last = {"kind": "train", "step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm,
@@ -127,11 +124,6 @@ class Trainer:
         if self.checkpointer:
             self.checkpointer.wait()
         return last
-
-    def _clip(self) -> float:
-        params = [p for p in self.layout.params if p.grad is not None]
-        max_norm = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else float("inf")
-        return float(torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=False))
 
     @torch.no_grad()
     def _validate(self, step: int) -> None:
