@@ -66,26 +66,68 @@ def _config_from(args: argparse.Namespace, overrides: list[str]) -> Config:
 
 
 def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
-    from unbroken.runtime.launcher import launch_local
+    from unbroken.agent.launcher import AgentFailed, JobFailed, launch
 
+    extra_faults = ""
     if args.resume is not None:
         saved = json.loads((args.resume / "config.json").read_text()) if (args.resume / "config.json").is_file() else None
         if saved is None:
             raise ValueError(f"--resume {args.resume}: no config.json there; is this a run directory?")
         cfg = Config.from_dict(saved)
-        if overrides or args.workers or args.steps or args.config:
+        if overrides or args.workers or args.steps or args.config or args.faults:
             raise ValueError("--resume continues a run with its saved config; drop other config options")
+        extra_faults = args.fail_at or ""  # faults for this continuation only, not saved
         out = args.resume
     else:
-        cfg = _config_from(args, overrides)
-        out = args.out or Path("runs") / f"{args.preset}-w{cfg.train.workers}"
+        cfg = _train_config(args, overrides)
+    nodes, per_node = _train_layout(args, cfg)
+    if args.resume is None:
+        layout = f"w{cfg.train.workers}" if nodes == 1 else f"{nodes}x{per_node}"
+        out = args.out or Path("runs") / f"{args.preset}-{layout}"
     progress = Progress(total=cfg.train.steps)
     try:
-        summary = launch_local(cfg, out, overwrite=args.overwrite, resume=args.resume is not None, on_record=progress.update)
+        summary = launch(cfg, out, nodes=nodes, workers_per_node=per_node, overwrite=args.overwrite,
+                         resume=args.resume is not None, on_record=progress.update, fail_at=extra_faults,
+                         standby=args.standby, restart=args.restart)
+    except (JobFailed, AgentFailed) as exc:
+        failure: Exception | None = exc
+    else:
+        failure = None
     finally:
         progress.close()
+    if failure is not None:
+        print(f"unbroken train: {failure}", file=sys.stderr)
+        return 1
     _print_summary(summary)
     return 0
+
+
+def _train_config(args: argparse.Namespace, overrides: list[str]) -> Config:
+    """Config of a new run: ``--faults`` / ``--fail-at`` / ``--workers-per-node`` map onto config fields."""
+    extra = list(overrides)
+    if args.faults is not None:
+        extra.append(f"fault.trace={args.faults}")
+    if args.fail_at is not None:
+        extra.append(f"fault.fail_at={args.fail_at}")
+    if args.workers_per_node is not None and args.workers is None:
+        extra.append(f"train.workers={(args.nodes or 1) * args.workers_per_node}")
+    return _config_from(args, extra)
+
+
+def _train_layout(args: argparse.Namespace, cfg: Config) -> tuple[int, int]:
+    """``(nodes, workers per node)`` with ``nodes * per_node == train.workers``."""
+    nodes = args.nodes or 1
+    if nodes < 1:
+        raise ValueError(f"--nodes {nodes}: need at least 1")
+    if args.workers_per_node is not None:
+        if args.workers_per_node < 1 or nodes * args.workers_per_node != cfg.train.workers:
+            raise ValueError(f"--nodes {nodes} x --workers-per-node {args.workers_per_node} must equal "
+                             f"train.workers={cfg.train.workers} and be >= 1; drop --workers or make them agree")
+        return nodes, args.workers_per_node
+    if cfg.train.workers % nodes:
+        raise ValueError(f"train.workers={cfg.train.workers} is not a multiple of --nodes {nodes}; "
+                         f"give --workers-per-node")
+    return nodes, cfg.train.workers // nodes
 
 
 class Progress:
@@ -153,9 +195,85 @@ def cmd_bench(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 # ---------------------------------------------------------------------------
+# simulate
 
 
-COMMANDS: dict[str, Callable[[argparse.Namespace, list[str]], int]] = {"train": cmd_train, "bench": cmd_bench}
+def cmd_simulate(args: argparse.Namespace, overrides: list[str]) -> int:
+    """Play ``train.workers`` workers in this process under a failure trace (``unbroken.mecefo.simulator``)."""
+    from unbroken.mecefo.simulator import simulate
+
+    extra = list(overrides)
+    if args.trace is not None:
+        extra.append(f"fault.trace={args.trace}")
+    if args.policy is not None:
+        extra.append(f"mecefo.policy={args.policy}")
+    cfg = _config_from(args, extra)
+    out = args.out or Path("runs") / (
+        f"sim-{args.preset}-w{cfg.train.workers}-{cfg.fault.trace}-{cfg.mecefo.policy}")
+    progress = Progress(total=cfg.train.steps)
+
+    def show(rec: dict[str, Any]) -> None:
+        # The progress line shows counts and slot ids; the full records are in metrics.jsonl.
+        if rec.get("kind") == "train":
+            rec = {k: v for k, v in rec.items() if k != "assignment"}
+            rec["live_workers"] = f"{len(rec['live_workers'])}/{cfg.train.workers}"
+            rec["degraded"] = [d["slot"] for d in rec["degraded"]]
+        progress.update(rec)
+
+    try:
+        summary = simulate(cfg, out, overwrite=args.overwrite, on_record=show)
+    finally:
+        progress.close()
+    _print_summary(summary)
+    return 0
+
+
+# ---------------------------------------------------------------------------
+# agent
+
+
+def cmd_agent(args: argparse.Namespace, overrides: list[str]) -> int:
+    """One node's agent (see ``unbroken.agent.agent``); the config comes from RUN_DIR/config.json."""
+    from unbroken.agent.agent import AgentError, run_agent
+    from unbroken.agent.options import options_from
+
+    if overrides:
+        raise ValueError(f"unbroken agent takes no config overrides ({', '.join(overrides)}); "
+                         f"it runs the config in RUN_DIR/config.json")
+    logging.getLogger("unbroken").setLevel(logging.DEBUG if args.verbose else logging.INFO)
+    try:
+        return run_agent(options_from(args))
+    except AgentError as exc:
+        print(f"unbroken agent: {exc}", file=sys.stderr)
+        return exc.code
+
+
+# ---------------------------------------------------------------------------
+# chaos
+
+
+def cmd_chaos(args: argparse.Namespace, overrides: list[str]) -> int:
+    from unbroken.faults.chaos import run_chaos
+
+    if overrides:
+        raise ValueError(f"unbroken chaos takes no config overrides ({', '.join(overrides)})")
+
+    def show(e: dict[str, Any]) -> None:
+        print(f"step {e.get('progress', '-')}: {e.get('spec', 'continue')} -> {e.get('signal', 'SIGCONT')} "
+              f"to pids {e['pids'] or 'none (target gone)'}", flush=True)
+
+    run_chaos(args.run_dir, args.fail_at, timeout_s=args.timeout_s, on_event=show)
+    return 0
+
+
+# ---------------------------------------------------------------------------
+
+
+COMMANDS: dict[str, Callable[[argparse.Namespace, list[str]], int]] = {
+    "train": cmd_train, "bench": cmd_bench, "simulate": cmd_simulate,
+    "agent": cmd_agent,
+    "chaos": cmd_chaos,
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -177,12 +295,59 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--overwrite", action="store_true", help="replace a run already in --out")
     tr.add_argument("--resume", type=Path, default=None, metavar="RUN_DIR",
                     help="continue RUN_DIR from its newest committed checkpoint")
+    _add_cluster_args(tr)
+
+    si = sub.add_parser(
+        "simulate", help="simulate data-parallel workers under a failure trace in one process",
+        description="One process plays every worker of a data-parallel job under a failure trace, "
+        "with the MeCeFO takeover policies and the runtime's gradient code.", epilog=EPILOG_OVERRIDES,
+    )
+    _add_config_args(si)
+    si.add_argument("--slots", dest="workers", type=int, default=None,
+                    help="data-parallel slots = simulated workers (train.workers; same as --workers)")
+    si.add_argument("--trace", default=None, help="failure trace: none, low, mid, high, extreme (fault.trace)")
+    si.add_argument("--policy", default=None,
+                    help="takeover policy: neighbor, spread, spread-approx (mecefo.policy)")
+    si.add_argument("--out", type=Path, default=None, help="run directory (default runs/sim-PRESET-wN-TRACE-POLICY)")
+    si.add_argument("--overwrite", action="store_true", help="replace a run already in --out")
+
+    _add_agent_parser(sub)
+    _add_chaos_parser(sub)
 
     be = sub.add_parser("bench", help="run a benchmark (prints a table, writes JSON)",
                         description="Benchmarks; each prints ratios measured side by side and writes JSON.")
     be.add_argument("name", help="benchmark name, e.g. throughput")
     be.add_argument("rest", nargs=argparse.REMAINDER, help="arguments of the benchmark (see unbroken bench NAME --help)")
     return ap
+
+
+def _add_cluster_args(tr: argparse.ArgumentParser) -> None:
+    tr.add_argument("--nodes", type=int, default=None, help="agents (simulated nodes) on this machine (default 1)")
+    tr.add_argument("--workers-per-node", type=int, default=None,
+                    help="workers per node (default train.workers / nodes)")
+    tr.add_argument("--fail-at", default=None, metavar="SPEC",
+                    help="faults, e.g. step=40:worker=2:kill:back=60,step=90:node=1:kill (fault.fail_at)")
+    tr.add_argument("--faults", default=None, metavar="TRACE",
+                    help="failure trace: none, low, mid, high, extreme (fault.trace)")
+    tr.add_argument("--standby", action="store_true", help="keep a warm standby worker on every node")
+    tr.add_argument("--restart", choices=("on-failure", "never"), default="on-failure",
+                    help="restart dead workers as joiners (default on-failure)")
+
+
+def _add_agent_parser(sub: Any) -> None:
+    from unbroken.agent.options import add_agent_args
+
+    ag = sub.add_parser("agent", help="run one node's agent (a cluster: one per machine)",
+                        description="Supervise this node's workers of a job whose store runs elsewhere.")
+    add_agent_args(ag)
+
+
+def _add_chaos_parser(sub: Any) -> None:
+    ch = sub.add_parser("chaos", help="inject faults into a running job from outside (real signals)",
+                        description="Send real signals to a running job's processes at given steps.")
+    ch.add_argument("--run-dir", type=Path, required=True, help="the running job's run directory")
+    ch.add_argument("--fail-at", required=True, metavar="SPEC", help="e.g. step=40:worker=2:kill,step=90:node=1:kill")
+    ch.add_argument("--timeout-s", type=float, default=3600.0, help="give up after this long (default 3600)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -141,6 +141,10 @@ class FaultConfig:
     """Explicit faults, e.g. ``step=40:worker=2:kill,step=90:node=1:kill``."""
     heartbeat_timeout_s: float = 2.0
     """A worker silent for this long is declared hung."""
+    recovery: Literal["takeover", "restart"] = "takeover"
+    """``takeover``: survivors finish the step and carry on (unbroken);
+    ``restart``: plain data parallelism, any failure restarts every worker from
+    the last persistent checkpoint (for comparison)."""
 
 
 SECTIONS: dict[str, type] = {

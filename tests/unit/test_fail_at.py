@@ -39,6 +39,7 @@ def test_how_defaults_to_kill_and_empty_text_is_no_faults() -> None:
         EXAMPLE,
         "step=0:worker=3:stop:phase=backward:for=0.1",
         "step=5:node=2:term:phase=forward,step=5:worker=0:stop:for=1e-05",
+        "step=3:worker=1:kill:back=9,step=4:node=0:stop:for=2.0:back=5",
         "",
     ],
 )
@@ -65,7 +66,7 @@ def test_all_errors_at_once() -> None:
         parse_fail_at(text)
     msg = str(e.value)
     for expected in [
-        "'step=1:worker=0:kill:color=red': unknown key 'color' (='red'); expected one of step, worker, node, how, phase, for",
+        "'step=1:worker=0:kill:color=red': unknown key 'color' (='red'); expected one of step, worker, node, how, phase, for, back",
         "'worker=1:kill': missing step=N",
         "'step=2:worker=1:node=0:kill': both worker= and node=; give exactly one",
         "'step=3:kill': neither worker= nor node=; give exactly one",
@@ -118,9 +119,24 @@ def test_trace_to_faults() -> None:
         n_steps=50,
         outages=(Outage(worker=2, start_step=10, end_step=20), Outage(worker=0, start_step=4, end_step=50)),
     )
-    assert trace_to_faults(trace) == (fail_at(step=4, worker=0), fail_at(step=10, worker=2))
+    assert trace_to_faults(trace) == (fail_at(step=4, worker=0, back=50), fail_at(step=10, worker=2, back=20))
     generated = generate_trace("high", n_workers=4, n_steps=500, step_time_s=step_time_for(500), seed=0)
     faults = trace_to_faults(generated)
     assert len(faults) == len(generated.outages) > 0
     assert all(f.how == "kill" and f.target == "worker" for f in faults)
     assert parse_fail_at(format_fail_at(faults), n_workers=4) == faults
+
+
+def test_back_step() -> None:
+    assert parse_fail_at("back=12:step=4:worker=1") == (fail_at(step=4, worker=1, back=12),)
+    assert parse_fail_at("step=4:node=1:term:back=5") == (FaultSpec(step=4, target="node", index=1, how="term", back_step=5),)
+    with pytest.raises(ValueError) as e:
+        parse_fail_at("step=4:worker=1:back=4,step=2:node=0:kill:back=9,step=1:worker=0:back=x")
+    msg = str(e.value)
+    assert "back=4 is not after step=4; expected back > step" in msg
+    assert "back= with node=...:kill" in msg
+    assert "back='x' is not an integer" in msg
+    with pytest.raises(ValueError, match="back=3: expected an integer step > step=3"):
+        fail_at(step=3, worker=0, back=3)
+    with pytest.raises(ValueError, match="cannot restart its workers"):
+        fail_at(step=3, node=0, back=5)

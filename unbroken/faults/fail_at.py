@@ -15,6 +15,10 @@ Fields of an item, in any order:
 * ``phase=forward|backward|allreduce|any`` (default ``any``): where in the step;
 * ``for=SECONDS`` (only with ``stop``): send SIGCONT after that long; absent
   means the process stays stopped.
+* ``back=STEP`` (optional, > ``step``): the failed worker(s) come back once the
+  job has committed ``STEP`` steps (an absolute step, like ``step``); the
+  agent restarts them as joiners then. Not with ``node=I:kill``: a killed
+  node's agent is gone, nobody is left on it to restart anything.
 
 Invariants: every ``FaultSpec`` is valid on its own (construction checks it);
 ``parse_fail_at`` keeps the order of the items and reports every problem of
@@ -39,7 +43,7 @@ Phase = Literal["forward", "backward", "allreduce", "any"]
 _TARGETS: tuple[str, ...] = get_args(Target)
 _HOWS: tuple[str, ...] = get_args(How)
 _PHASES: tuple[str, ...] = get_args(Phase)
-_KEYS = ("step", "worker", "node", "how", "phase", "for")
+_KEYS = ("step", "worker", "node", "how", "phase", "for", "back")
 
 
 def _is_int(x: object) -> bool:
@@ -60,6 +64,8 @@ class FaultSpec:
         phase: part of the step in which to fire; ``"any"`` leaves it to the injector.
         duration_s: for ``stop`` only: send SIGCONT after this many seconds;
             ``None`` = stay stopped.
+        back_step: restart the failed worker(s) once this many steps are
+            committed (> ``step``); ``None`` = the agent's restart policy decides.
     """
 
     step: int
@@ -68,6 +74,7 @@ class FaultSpec:
     how: How
     phase: Phase = "any"
     duration_s: float | None = None
+    back_step: int | None = None
 
     def __post_init__(self) -> None:
         problems = _spec_problems(self)
@@ -94,6 +101,12 @@ def _spec_problems(s: FaultSpec) -> list[str]:
             isinstance(s.duration_s, (int, float)) and 0 < s.duration_s < math.inf
         ):
             problems.append(f"for={s.duration_s!r}: expected a finite number of seconds > 0")
+    if s.back_step is not None:
+        if not (_is_int(s.back_step) and _is_int(s.step) and s.back_step > s.step):
+            problems.append(f"back={s.back_step!r}: expected an integer step > step={s.step!r}")
+        elif s.target == "node" and s.how == "kill":
+            problems.append(f"back={s.back_step}: a killed node's agent is gone and cannot restart its workers; "
+                            "drop back= or use worker= targets")
     return problems
 
 
@@ -105,8 +118,9 @@ def fail_at(
     how: str = "kill",
     phase: str = "any",
     duration_s: float | None = None,
+    back: int | None = None,
 ) -> FaultSpec:
-    """Build a ``FaultSpec`` for tests: ``fail_at(step=5, worker=1, how="kill")``.
+    """Build a ``FaultSpec`` for tests: ``fail_at(step=5, worker=1, how="kill", back=9)``.
 
     Raises:
         ValueError: not exactly one of ``worker`` / ``node``, or an invalid field.
@@ -118,7 +132,8 @@ def fail_at(
     target: Target = "worker" if worker is not None else "node"
     index = worker if worker is not None else node
     assert index is not None
-    return FaultSpec(step=step, target=target, index=index, how=how, phase=phase, duration_s=duration_s)  # type: ignore[arg-type]
+    return FaultSpec(step=step, target=target, index=index, how=how, phase=phase,  # type: ignore[arg-type]
+                     duration_s=duration_s, back_step=back)
 
 
 def _parse_int(item: str, key: str, value: str, problems: list[str]) -> int | None:
@@ -195,10 +210,20 @@ def _parse_item(
         elif how != "stop":
             problems.append(f"item {item!r}: for={fields['for']!r} only applies to stop; drop it or use stop")
 
+    back = None
+    if "back" in fields:
+        back = _parse_int(item, "back", fields["back"], problems)
+        if back is not None and step is not None and back <= step:
+            problems.append(f"item {item!r}: back={back} is not after step={step}; expected back > step")
+        elif back is not None and targets == ["node"] and how == "kill":
+            problems.append(f"item {item!r}: back= with node=...:kill: a killed node's agent is gone and cannot "
+                            "restart its workers; drop back= or target workers")
+
     if len(problems) > before:
         return None
     assert step is not None and index is not None
-    return FaultSpec(step=step, target=targets[0], index=index, how=how, phase=phase, duration_s=duration_s)  # type: ignore[arg-type]
+    return FaultSpec(step=step, target=targets[0], index=index, how=how, phase=phase,  # type: ignore[arg-type]
+                     duration_s=duration_s, back_step=back)
 
 
 def parse_fail_at(
@@ -240,16 +265,21 @@ def format_fail_at(specs: Iterable[FaultSpec]) -> str:
             fields.append(f"phase={s.phase}")
         if s.duration_s is not None:
             fields.append(f"for={float(s.duration_s)!r}")  # repr round-trips a float exactly
+        if s.back_step is not None:
+            fields.append(f"back={s.back_step}")
         items.append(":".join(fields))
     return ",".join(items)
 
 
 def trace_to_faults(trace: FailureTrace) -> tuple[FaultSpec, ...]:
-    """A kill of each outage's worker at its start step, in trace order.
+    """A kill of each outage's worker at its start step, back at its end step, in trace order.
 
-    Returns are not faults: whoever drives the run rejoins workers at
-    ``trace.returns_at(step)``.
+    An outage ``[start, end)`` becomes ``step=start:worker=w:kill:back=end``:
+    the worker fails during ``start`` and is restarted once ``end`` steps are
+    committed. An outage cut at ``n_steps`` gets ``back=n_steps``: the run is
+    over by then, so the worker never returns.
     """
     return tuple(
-        FaultSpec(step=o.start_step, target="worker", index=o.worker, how="kill") for o in trace.outages
+        FaultSpec(step=o.start_step, target="worker", index=o.worker, how="kill", back_step=o.end_step)
+        for o in trace.outages
     )

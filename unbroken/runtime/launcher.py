@@ -1,25 +1,21 @@
-"""Local launcher: validates a run, hosts the store, spawns and supervises workers.
+"""Run preparation shared by the launchers: validation, the run directory, the store.
 
-``unbroken train`` on one machine needs no torchrun: this module checks
-everything that can be checked before anything is written (config, data,
-sequence length, output directory, port), then starts the coordination store,
-spawns one worker process per slot and follows their metrics.
+:func:`preflight` checks everything that can be checked before anything is
+written (config, data, sequence length); :func:`prepare_run_dir` creates or
+checks the output directory; :func:`start_store` hosts the coordination store.
+Processes are started by :mod:`unbroken.agent.launcher` (one agent per node);
+:func:`launch_local` is the one-node form kept for existing callers.
 
-Invariants: a run that fails validation leaves nothing on disk; when a worker
-fails, every other worker is stopped and the error names the worker and the
-tail of its log; no worker outlives :func:`launch_local`.
+Invariants: a run that fails validation leaves nothing on disk; a resumed run
+keeps its saved config (only fields in ``_VOLATILE`` may differ) and its
+metrics stop at the checkpoint it resumes from.
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import os
 import shutil
-import signal
-import subprocess
-import sys
-import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
@@ -30,20 +26,7 @@ from unbroken.config import Config, config_diff, config_hash
 from unbroken.data import BatchSampler, prepare_data
 from unbroken.models import model_args
 from unbroken.runtime.checkpoint import latest_checkpoint, read_commit
-from unbroken.jsonl import JsonlTail, read_jsonl
-
-logger = logging.getLogger(__name__)
-
-STARTUP_TIMEOUT_S = 300.0
-"""Longest a worker may take from spawn to its first metrics line before we give up."""
-
-
-class WorkerFailed(RuntimeError):
-    """A worker process exited with an error; carries its rank, exit code and log tail."""
-
-    def __init__(self, rank: int, returncode: int, log_tail: str) -> None:
-        super().__init__(f"worker {rank} exited with code {returncode}; last log lines:\n{log_tail}")
-        self.rank, self.returncode, self.log_tail = rank, returncode, log_tail
+from unbroken.jsonl import read_jsonl
 
 
 def preflight(cfg: Config) -> dict[str, Any]:
@@ -145,103 +128,11 @@ def launch_local(
     resume: bool = False,
     on_record: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
-    """Train ``cfg`` with ``cfg.train.workers`` local worker processes.
+    """Train ``cfg`` on this machine as one node of ``cfg.train.workers`` workers.
 
-    Returns:
-        The summary also written to ``<run_dir>/summary.json``.
-    Raises:
-        ValueError: invalid input (nothing written); WorkerFailed: a worker died.
+    Compatibility wrapper of :func:`unbroken.agent.launcher.launch` (``nodes=1``).
     """
-    run_dir = Path(run_dir)
-    info = preflight(cfg)
-    store = start_store(cfg.train.host, cfg.train.port, cfg.train.workers)
-    resume_from = prepare_run_dir(run_dir, cfg, overwrite=overwrite, resume=resume)
-    procs = _spawn(cfg, run_dir, f"{cfg.train.host}:{store.port}", resume_from)
-    t0 = time.time()
-    try:
-        _supervise(procs, run_dir, cfg, on_record)
-    finally:
-        _stop_all(procs)
-    summary = _summarise(run_dir, cfg, info, time.time() - t0, resume_from)
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-    del store
-    return summary
+    from unbroken.agent.launcher import launch  # the agent package sits above runtime
 
-
-def _spawn(cfg: Config, run_dir: Path, store_addr: str, resume_from: Path | None) -> list[tuple[subprocess.Popen[bytes], Path]]:
-    logs = run_dir / "logs"
-    logs.mkdir(exist_ok=True)
-    procs = []
-    for rank in range(cfg.train.workers):
-        cmd = [sys.executable, "-m", "unbroken.runtime.worker", "--run-dir", str(run_dir), "--rank", str(rank),
-               "--world", str(cfg.train.workers), "--store", store_addr]
-        if resume_from is not None:
-            cmd += ["--resume", str(resume_from)]
-        log = logs / f"w{rank}.log"
-        with log.open("ab") as fh:
-            procs.append((subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL), log))
-    return procs
-
-
-def _supervise(procs: list[tuple[subprocess.Popen[bytes], Path]], run_dir: Path, cfg: Config,
-               on_record: Callable[[dict[str, Any]], None] | None) -> None:
-    tail = JsonlTail(run_dir / "metrics.jsonl")
-    last_progress = time.time()
-    while True:
-        records = tail.read_new()
-        if records:
-            last_progress = time.time()
-        for rec in records:
-            if on_record:
-                on_record(rec)
-        codes = [p.poll() for p, _ in procs]
-        for rank, code in enumerate(codes):
-            if code not in (None, 0):
-                raise WorkerFailed(rank, code, _log_tail(procs[rank][1]))
-        if all(c == 0 for c in codes):
-            for rec in tail.read_new():
-                if on_record:
-                    on_record(rec)
-            return
-        limit = max(STARTUP_TIMEOUT_S, cfg.train.timeout_s)
-        if time.time() - last_progress > limit:
-            raise TimeoutError(f"no progress from the workers for {limit:.0f} s; see {run_dir / 'logs'}")
-        time.sleep(0.05)
-
-
-def _stop_all(procs: list[tuple[subprocess.Popen[bytes], Path]], grace_s: float = 5.0) -> None:
-    for p, _ in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    deadline = time.time() + grace_s
-    for p, _ in procs:
-        try:
-            p.wait(timeout=max(0.1, deadline - time.time()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait(timeout=grace_s)
-
-
-def _log_tail(path: Path, lines: int = 15) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError as exc:
-        return f"(log unreadable: {exc})"
-
-
-def _summarise(run_dir: Path, cfg: Config, info: dict[str, Any], wall_s: float, resume_from: Path | None) -> dict[str, Any]:
-    records = read_jsonl(run_dir / "metrics.jsonl")
-    train = [r for r in records if r["kind"] == "train"]
-    val = [r for r in records if r["kind"] == "val"]
-    reports = [json.loads(p.read_text()) for p in sorted((run_dir / "workers").glob("w*.json"))]
-    digests = sorted({r["param_digest"] for r in reports})
-    steady = [r["tokens_per_s"] for r in train[len(train) // 5 :]] or [0.0]
-    return {
-        "run_dir": str(run_dir), "config_hash": config_hash(cfg), "workers": cfg.train.workers,
-        "steps": train[-1]["step"] if train else 0, "resumed_from": str(resume_from) if resume_from else None,
-        "final_loss": train[-1]["loss"] if train else None,
-        "val_loss": val[-1]["val_loss"] if val else None, "val_ppl": val[-1]["val_ppl"] if val else None,
-        "tokens_per_s": sorted(steady)[len(steady) // 2], "wall_s": wall_s,
-        "workers_agree": len(digests) == 1, "param_digest": digests[0] if len(digests) == 1 else digests,
-        "checkpoint": str(latest_checkpoint(run_dir)) if latest_checkpoint(run_dir) else None, **info,
-    }
+    return launch(cfg, run_dir, nodes=1, workers_per_node=cfg.train.workers, overwrite=overwrite, resume=resume,
+                  on_record=on_record)

@@ -1,13 +1,20 @@
 """One training process: builds the model, runs the step protocol, writes metrics.
 
-Started by the launcher as ``python -m unbroken.runtime.worker ...``. Worker ``i``
-owns slot ``i``; each step it computes its slot's gradient sums
-(:func:`unbroken.mecefo.gradients.compute_gradient_sums`), the step protocol
-reduces them across workers, and every worker applies the same reduced gradient,
-so parameters stay identical everywhere.
+Started by an agent as ``python -m unbroken.runtime.worker ...``. Worker ``w``
+owns slot ``w``; each step it computes the items the step protocol assigns
+(its own slot, or more while peers are down), the protocol reduces and commits
+them across the live workers, and every member applies the same reduced
+gradient, so parameters stay identical everywhere.
 
-Invariants: worker ``i`` trains exactly ``batch(step, i)`` at every step; all
-workers hold bitwise-identical parameters after every step.
+A worker started with ``--join`` (a restart or a replacement) asks to join,
+is admitted at a step boundary and receives the full training state from a
+live peer before it trains.
+
+Exit codes: 0 done, 3 fenced (declared dead by the others), 4 no live worker
+left, 1 any other error.
+
+Invariants: every member holds bitwise-identical parameters after every step;
+the view's first member writes metrics, progress and checkpoints.
 """
 
 from __future__ import annotations
@@ -18,26 +25,34 @@ import hashlib
 import json
 import logging
 import os
+import signal
 import sys
 import time
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from unbroken.config import Config, config_hash
 from unbroken.data import BatchSampler, prepare_data
+from unbroken.faults.fail_at import FaultSpec, parse_fail_at
+from unbroken.jsonl import JsonlWriter
 from unbroken.mecefo.adapter import LlamaAdapter
 from unbroken.mecefo.gradients import GradLayout, SlotWork, apply_step, compute_gradient_sums
 from unbroken.models import build_model
-from unbroken.runtime.checkpoint import AsyncCheckpointer, load_checkpoint, training_state
-from unbroken.jsonl import JsonlWriter
 from unbroken.models.optim import build_optimizer, lr_at
-from unbroken.runtime.step import StepProtocol, resolve_device
+from unbroken.runtime.checkpoint import AsyncCheckpointer, load_checkpoint, training_state
+from unbroken.runtime.membership import Fenced, Membership, NoLiveWorker, View, connect_store
+from unbroken.runtime.protocol import PlainProtocol, StepProtocol
+from unbroken.runtime.state_transfer import pack_state, unpack_state
+from unbroken.runtime.step import resolve_device
 
 logger = logging.getLogger(__name__)
+
+EXIT_FENCED = 3
+EXIT_NO_LIVE_WORKER = 4
+JOIN_POLL_S = 0.01
+_SIGNALS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "term": signal.SIGTERM}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -45,103 +60,148 @@ class WorkerSpec:
     """Everything a worker process is told on its command line."""
 
     run_dir: Path
-    rank: int
+    worker: int
     world: int
     store: str
+    join: bool = False
     resume: Path | None = None
+    faults: tuple[FaultSpec, ...] = ()
 
 
 class Trainer:
-    """State and loop of one data-parallel worker."""
+    """Model, optimizer and data of one worker, plus its side of the step protocol."""
 
-    def __init__(self, cfg: Config, spec: WorkerSpec) -> None:
-        self.cfg, self.spec = cfg, spec
-        self.device = resolve_device(cfg.train.device, spec.rank)
-        data = prepare_data(
-            source=cfg.data.source,
-            vocab_size=cfg.data.vocab_size,
-            val_fraction=cfg.data.val_fraction,
-            cache_dir=cfg.data.cache_dir,
-            token_dtype=cfg.data.token_dtype,
-            max_bytes=cfg.data.max_bytes,
-        )
+    def __init__(self, cfg: Config, spec: WorkerSpec, membership: Membership) -> None:
+        self.cfg, self.spec, self.m = cfg, spec, membership
+        self.device = resolve_device(cfg.train.device, spec.worker)
         d = cfg.data
-        self.sampler = BatchSampler(
-            data.train, seed=cfg.train.seed, n_slots=cfg.train.workers, micro_batch=d.micro_batch, seq_len=d.seq_len
-        )
-        self.val_sampler = BatchSampler(data.val, seed=cfg.train.seed, n_slots=1, micro_batch=d.micro_batch, seq_len=d.seq_len)
-        self.model = build_model(
-            cfg.model.preset,
-            vocab_size=data.vocab_size,
-            seq_len=d.seq_len,
-            max_seq_len=cfg.model.max_seq_len,
-            seed=cfg.train.seed,
-            device=self.device,
-        )
-        self.adapter = LlamaAdapter(self.model)
+        data = prepare_data(source=d.source, vocab_size=d.vocab_size, val_fraction=d.val_fraction,
+                            cache_dir=d.cache_dir, token_dtype=d.token_dtype, max_bytes=d.max_bytes)
+        self.sampler = BatchSampler(data.train, seed=cfg.train.seed, n_slots=cfg.train.workers,
+                                    micro_batch=d.micro_batch, seq_len=d.seq_len)
+        self.val_sampler = BatchSampler(data.val, seed=cfg.train.seed, n_slots=1, micro_batch=d.micro_batch,
+                                        seq_len=d.seq_len)
+        self.model = build_model(cfg.model.preset, vocab_size=data.vocab_size, seq_len=d.seq_len,
+                                 max_seq_len=cfg.model.max_seq_len, seed=cfg.train.seed, device=self.device)
+        self.adapter = LlamaAdapter(self.model, rank=cfg.mecefo.rank, tau=cfg.mecefo.tau)
         self.layout = GradLayout(self.model, self.adapter)
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.hash = config_hash(cfg)
-        self.start_step = 0
         if spec.resume is not None:
-            commit = load_checkpoint(spec.resume, self.model, self.optimizer, config_hash=self.hash)
-            self.start_step = int(commit["step"])
-        self.protocol = StepProtocol(
-            rank=spec.rank, world=spec.world, timeout_s=cfg.train.timeout_s, device=self.device
+            load_checkpoint(spec.resume, self.model, self.optimizer, config_hash=self.hash)
+        self.events = JsonlWriter(spec.run_dir / "events" / f"w{spec.worker}.jsonl")
+        protocol_cls = StepProtocol if cfg.fault.recovery == "takeover" else PlainProtocol
+        self.protocol = protocol_cls(
+            membership=membership, n_slots=cfg.train.workers, micro_batch=d.micro_batch, policy=cfg.mecefo.policy,
+            device=self.device, timeout_s=cfg.train.timeout_s, compute=self._compute,
+            pack_state=lambda: pack_state(self.model, self.optimizer),
+            load_state=lambda flat: unpack_state(flat, self.model, self.optimizer),
+            events=self.events, fault_hook=self._fault_hook,
         )
-        self.metrics = JsonlWriter(spec.run_dir / "metrics.jsonl") if spec.rank == 0 else None
-        self.checkpointer = AsyncCheckpointer(spec.run_dir, config_hash=self.hash) if spec.rank == 0 else None
+        self.metrics: JsonlWriter | None = None
+        self.checkpointer: AsyncCheckpointer | None = None
 
-    def train(self) -> dict[str, Any]:
+    def _compute(self, step: int, items: list[SlotWork]) -> torch.Tensor:
+        return compute_gradient_sums(self.model, self.adapter, self.layout, items, step=step,
+                                     micro_batch=self.cfg.data.micro_batch, batch_fn=self.sampler.batch,
+                                     device=self.device)
+
+    def _fault_hook(self, phase: str, step: int) -> None:
+        for f in self.spec.faults:
+            if f.step == step and (f.phase == phase or (f.phase == "any" and phase == "forward")):
+                self.events.write({"kind": "event", "event": "fault_self", "worker": self.spec.worker,
+                                   "step": step, "phase": phase, "how": f.how})
+                os.kill(os.getpid(), _SIGNALS[f.how])
+
+    # -- start ----------------------------------------------------------------
+
+    def start(self) -> int:
+        """Enter the job (first view or as a joiner); returns the first step to train."""
+        t0 = time.perf_counter()
+        if not self.spec.join:
+            view = self._wait_view(lambda v: self.spec.worker in v.members)
+            self.protocol.adopt(view)
+            return view.step
+        self.m.request_join({"pid": os.getpid(), "config_hash": self.hash, "t": time.time()})
+        view = self._wait_view(lambda v: self.spec.worker in v.joiners)
+        self.protocol.adopt(view)
+        self.protocol.need_exchange = True
+        self.events.write({"kind": "event", "event": "rejoined", "worker": self.spec.worker, "gen": view.gen,
+                           "step": view.step, "wait_s": time.perf_counter() - t0})
+        return view.step
+
+    def _wait_view(self, accept: Any) -> View:
+        deadline = time.monotonic() + max(self.cfg.train.timeout_s, 600.0 if self.spec.join else 0.0)
+        while time.monotonic() < deadline:
+            if self.m.store.check(["done"]) or self.m.store.check(["failed"]):
+                raise SystemExit(0)
+            if self.m.store.check(["gen"]):
+                view = self.m.current_view()
+                if accept(view):
+                    return view
+            time.sleep(JOIN_POLL_S)
+        raise TimeoutError(f"worker {self.spec.worker} was not admitted within the timeout")
+
+    # -- the loop -------------------------------------------------------------
+
+    def train(self, start: int) -> dict[str, Any]:
         cfg, t = self.cfg, self.cfg.train
         tokens_per_step = t.workers * cfg.data.micro_batch * cfg.data.seq_len
-        wall0 = time.perf_counter()
         last: dict[str, Any] = {}
-        for step in range(self.start_step, t.steps):
-            t0 = time.perf_counter()
+        t_prev = time.perf_counter()
+        for step in range(start, t.steps):
             lr = lr_at(step, cfg=cfg.optim, total_steps=t.steps)
-            work = [SlotWork(slot=self.spec.rank, rows=(0, cfg.data.micro_batch), mode="exact")]
-            buf = compute_gradient_sums(
-                self.model, self.adapter, self.layout, work,
-                step=step, micro_batch=cfg.data.micro_batch, batch_fn=self.sampler.batch, device=self.device,
-            )
-            buf = self.protocol.reduce(buf)
+            buf, items = self.protocol.run_step(step)
             grad_norm = apply_step(self.layout, buf, self.optimizer, lr=lr, grad_clip=cfg.optim.grad_clip)
-            dt = time.perf_counter() - t0
-            loss = self.layout.loss_sum(buf) / self.layout.token_count(buf)
-            last = {"kind": "train", "step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm,
-                    "tokens_per_s": tokens_per_step / dt, "step_time_s": dt,
-                    "wall_s": time.perf_counter() - wall0, "tokens": (step + 1) * tokens_per_step}
-            if self.metrics and ((step + 1) % t.log_every == 0 or step + 1 == t.steps):
-                self.metrics.write(dict(last))
+            view = self.protocol.view
             done = step + 1
-            if (t.val_every and done % t.val_every == 0) or done == t.steps:
-                self._validate(done)
-            if self.checkpointer:
-                self.checkpointer.poll()
-                if (t.checkpoint_every and done % t.checkpoint_every == 0) or done == t.steps:
-                    self.checkpointer.save(done, training_state(self.model, self.optimizer), {"loss": loss})
+            self.events.write({"kind": "commit", "step": step, "gen": view.gen, "worker": self.spec.worker})
+            now = time.perf_counter()
+            dt, t_prev = now - t_prev, now
+            last = {"kind": "train", "step": done, "loss": self.layout.loss_sum(buf) / self.layout.token_count(buf),
+                    "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens_per_step / dt, "step_time_s": dt,
+                    "tokens": done * tokens_per_step, "generation": view.gen, "live_workers": len(view.members),
+                    "degraded": sorted(set(range(t.workers)) - set(view.members))}
+            if view.members[0] == self.spec.worker:
+                self._lead(done, last)
+            if done < t.steps:
+                self.protocol.admit_joiners(done)
         if self.checkpointer:
             self.checkpointer.wait()
+        if self.protocol.view.members[0] == self.spec.worker:
+            self.m.store.set("done", "1")
         return last
+
+    def _lead(self, done: int, last: dict[str, Any]) -> None:
+        """Duties of the view's first member: metrics, validation, checkpoints, progress."""
+        t = self.cfg.train
+        if self.metrics is None:
+            self.metrics = JsonlWriter(self.spec.run_dir / "metrics.jsonl")
+            self.checkpointer = AsyncCheckpointer(self.spec.run_dir, config_hash=self.hash)
+        if done % t.log_every == 0 or done == t.steps:
+            self.metrics.write(dict(last))
+        if (t.val_every and done % t.val_every == 0) or done == t.steps:
+            self._validate(done)
+        self.checkpointer.poll()
+        if (t.checkpoint_every and done % t.checkpoint_every == 0) or done == t.steps:
+            self.checkpointer.save(done, training_state(self.model, self.optimizer), {"loss": last["loss"]})
+        self.m.store.set("progress", str(done))
 
     @torch.no_grad()
     def _validate(self, step: int) -> None:
-        """Validation batches are split round-robin across workers, then summed."""
+        """Validation on the leader only: it must not depend on who else is alive."""
         self.model.eval()
-        acc = torch.zeros(2, dtype=torch.float64)
-        for i in range(self.spec.rank, self.cfg.train.val_batches, self.spec.world):
+        loss, tokens = 0.0, 0
+        for i in range(self.cfg.train.val_batches):
             x, y = self.val_sampler.batch(i, 0)
             logits = self.model(x.to(self.device))
-            acc[0] += float(torch.nn.functional.cross_entropy(
+            loss += float(torch.nn.functional.cross_entropy(
                 logits.reshape(-1, logits.size(-1)), y.to(self.device).reshape(-1), reduction="sum"))
-            acc[1] += y.numel()
-        acc = self.protocol.reduce(acc)
+            tokens += y.numel()
         self.model.train()
-        val_loss = float(acc[0] / acc[1])
-        if self.metrics:
-            self.metrics.write({"kind": "val", "step": step, "val_loss": val_loss,
-                                "val_ppl": float(torch.exp(torch.tensor(min(val_loss, 50.0))))})
+        val_loss = loss / tokens
+        self.metrics.write({"kind": "val", "step": step, "val_loss": val_loss,
+                            "val_ppl": float(torch.exp(torch.tensor(min(val_loss, 50.0))))})
 
     def param_digest(self) -> str:
         h = hashlib.sha256()
@@ -150,43 +210,54 @@ class Trainer:
         return h.hexdigest()
 
 
-def run(spec: WorkerSpec) -> None:
-    """Run one worker to completion and write its report ``workers/w<rank>.json``."""
+def run(spec: WorkerSpec) -> int:
+    """Run one worker to completion; returns the process exit code."""
     cfg = Config.from_dict(json.loads((spec.run_dir / "config.json").read_text()))
-    threads = cfg.train.threads_per_worker or max(1, (os.cpu_count() or 1) // spec.world)
-    torch.set_num_threads(threads)
-    host, port = spec.store.rsplit(":", 1)
-    store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=cfg.train.timeout_s))
-    trainer = Trainer(cfg, spec)
-    backend = "nccl" if trainer.device.type == "cuda" and cfg.train.backend != "gloo" else "gloo"
-    dist.init_process_group(
-        backend, store=dist.PrefixStore("g0/", store), rank=spec.rank, world_size=spec.world,
-        timeout=timedelta(seconds=cfg.train.timeout_s),
-    )
+    torch.set_num_threads(cfg.train.threads_per_worker or max(1, (os.cpu_count() or 1) // spec.world))
+    store = connect_store(spec.store, timeout_s=cfg.train.timeout_s)
+    membership = Membership(store, spec.worker, heartbeat_timeout_s=cfg.fault.heartbeat_timeout_s)
+    membership.start_heartbeat()
+    trainer = Trainer(cfg, spec, membership)
     try:
-        last = trainer.train()
-        report = {"rank": spec.rank, "steps": trainer.cfg.train.steps, "param_digest": trainer.param_digest(),
-                  "last": last, "start_step": trainer.start_step}
-        out = spec.run_dir / "workers" / f"w{spec.rank}.json"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(report, indent=1))
+        last = trainer.train(trainer.start())
+    except Fenced as exc:
+        logger.error("fenced: %s", exc)
+        return EXIT_FENCED
+    except NoLiveWorker as exc:
+        store.compare_set("failed", "", f"no live worker left: {exc}")
+        return EXIT_NO_LIVE_WORKER
     finally:
-        dist.destroy_process_group()
+        membership.stop()
+    report = {"worker": spec.worker, "steps": cfg.train.steps, "param_digest": trainer.param_digest(),
+              "last": last, "gen": trainer.protocol.view.gen}
+    out = spec.run_dir / "workers" / f"w{spec.worker}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(report, indent=1))
+    os.replace(tmp, out)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m unbroken.runtime.worker")
     ap.add_argument("--run-dir", type=Path, required=True)
-    ap.add_argument("--rank", type=int, required=True)
-    ap.add_argument("--world", type=int, required=True)
+    ap.add_argument("--worker", type=int, required=True, help="global worker id (its home slot)")
+    ap.add_argument("--world", type=int, required=True, help="number of slots")
     ap.add_argument("--store", required=True, help="HOST:PORT of the coordination store")
+    ap.add_argument("--join", action="store_true", help="join a running job (restart or replacement)")
     ap.add_argument("--resume", type=Path, default=None, help="committed checkpoint directory")
+    ap.add_argument("--faults", default="", help="fail-at specs this worker inflicts on itself")
     a = ap.parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO, stream=sys.stderr,
-        format=f"%(asctime)s %(levelname)s [w{a.rank}] %(name)s: %(message)s",
-    )
-    run(WorkerSpec(run_dir=a.run_dir, rank=a.rank, world=a.world, store=a.store, resume=a.resume))
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format=f"%(asctime)s %(levelname)s [w{a.worker} pid{os.getpid()}] %(name)s: %(message)s")
+    spec = WorkerSpec(run_dir=a.run_dir, worker=a.worker, world=a.world, store=a.store, join=a.join,
+                      resume=a.resume, faults=parse_fail_at(a.faults) if a.faults else ())
+    code = run(spec)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Abandoned gloo groups may hold threads blocked on fenced peers: do not wait for them.
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,33 @@
+"""Smoke test of the MeCeFO convergence benchmark: runs, writes JSON and a plot."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from unbroken.bench import BENCHMARKS
+from unbroken.bench.mecefo_convergence import main
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_convergence_smoke(tmp_path, corpus_overrides):
+    out, plot = tmp_path / "conv.json", tmp_path / "conv.png"
+    result = main(["--presets", "debug", "--steps", "20", "--policies", "neighbor", "--traces", "none,high",
+                   "--micro-batch", "2", "--seq-len", "32", "--val-batches", "2", "--out", str(out),
+                   "--plot", str(plot), *(f"--{o}" for o in corpus_overrides)])
+    assert "mecefo-convergence" in BENCHMARKS
+    saved = json.loads(out.read_text())
+    assert saved.keys() >= {"benchmark", "settings", "rel_val_ppl", "targets", "runs", "wall_s", "machine"}
+    assert [(r["trace"], r["policy"]) for r in saved["runs"]] == [("none", None), ("high", "neighbor")]
+    assert saved["runs"][0]["rel_ppl"] == 0.0
+    assert set(saved["rel_val_ppl"]["debug"]["high"]) == {"neighbor"}
+    assert saved["runs"][1]["degraded_fraction"] > 0 and len(saved["runs"][1]["train_curve"]) == 20
+    assert plot.stat().st_size > 10_000 and plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert result["rel_val_ppl"] == saved["rel_val_ppl"]
+
+
+def test_convergence_rejects_unknown_policy(tmp_path):
+    with pytest.raises(ValueError, match="--policies"):
+        main(["--policies", "ring", "--out", str(tmp_path / "x.json"), "--plot", str(tmp_path / "x.png")])

@@ -1,0 +1,572 @@
+"""Per-node agent: runs a node's workers, marks their deaths, fences, restarts, injects faults.
+
+One agent per node (machine); on one machine several agents on loopback play
+several nodes. Node ``R`` owns workers ``R*W .. R*W + W-1`` (worker ``w``'s
+home slot is ``w``; the job has ``N*W``)::
+
+    python -m unbroken.agent.agent --node-rank R --nnodes N --workers-per-node W --store HOST:PORT
+        --run-dir DIR [--restart never|on-failure] [--restart-delay-s S] [--fail-at SPEC]
+        [--faults-trace JSON] [--standby] [--start-step S] [--resume CKPT]
+
+(also ``unbroken agent``). Exit 0: the job is done. 1: the job failed, the
+store was lost; 130/143: interrupted. 2: refused to start (store unreachable,
+node rank taken, config differs).
+
+Store keys, besides the start-up ones of :mod:`unbroken.agent.rendezvous`.
+Reads ``progress`` (committed steps), ``deaths``, ``dead/<w>``, ``gen``,
+``view/<g>``, ``done``, ``failed``. Writes ``dead/<w>`` + ``deaths`` when a
+worker of this node exits with a nonzero code or a signal (reason
+``{"by": "agent", "node", "how": "exit", "code", "signal", "t"}``); deletes a
+stale ``dead/<w>`` before ``w``'s replacement starts once the current view no
+longer holds ``w``; sets ``failed`` when every member of the current view is
+marked dead; ``standby/<R>/*`` (below).
+
+Files: ``logs/w<id>.log`` (appended, a header line per incarnation),
+``pids/w<id>`` (removed when that process exits), ``pids/agent<R>``,
+``pids/standby<R>``, ``layout.json``, events ``events/agent<R>.jsonl``
+(``worker_start``, ``worker_exit``, ``fault_injected``, ``fence``,
+``standby_assign``; each with ``node``, ``worker``, ``t``).
+
+Workers: ``python -m unbroken.runtime.worker --run-dir DIR --worker ID --world
+N*W --store HOST:PORT [--join] [--faults SPEC] [--resume CKPT]``: ``--join`` for
+restarts, ``--faults`` with the worker's own phase specs (it signals itself),
+``--resume`` only for the first incarnations of a resumed run. Exit 0 =
+finished; anything else (3 = fenced) is a death.
+
+Warm standby (``--standby``). The agent keeps one process started as ``python
+-m unbroken.runtime.worker --run-dir DIR --world N*W --store HOST:PORT
+--standby --node-rank R`` (no ``--worker``). It imports everything, builds its
+model, writes ``standby/<R>/ready`` = its pid and polls ``standby/<R>/assign``.
+To replace dead worker ``w`` the agent writes ``standby/<R>/faults`` (the
+``--faults`` string) and then ``assign`` = ``"w"``; the standby claims with
+``compare_set(assign, "w", "claimed:<pid>")`` and, if that returns its own
+claim, carries on exactly as ``--worker w --join --faults <faults>`` (output
+stays in ``logs/standby<R>.log``). Unclaimed within 2 s, the offer is retracted
+by compare-and-set and ``w`` spawned afresh; a new standby is started either
+way. A standby that sees ``done`` or ``failed`` exits 0.
+
+Fencing: a running worker marked dead by someone else (a peer's heartbeat
+timeout; it may be SIGSTOPped) is SIGKILLed at once. A mark already present
+when an incarnation started is its predecessor's and is ignored until deleted
+(by the agent as above, or by the peer that admits the joiner).
+
+Invariants: a worker's nonzero exit is marked dead within one poll (~10 ms); a
+marked incarnation never keeps running; no child outlives the agent (own
+session per child, SIGKILL on the agent's death, SIGTERM then SIGKILL on its
+exit); every blocking call has a timeout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch.distributed as dist
+
+from unbroken.agent._process import describe_exit, exit_status, remove_pid, send, spawn, stop_all, write_pid
+from unbroken.agent._standby import Standby
+from unbroken.agent.rendezvous import NodeRegistration, StartRefused
+from unbroken.agent.options import AgentOptions, add_agent_args, options_from
+from unbroken.faults.fail_at import format_fail_at
+from unbroken.faults.injector import DeathCause, Injection, NodeFaults, workers_of
+from unbroken.jsonl import JsonlWriter, read_jsonl
+from unbroken.runtime.membership import Membership, View, connect_store
+
+logger = logging.getLogger(__name__)
+
+EXIT_FENCED = 3  # = unbroken.runtime.worker.EXIT_FENCED (not imported: that module pulls in the model)
+LOOP_S = 0.005  # progress is polled this often, so a fault lands within ~5 ms of its step
+STATUS_S = 0.05
+FAST_CRASH_S = 10.0
+MAX_FAST_CRASHES = 5
+
+
+class AgentError(RuntimeError):
+    """The agent stops without finishing; carries the process exit code."""
+
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclasses.dataclass(kw_only=True)
+class _Worker:
+    """One incarnation of a worker of this node."""
+
+    worker: int
+    proc: subprocess.Popen[bytes]
+    incarnation: int
+    join: bool
+    started: float
+    mark_at_spawn: str | None  # a dead/<w> mark left by the previous incarnation
+    fenced: bool = False
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Restart:
+    at_time: float | None = None
+    at_step: int | None = None
+
+
+class _NodeLog(logging.LoggerAdapter):
+    def process(self, msg: Any, kwargs: Any) -> tuple[Any, Any]:
+        return f"[node {self.extra['node']}] {msg}", kwargs
+
+
+class Agent:
+    """Supervisor of one node's workers (module docstring).
+
+    Args:
+        opts: the command line.
+        worker_cmd: tests only: the command that replaces ``python -m
+            unbroken.runtime.worker`` (a stand-in worker script).
+    """
+
+    def __init__(self, opts: AgentOptions, *, worker_cmd: Sequence[str] | None = None) -> None:
+        self.opts = opts
+        self.node = opts.node_rank
+        self.log = _NodeLog(logger, {"node": self.node})
+        self.specs = opts.faults()
+        self.base_cmd = list(worker_cmd) if worker_cmd else [sys.executable, "-m", "unbroken.runtime.worker"]
+        self.run_dir = opts.run_dir
+        self.store: dist.Store | None = None
+        self.events: JsonlWriter | None = None
+        self.workers: dict[int, _Worker] = {}
+        self.restarts: dict[int, _Restart] = {}
+        self.incarnations: dict[int, int] = {}
+        self.fast_crashes: dict[int, int] = {}
+        self.finished: set[int] = set()
+        self.stopped: list[tuple[float, int, subprocess.Popen[bytes]]] = []  # SIGCONT timers
+        self.standby: Standby | None = None
+        self.plan: NodeFaults | None = None
+        self.interrupted: int | None = None  # set by the signal handler of run_agent
+        self.rdv: NodeRegistration | None = None
+        self.total_steps = 0
+        self._server: dist.TCPStore | None = None  # with --host-store: the store lives in this process
+        self._deaths_seen = -1
+        self._progress = opts.start_step
+        self._progress_known = False
+        self._done_at: float | None = None
+        self._idle_since: float | None = None
+
+    # -- start-up ---------------------------------------------------------------
+
+    def run(self) -> int:
+        """Start, supervise until the job ends, stop every child; returns 0 (done).
+
+        Raises:
+            AgentError: refusal (code 2) or failure (code 1, 130, 143); the message says why.
+        """
+        try:
+            self._server = self._host_store() if self.opts.host_store else None
+            self.store = connect_store(self.opts.store, timeout_s=self.opts.timeout_s)
+        except (ConnectionError, ValueError) as exc:
+            raise AgentError(f"node {self.node}: {exc}", 2) from None
+        self.rdv = NodeRegistration(self.store, self.node, timeout_s=self.opts.timeout_s,
+                                    interrupted=lambda: self.interrupted is not None)
+        try:
+            self.rdv.register()
+            self.events = JsonlWriter(self.run_dir / "events" / f"agent{self.node}.jsonl")
+            write_pid(self.run_dir / "pids" / f"agent{self.node}", os.getpid())
+            self.total_steps = int(self.rdv.check_config(self.run_dir)["train"]["steps"])
+            view = self.rdv.initial_view(self.opts.n_workers, self.opts.start_step)
+            self._write_layout()
+            if self._flag("done"):
+                self.log.info("the job is already done; nothing to run")
+                return 0
+            self._progress = max(self._read_progress(), view.step)
+            self.plan = NodeFaults(self.specs, node=self.node, workers_per_node=self.opts.workers_per_node,
+                                   start_step=self._progress, fired=self._fired_before())
+            self._start_workers(view)
+            if self.opts.standby:
+                cmd = self.base_cmd + ["--run-dir", str(self.run_dir), "--world", str(self.opts.n_workers),
+                                       "--store", self.opts.store, "--standby", "--node-rank", str(self.node)]
+                self.standby = Standby(self.store, node=self.node, cmd=cmd, run_dir=self.run_dir,
+                                       grace_s=self.opts.grace_s)
+            return self._loop()
+        except StartRefused as exc:
+            raise AgentError(str(exc), 2) from None
+        except dist.DistError as exc:
+            if self._done_at is not None:
+                return 0  # the store's host closed it after the end: nothing was lost
+            raise AgentError(f"node {self.node}: lost the store {self.opts.store}: {str(exc).splitlines()[0]}", 1) from None
+        finally:
+            self._shutdown()
+
+    def _host_store(self) -> dist.TCPStore:
+        from unbroken.runtime.launcher import start_store  # only node 0 of a launcher-less cluster needs it
+
+        host, _, port = self.opts.store.rpartition(":")
+        if not port.isdigit():
+            raise ValueError(f"--store {self.opts.store!r} is not HOST:PORT")
+        return start_store(host, int(port), self.opts.n_workers + self.opts.nnodes)
+
+    def _fired_before(self) -> set[str]:
+        """Specs this node fired (or saw fire) in earlier attempts of the run: a resume must not repeat them."""
+        events = read_jsonl(self.run_dir / "events" / f"agent{self.node}.jsonl")
+        return {e["spec"] for e in events if e.get("event") in ("fault_injected", "worker_exit") and e.get("spec")}
+
+    def _write_layout(self) -> None:
+        # Read by `unbroken chaos` to map node targets to workers; identical from every agent.
+        path = self.run_dir / "layout.json"
+        tmp = path.with_name(f".layout.{self.node}.tmp")
+        tmp.write_text(json.dumps({"nodes": self.opts.nnodes, "workers_per_node": self.opts.workers_per_node}))
+        os.replace(tmp, path)
+
+    def _start_workers(self, view: View) -> None:
+        for w in workers_of(self.node, self.opts.workers_per_node):
+            # A fresh process without the training state can only be a member of a
+            # view that starts now; otherwise it must join and receive the state.
+            join = self.rdv.took_over or w not in view.members or self._mark(w) is not None or self._progress > view.step
+            self._start(w, join=join)
+
+    # -- the loop ---------------------------------------------------------------
+
+    def _loop(self) -> int:
+        next_status = 0.0
+        while True:
+            now = time.monotonic()
+            if self.interrupted is not None:
+                name = signal.Signals(self.interrupted).name
+                raise AgentError(f"node {self.node}: interrupted by {name}; workers stopped", 128 + self.interrupted)
+            self.rdv.heartbeat(now)
+            self._reap(now)
+            self._fence()
+            if self._done_at is None:
+                self._inject(now)
+                self._restart_due(now)
+                if self.standby is not None:
+                    self._standby_tick(now)
+            if now >= next_status:
+                next_status = now + STATUS_S
+                code = self._status(now)
+                if code is not None:
+                    return code
+            time.sleep(LOOP_S)
+
+    def _status(self, now: float) -> int | None:
+        """Follow ``done`` / ``failed``; an exit code once this agent's part is over."""
+        if self._flag("failed"):
+            message = self.store.get("failed").decode()
+            self.log.error("the job failed: %s", message)
+            raise AgentError(f"node {self.node}: the job failed: {message}", 1)
+        if self._done_at is None and self._flag("done"):
+            self._done_at = now
+            self.restarts.clear()
+            if self.standby is not None:
+                self.standby.stop()
+            self.log.info("the job is done; waiting for %d worker(s) to exit", len(self.workers))
+        if self._done_at is not None:
+            if not self.workers:
+                return 0
+            if now - self._done_at > self.opts.grace_s:
+                self.log.warning("workers %s still running %.0f s after done: stopping them",
+                                 sorted(self.workers), self.opts.grace_s)
+                return 0  # _shutdown stops them
+            return None
+        if not self.workers and not self.restarts and self.finished:
+            # Every local worker finished cleanly; done should follow at once from the leader.
+            self._idle_since = self._idle_since or now
+            if now - self._idle_since > self.opts.timeout_s:
+                self.log.warning("all workers finished but 'done' never came; exiting")
+                return 0
+        return None
+
+    # -- deaths and fencing -----------------------------------------------------
+
+    def _reap(self, now: float) -> None:
+        for w, inc in list(self.workers.items()):
+            rc = inc.proc.poll()
+            if rc is not None:
+                del self.workers[w]
+                self._on_exit(inc, rc, now)
+
+    def _on_exit(self, inc: _Worker, rc: int, now: float) -> None:
+        w = inc.worker
+        remove_pid(self.run_dir / "pids" / f"w{w}", inc.proc.pid)
+        code, sig = exit_status(rc)
+        rec: dict[str, Any] = {"pid": inc.proc.pid, "code": code, "signal": sig, "incarnation": inc.incarnation,
+                               "uptime_s": round(now - inc.started, 3), "fenced": inc.fenced or code == EXIT_FENCED}
+        if rc == 0:
+            self.finished.add(w)
+            self._event("worker_exit", w, clean=True, **rec)
+            self.log.info("worker %d finished", w)
+            return
+        reason = json.dumps({"by": "agent", "node": self.node, "how": "exit", "code": code, "signal": sig,
+                             "t": time.time()})
+        if self.store.compare_set(f"dead/{w}", "", reason).decode() == reason:
+            self.store.add("deaths", 1)
+        progress = self._read_progress()
+        cause = self.plan.on_death(w, progress) if self.plan else DeathCause(injected=False)
+        restart = self._schedule_restart(w, inc, cause, now)
+        self._event("worker_exit", w, clean=False, injected=cause.injected, progress=progress,
+                    spec=format_fail_at([cause.spec]) if cause.spec else None,
+                    restart_at_step=restart.at_step if restart else None,
+                    restart_in_s=round(restart.at_time - now, 3) if restart and restart.at_time else None, **rec)
+        self.log.warning("worker %d (pid %d) %s at step %d; %s", w, inc.proc.pid, describe_exit(rc), progress,
+                         "not restarting" if restart is None else
+                         f"restart at step {restart.at_step}" if restart.at_step is not None else
+                         f"restart in {self.opts.restart_delay_s:.1f} s")
+
+    def _schedule_restart(self, w: int, inc: _Worker, cause: DeathCause, now: float) -> _Restart | None:
+        if self.opts.restart == "never" or self._done_at is not None:
+            return None
+        if not cause.injected and now - inc.started < FAST_CRASH_S:
+            self.fast_crashes[w] = self.fast_crashes.get(w, 0) + 1
+            if self.fast_crashes[w] >= MAX_FAST_CRASHES:
+                self.log.error("worker %d crashed %d times within %.0f s of starting: not restarting it; see %s",
+                               w, self.fast_crashes[w], FAST_CRASH_S, self.run_dir / "logs" / f"w{w}.log")
+                return None
+        else:
+            self.fast_crashes[w] = 0
+        if cause.back_step is not None:
+            if cause.back_step >= self.total_steps:
+                return None  # back only when the run is over (an outage cut at the end of a trace)
+            r = _Restart(at_step=cause.back_step)
+        else:
+            r = _Restart(at_time=now + self.opts.restart_delay_s)
+        self.restarts[w] = r
+        return r
+
+    def _fence(self) -> None:
+        """SIGKILL any running worker of this node that someone marked dead after it started."""
+        deaths = self.store.add("deaths", 0)
+        if deaths == self._deaths_seen:
+            return
+        self._deaths_seen = deaths
+        for w, inc in self.workers.items():
+            if inc.fenced:
+                continue
+            mark = self._mark(w)
+            if mark is None:
+                inc.mark_at_spawn = None  # the old mark was cleared: any new one is about this incarnation
+            elif mark != inc.mark_at_spawn:
+                send(inc.proc, signal.SIGKILL)
+                inc.fenced = True
+                self._event("fence", w, pid=inc.proc.pid, reason=_loads(mark))
+                self.log.warning("fenced worker %d (pid %d): marked dead by %s", w, inc.proc.pid, mark)
+        if self._done_at is None:
+            self._check_live_member()
+
+    def _check_live_member(self) -> None:
+        """Set ``failed`` when every member of the current view is marked dead.
+
+        Nobody is left to hold the training state or hand it to a joiner, and
+        with every worker gone nobody else would notice.
+        """
+        if not self._flag("gen"):
+            return
+        view = Membership(self.store, -1, heartbeat_timeout_s=1.0).current_view()
+        if view.members and all(self._mark(w) is not None for w in view.members):
+            message = (f"no live worker left: every member of view {view.gen} {list(view.members)} is dead "
+                       f"(seen by the agent of node {self.node})")
+            self.store.compare_set("failed", "", message)
+
+    # -- faults -----------------------------------------------------------------
+
+    def _inject(self, now: float) -> None:
+        if self.plan is not None and (self.plan.next_step is not None or
+                                      any(r.at_step is not None for r in self.restarts.values())):
+            self._progress = self._read_progress()
+            for inj in self.plan.due(self._progress):
+                self._fire(inj, now)
+        for item in [t for t in self.stopped if t[0] <= now]:
+            self.stopped.remove(item)
+            _, w, proc = item
+            inc = self.workers.get(w)
+            if inc is not None and inc.proc is proc and not inc.fenced and send(proc, signal.SIGCONT):
+                self.plan.resumed(w)
+                self.log.info("worker %d continued (SIGCONT)", w)
+
+    def _fire(self, inj: Injection, now: float) -> None:
+        spec = format_fail_at([inj.spec])
+        targets = {w: self.workers[w] for w in inj.workers if w in self.workers}
+        self._event("fault_injected", inj.spec.index if inj.spec.target == "worker" else None, spec=spec,
+                    signal=inj.signal.name, targets=sorted(targets), progress=self._progress,
+                    pids=[i.proc.pid for i in targets.values()], lost_node=inj.kill_agent)
+        self.log.warning("fault %s at step %d: %s to workers %s%s", spec, self._progress, inj.signal.name,
+                         sorted(targets), " and this agent" if inj.kill_agent else "")
+        for inc in targets.values():
+            send(inc.proc, inj.signal)
+            if inj.resume_after_s is not None:
+                self.stopped.append((now + inj.resume_after_s, inc.worker, inc.proc))
+        if inj.kill_agent:
+            if self.standby is not None:
+                self.standby.kill_now()
+            logging.shutdown()
+            os.kill(os.getpid(), signal.SIGKILL)  # a lost node: no goodbye, no dead marks
+
+    # -- (re)starting -----------------------------------------------------------
+
+    def _restart_due(self, now: float) -> None:
+        for w, r in list(self.restarts.items()):
+            if (r.at_step is not None and self._progress >= r.at_step) or (r.at_time is not None and now >= r.at_time):
+                del self.restarts[w]
+                self._clear_stale_mark(w)
+                self._start(w, join=True)
+
+    def _clear_stale_mark(self, w: int) -> None:
+        """Delete ``dead/<w>`` once the survivors' view excludes ``w``: the mark has done its job."""
+        if self._mark(w) is None or not self._flag("gen"):
+            return
+        view = Membership(self.store, -1, heartbeat_timeout_s=1.0).current_view()
+        if w not in view.members:
+            self.store.delete_key(f"dead/{w}")
+
+    def _start(self, w: int, *, join: bool, use_standby: bool = True) -> None:
+        progress = self._read_progress()
+        faults = self.plan.worker_faults(w, progress) if self.plan else ""
+        if join and use_standby and self.standby is not None and self.standby.assign(w, faults):
+            self.log.info("worker %d handed to the standby (pid %d)", w, self.standby.proc.pid)
+            return
+        k = self.incarnations[w] = self.incarnations.get(w, 0) + 1
+        cmd = self.base_cmd + ["--run-dir", str(self.run_dir), "--worker", str(w), "--world", str(self.opts.n_workers),
+                               "--store", self.opts.store]
+        cmd += ["--join"] if join else []
+        cmd += ["--faults", faults] if faults else []
+        if self.opts.resume is not None and not join:
+            cmd += ["--resume", str(self.opts.resume)]
+        proc = spawn(cmd, log=self.run_dir / "logs" / f"w{w}.log",
+                     header=f"node {self.node} worker {w} incarnation {k} ({'join' if join else 'start'}): "
+                     + " ".join(cmd))
+        self._adopt(w, proc, join=join, incarnation=k, standby=False, faults=faults)
+
+    def _adopt(self, w: int, proc: subprocess.Popen[bytes], *, join: bool, incarnation: int, standby: bool,
+               faults: str) -> None:
+        self.workers[w] = _Worker(worker=w, proc=proc, incarnation=incarnation, join=join, started=time.monotonic(),
+                                  mark_at_spawn=self._mark(w))
+        self.finished.discard(w)
+        self._idle_since = None
+        write_pid(self.run_dir / "pids" / f"w{w}", proc.pid)
+        self._event("worker_start", w, pid=proc.pid, incarnation=incarnation, join=join, standby=standby,
+                    faults=faults, progress=self._progress)
+        self.log.info("worker %d %s (pid %d, incarnation %d)", w, "joining" if join else "started", proc.pid,
+                      incarnation)
+
+    def _standby_tick(self, now: float) -> None:
+        assert self.standby is not None
+        handover = self.standby.tick(now)
+        if handover is None:
+            return
+        w = handover.worker
+        if handover.proc is None:
+            self._start(w, join=True, use_standby=False)
+            return
+        k = self.incarnations[w] = self.incarnations.get(w, 0) + 1
+        _log_line(self.run_dir / "logs" / f"w{w}.log", f"node {self.node} worker {w} incarnation {k} (join): "
+                  f"standby pid {handover.proc.pid} took over; its output is in logs/standby{self.node}.log")
+        self._adopt(w, handover.proc, join=True, incarnation=k, standby=True,
+                    faults=self.plan.worker_faults(w, self._progress) if self.plan else "")
+        self._event("standby_assign", w, pid=handover.proc.pid, wait_s=round(handover.wait_s, 4))
+
+    # -- store helpers ----------------------------------------------------------
+
+    def _flag(self, key: str) -> bool:
+        return self.store.check([key])
+
+    def _mark(self, w: int) -> str | None:
+        key = f"dead/{w}"
+        return self.store.get(key).decode() if self.store.check([key]) else None
+
+    def _read_progress(self) -> int:
+        # get() on a missing key blocks until the timeout: check first, once.
+        if not self._progress_known:
+            if not self.store.check(["progress"]):
+                return self._progress
+            self._progress_known = True
+        self._progress = max(self._progress, int(self.store.get("progress")))
+        return self._progress
+
+    def _event(self, event: str, worker: int | None, **fields: Any) -> None:
+        if self.events is not None:
+            self.events.write({"kind": "event", "event": event, "node": self.node, "worker": worker,
+                               "t": time.time(), **fields})
+
+    # -- exit -------------------------------------------------------------------
+
+    def _shutdown(self) -> None:
+        """Stop every child (SIGTERM, grace, SIGKILL) and release the node rank."""
+        procs = [inc.proc for inc in self.workers.values()]
+        if self.standby is not None and self.standby.proc is not None:
+            procs.append(self.standby.proc)
+        stop_all(procs, grace_s=self.opts.grace_s)
+        for w, inc in self.workers.items():
+            remove_pid(self.run_dir / "pids" / f"w{w}", inc.proc.pid)
+            code, sig = exit_status(inc.proc.returncode if inc.proc.returncode is not None else -9)
+            self._event("worker_exit", w, pid=inc.proc.pid, code=code, signal=sig, stopped_by_agent=True,
+                        clean=False, incarnation=inc.incarnation)
+        self.workers.clear()
+        if self.rdv is not None:
+            try:
+                self.rdv.release()
+                if self._server is not None:
+                    self.rdv.wait_released(self.opts.nnodes, self.opts.grace_s + 5.0)
+            except dist.DistError:
+                pass  # the store is gone with the launcher: nothing left to release
+        remove_pid(self.run_dir / "pids" / f"agent{self.node}", os.getpid())
+        if self.events is not None:
+            self.events.close()
+            self.events = None
+
+
+def _log_line(path: Path, line: str) -> None:
+    with path.open("a") as fh:
+        fh.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} {line}\n")
+
+
+def _loads(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def run_agent(opts: AgentOptions, *, worker_cmd: Sequence[str] | None = None) -> int:
+    """Run an agent in this process (main thread): SIGTERM/SIGINT stop it and its workers.
+
+    Returns:
+        0 when the job is done.
+    Raises:
+        AgentError: with the exit code and the reason; ValueError: bad options.
+    """
+    agent = Agent(opts, worker_cmd=worker_cmd)
+
+    def on_signal(signum: int, frame: Any) -> None:
+        agent.interrupted = signum
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return agent.run()
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+def main(argv: list[str] | None = None, *, worker_cmd: Sequence[str] | None = None) -> int:
+    """Entry point of ``python -m unbroken.agent.agent``; returns the exit code."""
+    ap = argparse.ArgumentParser(prog="python -m unbroken.agent.agent", description=__doc__.splitlines()[0])
+    add_agent_args(ap)
+    a = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return run_agent(options_from(a), worker_cmd=worker_cmd)
+    except AgentError as exc:
+        print(f"unbroken agent: {exc}", file=sys.stderr)
+        return exc.code
+    except ValueError as exc:
+        print(f"unbroken agent: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,290 @@
+"""One machine plays a cluster: N agents on loopback, W workers each, one store.
+
+``unbroken train --nodes N --workers-per-node W`` lands here. The launcher
+checks everything that can be checked before anything is written (config,
+data, fault specs, port), hosts the coordination store, publishes the run's
+config under the store key ``config``, starts one agent per node
+(``python -m unbroken.agent.agent``, output in ``logs/agent<R>.log``), follows
+``metrics.jsonl`` and the store keys ``done`` / ``failed``, and summarises.
+
+Faults: ``fault.fail_at`` (and the ``fail_at`` argument, which is not saved in
+the config) go to every agent as ``--fail-at``; a ``fault.trace`` preset is
+drawn here (``generate_trace``; seeded by ``train.seed``, scaled so the run
+stands for ``fault.job_hours``), written to ``fault_trace.json`` and handed to
+the agents, which kill each outage's worker at its start and restart it at its
+end. Each agent carries out the faults of its own node.
+
+Invariants: a run that fails validation leaves nothing on disk; an agent
+killed by an injected node loss does not stop the job, only ``failed`` or
+every agent's exit does; no agent (hence no worker) outlives :func:`launch`;
+every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch.distributed as dist
+
+from unbroken.agent.options import RESTART_POLICIES
+from unbroken.config import Config, config_hash
+from unbroken.faults.fail_at import parse_fail_at, trace_to_faults
+from unbroken.faults.injector import check_faults
+from unbroken.faults.traces import FailureTrace, generate_trace, step_time_for
+from unbroken.jsonl import JsonlTail, read_jsonl
+from unbroken.runtime.checkpoint import latest_checkpoint, read_commit
+from unbroken.runtime.launcher import preflight, prepare_run_dir, start_store
+
+logger = logging.getLogger(__name__)
+
+STARTUP_TIMEOUT_S = 300.0
+"""Longest the job may go without a metrics line (start-up included) before we give up."""
+AGENT_GRACE_S = 30.0
+"""How long agents may take to stop their workers after ``done`` or ``failed``."""
+POLL_S = 0.05
+
+
+class JobFailed(RuntimeError):
+    """No live worker is left: the job cannot go on by itself (the message says how to continue)."""
+
+
+class AgentFailed(RuntimeError):
+    """An agent refused to start or crashed; carries its node, exit code and log tail."""
+
+    def __init__(self, node: int, returncode: int, log_tail: str) -> None:
+        super().__init__(f"agent of node {node} exited with code {returncode}; last log lines:\n{log_tail}")
+        self.node, self.returncode, self.log_tail = node, returncode, log_tail
+
+
+def launch(
+    cfg: Config,
+    run_dir: str | Path,
+    *,
+    nodes: int,
+    workers_per_node: int,
+    overwrite: bool = False,
+    resume: bool = False,
+    on_record: Callable[[dict[str, Any]], None] | None = None,
+    fail_at: str = "",
+    standby: bool = False,
+    restart: str = "on-failure",
+) -> dict[str, Any]:
+    """Train ``cfg`` with ``nodes`` local agents of ``workers_per_node`` workers each.
+
+    Args:
+        cfg: the run; ``train.workers`` is set to ``nodes * workers_per_node``.
+        fail_at: extra fault specs for this launch (not saved in the config).
+        standby: each agent keeps a warm standby worker process.
+        restart: ``on-failure`` (dead workers rejoin) or ``never``.
+    Returns:
+        The summary also written to ``<run_dir>/summary.json``.
+    Raises:
+        ValueError: invalid input (nothing written); JobFailed: no live worker
+            left; AgentFailed: an agent refused to start; TimeoutError: no progress.
+    """
+    run_dir = Path(run_dir)
+    cfg = _job_config(cfg, nodes, workers_per_node, restart)
+    fail_text, trace = _job_faults(cfg, fail_at, nodes, workers_per_node)
+    info = preflight(cfg)
+    store = start_store(cfg.train.host, cfg.train.port, cfg.train.workers + nodes)
+    resume_from = prepare_run_dir(run_dir, cfg, overwrite=overwrite, resume=resume)
+    # The workers read run_dir/config.json: publish exactly that (a resume may differ in volatile fields).
+    store.set("config", json.dumps(json.loads((run_dir / "config.json").read_text())))
+    trace_file = None
+    if trace is not None:
+        trace_file = run_dir / "fault_trace.json"
+        trace_file.write_text(json.dumps(trace.to_json(), indent=1))
+    start_step = int(read_commit(resume_from)["step"]) if resume_from else 0
+    t0 = time.time()
+    agents: list[subprocess.Popen[bytes]] = []
+    try:
+        for r in range(nodes):
+            agents.append(_spawn_agent(
+                r, cfg, run_dir, f"{cfg.train.host}:{store.port}", nodes=nodes, workers_per_node=workers_per_node,
+                restart=restart, fail_at=fail_text, trace_file=trace_file, standby=standby, start_step=start_step,
+                resume_from=resume_from))
+        failure = _supervise(agents, store, run_dir, cfg, on_record)
+    finally:
+        _stop_agents(agents)
+    if failure is not None:
+        raise JobFailed(_failure_message(failure, run_dir))
+    summary = _summarise(run_dir, cfg, info, time.time() - t0, resume_from, nodes=nodes, t0=t0)
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+def _job_config(cfg: Config, nodes: int, workers_per_node: int, restart: str) -> Config:
+    problems = []
+    if not (isinstance(nodes, int) and nodes >= 1):
+        problems.append(f"nodes={nodes!r}: need at least 1")
+    if not (isinstance(workers_per_node, int) and workers_per_node >= 1):
+        problems.append(f"workers_per_node={workers_per_node!r}: need at least 1")
+    if restart not in RESTART_POLICIES:
+        problems.append(f"restart={restart!r}: expected one of {', '.join(RESTART_POLICIES)}")
+    if problems:
+        raise ValueError("; ".join(problems))
+    cfg = copy.deepcopy(cfg)
+    cfg.train.workers = nodes * workers_per_node
+    return cfg
+
+
+def _job_faults(cfg: Config, fail_at: str, nodes: int, workers_per_node: int) -> tuple[str, FailureTrace | None]:
+    """The fail-at text for the agents and the drawn trace, both checked against the layout."""
+    text = ",".join(t.strip() for t in (cfg.fault.fail_at, fail_at) if t.strip())
+    specs = parse_fail_at(text, n_workers=cfg.train.workers, n_nodes=nodes)
+    trace = None
+    if cfg.fault.trace != "none":
+        trace = generate_trace(cfg.fault.trace, n_workers=cfg.train.workers, n_steps=cfg.train.steps,
+                               step_time_s=step_time_for(cfg.train.steps, cfg.fault.job_hours),
+                               seed=cfg.train.seed, min_live=1)
+        specs += trace_to_faults(trace)
+    check_faults(specs, n_nodes=nodes, workers_per_node=workers_per_node)
+    return text, trace
+
+
+def _spawn_agent(node: int, cfg: Config, run_dir: Path, store_addr: str, *, nodes: int, workers_per_node: int,
+                 restart: str, fail_at: str, trace_file: Path | None, standby: bool, start_step: int,
+                 resume_from: Path | None) -> subprocess.Popen[bytes]:
+    cmd = [sys.executable, "-m", "unbroken.agent.agent", "--node-rank", str(node), "--nnodes", str(nodes),
+           "--workers-per-node", str(workers_per_node), "--store", store_addr, "--run-dir", str(run_dir),
+           "--restart", restart, "--start-step", str(start_step), "--timeout-s", str(cfg.train.timeout_s)]
+    cmd += ["--fail-at", fail_at] if fail_at else []
+    cmd += ["--faults-trace", str(trace_file)] if trace_file else []
+    cmd += ["--standby"] if standby else []
+    cmd += ["--resume", str(resume_from)] if resume_from else []
+    log = run_dir / "logs" / f"agent{node}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("ab") as fh:
+        # Same process group as the launcher: a terminal's Ctrl-C reaches the agents, which stop their workers.
+        return subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+
+def _supervise(agents: list[subprocess.Popen[bytes]], store: dist.TCPStore, run_dir: Path, cfg: Config,
+               on_record: Callable[[dict[str, Any]], None] | None) -> str | None:
+    """Follow the job to its end; returns ``None`` when done, else the failure message."""
+    tail = JsonlTail(run_dir / "metrics.jsonl")
+    limit = max(STARTUP_TIMEOUT_S, cfg.train.timeout_s)
+    last_progress = time.monotonic()
+    done_at: float | None = None
+    while True:
+        now = time.monotonic()
+        if _emit(tail, on_record):
+            last_progress = now
+        if store.check(["failed"]):
+            return store.get("failed").decode()
+        codes = [a.poll() for a in agents]
+        for node, code in enumerate(codes):
+            if code == 2:  # refused to start (config, rank, store): the job cannot run as asked
+                raise AgentFailed(node, code, _log_tail(run_dir / "logs" / f"agent{node}.log"))
+        done = store.check(["done"])
+        if all(c is not None for c in codes):
+            _emit(tail, on_record)
+            if done:
+                return None
+            if store.check(["failed"]):
+                return store.get("failed").decode()
+            return f"every agent exited before the job finished (exit codes {codes}); see {run_dir / 'logs'}"
+        if done:
+            done_at = done_at or now
+            if now - done_at > AGENT_GRACE_S:
+                logger.warning("agents still running %.0f s after the job finished: stopping them", AGENT_GRACE_S)
+                return None
+        if now - last_progress > limit:
+            raise TimeoutError(f"no progress from the job for {limit:.0f} s; see {run_dir / 'logs'}")
+        time.sleep(POLL_S)
+
+
+def _emit(tail: JsonlTail, on_record: Callable[[dict[str, Any]], None] | None) -> bool:
+    records = tail.read_new()
+    for rec in records:
+        if on_record:
+            on_record(rec)
+    return bool(records)
+
+
+def _stop_agents(agents: list[subprocess.Popen[bytes]]) -> None:
+    """SIGTERM (an agent then stops its workers), SIGKILL after the grace period."""
+    for a in agents:
+        if a.poll() is None:
+            a.terminate()
+    deadline = time.monotonic() + AGENT_GRACE_S
+    for a in agents:
+        try:
+            a.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            # Its workers die with it (they get SIGKILL when their agent dies).
+            a.kill()
+            a.wait(timeout=10.0)
+
+
+def _failure_message(failure: str, run_dir: Path) -> str:
+    ckpt = latest_checkpoint(run_dir)
+    if ckpt is None:
+        how = ("no committed checkpoint exists (set train.checkpoint_every to keep one); "
+               "the run must start again")
+    else:
+        how = (f"the newest committed checkpoint is {ckpt} (step {read_commit(ckpt)['step']}); "
+               f"continue with: unbroken train --resume {run_dir}")
+    detail = failure.removeprefix("no live worker left").lstrip(": ")  # the workers' and agents' wording
+    return f"no live worker is left: {detail}; {how}"
+
+
+def _log_tail(path: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError as exc:
+        return f"(log unreadable: {exc})"
+
+
+def _agent_counts(run_dir: Path, since: float, workers_per_node: int) -> dict[str, int]:
+    """Failures, restarts and injected faults of this launch, from the agents' (and chaos') events."""
+    failures = restarts = injected = handovers = 0
+    for path in sorted((run_dir / "events").glob("agent*.jsonl")):
+        for e in read_jsonl(path):
+            if e.get("kind") != "event" or e.get("t", 0) < since:
+                continue
+            if e["event"] == "worker_exit" and not e.get("clean") and not e.get("stopped_by_agent"):
+                failures += 1
+            elif e["event"] == "fault_injected":
+                injected += 1
+                if e.get("lost_node"):
+                    failures += len(e.get("targets", []))  # a lost node's agent records no exits
+            elif e["event"] == "worker_start" and e.get("join"):
+                restarts += 1
+            elif e["event"] == "standby_assign":
+                handovers += 1
+    for e in read_jsonl(run_dir / "events" / "chaos.jsonl"):
+        if e.get("event") == "fault_injected" and e.get("t", 0) >= since:
+            injected += 1
+            (spec,) = parse_fail_at(e["spec"])
+            if spec.target == "node" and spec.how == "kill":
+                failures += workers_per_node  # the agent went down with them: nobody recorded their exits
+    return {"failures": failures, "restarts": restarts, "faults_injected": injected, "standby_handovers": handovers}
+
+
+def _summarise(run_dir: Path, cfg: Config, info: dict[str, Any], wall_s: float, resume_from: Path | None, *,
+               nodes: int, t0: float) -> dict[str, Any]:
+    records = read_jsonl(run_dir / "metrics.jsonl")
+    train = [r for r in records if r["kind"] == "train"]
+    val = [r for r in records if r["kind"] == "val"]
+    reports = [json.loads(p.read_text()) for p in sorted((run_dir / "workers").glob("w*.json"))]
+    digests = sorted({r["param_digest"] for r in reports})
+    steady = [r["tokens_per_s"] for r in train[len(train) // 5 :]] or [0.0]
+    ckpt = latest_checkpoint(run_dir)
+    return {
+        "run_dir": str(run_dir), "config_hash": config_hash(cfg), "workers": cfg.train.workers,
+        "nodes": nodes, "workers_per_node": cfg.train.workers // nodes,
+        "steps": train[-1]["step"] if train else 0, "resumed_from": str(resume_from) if resume_from else None,
+        "final_loss": train[-1]["loss"] if train else None,
+        "val_loss": val[-1]["val_loss"] if val else None, "val_ppl": val[-1]["val_ppl"] if val else None,
+        "tokens_per_s": sorted(steady)[len(steady) // 2], "wall_s": wall_s,
+        "workers_agree": len(digests) == 1, "param_digest": digests[0] if len(digests) == 1 else digests,
+        "checkpoint": str(ckpt) if ckpt else None, **_agent_counts(run_dir, t0, cfg.train.workers // nodes), **info,
+    }

@@ -1,0 +1,103 @@
+"""The agent's options: command line, validation, and the job's fault specs.
+
+Invariant: :meth:`AgentOptions.faults` checks everything an agent could object
+to in its options before it touches the store or starts a process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from pathlib import Path
+
+from unbroken.faults.fail_at import FaultSpec, parse_fail_at, trace_to_faults
+from unbroken.faults.injector import check_faults
+from unbroken.faults.traces import FailureTrace
+
+RESTART_POLICIES = ("never", "on-failure")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AgentOptions:
+    """The agent's command line (module docstring)."""
+
+    node_rank: int
+    nnodes: int
+    workers_per_node: int
+    store: str
+    run_dir: Path
+    restart: str = "on-failure"
+    restart_delay_s: float = 0.0
+    fail_at: str = ""
+    faults_trace: Path | None = None
+    standby: bool = False
+    start_step: int = 0
+    resume: Path | None = None
+    timeout_s: float = 30.0
+    """Store connection and start-up waits (config, initial view)."""
+    grace_s: float = 10.0
+    """SIGTERM -> SIGKILL grace, and how long finished stragglers may linger after ``done``."""
+    host_store: bool = False
+    """Node 0 without a launcher: host the store at ``store``'s port (the job then lives as long as this agent)."""
+
+    @property
+    def n_workers(self) -> int:
+        return self.nnodes * self.workers_per_node
+
+    def faults(self) -> tuple[FaultSpec, ...]:
+        """The job's fault specs (``--fail-at`` and the trace), checked against the layout.
+
+        Raises:
+            ValueError: every problem of the options, at once.
+        """
+        problems = []
+        if not 0 <= self.node_rank < self.nnodes:
+            problems.append(f"--node-rank {self.node_rank}: expected 0..{self.nnodes - 1} (--nnodes {self.nnodes})")
+        if self.workers_per_node < 1:
+            problems.append(f"--workers-per-node {self.workers_per_node}: expected >= 1")
+        if self.restart not in RESTART_POLICIES:
+            problems.append(f"--restart {self.restart!r}: expected one of {', '.join(RESTART_POLICIES)}")
+        if self.host_store and self.node_rank != 0:
+            problems.append(f"--host-store with --node-rank {self.node_rank}: only node 0 hosts the store")
+        if not self.restart_delay_s >= 0:
+            problems.append(f"--restart-delay-s {self.restart_delay_s}: expected >= 0")
+        if problems:
+            raise ValueError("; ".join(problems))
+        specs = parse_fail_at(self.fail_at)
+        if self.faults_trace is not None:
+            try:
+                trace = FailureTrace.from_json(json.loads(self.faults_trace.read_text()))
+            except (OSError, json.JSONDecodeError) as exc:
+                raise ValueError(f"--faults-trace {self.faults_trace}: cannot read a failure trace ({exc})") from None
+            specs += trace_to_faults(trace)
+        check_faults(specs, n_nodes=self.nnodes, workers_per_node=self.workers_per_node)
+        return specs
+
+
+def add_agent_args(ap: argparse.ArgumentParser) -> None:
+    """The agent's options (shared by this module's entry point and ``unbroken agent``)."""
+    ap.add_argument("--node-rank", type=int, required=True, help="this node's rank R (0..N-1)")
+    ap.add_argument("--nnodes", type=int, required=True, help="number of nodes N")
+    ap.add_argument("--workers-per-node", type=int, required=True, help="workers per node W")
+    ap.add_argument("--store", required=True, help="HOST:PORT of the job's store")
+    ap.add_argument("--run-dir", type=Path, required=True, help="the run directory (holds config.json)")
+    ap.add_argument("--restart", choices=RESTART_POLICIES, default="on-failure",
+                    help="restart dead workers as joiners (default on-failure)")
+    ap.add_argument("--restart-delay-s", type=float, default=0.0, help="wait before a restart (default 0)")
+    ap.add_argument("--fail-at", default="", help="fault specs, e.g. step=40:worker=2:kill:back=60")
+    ap.add_argument("--faults-trace", type=Path, default=None, help="failure trace JSON (outages -> kill + back)")
+    ap.add_argument("--standby", action="store_true", help="keep a warm standby worker process")
+    ap.add_argument("--start-step", type=int, default=0, help="first step of the initial view (resume)")
+    ap.add_argument("--resume", type=Path, default=None, help="checkpoint the first workers load")
+    ap.add_argument("--timeout-s", type=float, default=30.0, help="store connection and start-up timeout")
+    ap.add_argument("--grace-s", type=float, default=10.0, help="SIGTERM -> SIGKILL grace for workers")
+    ap.add_argument("--host-store", action="store_true",
+                    help="node 0 on a cluster without the launcher: host the store at --store's port")
+
+
+def options_from(a: argparse.Namespace) -> AgentOptions:
+    return AgentOptions(node_rank=a.node_rank, nnodes=a.nnodes, workers_per_node=a.workers_per_node, store=a.store,
+                        run_dir=a.run_dir, restart=a.restart, restart_delay_s=a.restart_delay_s, fail_at=a.fail_at,
+                        faults_trace=a.faults_trace, standby=a.standby, start_step=a.start_step, resume=a.resume,
+                        timeout_s=a.timeout_s, grace_s=a.grace_s, host_store=a.host_store)

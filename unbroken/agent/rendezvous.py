@@ -1,0 +1,167 @@
+"""An agent's entry into the job: its node rank, the job's config, the initial view.
+
+Store keys: ``agent/<R>`` holds the registration token of the agent owning
+node rank ``R`` (set by compare-and-set from "", reset to "" on a clean exit),
+``agent/<R>/pid`` says who that is, ``hb/agent/<R>`` is its heartbeat counter
+(+1 every 100 ms); ``config`` is the job's config JSON (the launcher, or node
+0, writes it first); ``view/0`` and ``gen`` are published by node 0 if absent.
+
+Invariants: at most one live agent holds a node rank (a holder whose heartbeat
+stood still for ``LIVENESS_WINDOW_S`` is presumed lost and may be replaced);
+no agent starts workers under a config that differs from the job's; every
+wait is bounded by the start-up timeout and keeps the heartbeat going, so a
+waiting agent still counts as live.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Callable
+
+import torch.distributed as dist
+
+from unbroken.config import config_diff
+from unbroken.runtime.membership import Membership, View
+
+logger = logging.getLogger(__name__)
+
+HEARTBEAT_S = 0.1
+LIVENESS_WINDOW_S = 0.5  # several heartbeats: a holder silent this long is gone
+PER_MACHINE_FIELDS = frozenset({"data.cache_dir", "train.threads_per_worker"})
+"""Config fields that may differ between nodes (paths and core counts of each machine)."""
+
+
+class StartRefused(RuntimeError):
+    """The agent must not start; the message says why and what to do."""
+
+
+class NodeRegistration:
+    """One agent's hold on its node rank, and its start-up checks."""
+
+    def __init__(self, store: dist.Store, node: int, *, timeout_s: float,
+                 interrupted: Callable[[], bool] = lambda: False) -> None:
+        self.store, self.node, self.timeout_s, self.interrupted = store, node, timeout_s, interrupted
+        self.token = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.took_over = False
+        self.registered = False
+        self._next_hb = 0.0
+
+    def register(self) -> None:
+        """Take node rank ``R``; refuse if a live agent holds it.
+
+        Raises:
+            StartRefused: another live agent holds the rank.
+        """
+        key = f"agent/{self.node}"
+        holder = self.store.compare_set(key, "", self.token).decode()
+        if holder != self.token:
+            pid = self.store.get(f"{key}/pid").decode() if self.store.check([f"{key}/pid"]) else "unknown"
+            if self._holder_alive():
+                raise StartRefused(f"an agent with node rank {self.node} is already running (pid {pid}); "
+                                   f"stop it or pick another --node-rank")
+            if self.store.compare_set(key, holder, self.token).decode() != self.token:
+                raise StartRefused(f"an agent with node rank {self.node} registered at the same time; retry")
+            logger.warning("[node %d] took over the node rank from a silent agent (pid %s)", self.node, pid)
+            self.took_over = True
+        self.registered = True
+        self.store.set(f"{key}/pid", f"{os.getpid()} on {socket.gethostname()}")
+        self.heartbeat(time.monotonic())
+
+    def _holder_alive(self) -> bool:
+        key = f"hb/agent/{self.node}"
+        first = self.store.add(key, 0)
+        deadline = time.monotonic() + LIVENESS_WINDOW_S
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+            if self.store.add(key, 0) != first:
+                return True
+        return False
+
+    def heartbeat(self, now: float) -> None:
+        """Beat if the interval has passed (called from the agent's loop)."""
+        if now >= self._next_hb:
+            self._next_hb = now + HEARTBEAT_S
+            self.store.add(f"hb/agent/{self.node}", 1)
+
+    def release(self) -> None:
+        """Give the rank back so a successor need not wait out the liveness window."""
+        if self.registered:
+            self.store.compare_set(f"agent/{self.node}", self.token, "")
+            self.registered = False
+
+    def wait_released(self, nnodes: int, timeout_s: float) -> None:
+        """Node 0 hosting the store: let the other agents see the end before the store goes.
+
+        Waits until every other node rank is released ("" or never taken), at
+        most ``timeout_s`` (a lost node never releases its rank).
+        """
+        deadline = time.monotonic() + timeout_s
+        others = [f"agent/{r}" for r in range(nnodes) if r != self.node]
+        while time.monotonic() < deadline:
+            if all(not self.store.check([k]) or self.store.get(k) == b"" for k in others):
+                return
+            time.sleep(0.05)
+        logger.warning("[node %d] other agents still registered after %.0f s; closing the store", self.node, timeout_s)
+
+    def wait_key(self, key: str, what: str) -> None:
+        """Wait for ``key`` up to the start-up timeout, heartbeating meanwhile.
+
+        Raises:
+            StartRefused: the key did not appear in time, or the agent was interrupted.
+        """
+        deadline = time.monotonic() + self.timeout_s
+        while not self.store.check([key]):
+            if time.monotonic() > deadline:
+                raise StartRefused(f"node {self.node}: {what} within {self.timeout_s:.0f} s "
+                                   f"(store key {key!r}); is the node-0 agent running?")
+            if self.interrupted():
+                raise StartRefused(f"node {self.node}: interrupted while starting")
+            self.heartbeat(time.monotonic())
+            time.sleep(0.01)
+
+    def check_config(self, run_dir: Path) -> dict[str, Any]:
+        """Compare ``run_dir/config.json`` with the job's ``config`` (node 0 publishes it if absent).
+
+        Returns:
+            The config (``Config.to_dict()`` form).
+
+        Raises:
+            StartRefused: no config.json, or it differs; the message names the fields and both values.
+        """
+        path = run_dir / "config.json"
+        if not path.is_file():
+            raise StartRefused(f"node {self.node}: {path} does not exist; give the run directory the launcher "
+                               f"prepared (or copy the run's config.json there)")
+        mine = json.loads(path.read_text())
+        if self.node == 0:
+            job = self.store.compare_set("config", "", json.dumps(mine)).decode()
+        else:
+            self.wait_key("config", "node 0 (or the launcher) has not published the job's config")
+            job = self.store.get("config").decode()
+        theirs = json.loads(job)
+        diff = [f for f in config_diff(theirs, mine) if f not in PER_MACHINE_FIELDS]
+        if diff:
+            values = "; ".join(f"{f}: job {_field(theirs, f)!r}, here {_field(mine, f)!r}" for f in diff)
+            raise StartRefused(f"node {self.node}: {path} differs from the job's config in {', '.join(diff)} "
+                               f"({values}); use the same config on every node")
+        return mine
+
+    def initial_view(self, n_workers: int, start_step: int) -> View:
+        """The current view; node 0 first publishes generation 0 (all workers, from ``start_step``) if absent."""
+        m = Membership(self.store, -1, heartbeat_timeout_s=1.0)
+        if self.node == 0:
+            m.publish_initial(View(gen=0, members=tuple(range(n_workers)), step=start_step, reason="start"))
+        else:
+            self.wait_key("gen", "node 0 has not published the initial view")
+        return m.current_view()
+
+
+def _field(d: dict[str, Any], dotted: str) -> Any:
+    section, _, name = dotted.partition(".")
+    return d.get(section, {}).get(name)

@@ -1,0 +1,497 @@
+"""What covering a failed slot costs under each takeover policy, and how wrong MeCeFO's gradient is.
+
+Three measurements, all in one process on the CPU, deterministic except wall time:
+
+1. **cost**: FLOPs (FlopCounterMode, forward + backward, recompute and
+   low-rank math included; SVDs added from Golub & Van Loan's count, amortised
+   over tau) and activation bytes saved for backward, of the covering worker
+   relative to a normal worker (one exact micro-batch), per policy and n:
+   ``neighbor`` = own + failed micro-batch, both approximate; ``spread`` = own
+   exact + 1/(n-1) of a micro-batch exact; ``spread-approx`` = the same with
+   the share approximate. FLOPs and bytes are linear in rows, so the 1/(n-1)
+   share is scaled exactly; presets deeper than 4 layers are measured at 1
+   and 2 layers and extrapolated linearly (identical blocks: exact).
+2. **grad_error**: ``||g~ - g|| / ||g||`` per component (attention, ffn, rest,
+   total) of one approximate micro-batch, and of the aggregated n-slot
+   gradient with one slot covered, along a short exact training run on real
+   text, with a sweep over rank and tau (bases taken from the weights tau/2
+   and tau-1 steps before, the mid and the end of a refresh period).
+3. **wall**: step time of the covering worker over a normal one, timed
+   interleaved in the same run (median of repetitions).
+
+Saved bytes are reported two ways: ``peak`` (micro-batches one after the
+other, as ``compute_gradient_sums`` runs them: the largest one counts) and
+``both`` (all of a worker's rows in one forward, the paper's setting).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import math
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+from unbroken.mecefo.adapter import LlamaAdapter
+from unbroken.mecefo.costs import COMPONENTS, SavedBytes, count_flops, relative_errors, svd_flops_per_refresh
+from unbroken.mecefo.gradients import BatchFn, GradLayout, SlotWork, compute_gradient_sums
+from unbroken.models import Transformer, model_args
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_OUT = "benchmarks/results/mecefo_cost.json"
+POLICIES = ("neighbor", "spread", "spread-approx")
+TARGETS = {"neighbor_flops": 1.75, "neighbor_saved_bytes": 1.3}
+# (micro_batch, seq_len) when not given: CPU-sized, state in the JSON.
+DEFAULT_SHAPES = {"debug": (4, 128), "tiny": (4, 128), "llama-350m": (1, 256)}
+MAX_MEASURED_LAYERS = 4
+
+
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m unbroken.bench.mecefo_cost", description=__doc__.split("\n")[0])
+    ints = lambda s: [int(v) for v in s.split(",") if v]  # noqa: E731
+    names = lambda s: [v for v in s.split(",") if v]  # noqa: E731
+    p.add_argument("--presets", type=names, default=["debug", "tiny", "llama-350m"], help="cost presets")
+    p.add_argument("--n", type=ints, default=[4, 8], help="data-parallel sizes")
+    p.add_argument("--seq-len", type=int, default=None, help="override every preset's sequence length")
+    p.add_argument("--micro-batch", type=int, default=None, help="override every preset's micro-batch")
+    p.add_argument("--rank", type=int, default=8)
+    p.add_argument("--tau", type=int, default=50)
+    p.add_argument("--error-presets", type=names, default=["debug", "tiny"])
+    p.add_argument("--train-steps", type=int, default=200, help="exact training steps before/between checks")
+    p.add_argument("--checkpoints", type=int, default=2, help="gradient checks, evenly spaced up to train-steps")
+    p.add_argument("--error-seq-len", type=int, default=64, help="sequence length of the grad_error runs")
+    p.add_argument("--ranks", type=ints, default=[2, 4, 8, 16, 32])
+    p.add_argument("--taus", type=ints, default=[1, 10, 50, 200])
+    p.add_argument("--wall-presets", type=names, default=["debug", "tiny"])
+    p.add_argument("--wall-reps", type=int, default=9)
+    p.add_argument("--data", choices=("stdlib", "random"), default="stdlib", help="tokens for grad_error")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch intra-op threads; 1 keeps timings stable on a shared machine")
+    p.add_argument("--out", default=DEFAULT_OUT)
+    a = p.parse_args(argv)
+    errors = [f"--n {n}: must be >= 3 (neighbor needs an exact slot left)" for n in a.n if n < 3]
+    errors += [f"--{k} {v}: must be >= 1" for k, v in
+               (("rank", a.rank), ("tau", a.tau), ("train-steps", a.train_steps), ("checkpoints", a.checkpoints),
+                ("wall-reps", a.wall_reps), ("error-seq-len", a.error_seq_len), ("threads", a.threads)) if v < 1]
+    if errors:
+        p.error("; ".join(errors))
+    return a
+
+
+def _shape(preset: str, a: argparse.Namespace) -> tuple[int, int]:
+    mb, seq = DEFAULT_SHAPES.get(preset, (1, 128))
+    return a.micro_batch or mb, a.seq_len or seq
+
+
+def _random_batches(vocab: int, micro_batch: int, seq: int, seed: int) -> BatchFn:
+    def batch_fn(step: int, slot: int, rows: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(seed * 1_000_003 + step * 1009 + slot)
+        xy = torch.randint(0, vocab, (micro_batch, seq + 1), generator=g)[rows[0]:rows[1]]
+        return xy[:, :-1], xy[:, 1:]
+    return batch_fn
+
+
+def _window_batches(tokens: torch.Tensor, micro_batch: int, seq: int, seed: int) -> BatchFn:
+    """Random windows of a token stream, a pure function of (step, slot)."""
+    def batch_fn(step: int, slot: int, rows: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(seed * 1_000_003 + step * 1009 + slot)
+        starts = torch.randint(0, len(tokens) - seq - 1, (micro_batch,), generator=g)[rows[0]:rows[1]]
+        xy = torch.stack([tokens[s:s + seq + 1] for s in starts.tolist()])
+        return xy[:, :-1], xy[:, 1:]
+    return batch_fn
+
+
+def _model(preset: str, seq: int, seed: int, **overrides: int) -> Transformer:
+    torch.manual_seed(seed)
+    model = Transformer(model_args(preset, max_seq_len=max(seq, 16), **overrides))
+    model.init_weights(seed=seed)
+    return model
+
+
+def _run(model: Transformer, adapter: LlamaAdapter, work: list[SlotWork], *, step: int, micro_batch: int,
+         batch_fn: BatchFn, layout: GradLayout | None = None) -> torch.Tensor:
+    layout = layout or GradLayout(model, adapter)
+    return compute_gradient_sums(model, adapter, layout, work, step=step, micro_batch=micro_batch,
+                                 batch_fn=batch_fn)
+
+
+# ---- 1. FLOPs and saved bytes -------------------------------------------------------------
+
+
+def _measure_modes(preset: str, n_layers: int, mb: int, seq: int, a: argparse.Namespace, *, rank: int,
+                   full: bool = True) -> dict[str, float]:
+    """FLOPs and saved bytes of one micro-batch per mode; SVD FLOPs of one refresh apart.
+
+    With ``full``, also: approximate mode without recomputation (its extra bytes
+    per block are what recomputation rebuilds transiently in backward) and one
+    exact row (FLOPs must be linear in rows for the spread share to scale).
+    """
+    model = _model(preset, seq, a.seed, n_layers=n_layers)
+    adapter = LlamaAdapter(model, rank=rank, tau=a.tau)
+    adapter.prepare(0)  # SVDs outside the counted region; they are added analytically
+    kinds = {"approx": (adapter, "approx", mb)}
+    if full:
+        stored = LlamaAdapter(model, rank=rank, tau=a.tau, recompute=False)
+        stored.basis = adapter.basis  # same rank and tau: share the bases instead of redoing the SVDs
+        kinds.update(exact=(adapter, "exact", mb), approx_norecompute=(stored, "approx", mb),
+                     exact_row=(adapter, "exact", 1))
+    batch_fn = _random_batches(model.args.vocab_size, mb, seq, a.seed)
+    out = {"svd_flops": float(svd_flops_per_refresh(adapter))}
+    for kind, (adp, mode, rows) in kinds.items():
+        work = [SlotWork(0, (0, rows), mode)]
+        with SavedBytes(model) as saved:
+            out[f"{kind}_flops"] = float(count_flops(lambda: _run(model, adp, work, step=0, micro_batch=mb,
+                                                                   batch_fn=batch_fn)))
+        out[f"{kind}_bytes"] = float(saved.bytes)
+    if full:
+        out["recompute_transient_bytes"] = (out["approx_norecompute_bytes"] - out["approx_bytes"]) / n_layers
+    return out
+
+
+def _cost(preset: str, a: argparse.Namespace) -> dict:
+    mb, seq = _shape(preset, a)
+    full_layers = model_args(preset).n_layers
+    layers = [full_layers] if full_layers <= MAX_MEASURED_LAYERS else [1, 2]
+    measured = [_measure_modes(preset, n, mb, seq, a, rank=a.rank) for n in layers]
+    if len(measured) == 1:
+        m = measured[0]
+    else:  # cost(L) = cost(1) + (L - 1) * (cost(2) - cost(1)), exact for identical blocks
+        m = {k: measured[0][k] + (full_layers - 1) * (measured[1][k] - measured[0][k]) for k in measured[0]}
+        m["recompute_transient_bytes"] = measured[0]["recompute_transient_bytes"]  # per block, not per model
+    sweep = _rank_tau_flops(preset, mb, seq, layers[0], full_layers, measured[0], m, a)
+    svd_per_step = m["svd_flops"] / a.tau
+    ef, eb, af = m["exact_flops"], m["exact_bytes"], m["approx_flops"]
+    ab = m["approx_bytes"] + m["recompute_transient_bytes"]  # one block's FFN is rebuilt at a time
+    policies: dict[str, dict] = {}
+    for n in a.n:
+        share = 1.0 / (n - 1)
+        # (flops, peak bytes with micro-batches in sequence, bytes with all rows in one forward)
+        rows = {
+            "neighbor": (2 * af + svd_per_step, ab, 2 * ab),
+            "spread": (ef * (1 + share), eb, eb * (1 + share)),
+            "spread-approx": (ef + share * af + svd_per_step, eb, eb + share * ab),
+        }
+        policies[f"n={n}"] = {
+            name: {"flops_ratio": f / ef, "flops_ratio_without_svd": (f - (svd_per_step if "approx" in name or
+                                                                           name == "neighbor" else 0)) / ef,
+                   "saved_bytes_ratio_peak": pk / eb, "saved_bytes_ratio_both": both / eb}
+            for name, (f, pk, both) in rows.items()
+        }
+    nb = policies[f"n={a.n[0]}"]["neighbor"]
+    return {
+        "shape": {"micro_batch": mb, "seq_len": seq, "layers": full_layers, "layers_measured": layers,
+                  "extrapolated": len(layers) > 1, "device": "cpu", "dtype": "float32"},
+        "rank": a.rank, "tau": a.tau,
+        "normal": {"flops": ef, "saved_bytes": eb},
+        "approx_microbatch": {"flops": af, "saved_bytes": m["approx_bytes"],
+                              "recompute_transient_bytes": m["recompute_transient_bytes"],
+                              "saved_bytes_without_recompute": m["approx_norecompute_bytes"],
+                              "flops_ratio": af / ef, "saved_bytes_ratio": ab / eb},
+        "rows_linearity": m["exact_row_flops"] * mb / ef,
+        "svd": {"flops_per_refresh": m["svd_flops"], "flops_per_step": svd_per_step,
+                "share_of_neighbor_step": svd_per_step / (2 * af + svd_per_step)},
+        "policies": policies,
+        "sweep": sweep,
+        "targets": {"neighbor_flops<=1.75": nb["flops_ratio"] <= TARGETS["neighbor_flops"],
+                    "neighbor_saved_bytes_both<=1.3": nb["saved_bytes_ratio_both"] <= TARGETS["neighbor_saved_bytes"],
+                    "spread<=1+1/(n-1)": all(policies[f"n={n}"]["spread"]["flops_ratio"] <= 1 + 1 / (n - 1) + 1e-9
+                                            for n in a.n)},
+    }
+
+
+def _rank_tau_flops(preset: str, mb: int, seq: int, layers: int, full_layers: int, at_rank: dict[str, float],
+                    full: dict[str, float], a: argparse.Namespace) -> list[dict]:
+    """Neighbor FLOP ratio per (rank, tau); rank changes only block costs, so deeper presets scale a
+    ``layers``-deep measurement by ``full_layers / layers``."""
+    approx = {a.rank: full["approx_flops"]}
+    for r in a.ranks:
+        if r not in approx:
+            m = _measure_modes(preset, layers, mb, seq, a, rank=r, full=False)
+            approx[r] = full["approx_flops"] + (m["approx_flops"] - at_rank["approx_flops"]) * full_layers / layers
+    return [{"rank": r, "tau": tau, "neighbor_flops_ratio": (2 * approx[r] + full["svd_flops"] / tau)
+             / full["exact_flops"]} for r in a.ranks for tau in a.taus]
+
+
+# ---- 2. gradient error --------------------------------------------------------------------
+
+
+def _stdlib_tokens(vocab: int) -> torch.Tensor:
+    """~0.5M BPE tokens of the interpreter's standard library (the project's default corpus)."""
+    from unbroken.data.corpus import open_stdlib_corpus
+    from unbroken.data.tokenizer import EOT_ID, BPETokenizer, train_bpe
+
+    texts = list(open_stdlib_corpus().truncate(2_000_000).texts())
+    tok = BPETokenizer(train_bpe(texts, vocab_size=vocab, length=len(texts)))
+    ids: list[int] = []
+    for doc in tok.encode_batch(texts):
+        ids.extend(doc)
+        ids.append(EOT_ID)
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def _summary(samples: list[dict[str, float]]) -> dict[str, dict[str, float]]:
+    return {c: {"mean": statistics.fmean(s[c] for s in samples), "max": max(s[c] for s in samples)}
+            for c in samples[0]}
+
+
+def _set_ffn(model: Transformer, weights: dict[str, torch.Tensor]) -> None:
+    with torch.no_grad():
+        for name, w in weights.items():
+            model.get_submodule(name).weight.copy_(w)
+
+
+def _ffn_weights(model: Transformer, adapter: LlamaAdapter) -> dict[str, torch.Tensor]:
+    return {name: model.get_submodule(name).weight.detach().clone()
+            for parts in adapter.blocks() for name in parts.ffn_linears}
+
+
+def _grad_error(preset: str, tokens: torch.Tensor | None, a: argparse.Namespace) -> dict:
+    mb, seq = _shape(preset, a)[0], a.error_seq_len
+    model = _model(preset, seq, a.seed)
+    vocab = model.args.vocab_size
+    batch_fn = (_window_batches(tokens, mb, seq, a.seed) if tokens is not None
+                else _random_batches(vocab, mb, seq, a.seed))
+    adapters = {r: LlamaAdapter(model, rank=r, tau=a.tau) for r in sorted({*a.ranks, a.rank})}
+    layout = GradLayout(model, adapters[a.rank])
+    checks = sorted({round(a.train_steps * (i + 1) / a.checkpoints) for i in range(a.checkpoints)})
+    ages = sorted({age for tau in {*a.taus, a.tau} for age in ((tau - 1) // 2, tau - 1)})
+    wanted = {c - min(age, c) for c in checks for age in ages}
+    train_slots = 4
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    snapshots: dict[int, dict[str, torch.Tensor]] = {}
+    losses: dict[int, float] = {}
+    samples: dict[tuple[int, int], list[dict]] = {}  # (rank, basis age) -> error dicts
+    f_slot = 1
+    for step in range(checks[-1] + 1):
+        if step in wanted:
+            snapshots[step] = _ffn_weights(model, adapters[a.rank])
+        if step in checks:
+            _check(model, adapters, layout, snapshots, step, ages, samples, batch_fn, mb, f_slot, a)
+        buf = _run(model, adapters[a.rank], [SlotWork(s, (0, mb)) for s in range(train_slots)], step=step,
+                   micro_batch=mb, batch_fn=batch_fn, layout=layout)
+        losses[step] = layout.loss_sum(buf) / layout.token_count(buf)
+        for i, p in enumerate(layout.params):
+            p.grad = layout.grad_view(buf, i) / train_slots
+        opt.step()
+    sweep = []
+    for r in a.ranks:
+        for tau in a.taus:
+            mid, worst = (tau - 1) // 2, tau - 1
+            per_mb = [s["microbatch"] for age in (mid, worst) for s in samples[(r, age)]]
+            row = {"rank": r, "tau": tau, "ffn_microbatch": _summary(per_mb)["ffn"],
+                   "total_microbatch": _summary(per_mb)["total"]}
+            for n in a.n:
+                for policy in ("neighbor", "spread-approx"):
+                    agg = [s[f"n={n}"][policy] for age in (mid, worst) for s in samples[(r, age)]]
+                    summary = _summary(agg)
+                    row[f"{policy}_n={n}_ffn"] = summary["ffn"]
+                    row[f"{policy}_n={n}_total"] = summary["total"]
+            sweep.append(row)
+    default = [s for age in ((a.tau - 1) // 2, a.tau - 1) for s in samples[(a.rank, age)]]
+    return {
+        "shape": {"micro_batch": mb, "seq_len": seq, "train_slots": train_slots, "failed_slot": f_slot,
+                  "covering_slot": f_slot + 1, "optimizer": "AdamW lr 1e-3 betas (0.9, 0.95) wd 0.1"},
+        "checkpoints": checks, "loss": {str(s): losses[s] for s in (0, *checks) if s in losses},
+        "default": {"rank": a.rank, "tau": a.tau, "microbatch": _summary([s["microbatch"] for s in default]),
+                    "aggregated": {f"n={n}": {p: _summary([s[f"n={n}"][p] for s in default])
+                                              for p in ("neighbor", "spread-approx")} for n in a.n}},
+        "sweep": sweep,
+    }
+
+
+def _check(model: Transformer, adapters: dict[int, LlamaAdapter], layout: GradLayout,
+           snapshots: dict[int, dict[str, torch.Tensor]], step: int, ages: list[int],
+           samples: dict[tuple[int, int], list[dict]], batch_fn: BatchFn, mb: int, f_slot: int,
+           a: argparse.Namespace) -> None:
+    """Errors at ``step`` for every rank and basis age; appends to ``samples[(rank, age)]``."""
+
+    def run(slot: int, mode: str, adapter: LlamaAdapter) -> torch.Tensor:
+        return _run(model, adapter, [SlotWork(slot, (0, mb), mode)], step=step, micro_batch=mb,
+                    batch_fn=batch_fn, layout=layout)
+
+    any_adapter = next(iter(adapters.values()))
+    exact = [run(s, "exact", any_adapter) for s in range(max(a.n))]
+    current = _ffn_weights(model, any_adapter)
+    for r, adapter in adapters.items():
+        for age in ages:
+            # The basis a covering worker would hold: computed `age` steps ago, at its period's first use.
+            _set_ffn(model, snapshots[step - min(age, step)])
+            adapter.basis.clear()
+            adapter.prepare(step)
+            _set_ffn(model, current)
+            approx = {s: run(s, "approx", adapter) for s in (f_slot, f_slot + 1)}
+            sample = {"microbatch": relative_errors(layout, approx[f_slot], exact[f_slot])}
+            for n in a.n:
+                ref = torch.stack(exact[:n]).sum(0)  # the all-reduced buffer with no failure
+                neighbor = ref - exact[f_slot] - exact[f_slot + 1] + approx[f_slot] + approx[f_slot + 1]
+                spread_approx = ref - exact[f_slot] + approx[f_slot]
+                sample[f"n={n}"] = {"neighbor": relative_errors(layout, neighbor, ref),
+                                    "spread-approx": relative_errors(layout, spread_approx, ref)}
+            samples.setdefault((r, age), []).append(sample)
+
+
+# ---- 3. wall-clock ------------------------------------------------------------------------
+
+
+def _wall(preset: str, a: argparse.Namespace) -> dict:
+    mb, seq = _shape(preset, a)
+    model = _model(preset, seq, a.seed)
+    adapter = LlamaAdapter(model, rank=a.rank, tau=a.tau)
+    batch_fn = _random_batches(model.args.vocab_size, mb, seq, a.seed)
+    layout = GradLayout(model, adapter)
+    t0 = time.perf_counter()
+    adapter.prepare(0)
+    svd_s = time.perf_counter() - t0
+    full = (0, mb)
+    work: dict[str, list[SlotWork]] = {"normal": [SlotWork(0, full)],
+                                       "neighbor": [SlotWork(0, full, "approx"), SlotWork(1, full, "approx")]}
+    for n in a.n:
+        rows = (0, math.ceil(mb / (n - 1)))  # the largest share a survivor gets
+        work[f"spread n={n}"] = [SlotWork(0, full), SlotWork(1, rows)]
+        work[f"spread-approx n={n}"] = [SlotWork(0, full), SlotWork(1, rows, "approx")]
+    times: dict[str, list[float]] = {k: [] for k in work}
+    for rep in range(a.wall_reps + 2):  # two warm-up rounds
+        for name, items in work.items():  # interleaved, so drifts hit every policy alike
+            t0 = time.perf_counter()
+            _run(model, adapter, items, step=0, micro_batch=mb, batch_fn=batch_fn, layout=layout)
+            if rep >= 2:
+                times[name].append(time.perf_counter() - t0)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    best = {k: min(v) for k, v in times.items()}  # less sensitive to a shared machine's bursts
+    svd_per_step = svd_s / a.tau
+    out = {"shape": {"micro_batch": mb, "seq_len": seq, "threads": torch.get_num_threads(), "reps": a.wall_reps},
+           "normal_s": med["normal"], "svd_refresh_s": svd_s, "ratios": {}}
+    for name in work:
+        if name == "normal":
+            continue
+        uses_svd = "approx" in name or name == "neighbor"
+        ratio = med[name] / med["normal"]
+        out["ratios"][name] = {"ratio": ratio, "ratio_with_svd": ratio + (svd_per_step / med["normal"]) * uses_svd,
+                               "ratio_of_minima": best[name] / best["normal"],
+                               "rows": [it.n_rows for it in work[name]]}
+    return out
+
+
+# ---- CLI ----------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Run the benchmark, print a table, write the JSON to ``--out`` and return it."""
+    a = _parse(argv)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(a.threads)
+    try:
+        return _main(a)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _main(a: argparse.Namespace) -> dict:
+    result: dict = {"config": {k: v for k, v in vars(a).items()}, "method": _METHOD, "cost": {}, "grad_error": {},
+                    "wall": {}}
+    t_start = time.perf_counter()
+    timings = result["timings_s"] = {}
+    for preset in a.presets:
+        result["cost"][preset] = _cost(preset, a)
+    timings["cost"] = time.perf_counter() - t_start
+    tokens, source = None, "random tokens"
+    if a.error_presets and a.data == "stdlib":
+        try:
+            tokens = _stdlib_tokens(model_args(a.error_presets[0]).vocab_size)
+            source = f"stdlib sources, BPE vocab {model_args(a.error_presets[0]).vocab_size}, {len(tokens)} tokens"
+        except (OSError, ValueError) as e:  # no readable stdlib: the error figures still mean something
+            logger.warning("stdlib corpus unavailable (%s); using random tokens", e)
+            source = f"random tokens (stdlib corpus failed: {e})"
+    result["grad_error_data"] = source
+    for preset in a.error_presets:
+        use = tokens if tokens is not None and model_args(preset).vocab_size >= int(tokens.max()) + 1 else None
+        result["grad_error"][preset] = _grad_error(preset, use, a)
+    timings["grad_error"] = time.perf_counter() - t_start - timings["cost"]
+    for preset in a.wall_presets:
+        result["wall"][preset] = _wall(preset, a)
+    timings["wall"] = time.perf_counter() - t_start - timings["cost"] - timings["grad_error"]
+    result["elapsed_s"] = time.perf_counter() - t_start
+    _print_table(result, a)
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
+_METHOD = {
+    "flops": "FlopCounterMode (2 per multiply-add) over forward+backward of compute_gradient_sums; CPU flash "
+             "attention counted with FlopCounterMode's SDPA formulas, halved for causal; SVD (not counted by "
+             "FlopCounterMode) added as Golub-Van Loan R-SVD 6*p*q^2+20*q^3 per FFN weight (p=max, q=min of its "
+             "shape), once per tau steps per covering worker",
+    "saved_bytes": "distinct storages packed by saved_tensors_hooks during one micro-batch, parameters and "
+                   "buffers excluded; an approximate micro-batch adds the recompute transient (one block's FFN "
+                   "intermediates, measured as the no-recompute excess per block); peak = micro-batches in "
+                   "sequence (the largest counts), both = all of a worker's rows in one forward (sum)",
+    "spread_share": "1/(n-1) of a micro-batch: FLOPs and bytes scaled from the full micro-batch (exactly "
+                    "linear in rows); wall time uses ceil(micro_batch/(n-1)) real rows",
+    "extrapolation": "presets deeper than 4 layers are measured with 1 and 2 layers, cost(L) = "
+                     "cost(1) + (L-1)*(cost(2)-cost(1))",
+    "grad_error": "||g~-g||/||g|| per component; per micro-batch (failed slot, approx) and aggregated over n "
+                  "slots (neighbor: failed + covering slot approx, attention over the n-2 exact slots; "
+                  "spread-approx: failed slot approx); bases from the weights (tau-1)//2 and tau-1 steps "
+                  "earlier (mid / end of a refresh period), mean and max over both and all checkpoints",
+}
+
+
+def _fmt(x: float) -> str:
+    return f"{x:6.3f}"
+
+
+def _print_table(r: dict, a: argparse.Namespace) -> None:
+    print("== cost of covering a failed slot (covering worker / normal worker) ==")
+    print(f"{'preset':<11}{'n':>3} {'policy':<14}{'FLOPs':>7}{'-svd':>7}{'bytes pk':>9}{'bytes both':>11}  shape")
+    for preset, c in r["cost"].items():
+        sh = c["shape"]
+        for n_key, pol in c["policies"].items():
+            for name, v in pol.items():
+                print(f"{preset:<11}{n_key[2:]:>3} {name:<14}{_fmt(v['flops_ratio']):>7}"
+                      f"{_fmt(v['flops_ratio_without_svd']):>7}{_fmt(v['saved_bytes_ratio_peak']):>9}"
+                      f"{_fmt(v['saved_bytes_ratio_both']):>11}  mb={sh['micro_batch']} T={sh['seq_len']}"
+                      f"{' (extrapolated)' if sh['extrapolated'] else ''}")
+        print(f"{'':14} approx micro-batch alone: FLOPs {_fmt(c['approx_microbatch']['flops_ratio'])}, "
+              f"bytes {_fmt(c['approx_microbatch']['saved_bytes_ratio'])}; SVD share of neighbor step "
+              f"{c['svd']['share_of_neighbor_step']:.1%}; targets {c['targets']}")
+    print(f"\n== gradient error, rank {a.rank} tau {a.tau} ({r['grad_error_data']}): mean / max ==")
+    for preset, g in r["grad_error"].items():
+        rows = [("micro-batch", g["default"]["microbatch"])]
+        rows += [(f"{p} n={n[2:]}", v) for n, d in g["default"]["aggregated"].items() for p, v in d.items()]
+        for label, comps in rows:
+            print(f"{preset:<7}{label:<20}" + "".join(f"{c}={comps[c]['mean']:.3f}/{comps[c]['max']:.3f}  "
+                                                       for c in COMPONENTS))
+    print("\n== sweep (means): per micro-batch ffn/total | neighbor aggregated ffn/total | neighbor FLOPs ==")
+    for preset, g in r["grad_error"].items():
+        flops = {(x["rank"], x["tau"]): x["neighbor_flops_ratio"] for x in r["cost"].get(preset, {}).get("sweep", [])}
+        for row in g["sweep"]:
+            agg = "  ".join(f"n={n}: {row[f'neighbor_n={n}_ffn']['mean']:.3f}/{row[f'neighbor_n={n}_total']['mean']:.3f}"
+                            for n in a.n)
+            f = flops.get((row["rank"], row["tau"]))
+            print(f"{preset:<7}r={row['rank']:<3} tau={row['tau']:<4} {row['ffn_microbatch']['mean']:.3f}/"
+                  f"{row['total_microbatch']['mean']:.3f} | {agg} | {'' if f is None else _fmt(f)}")
+    for preset, c in r["cost"].items():
+        if preset not in r["grad_error"]:
+            print(f"{preset:<11} neighbor FLOPs by (rank, tau): " + " ".join(
+                f"{x['rank']}/{x['tau']}={x['neighbor_flops_ratio']:.3f}" for x in c["sweep"]))
+    print("\n== wall-clock (median, interleaved): covering / normal ==")
+    for preset, w in r["wall"].items():
+        for name, v in w["ratios"].items():
+            print(f"{preset:<7}{name:<20}{_fmt(v['ratio'])}  with amortised SVD {_fmt(v['ratio_with_svd'])}"
+                  f"  (ratio of minima {_fmt(v['ratio_of_minima'])})"
+                  f"  rows {v['rows']}")
+    print(f"elapsed {r['elapsed_s']:.1f}s")
+
+
+if __name__ == "__main__":
+    main()

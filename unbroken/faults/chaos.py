@@ -1,0 +1,143 @@
+"""Faults from outside a running job: real signals to the pids its run directory names.
+
+``unbroken chaos --run-dir DIR --fail-at SPEC`` plays an operator (or a
+failing machine) next to a job started by ``unbroken train``:
+
+* progress is the ``step`` of the newest train line of ``metrics.jsonl``
+  (committed steps, written by the metrics leader every ``train.log_every``
+  steps); a spec fires once that reaches its ``step``, as with the agent;
+* ``worker=I`` signals the pid in ``pids/w<I>`` (the current incarnation);
+* ``node=R`` signals the whole node: first its agent (``pids/agent<R>``, so it
+  cannot react), then its workers (``layout.json`` maps nodes to workers). A
+  SIGKILLed agent takes its workers with it anyway; a stopped node is
+  continued as a whole after ``for=``.
+
+Not supported, with an error up front: ``phase=`` (only the worker itself
+knows where in a step it is: use ``unbroken train --fail-at``) and ``back=``
+(restarts are the agent's: its restart policy brings a killed worker back).
+
+Invariants: a signal goes only to a pid that a pid file names at that moment
+and that is alive (not a zombie); each spec fires at most once; the tool
+exits when every spec has fired and every stop was continued, when the run
+has finished, or at its timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from unbroken.faults.fail_at import FaultSpec, format_fail_at, parse_fail_at
+from unbroken.faults.injector import signal_for, workers_of
+from unbroken.jsonl import JsonlTail, JsonlWriter
+
+logger = logging.getLogger(__name__)
+
+POLL_S = 0.02
+
+
+def check_chaos_specs(specs: tuple[FaultSpec, ...]) -> None:
+    """Raises ValueError naming every spec the chaos tool cannot carry out."""
+    problems = []
+    for s in specs:
+        if s.phase != "any":
+            problems.append(f"{format_fail_at([s])}: phase= needs the worker itself; use unbroken train --fail-at")
+        if s.back_step is not None:
+            problems.append(f"{format_fail_at([s])}: back= needs the agent; drop it (the agent's restart "
+                            f"policy brings a killed worker back) or use unbroken train --fail-at")
+    if problems:
+        raise ValueError("unbroken chaos cannot inject:\n  " + "\n  ".join(problems))
+
+
+def run_chaos(run_dir: str | Path, fail_at: str, *, timeout_s: float = 3600.0,
+              on_event: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
+    """Send ``fail_at``'s signals to the job in ``run_dir`` at their steps.
+
+    Returns:
+        The events (also appended to ``events/chaos.jsonl``), one per fired spec or continued stop.
+    Raises:
+        ValueError: not a run directory, or specs that cannot be carried out from outside.
+    """
+    run_dir = Path(run_dir)
+    cfg_file = run_dir / "config.json"
+    if not cfg_file.is_file():
+        raise ValueError(f"--run-dir {run_dir}: no config.json there; is this a running job's directory?")
+    steps = int(json.loads(cfg_file.read_text())["train"]["steps"])
+    specs = parse_fail_at(fail_at)
+    check_chaos_specs(specs)
+    pending = sorted(specs, key=lambda s: s.step)
+    resumes: list[tuple[float, list[int]]] = []
+    tail = JsonlTail(run_dir / "metrics.jsonl")
+    writer = JsonlWriter(run_dir / "events" / "chaos.jsonl")
+    events: list[dict[str, Any]] = []
+    progress, deadline = 0, time.monotonic() + timeout_s
+
+    def emit(rec: dict[str, Any]) -> None:
+        writer.write(rec)
+        events.append(rec)
+        if on_event:
+            on_event(rec)
+
+    try:
+        while pending or resumes:
+            progress = max([progress] + [int(r["step"]) for r in tail.read_new() if r.get("kind") == "train"])
+            if progress >= steps or (run_dir / "summary.json").exists():
+                logger.info("the run finished at step %d; %d spec(s) never fired", progress, len(pending))
+                break
+            if time.monotonic() > deadline:
+                logger.warning("timeout after %.0f s; %d spec(s) never fired", timeout_s, len(pending))
+                break
+            while pending and pending[0].step <= progress:
+                spec = pending.pop(0)
+                pids = _target_pids(run_dir, spec)
+                sent = [p for p in pids if _send(p, signal_for(spec.how))]
+                if spec.duration_s is not None and sent:
+                    resumes.append((time.monotonic() + spec.duration_s, sent))
+                emit({"kind": "event", "event": "fault_injected", "by": "chaos", "spec": format_fail_at([spec]),
+                      "signal": signal_for(spec.how).name, "pids": sent, "progress": progress, "t": time.time()})
+            for item in [r for r in resumes if r[0] <= time.monotonic()]:
+                resumes.remove(item)
+                sent = [p for p in item[1] if _send(p, signal.SIGCONT)]
+                emit({"kind": "event", "event": "fault_resumed", "by": "chaos", "pids": sent, "t": time.time()})
+            time.sleep(POLL_S)
+    finally:
+        writer.close()
+    return events
+
+
+def _target_pids(run_dir: Path, spec: FaultSpec) -> list[int]:
+    """Agent first for a node: it must not see its workers die and react."""
+    pids = run_dir / "pids"
+    if spec.target == "worker":
+        return [p for p in [_read_pid(pids / f"w{spec.index}")] if p is not None]
+    layout = json.loads((run_dir / "layout.json").read_text())
+    names = [f"agent{spec.index}"] + [f"w{w}" for w in workers_of(spec.index, int(layout["workers_per_node"]))]
+    return [p for p in (_read_pid(pids / n) for n in names) if p is not None]
+
+
+def _read_pid(path: Path) -> int | None:
+    try:
+        return int(path.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _send(pid: int, sig: int) -> bool:
+    """Signal a live process; ``False`` if it is gone (or only a zombie)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        if stat.rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+            return False
+    except OSError:
+        if Path("/proc/self").exists():
+            return False  # Linux without that pid: gone
+    try:
+        os.kill(pid, sig)
+        return True
+    except ProcessLookupError:
+        return False

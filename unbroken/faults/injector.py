@@ -1,0 +1,184 @@
+"""Fault scheduling: which signal goes to which process at which step (pure).
+
+The agent of node ``R`` (and the outside ``unbroken chaos`` tool) turns the
+job's :class:`FaultSpec` list into signals. This module decides *what* fires
+*when*; sending the signals is the caller's business, so everything here is
+deterministic and unit-testable.
+
+Step semantics. The store key ``progress`` (and the ``step`` of the last train
+line in ``metrics.jsonl``) holds ``p``, the number of committed steps: step
+``p`` is the one in flight. A spec with ``step=s`` fires as soon as
+``p >= s``, i.e. during step ``s``, or at once if the observer only learns of
+the progress late. ``back=b`` restarts the failed worker(s) once ``p >= b``: they
+are admitted at the first step boundary after their process is ready.
+
+Layout. Worker ``w`` lives on node ``w // workers_per_node``; node ``R`` owns
+workers ``R*W .. R*W + W - 1``.
+
+Who fires what:
+
+* ``phase=any`` specs are fired by the target's agent with a real signal:
+  ``worker`` + kill/stop/term -> SIGKILL/SIGSTOP/SIGTERM to that worker;
+  ``node`` + kill -> SIGKILL to every worker of the node and then to the agent
+  itself (a lost node); ``node`` + stop/term -> that signal to every worker of
+  the node (the agent lives on and supervises).
+* specs with a phase (forward, backward, allreduce) target one worker, which
+  signals *itself* at that point of the step: the agent hands them over on the
+  worker's command line (``--faults``). Node specs must use ``phase=any``.
+
+Invariants: each spec fires at most once per run, resumes included (the
+caller passes the specs that fired before, in ``format_fail_at`` form); a
+spec whose step lies before the progress the schedule starts from never fires
+(those steps were trained before: a resumed run, or an agent that replaced a
+lost one); a death is attributed to at most one injected spec, and only that
+spec's ``back`` is used.
+"""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import dataclass
+from typing import Collection, Iterable
+
+from unbroken.faults.fail_at import FaultSpec, format_fail_at
+
+__all__ = ["DeathCause", "Injection", "NodeFaults", "check_faults", "node_of", "signal_for", "workers_of"]
+
+_SIGNALS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "term": signal.SIGTERM}
+
+
+def signal_for(how: str) -> signal.Signals:
+    """The real signal of a spec's ``how``."""
+    return _SIGNALS[how]
+
+
+def node_of(worker: int, workers_per_node: int) -> int:
+    return worker // workers_per_node
+
+
+def workers_of(node: int, workers_per_node: int) -> range:
+    return range(node * workers_per_node, (node + 1) * workers_per_node)
+
+
+def check_faults(specs: Iterable[FaultSpec], *, n_nodes: int, workers_per_node: int) -> None:
+    """Check that every spec can be carried out on this job's layout.
+
+    Raises:
+        ValueError: listing every target out of range and every node spec with
+            a phase (a phase is a point in one worker's step; use worker=).
+    """
+    n_workers = n_nodes * workers_per_node
+    problems = []
+    for s in specs:
+        item = format_fail_at([s])
+        bound = n_workers if s.target == "worker" else n_nodes
+        if s.index >= bound:
+            problems.append(f"{item}: {s.target}={s.index} out of range; expected 0..{bound - 1} "
+                            f"({n_nodes} node(s) x {workers_per_node} worker(s))")
+        if s.target == "node" and s.phase != "any":
+            problems.append(f"{item}: phase={s.phase} needs a worker target (the worker signals itself at "
+                            f"that point of its step); use worker=I or drop phase=")
+    if problems:
+        raise ValueError("fault specs do not fit the job:\n  " + "\n  ".join(problems))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Injection:
+    """Signals to send now, for one spec.
+
+    Attributes:
+        spec: the spec that fired.
+        workers: the target workers (global ids) on this node.
+        signal: what to send each of them.
+        kill_agent: a lost node: after the workers, the agent SIGKILLs itself.
+        resume_after_s: send SIGCONT to the same processes after this long.
+    """
+
+    spec: FaultSpec
+    workers: tuple[int, ...]
+    signal: signal.Signals
+    kill_agent: bool = False
+    resume_after_s: float | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeathCause:
+    """What a worker's death is attributed to."""
+
+    injected: bool
+    back_step: int | None = None
+    spec: FaultSpec | None = None
+
+
+class NodeFaults:
+    """The schedule of one node's faults (the agent's view of the job's specs).
+
+    Args:
+        specs: all of the job's specs; those of other nodes are ignored.
+        node: this node's rank.
+        workers_per_node: W.
+        start_step: the progress when the schedule starts; earlier specs are dropped.
+        fired: specs (``format_fail_at`` of one spec) that fired in an earlier
+            attempt of the run; they are dropped too.
+    """
+
+    def __init__(self, specs: Iterable[FaultSpec], *, node: int, workers_per_node: int, start_step: int,
+                 fired: Collection[str] = ()) -> None:
+        self.node, self.w = node, workers_per_node
+        mine = [s for s in specs if s.step >= start_step and self._targets(s) and format_fail_at([s]) not in fired]
+        # Stable sort keeps the user's order among specs of one step.
+        self._signals = sorted((s for s in mine if s.phase == "any"), key=lambda s: s.step)
+        self._phased = sorted((s for s in mine if s.phase != "any"), key=lambda s: s.step)
+        self._fired: dict[int, FaultSpec] = {}  # worker -> signal spec awaiting its death
+
+    def _targets(self, s: FaultSpec) -> tuple[int, ...]:
+        if s.target == "node":
+            return tuple(workers_of(s.index, self.w)) if s.index == self.node else ()
+        return (s.index,) if node_of(s.index, self.w) == self.node else ()
+
+    @property
+    def next_step(self) -> int | None:
+        """Step of the next signal this node fires itself (``None``: none left)."""
+        return self._signals[0].step if self._signals else None
+
+    def due(self, progress: int) -> list[Injection]:
+        """Pop the signal specs due at ``progress`` committed steps, in order."""
+        out = []
+        while self._signals and self._signals[0].step <= progress:
+            s = self._signals.pop(0)
+            workers = self._targets(s)
+            for w in workers:
+                self._fired[w] = s
+            out.append(Injection(spec=s, workers=workers, signal=signal_for(s.how),
+                                 kill_agent=s.target == "node" and s.how == "kill", resume_after_s=s.duration_s))
+        return out
+
+    def resumed(self, worker: int) -> None:
+        """A stopped worker was continued and lives on: its next death is not this spec's."""
+        self._fired.pop(worker, None)
+
+    def worker_faults(self, worker: int, from_step: int) -> str:
+        """The ``--faults`` string for a new incarnation of ``worker`` starting at ``from_step``.
+
+        Phase specs of ``worker`` before ``from_step`` are dropped: it was not
+        running at their step, so they can no longer fire (nor explain a death).
+        """
+        self._phased = [s for s in self._phased if not (s.index == worker and s.step < from_step)]
+        return format_fail_at(s for s in self._phased if s.index == worker)
+
+    def on_death(self, worker: int, progress: int) -> DeathCause:
+        """Attribute a death of ``worker`` observed at ``progress`` committed steps.
+
+        A signal this node sent wins; otherwise the earliest pending phase spec
+        of the worker whose step has begun (the worker killed itself); otherwise
+        the death is not injected.
+        """
+        spec = self._fired.pop(worker, None)
+        if spec is None:
+            for i, s in enumerate(self._phased):
+                if s.index == worker and s.step <= progress:
+                    spec = self._phased.pop(i)
+                    break
+        if spec is None:
+            return DeathCause(injected=False)
+        return DeathCause(injected=True, back_step=spec.back_step, spec=spec)

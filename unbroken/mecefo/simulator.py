@@ -1,0 +1,319 @@
+"""Single-process simulator of data-parallel training under a failure trace.
+
+One process plays the ``cfg.train.workers`` workers of a data-parallel job.
+At every step it asks the trace which workers are down, asks the takeover
+policy (:mod:`unbroken.mecefo.policy`) what each live worker computes, runs
+:func:`~unbroken.mecefo.gradients.compute_gradient_sums` once per live worker
+with that worker's ``SlotWork`` list, adds the buffers in ascending worker order
+(the all-reduce) and applies the sum with
+:func:`~unbroken.mecefo.gradients.apply_step`: exactly the per-slot gradient and
+aggregation code of the real runtime, only the transport differs.
+
+Outputs under ``out_dir`` (same rules as the trainer: an existing non-empty
+directory is refused unless ``overwrite=True``; nothing is written before every
+input is validated):
+
+- ``config.json``: the config; ``trace.json``: ``FailureTrace.to_json()``;
+- ``metrics.jsonl``: the trainer's ``train`` lines plus ``live_workers``
+  (ascending ids), ``degraded`` (:func:`~unbroken.mecefo.policy.degraded_slots`,
+  empty when nothing is down), ``assignment`` (``{"worker": [[slot, a, b,
+  mode], ...]}``), ``waited`` and ``slowest_worker_s`` (the longest single
+  worker's compute time: what a parallel step would take); ``val`` lines as the
+  trainer's ``_validate``;
+- ``final_params.safetensors`` (the model's ``state_dict``, no pickle) and
+  ``summary.json``.
+
+Waiting. With ``min_live=0`` a trace may have every worker down at a step. The
+real job then waits for a worker to return; nothing is skipped. The simulator
+has no clock for training, so it computes that step at once with the
+configuration the job would have when the wait ends: the live workers are those
+whose outage covering the step ends first (the first returners, before any
+later failure), the assignment is the policy's for that live set, and the line
+carries ``"waited": true``. Every other line has ``"waited": false``.
+
+Invariants:
+
+- every ``(step, slot, row)`` is trained exactly once (the policy's invariant);
+- with no failure every worker computes its own slot exactly and the run equals
+  the data-parallel trainer on the same config, up to float summation order;
+- the simulation is a pure function of the config and the trace.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import shutil
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from safetensors.torch import save_file
+
+from unbroken.config import Config, config_hash
+from unbroken.data import BatchSampler, prepare_data
+from unbroken.faults.traces import FailureTrace, generate_trace, step_time_for, trace_preset
+from unbroken.jsonl import JsonlWriter
+from unbroken.mecefo.adapter import LlamaAdapter
+from unbroken.mecefo.gradients import GradLayout, SlotWork, apply_step, compute_gradient_sums
+from unbroken.mecefo.policy import POLICIES, assign, assignment_json, degraded_slots
+from unbroken.models import build_model
+from unbroken.models.optim import build_optimizer, lr_at
+
+__all__ = ["build_trace", "live_at", "simulate"]
+
+logger = logging.getLogger(__name__)
+
+FINAL_PARAMS = "final_params.safetensors"
+
+
+@dataclass
+class _Job:
+    """Everything one simulated job trains with, built after validation."""
+
+    cfg: Config
+    device: torch.device
+    sampler: BatchSampler
+    val_sampler: BatchSampler
+    model: torch.nn.Module
+    adapter: LlamaAdapter
+    layout: GradLayout
+    optimizer: torch.optim.Optimizer
+    info: dict[str, Any]
+
+
+def build_trace(cfg: Config, *, min_live: int = 1) -> FailureTrace:
+    """The run's failure trace: ``cfg.fault.trace`` over ``cfg.train.steps`` steps standing for
+    ``cfg.fault.job_hours``, seeded with ``cfg.train.seed``.
+
+    Raises:
+        ValueError: unknown trace, or a failing trace with fewer than 2 workers.
+    """
+    t = cfg.train
+    return generate_trace(
+        cfg.fault.trace, n_workers=t.workers, n_steps=t.steps,
+        step_time_s=step_time_for(t.steps, cfg.fault.job_hours), seed=t.seed, min_live=min_live,
+    )
+
+
+def live_at(trace: FailureTrace, step: int) -> tuple[frozenset[int], bool]:
+    """Live workers that compute ``step``, and whether the step had to wait.
+
+    When every worker is down the step waits for the first returners (module
+    docstring): the workers whose outage covering ``step`` ends first.
+    """
+    down = trace.down_at(step)
+    live = frozenset(range(trace.n_workers)) - down
+    if live:
+        return live, False
+    ends = {o.worker: o.end_step for o in trace.outages if o.start_step <= step < o.end_step}
+    first = min(ends.values())
+    return frozenset(w for w, e in ends.items() if e == first), True
+
+
+def simulate(
+    cfg: Config,
+    out_dir: str | Path,
+    *,
+    trace: FailureTrace | None = None,
+    on_record: Callable[[dict[str, Any]], None] | None = None,
+    overwrite: bool = False,
+    min_live: int = 1,
+) -> dict[str, Any]:
+    """Train ``cfg`` with ``cfg.train.workers`` simulated workers under a failure trace.
+
+    Args:
+        cfg: the run; ``mecefo.policy`` picks the takeover policy.
+        out_dir: run directory (see the module docstring for its files).
+        trace: explicit trace (``n_workers == train.workers``, ``n_steps >=
+            train.steps``); default :func:`build_trace` with ``min_live``.
+        on_record: called with every metrics record as it is written.
+        overwrite: replace a non-empty ``out_dir``.
+        min_live: passed to :func:`build_trace` when ``trace`` is None.
+
+    Returns:
+        The summary also written to ``summary.json``.
+
+    Raises:
+        ValueError: bad policy, trace, sizes or output directory (nothing written).
+    """
+    out = Path(out_dir)
+    trace = _checked_trace(cfg, trace, min_live)
+    job = _build_job(cfg)
+    _prepare_out_dir(out, cfg, trace, overwrite=overwrite)
+    logger.info("simulating %d workers for %d steps, policy %s, trace %s: %d outages, %.0f%% of steps degraded",
+                cfg.train.workers, cfg.train.steps, cfg.mecefo.policy, cfg.fault.trace, len(trace.outages),
+                100 * trace.degraded_fraction())
+    metrics = JsonlWriter(out / "metrics.jsonl")
+    wall0 = time.perf_counter()
+    records: list[dict[str, Any]] = []
+    vals: list[dict[str, Any]] = []
+    try:
+        for step in range(cfg.train.steps):
+            rec = _train_step(job, trace, step, wall0)
+            records.append(rec)
+            done = step + 1
+            if done % cfg.train.log_every == 0 or done == cfg.train.steps:
+                _emit(metrics, rec, on_record)
+            if (cfg.train.val_every and done % cfg.train.val_every == 0) or done == cfg.train.steps:
+                vals.append(_validate(job, done))
+                _emit(metrics, vals[-1], on_record)
+    finally:
+        metrics.close()
+    state = {k: v.detach().cpu().contiguous() for k, v in job.model.state_dict().items()}
+    save_file(state, str(out / FINAL_PARAMS))
+    summary = _summarise(job, trace, out, records, vals, time.perf_counter() - wall0)
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+def _checked_trace(cfg: Config, trace: FailureTrace | None, min_live: int) -> FailureTrace:
+    """Validate policy, trace and worker count together; all problems in one ValueError."""
+    n, problems = cfg.train.workers, []
+    if cfg.mecefo.policy not in POLICIES:
+        problems.append(f"mecefo.policy={cfg.mecefo.policy!r}: unknown; valid: {', '.join(POLICIES)}")
+    if trace is None:
+        try:
+            fails = trace_preset(cfg.fault.trace).fails
+        except ValueError as exc:
+            problems.append(f"fault.trace: {exc}")
+            fails = False
+    else:
+        fails = bool(trace.outages)
+        if trace.n_workers != n or trace.n_steps < cfg.train.steps:
+            problems.append(f"trace of {trace.n_workers} workers x {trace.n_steps} steps does not fit "
+                            f"train.workers={n}, train.steps={cfg.train.steps}")
+    if fails and n < 2:
+        problems.append(f"train.workers={n} with failure trace {cfg.fault.trace!r}: no one to take over; "
+                        "use train.workers >= 2 or fault.trace=none")
+    if problems:
+        raise ValueError("simulate: " + "; ".join(problems))
+    return trace if trace is not None else build_trace(cfg, min_live=min_live)
+
+
+def _resolve_device(choice: str) -> torch.device:
+    if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError("train.device='cuda' but CUDA is not available; use 'cpu' or 'auto'")
+    return torch.device("cuda", 0)
+
+
+def _build_job(cfg: Config) -> _Job:
+    """Data, model, adapter and optimizer, built exactly as the trainer builds them."""
+    d, t = cfg.data, cfg.train
+    device = _resolve_device(t.device)
+    data = prepare_data(source=d.source, vocab_size=d.vocab_size, val_fraction=d.val_fraction,
+                        cache_dir=d.cache_dir, token_dtype=d.token_dtype, max_bytes=d.max_bytes)
+    sampler = BatchSampler(data.train, seed=t.seed, n_slots=t.workers, micro_batch=d.micro_batch, seq_len=d.seq_len)
+    try:
+        val_sampler = BatchSampler(data.val, seed=t.seed, n_slots=1, micro_batch=d.micro_batch, seq_len=d.seq_len)
+    except ValueError as exc:
+        raise ValueError(f"validation split too small for one micro-batch: {exc}; raise data.val_fraction") from None
+    model = build_model(cfg.model.preset, vocab_size=data.vocab_size, seq_len=d.seq_len,
+                        max_seq_len=cfg.model.max_seq_len, seed=t.seed, device=device)
+    adapter = LlamaAdapter(model, rank=cfg.mecefo.rank, tau=cfg.mecefo.tau)
+    info = {"vocab_size": data.vocab_size, "train_tokens": int(len(data.train)), "val_tokens": int(len(data.val))}
+    return _Job(cfg=cfg, device=device, sampler=sampler, val_sampler=val_sampler, model=model, adapter=adapter,
+                layout=GradLayout(model, adapter), optimizer=build_optimizer(model, cfg.optim), info=info)
+
+
+def _prepare_out_dir(out: Path, cfg: Config, trace: FailureTrace, *, overwrite: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"output path {out} exists and is not a directory; choose another --out")
+    if out.exists() and any(out.iterdir()):
+        if not overwrite:
+            raise ValueError(f"output directory {out} already holds a run; pass --overwrite to replace it "
+                             "or choose another --out")
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+    for name, payload in (("config.json", cfg.to_dict()), ("trace.json", trace.to_json())):
+        tmp = out / f"{name}.tmp"
+        tmp.write_text(json.dumps(payload, indent=1))
+        os.replace(tmp, out / name)
+
+
+def _train_step(job: _Job, trace: FailureTrace, step: int, wall0: float) -> dict[str, Any]:
+    """One optimizer step of the whole job; returns its metrics record."""
+    cfg, mb = job.cfg, job.cfg.data.micro_batch
+    t0 = time.perf_counter()
+    live, waited = live_at(trace, step)
+    assignment = assign(cfg.mecefo.policy, n_slots=cfg.train.workers, live=live, micro_batch=mb)
+    total: torch.Tensor | None = None
+    slowest = 0.0
+    for worker in sorted(assignment):
+        w0 = time.perf_counter()
+        buf = _worker_sums(job, assignment[worker], step)
+        # Ascending-worker addition stands in for the all-reduce.
+        total = buf if total is None else total + buf
+        slowest = max(slowest, time.perf_counter() - w0)
+    assert total is not None  # assign() returns at least one worker
+    lr = lr_at(step, cfg=cfg.optim, total_steps=cfg.train.steps)
+    grad_norm = apply_step(job.layout, total, job.optimizer, lr=lr, grad_clip=cfg.optim.grad_clip)
+    dt = time.perf_counter() - t0
+    tokens_per_step = job.sampler.tokens_per_step
+    return {
+        "kind": "train", "step": step + 1, "loss": job.layout.loss_sum(total) / job.layout.token_count(total),
+        "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens_per_step / dt, "step_time_s": dt,
+        "wall_s": time.perf_counter() - wall0, "tokens": (step + 1) * tokens_per_step,
+        "live_workers": sorted(live), "degraded": degraded_slots(assignment, cfg.train.workers),
+        "assignment": assignment_json(assignment), "waited": waited, "slowest_worker_s": slowest,
+    }
+
+
+def _worker_sums(job: _Job, work: list[SlotWork], step: int) -> torch.Tensor:
+    return compute_gradient_sums(
+        job.model, job.adapter, job.layout, work, step=step, micro_batch=job.cfg.data.micro_batch,
+        batch_fn=job.sampler.batch, device=job.device,
+    )
+
+
+@torch.no_grad()
+def _validate(job: _Job, step: int) -> dict[str, Any]:
+    """The trainer's validation: the first ``val_batches`` validation micro-batches, token mean."""
+    job.model.eval()
+    acc = torch.zeros(2, dtype=torch.float64)
+    for i in range(job.cfg.train.val_batches):
+        x, y = job.val_sampler.batch(i, 0)
+        logits = job.model(x.to(job.device))
+        acc[0] += float(torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.size(-1)), y.to(job.device).reshape(-1), reduction="sum"))
+        acc[1] += y.numel()
+    job.model.train()
+    val_loss = float(acc[0] / acc[1])
+    return {"kind": "val", "step": step, "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))}
+
+
+def _emit(metrics: JsonlWriter, rec: dict[str, Any], on_record: Callable[[dict[str, Any]], None] | None) -> None:
+    metrics.write(rec)
+    if on_record is not None:
+        on_record(rec)
+
+
+def _summarise(job: _Job, trace: FailureTrace, out: Path, records: list[dict[str, Any]],
+               val: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
+    cfg = job.cfg
+    rows = [(item[2] - item[1], item[3]) for r in records for items in r["assignment"].values() for item in items]
+    approx_rows = sum(n for n, mode in rows if mode == "approx")
+    steady = sorted(r["tokens_per_s"] for r in records[len(records) // 5:]) or [0.0]
+    return {
+        "run_dir": str(out), "config_hash": config_hash(cfg), "workers": cfg.train.workers,
+        "steps": len(records), "policy": cfg.mecefo.policy,
+        "trace": trace.preset.name if trace.preset is not None else "explicit",
+        "final_loss": records[-1]["loss"] if records else None,
+        "val_loss": val[-1]["val_loss"] if val else None, "val_ppl": val[-1]["val_ppl"] if val else None,
+        "degraded_fraction": sum(1 for r in records if r["degraded"]) / max(1, len(records)),
+        "down_fraction": sum(cfg.train.workers - len(r["live_workers"]) for r in records)
+        / max(1, len(records) * cfg.train.workers),
+        "approx_row_fraction": approx_rows / max(1, sum(n for n, _ in rows)),
+        "waited_steps": sum(1 for r in records if r["waited"]),
+        "outages": len(trace.outages), "dropped_failures": trace.dropped,
+        "tokens_per_s": statistics.median(steady), "wall_s": wall_s,
+        "final_params": str(out / FINAL_PARAMS), **job.info,
+    }
+

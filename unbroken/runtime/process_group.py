@@ -1,0 +1,99 @@
+"""A process group per view, with collectives that can be abandoned.
+
+Each view ``g`` gets its own group, rendezvoused under the store prefix
+``pg/<g>/`` (gloo on CPU, NCCL on CUDA), built directly rather than through
+the global default group so that groups can come and go.
+
+Collectives are started asynchronously and polled. Between polls the caller's
+``check`` runs (failure detector, view watcher) and may raise to abandon the
+collective. An abandoned group is never used again: gloo, whose pending
+operation may still be blocked on a silent peer, is parked until that peer is
+fenced (killed), which unblocks it; NCCL is aborted. Every collective works on
+a private copy of the caller's tensor, so a late write by an abandoned
+operation can never corrupt state.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from datetime import timedelta
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+POLL_S = 0.002
+
+
+class CollectiveFailed(RuntimeError):
+    """A collective errored (typically: a peer's connection closed because it died)."""
+
+
+class ViewGroup:
+    """The process group of one view."""
+
+    def __init__(self, store: dist.Store, *, gen: int, rank: int, size: int, device: torch.device,
+                 timeout_s: float) -> None:
+        self.gen, self.rank, self.size, self.device = gen, rank, size, device
+        self.timeout = timedelta(seconds=timeout_s)
+        prefixed = dist.PrefixStore(f"pg/{gen}/", store)
+        t0 = time.perf_counter()
+        if device.type == "cuda":
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = self.timeout
+            self.pg: dist.ProcessGroup = dist.ProcessGroupNCCL(prefixed, rank, size, opts)
+        else:
+            self.pg = dist.ProcessGroupGloo(prefixed, rank, size, self.timeout)
+        self.build_s = time.perf_counter() - t0
+
+    def allreduce(self, tensor: torch.Tensor, check: Callable[[], None],
+                  after_post: Callable[[], None] | None = None) -> torch.Tensor:
+        """Sum ``tensor`` over the group into a new tensor; ``check`` may raise to abandon.
+
+        ``after_post`` runs once the collective is in flight (fault injection hook).
+        """
+        buf = tensor.detach().clone().to(self.device)
+        if self.size == 1:
+            return buf
+        work = self.pg.allreduce([buf])
+        if after_post is not None:
+            after_post()
+        self._poll(work, check, "all-reduce")
+        return buf
+
+    def broadcast(self, tensor: torch.Tensor, src: int, check: Callable[[], None]) -> torch.Tensor:
+        """Broadcast from group rank ``src``; returns the received tensor (a copy)."""
+        buf = tensor.detach().clone().to(self.device)
+        if self.size == 1:
+            return buf
+        work = self.pg.broadcast(buf, src)
+        self._poll(work, check, "broadcast")
+        return buf
+
+    def _poll(self, work: dist.Work, check: Callable[[], None], what: str) -> None:
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        while not work.is_completed():
+            check()
+            if time.monotonic() > deadline:
+                raise CollectiveFailed(f"{what} of view {self.gen} did not finish within {self.timeout}")
+            time.sleep(POLL_S)
+        try:
+            work.wait()
+        except RuntimeError as exc:
+            raise CollectiveFailed(f"{what} of view {self.gen} failed: {str(exc).splitlines()[0]}") from None
+
+    def abandon(self) -> None:
+        """Stop using this group. NCCL: abort now. gloo: see the module docstring."""
+        if self.device.type == "cuda":
+            try:
+                self.pg.abort()
+            except Exception as exc:  # best effort: the group is never used again
+                logger.warning("abort of view %d group failed: %s", self.gen, exc)
+        _PARKED.append(self)
+
+
+_PARKED: list[ViewGroup] = []
+"""Abandoned groups stay referenced so no destructor blocks on a stuck operation."""
