@@ -266,6 +266,15 @@ def cmd_chaos(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
+def cmd_report(args: argparse.Namespace, overrides: list[str]) -> int:
+    from unbroken.bench.report import main as report_main
+
+    if overrides:
+        raise ValueError(f"unbroken report takes no config overrides ({', '.join(overrides)})")
+    summary = report_main([str(args.run_dir)] + (["--json"] if args.json else []))
+    return 0 if summary["ledger_ok"] else 1
+
+
 # ---------------------------------------------------------------------------
 
 
@@ -273,6 +282,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace, list[str]], int]] = {
     "train": cmd_train, "bench": cmd_bench, "simulate": cmd_simulate,
     "agent": cmd_agent,
     "chaos": cmd_chaos,
+    "report": cmd_report,
 }
 
 
@@ -313,6 +323,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_agent_parser(sub)
     _add_chaos_parser(sub)
+    rp = sub.add_parser("report", help="summarise a run: failures, stall per failure, lost steps, ledger check",
+                        description="Failures, stall per failure, rejoins and the exactly-once ledger check of a run "
+                        "(exit code 1 if any (step, slot, row) was lost or trained twice).")
+    rp.add_argument("run_dir", type=Path, help="run directory")
+    rp.add_argument("--json", action="store_true", help="print JSON")
 
     be = sub.add_parser("bench", help="run a benchmark (prints a table, writes JSON)",
                         description="Benchmarks; each prints ratios measured side by side and writes JSON.")

@@ -40,7 +40,7 @@ from unbroken.faults.injector import check_faults
 from unbroken.faults.traces import FailureTrace, generate_trace, step_time_for
 from unbroken.jsonl import JsonlTail, read_jsonl
 from unbroken.runtime.checkpoint import latest_checkpoint, read_commit
-from unbroken.runtime.launcher import preflight, prepare_run_dir, start_store
+from unbroken.runtime.launcher import _truncate_metrics, preflight, prepare_run_dir, start_store
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +91,8 @@ def launch(
     """
     run_dir = Path(run_dir)
     cfg = _job_config(cfg, nodes, workers_per_node, restart)
+    if cfg.fault.recovery == "restart":
+        restart = "never"  # checkpoint-restart: the launcher restarts the whole job instead
     fail_text, trace = _job_faults(cfg, fail_at, nodes, workers_per_node)
     info = preflight(cfg)
     store = start_store(cfg.train.host, cfg.train.port, cfg.train.workers + nodes)
@@ -101,23 +103,50 @@ def launch(
     if trace is not None:
         trace_file = run_dir / "fault_trace.json"
         trace_file.write_text(json.dumps(trace.to_json(), indent=1))
-    start_step = int(read_commit(resume_from)["step"]) if resume_from else 0
     t0 = time.time()
-    agents: list[subprocess.Popen[bytes]] = []
-    try:
-        for r in range(nodes):
-            agents.append(_spawn_agent(
-                r, cfg, run_dir, f"{cfg.train.host}:{store.port}", nodes=nodes, workers_per_node=workers_per_node,
-                restart=restart, fail_at=fail_text, trace_file=trace_file, standby=standby, start_step=start_step,
-                resume_from=resume_from))
-        failure = _supervise(agents, store, run_dir, cfg, on_record)
-    finally:
-        _stop_agents(agents)
-    if failure is not None:
-        raise JobFailed(_failure_message(failure, run_dir))
+    restarts: list[dict[str, int]] = []
+    first_resume = resume_from
+    while True:
+        start_step = int(read_commit(resume_from)["step"]) if resume_from else 0
+        outcome = _attempt(store, cfg, run_dir, on_record, nodes=nodes, workers_per_node=workers_per_node,
+                           restart=restart, fail_at=fail_text, trace_file=trace_file, standby=standby,
+                           start_step=start_step, resume_from=resume_from)
+        if outcome is None:
+            break
+        if outcome != _DEATH:
+            raise JobFailed(_failure_message(outcome, run_dir))
+        # Checkpoint-restart (fault.recovery = "restart"): everyone starts again from the last checkpoint.
+        reached = int(store.get("progress")) if store.check(["progress"]) else start_step
+        resume_from = latest_checkpoint(run_dir)
+        restart_step = int(read_commit(resume_from)["step"]) if resume_from else 0
+        restarts.append({"failed_at_step": reached, "restarted_from_step": restart_step})
+        logger.warning("a worker died at step %d: restarting every worker from step %d", reached, restart_step)
+        _truncate_metrics(run_dir / "metrics.jsonl", restart_step)
+        store = start_store(cfg.train.host, 0 if cfg.train.port == 0 else cfg.train.port,
+                            cfg.train.workers + nodes)
+        store.set("config", json.dumps(json.loads((run_dir / "config.json").read_text())))
+    resume_from = first_resume
     summary = _summarise(run_dir, cfg, info, time.time() - t0, resume_from, nodes=nodes, t0=t0)
+    if cfg.fault.recovery == "restart":
+        summary["job_restarts"] = restarts
+        summary["steps_redone"] = sum(r["failed_at_step"] - r["restarted_from_step"] for r in restarts)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
+
+
+_DEATH = "a worker died"
+
+
+def _attempt(store: dist.TCPStore, cfg: Config, run_dir: Path, on_record: Callable[[dict[str, Any]], None] | None,
+             **agent_args: Any) -> str | None:
+    """Run the agents until done (None), failed (message) or, under checkpoint-restart, a death."""
+    agents: list[subprocess.Popen[bytes]] = []
+    try:
+        for r in range(agent_args["nodes"]):
+            agents.append(_spawn_agent(r, cfg, run_dir, f"{cfg.train.host}:{store.port}", **agent_args))
+        return _supervise(agents, store, run_dir, cfg, on_record)
+    finally:
+        _stop_agents(agents)
 
 
 def _job_config(cfg: Config, nodes: int, workers_per_node: int, restart: str) -> Config:
@@ -179,6 +208,8 @@ def _supervise(agents: list[subprocess.Popen[bytes]], store: dist.TCPStore, run_
             last_progress = now
         if store.check(["failed"]):
             return store.get("failed").decode()
+        if cfg.fault.recovery == "restart" and store.add("deaths", 0) > 0 and not store.check(["done"]):
+            return _DEATH
         codes = [a.poll() for a in agents]
         for node, code in enumerate(codes):
             if code == 2:  # refused to start (config, rank, store): the job cannot run as asked

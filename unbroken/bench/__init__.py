@@ -20,6 +20,7 @@ def _lazy(module: str) -> Callable[[list[str] | None], dict[str, Any]]:
 BENCHMARKS: dict[str, Callable[[list[str] | None], dict[str, Any]]] = {
     "throughput": _lazy("throughput"),
     "mecefo-convergence": _lazy("mecefo_convergence"),
+    "failover": _lazy("failover"),
 }
 
 __all__ = ["BENCHMARKS"]

@@ -17,7 +17,8 @@ Three measurements, all in one process on the CPU, deterministic except wall tim
    text, with a sweep over rank and tau (bases taken from the weights tau/2
    and tau-1 steps before, the mid and the end of a refresh period).
 3. **wall**: step time of the covering worker over a normal one, timed
-   interleaved in the same run (median of repetitions).
+   interleaved in the same run (ratio of medians; the ratio of minima is
+   also given, as it resists bursts of other load on a shared machine).
 
 Saved bytes are reported two ways: ``peak`` (micro-batches one after the
 other, as ``compute_gradient_sums`` runs them: the largest one counts) and
@@ -27,13 +28,12 @@ other, as ``compute_gradient_sums`` runs them: the largest one counts) and
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import math
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -70,7 +70,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--ranks", type=ints, default=[2, 4, 8, 16, 32])
     p.add_argument("--taus", type=ints, default=[1, 10, 50, 200])
     p.add_argument("--wall-presets", type=names, default=["debug", "tiny"])
-    p.add_argument("--wall-reps", type=int, default=9)
+    p.add_argument("--wall-reps", type=int, default=15)
     p.add_argument("--data", choices=("stdlib", "random"), default="stdlib", help="tokens for grad_error")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1,
@@ -475,8 +475,8 @@ def _print_table(r: dict, a: argparse.Namespace) -> None:
     for preset, g in r["grad_error"].items():
         flops = {(x["rank"], x["tau"]): x["neighbor_flops_ratio"] for x in r["cost"].get(preset, {}).get("sweep", [])}
         for row in g["sweep"]:
-            agg = "  ".join(f"n={n}: {row[f'neighbor_n={n}_ffn']['mean']:.3f}/{row[f'neighbor_n={n}_total']['mean']:.3f}"
-                            for n in a.n)
+            agg = "  ".join(f"n={n}: {row[f'neighbor_n={n}_ffn']['mean']:.3f}/"
+                            f"{row[f'neighbor_n={n}_total']['mean']:.3f}" for n in a.n)
             f = flops.get((row["rank"], row["tau"]))
             print(f"{preset:<7}r={row['rank']:<3} tau={row['tau']:<4} {row['ffn_microbatch']['mean']:.3f}/"
                   f"{row['total_microbatch']['mean']:.3f} | {agg} | {'' if f is None else _fmt(f)}")

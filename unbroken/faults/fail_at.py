@@ -12,7 +12,8 @@ Fields of an item, in any order:
 * exactly one of ``worker=I`` or ``node=I``: the target;
 * ``kill`` | ``stop`` | ``term`` (bare word, or ``how=...``; default ``kill``):
   SIGKILL, SIGSTOP (a hang), SIGTERM;
-* ``phase=forward|backward|allreduce|any`` (default ``any``): where in the step;
+* ``phase=forward|backward|allreduce|confirm|any`` (default ``any``): where in the step
+  (``confirm``: right after the worker confirmed it holds the reduced gradient);
 * ``for=SECONDS`` (only with ``stop``): send SIGCONT after that long; absent
   means the process stays stopped.
 * ``back=STEP`` (optional, > ``step``): the failed worker(s) come back once the
@@ -38,7 +39,7 @@ __all__ = ["FaultSpec", "fail_at", "format_fail_at", "parse_fail_at", "trace_to_
 
 Target = Literal["worker", "node"]
 How = Literal["kill", "stop", "term"]
-Phase = Literal["forward", "backward", "allreduce", "any"]
+Phase = Literal["forward", "backward", "allreduce", "confirm", "any"]
 
 _TARGETS: tuple[str, ...] = get_args(Target)
 _HOWS: tuple[str, ...] = get_args(How)

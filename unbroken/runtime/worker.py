@@ -32,9 +32,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from unbroken.config import Config, config_hash
-from unbroken.data import BatchSampler, prepare_data
+from unbroken.data import BatchSampler, PreparedData, prepare_data
 from unbroken.faults.fail_at import FaultSpec, parse_fail_at
 from unbroken.jsonl import JsonlWriter
 from unbroken.mecefo.adapter import LlamaAdapter
@@ -68,21 +69,38 @@ class WorkerSpec:
     faults: tuple[FaultSpec, ...] = ()
 
 
+@dataclasses.dataclass(kw_only=True)
+class Warm:
+    """What a warm standby prepares before it knows which worker it will be."""
+
+    data: PreparedData
+    model: torch.nn.Module
+
+
+def warm_up(cfg: Config, device: torch.device) -> Warm:
+    """Load the data and build the model: the slow part of a worker's start besides imports."""
+    d = cfg.data
+    data = prepare_data(source=d.source, vocab_size=d.vocab_size, val_fraction=d.val_fraction,
+                        cache_dir=d.cache_dir, token_dtype=d.token_dtype, max_bytes=d.max_bytes)
+    model = build_model(cfg.model.preset, vocab_size=data.vocab_size, seq_len=d.seq_len,
+                        max_seq_len=cfg.model.max_seq_len, seed=cfg.train.seed, device=device)
+    return Warm(data=data, model=model)
+
+
 class Trainer:
     """Model, optimizer and data of one worker, plus its side of the step protocol."""
 
-    def __init__(self, cfg: Config, spec: WorkerSpec, membership: Membership) -> None:
+    def __init__(self, cfg: Config, spec: WorkerSpec, membership: Membership, warm: Warm | None = None) -> None:
         self.cfg, self.spec, self.m = cfg, spec, membership
         self.device = resolve_device(cfg.train.device, spec.worker)
         d = cfg.data
-        data = prepare_data(source=d.source, vocab_size=d.vocab_size, val_fraction=d.val_fraction,
-                            cache_dir=d.cache_dir, token_dtype=d.token_dtype, max_bytes=d.max_bytes)
+        warm = warm or warm_up(cfg, self.device)
+        data = warm.data
         self.sampler = BatchSampler(data.train, seed=cfg.train.seed, n_slots=cfg.train.workers,
                                     micro_batch=d.micro_batch, seq_len=d.seq_len)
         self.val_sampler = BatchSampler(data.val, seed=cfg.train.seed, n_slots=1, micro_batch=d.micro_batch,
                                         seq_len=d.seq_len)
-        self.model = build_model(cfg.model.preset, vocab_size=data.vocab_size, seq_len=d.seq_len,
-                                 max_seq_len=cfg.model.max_seq_len, seed=cfg.train.seed, device=self.device)
+        self.model = warm.model
         self.adapter = LlamaAdapter(self.model, rank=cfg.mecefo.rank, tau=cfg.mecefo.tau)
         self.layout = GradLayout(self.model, self.adapter)
         self.optimizer = build_optimizer(self.model, cfg.optim)
@@ -210,14 +228,19 @@ class Trainer:
         return h.hexdigest()
 
 
-def run(spec: WorkerSpec) -> int:
+def load_run_config(run_dir: Path, world: int) -> Config:
+    cfg = Config.from_dict(json.loads((run_dir / "config.json").read_text()))
+    torch.set_num_threads(cfg.train.threads_per_worker or max(1, (os.cpu_count() or 1) // world))
+    return cfg
+
+
+def run(spec: WorkerSpec, *, store: dist.Store | None = None, warm: Warm | None = None) -> int:
     """Run one worker to completion; returns the process exit code."""
-    cfg = Config.from_dict(json.loads((spec.run_dir / "config.json").read_text()))
-    torch.set_num_threads(cfg.train.threads_per_worker or max(1, (os.cpu_count() or 1) // spec.world))
-    store = connect_store(spec.store, timeout_s=cfg.train.timeout_s)
+    cfg = load_run_config(spec.run_dir, spec.world)
+    store = store or connect_store(spec.store, timeout_s=cfg.train.timeout_s)
     membership = Membership(store, spec.worker, heartbeat_timeout_s=cfg.fault.heartbeat_timeout_s)
     membership.start_heartbeat()
-    trainer = Trainer(cfg, spec, membership)
+    trainer = Trainer(cfg, spec, membership, warm)
     try:
         last = trainer.train(trainer.start())
     except Fenced as exc:
@@ -238,21 +261,57 @@ def run(spec: WorkerSpec) -> int:
     return 0
 
 
+def standby(run_dir: Path, world: int, store_addr: str, node: int) -> tuple[WorkerSpec, dist.Store, Warm] | None:
+    """Be a warm standby of ``node``: prepare, announce, wait to be handed a worker id.
+
+    Contract (see :mod:`unbroken.agent.agent`): write ``standby/<node>/ready`` =
+    pid; claim an offer ``standby/<node>/assign`` = ``"<w>"`` by compare-and-set
+    to ``claimed:<pid>``; read ``standby/<node>/faults``. Returns None when the
+    job ends first.
+    """
+    cfg = load_run_config(run_dir, world)
+    store = connect_store(store_addr, timeout_s=cfg.train.timeout_s)
+    warm = warm_up(cfg, resolve_device(cfg.train.device, node))
+    key, me = f"standby/{node}/assign", f"claimed:{os.getpid()}"
+    store.set(f"standby/{node}/ready", str(os.getpid()))
+    while True:
+        if store.check(["done"]) or store.check(["failed"]):
+            return None
+        if store.check([key]):
+            offer = store.get(key).decode()
+            if offer.isdigit() and store.compare_set(key, offer, me).decode() == me:
+                faults = store.get(f"standby/{node}/faults").decode() if store.check([f"standby/{node}/faults"]) else ""
+                logger.info("standby of node %d becomes worker %s", node, offer)
+                spec = WorkerSpec(run_dir=run_dir, worker=int(offer), world=world, store=store_addr, join=True,
+                                  faults=parse_fail_at(faults) if faults else ())
+                return spec, store, warm
+        time.sleep(0.005)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m unbroken.runtime.worker")
     ap.add_argument("--run-dir", type=Path, required=True)
-    ap.add_argument("--worker", type=int, required=True, help="global worker id (its home slot)")
+    ap.add_argument("--worker", type=int, default=None, help="global worker id (its home slot)")
     ap.add_argument("--world", type=int, required=True, help="number of slots")
     ap.add_argument("--store", required=True, help="HOST:PORT of the coordination store")
     ap.add_argument("--join", action="store_true", help="join a running job (restart or replacement)")
     ap.add_argument("--resume", type=Path, default=None, help="committed checkpoint directory")
     ap.add_argument("--faults", default="", help="fail-at specs this worker inflicts on itself")
+    ap.add_argument("--standby", action="store_true", help="warm standby: wait to be assigned a worker id")
+    ap.add_argument("--node-rank", type=int, default=0, help="node whose standby this is")
     a = ap.parse_args(argv)
+    if a.worker is None and not a.standby:
+        ap.error("--worker is required unless --standby is given")
+    who = f"standby{a.node_rank}" if a.standby else f"w{a.worker}"
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format=f"%(asctime)s %(levelname)s [w{a.worker} pid{os.getpid()}] %(name)s: %(message)s")
-    spec = WorkerSpec(run_dir=a.run_dir, worker=a.worker, world=a.world, store=a.store, join=a.join,
-                      resume=a.resume, faults=parse_fail_at(a.faults) if a.faults else ())
-    code = run(spec)
+                        format=f"%(asctime)s %(levelname)s [{who} pid{os.getpid()}] %(name)s: %(message)s")
+    if a.standby:
+        got = standby(a.run_dir, a.world, a.store, a.node_rank)
+        code = 0 if got is None else run(got[0], store=got[1], warm=got[2])
+    else:
+        spec = WorkerSpec(run_dir=a.run_dir, worker=a.worker, world=a.world, store=a.store, join=a.join,
+                          resume=a.resume, faults=parse_fail_at(a.faults) if a.faults else ())
+        code = run(spec)
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -1,0 +1,164 @@
+"""Failover benchmark: overhead, stall per failure, time back to full strength, throughput under a trace.
+
+``unbroken bench failover --preset debug --nodes 2 --workers-per-node 2 --out FILE.json``
+runs, side by side in one invocation, on one machine (nodes on loopback):
+
+1. **overhead**: failure-free step time of the fault-tolerant step protocol
+   relative to plain data parallelism (``fault.recovery=restart``, no faults),
+   runs interleaved, median step time after warm-up; target <= 1.03;
+2. **stall per crash / per hang**: SIGKILL mid-forward and SIGSTOP of a worker;
+   the survivors' gap between consecutive applied steps minus a normal step
+   (``unbroken report``); targets <= 0.5 s and <= heartbeat timeout + 0.5 s;
+3. **lost steps and samples**: from the ledger; target 0;
+4. **back to full strength**: from a worker's kill to its re-admission, with and
+   without a warm standby;
+5. **throughput under a failure trace** (default ``high``) relative to
+   failure-free, for each takeover policy, and for checkpoint-restart (plain data
+   parallelism; any failure restarts every worker from the last checkpoint) with
+   the steps it had to redo. Throughput = committed tokens / wall-clock from the
+   first to the last applied step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from unbroken.agent.launcher import launch
+from unbroken.bench.report import summarize_run
+from unbroken.bench.throughput import machine_description
+from unbroken.config import Config, load_config
+from unbroken.jsonl import read_jsonl
+
+
+def _cfg(a: argparse.Namespace, *extra: str) -> Config:
+    return load_config(preset_name=a.preset, overrides=[o.lstrip("-") for o in a.overrides] + [
+        f"train.steps={a.steps}", "train.val_every=0", "train.val_batches=1", *extra])
+
+
+def _run(a: argparse.Namespace, tmp: Path, name: str, cfg: Config, **kw: Any) -> dict[str, Any]:
+    run_dir = tmp / name
+    summary = launch(cfg, run_dir, nodes=a.nodes, workers_per_node=a.workers_per_node, **kw)
+    train = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "train"]
+    steady = [r["step_time_s"] for r in train[max(3, len(train) // 5):]]
+    span = train[-1]["time"] - train[0]["time"] if len(train) > 1 else float("nan")
+    tokens = (len(train) - 1) * cfg.train.workers * cfg.data.micro_batch * cfg.data.seq_len
+    out = {"name": name, "run_dir": str(run_dir), "median_step_s": statistics.median(steady),
+           "throughput_tokens_per_s": tokens / span, "summary": summary}
+    if cfg.fault.recovery == "takeover":
+        out["report"] = summarize_run(run_dir)
+    return out
+
+
+def _overhead(a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    plain, ft = [], []
+    for rep in range(a.repeats):
+        plain.append(_run(a, tmp, f"plain{rep}", _cfg(a, "fault.recovery=restart"))["median_step_s"])
+        ft.append(_run(a, tmp, f"takeover{rep}", _cfg(a))["median_step_s"])
+    return {"plain_step_s": plain, "takeover_step_s": ft,
+            "ratio": statistics.median(ft) / statistics.median(plain), "target": 1.03}
+
+
+def _failures(a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    s0 = a.steps // 4
+    crash = _run(a, tmp, "crash", _cfg(a), standby=True, fail_at=(
+        f"step={s0}:worker=1:kill:phase=forward:back={s0 + 1},"
+        f"step={2 * s0}:worker=2:kill:phase=allreduce:back={2 * s0 + 1},"
+        f"step={3 * s0}:worker=3:kill:phase=forward:back={3 * s0 + 1}"))
+    hang = _run(a, tmp, "hang", _cfg(a), standby=True, fail_at=f"step={s0}:worker=2:stop:phase=forward:back={s0 + 1}")
+    # A cold start imports torch and rebuilds everything: give it enough steps to get back in.
+    cold = _run(a, tmp, "rejoin_cold", _cfg(a, f"train.steps={max(a.steps, 200)}"), standby=False,
+                fail_at=f"step={s0}:worker=1:kill:back={s0 + 1}")
+    hb = _cfg(a).fault.heartbeat_timeout_s
+
+    def stalls(r: dict[str, Any]) -> list[float]:
+        return [f["stall_s"] for f in r["report"]["failure_details"] if f["stall_s"] is not None]
+
+    def back(r: dict[str, Any]) -> list[float]:
+        return [x["down_to_back_s"] for x in r["report"]["rejoins"] if x["down_to_back_s"] is not None]
+
+    return {
+        "crash_stall_s": stalls(crash), "crash_target_s": 0.5,
+        "hang_stall_s": stalls(hang), "hang_target_s": hb + 0.5, "heartbeat_timeout_s": hb,
+        "lost_steps": sum(r["report"]["lost_steps"] for r in (crash, hang, cold)),
+        "rows_never_or_twice": sum(r["report"]["rows_trained_never"] + r["report"]["rows_trained_twice"]
+                                   for r in (crash, hang, cold)),
+        "back_to_full_strength_s": {"warm_standby": back(crash) + back(hang), "cold_start": back(cold)},
+    }
+
+
+def _trace(a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    extra = [f"fault.job_hours={a.job_hours}", f"train.checkpoint_every={a.checkpoint_every}"]
+    base = _run(a, tmp, "trace_none", _cfg(a, *extra))
+    rows = {"none": {"throughput_ratio": 1.0, "tokens_per_s": base["throughput_tokens_per_s"]}}
+    for policy in a.policies.split(","):
+        r = _run(a, tmp, f"trace_{policy}", _cfg(a, *extra, f"fault.trace={a.trace}", f"mecefo.policy={policy}"),
+                 standby=True)
+        rows[policy] = {"throughput_ratio": r["throughput_tokens_per_s"] / base["throughput_tokens_per_s"],
+                        "tokens_per_s": r["throughput_tokens_per_s"], "failures": r["summary"]["failures"],
+                        "lost_steps": r["report"]["lost_steps"], "degraded_steps": r["report"]["degraded_steps"],
+                        "stall_median_s": r["report"]["stall_per_failure_s"]["median"],
+                        "ledger_ok": r["report"]["ledger_ok"]}
+    cr = _run(a, tmp, "trace_restart", _cfg(a, *extra, f"fault.trace={a.trace}", "fault.recovery=restart"))
+    rows["checkpoint-restart"] = {
+        "throughput_ratio": cr["throughput_tokens_per_s"] / base["throughput_tokens_per_s"],
+        "tokens_per_s": cr["throughput_tokens_per_s"], "restarts": len(cr["summary"]["job_restarts"]),
+        "lost_steps": cr["summary"]["steps_redone"]}
+    return {"trace": a.trace, "job_hours": a.job_hours, "steps": a.steps, "checkpoint_every": a.checkpoint_every,
+            "rows": rows}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(prog="unbroken bench failover", description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="debug")
+    ap.add_argument("--nodes", type=int, default=2)
+    ap.add_argument("--workers-per-node", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=80)
+    ap.add_argument("--repeats", type=int, default=2, help="interleaved repetitions of the overhead runs")
+    ap.add_argument("--trace", default="high")
+    ap.add_argument("--job-hours", type=float, default=2.0,
+                    help="wall-clock hours the trace runs stand for (scales the trace to --steps)")
+    ap.add_argument("--checkpoint-every", type=int, default=10, help="persistent checkpoints (checkpoint-restart)")
+    ap.add_argument("--policies", default="neighbor,spread,spread-approx")
+    ap.add_argument("--parts", default="overhead,failures,trace", help="which measurements to run")
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/failover.json"))
+    ap.add_argument("overrides", nargs="*", help="section.field=value config overrides")
+    a = ap.parse_args(argv)
+    parts = {"overhead": _overhead, "failures": _failures, "trace": _trace}
+    unknown = set(a.parts.split(",")) - set(parts)
+    if unknown:
+        raise ValueError(f"--parts: unknown {', '.join(sorted(unknown))}; valid: {', '.join(parts)}")
+    result: dict[str, Any] = {"benchmark": "failover", "preset": a.preset, "nodes": a.nodes,
+                              "workers_per_node": a.workers_per_node, "machine": machine_description()}
+    with tempfile.TemporaryDirectory(prefix="unbroken-failover-") as tmp:
+        for name in a.parts.split(","):
+            result[name] = parts[name](a, Path(tmp))
+    _print(result)
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(result, indent=1, default=str))
+    print(f"wrote {a.out}")
+    return result
+
+
+def _print(r: dict[str, Any]) -> None:
+    if "overhead" in r:
+        o = r["overhead"]
+        print(f"failure-free step time, protocol / plain DP: {o['ratio']:.3f}  (target <= {o['target']})")
+    if "failures" in r:
+        f = r["failures"]
+        print(f"stall per crash (s): {[round(x, 3) for x in f['crash_stall_s']]}  (target <= {f['crash_target_s']})")
+        print(f"stall per hang  (s): {[round(x, 3) for x in f['hang_stall_s']]}  (target <= {f['hang_target_s']})")
+        print(f"lost steps: {f['lost_steps']}  rows never/twice: {f['rows_never_or_twice']}")
+        b = f["back_to_full_strength_s"]
+        print(f"kill -> back at full strength (s): warm standby {[round(x, 2) for x in b['warm_standby']]}, "
+              f"cold start {[round(x, 2) for x in b['cold_start']]}")
+    if "trace" in r:
+        t = r["trace"]
+        print(f"throughput under trace {t['trace']!r} ({t['steps']} steps standing for {t['job_hours']} h):")
+        for name, row in t["rows"].items():
+            rest = {k: v for k, v in row.items() if k not in ("throughput_ratio", "tokens_per_s")}
+            print(f"  {name:>18}: {row['throughput_ratio']:.3f} of failure-free  {rest}")
