@@ -90,7 +90,7 @@ def test_all_down_step_waits_for_first_returner(tmp_path, corpus_overrides):
         Outage(worker=1, start_step=1, end_step=2),
     ))
     assert live_at(trace, 1) == (frozenset({1}), True)
-    cfg = _cfg(corpus_overrides, 2, 4, "data.micro_batch=2", "mecefo.rank=4")
+    cfg = _cfg(corpus_overrides, 2, 4, "data.micro_batch=2", "mecefo.rank=4", "mecefo.policy=neighbor")
     summary = simulate(cfg, tmp_path / "run", trace=trace)
     train = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if r["kind"] == "train"]
     assert [r["waited"] for r in train] == [False, True, False, False]

@@ -131,7 +131,7 @@ class LlamaAdapter:
 
     group_names = GROUP_NAMES
 
-    def __init__(self, model: torch.nn.Module, *, rank: int = 8, tau: int = 50, recompute: bool = True) -> None:
+    def __init__(self, model: torch.nn.Module, *, rank: int = 32, tau: int = 50, recompute: bool = True) -> None:
         self.model = model
         self.settings = ApproxSettings(rank=rank, tau=tau, recompute=recompute)
         self.basis = LowRankBasis(rank=rank, tau=tau)
