@@ -190,7 +190,7 @@ def cmd_bench(args: argparse.Namespace, overrides: list[str]) -> int:
 
     if args.name not in BENCHMARKS:
         raise ValueError(f"unknown benchmark {args.name!r}; valid: {', '.join(BENCHMARKS)}")
-    BENCHMARKS[args.name](list(args.rest) + [f"--{o}" for o in overrides])
+    BENCHMARKS[args.name](list(args.rest) + [f"--{o}" for o in overrides])  # every benchmark takes --section.field=value
     return 0
 
 

@@ -18,7 +18,7 @@ def test_main_writes_json_with_expected_keys(tmp_path: Path, capsys: pytest.Capt
         "--presets", "debug", "--n", "4", "--seq-len", "16", "--micro-batch", "2",
         "--error-presets", "debug", "--train-steps", "4", "--checkpoints", "2", "--error-seq-len", "16",
         "--ranks", "2,8", "--taus", "1,3", "--wall-presets", "debug", "--wall-reps", "1",
-        "--data", "random", "--out", str(out),
+        "--data", "random", "--rank", "8", "--out", str(out),
     ])
     assert json.loads(out.read_text()) == json.loads(json.dumps(result))
     assert {"config", "method", "cost", "grad_error", "wall", "timings_s"} <= result.keys()

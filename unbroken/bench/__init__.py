@@ -19,6 +19,7 @@ def _lazy(module: str) -> Callable[[list[str] | None], dict[str, Any]]:
 
 BENCHMARKS: dict[str, Callable[[list[str] | None], dict[str, Any]]] = {
     "throughput": _lazy("throughput"),
+    "mecefo-cost": _lazy("mecefo_cost"),
     "mecefo-convergence": _lazy("mecefo_convergence"),
     "failover": _lazy("failover"),
 }

@@ -31,12 +31,13 @@ from typing import Any
 from unbroken.agent.launcher import launch
 from unbroken.bench.report import summarize_run
 from unbroken.bench.throughput import machine_description
+from unbroken.bench._args import parse_with_overrides
 from unbroken.config import Config, load_config
 from unbroken.jsonl import read_jsonl
 
 
 def _cfg(a: argparse.Namespace, *extra: str) -> Config:
-    return load_config(preset_name=a.preset, overrides=[o.lstrip("-") for o in a.overrides] + [
+    return load_config(preset_name=a.preset, overrides=a.overrides + [
         f"train.steps={a.steps}", "train.val_every=0", "train.val_batches=1", *extra])
 
 
@@ -126,8 +127,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--policies", default="neighbor,spread,spread-approx")
     ap.add_argument("--parts", default="overhead,failures,trace", help="which measurements to run")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/failover.json"))
-    ap.add_argument("overrides", nargs="*", help="section.field=value config overrides")
-    a = ap.parse_args(argv)
+    a, a.overrides = parse_with_overrides(ap, argv)
     parts = {"overhead": _overhead, "failures": _failures, "trace": _trace}
     unknown = set(a.parts.split(",")) - set(parts)
     if unknown:

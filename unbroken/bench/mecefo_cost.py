@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from unbroken.config import MecefoConfig
 from unbroken.mecefo.adapter import LlamaAdapter
 from unbroken.mecefo.costs import COMPONENTS, SavedBytes, count_flops, relative_errors, svd_flops_per_refresh
 from unbroken.mecefo.gradients import BatchFn, GradLayout, SlotWork, compute_gradient_sums
@@ -61,8 +62,8 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--n", type=ints, default=[4, 8], help="data-parallel sizes")
     p.add_argument("--seq-len", type=int, default=None, help="override every preset's sequence length")
     p.add_argument("--micro-batch", type=int, default=None, help="override every preset's micro-batch")
-    p.add_argument("--rank", type=int, default=8)
-    p.add_argument("--tau", type=int, default=50)
+    p.add_argument("--rank", type=int, default=MecefoConfig().rank)
+    p.add_argument("--tau", type=int, default=MecefoConfig().tau)
     p.add_argument("--error-presets", type=names, default=["debug", "tiny"])
     p.add_argument("--train-steps", type=int, default=200, help="exact training steps before/between checks")
     p.add_argument("--checkpoints", type=int, default=2, help="gradient checks, evenly spaced up to train-steps")

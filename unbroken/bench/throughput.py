@@ -16,6 +16,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from unbroken.bench._args import parse_with_overrides
 from unbroken.config import load_config
 from unbroken.runtime.launcher import launch_local
 
@@ -35,8 +36,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--workers", default="1,2,4", help="comma-separated worker counts")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/throughput.json"))
-    ap.add_argument("overrides", nargs="*", help="section.field=value config overrides")
-    a = ap.parse_args(argv)
+    a, a.overrides = parse_with_overrides(ap, argv)
     counts = [int(w) for w in a.workers.split(",") if w.strip()]
     if not counts or min(counts) < 1:
         raise ValueError(f"--workers {a.workers!r}: need positive comma-separated counts, e.g. 1,2,4")
@@ -45,8 +45,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for n in counts:
             cfg = load_config(
                 preset_name=a.preset,
-                overrides=[o.lstrip("-") for o in a.overrides]
-                + [f"train.workers={n}", f"train.steps={a.steps}", "train.val_every=0", "train.val_batches=1"],
+                overrides=a.overrides + [f"train.workers={n}", f"train.steps={a.steps}", "train.val_every=0", "train.val_batches=1"],
             )
             s = launch_local(cfg, Path(tmp) / f"w{n}")
             rows.append({"workers": n, "tokens_per_s": s["tokens_per_s"], "wall_s": s["wall_s"],
