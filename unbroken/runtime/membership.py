@@ -89,8 +89,12 @@ def connect_store(addr: str, *, timeout_s: float, world: int | None = None) -> d
 class Membership:
     """One worker's handle on the job's membership state."""
 
-    def __init__(self, store: dist.Store, worker: int, *, heartbeat_timeout_s: float) -> None:
+    def __init__(self, store: dist.Store, worker: int, *, heartbeat_timeout_s: float,
+                 heartbeat_store: dist.Store | None = None) -> None:
         self.store = store
+        # Its own connection: a call blocked on the main one (a group rendezvous)
+        # must never silence the heartbeat.
+        self.heartbeat_store = heartbeat_store or store
         self.worker = worker
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self._hb_seen: dict[int, tuple[int, float]] = {}
@@ -103,14 +107,14 @@ class Membership:
 
     def start_heartbeat(self) -> None:
         """Publish liveness from a thread (keeps beating while the GIL is free in torch ops)."""
-        self.store.add(f"hb/{self.worker}", 1)
+        self.heartbeat_store.add(f"hb/{self.worker}", 1)
         self._hb_thread = threading.Thread(target=self._beat, name=f"heartbeat-w{self.worker}", daemon=True)
         self._hb_thread.start()
 
     def _beat(self) -> None:
         while not self._stop.wait(HEARTBEAT_INTERVAL_S):
             try:
-                self.store.add(f"hb/{self.worker}", 1)
+                self.heartbeat_store.add(f"hb/{self.worker}", 1)
             except Exception as exc:  # store gone: the job is over or this node is cut off
                 logger.warning("heartbeat stopped: %s", exc)
                 return

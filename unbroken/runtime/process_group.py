@@ -57,6 +57,8 @@ class ViewGroup:
         """
         buf = tensor.detach().clone().to(self.device)
         if self.size == 1:
+            if after_post is not None:
+                after_post()
             return buf
         work = self.pg.allreduce([buf])
         if after_post is not None:

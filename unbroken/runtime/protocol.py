@@ -76,13 +76,21 @@ class StepProtocol:
     # -- views ----------------------------------------------------------------
 
     def adopt(self, view: View) -> None:
-        """Build ``view``'s group and, if it admits joiners, hand them the state."""
+        """Build ``view``'s group and, if it admits joiners, hand them the state.
+
+        Raises:
+            Fenced: this worker is not a member.
+            MemberDied, ViewChanged, CollectiveFailed: the view cannot be formed;
+                the caller moves on to a newer one.
+        """
         if self.me not in view.members:
             raise Fenced(f"worker {self.me} is not a member of view {view.gen}")
         for j in view.joiners:
             self.m.forget_dead(j)
         t0 = time.perf_counter()
+        self._abandon()  # a group from a failed earlier attempt is parked, never dropped
         self.view = view
+        self._arrive(view)
         self.group = ViewGroup(self.m.store, gen=view.gen, rank=view.rank_of(self.me), size=len(view.members),
                                device=self.device, timeout_s=self.timeout_s)
         if view.joiners:
@@ -94,6 +102,22 @@ class StepProtocol:
         self._event("view_adopted", gen=view.gen, members=list(view.members), step=view.step,
                     joiners=list(view.joiners), reason=view.reason, build_s=self.group.build_s,
                     adopt_s=time.perf_counter() - t0)
+
+    def _arrive(self, view: View) -> None:
+        """Wait until every member of ``view`` is here, watching for deaths meanwhile.
+
+        Building a group blocks until all members connect; a member that died
+        after the view was proposed would make that wait last the whole timeout.
+        """
+        key = f"arrive/{view.gen}"
+        count = self.m.store.add(key, 1)
+        deadline = time.monotonic() + self.timeout_s
+        while count < len(view.members):
+            self._check(force=True)
+            if time.monotonic() > deadline:
+                raise CollectiveFailed(f"members of view {view.gen} did not all arrive within {self.timeout_s} s")
+            time.sleep(0.002)
+            count = self.m.store.add(key, 0)
 
     def admit_joiners(self, next_step: int) -> bool:
         """At a step boundary the view's first member admits workers waiting to join."""
@@ -110,10 +134,13 @@ class StepProtocol:
             self.m.clear_join(j)
         new = View(gen=self.view.gen + 1, members=tuple(sorted(set(self.view.members) | set(joiners))),
                    step=next_step, joiners=tuple(joiners), reason=f"rejoin {joiners}")
-        self.group.abandon()
+        self._abandon()
         winner = self.m.propose(self.view, new)
-        self.adopt(winner)
         self.need_exchange = True
+        try:
+            self.adopt(winner)
+        except (CollectiveFailed, ViewChanged, MemberDied) as exc:
+            self._reconfigure(next_step, f"admission failed: {type(exc).__name__}: {exc}")
         return True
 
     # -- the step -------------------------------------------------------------
@@ -150,21 +177,38 @@ class StepProtocol:
                            micro_batch=self.micro_batch).get(self.me, []))
 
     def _confirm(self, step: int) -> None:
+        """Two-phase commit of ``step`` under the current view (see the module docstring).
+
+        A member that dies after confirming does not stop the commit: it held the
+        reduced gradient, and the others apply the step with its contribution.
+        """
         g, n = self.view.gen, len(self.view.members)
         key, outcome_key = f"confirm/{g}/{step}", f"outcome/{g}/{step}"
+        self.m.store.set(f"{key}/{self.me}", "1")
         count = self.m.store.add(key, 1)
         self.fault_hook("confirm", step)
         deadline = time.monotonic() + self.timeout_s
         while count < n:
             if self.m.store.check([outcome_key]):
                 break
-            self._check()
+            self._check_confirming(key)
             if time.monotonic() > deadline:
                 raise CollectiveFailed(f"confirmation of step {step} in view {g} timed out")
             time.sleep(0.0005)
             count = self.m.store.add(key, 0)
         if self.m.decide(g, step, "commit" if count >= n else "abort") != "commit":
             raise ViewChanged(f"step {step} was aborted in view {g}")
+
+    def _check_confirming(self, key: str) -> None:
+        now = time.monotonic()
+        if now < self._next_check:
+            return
+        self._next_check = now + CHECK_EVERY_S
+        if self.m.current_gen() != self.view.gen:
+            raise ViewChanged(f"view {self.view.gen} replaced")
+        dead = [w for w in self.m.dead_members(self.view) if not self.m.store.check([f"{key}/{w}"])]
+        if dead:
+            raise MemberDied(f"workers {sorted(dead)} of view {self.view.gen} died before confirming")
 
     def _check(self, force: bool = False) -> None:
         now = time.monotonic()
@@ -182,7 +226,7 @@ class StepProtocol:
         t0 = time.perf_counter()
         if self.m.decide(self.view.gen, step, "abort") == "commit":
             return True
-        self.group.abandon()
+        self._abandon()
         self._event("attempt_aborted", step=step, gen=self.view.gen, reason=reason)
         while True:
             old = self.view
@@ -194,7 +238,11 @@ class StepProtocol:
                 members = tuple(w for w in old.members if w not in dead)
                 if not members:
                     raise NoLiveWorker("no live worker is left")
-                new = self.m.propose(old, View(gen=old.gen + 1, members=members, step=step,
+                # An admission interrupted in this step may not have handed the state over: admit again.
+                joiners = tuple(j for j in old.joiners if j in members) if old.step == step else ()
+                if joiners and all(w in joiners for w in members):
+                    raise NoLiveWorker("only workers still waiting for the state are left")
+                new = self.m.propose(old, View(gen=old.gen + 1, members=members, step=step, joiners=joiners,
                                                reason=f"dead {sorted(dead)}" if dead else "collective failed"))
             if new.step != step:
                 raise AssertionError(f"view {new.gen} is for step {new.step}, this worker is at step {step}")
@@ -239,6 +287,11 @@ class StepProtocol:
         if extra:
             self._event("takeover", step=step, gen=g, items=[[i.slot, *i.rows, i.mode] for i in extra])
         return extra
+
+    def _abandon(self) -> None:
+        if self.group is not None:
+            self.group.abandon()
+            self.group = None
 
     def _event(self, name: str, **fields: object) -> None:
         self.events.write({"kind": "event", "event": name, "worker": self.me, **fields})

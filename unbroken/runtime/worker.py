@@ -29,7 +29,7 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -43,8 +43,9 @@ from unbroken.mecefo.gradients import GradLayout, SlotWork, apply_step, compute_
 from unbroken.models import build_model
 from unbroken.models.optim import build_optimizer, lr_at
 from unbroken.runtime.checkpoint import AsyncCheckpointer, load_checkpoint, training_state
-from unbroken.runtime.membership import Fenced, Membership, NoLiveWorker, View, connect_store
-from unbroken.runtime.protocol import PlainProtocol, StepProtocol
+from unbroken.runtime.membership import Fenced, Membership, NoLiveWorker, View, ViewChanged, connect_store
+from unbroken.runtime.process_group import CollectiveFailed
+from unbroken.runtime.protocol import MemberDied, PlainProtocol, StepProtocol
 from unbroken.runtime.state_transfer import pack_state, unpack_state
 from unbroken.runtime.step import resolve_device
 
@@ -141,20 +142,30 @@ class Trainer:
             self.protocol.adopt(view)
             return view.step
         self.m.request_join({"pid": os.getpid(), "config_hash": self.hash, "t": time.time()})
-        view = self._wait_view(lambda v: self.spec.worker in v.joiners)
-        self.protocol.adopt(view)
+        gen = -1
+        while True:
+            view = self._wait_view(lambda v, g=gen: self.spec.worker in v.joiners and v.gen > g)
+            try:
+                self.protocol.adopt(view)
+                break
+            except (CollectiveFailed, ViewChanged, MemberDied) as exc:
+                # Someone died during the admission: the next view of that step admits us again.
+                logger.warning("admission in view %d failed (%s); waiting for the next", view.gen, exc)
+                gen = view.gen
         self.protocol.need_exchange = True
         self.events.write({"kind": "event", "event": "rejoined", "worker": self.spec.worker, "gen": view.gen,
                            "step": view.step, "wait_s": time.perf_counter() - t0})
         return view.step
 
-    def _wait_view(self, accept: Any) -> View:
+    def _wait_view(self, accept: Callable[[View], bool]) -> View:
         deadline = time.monotonic() + max(self.cfg.train.timeout_s, 600.0 if self.spec.join else 0.0)
         while time.monotonic() < deadline:
             if self.m.store.check(["done"]) or self.m.store.check(["failed"]):
                 raise SystemExit(0)
             if self.m.store.check(["gen"]):
                 view = self.m.current_view()
+                if self.spec.worker not in view.members and view.gen > 0 and self.spec.join is False:
+                    raise Fenced(f"worker {self.spec.worker} is not in view {view.gen}")
                 if accept(view):
                     return view
             time.sleep(JOIN_POLL_S)
@@ -238,7 +249,8 @@ def run(spec: WorkerSpec, *, store: dist.Store | None = None, warm: Warm | None 
     """Run one worker to completion; returns the process exit code."""
     cfg = load_run_config(spec.run_dir, spec.world)
     store = store or connect_store(spec.store, timeout_s=cfg.train.timeout_s)
-    membership = Membership(store, spec.worker, heartbeat_timeout_s=cfg.fault.heartbeat_timeout_s)
+    membership = Membership(store, spec.worker, heartbeat_timeout_s=cfg.fault.heartbeat_timeout_s,
+                            heartbeat_store=connect_store(spec.store, timeout_s=cfg.train.timeout_s))
     membership.start_heartbeat()
     trainer = Trainer(cfg, spec, membership, warm)
     try:

@@ -1,0 +1,263 @@
+"""Failover with real processes and real signals (CPU, gloo): every step completes, nothing is lost.
+
+Each scenario launches agents and workers through :func:`unbroken.agent.launcher.launch`,
+injects its faults declaratively (``fail_at`` specs: the agent signals a worker or a
+node, or a worker signals itself at a phase of its step), and asserts:
+
+- the shared end state (:func:`_faults.check_invariants`): all steps done, the
+  ledger exact (every ``(step, slot, row)`` trained once), the live workers'
+  parameters identical (one report per live worker), no process of the job left
+  and the store's port free again;
+- what the scenario is about: the step that failed, the view it was committed
+  under, who trained the dead worker's rows and in which mode.
+
+Worker ``w`` owns slot ``w``. Failures are injected at step 4 or later, once
+every worker has started and trained a few steps. Rejoin scenarios need many
+short steps: a restarted worker spends seconds importing torch before it can
+ask to join.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from _faults import MICRO_BATCH as MB
+from _faults import Job, check_invariants, failover_config, run_job
+from _reference import checkpoint_params, reference_train
+from unbroken.bench.report import summarize_run
+from unbroken.data import BatchSampler
+from unbroken.mecefo.completion import complete
+from unbroken.mecefo.gradients import SlotWork
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+
+REJOIN_STEPS = 300
+"""Long enough for a restarted worker (~5-10 s to start on a loaded 2-core machine) to rejoin mid-run."""
+STALL_TIMEOUT = "train.timeout_s=30"
+"""Bounds what any stall would cost in the multi-failure tests (every blocking wait is capped by train.timeout_s)."""
+
+
+def exact(*workers: int) -> list[tuple[int, int, int, int, str]]:
+    """Each worker trains exactly its own slot."""
+    return [(w, w, 0, MB, "exact") for w in workers]
+
+
+def failure_steps(job: Job) -> list[int]:
+    """Steps whose attempt was aborted by a failure (admitting a joiner does not count)."""
+    return [f["step"] for f in summarize_run(job.run_dir)["failure_details"]]
+
+
+def no_work_after(job: Job, worker: int, step: int) -> bool:
+    return not [r for r in job.records if r.get("kind") in ("work", "commit") and r["worker"] == worker
+                and r["step"] >= step]
+
+
+def test_no_failure_equals_data_parallel_reference(tmp_path, corpus_overrides):
+    cfg = failover_config(corpus_overrides, 6, "train.workers=4")
+    job = run_job(cfg, tmp_path / "run", nodes=2, workers_per_node=2)
+    check_invariants(job, live=[0, 1, 2, 3])
+    assert not job.events("attempt_aborted") and job.summary["failures"] == 0
+    assert all(job.committed_items(s) == exact(0, 1, 2, 3) for s in range(6))
+    got = checkpoint_params(job.summary["checkpoint"])
+    want = reference_train(cfg)
+    assert got.keys() == want.keys()
+    for name in want:  # tolerance and eps=1e-6: see tests/integration/test_data_parallel.py
+        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("phase", ["forward", "allreduce"])
+def test_sigkill_mid_step(tmp_path, corpus_overrides, phase):
+    """Killed before computing (forward) or with its all-reduce in flight: the survivors finish step 4."""
+    cfg = failover_config(corpus_overrides, 10)
+    job = run_job(cfg, tmp_path / "run", nodes=1, workers_per_node=3,
+                  fail_at=f"step=4:worker=1:kill:phase={phase}")
+    check_invariants(job, live=[0, 2])
+    (fired,) = job.events("fault_self", worker=1)
+    assert (fired["step"], fired["phase"], fired["how"]) == (4, phase, "kill")
+    assert failure_steps(job) == [4]
+    assert job.commit_gen(3) == 0 and job.commit_gen(4) == 1, "step 4 is finished under the next view"
+    assert no_work_after(job, 1, 4), "the dead worker's step-4 work must not count"
+    # Neighbour takeover, same step: worker 2 (ring successor) adds slot 1, approximated; its own
+    # slot 2, computed exactly before the failure, is kept.
+    assert job.committed_items(4) == [(0, 0, 0, MB, "exact"), (2, 1, 0, MB, "approx"), (2, 2, 0, MB, "exact")]
+    for step in range(5, 10):  # from the next step on the covering worker approximates its whole load
+        assert job.committed_items(step) == [(0, 0, 0, MB, "exact"), (2, 1, 0, MB, "approx"),
+                                             (2, 2, 0, MB, "approx")]
+    assert job.summary["failures"] == 1
+
+
+def test_sigkill_right_after_confirm(tmp_path, corpus_overrides):
+    """A worker that confirmed holds the reduced gradient: the step commits with its work; the next step sees the loss."""
+    cfg = failover_config(corpus_overrides, 10)
+    job = run_job(cfg, tmp_path / "run", nodes=1, workers_per_node=3, fail_at="step=4:worker=1:kill:phase=confirm")
+    check_invariants(job, live=[0, 2])
+    (fired,) = job.events("fault_self", worker=1)
+    assert (fired["step"], fired["phase"]) == (4, "confirm")
+    assert job.commit_gen(4) == 0, "step 4 was confirmed by every member: it must commit in view 0"
+    assert job.committed_items(4) == exact(0, 1, 2), "step 4 counts the dead worker's contribution"
+    assert job.committers(4) == {0, 2}, "worker 1 died before applying step 4"
+    assert failure_steps(job) == [5]
+    view1 = [e for e in job.events("view_adopted") if e["gen"] == 1]
+    assert view1 and all(e["step"] == 5 and e["members"] == [0, 2] for e in view1)
+    assert job.slot_items(5, 1) == [(2, 1, 0, MB, "approx")]
+
+
+def test_sigstop_is_detected_by_heartbeat_and_fenced(tmp_path, corpus_overrides):
+    """A hung worker: its heartbeat stops, a peer declares it dead, its agent SIGKILLs it."""
+    timeout = 1.0
+    cfg = failover_config(corpus_overrides, 10, f"fault.heartbeat_timeout_s={timeout}")
+    job = run_job(cfg, tmp_path / "run", nodes=1, workers_per_node=3, fail_at="step=4:worker=1:stop:phase=forward")
+    check_invariants(job, live=[0, 2])
+    (stopped,) = job.events("fault_self", worker=1)
+    assert (stopped["step"], stopped["how"]) == (4, "stop")
+    (fence,) = job.events("fence", worker=1)
+    mark = fence["reason"]
+    assert mark["how"] == "heartbeat" and mark["by"] in (0, 2) and mark["silent_s"] >= timeout
+    # Judged on the observer's clock from the last beat it saw (beats every 0.1 s): not before the
+    # timeout, and soon after it (generous bound: the machine may be loaded).
+    detected = fence["t"] - stopped["time"]
+    assert timeout - 0.2 <= detected <= timeout + 10.0, f"fenced {detected:.2f} s after the stop"
+    (exit_,) = job.events("worker_exit", worker=1)
+    assert exit_["fenced"] and exit_["signal"] == 9
+    assert failure_steps(job) == [4]
+    assert all(job.slot_items(s, 1) == [(2, 1, 0, MB, "approx")] for s in range(4, 10))
+
+
+def test_node_loss(tmp_path, corpus_overrides):
+    """Agent and workers of node 1 SIGKILLed together: nobody marks them, heartbeats tell."""
+    cfg = failover_config(corpus_overrides, 12, STALL_TIMEOUT)
+    job = run_job(cfg, tmp_path / "run", nodes=2, workers_per_node=2, fail_at="step=4:node=1:kill")
+    check_invariants(job, live=[0, 1])
+    (fired,) = job.events("fault_injected", node=1)
+    assert fired["lost_node"] and fired["targets"] == [2, 3]
+    (failed,) = failure_steps(job)
+    assert failed >= 4, "the node is lost once step 4 is under way, not before"
+    assert all(job.commit_gen(s) == 0 and job.committed_items(s) == exact(0, 1, 2, 3) for s in range(failed))
+    for step in range(failed, 12):  # worker 0 is the ring successor of both slot 2 and slot 3
+        items = job.committed_items(step)
+        assert [i for i in items if i[1] in (2, 3)] == [(0, 2, 0, MB, "approx"), (0, 3, 0, MB, "approx")]
+        assert [i for i in items if i[1] == 1] == [(1, 1, 0, MB, "exact")]
+    assert job.summary["failures"] == 2
+
+
+def test_kill_the_covering_neighbour(tmp_path, corpus_overrides):
+    """Worker 1 dies; worker 2 covers slot 1; worker 2 dies while covering: worker 3 covers both."""
+    cfg = failover_config(corpus_overrides, 12)
+    job = run_job(cfg, tmp_path / "run", nodes=2, workers_per_node=2,
+                  fail_at="step=4:worker=1:kill:phase=backward,step=8:worker=2:kill:phase=allreduce")
+    check_invariants(job, live=[0, 3])
+    assert failure_steps(job) == [4, 8]
+    for step in range(4, 8):
+        assert job.slot_items(step, 1) == [(2, 1, 0, MB, "approx")]
+    # Worker 2 died with slot 1 and slot 2 in its all-reduce: both are recomputed for step 8.
+    for step in range(8, 12):
+        items = job.committed_items(step)
+        assert [i for i in items if i[1] in (1, 2)] == [(3, 1, 0, MB, "approx"), (3, 2, 0, MB, "approx")]
+    assert no_work_after(job, 2, 8)
+
+
+def test_two_failures_in_one_step(tmp_path, corpus_overrides):
+    """Workers 1 and 2 (on different nodes) die with their all-reduce of step 4 in flight."""
+    cfg = failover_config(corpus_overrides, 10, STALL_TIMEOUT)
+    job = run_job(cfg, tmp_path / "run", nodes=2, workers_per_node=2,
+                  fail_at="step=4:worker=1:kill:phase=allreduce,step=4:worker=2:kill:phase=allreduce")
+    check_invariants(job, live=[0, 3])
+    assert sorted((e["worker"], e["step"]) for e in job.events("fault_self")) == [(1, 4), (2, 4)]
+    assert failure_steps(job) == [4]
+    # Worker 3 is the ring successor of both slots; its own slot, computed before the failure, is kept.
+    assert job.committed_items(4) == [(0, 0, 0, MB, "exact"), (3, 1, 0, MB, "approx"), (3, 2, 0, MB, "approx"),
+                                      (3, 3, 0, MB, "exact")]
+    assert job.summary["failures"] == 2
+
+
+def test_crash_and_hang_in_one_step(tmp_path, corpus_overrides):
+    """Worker 1 crashes and worker 2 hangs in the same step (the deterministic form of two failures at once).
+
+    The crash is marked by its agent at once; the hang only after the heartbeat
+    timeout, so the view that drops worker 1 still holds worker 2, and its
+    silence must be noticed while that view is being set up.
+    """
+    cfg = failover_config(corpus_overrides, 10, STALL_TIMEOUT)
+    job = run_job(cfg, tmp_path / "run", nodes=2, workers_per_node=2,
+                  fail_at="step=4:worker=1:kill:phase=forward,step=4:worker=2:stop:phase=forward")
+    check_invariants(job, live=[0, 3])
+    assert failure_steps(job) == [4]
+    (fence,) = job.events("fence", worker=2)
+    assert fence["reason"]["how"] == "heartbeat"
+    assert [i for i in job.committed_items(4) if i[1] in (1, 2)] == [(3, 1, 0, MB, "approx"), (3, 2, 0, MB, "approx")]
+
+
+def test_kill_then_rejoin(tmp_path, corpus_overrides):
+    """Worker 1 dies at step 3, is restarted once step 5 is committed, rejoins and trains slot 1 again."""
+    steps = REJOIN_STEPS
+    cfg = failover_config(corpus_overrides, steps)
+    job = run_job(cfg, tmp_path / "run", nodes=1, workers_per_node=3,
+                  fail_at="step=3:worker=1:kill:phase=forward:back=5", restart="on-failure")
+    check_invariants(job, live=[0, 1, 2])
+    rejoined = job.events("rejoined", worker=1)
+    assert len(rejoined) == 1, f"worker 1 rejoined {len(rejoined)} times (not at all: the machine was too slow)"
+    back = rejoined[0]["step"]
+    assert 5 <= back < steps - 1
+    (start,) = job.events("worker_start", worker=1, join=True)
+    assert start["progress"] >= 5, "restarted only once step 5 was committed"
+    assert failure_steps(job) == [3]
+    for step in range(3, back):
+        assert job.slot_items(step, 1) == [(2, 1, 0, MB, "approx")]
+    assert all(job.committed_items(s) == exact(0, 1, 2) for s in range(back + 1, steps)), \
+        "after its rejoin step the worker trains its own slot and nobody is approximated"
+    assert 1 in job.committers(back)
+    report = summarize_run(job.run_dir)
+    assert [(r["worker"], r["step"]) for r in report["rejoins"]] == [(1, back)]
+    assert job.summary["restarts"] == 1 and job.summary["failures"] == 1
+
+
+def test_failure_during_rejoin(tmp_path, corpus_overrides):
+    """The joiner dies in the very step it was admitted at, after receiving the state.
+
+    When it will be admitted depends on how long it takes to start, so it gets a
+    forward-phase kill at every step it could be admitted at (each with a ``back``
+    at the end of the run: it is not restarted again). The first step it trains
+    is the one it dies in: the step admitting it must still complete, without it.
+    """
+    steps = REJOIN_STEPS
+    cfg = failover_config(corpus_overrides, steps)
+    joiner_kills = [f"step={k}:worker=1:kill:phase=forward:back={steps}" for k in range(5, steps)]
+    job = run_job(cfg, tmp_path / "run", nodes=1, workers_per_node=3, restart="on-failure",
+                  fail_at=",".join(["step=3:worker=1:kill:phase=forward:back=5", *joiner_kills]))
+    check_invariants(job, live=[0, 2])
+    rejoined = job.events("rejoined", worker=1)
+    assert len(rejoined) == 1, f"worker 1 rejoined {len(rejoined)} times (not at all: the machine was too slow)"
+    admitted, gen = rejoined[0]["step"], rejoined[0]["gen"]
+    first, died = job.events("fault_self", worker=1)
+    assert first["step"] == 3 and (died["step"], died["phase"]) == (admitted, "forward")
+    assert job.commit_gen(admitted) > gen, "the admitting view lost a member: the step completes in a later one"
+    assert failure_steps(job) == [3, admitted]
+    assert 1 not in {i[0] for i in job.committed_items(admitted)} and no_work_after(job, 1, admitted)
+    assert all(job.slot_items(s, 1) == [(2, 1, 0, MB, "approx")] for s in range(admitted + 1, steps))
+    assert job.summary["restarts"] == 1
+
+
+@pytest.mark.parametrize("policy", ["spread", "spread-approx"])
+def test_spread_policies_under_a_kill(tmp_path, corpus_overrides, policy):
+    """The dead slot's rows are split over every survivor; approximated only under spread-approx."""
+    cfg = failover_config(corpus_overrides, 10, f"mecefo.policy={policy}")
+    job = run_job(cfg, tmp_path / "run", nodes=2, workers_per_node=2, fail_at="step=4:worker=1:kill:phase=backward")
+    check_invariants(job, live=[0, 2, 3])
+    assert failure_steps(job) == [4]
+    mode = "exact" if policy == "spread" else "approx"
+    # Step 4: the survivors keep their own slots and split slot 1, as the completion rule says.
+    done = {w: [SlotWork(w, (0, MB))] for w in (0, 2, 3)}
+    extra = complete(policy, n_slots=4, micro_batch=MB, live=[0, 2, 3], done=done)
+    split = [(w, i.slot, *i.rows, i.mode) for w, items in extra.items() for i in items]
+    assert {i[0] for i in split} == {0, 2, 3} and {(i[1], i[4]) for i in split} == {(1, mode)}
+    assert job.committed_items(4) == sorted(exact(0, 2, 3) + split, key=lambda i: (i[1], i[2]))
+    # From step 5 on, the policy's assignment: split_rows over the survivors in ascending order.
+    split = [(w, 1, a, b, mode) for w, (a, b) in zip([0, 2, 3], BatchSampler.split_rows(MB, 3))]
+    for step in range(5, 10):
+        assert job.committed_items(step) == sorted(exact(0, 2, 3) + split, key=lambda i: (i[1], i[2]))
+    report = summarize_run(job.run_dir)
+    assert report["approx_rows"] == (0 if policy == "spread" else 6 * MB)
+    assert json.loads((job.run_dir / "config.json").read_text())["mecefo"]["policy"] == policy
