@@ -16,6 +16,7 @@ operation can never corrupt state.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from datetime import timedelta
 from typing import Callable
@@ -25,7 +26,8 @@ import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
 
-POLL_S = 0.002
+CHECK_S = 0.02
+"""How often a waiting collective lets the caller's check run."""
 
 
 class CollectiveFailed(RuntimeError):
@@ -76,12 +78,14 @@ class ViewGroup:
         return buf
 
     def _poll(self, work: dist.Work, check: Callable[[], None], what: str) -> None:
+        """Wait for ``work``: woken the moment it completes, and every ``CHECK_S`` to run ``check``."""
+        done = threading.Event()
+        work.get_future().add_done_callback(lambda _: done.set())
         deadline = time.monotonic() + self.timeout.total_seconds()
-        while not work.is_completed():
+        while not done.wait(CHECK_S):
             check()
             if time.monotonic() > deadline:
                 raise CollectiveFailed(f"{what} of view {self.gen} did not finish within {self.timeout}")
-            time.sleep(POLL_S)
         try:
             work.wait()
         except RuntimeError as exc:

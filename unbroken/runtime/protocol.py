@@ -160,6 +160,9 @@ class StepProtocol:
                     self.fault_hook("backward", step)
                     local = buf if local is None else local + buf
                     items = items + extra
+                # A collective that completes within CHECK_EVERY_S never pays for the detector:
+                # a crash fails it at once anyway, and a hang takes the heartbeat timeout.
+                self._next_check = time.monotonic() + CHECK_EVERY_S
                 reduced = self.group.allreduce(local, self._check, lambda: self.fault_hook("allreduce", step))
                 self.events.write({"kind": "work", "step": step, "gen": self.view.gen, "worker": self.me,
                                    "items": [[i.slot, i.rows[0], i.rows[1], i.mode] for i in items]})
@@ -179,34 +182,41 @@ class StepProtocol:
     def _confirm(self, step: int) -> None:
         """Two-phase commit of ``step`` under the current view (see the module docstring).
 
-        A member that dies after confirming does not stop the commit: it held the
-        reduced gradient, and the others apply the step with its contribution.
+        Confirmations are appended to one key (``confirm/<g>/<s>`` = ``"w,w,..."``):
+        one round trip to confirm, one per poll. A member that dies after
+        confirming does not stop the commit: it held the reduced gradient, and the
+        others apply the step with its contribution.
         """
         g, n = self.view.gen, len(self.view.members)
         key, outcome_key = f"confirm/{g}/{step}", f"outcome/{g}/{step}"
-        self.m.store.set(f"{key}/{self.me}", "1")
-        count = self.m.store.add(key, 1)
+        self.m.store.append(key, f"{self.me},")
         self.fault_hook("confirm", step)
         deadline = time.monotonic() + self.timeout_s
-        while count < n:
-            if self.m.store.check([outcome_key]):
+        polls = 0
+        while len(confirmed := self._confirmed(key)) < n:
+            polls += 1
+            if polls % 8 == 0 and self.m.store.check([outcome_key]):
                 break
-            self._check_confirming(key)
+            self._check_confirming(confirmed)
             if time.monotonic() > deadline:
                 raise CollectiveFailed(f"confirmation of step {step} in view {g} timed out")
-            time.sleep(0.0005)
-            count = self.m.store.add(key, 0)
-        if self.m.decide(g, step, "commit" if count >= n else "abort") != "commit":
+            time.sleep(0.0002)
+        else:
+            confirmed = None
+        if self.m.decide(g, step, "commit" if confirmed is None else "abort") != "commit":
             raise ViewChanged(f"step {step} was aborted in view {g}")
 
-    def _check_confirming(self, key: str) -> None:
+    def _confirmed(self, key: str) -> set[int]:
+        return {int(w) for w in self.m.store.get(key).decode().split(",") if w}
+
+    def _check_confirming(self, confirmed: set[int]) -> None:
         now = time.monotonic()
         if now < self._next_check:
             return
         self._next_check = now + CHECK_EVERY_S
         if self.m.current_gen() != self.view.gen:
             raise ViewChanged(f"view {self.view.gen} replaced")
-        dead = [w for w in self.m.dead_members(self.view) if not self.m.store.check([f"{key}/{w}"])]
+        dead = self.m.dead_members(self.view) - confirmed
         if dead:
             raise MemberDied(f"workers {sorted(dead)} of view {self.view.gen} died before confirming")
 
