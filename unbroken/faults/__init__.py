@@ -2,7 +2,9 @@
 
 Traces (``traces``) say which worker is down at which step, drawn from a seeded
 failure model; specs (``fail_at``) say which process to kill, stop or
-terminate at which step. Both are pure data: nothing here touches processes.
+terminate at which step; ``injector`` schedules them. Those three are pure
+data. ``chaos`` is the one module that acts: it sends real signals to a running
+job's processes (``unbroken chaos``); importing the package does not load it.
 """
 
 from unbroken.faults.fail_at import FaultSpec, fail_at, format_fail_at, parse_fail_at, trace_to_faults
