@@ -23,7 +23,7 @@ fi
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
     echo "setup: installing torch==$TORCH_VERSION"
     .venv/bin/python -m pip install -q "torch==$TORCH_VERSION" 2>&1 | grep -v "^WARNING: Location" || true
-    .venv/bin/python -c "import torch" || { echo "setup: torch==$TORCH_VERSION could not be installed" >&2; exit 1; }
+    .venv/bin/python -c "import torch" 2>/dev/null || { echo "setup: torch==$TORCH_VERSION could not be installed" >&2; exit 1; }
 fi
 stamp=.venv/.unbroken-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
