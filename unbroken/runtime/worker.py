@@ -47,7 +47,6 @@ from unbroken.runtime.membership import Fenced, Membership, NoLiveWorker, View, 
 from unbroken.runtime.process_group import CollectiveFailed
 from unbroken.runtime.protocol import MemberDied, PlainProtocol, StepProtocol
 from unbroken.runtime.state_transfer import pack_state, unpack_state
-from unbroken.runtime.step import resolve_device
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +54,15 @@ EXIT_FENCED = 3
 EXIT_NO_LIVE_WORKER = 4
 JOIN_POLL_S = 0.01
 _SIGNALS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "term": signal.SIGTERM}
+
+
+def resolve_device(choice: str, rank: int) -> torch.device:
+    """``auto``: the rank's CUDA device when CUDA is available, else CPU."""
+    if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError("train.device='cuda' but CUDA is not available; use 'cpu' or 'auto'")
+    return torch.device("cuda", rank % torch.cuda.device_count())
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
