@@ -41,13 +41,13 @@ import torch
 from unbroken.config import MecefoConfig
 from unbroken.mecefo.adapter import LlamaAdapter
 from unbroken.mecefo.costs import COMPONENTS, SavedBytes, count_flops, relative_errors, svd_flops_per_refresh
+from unbroken.mecefo.policy import POLICIES
 from unbroken.mecefo.gradients import BatchFn, GradLayout, SlotWork, compute_gradient_sums
 from unbroken.models import Transformer, model_args
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_OUT = "benchmarks/results/mecefo_cost.json"
-POLICIES = ("neighbor", "spread", "spread-approx")
 TARGETS = {"neighbor_flops": 1.75, "neighbor_saved_bytes": 1.3}
 # (micro_batch, seq_len) when not given: CPU-sized, state in the JSON.
 DEFAULT_SHAPES = {"debug": (4, 128), "tiny": (4, 128), "llama-350m": (1, 256)}

@@ -20,8 +20,7 @@ from __future__ import annotations
 from typing import Mapping, Sequence
 
 from unbroken.mecefo.gradients import SlotWork
-
-POLICIES = ("neighbor", "spread", "spread-approx")
+from unbroken.mecefo.policy import POLICIES
 
 
 def missing_rows(n_slots: int, micro_batch: int, done: Mapping[int, Sequence[SlotWork]]) -> dict[int, list[tuple[int, int]]]:

@@ -161,4 +161,4 @@ def apply_reduced(layout: GradLayout, buf: torch.Tensor) -> None:
     weights = layout.weights(buf)
     for i, p in enumerate(layout.params):
         w = float(weights[layout.groups[i]])
-        p.grad = (layout.grad_view(buf, i) / w).clone() if w > 0 else None
+        p.grad = layout.grad_view(buf, i) / w if w > 0 else None  # the division already makes a new tensor

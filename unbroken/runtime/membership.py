@@ -32,6 +32,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from unbroken.mecefo.policy import NoLiveWorker  # one notion of "nobody is alive", re-exported
+
 logger = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL_S = 0.1
@@ -43,10 +45,6 @@ class ViewChanged(Exception):
 
 class Fenced(Exception):
     """This worker is not a member of the current view: it must stop at once."""
-
-
-class NoLiveWorker(RuntimeError):
-    """Every worker of the job is dead: nobody can hold or hand over the state."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
