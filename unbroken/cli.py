@@ -52,12 +52,20 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (train.steps)")
 
 
+FLAG_FIELDS = {
+    "workers": "train.workers",
+    "steps": "train.steps",
+    "faults": "fault.trace",
+    "trace": "fault.trace",
+    "fail_at": "fault.fail_at",
+    "policy": "mecefo.policy",
+}
+"""Shorthand flags and the config field each one sets (a subcommand has some of them)."""
+
+
 def _config_from(args: argparse.Namespace, overrides: list[str]) -> Config:
-    extra = list(overrides)
-    if getattr(args, "workers", None) is not None:
-        extra.append(f"train.workers={args.workers}")
-    if getattr(args, "steps", None) is not None:
-        extra.append(f"train.steps={args.steps}")
+    extra = list(overrides) + [f"{field}={getattr(args, flag)}" for flag, field in FLAG_FIELDS.items()
+                               if getattr(args, flag, None) is not None]
     return load_config(preset_name=args.preset, file=args.config, overrides=extra)
 
 
@@ -105,10 +113,6 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
 def _train_config(args: argparse.Namespace, overrides: list[str]) -> Config:
     """Config of a new run: ``--faults`` / ``--fail-at`` / ``--workers-per-node`` map onto config fields."""
     extra = list(overrides)
-    if args.faults is not None:
-        extra.append(f"fault.trace={args.faults}")
-    if args.fail_at is not None:
-        extra.append(f"fault.fail_at={args.fail_at}")
     if args.workers_per_node is not None and args.workers is None:
         extra.append(f"train.workers={(args.nodes or 1) * args.workers_per_node}")
     return _config_from(args, extra)
@@ -202,12 +206,7 @@ def cmd_simulate(args: argparse.Namespace, overrides: list[str]) -> int:
     """Play ``train.workers`` workers in this process under a failure trace (``unbroken.mecefo.simulator``)."""
     from unbroken.mecefo.simulator import simulate
 
-    extra = list(overrides)
-    if args.trace is not None:
-        extra.append(f"fault.trace={args.trace}")
-    if args.policy is not None:
-        extra.append(f"mecefo.policy={args.policy}")
-    cfg = _config_from(args, extra)
+    cfg = _config_from(args, overrides)
     out = args.out or Path("runs") / (
         f"sim-{args.preset}-w{cfg.train.workers}-{cfg.fault.trace}-{cfg.mecefo.policy}")
     progress = Progress(total=cfg.train.steps)
