@@ -23,7 +23,7 @@ import pytest
 
 from unbroken.config import Config
 from unbroken.jsonl import read_jsonl
-from unbroken.runtime.launcher import start_store
+from unbroken.agent.preflight import start_store
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
 

@@ -10,7 +10,7 @@ import torch
 
 from _reference import checkpoint_params, reference_train
 from unbroken.config import load_config
-from unbroken.runtime.launcher import launch_local
+from unbroken.agent.launcher import launch_local
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 

@@ -18,7 +18,7 @@ from unbroken.faults.traces import FailureTrace, Outage
 from unbroken.jsonl import read_jsonl
 from unbroken.mecefo.policy import POLICIES, assign, degraded_slots
 from unbroken.mecefo.simulator import live_at, simulate
-from unbroken.runtime.launcher import launch_local
+from unbroken.agent.launcher import launch_local
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

@@ -203,7 +203,7 @@ class Agent:
             self._shutdown()
 
     def _host_store(self) -> dist.TCPStore:
-        from unbroken.runtime.launcher import start_store  # only node 0 of a launcher-less cluster needs it
+        from unbroken.agent.preflight import start_store  # only node 0 of a launcher-less cluster needs it
 
         host, _, port = self.opts.store.rpartition(":")
         if not port.isdigit():

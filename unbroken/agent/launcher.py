@@ -40,7 +40,7 @@ from unbroken.faults.injector import check_faults
 from unbroken.faults.traces import FailureTrace, generate_trace, step_time_for
 from unbroken.jsonl import JsonlTail, read_jsonl
 from unbroken.runtime.checkpoint import latest_checkpoint, read_commit
-from unbroken.runtime.launcher import _truncate_metrics, preflight, prepare_run_dir, start_store
+from unbroken.agent.preflight import _truncate_metrics, preflight, prepare_run_dir, start_store
 
 logger = logging.getLogger(__name__)
 
@@ -147,6 +147,11 @@ def _attempt(store: dist.TCPStore, cfg: Config, run_dir: Path, on_record: Callab
         return _supervise(agents, store, run_dir, cfg, on_record)
     finally:
         _stop_agents(agents)
+
+
+def launch_local(cfg: Config, run_dir: str | Path, **kwargs: Any) -> dict[str, Any]:
+    """:func:`launch` as one node of ``cfg.train.workers`` workers (the plain one-machine run)."""
+    return launch(cfg, run_dir, nodes=1, workers_per_node=cfg.train.workers, **kwargs)
 
 
 def _job_config(cfg: Config, nodes: int, workers_per_node: int, restart: str) -> Config:

@@ -18,7 +18,7 @@ from typing import Any
 
 from unbroken.bench._args import parse_with_overrides
 from unbroken.config import load_config
-from unbroken.runtime.launcher import launch_local
+from unbroken.agent.launcher import launch_local
 
 
 def machine_description() -> dict[str, Any]:

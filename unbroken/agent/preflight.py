@@ -3,8 +3,7 @@
 :func:`preflight` checks everything that can be checked before anything is
 written (config, data, sequence length); :func:`prepare_run_dir` creates or
 checks the output directory; :func:`start_store` hosts the coordination store.
-Processes are started by :mod:`unbroken.agent.launcher` (one agent per node);
-:func:`launch_local` is the one-node form kept for existing callers.
+Processes are started by :mod:`unbroken.agent.launcher` (one agent per node).
 
 Invariants: a run that fails validation leaves nothing on disk; a resumed run
 keeps its saved config (only fields in ``_VOLATILE`` may differ) and its
@@ -18,7 +17,7 @@ import os
 import shutil
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch.distributed as dist
 
@@ -119,20 +118,3 @@ def start_store(host: str, port: int, world: int) -> dist.TCPStore:
             f"the port is probably in use: pick another with --train.port=N or 0 for a free one"
         ) from None
 
-
-def launch_local(
-    cfg: Config,
-    run_dir: str | Path,
-    *,
-    overwrite: bool = False,
-    resume: bool = False,
-    on_record: Callable[[dict[str, Any]], None] | None = None,
-) -> dict[str, Any]:
-    """Train ``cfg`` on this machine as one node of ``cfg.train.workers`` workers.
-
-    Compatibility wrapper of :func:`unbroken.agent.launcher.launch` (``nodes=1``).
-    """
-    from unbroken.agent.launcher import launch  # the agent package sits above runtime
-
-    return launch(cfg, run_dir, nodes=1, workers_per_node=cfg.train.workers, overwrite=overwrite, resume=resume,
-                  on_record=on_record)
