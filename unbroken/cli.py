@@ -233,7 +233,8 @@ def cmd_simulate(args: argparse.Namespace, overrides: list[str]) -> int:
 
 def cmd_agent(args: argparse.Namespace, overrides: list[str]) -> int:
     """One node's agent (see ``unbroken.agent.agent``); the config comes from RUN_DIR/config.json."""
-    from unbroken.agent.agent import AgentError, run_agent
+    from unbroken.agent.agent import AgentError
+    from unbroken.agent.command import run_agent
     from unbroken.agent.options import options_from
 
     if overrides:

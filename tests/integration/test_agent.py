@@ -28,7 +28,7 @@ from unbroken.agent.preflight import start_store
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
 
 STANDIN = Path(__file__).with_name("standin_worker.py")
-AGENT = ("import sys; from unbroken.agent.agent import main; "
+AGENT = ("import sys; from unbroken.agent.command import main; "
          f"sys.exit(main(sys.argv[1:], worker_cmd=[sys.executable, {str(STANDIN)!r}]))")
 
 

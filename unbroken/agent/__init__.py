@@ -5,7 +5,7 @@ their deaths in the store, fences workers declared dead by their peers,
 restarts dead workers as joiners, keeps a warm standby and injects faults
 with real signals. :func:`launch` hosts the store and runs one agent per node.
 
-Names are resolved lazily so that ``python -m unbroken.agent.agent`` does not
+Names are resolved lazily so that ``python -m unbroken.agent.command`` does not
 import its own module twice (and importing the package stays cheap).
 """
 
@@ -19,7 +19,7 @@ __all__ = ["Agent", "AgentError", "AgentFailed", "AgentOptions", "JobFailed", "l
 _WHERE = {
     "Agent": "unbroken.agent.agent",
     "AgentError": "unbroken.agent.agent",
-    "run_agent": "unbroken.agent.agent",
+    "run_agent": "unbroken.agent.command",
     "AgentOptions": "unbroken.agent.options",
     "AgentFailed": "unbroken.agent.launcher",
     "JobFailed": "unbroken.agent.launcher",

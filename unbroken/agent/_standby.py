@@ -1,8 +1,10 @@
 """Warm standby: one pre-started worker process per node, handed a dead worker's id.
 
-The contract with the worker side (``python -m unbroken.runtime.worker ...
---standby --node-rank R``, no ``--worker``) is described in
-:mod:`unbroken.agent.agent`. Keys, all under ``standby/<R>/``:
+The worker side is ``python -m unbroken.runtime.worker ... --standby
+--node-rank R`` (no ``--worker``; see ``unbroken.runtime.worker.standby``): it
+imports everything, loads the data and builds its model, then waits for an
+assignment; one that sees ``done`` or ``failed`` exits 0. Keys, all under
+``standby/<R>/``:
 
 - ``ready``: the standby writes its pid once it has imported everything and
   built its model; the agent deletes the key before starting a new standby.

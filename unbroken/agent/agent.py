@@ -4,7 +4,7 @@ One agent per node (machine); on one machine several agents on loopback play
 several nodes. Node ``R`` owns workers ``R*W .. R*W + W-1`` (worker ``w``'s
 home slot is ``w``; the job has ``N*W``)::
 
-    python -m unbroken.agent.agent --node-rank R --nnodes N --workers-per-node W --store HOST:PORT
+    python -m unbroken.agent.command --node-rank R --nnodes N --workers-per-node W --store HOST:PORT
         --run-dir DIR [--restart never|on-failure] [--restart-delay-s S] [--fail-at SPEC]
         [--faults-trace JSON] [--standby] [--start-step S] [--resume CKPT]
 
@@ -12,43 +12,10 @@ home slot is ``w``; the job has ``N*W``)::
 store was lost; 130/143: interrupted. 2: refused to start (store unreachable,
 node rank taken, config differs).
 
-Store keys, besides the start-up ones of :mod:`unbroken.agent.rendezvous`.
-Reads ``progress`` (committed steps), ``deaths``, ``dead/<w>``, ``gen``,
-``view/<g>``, ``done``, ``failed``. Writes ``dead/<w>`` + ``deaths`` when a
-worker of this node exits with a nonzero code or a signal (reason
-``{"by": "agent", "node", "how": "exit", "code", "signal", "t"}``); deletes a
-stale ``dead/<w>`` before ``w``'s replacement starts once the current view no
-longer holds ``w``; sets ``failed`` when every member of the current view is
-marked dead; ``standby/<R>/*`` (below).
-
-Files: ``logs/w<id>.log`` (appended, a header line per incarnation),
-``pids/w<id>`` (removed when that process exits), ``pids/agent<R>``,
-``pids/standby<R>``, ``layout.json``, events ``events/agent<R>.jsonl``
-(``worker_start``, ``worker_exit``, ``fault_injected``, ``fence``,
-``standby_assign``; each with ``node``, ``worker``, ``t``).
-
-Workers: ``python -m unbroken.runtime.worker --run-dir DIR --worker ID --world
-N*W --store HOST:PORT [--join] [--faults SPEC] [--resume CKPT]``: ``--join`` for
-restarts, ``--faults`` with the worker's own phase specs (it signals itself),
-``--resume`` only for the first incarnations of a resumed run. Exit 0 =
-finished; anything else (3 = fenced) is a death.
-
-Warm standby (``--standby``). The agent keeps one process started as ``python
--m unbroken.runtime.worker --run-dir DIR --world N*W --store HOST:PORT
---standby --node-rank R`` (no ``--worker``). It imports everything, builds its
-model, writes ``standby/<R>/ready`` = its pid and polls ``standby/<R>/assign``.
-To replace dead worker ``w`` the agent writes ``standby/<R>/faults`` (the
-``--faults`` string) and then ``assign`` = ``"w"``; the standby claims with
-``compare_set(assign, "w", "claimed:<pid>")`` and, if that returns its own
-claim, carries on exactly as ``--worker w --join --faults <faults>`` (output
-stays in ``logs/standby<R>.log``). Unclaimed within 2 s, the offer is retracted
-by compare-and-set and ``w`` spawned afresh; a new standby is started either
-way. A standby that sees ``done`` or ``failed`` exits 0.
-
-Fencing: a running worker marked dead by someone else (a peer's heartbeat
-timeout; it may be SIGSTOPped) is SIGKILLed at once. A mark already present
-when an incarnation started is its predecessor's and is ignored until deleted
-(by the agent as above, or by the peer that admits the joiner).
+The store keys an agent reads and writes, the files it keeps in the run
+directory and the worker command line are listed in ``docs/design.md``
+(section "Agents"); the warm standby's contract is in
+:mod:`unbroken.agent._standby`.
 
 Invariants: a worker's nonzero exit is marked dead within one poll (~10 ms); a
 marked incarnation never keeps running; no child outlives the agent (own
@@ -58,7 +25,6 @@ exit); every blocking call has a timeout.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import logging
@@ -75,7 +41,7 @@ import torch.distributed as dist
 from unbroken.agent._process import describe_exit, exit_status, remove_pid, send, spawn, stop_all, write_pid
 from unbroken.agent._standby import Standby
 from unbroken.agent.rendezvous import NodeRegistration, StartRefused
-from unbroken.agent.options import AgentOptions, add_agent_args, options_from
+from unbroken.agent.options import AgentOptions
 from unbroken.faults.fail_at import format_fail_at
 from unbroken.faults.injector import DeathCause, Injection, NodeFaults, workers_of
 from unbroken.jsonl import JsonlWriter, read_jsonl
@@ -528,45 +494,3 @@ def _loads(text: str) -> Any:
         return json.loads(text)
     except json.JSONDecodeError:
         return text
-
-
-def run_agent(opts: AgentOptions, *, worker_cmd: Sequence[str] | None = None) -> int:
-    """Run an agent in this process (main thread): SIGTERM/SIGINT stop it and its workers.
-
-    Returns:
-        0 when the job is done.
-    Raises:
-        AgentError: with the exit code and the reason; ValueError: bad options.
-    """
-    agent = Agent(opts, worker_cmd=worker_cmd)
-
-    def on_signal(signum: int, frame: Any) -> None:
-        agent.interrupted = signum
-
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        return agent.run()
-    finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
-
-
-def main(argv: list[str] | None = None, *, worker_cmd: Sequence[str] | None = None) -> int:
-    """Entry point of ``python -m unbroken.agent.agent``; returns the exit code."""
-    ap = argparse.ArgumentParser(prog="python -m unbroken.agent.agent", description=__doc__.splitlines()[0])
-    add_agent_args(ap)
-    a = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        return run_agent(options_from(a), worker_cmd=worker_cmd)
-    except AgentError as exc:
-        print(f"unbroken agent: {exc}", file=sys.stderr)
-        return exc.code
-    except ValueError as exc:
-        print(f"unbroken agent: error: {exc}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

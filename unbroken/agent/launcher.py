@@ -4,7 +4,7 @@
 checks everything that can be checked before anything is written (config,
 data, fault specs, port), hosts the coordination store, publishes the run's
 config under the store key ``config``, starts one agent per node
-(``python -m unbroken.agent.agent``, output in ``logs/agent<R>.log``), follows
+(``python -m unbroken.agent.command``, output in ``logs/agent<R>.log``), follows
 ``metrics.jsonl`` and the store keys ``done`` / ``failed``, and summarises.
 
 Faults: ``fault.fail_at`` (and the ``fail_at`` argument, which is not saved in
@@ -186,7 +186,7 @@ def _job_faults(cfg: Config, fail_at: str, nodes: int, workers_per_node: int) ->
 def _spawn_agent(node: int, cfg: Config, run_dir: Path, store_addr: str, *, nodes: int, workers_per_node: int,
                  restart: str, fail_at: str, trace_file: Path | None, standby: bool, start_step: int,
                  resume_from: Path | None) -> subprocess.Popen[bytes]:
-    cmd = [sys.executable, "-m", "unbroken.agent.agent", "--node-rank", str(node), "--nnodes", str(nodes),
+    cmd = [sys.executable, "-m", "unbroken.agent.command", "--node-rank", str(node), "--nnodes", str(nodes),
            "--workers-per-node", str(workers_per_node), "--store", store_addr, "--run-dir", str(run_dir),
            "--restart", restart, "--start-step", str(start_step), "--timeout-s", str(cfg.train.timeout_s)]
     cmd += ["--fail-at", fail_at] if fail_at else []

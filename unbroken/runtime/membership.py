@@ -34,6 +34,8 @@ import torch.distributed as dist
 
 from unbroken.mecefo.policy import NoLiveWorker  # one notion of "nobody is alive", re-exported
 
+__all__ = ["Fenced", "Membership", "NoLiveWorker", "View", "ViewChanged", "connect_store"]
+
 logger = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL_S = 0.1

@@ -284,7 +284,7 @@ def run(spec: WorkerSpec, *, store: dist.Store | None = None, warm: Warm | None 
 def standby(run_dir: Path, world: int, store_addr: str, node: int) -> tuple[WorkerSpec, dist.Store, Warm] | None:
     """Be a warm standby of ``node``: prepare, announce, wait to be handed a worker id.
 
-    Contract (see :mod:`unbroken.agent.agent`): write ``standby/<node>/ready`` =
+    Contract (see :mod:`unbroken.agent._standby`): write ``standby/<node>/ready`` =
     pid; claim an offer ``standby/<node>/assign`` = ``"<w>"`` by compare-and-set
     to ``claimed:<pid>``; read ``standby/<node>/faults``. Returns None when the
     job ends first.
