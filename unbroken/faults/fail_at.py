@@ -13,7 +13,8 @@ Fields of an item, in any order:
 * ``kill`` | ``stop`` | ``term`` (bare word, or ``how=...``; default ``kill``):
   SIGKILL, SIGSTOP (a hang), SIGTERM;
 * ``phase=forward|backward|allreduce|confirm|any`` (default ``any``): where in the step
-  (``confirm``: right after the worker confirmed it holds the reduced gradient);
+  (``confirm``: right after the worker voted to commit the step, which it does
+  once every member holds the reduced gradient);
 * ``for=SECONDS`` (only with ``stop``): send SIGCONT after that long; absent
   means the process stays stopped.
 * ``back=STEP`` (optional, > ``step``): the failed worker(s) come back once the

@@ -17,7 +17,10 @@ Keys (all in one job's store):
 Invariants: generations only grow; ``view/<g+1>`` exists before ``gen`` says
 ``g+1``; a worker marked dead never becomes a member again under the same
 incarnation (its agent kills it: fencing); heartbeat liveness is judged on the
-observer's own clock (counter changes), so no clock agreement is needed.
+observer's own clock (counter changes), so no clock agreement is needed, and
+only over time the observer itself kept watching: after a gap in its own
+observations (it was not scheduled, or the store stalled) the clocks restart,
+so a stall of the observer or of the store never gets peers declared dead.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import threading
 import time
 from datetime import timedelta
@@ -98,6 +102,7 @@ class Membership:
         self.worker = worker
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self._hb_seen: dict[int, tuple[int, float]] = {}
+        self._last_watch = -math.inf
         self._deaths_seen = -1
         self._dead: set[int] = set()
         self._stop = threading.Event()
@@ -168,18 +173,25 @@ class Membership:
             for w in view.members:
                 if w not in self._dead and self.store.check([f"dead/{w}"]):
                     self._dead.add(w)
-        now = time.monotonic()
         others = [w for w in view.members if w != self.worker and w not in self._dead]
         if others:
+            before = time.monotonic()
             counts = self.store.multi_get([f"hb/{w}" for w in others])
+            now = time.monotonic()
+            # Silence counts only while this observer kept watching: if it was itself stalled (not
+            # scheduled, or the store did not answer), nobody's heartbeat could be seen, so the clocks
+            # restart instead of blaming the others for the observer's own gap.
+            blind = (before - self._last_watch > self.heartbeat_timeout_s / 2
+                     or now - before > self.heartbeat_timeout_s / 2)
+            self._last_watch = now
             for w, raw in zip(others, counts):
                 c = int(raw)
                 seen = self._hb_seen.get(w)
-                if seen is None or seen[0] != c:
+                if seen is None or seen[0] != c or blind:
                     self._hb_seen[w] = (c, now)
-                elif now - seen[1] > self.heartbeat_timeout_s:
+                elif before - seen[1] > self.heartbeat_timeout_s:
                     self.mark_dead(w, json.dumps({"by": self.worker, "how": "heartbeat",
-                                                  "silent_s": round(now - seen[1], 3)}))
+                                                  "silent_s": round(before - seen[1], 3)}))
         return self._dead & set(view.members)
 
     def is_dead(self, worker: int) -> bool:

@@ -9,8 +9,10 @@ Collectives are started asynchronously and polled. Between polls the caller's
 collective. An abandoned group is never used again: gloo, whose pending
 operation may still be blocked on a silent peer, is parked until that peer is
 fenced (killed), which unblocks it; NCCL is aborted. Every collective works on
-a private copy of the caller's tensor, so a late write by an abandoned
-operation can never corrupt state.
+a buffer owned by the group, never on the caller's tensor, so a late write by an
+abandoned operation can never corrupt state: the buffer is reused from one step
+to the next (no allocation, no page faults on the hot path) and is parked with
+its group when the group is abandoned.
 """
 
 from __future__ import annotations
@@ -50,14 +52,22 @@ class ViewGroup:
         else:
             self.pg = dist.ProcessGroupGloo(prefixed, rank, size, self.timeout)
         self.build_s = time.perf_counter() - t0
+        self._buf: torch.Tensor | None = None
+        self._vote = torch.ones(1, dtype=torch.int32, device=device)
 
     def allreduce(self, tensor: torch.Tensor, check: Callable[[], None],
                   after_post: Callable[[], None] | None = None) -> torch.Tensor:
-        """Sum ``tensor`` over the group into a new tensor; ``check`` may raise to abandon.
+        """Sum ``tensor`` over the group; ``check`` may raise to abandon.
 
-        ``after_post`` runs once the collective is in flight (fault injection hook).
+        Returns the group's buffer, valid until the next ``allreduce`` on this
+        group; ``tensor`` itself is left untouched. ``after_post`` runs once the
+        collective is in flight (fault injection hook).
         """
-        buf = tensor.detach().clone().to(self.device)
+        src = tensor.detach()
+        if self._buf is None or self._buf.shape != src.shape or self._buf.dtype != src.dtype:
+            self._buf = torch.empty_like(src, device=self.device)
+        buf = self._buf
+        buf.copy_(src)
         if self.size == 1:
             if after_post is not None:
                 after_post()
@@ -67,6 +77,21 @@ class ViewGroup:
             after_post()
         self._poll(work, check, "all-reduce")
         return buf
+
+    def confirm(self, check: Callable[[], None]) -> None:
+        """A one-element all-reduce: completes at a member only once every member has entered it.
+
+        Members enter it after their gradient all-reduce has completed, so its
+        completion proves that every member holds the reduced gradient.
+        """
+        if self.size == 1:
+            return
+        self._vote.fill_(1)
+        work = self.pg.allreduce([self._vote])
+        self._poll(work, check, "confirmation")
+        if int(self._vote.item()) != self.size:  # pragma: no cover - a collective that lies
+            raise CollectiveFailed(f"confirmation of view {self.gen} counted {int(self._vote.item())} "
+                                   f"of {self.size} members")
 
     def broadcast(self, tensor: torch.Tensor, src: int, check: Callable[[], None]) -> torch.Tensor:
         """Broadcast from group rank ``src``; returns the received tensor (a copy)."""

@@ -5,10 +5,11 @@ For step ``s`` under view ``g`` a worker:
 1. computes the items assigned to it (:func:`unbroken.mecefo.policy.assign`);
 2. all-reduces its gradient sums on view ``g``'s group, polling, while the
    failure detector and the view watcher run;
-3. confirms: ``confirm/<g>/<s>`` counts members holding the reduced buffer;
-   when it reaches the member count, ``outcome/<g>/<s>`` is compare-and-set to
-   ``commit``; the first worker to give up on the attempt sets it to ``abort``.
-   Exactly one of the two wins, so either every member applies the step or none;
+3. confirms: a one-element all-reduce whose completion proves that every member
+   holds the reduced buffer; a member for which it completed compare-and-sets
+   ``outcome/<g>/<s>`` to ``commit``, the first worker to give up on the attempt
+   sets it to ``abort``. Exactly one of the two wins, so either every member
+   applies the step or none;
 4. on commit: the caller applies the optimizer step.
 
 If anything fails in 2–3 the worker aborts the attempt, agrees on view ``g+1``
@@ -182,43 +183,20 @@ class StepProtocol:
     def _confirm(self, step: int) -> None:
         """Two-phase commit of ``step`` under the current view (see the module docstring).
 
-        Confirmations are appended to one key (``confirm/<g>/<s>`` = ``"w,w,..."``):
-        one round trip to confirm, one per poll. A member that dies after
-        confirming does not stop the commit: it held the reduced gradient, and the
-        others apply the step with its contribution.
+        The vote is a one-element all-reduce on the view's group: it completes at
+        a member only once every member has entered it, and members enter it only
+        after their gradient all-reduce completed, so its completion proves that
+        every member holds the reduced gradient. That member then votes ``commit``
+        by compare-and-set on ``outcome/<g>/<s>``; a member that gives up votes
+        ``abort`` (:meth:`_reconfigure`). The first vote decides for everyone: one
+        store round trip per member and step on the failure-free path.
         """
-        g, n = self.view.gen, len(self.view.members)
-        key, outcome_key = f"confirm/{g}/{step}", f"outcome/{g}/{step}"
-        self.m.store.append(key, f"{self.me},")
-        self.fault_hook("confirm", step)
-        deadline = time.monotonic() + self.timeout_s
-        polls = 0
-        while len(confirmed := self._confirmed(key)) < n:
-            polls += 1
-            if polls % 8 == 0 and self.m.store.check([outcome_key]):
-                break
-            self._check_confirming(confirmed)
-            if time.monotonic() > deadline:
-                raise CollectiveFailed(f"confirmation of step {step} in view {g} timed out")
-            time.sleep(0.0002)
-        else:
-            confirmed = None
-        if self.m.decide(g, step, "commit" if confirmed is None else "abort") != "commit":
+        g = self.view.gen
+        self._next_check = time.monotonic() + CHECK_EVERY_S
+        self.group.confirm(self._check)
+        if self.m.decide(g, step, "commit") != "commit":
             raise ViewChanged(f"step {step} was aborted in view {g}")
-
-    def _confirmed(self, key: str) -> set[int]:
-        return {int(w) for w in self.m.store.get(key).decode().split(",") if w}
-
-    def _check_confirming(self, confirmed: set[int]) -> None:
-        now = time.monotonic()
-        if now < self._next_check:
-            return
-        self._next_check = now + CHECK_EVERY_S
-        if self.m.current_gen() != self.view.gen:
-            raise ViewChanged(f"view {self.view.gen} replaced")
-        dead = self.m.dead_members(self.view) - confirmed
-        if dead:
-            raise MemberDied(f"workers {sorted(dead)} of view {self.view.gen} died before confirming")
+        self.fault_hook("confirm", step)
 
     def _check(self, force: bool = False) -> None:
         now = time.monotonic()
@@ -230,6 +208,11 @@ class StepProtocol:
         dead = self.m.dead_members(self.view)
         if dead:
             raise MemberDied(f"workers {sorted(dead)} of view {self.view.gen} are dead")
+
+    def reconfigure_at_start(self, step: int, reason: str) -> None:
+        """The first view could not be formed: move to the next one, before computing anything."""
+        self._reconfigure(step, reason)
+        self.need_exchange = True
 
     def _reconfigure(self, step: int, reason: str) -> bool:
         """Abort the attempt and move to a newer view; True if the step turned out committed."""
@@ -331,3 +314,7 @@ class PlainProtocol(StepProtocol):
 
     def admit_joiners(self, next_step: int) -> bool:
         return False
+
+    def reconfigure_at_start(self, step: int, reason: str) -> None:
+        raise CollectiveFailed(f"the first view could not be formed ({reason}); plain data parallelism "
+                               f"restarts the job")

@@ -147,7 +147,12 @@ class Trainer:
         t0 = time.perf_counter()
         if not self.spec.join:
             view = self._wait_view(lambda v: self.spec.worker in v.members)
-            self.protocol.adopt(view)
+            try:
+                self.protocol.adopt(view)
+            except (CollectiveFailed, ViewChanged, MemberDied) as exc:
+                # A member died (or was judged dead) before the first step: go on without it, as in
+                # any step; its agent restarts it and it rejoins.
+                self.protocol.reconfigure_at_start(view.step, f"{type(exc).__name__}: {exc}")
             return view.step
         self.m.request_join({"pid": os.getpid(), "config_hash": self.hash, "t": time.time()})
         gen = -1

@@ -1,0 +1,67 @@
+"""Heartbeat judgement and outcome votes on a real TCPStore."""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from unbroken.runtime.membership import Membership, View
+
+TIMEOUT_S = 0.3
+
+
+@pytest.fixture()
+def store():
+    s = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timedelta(seconds=5), wait_for_workers=False)
+    yield s
+    del s
+
+
+def _watch(m: Membership, view: View, seconds: float, beat: dict[int, int], store) -> set[int]:
+    """Observe every 20 ms for ``seconds``, beating for the workers in ``beat``."""
+    end = time.monotonic() + seconds
+    dead: set[int] = set()
+    while time.monotonic() < end:
+        for w in beat:
+            store.add(f"hb/{w}", 1)
+        dead = m.dead_members(view)
+        time.sleep(0.02)
+    return dead
+
+
+def test_a_silent_peer_is_declared_dead_after_the_timeout_a_beating_one_never(store):
+    view = View(gen=0, members=(0, 1, 2), step=0)
+    for w in view.members:
+        store.add(f"hb/{w}", 1)
+    m = Membership(store, 0, heartbeat_timeout_s=TIMEOUT_S)
+    assert _watch(m, view, TIMEOUT_S * 0.6, {1: 1}, store) == set()
+    assert _watch(m, view, TIMEOUT_S, {1: 1}, store) == {2}
+    assert store.check(["dead/2"]) and not store.check(["dead/1"])
+    assert store.add("deaths", 0) == 1
+
+
+def test_the_observers_own_gap_restarts_the_clocks(store):
+    """An observer that was not watching (descheduled, store stalled) cannot tell who was silent."""
+    view = View(gen=0, members=(0, 1), step=0)
+    for w in view.members:
+        store.add(f"hb/{w}", 1)
+    m = Membership(store, 0, heartbeat_timeout_s=TIMEOUT_S)
+    assert m.dead_members(view) == set()
+    time.sleep(TIMEOUT_S * 2)  # worker 1's counter did not move, but neither did this observer look
+    assert m.dead_members(view) == set()
+    assert not store.check(["dead/1"])
+    # Watching on from here, the silence is real once it lasts the timeout.
+    assert _watch(m, view, TIMEOUT_S * 0.6, {}, store) == set()
+    assert _watch(m, view, TIMEOUT_S, {}, store) == {1}
+
+
+def test_first_outcome_vote_decides_for_everyone(store):
+    a = Membership(store, 0, heartbeat_timeout_s=TIMEOUT_S)
+    b = Membership(store, 1, heartbeat_timeout_s=TIMEOUT_S)
+    assert a.decide(3, 7, "commit") == "commit"
+    assert b.decide(3, 7, "abort") == "commit"
+    assert b.decide(3, 8, "abort") == "abort"
+    assert a.decide(3, 8, "commit") == "abort"
