@@ -44,8 +44,8 @@ def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
                     "the failure-free run 'none' is always added as the baseline")
     ap.add_argument("--policies", default=",".join(POLICIES), help="comma-separated takeover policies")
     ap.add_argument("--slots", type=int, default=4, help="data-parallel slots (train.workers)")
-    ap.add_argument("--steps", type=int, default=240,
-                    help="optimizer steps per run (default 240: ~0.45 s each for tiny on 2 shared cores)")
+    ap.add_argument("--steps", type=int, default=720,
+                    help="optimizer steps per run (default 720: ~0.45 s each for tiny on 2 shared cores)")
     ap.add_argument("--micro-batch", type=int, default=8, help="rows per slot (data.micro_batch)")
     ap.add_argument("--seq-len", type=int, default=64, help="tokens per row (data.seq_len)")
     ap.add_argument("--val-batches", type=int, default=16, help="validation micro-batches per evaluation")

@@ -103,18 +103,39 @@ class ViewGroup:
         return buf
 
     def _poll(self, work: dist.Work, check: Callable[[], None], what: str) -> None:
-        """Wait for ``work``: woken the moment it completes, and every ``CHECK_S`` to run ``check``."""
-        done = threading.Event()
-        work.get_future().add_done_callback(lambda _: done.set())
+        """Wait for ``work``, running ``check`` every ``CHECK_S`` until it completes.
+
+        gloo: a timed ``work.wait`` blocks in C++ and returns the moment the
+        collective completes (its "timed out" error leaves the operation running);
+        CUDA: woken by the work's future.
+        """
         deadline = time.monotonic() + self.timeout.total_seconds()
-        while not done.wait(CHECK_S):
-            check()
-            if time.monotonic() > deadline:
-                raise CollectiveFailed(f"{what} of view {self.gen} did not finish within {self.timeout}")
+        if self.device.type == "cuda":
+            done = threading.Event()
+            work.get_future().add_done_callback(lambda _: done.set())
+            while not done.wait(CHECK_S):
+                self._tick(check, deadline, what)
+        else:
+            step = timedelta(seconds=CHECK_S)
+            while True:
+                try:
+                    work.wait(step)
+                    return
+                except RuntimeError:
+                    # Timed out, failed, or completed just after timing out: once it is
+                    # completed, the untimed wait below tells success from failure.
+                    if work.is_completed():
+                        break
+                self._tick(check, deadline, what)
         try:
             work.wait()
         except RuntimeError as exc:
             raise CollectiveFailed(f"{what} of view {self.gen} failed: {str(exc).splitlines()[0]}") from None
+
+    def _tick(self, check: Callable[[], None], deadline: float, what: str) -> None:
+        check()
+        if time.monotonic() > deadline:
+            raise CollectiveFailed(f"{what} of view {self.gen} did not finish within {self.timeout}")
 
     def abandon(self) -> None:
         """Stop using this group. NCCL: abort now. gloo: see the module docstring."""

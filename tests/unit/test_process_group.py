@@ -1,0 +1,89 @@
+"""ViewGroup on a real two-rank gloo group: this process is rank 0, a child process rank 1."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from unbroken.runtime.process_group import ViewGroup
+
+CHILD = """
+import os, sys, time, torch, torch.distributed as dist
+from datetime import timedelta
+from unbroken.runtime.process_group import ViewGroup
+port, late = int(sys.argv[1]), float(sys.argv[2])
+store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=20))
+g = ViewGroup(store, gen=0, rank=1, size=2, device=torch.device("cpu"), timeout_s=20)
+x = torch.full((5,), 2.0)
+g.allreduce(x, lambda: None)
+if late == 0:
+    g.allreduce(x * 10, lambda: None)
+time.sleep(late)
+g.confirm(lambda: None)
+sys.stdout.flush()
+os._exit(0)  # like a worker: no teardown of live gloo pairs, whose threads abort the process when destroyed
+"""
+
+
+class Abandon(Exception):
+    pass
+
+
+def _rank0(late_s: float) -> tuple[ViewGroup, subprocess.Popen[bytes]]:
+    store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, timeout=timedelta(seconds=20),
+                          wait_for_workers=False)
+    child = subprocess.Popen([sys.executable, "-c", CHILD, str(store.port), str(late_s)])
+    g = ViewGroup(store, gen=0, rank=0, size=2, device=torch.device("cpu"), timeout_s=20)
+    g.store = store  # keep the store (and the child's connection) alive as long as the group
+    return g, child
+
+
+def test_allreduce_sums_into_a_reused_group_buffer_and_leaves_the_input_alone():
+    g, child = _rank0(0)
+    try:
+        x = torch.full((5,), 1.0)
+        a = g.allreduce(x, lambda: None)
+        a_sum, a_ptr = a.clone(), a.data_ptr()
+        b = g.allreduce(x * 10, lambda: None)
+        g.confirm(lambda: None)
+    finally:
+        assert child.wait(30) == 0
+    assert torch.equal(x, torch.full((5,), 1.0)), "the caller's tensor is never written"
+    assert torch.equal(a_sum, torch.full((5,), 3.0)) and torch.equal(b, torch.full((5,), 30.0))
+    assert b.data_ptr() == a_ptr, "the group's buffer is reused from one collective to the next"
+
+
+def test_a_confirmation_missing_a_member_is_abandoned_by_the_check():
+    """Rank 1 votes 2 s late: rank 0's check (the failure detector) gives up on the confirmation first."""
+    g, child = _rank0(2.0)
+    try:
+        g.allreduce(torch.ones(5), lambda: None)
+        t0 = time.monotonic()
+
+        def check() -> None:
+            if time.monotonic() - t0 > 0.2:
+                raise Abandon("member 1 judged dead")
+
+        try:
+            g.confirm(check)
+            raised = None
+        except Abandon as exc:
+            raised = exc
+        g.abandon()
+        assert raised is not None and time.monotonic() - t0 < 1.5
+    finally:
+        assert child.wait(30) == 0  # its late vote completes the abandoned operation: nothing is left blocked
+
+
+def test_a_group_of_one_needs_no_peer():
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timedelta(seconds=5), wait_for_workers=False)
+    g = ViewGroup(store, gen=0, rank=0, size=1, device=torch.device("cpu"), timeout_s=5)
+    x = torch.arange(4.0)
+    y = g.allreduce(x, lambda: None)
+    g.confirm(lambda: None)
+    assert torch.equal(y, x) and y.data_ptr() != x.data_ptr()
