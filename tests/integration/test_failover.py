@@ -51,8 +51,12 @@ def failure_steps(job: Job) -> list[int]:
 
 
 def no_work_after(job: Job, worker: int, step: int) -> bool:
+    """``worker`` applied nothing from ``step`` on, and no committed reduction holds its work.
+
+    (Its record of an aborted attempt may exist: records precede the all-reduce.)
+    """
     return not [r for r in job.records if r.get("kind") in ("work", "commit") and r["worker"] == worker
-                and r["step"] >= step]
+                and r["step"] >= step and (r["kind"] == "commit" or r["gen"] == job.commit_gen(r["step"]))]
 
 
 def test_no_failure_equals_data_parallel_reference(tmp_path, corpus_overrides):

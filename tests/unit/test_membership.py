@@ -65,3 +65,21 @@ def test_first_outcome_vote_decides_for_everyone(store):
     assert b.decide(3, 7, "abort") == "commit"
     assert b.decide(3, 8, "abort") == "abort"
     assert a.decide(3, 8, "commit") == "abort"
+
+
+def test_a_join_request_is_seen_through_the_heartbeat_within_an_interval(store):
+    leader = Membership(store, 0, heartbeat_timeout_s=TIMEOUT_S)
+    leader.start_heartbeat()
+    try:
+        view = View(gen=0, members=(0, 2), step=0)
+        assert leader.pending_joins(view, 3) == []
+        Membership(store, 1, heartbeat_timeout_s=TIMEOUT_S).request_join({"pid": 1})
+        deadline = time.monotonic() + 2.0
+        while (got := leader.pending_joins(view, 3)) == [] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert got == [1]
+        leader.clear_join(1)
+        assert leader.pending_joins(view, 3) == []
+        assert leader.pending_joins(View(gen=1, members=(0, 1, 2), step=0), 3) == []
+    finally:
+        leader.stop()

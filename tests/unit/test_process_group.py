@@ -24,7 +24,7 @@ g.allreduce(x, lambda: None)
 if late == 0:
     g.allreduce(x * 10, lambda: None)
 time.sleep(late)
-g.confirm(lambda: None)
+g.allreduce(x, lambda: None)
 sys.stdout.flush()
 os._exit(0)  # like a worker: no teardown of live gloo pairs, whose threads abort the process when destroyed
 """
@@ -50,16 +50,17 @@ def test_allreduce_sums_into_a_reused_group_buffer_and_leaves_the_input_alone():
         a = g.allreduce(x, lambda: None)
         a_sum, a_ptr = a.clone(), a.data_ptr()
         b = g.allreduce(x * 10, lambda: None)
-        g.confirm(lambda: None)
+        b_sum, b_ptr = b.clone(), b.data_ptr()
+        g.allreduce(x, lambda: None)
     finally:
         assert child.wait(30) == 0
     assert torch.equal(x, torch.full((5,), 1.0)), "the caller's tensor is never written"
-    assert torch.equal(a_sum, torch.full((5,), 3.0)) and torch.equal(b, torch.full((5,), 30.0))
-    assert b.data_ptr() == a_ptr, "the group's buffer is reused from one collective to the next"
+    assert torch.equal(a_sum, torch.full((5,), 3.0)) and torch.equal(b_sum, torch.full((5,), 30.0))
+    assert b_ptr == a_ptr, "the group's buffer is reused from one collective to the next"
 
 
-def test_a_confirmation_missing_a_member_is_abandoned_by_the_check():
-    """Rank 1 votes 2 s late: rank 0's check (the failure detector) gives up on the confirmation first."""
+def test_a_collective_missing_a_member_is_abandoned_by_the_check():
+    """Rank 1 joins the second all-reduce 2 s late: rank 0's check (the failure detector) gives up first."""
     g, child = _rank0(2.0)
     try:
         g.allreduce(torch.ones(5), lambda: None)
@@ -70,14 +71,14 @@ def test_a_confirmation_missing_a_member_is_abandoned_by_the_check():
                 raise Abandon("member 1 judged dead")
 
         try:
-            g.confirm(check)
+            g.allreduce(torch.ones(5), check)
             raised = None
         except Abandon as exc:
             raised = exc
         g.abandon()
         assert raised is not None and time.monotonic() - t0 < 1.5
     finally:
-        assert child.wait(30) == 0  # its late vote completes the abandoned operation: nothing is left blocked
+        assert child.wait(30) == 0  # its late all-reduce completes the abandoned one: nothing is left blocked
 
 
 def test_a_group_of_one_needs_no_peer():
@@ -85,5 +86,4 @@ def test_a_group_of_one_needs_no_peer():
     g = ViewGroup(store, gen=0, rank=0, size=1, device=torch.device("cpu"), timeout_s=5)
     x = torch.arange(4.0)
     y = g.allreduce(x, lambda: None)
-    g.confirm(lambda: None)
     assert torch.equal(y, x) and y.data_ptr() != x.data_ptr()

@@ -3,8 +3,8 @@
 Workers append to ``<run>/events/w<id>.jsonl``:
 
 - ``{"kind": "work", "step", "gen", "worker", "items": [[slot, a, b, mode], ...]}``
-  before confirming an attempt (so a worker that confirms and then dies still
-  leaves its record);
+  before its all-reduce (so whatever a committed reduction contains, its
+  contributors have recorded, a worker that died right after included);
 - ``{"kind": "commit", "step", "gen", "worker"}`` after applying a step;
 - ``{"kind": "event", "event": ...}`` for view changes, takeovers, rejoins.
 

@@ -107,12 +107,19 @@ class Membership:
         self._dead: set[int] = set()
         self._stop = threading.Event()
         self._hb_thread: threading.Thread | None = None
+        self._joins_seen = 0  # the ``joins`` counter as last read by the heartbeat thread
+        self._joins_checked = -1  # the counter value at the last check that found no request
 
     # -- heartbeats ---------------------------------------------------------
 
     def start_heartbeat(self) -> None:
-        """Publish liveness from a thread (keeps beating while the GIL is free in torch ops)."""
+        """Publish liveness from a thread (keeps beating while the GIL is free in torch ops).
+
+        The same thread reads the ``joins`` counter, so that checking for join
+        requests at every step boundary costs no store round trip.
+        """
         self.heartbeat_store.add(f"hb/{self.worker}", 1)
+        self._joins_seen = self.heartbeat_store.add("joins", 0)
         self._hb_thread = threading.Thread(target=self._beat, name=f"heartbeat-w{self.worker}", daemon=True)
         self._hb_thread.start()
 
@@ -120,6 +127,7 @@ class Membership:
         while not self._stop.wait(HEARTBEAT_INTERVAL_S):
             try:
                 self.heartbeat_store.add(f"hb/{self.worker}", 1)
+                self._joins_seen = self.heartbeat_store.add("joins", 0)
             except Exception as exc:  # store gone: the job is over or this node is cut off
                 logger.warning("heartbeat stopped: %s", exc)
                 return
@@ -209,11 +217,20 @@ class Membership:
         self.store.add("joins", 1)
 
     def pending_joins(self, view: View, n_workers: int) -> list[int]:
-        """Workers that asked to join and are not members of ``view``."""
-        if self.store.add("joins", 0) == 0:
+        """Workers that asked to join and are not members of ``view``.
+
+        With the heartbeat running, no store round trip unless the ``joins``
+        counter moved since the last check that found nobody (a request is seen
+        within one heartbeat interval).
+        """
+        seen = self._joins_seen if self._hb_thread is not None else self.store.add("joins", 0)
+        if seen == 0 or seen == self._joins_checked:
             return []
         keys = [f"join/{w}" for w in range(n_workers) if w not in view.members]
-        return [int(k.split("/")[1]) for k in keys if self.store.check([k])]
+        joiners = [int(k.split("/")[1]) for k in keys if self.store.check([k])]
+        if not joiners:
+            self._joins_checked = seen
+        return joiners
 
     def clear_join(self, worker: int) -> None:
         self.store.delete_key(f"join/{worker}")

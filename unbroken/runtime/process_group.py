@@ -53,7 +53,6 @@ class ViewGroup:
             self.pg = dist.ProcessGroupGloo(prefixed, rank, size, self.timeout)
         self.build_s = time.perf_counter() - t0
         self._buf: torch.Tensor | None = None
-        self._vote = torch.ones(1, dtype=torch.int32, device=device)
 
     def allreduce(self, tensor: torch.Tensor, check: Callable[[], None],
                   after_post: Callable[[], None] | None = None) -> torch.Tensor:
@@ -77,21 +76,6 @@ class ViewGroup:
             after_post()
         self._poll(work, check, "all-reduce")
         return buf
-
-    def confirm(self, check: Callable[[], None]) -> None:
-        """A one-element all-reduce: completes at a member only once every member has entered it.
-
-        Members enter it after their gradient all-reduce has completed, so its
-        completion proves that every member holds the reduced gradient.
-        """
-        if self.size == 1:
-            return
-        self._vote.fill_(1)
-        work = self.pg.allreduce([self._vote])
-        self._poll(work, check, "confirmation")
-        if int(self._vote.item()) != self.size:  # pragma: no cover - a collective that lies
-            raise CollectiveFailed(f"confirmation of view {self.gen} counted {int(self._vote.item())} "
-                                   f"of {self.size} members")
 
     def broadcast(self, tensor: torch.Tensor, src: int, check: Callable[[], None]) -> torch.Tensor:
         """Broadcast from group rank ``src``; returns the received tensor (a copy)."""

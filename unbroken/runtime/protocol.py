@@ -5,11 +5,14 @@ For step ``s`` under view ``g`` a worker:
 1. computes the items assigned to it (:func:`unbroken.mecefo.policy.assign`);
 2. all-reduces its gradient sums on view ``g``'s group, polling, while the
    failure detector and the view watcher run;
-3. confirms: a one-element all-reduce whose completion proves that every member
-   holds the reduced buffer; a member for which it completed compare-and-sets
-   ``outcome/<g>/<s>`` to ``commit``, the first worker to give up on the attempt
-   sets it to ``abort``. Exactly one of the two wins, so either every member
-   applies the step or none;
+3. votes: a member whose all-reduce completed compare-and-sets
+   ``outcome/<g>/<s>`` to ``commit`` (its completion means every member
+   contributed); the first worker to give up on the attempt sets it to
+   ``abort``. Exactly one of the two wins: on ``abort`` nobody applies the
+   step; on ``commit`` every member holding the reduced gradient applies it,
+   and a member whose own all-reduce did not complete (a peer died in the
+   middle of it) cannot, so it leaves (exit 3, fenced) and its agent brings it
+   back as a joiner, with the state;
 4. on commit: the caller applies the optimizer step.
 
 If anything fails in 2–3 the worker aborts the attempt, agrees on view ``g+1``
@@ -20,8 +23,9 @@ workers' rows, for the same step ``s``. Gradients already computed are kept.
 
 Invariants: a step is committed under exactly one view; the items of the
 committed attempt cover every ``(slot, row)`` exactly once (each worker logs
-them to its ledger before confirming); no worker applies a step that another
-member did not also reduce.
+them to its ledger before its all-reduce); no worker applies a step whose
+reduced gradient it does not hold, and every worker that applies it holds the
+same one.
 """
 
 from __future__ import annotations
@@ -147,11 +151,17 @@ class StepProtocol:
     # -- the step -------------------------------------------------------------
 
     def run_step(self, step: int) -> tuple[torch.Tensor, list[SlotWork]]:
-        """Compute, reduce and commit ``step``; returns the reduced buffer and this worker's items."""
+        """Compute, reduce and commit ``step``; returns the reduced buffer and this worker's items.
+
+        Raises:
+            Fenced: the step was committed by members whose all-reduce completed,
+                but this worker's did not, so it cannot apply it; it must leave
+                and rejoin with the state (its agent restarts it).
+        """
         items: list[SlotWork] = []
         local: torch.Tensor | None = None
-        reduced: torch.Tensor | None = None
         while True:
+            reduced: torch.Tensor | None = None
             try:
                 extra = self._exchange(step, items) if self.need_exchange else self._assigned()
                 self.need_exchange = True  # any retry of this step exchanges first
@@ -161,18 +171,22 @@ class StepProtocol:
                     self.fault_hook("backward", step)
                     local = buf if local is None else local + buf
                     items = items + extra
+                # The ledger record precedes the all-reduce: whatever a committed reduction
+                # contains, its contributors have recorded (a dead one included).
+                self.events.write({"kind": "work", "step": step, "gen": self.view.gen, "worker": self.me,
+                                   "items": [[i.slot, i.rows[0], i.rows[1], i.mode] for i in items]})
                 # A collective that completes within CHECK_EVERY_S never pays for the detector:
                 # a crash fails it at once anyway, and a hang takes the heartbeat timeout.
                 self._next_check = time.monotonic() + CHECK_EVERY_S
                 reduced = self.group.allreduce(local, self._check, lambda: self.fault_hook("allreduce", step))
-                self.events.write({"kind": "work", "step": step, "gen": self.view.gen, "worker": self.me,
-                                   "items": [[i.slot, i.rows[0], i.rows[1], i.mode] for i in items]})
-                self._confirm(step)
+                self._vote(step)
                 self.need_exchange = False
                 return reduced, items
             except (ViewChanged, CollectiveFailed, MemberDied) as exc:
                 if self._reconfigure(step, f"{type(exc).__name__}: {exc}"):
-                    assert reduced is not None, "committed without having reduced"
+                    if reduced is None:
+                        raise Fenced(f"step {step} was committed in view {self.view.gen}, but this worker's "
+                                     f"all-reduce did not complete ({exc}); it rejoins with the state") from None
                     self.need_exchange = False
                     return reduced, items
 
@@ -180,20 +194,17 @@ class StepProtocol:
         return list(assign(self.policy, n_slots=self.n_slots, live=self.view.members,
                            micro_batch=self.micro_batch).get(self.me, []))
 
-    def _confirm(self, step: int) -> None:
-        """Two-phase commit of ``step`` under the current view (see the module docstring).
+    def _vote(self, step: int) -> None:
+        """Vote ``commit`` for ``step`` under the current view (see the module docstring).
 
-        The vote is a one-element all-reduce on the view's group: it completes at
-        a member only once every member has entered it, and members enter it only
-        after their gradient all-reduce completed, so its completion proves that
-        every member holds the reduced gradient. That member then votes ``commit``
-        by compare-and-set on ``outcome/<g>/<s>``; a member that gives up votes
-        ``abort`` (:meth:`_reconfigure`). The first vote decides for everyone: one
-        store round trip per member and step on the failure-free path.
+        Only a member whose gradient all-reduce completed votes ``commit``: its
+        completion anywhere means every member contributed, so the reduced
+        gradient is defined and every member whose all-reduce completed holds
+        it. A member that gives up votes ``abort`` (:meth:`_reconfigure`).
+        The first vote, by compare-and-set on ``outcome/<g>/<s>``, decides for
+        everyone: one store round trip per member and step beyond the all-reduce.
         """
         g = self.view.gen
-        self._next_check = time.monotonic() + CHECK_EVERY_S
-        self.group.confirm(self._check)
         if self.m.decide(g, step, "commit") != "commit":
             raise ViewChanged(f"step {step} was aborted in view {g}")
         self.fault_hook("confirm", step)
