@@ -144,10 +144,13 @@ class FaultConfig:
     """Explicit faults, e.g. ``step=40:worker=2:kill,step=90:node=1:kill``."""
     heartbeat_timeout_s: float = 2.0
     """A worker silent for this long is declared hung."""
-    recovery: Literal["takeover", "restart"] = "takeover"
+    recovery: Literal["takeover", "restart", "alternate"] = "takeover"
     """``takeover``: survivors finish the step and carry on (unbroken);
     ``restart``: plain data parallelism, any failure restarts every worker from
-    the last persistent checkpoint (for comparison)."""
+    the last persistent checkpoint (for comparison); ``alternate`` (a
+    measurement, not a way to train): even steps plain data parallelism, odd
+    steps the takeover protocol, so one job times both side by side; a failure
+    on a plain step is not survived."""
 
 
 SECTIONS: dict[str, type] = {

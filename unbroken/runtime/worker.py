@@ -45,7 +45,7 @@ from unbroken.models.optim import build_optimizer, lr_at
 from unbroken.runtime.checkpoint import AsyncCheckpointer, load_checkpoint, training_state
 from unbroken.runtime.membership import Fenced, Membership, NoLiveWorker, View, ViewChanged, connect_store
 from unbroken.runtime.process_group import CollectiveFailed
-from unbroken.runtime.protocol import MemberDied, PlainProtocol, StepProtocol
+from unbroken.runtime.protocol import AlternatingProtocol, MemberDied, PlainProtocol, StepProtocol
 from unbroken.runtime.state_transfer import pack_state, unpack_state
 
 logger = logging.getLogger(__name__)
@@ -117,7 +117,8 @@ class Trainer:
         if spec.resume is not None:
             load_checkpoint(spec.resume, self.model, self.optimizer, config_hash=self.hash)
         self.events = JsonlWriter(spec.run_dir / "events" / f"w{spec.worker}.jsonl")
-        protocol_cls = StepProtocol if cfg.fault.recovery == "takeover" else PlainProtocol
+        protocol_cls = {"takeover": StepProtocol, "restart": PlainProtocol,
+                        "alternate": AlternatingProtocol}[cfg.fault.recovery]
         self.protocol = protocol_cls(
             membership=membership, n_slots=cfg.train.workers, micro_batch=d.micro_batch, policy=cfg.mecefo.policy,
             device=self.device, timeout_s=cfg.train.timeout_s, compute=self._compute,
