@@ -29,6 +29,8 @@ def test_failover_benchmark_overhead_part(tmp_path, corpus_overrides):
     assert json.loads(out.read_text())["overhead"]["ratio"] == pytest.approx(result["overhead"]["ratio"])
     assert len(result["overhead"]["plain_step_s"]) == len(result["overhead"]["takeover_step_s"]) == 1
     assert result["overhead"]["ratio"] > 0
+    # 16 alternating steps; the first 4 are warm-up: 6 plain and 6 protocol steps are compared.
+    assert result["overhead"]["alternating"]["steps_each"] == 6
 
 
 def test_bench_rejects_unknown_arguments(capsys):
