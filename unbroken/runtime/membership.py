@@ -202,9 +202,6 @@ class Membership:
                                                   "silent_s": round(before - seen[1], 3)}))
         return self._dead & set(view.members)
 
-    def is_dead(self, worker: int) -> bool:
-        return worker in self._dead or self.store.check([f"dead/{worker}"])
-
     def forget_dead(self, worker: int) -> None:
         """A new incarnation of ``worker`` joined: judge it afresh."""
         self._dead.discard(worker)

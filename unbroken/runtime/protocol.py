@@ -55,6 +55,11 @@ class MemberDied(Exception):
 
 
 ComputeFn = Callable[[int, list[SlotWork]], torch.Tensor]
+
+
+def _rows(items: list[SlotWork]) -> list[list[object]]:
+    """Items as ``[slot, first_row, end_row, mode]`` rows: the ledger's, the exchange's and the events' format."""
+    return [[i.slot, *i.rows, i.mode] for i in items]
 StateFn = Callable[[], torch.Tensor]
 LoadFn = Callable[[torch.Tensor], None]
 
@@ -114,15 +119,18 @@ class StepProtocol:
         Building a group blocks until all members connect; a member that died
         after the view was proposed would make that wait last the whole timeout.
         """
-        key = f"arrive/{view.gen}"
-        count = self.m.store.add(key, 1)
+        key, n = f"arrive/{view.gen}", len(view.members)
+        if self.m.store.add(key, 1) < n:
+            self._wait_for(lambda: self.m.store.add(key, 0) >= n, f"arrival of the members of view {view.gen}")
+
+    def _wait_for(self, ready: Callable[[], bool], what: str) -> None:
+        """Poll the store until ``ready()``, running the failure detector meanwhile."""
         deadline = time.monotonic() + self.timeout_s
-        while count < len(view.members):
+        while not ready():
             self._check(force=True)
             if time.monotonic() > deadline:
-                raise CollectiveFailed(f"members of view {view.gen} did not all arrive within {self.timeout_s} s")
+                raise CollectiveFailed(f"{what} did not finish within {self.timeout_s} s")
             time.sleep(0.002)
-            count = self.m.store.add(key, 0)
 
     def admit_joiners(self, next_step: int) -> bool:
         """At a step boundary the view's first member admits workers waiting to join."""
@@ -174,7 +182,7 @@ class StepProtocol:
                 # The ledger record precedes the all-reduce: whatever a committed reduction
                 # contains, its contributors have recorded (a dead one included).
                 self.events.write({"kind": "work", "step": step, "gen": self.view.gen, "worker": self.me,
-                                   "items": [[i.slot, i.rows[0], i.rows[1], i.mode] for i in items]})
+                                   "items": _rows(items)})
                 # A collective that completes within CHECK_EVERY_S never pays for the detector:
                 # a crash fails it at once anyway, and a hang takes the heartbeat timeout.
                 self._next_check = time.monotonic() + CHECK_EVERY_S
@@ -276,20 +284,15 @@ class StepProtocol:
     def _exchange(self, step: int, items: list[SlotWork]) -> list[SlotWork]:
         """Publish what this worker computed for ``step``; return what it must add."""
         g = self.view.gen
-        self.m.store.set(f"items/{g}/{step}/{self.me}", json.dumps([[i.slot, *i.rows, i.mode] for i in items]))
+        self.m.store.set(f"items/{g}/{step}/{self.me}", json.dumps(_rows(items)))
         keys = [f"items/{g}/{step}/{w}" for w in self.view.members]
-        deadline = time.monotonic() + self.timeout_s
-        while not self.m.store.check(keys):
-            self._check(force=True)
-            if time.monotonic() > deadline:
-                raise CollectiveFailed(f"item exchange of step {step} in view {g} timed out")
-            time.sleep(0.002)
+        self._wait_for(lambda: self.m.store.check(keys), f"item exchange of step {step} in view {g}")
         done = {w: [SlotWork(s, (a, b), mode) for s, a, b, mode in json.loads(raw)]
                 for w, raw in zip(self.view.members, self.m.store.multi_get(keys))}
         extra = complete(self.policy, n_slots=self.n_slots, micro_batch=self.micro_batch,
                          live=self.view.members, done=done)[self.me]
         if extra:
-            self._event("takeover", step=step, gen=g, items=[[i.slot, *i.rows, i.mode] for i in extra])
+            self._event("takeover", step=step, gen=g, items=_rows(extra))
         return extra
 
     def _abandon(self) -> None:
@@ -320,7 +323,7 @@ class PlainProtocol(StepProtocol):
             if not work.wait(self.group.timeout):
                 raise CollectiveFailed(f"all-reduce of step {step} timed out")
         self.events.write({"kind": "work", "step": step, "gen": self.view.gen, "worker": self.me,
-                           "items": [[self.me, 0, self.micro_batch, "exact"]]})
+                           "items": _rows(items)})
         return local, items
 
     def admit_joiners(self, next_step: int) -> bool:
