@@ -62,7 +62,7 @@ from unbroken.jsonl import JsonlWriter
 from unbroken.mecefo.adapter import LlamaAdapter
 from unbroken.mecefo.gradients import GradLayout, SlotWork, apply_step, compute_gradient_sums
 from unbroken.mecefo.policy import POLICIES, assign, assignment_json, degraded_slots
-from unbroken.models import build_model
+from unbroken.models import build_model, resolve_device, validation_loss
 from unbroken.models.optim import build_optimizer, lr_at
 
 __all__ = ["build_trace", "live_at", "simulate"]
@@ -196,18 +196,10 @@ def _checked_trace(cfg: Config, trace: FailureTrace | None, min_live: int) -> Fa
     return trace if trace is not None else build_trace(cfg, min_live=min_live)
 
 
-def _resolve_device(choice: str) -> torch.device:
-    if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise ValueError("train.device='cuda' but CUDA is not available; use 'cpu' or 'auto'")
-    return torch.device("cuda", 0)
-
-
 def _build_job(cfg: Config) -> _Job:
     """Data, model, adapter and optimizer, built exactly as the trainer builds them."""
     d, t = cfg.data, cfg.train
-    device = _resolve_device(t.device)
+    device = resolve_device(t.device)
     data = prepare_data(source=d.source, vocab_size=d.vocab_size, val_fraction=d.val_fraction,
                         cache_dir=d.cache_dir, token_dtype=d.token_dtype, max_bytes=d.max_bytes)
     sampler = BatchSampler(data.train, seed=t.seed, n_slots=t.workers, micro_batch=d.micro_batch, seq_len=d.seq_len)
@@ -250,7 +242,7 @@ def _train_step(job: _Job, trace: FailureTrace, step: int, wall0: float) -> dict
         w0 = time.perf_counter()
         buf = _worker_sums(job, assignment[worker], step)
         # Ascending-worker addition stands in for the all-reduce.
-        total = buf if total is None else total + buf
+        total = buf if total is None else total.add_(buf)
         slowest = max(slowest, time.perf_counter() - w0)
     assert total is not None  # assign() returns at least one worker
     lr = lr_at(step, cfg=cfg.optim, total_steps=cfg.train.steps)
@@ -273,19 +265,9 @@ def _worker_sums(job: _Job, work: list[SlotWork], step: int) -> torch.Tensor:
     )
 
 
-@torch.no_grad()
 def _validate(job: _Job, step: int) -> dict[str, Any]:
     """The trainer's validation: the first ``val_batches`` validation micro-batches, token mean."""
-    job.model.eval()
-    acc = torch.zeros(2, dtype=torch.float64)
-    for i in range(job.cfg.train.val_batches):
-        x, y = job.val_sampler.batch(i, 0)
-        logits = job.model(x.to(job.device))
-        acc[0] += float(torch.nn.functional.cross_entropy(
-            logits.reshape(-1, logits.size(-1)), y.to(job.device).reshape(-1), reduction="sum"))
-        acc[1] += y.numel()
-    job.model.train()
-    val_loss = float(acc[0] / acc[1])
+    val_loss = validation_loss(job.model, job.val_sampler.batch, job.cfg.train.val_batches, job.device)
     return {"kind": "val", "step": step, "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))}
 
 

@@ -1,6 +1,6 @@
 """unbroken.models: pure PyTorch model code (LLaMA-style); never imports torch.distributed."""
 
-from unbroken.models.factory import build_model
+from unbroken.models.factory import build_model, resolve_device, validation_loss
 from unbroken.models.llama import (
     MODEL_PRESETS,
     Attention,
@@ -24,4 +24,6 @@ __all__ = [
     "build_model",
     "count_parameters",
     "model_args",
+    "resolve_device",
+    "validation_loss",
 ]

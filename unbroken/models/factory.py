@@ -1,6 +1,8 @@
-"""Build a model from a preset name with the run's vocabulary and sequence length."""
+"""Build a model from a preset name with the run's vocabulary and sequence length; place and evaluate it."""
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 
@@ -36,3 +38,28 @@ def build_model(
     model.to_empty(device=device)
     model.init_weights(seed=seed)
     return model
+
+
+def resolve_device(choice: str, rank: int = 0) -> torch.device:
+    """``auto``: the rank's CUDA device when CUDA is available, else CPU."""
+    if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError("train.device='cuda' but CUDA is not available; use 'cpu' or 'auto'")
+    return torch.device("cuda", rank % torch.cuda.device_count())
+
+
+@torch.no_grad()
+def validation_loss(model: torch.nn.Module, batch: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]],
+                    n_batches: int, device: torch.device) -> float:
+    """Token-mean cross-entropy over validation micro-batches ``batch(0, 0) .. batch(n_batches - 1, 0)``."""
+    model.eval()
+    loss, tokens = 0.0, 0
+    for i in range(n_batches):
+        x, y = batch(i, 0)
+        logits = model(x.to(device))
+        loss += float(torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.size(-1)), y.to(device).reshape(-1), reduction="sum"))
+        tokens += y.numel()
+    model.train()
+    return loss / tokens

@@ -40,7 +40,7 @@ from unbroken.faults.fail_at import FaultSpec, parse_fail_at
 from unbroken.jsonl import JsonlWriter
 from unbroken.mecefo.adapter import LlamaAdapter
 from unbroken.mecefo.gradients import GradLayout, SlotWork, apply_step, compute_gradient_sums
-from unbroken.models import build_model
+from unbroken.models import build_model, resolve_device, validation_loss
 from unbroken.models.optim import build_optimizer, lr_at
 from unbroken.runtime.checkpoint import AsyncCheckpointer, load_checkpoint, training_state
 from unbroken.runtime.membership import Fenced, Membership, NoLiveWorker, View, ViewChanged, connect_store
@@ -54,15 +54,6 @@ EXIT_FENCED = 3
 EXIT_NO_LIVE_WORKER = 4
 JOIN_POLL_S = 0.01
 _SIGNALS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "term": signal.SIGTERM}
-
-
-def resolve_device(choice: str, rank: int) -> torch.device:
-    """``auto``: the rank's CUDA device when CUDA is available, else CPU."""
-    if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise ValueError("train.device='cuda' but CUDA is not available; use 'cpu' or 'auto'")
-    return torch.device("cuda", rank % torch.cuda.device_count())
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -230,19 +221,9 @@ class Trainer:
             self.checkpointer.save(done, training_state(self.model, self.optimizer), {"loss": last["loss"]})
         self.m.store.set("progress", str(done))
 
-    @torch.no_grad()
     def _validate(self, step: int) -> None:
         """Validation on the leader only: it must not depend on who else is alive."""
-        self.model.eval()
-        loss, tokens = 0.0, 0
-        for i in range(self.cfg.train.val_batches):
-            x, y = self.val_sampler.batch(i, 0)
-            logits = self.model(x.to(self.device))
-            loss += float(torch.nn.functional.cross_entropy(
-                logits.reshape(-1, logits.size(-1)), y.to(self.device).reshape(-1), reduction="sum"))
-            tokens += y.numel()
-        self.model.train()
-        val_loss = loss / tokens
+        val_loss = validation_loss(self.model, self.val_sampler.batch, self.cfg.train.val_batches, self.device)
         self.metrics.write({"kind": "val", "step": step, "val_loss": val_loss,
                             "val_ppl": float(torch.exp(torch.tensor(min(val_loss, 50.0))))})
 
