@@ -27,8 +27,9 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
+from unbroken.bench._args import parse_with_overrides
 from unbroken.bench.throughput import machine_description
-from unbroken.config import SECTIONS, Config, load_config
+from unbroken.config import Config, load_config
 from unbroken.mecefo.policy import POLICIES
 
 DEFAULT_TRACES = ("none", "low", "mid", "high", "extreme")
@@ -55,13 +56,7 @@ def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/mecefo_convergence.json"))
     ap.add_argument("--plot", type=Path, default=Path("docs/mecefo_convergence.png"))
     ap.add_argument("--runs-dir", type=Path, default=None, help="keep every run directory here (default: temporary)")
-    a, unknown = ap.parse_known_args(argv)
-    overrides, bad = [], []
-    for arg in unknown:
-        key = arg[2:].split("=", 1)[0] if arg.startswith("--") else ""
-        (overrides if "=" in arg and key.split(".", 1)[0] in SECTIONS else bad).append(arg[2:] if key else arg)
-    if bad:
-        ap.error(f"unrecognized arguments: {' '.join(bad)} (config overrides are --section.field=value)")
+    a, overrides = parse_with_overrides(ap, argv)
     for name in ("slots", "steps", "micro_batch", "seq_len", "val_batches", "evals", "threads", "jobs"):
         if getattr(a, name) < 1:
             ap.error(f"--{name.replace('_', '-')}={getattr(a, name)} must be >= 1")

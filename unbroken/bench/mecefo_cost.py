@@ -42,7 +42,7 @@ from unbroken.config import MecefoConfig
 from unbroken.mecefo.adapter import LlamaAdapter
 from unbroken.mecefo.costs import COMPONENTS, SavedBytes, count_flops, relative_errors, svd_flops_per_refresh
 from unbroken.mecefo.policy import POLICIES  # the policies this benchmark reports (its callers read it here)
-from unbroken.mecefo.gradients import BatchFn, GradLayout, SlotWork, compute_gradient_sums
+from unbroken.mecefo.gradients import BatchFn, GradLayout, SlotWork, apply_reduced, compute_gradient_sums
 from unbroken.models import Transformer, model_args
 
 logger = logging.getLogger(__name__)
@@ -279,8 +279,7 @@ def _grad_error(preset: str, tokens: torch.Tensor | None, a: argparse.Namespace)
         buf = _run(model, adapters[a.rank], [SlotWork(s, (0, mb)) for s in range(train_slots)], step=step,
                    micro_batch=mb, batch_fn=batch_fn, layout=layout)
         losses[step] = layout.loss_sum(buf) / layout.token_count(buf)
-        for i, p in enumerate(layout.params):
-            p.grad = layout.grad_view(buf, i) / train_slots
+        apply_reduced(layout, buf)  # every item exact: each weight is train_slots
         opt.step()
     sweep = []
     for r in a.ranks:
@@ -321,6 +320,7 @@ def _check(model: Transformer, adapters: dict[int, LlamaAdapter], layout: GradLa
     any_adapter = next(iter(adapters.values()))
     exact = [run(s, "exact", any_adapter) for s in range(max(a.n))]
     current = _ffn_weights(model, any_adapter)
+    refs = {n: torch.stack(exact[:n]).sum(0) for n in a.n}  # the all-reduced buffer with no failure
     for r, adapter in adapters.items():
         for age in ages:
             # The basis a covering worker would hold: computed `age` steps ago, at its period's first use.
@@ -331,7 +331,7 @@ def _check(model: Transformer, adapters: dict[int, LlamaAdapter], layout: GradLa
             approx = {s: run(s, "approx", adapter) for s in (f_slot, f_slot + 1)}
             sample = {"microbatch": relative_errors(layout, approx[f_slot], exact[f_slot])}
             for n in a.n:
-                ref = torch.stack(exact[:n]).sum(0)  # the all-reduced buffer with no failure
+                ref = refs[n]
                 neighbor = ref - exact[f_slot] - exact[f_slot + 1] + approx[f_slot] + approx[f_slot + 1]
                 spread_approx = ref - exact[f_slot] + approx[f_slot]
                 sample[f"n={n}"] = {"neighbor": relative_errors(layout, neighbor, ref),

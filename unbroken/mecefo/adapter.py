@@ -33,7 +33,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from unbroken.mecefo.approx import ApproxSettings, recomputed_residual, skip_connected
+from unbroken.mecefo.approx import recomputed_residual, skip_connected
 from unbroken.mecefo.lowrank import LowRankBasis, lowrank_linear
 from unbroken.models.llama import Rope, TransformerBlock
 
@@ -133,7 +133,7 @@ class LlamaAdapter:
 
     def __init__(self, model: torch.nn.Module, *, rank: int = 32, tau: int = 50, recompute: bool = True) -> None:
         self.model = model
-        self.settings = ApproxSettings(rank=rank, tau=tau, recompute=recompute)
+        self.recompute = recompute
         self.basis = LowRankBasis(rank=rank, tau=tau)
         self._parts = _find_blocks(model)
         _check_ffn_weights(model, self._parts, rank)
@@ -202,7 +202,7 @@ class LlamaAdapter:
             return lowrank_linear(gate_BTF, ff.w2.weight, v2)
 
         h_BTD = skip_connected(attention_branch, x_BTD)
-        return recomputed_residual(ffn_gate, h_BTD, recompute=self.settings.recompute, tail=ffn_out)
+        return recomputed_residual(ffn_gate, h_BTD, recompute=self.recompute, tail=ffn_out)
 
 
 def component_of(param_name: str) -> str:

@@ -23,36 +23,15 @@ Invariants:
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from unbroken.mecefo.lowrank import check_rank_tau
 
-__all__ = ["ApproxSettings", "Branch", "recomputed_residual", "skip_connected"]
+__all__ = ["Branch", "recomputed_residual", "skip_connected"]
 
 Branch = Callable[[torch.Tensor], torch.Tensor]
 """A residual branch ``x_BTD -> y_BTD`` (norm and sub-layer)."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class ApproxSettings:
-    """How approximate mode approximates (``MecefoConfig.rank`` / ``.tau``).
-
-    Attributes:
-        rank: r of the low-rank FFN weight gradients.
-        tau: steps between refreshes of each FFN weight's singular vectors.
-        recompute: recompute FFN intermediates in backward instead of saving them;
-            False only for ablations and tests (same gradients, more memory).
-    """
-
-    rank: int = 8
-    tau: int = 50
-    recompute: bool = True
-
-    def __post_init__(self) -> None:
-        check_rank_tau(self.rank, self.tau)
 
 
 def skip_connected(branch: Branch, x_BTD: torch.Tensor) -> torch.Tensor:
