@@ -45,11 +45,10 @@ from unbroken.agent.options import AgentOptions
 from unbroken.faults.fail_at import format_fail_at
 from unbroken.faults.injector import DeathCause, Injection, NodeFaults, workers_of
 from unbroken.jsonl import JsonlWriter, read_jsonl
-from unbroken.runtime.membership import Membership, View, connect_store
+from unbroken.runtime.membership import EXIT_FENCED, Membership, View, connect_store
 
 logger = logging.getLogger(__name__)
 
-EXIT_FENCED = 3  # = unbroken.runtime.worker.EXIT_FENCED (not imported: that module pulls in the model)
 LOOP_S = 0.005  # progress is polled this often, so a fault lands within ~5 ms of its step
 STATUS_S = 0.05
 FAST_CRASH_S = 10.0
@@ -135,6 +134,7 @@ class Agent:
         try:
             self._server = self._host_store() if self.opts.host_store else None
             self.store = connect_store(self.opts.store, timeout_s=self.opts.timeout_s)
+            self.membership = Membership(self.store, -1, heartbeat_timeout_s=1.0)  # an observer, not a member
         except (ConnectionError, ValueError) as exc:
             raise AgentError(f"node {self.node}: {exc}", 2) from None
         self.rdv = NodeRegistration(self.store, self.node, timeout_s=self.opts.timeout_s,
@@ -269,8 +269,7 @@ class Agent:
             return
         reason = json.dumps({"by": "agent", "node": self.node, "how": "exit", "code": code, "signal": sig,
                              "t": time.time()})
-        if self.store.compare_set(f"dead/{w}", "", reason).decode() == reason:
-            self.store.add("deaths", 1)
+        self.membership.mark_dead(w, reason)
         progress = self._read_progress()
         cause = self.plan.on_death(w, progress) if self.plan else DeathCause(injected=False)
         restart = self._schedule_restart(w, inc, cause, now)
@@ -331,8 +330,8 @@ class Agent:
         """
         if not self._flag("gen"):
             return
-        view = Membership(self.store, -1, heartbeat_timeout_s=1.0).current_view()
-        if view.members and all(self._mark(w) is not None for w in view.members):
+        view = self.membership.current_view()
+        if view.members and self.store.check([f"dead/{w}" for w in view.members]):
             message = (f"no live worker left: every member of view {view.gen} {list(view.members)} is dead "
                        f"(seen by the agent of node {self.node})")
             self.store.compare_set("failed", "", message)
@@ -382,9 +381,9 @@ class Agent:
 
     def _clear_stale_mark(self, w: int) -> None:
         """Delete ``dead/<w>`` once the survivors' view excludes ``w``: the mark has done its job."""
-        if self._mark(w) is None or not self._flag("gen"):
+        if not self._flag(f"dead/{w}") or not self._flag("gen"):
             return
-        view = Membership(self.store, -1, heartbeat_timeout_s=1.0).current_view()
+        view = self.membership.current_view()
         if w not in view.members:
             self.store.delete_key(f"dead/{w}")
 

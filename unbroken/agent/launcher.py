@@ -97,8 +97,7 @@ def launch(
     info = preflight(cfg)
     store = start_store(cfg.train.host, cfg.train.port, cfg.train.workers + nodes)
     resume_from = prepare_run_dir(run_dir, cfg, overwrite=overwrite, resume=resume)
-    # The workers read run_dir/config.json: publish exactly that (a resume may differ in volatile fields).
-    store.set("config", json.dumps(json.loads((run_dir / "config.json").read_text())))
+    _publish_config(store, run_dir)
     trace_file = None
     if trace is not None:
         trace_file = run_dir / "fault_trace.json"
@@ -122,9 +121,8 @@ def launch(
         restarts.append({"failed_at_step": reached, "restarted_from_step": restart_step})
         logger.warning("a worker died at step %d: restarting every worker from step %d", reached, restart_step)
         _truncate_metrics(run_dir / "metrics.jsonl", restart_step)
-        store = start_store(cfg.train.host, 0 if cfg.train.port == 0 else cfg.train.port,
-                            cfg.train.workers + nodes)
-        store.set("config", json.dumps(json.loads((run_dir / "config.json").read_text())))
+        store = start_store(cfg.train.host, cfg.train.port, cfg.train.workers + nodes)
+        _publish_config(store, run_dir)
     resume_from = first_resume
     summary = _summarise(run_dir, cfg, info, time.time() - t0, resume_from, nodes=nodes, t0=t0)
     if cfg.fault.recovery == "restart":
@@ -135,6 +133,11 @@ def launch(
 
 
 _DEATH = "a worker died"
+
+
+def _publish_config(store: dist.TCPStore, run_dir: Path) -> None:
+    # The workers read run_dir/config.json: publish exactly that (a resume may differ in volatile fields).
+    store.set("config", (run_dir / "config.json").read_text())
 
 
 def _attempt(store: dist.TCPStore, cfg: Config, run_dir: Path, on_record: Callable[[dict[str, Any]], None] | None,

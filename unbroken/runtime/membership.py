@@ -43,6 +43,8 @@ __all__ = ["Fenced", "Membership", "NoLiveWorker", "View", "ViewChanged", "conne
 logger = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL_S = 0.1
+EXIT_FENCED = 3
+"""Exit code of a worker that left because it was fenced (not a member, or behind the committed step)."""
 
 
 class ViewChanged(Exception):

@@ -43,14 +43,13 @@ from unbroken.mecefo.gradients import GradLayout, SlotWork, apply_step, compute_
 from unbroken.models import build_model, resolve_device, validation_loss
 from unbroken.models.optim import build_optimizer, lr_at
 from unbroken.runtime.checkpoint import AsyncCheckpointer, load_checkpoint, training_state
-from unbroken.runtime.membership import Fenced, Membership, NoLiveWorker, View, ViewChanged, connect_store
+from unbroken.runtime.membership import EXIT_FENCED, Fenced, Membership, NoLiveWorker, View, ViewChanged, connect_store
 from unbroken.runtime.process_group import CollectiveFailed
 from unbroken.runtime.protocol import AlternatingProtocol, MemberDied, PlainProtocol, StepProtocol
 from unbroken.runtime.state_transfer import pack_state, unpack_state
 
 logger = logging.getLogger(__name__)
 
-EXIT_FENCED = 3
 EXIT_NO_LIVE_WORKER = 4
 JOIN_POLL_S = 0.01
 _SIGNALS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "term": signal.SIGTERM}
