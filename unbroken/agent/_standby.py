@@ -52,6 +52,8 @@ class Handover:
     worker: int
     proc: subprocess.Popen[bytes] | None
     wait_s: float
+    faults: str = ""
+    """The faults handed to the standby with the assignment (what it will inject)."""
 
 
 class Standby:
@@ -60,7 +62,7 @@ class Standby:
     def __init__(self, store: dist.Store, *, node: int, cmd: list[str], run_dir: Path, grace_s: float) -> None:
         self.store, self.node, self.cmd, self.run_dir, self.grace_s = store, node, cmd, run_dir, grace_s
         self.proc: subprocess.Popen[bytes] | None = None
-        self._assigned: tuple[int, float] | None = None  # (worker, monotonic time of assignment)
+        self._assigned: tuple[int, float, str] | None = None  # (worker, monotonic time of assignment, faults)
         self._last_start = -RESPAWN_INTERVAL_S
         self._failures = 0
         self.enabled = True
@@ -84,7 +86,7 @@ class Standby:
         if self.store.compare_set(self._key("assign"), "", str(worker)).decode() != str(worker):
             logger.warning("[node %d] standby assign key busy; spawning worker %d afresh", self.node, worker)
             return False
-        self._assigned = (worker, time.monotonic())
+        self._assigned = (worker, time.monotonic(), faults)
         return True
 
     def tick(self, now: float) -> Handover | None:
@@ -116,7 +118,7 @@ class Standby:
 
     def _settle(self, now: float) -> Handover | None:
         assert self._assigned is not None and self.proc is not None
-        worker, t0 = self._assigned
+        worker, t0, faults = self._assigned
         value = self.store.get(self._key("assign")).decode()
         claimed = f"claimed:{self.proc.pid}"
         if value != claimed:
@@ -130,7 +132,7 @@ class Standby:
         if value == claimed:
             self.store.compare_set(self._key("assign"), claimed, "")
             self.store.delete_key(self._key("ready"))
-            return Handover(worker=worker, proc=proc, wait_s=now - t0)
+            return Handover(worker=worker, proc=proc, wait_s=now - t0, faults=faults)
         logger.warning("[node %d] standby pid %d did not claim worker %d within %.1f s: replacing it",
                        self.node, proc.pid, worker, CLAIM_TIMEOUT_S)
         stop_all([proc], grace_s=self.grace_s)

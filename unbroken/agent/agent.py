@@ -430,7 +430,7 @@ class Agent:
         _log_line(self.run_dir / "logs" / f"w{w}.log", f"node {self.node} worker {w} incarnation {k} (join): "
                   f"standby pid {handover.proc.pid} took over; its output is in logs/standby{self.node}.log")
         self._adopt(w, handover.proc, join=True, incarnation=k, standby=True,
-                    faults=self.plan.worker_faults(w, self._progress) if self.plan else "")
+                    faults=handover.faults)
         self._event("standby_assign", w, pid=handover.proc.pid, wait_s=round(handover.wait_s, 4))
 
     # -- store helpers ----------------------------------------------------------
