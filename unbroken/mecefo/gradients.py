@@ -43,6 +43,11 @@ class SlotWork:
         return self.rows[1] - self.rows[0]
 
 
+def slot_rows(items: list[SlotWork]) -> list[list[object]]:
+    """Items as ``[slot, first_row, end_row, mode]`` rows: the format of the ledger, the exchange and the metrics."""
+    return [[i.slot, *i.rows, i.mode] for i in items]
+
+
 class GradLayout:
     """Where each trainable parameter's gradient sits in the flat buffer.
 

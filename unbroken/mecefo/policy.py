@@ -29,7 +29,7 @@ from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from unbroken.data.sampler import BatchSampler
-from unbroken.mecefo.gradients import Mode, SlotWork
+from unbroken.mecefo.gradients import Mode, SlotWork, slot_rows
 
 __all__ = ["POLICIES", "NoLiveWorker", "assign", "assignment_json", "degraded_slots"]
 
@@ -137,7 +137,4 @@ def degraded_slots(assignment: Assignment, n_slots: int) -> list[dict[str, Any]]
 
 def assignment_json(assignment: Assignment) -> dict[str, list[list[Any]]]:
     """``{"worker": [[slot, a, b, mode], ...]}`` (JSON object keys are strings), workers ascending."""
-    return {
-        str(w): [[item.slot, item.rows[0], item.rows[1], item.mode] for item in assignment[w]]
-        for w in sorted(assignment)
-    }
+    return {str(w): slot_rows(assignment[w]) for w in sorted(assignment)}

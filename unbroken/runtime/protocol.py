@@ -39,7 +39,7 @@ import torch
 
 from unbroken.jsonl import JsonlWriter
 from unbroken.mecefo.completion import complete
-from unbroken.mecefo.gradients import SlotWork
+from unbroken.mecefo.gradients import SlotWork, slot_rows
 from unbroken.mecefo.policy import assign
 from unbroken.runtime.membership import Fenced, Membership, NoLiveWorker, View, ViewChanged
 from unbroken.runtime.process_group import CollectiveFailed, ViewGroup
@@ -56,10 +56,6 @@ class MemberDied(Exception):
 
 ComputeFn = Callable[[int, list[SlotWork]], torch.Tensor]
 
-
-def _rows(items: list[SlotWork]) -> list[list[object]]:
-    """Items as ``[slot, first_row, end_row, mode]`` rows: the ledger's, the exchange's and the events' format."""
-    return [[i.slot, *i.rows, i.mode] for i in items]
 StateFn = Callable[[], torch.Tensor]
 LoadFn = Callable[[torch.Tensor], None]
 
@@ -182,7 +178,7 @@ class StepProtocol:
                 # The ledger record precedes the all-reduce: whatever a committed reduction
                 # contains, its contributors have recorded (a dead one included).
                 self.events.write({"kind": "work", "step": step, "gen": self.view.gen, "worker": self.me,
-                                   "items": _rows(items)})
+                                   "items": slot_rows(items)})
                 # A collective that completes within CHECK_EVERY_S never pays for the detector:
                 # a crash fails it at once anyway, and a hang takes the heartbeat timeout.
                 self._next_check = time.monotonic() + CHECK_EVERY_S
@@ -284,7 +280,7 @@ class StepProtocol:
     def _exchange(self, step: int, items: list[SlotWork]) -> list[SlotWork]:
         """Publish what this worker computed for ``step``; return what it must add."""
         g = self.view.gen
-        self.m.store.set(f"items/{g}/{step}/{self.me}", json.dumps(_rows(items)))
+        self.m.store.set(f"items/{g}/{step}/{self.me}", json.dumps(slot_rows(items)))
         keys = [f"items/{g}/{step}/{w}" for w in self.view.members]
         self._wait_for(lambda: self.m.store.check(keys), f"item exchange of step {step} in view {g}")
         done = {w: [SlotWork(s, (a, b), mode) for s, a, b, mode in json.loads(raw)]
@@ -292,7 +288,7 @@ class StepProtocol:
         extra = complete(self.policy, n_slots=self.n_slots, micro_batch=self.micro_batch,
                          live=self.view.members, done=done)[self.me]
         if extra:
-            self._event("takeover", step=step, gen=g, items=_rows(extra))
+            self._event("takeover", step=step, gen=g, items=slot_rows(extra))
         return extra
 
     def _abandon(self) -> None:
@@ -323,7 +319,7 @@ class PlainProtocol(StepProtocol):
             if not work.wait(self.group.timeout):
                 raise CollectiveFailed(f"all-reduce of step {step} timed out")
         self.events.write({"kind": "work", "step": step, "gen": self.view.gen, "worker": self.me,
-                           "items": _rows(items)})
+                           "items": slot_rows(items)})
         return local, items
 
     def admit_joiners(self, next_step: int) -> bool:
