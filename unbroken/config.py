@@ -140,6 +140,10 @@ class FaultConfig:
     """Failure trace preset: none, low, mid, high, extreme."""
     job_hours: float = 24.0
     """Wall-clock hours of training the run stands for (scales a trace to steps)."""
+    cluster_workers: int | None = None
+    """Workers of the cluster whose failure rate the trace preset gives (>=
+    train.workers): the job sees ``train.workers / cluster_workers`` of its
+    failures. None: the preset's rate is the job's own."""
     fail_at: str = ""
     """Explicit faults, e.g. ``step=40:worker=2:kill,step=90:node=1:kill``."""
     heartbeat_timeout_s: float = 2.0
@@ -329,6 +333,10 @@ def validate(cfg: Config) -> list[str]:
     need(m.rank >= 1, f"mecefo.rank={m.rank}: must be >= 1")
     need(m.tau >= 1, f"mecefo.tau={m.tau}: must be >= 1")
     need(f.job_hours > 0, f"fault.job_hours={f.job_hours}: must be > 0")
+    need(
+        f.cluster_workers is None or f.cluster_workers >= t.workers,
+        f"fault.cluster_workers={f.cluster_workers}: must be >= train.workers={t.workers} (or none)",
+    )
     need(f.heartbeat_timeout_s > 0, f"fault.heartbeat_timeout_s={f.heartbeat_timeout_s}: must be > 0")
     from unbroken.models import MODEL_PRESETS  # local: keeps `import unbroken.config` light
 

@@ -67,6 +67,15 @@ def test_worker_count_below_one(tmp_path, capsys, corpus_overrides):
     assert not (tmp_path / "run").exists()
 
 
+def test_cluster_smaller_than_the_job(tmp_path, capsys, corpus_overrides):
+    _fails(capsys, _train(tmp_path, corpus_overrides, "--workers", "4", "--faults", "high", "--cluster-workers", "2"),
+           "fault.cluster_workers=2: must be >= train.workers=4")
+    assert not (tmp_path / "run").exists()
+    _fails(capsys, ["simulate", "--out", str(tmp_path / "sim"), *[f"--{o}" for o in corpus_overrides],
+                    "--slots", "4", "--trace", "high", "--cluster-workers", "3"], "fault.cluster_workers=3")
+    assert not (tmp_path / "sim").exists()
+
+
 def test_output_directory_holding_another_run(tmp_path, capsys, corpus_overrides):
     run = tmp_path / "run"
     run.mkdir()

@@ -15,17 +15,29 @@ pytestmark = pytest.mark.timeout(120)
 def test_convergence_smoke(tmp_path, corpus_overrides):
     out, plot = tmp_path / "conv.json", tmp_path / "conv.png"
     result = main(["--presets", "debug", "--steps", "20", "--policies", "neighbor", "--traces", "none,high",
-                   "--micro-batch", "2", "--seq-len", "32", "--val-batches", "2", "--out", str(out),
-                   "--plot", str(plot), *(f"--{o}" for o in corpus_overrides)])
+                   "--cluster-workers", "job,64", "--micro-batch", "2", "--seq-len", "32", "--val-batches", "2",
+                   "--out", str(out), "--plot", str(plot), *(f"--{o}" for o in corpus_overrides)])
     assert "mecefo-convergence" in BENCHMARKS
     saved = json.loads(out.read_text())
     assert saved.keys() >= {"benchmark", "settings", "rel_val_ppl", "targets", "runs", "wall_s", "machine"}
-    assert [(r["trace"], r["policy"]) for r in saved["runs"]] == [("none", None), ("high", "neighbor")]
+    assert [(r["trace"], r["cluster_workers"], r["policy"]) for r in saved["runs"]] == [
+        ("none", None, None), ("high", None, "neighbor"), ("high@64", 64, "neighbor")]
     assert saved["runs"][0]["rel_ppl"] == 0.0
+    assert set(saved["rel_val_ppl"]["debug"]) == {"high", "high@64"}
     assert set(saved["rel_val_ppl"]["debug"]["high"]) == {"neighbor"}
+    assert set(saved["targets"]) == {"debug/high/neighbor_within_2pct", "debug/high@64/neighbor_within_2pct"}
+    # A 4-slot slice of a 64-worker cluster fails 16 times less often than the job on its own.
+    assert saved["runs"][2]["down_fraction"] < saved["runs"][1]["down_fraction"]
     assert saved["runs"][1]["degraded_fraction"] > 0 and len(saved["runs"][1]["train_curve"]) == 20
     assert plot.stat().st_size > 10_000 and plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert result["rel_val_ppl"] == saved["rel_val_ppl"]
+
+
+@pytest.mark.parametrize("bad", ["3", "many", "job,-8"])
+def test_convergence_rejects_bad_cluster_workers(tmp_path, capsys, bad):
+    with pytest.raises(SystemExit):
+        main(["--cluster-workers", bad, "--out", str(tmp_path / "x.json"), "--plot", str(tmp_path / "x.png")])
+    assert "--cluster-workers" in capsys.readouterr().err
 
 
 def test_convergence_rejects_unknown_policy(tmp_path):

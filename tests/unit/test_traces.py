@@ -140,6 +140,25 @@ def test_realized_fraction_matches_stationary_analytics_over_a_long_trace() -> N
     assert t.dropped / arrivals == pytest.approx(32 / 71, abs=0.03)
 
 
+def test_cluster_workers_scales_the_failure_rate_to_the_jobs_share() -> None:
+    # 4 of 64 workers: lam = (4/64) / 0.5 h = 1/8 per hour, rho = 2 h / 8 h = 1/4, K = 3:
+    # pi = (1, 1/4, 1/32, 1/384) / (493/384) = (384, 96, 12, 1) / 493.
+    assert down_distribution("high", n_workers=4, cluster_workers=64) == pytest.approx(
+        (384 / 493, 96 / 493, 12 / 493, 1 / 493))
+    assert expected_degraded_fraction("high", n_workers=4, cluster_workers=64) == pytest.approx(109 / 493)
+    assert expected_down_fraction("high", n_workers=4, cluster_workers=64) == pytest.approx(123 / 493 / 4)
+    # The job alone is the cluster: the same numbers, and the same draws, as leaving it out.
+    assert down_distribution("high", n_workers=4, cluster_workers=4) == down_distribution("high", n_workers=4)
+    assert _trace("high", seed=3, cluster_workers=4).outages == _trace("high", seed=3).outages
+    # Realized over 20000 h: arrivals at 1/8 per hour, degraded and down fractions as computed.
+    t = generate_trace("high", n_workers=4, n_steps=200_000, step_time_s=360.0, seed=0, cluster_workers=64)
+    assert len(t.outages) + t.dropped == pytest.approx(20_000 / 8, rel=0.05)
+    assert t.degraded_fraction() == pytest.approx(109 / 493, abs=0.02)
+    assert t.down_fraction() == pytest.approx(123 / 493 / 4, abs=0.01)
+    assert t.cluster_workers == 64
+    assert FailureTrace.from_json(json.loads(json.dumps(t.to_json()))) == t
+
+
 def _mean_degraded(preset: str, n_steps: int, seeds: range) -> float:
     return float(np.mean([_trace(preset, seed=s, n_steps=n_steps).degraded_fraction() for s in seeds]))
 
@@ -177,6 +196,8 @@ def test_json_round_trip() -> None:
         (dict(seed=-3), "seed=-3"),
         (dict(min_live=-1), "min_live=-1"),
         (dict(min_live=4), "min_live=4.*min_live <= 3"),
+        (dict(cluster_workers=3), "cluster_workers=3 must be an integer >= n_workers=4"),
+        (dict(cluster_workers=8.0), "cluster_workers=8.0 must be an integer"),
     ],
 )
 def test_generate_trace_validation(kwargs: dict, match: str) -> None:

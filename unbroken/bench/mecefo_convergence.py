@@ -3,7 +3,10 @@
 ``unbroken bench mecefo-convergence [--presets tiny] [--steps N] [--traces ...] [--policies ...]``
 trains each preset once without failures and once per (failing trace, policy)
 with the single-process simulator (:mod:`unbroken.mecefo.simulator`), 4 slots by
-default: ``1 + 4 traces x 3 policies = 13`` runs. It reports each run's final
+default: ``1 + 4 traces x 3 policies = 13`` runs. ``--cluster-workers job,16,64``
+runs every failing trace once per entry: ``job`` takes the preset's failure rate
+as the job's own, ``N`` as that of an N-worker cluster the job is part of
+(``fault.cluster_workers``; a regime is then labelled ``high@64``). It reports each run's final
 validation perplexity relative to the failure-free run of its preset, writes
 JSON (``--out``) and plots the training/validation loss curves and the
 relative perplexities (``--plot``).
@@ -45,6 +48,10 @@ def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
                     "the failure-free run 'none' is always added as the baseline")
     ap.add_argument("--policies", default=",".join(POLICIES), help="comma-separated takeover policies")
     ap.add_argument("--slots", type=int, default=4, help="data-parallel slots (train.workers)")
+    ap.add_argument("--cluster-workers", default="job",
+                    help="comma-separated: 'job' (a preset's failure rate is the job's own) and/or cluster sizes "
+                    "N >= --slots (the job is part of an N-worker cluster failing at that rate); each failing "
+                    "trace runs once per entry (default job)")
     ap.add_argument("--steps", type=int, default=720,
                     help="optimizer steps per run (default 720: ~0.45 s each for tiny on 2 shared cores)")
     ap.add_argument("--micro-batch", type=int, default=8, help="rows per slot (data.micro_batch)")
@@ -60,7 +67,29 @@ def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     for name in ("slots", "steps", "micro_batch", "seq_len", "val_batches", "evals", "threads", "jobs"):
         if getattr(a, name) < 1:
             ap.error(f"--{name.replace('_', '-')}={getattr(a, name)} must be >= 1")
+    try:
+        a.cluster_workers = _clusters(a.cluster_workers, a.slots)
+    except ValueError as e:
+        ap.error(str(e))
     return a, overrides
+
+
+def _clusters(text: str, slots: int) -> list[int | None]:
+    """``job,16,64`` -> ``[None, 16, 64]``."""
+    out: list[int | None] = []
+    for item in (t.strip() for t in text.split(",")):
+        if item == "job":
+            out.append(None)
+        elif item.isdigit() and int(item) >= slots:
+            out.append(int(item))
+        else:
+            raise ValueError(f"--cluster-workers {text!r}: each entry is 'job' or an integer >= --slots={slots}")
+    return list(dict.fromkeys(out))
+
+
+def regime(trace: str, cluster_workers: int | None) -> str:
+    """Label of a failure regime: ``high`` (the job's own rate) or ``high@64`` (a 64-worker cluster's)."""
+    return trace if cluster_workers is None else f"{trace}@{cluster_workers}"
 
 
 def _split(text: str, valid: tuple[str, ...] | None, what: str) -> list[str]:
@@ -71,8 +100,10 @@ def _split(text: str, valid: tuple[str, ...] | None, what: str) -> list[str]:
     return items
 
 
-def _config(a: argparse.Namespace, overrides: list[str], preset: str, trace: str, policy: str) -> Config:
+def _config(a: argparse.Namespace, overrides: list[str], preset: str, trace: str, policy: str,
+            cluster_workers: int | None = None) -> Config:
     return load_config(preset_name=preset, overrides=overrides + [
+        f"fault.cluster_workers={'none' if cluster_workers is None else cluster_workers}",
         f"train.workers={a.slots}", f"train.steps={a.steps}", f"data.micro_batch={a.micro_batch}",
         f"data.seq_len={a.seq_len}", f"train.val_batches={a.val_batches}",
         f"train.val_every={max(1, a.steps // a.evals)}", f"fault.trace={trace}", f"mecefo.policy={policy}",
@@ -112,10 +143,11 @@ def _run_all(jobs: list[tuple[str, str, str | None, Config]], a: argparse.Namesp
         with ProcessPoolExecutor(max_workers=a.jobs, mp_context=get_context("spawn")) as pool:
             results = list(pool.map(run_one, *zip(*args)))
     rows = []
-    for (preset, trace, policy, _), res in zip(jobs, results):
+    for (preset, trace, policy, cfg), res in zip(jobs, results):
         s = res["summary"]
         rows.append({
-            "preset": preset, "trace": trace, "policy": policy, "val_ppl": s["val_ppl"], "val_loss": s["val_loss"],
+            "preset": preset, "trace": trace, "cluster_workers": cfg.fault.cluster_workers, "policy": policy,
+            "val_ppl": s["val_ppl"], "val_loss": s["val_loss"],
             "final_loss": s["final_loss"], "degraded_fraction": s["degraded_fraction"],
             "down_fraction": s["down_fraction"], "approx_row_fraction": s["approx_row_fraction"],
             "outages": s["outages"], "wall_s": s["wall_s"],
@@ -138,11 +170,13 @@ def _relative(rows: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, float
 def _targets(table: dict[str, dict[str, dict[str, float]]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for preset, by_trace in table.items():
-        high = by_trace.get("high", {})
-        if "neighbor" in high:
-            out[f"{preset}/high/neighbor_within_2pct"] = high["neighbor"] <= TARGET_REL_PPL
-        if "neighbor" in high and "spread" in high:
-            out[f"{preset}/high/spread_better_than_neighbor"] = high["spread"] < high["neighbor"]
+        for label, high in by_trace.items():
+            if label.split("@")[0] != "high":
+                continue
+            if "neighbor" in high:
+                out[f"{preset}/{label}/neighbor_within_2pct"] = high["neighbor"] <= TARGET_REL_PPL
+            if "neighbor" in high and "spread" in high:
+                out[f"{preset}/{label}/spread_better_than_neighbor"] = high["spread"] < high["neighbor"]
     return out
 
 
@@ -158,14 +192,14 @@ def _plot(rows: list[dict[str, Any]], presets: list[str], policies: list[str], p
     """Training loss (moving average), validation loss, and relative perplexity bars per preset."""
     from matplotlib.figure import Figure  # a bare Figure renders with Agg, no pyplot global state
 
-    fig = Figure(figsize=(16, 4.2 * len(presets)), layout="constrained")
-    axes = fig.subplots(len(presets), 3, squeeze=False)
+    fig = Figure(figsize=(21, 4.2 * len(presets)), layout="constrained")
+    axes = fig.subplots(len(presets), 4, squeeze=False)
     colors = {"none": "black", "low": "tab:green", "mid": "tab:blue", "high": "tab:orange", "extreme": "tab:red"}
     styles = dict(zip(POLICIES, ("-", "--", ":")))
-    for (ax_train, ax_val, ax_bar), preset in zip(axes, presets):
+    for (ax_train, ax_val, ax_bar, ax_frac), preset in zip(axes, presets):
         for r in (r for r in rows if r["preset"] == preset):
             label = "failure-free" if r["policy"] is None else f"{r['trace']} / {r['policy']}"
-            kw = {"color": colors.get(r["trace"], "gray"), "linestyle": styles.get(r["policy"], "-"),
+            kw = {"color": colors.get(r["trace"].split("@")[0], "gray"), "linestyle": styles.get(r["policy"], "-"),
                   "linewidth": 1.0, "label": label}
             steps, losses = zip(*r["train_curve"])
             ax_train.plot(steps, _smooth(list(losses), max(1, len(losses) // 25)), **kw)
@@ -176,6 +210,8 @@ def _plot(rows: list[dict[str, Any]], presets: list[str], policies: list[str], p
         ax_val.legend(fontsize=7, ncol=2)
         _bars(ax_bar, [r for r in rows if r["preset"] == preset and r["policy"] is not None], policies)
         ax_bar.set_title(f"{preset}: final val perplexity vs failure-free")
+        _by_fraction(ax_frac, [r for r in rows if r["preset"] == preset and r["policy"] is not None], policies)
+        ax_frac.set_title(f"{preset}: perplexity change vs rows approximated")
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
 
@@ -194,16 +230,29 @@ def _bars(ax: Any, rows: list[dict[str, Any]], policies: list[str]) -> None:
     ax.legend(fontsize=7)
 
 
+def _by_fraction(ax: Any, rows: list[dict[str, Any]], policies: list[str]) -> None:
+    """Each failing run as a point: fraction of rows approximated (x) against perplexity change (y)."""
+    markers = dict(zip(POLICIES, ("o", "s", "^")))
+    for policy in policies:
+        pts = sorted((100 * r["approx_row_fraction"], 100 * r["rel_ppl"]) for r in rows if r["policy"] == policy)
+        if pts:
+            ax.plot(*zip(*pts), marker=markers.get(policy, "o"), linestyle="-", linewidth=0.6, label=policy)
+    ax.axhline(100 * TARGET_REL_PPL, color="gray", linestyle="--", linewidth=0.8, label="+2% target")
+    ax.axhline(0, color="black", linewidth=0.6)
+    ax.set(xlabel="rows approximated (%)", ylabel="val perplexity change (%)")
+    ax.legend(fontsize=7)
+
+
 def _print_table(rows: list[dict[str, Any]], table: dict[str, dict[str, dict[str, float]]],
                  policies: list[str]) -> None:
     for preset, by_trace in table.items():
         base = next(r for r in rows if r["preset"] == preset and r["trace"] == "none")
         print(f"\n{preset}: failure-free val ppl {base['val_ppl']:.3f}; change of final val ppl:")
-        print(f"{'trace':>8} {'degraded':>9} {'down':>6} " + " ".join(f"{p:>14}" for p in policies))
+        print(f"{'trace':>12} {'degraded':>9} {'down':>6} " + " ".join(f"{p:>14}" for p in policies))
         for trace, by_policy in by_trace.items():
             r = next(r for r in rows if r["preset"] == preset and r["trace"] == trace)
             cells = " ".join(f"{100 * by_policy[p]:>+13.2f}%" if p in by_policy else f"{'-':>14}" for p in policies)
-            print(f"{trace:>8} {r['degraded_fraction']:>8.0%} {r['down_fraction']:>6.0%} {cells}")
+            print(f"{trace:>12} {r['degraded_fraction']:>8.0%} {r['down_fraction']:>6.0%} {cells}")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -215,7 +264,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for preset in presets:
         # With no failure nothing is approximated, so one baseline serves every policy.
         jobs.append((preset, "none", None, _config(a, overrides, preset, "none", policies[0])))
-        jobs += [(preset, t, p, _config(a, overrides, preset, t, p)) for t in traces for p in policies]
+        jobs += [(preset, regime(t, n), p, _config(a, overrides, preset, t, p, n))
+                 for t in traces for n in a.cluster_workers for p in policies]
     t0 = time.perf_counter()
     print(f"mecefo-convergence: {len(jobs)} runs of {a.steps} steps, {a.jobs} at a time", flush=True)
     with tempfile.TemporaryDirectory(prefix="unbroken-convergence-") as tmp:
@@ -227,7 +277,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "benchmark": "mecefo-convergence", "presets": presets, "traces": ["none", *traces], "policies": policies,
         "settings": {"slots": a.slots, "steps": a.steps, "micro_batch": a.micro_batch, "seq_len": a.seq_len,
                      "val_batches": a.val_batches, "threads": a.threads, "jobs": a.jobs, "overrides": overrides,
-                     "seed": cfg.train.seed, "job_hours": cfg.fault.job_hours, "rank": cfg.mecefo.rank,
+                     "seed": cfg.train.seed, "job_hours": cfg.fault.job_hours,
+                     "cluster_workers": a.cluster_workers, "rank": cfg.mecefo.rank,
                      "tau": cfg.mecefo.tau, "lr": cfg.optim.lr, "data_source": cfg.data.source},
         "rel_val_ppl": table, "targets": _targets(table), "runs": rows, "wall_s": wall_s,
         "machine": machine_description(),

@@ -2,10 +2,15 @@
 
 Model
 -----
-Failures of the whole job arrive as a Poisson process in wall-clock time with
-mean time between failures ``MTBF`` hours (rate ``lam = 1 / MTBF`` for the job,
-not per worker). Each arrival hits one worker drawn uniformly among the workers
-that are up at that moment; that worker stays down for an exponentially
+A preset's ``MTBF`` is the mean time between failures of a whole *cluster* of
+``N`` workers (``cluster_workers``; by default the job itself, ``N = n``). The
+job's ``n`` workers are ``n`` of those ``N``, so the failures that reach the job
+arrive as a Poisson process in wall-clock time with rate
+``lam = (n / N) / MTBF`` (per job, not per worker; ``lam = 1 / MTBF`` when
+``N = n``). ``N`` keeps the per-worker failure rate of the cluster the preset
+describes: a 4-worker job cut out of a 64-worker cluster that fails every
+half hour fails every 8 hours. Each arrival hits one worker drawn uniformly
+among the workers that are up at that moment; that worker stays down for an exponentially
 distributed repair time of mean ``MTTR`` hours and is then back. An arrival is
 *dropped* (not applied, not postponed, counted in ``FailureTrace.dropped``) when
 
@@ -43,7 +48,8 @@ Long-run analytics
 ------------------
 The number ``k`` of down workers goes ``k -> k+1`` at rate ``lam`` while
 ``k < K = n_workers - min_live`` and ``k -> k-1`` at rate ``k / MTTR``: an
-Erlang loss system with ``K`` servers and offered load ``rho = MTTR / MTBF``::
+Erlang loss system with ``K`` servers and offered load
+``rho = lam * MTTR = (n / N) * MTTR / MTBF``::
 
     pi_k = (rho**k / k!) / sum_{j=0..K} rho**j / j!
 
@@ -62,7 +68,11 @@ MTBF = 1800 s = 20.8 steps and MTTR = 7200 s = 83.3 steps. Expected arrivals
 about 95.8 % of steps are degraded, 54.9 % of worker-steps are down on average,
 and 45 % of arrivals (about 22 of 48) are dropped because three workers are
 already down. MTTR > MTBF with few workers means several workers down at once:
-that is the MeCeFO paper's setting, not a bug.
+a 4-worker job that fails as often as the paper's whole cluster. The same
+preset with ``cluster_workers=64`` (the 4 workers are a slice of a 64-worker
+cluster failing every half hour): ``lam = 1/8`` per hour, ``rho = 0.25``,
+``pi = (1, 1/4, 1/32, 1/384) / 1.284``: 22 % of steps degraded, 6.2 % of
+worker-steps down.
 
 Invariants of a ``FailureTrace``
 --------------------------------
@@ -109,8 +119,8 @@ class TracePreset:
 
     Attributes:
         name: preset name, recorded in traces for provenance.
-        mtbf_hours: mean time between failures of the whole job, in hours;
-            ``math.inf`` means nothing ever fails.
+        mtbf_hours: mean time between failures of the whole cluster (by
+            default the job), in hours; ``math.inf`` means nothing ever fails.
         mttr_hours: mean repair time of a failed worker, in hours (finite, > 0;
             may be 0 only when nothing fails).
     """
@@ -205,8 +215,8 @@ class FailureTrace:
         n_steps: steps covered; queries take ``0 <= step < n_steps``.
         outages: sorted into ``(start_step, worker)`` order on construction.
         dropped: failure arrivals that were not applied (nobody up, or ``min_live``).
-        preset, step_time_s, seed, min_live: provenance of a generated trace,
-            ``None`` for a hand-made one; not used by the queries.
+        preset, step_time_s, seed, min_live, cluster_workers: provenance of a
+            generated trace, ``None`` for a hand-made one; not used by the queries.
     """
 
     n_workers: int
@@ -217,6 +227,7 @@ class FailureTrace:
     step_time_s: float | None = None
     seed: int | None = None
     min_live: int | None = None
+    cluster_workers: int | None = None
     _starts: tuple[int, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -306,6 +317,7 @@ class FailureTrace:
             "step_time_s": self.step_time_s,
             "seed": self.seed,
             "min_live": self.min_live,
+            "cluster_workers": self.cluster_workers,
         }
 
     @classmethod
@@ -338,6 +350,7 @@ class FailureTrace:
                 step_time_s=None if d["step_time_s"] is None else float(d["step_time_s"]),
                 seed=None if d["seed"] is None else int(d["seed"]),
                 min_live=None if d["min_live"] is None else int(d["min_live"]),
+                cluster_workers=None if d.get("cluster_workers") is None else int(d["cluster_workers"]),
             )
         except (KeyError, TypeError) as e:
             raise ValueError(f"malformed failure trace JSON: {e!r}") from e
@@ -347,8 +360,13 @@ def _resolve(preset: str | TracePreset) -> TracePreset:
     return preset if isinstance(preset, TracePreset) else trace_preset(preset)
 
 
-def _shape_problems(p: TracePreset, n_workers: int, min_live: int) -> list[str]:
+def _shape_problems(p: TracePreset, n_workers: int, min_live: int, cluster_workers: int | None) -> list[str]:
     problems = []
+    if cluster_workers is not None and not (isinstance(cluster_workers, int) and cluster_workers >= n_workers):
+        problems.append(
+            f"cluster_workers={cluster_workers!r} must be an integer >= n_workers={n_workers} "
+            "(the job's workers are part of the cluster); None for the job alone"
+        )
     if n_workers < 1:
         problems.append(f"n_workers={n_workers} must be >= 1")
     elif p.fails and n_workers < 2:
@@ -374,6 +392,7 @@ def generate_trace(
     step_time_s: float,
     seed: int,
     min_live: int = 1,
+    cluster_workers: int | None = None,
 ) -> FailureTrace:
     """Draw a failure trace (model and step mapping in the module docstring).
 
@@ -385,12 +404,14 @@ def generate_trace(
         seed: seed of ``numpy.random.default_rng``.
         min_live: arrivals that would leave fewer workers up are dropped;
             0 lets every worker be down at once (the runtime must then wait).
+        cluster_workers: workers of the cluster the preset's MTBF is for
+            (``>= n_workers``); ``None``: the job itself.
 
     Raises:
         ValueError: every invalid argument, all in one message.
     """
     p = _resolve(preset)
-    problems = _shape_problems(p, n_workers, min_live)
+    problems = _shape_problems(p, n_workers, min_live, cluster_workers)
     if n_steps < 1:
         problems.append(f"n_steps={n_steps} must be >= 1")
     if not 0 < step_time_s < math.inf:
@@ -404,7 +425,7 @@ def generate_trace(
     dropped = 0
     if p.fails:
         rng = np.random.default_rng(seed)
-        mtbf_s = p.mtbf_hours * _SECONDS_PER_HOUR
+        mtbf_s = p.mtbf_hours * _SECONDS_PER_HOUR * _cluster_share(n_workers, cluster_workers)
         mttr_s = p.mttr_hours * _SECONDS_PER_HOUR
         horizon_s = n_steps * step_time_s
         back_at = [0] * n_workers  # first step each worker is up again
@@ -434,22 +455,30 @@ def generate_trace(
         step_time_s=step_time_s,
         seed=seed,
         min_live=min_live,
+        cluster_workers=cluster_workers,
     )
 
 
-def down_distribution(preset: str | TracePreset, *, n_workers: int, min_live: int = 1) -> tuple[float, ...]:
+def _cluster_share(n_workers: int, cluster_workers: int | None) -> float:
+    """``N / n``: how much longer the job waits between failures than the whole cluster."""
+    return 1.0 if cluster_workers is None else cluster_workers / n_workers
+
+
+def down_distribution(
+    preset: str | TracePreset, *, n_workers: int, min_live: int = 1, cluster_workers: int | None = None
+) -> tuple[float, ...]:
     """Long-run probability ``pi_k`` that ``k`` workers are down, ``k = 0..n_workers - min_live``.
 
-    Erlang loss formula with offered load ``MTTR / MTBF`` (module docstring);
-    ``(1.0,)`` for a preset that never fails.
+    Erlang loss formula with offered load ``(n / N) * MTTR / MTBF`` (module
+    docstring); ``(1.0,)`` for a preset that never fails.
     """
     p = _resolve(preset)
-    problems = _shape_problems(p, n_workers, min_live)
+    problems = _shape_problems(p, n_workers, min_live, cluster_workers)
     if problems:
         raise ValueError("down_distribution: " + "; ".join(problems))
     if not p.fails:
         return (1.0,)
-    rho = p.mttr_hours / p.mtbf_hours
+    rho = p.mttr_hours / (p.mtbf_hours * _cluster_share(n_workers, cluster_workers))
     weights = [1.0]
     for k in range(1, n_workers - min_live + 1):
         weights.append(weights[-1] * rho / k)
@@ -457,12 +486,16 @@ def down_distribution(preset: str | TracePreset, *, n_workers: int, min_live: in
     return tuple(w / total for w in weights)
 
 
-def expected_degraded_fraction(preset: str | TracePreset, *, n_workers: int, min_live: int = 1) -> float:
+def expected_degraded_fraction(
+    preset: str | TracePreset, *, n_workers: int, min_live: int = 1, cluster_workers: int | None = None
+) -> float:
     """Long-run fraction of time with at least one worker down: ``1 - pi_0``."""
-    return 1.0 - down_distribution(preset, n_workers=n_workers, min_live=min_live)[0]
+    return 1.0 - down_distribution(preset, n_workers=n_workers, min_live=min_live, cluster_workers=cluster_workers)[0]
 
 
-def expected_down_fraction(preset: str | TracePreset, *, n_workers: int, min_live: int = 1) -> float:
+def expected_down_fraction(
+    preset: str | TracePreset, *, n_workers: int, min_live: int = 1, cluster_workers: int | None = None
+) -> float:
     """Long-run mean fraction of workers down: ``sum_k k * pi_k / n_workers``."""
-    pi = down_distribution(preset, n_workers=n_workers, min_live=min_live)
+    pi = down_distribution(preset, n_workers=n_workers, min_live=min_live, cluster_workers=cluster_workers)
     return sum(k * q for k, q in enumerate(pi)) / n_workers

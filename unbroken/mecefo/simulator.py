@@ -98,6 +98,7 @@ def build_trace(cfg: Config, *, min_live: int = 1) -> FailureTrace:
     return generate_trace(
         cfg.fault.trace, n_workers=t.workers, n_steps=t.steps,
         step_time_s=step_time_for(t.steps, cfg.fault.job_hours), seed=t.seed, min_live=min_live,
+        cluster_workers=cfg.fault.cluster_workers,
     )
 
 
