@@ -68,7 +68,7 @@ MTBF = 1800 s = 20.8 steps and MTTR = 7200 s = 83.3 steps. Expected arrivals
 about 95.8 % of steps are degraded, 54.9 % of worker-steps are down on average,
 and 45 % of arrivals (about 22 of 48) are dropped because three workers are
 already down. MTTR > MTBF with few workers means several workers down at once:
-a 4-worker job that fails as often as the paper's whole cluster. The same
+a 4-worker job that fails as often as a whole cluster would. The same
 preset with ``cluster_workers=64`` (the 4 workers are a slice of a 64-worker
 cluster failing every half hour): ``lam = 1/8`` per hour, ``rho = 0.25``,
 ``pi = (1, 1/4, 1/32, 1/384) / 1.284``: 22 % of steps degraded, 6.2 % of
@@ -362,7 +362,9 @@ def _resolve(preset: str | TracePreset) -> TracePreset:
 
 def _shape_problems(p: TracePreset, n_workers: int, min_live: int, cluster_workers: int | None) -> list[str]:
     problems = []
-    if cluster_workers is not None and not (isinstance(cluster_workers, int) and cluster_workers >= n_workers):
+    if cluster_workers is not None and not (
+        isinstance(cluster_workers, int) and not isinstance(cluster_workers, bool) and cluster_workers >= n_workers
+    ):
         problems.append(
             f"cluster_workers={cluster_workers!r} must be an integer >= n_workers={n_workers} "
             "(the job's workers are part of the cluster); None for the job alone"

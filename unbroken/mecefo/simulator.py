@@ -89,7 +89,8 @@ class _Job:
 
 def build_trace(cfg: Config, *, min_live: int = 1) -> FailureTrace:
     """The run's failure trace: ``cfg.fault.trace`` over ``cfg.train.steps`` steps standing for
-    ``cfg.fault.job_hours``, seeded with ``cfg.train.seed``.
+    ``cfg.fault.job_hours``, seeded with ``cfg.train.seed``, at the job's share of the failures of
+    ``cfg.fault.cluster_workers`` workers when that is set.
 
     Raises:
         ValueError: unknown trace, or a failing trace with fewer than 2 workers.
