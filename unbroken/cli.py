@@ -63,6 +63,9 @@ FLAG_FIELDS = {
 }
 """Shorthand flags and the config field each one sets (a subcommand has some of them)."""
 
+CLUSTER_WORKERS_HELP = ("the trace's failure rate is that of a cluster of N workers, of which the job's are a part "
+                        "(fault.cluster_workers; default: the job's own)")
+
 
 def _config_from(args: argparse.Namespace, overrides: list[str]) -> Config:
     extra = list(overrides) + [f"{field}={getattr(args, flag)}" for flag, field in FLAG_FIELDS.items()
@@ -319,9 +322,7 @@ def build_parser() -> argparse.ArgumentParser:
     si.add_argument("--trace", default=None, help="failure trace: none, low, mid, high, extreme (fault.trace)")
     si.add_argument("--policy", default=None,
                     help="takeover policy: neighbor, spread, spread-approx (mecefo.policy)")
-    si.add_argument("--cluster-workers", type=int, default=None, metavar="N",
-                    help="the trace's failure rate is that of a cluster of N workers, of which "
-                    "the job's are a part (fault.cluster_workers; default: the job's own)")
+    si.add_argument("--cluster-workers", type=int, default=None, metavar="N", help=CLUSTER_WORKERS_HELP)
     si.add_argument("--out", type=Path, default=None, help="run directory (default runs/sim-PRESET-wN-TRACE-POLICY)")
     si.add_argument("--overwrite", action="store_true", help="replace a run already in --out")
 
@@ -348,9 +349,7 @@ def _add_cluster_args(tr: argparse.ArgumentParser) -> None:
                     help="faults, e.g. step=40:worker=2:kill:back=60,step=90:node=1:kill (fault.fail_at)")
     tr.add_argument("--faults", default=None, metavar="TRACE",
                     help="failure trace: none, low, mid, high, extreme (fault.trace)")
-    tr.add_argument("--cluster-workers", type=int, default=None, metavar="N",
-                    help="the trace's failure rate is that of a cluster of N workers, of which "
-                    "the job's are a part (fault.cluster_workers; default: the job's own)")
+    tr.add_argument("--cluster-workers", type=int, default=None, metavar="N", help=CLUSTER_WORKERS_HELP)
     tr.add_argument("--standby", action="store_true", help="keep a warm standby worker on every node")
     tr.add_argument("--restart", choices=("on-failure", "never"), default="on-failure",
                     help="restart dead workers as joiners (default on-failure)")

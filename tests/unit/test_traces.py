@@ -8,14 +8,12 @@ import math
 import numpy as np
 import pytest
 
+from unbroken.faults.analytics import down_distribution, expected_degraded_fraction, expected_down_fraction
 from unbroken.faults.traces import (
     TRACE_PRESETS,
     FailureTrace,
     Outage,
     TracePreset,
-    down_distribution,
-    expected_degraded_fraction,
-    expected_down_fraction,
     generate_trace,
     step_time_for,
     trace_preset,

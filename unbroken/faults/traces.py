@@ -44,35 +44,8 @@ clock and in a fixed order per arrival (gap, choice, repair, all three even for 
 dropped arrival), so one seed tells the same wall-clock story at every
 resolution, up to rounding.
 
-Long-run analytics
-------------------
-The number ``k`` of down workers goes ``k -> k+1`` at rate ``lam`` while
-``k < K = n_workers - min_live`` and ``k -> k-1`` at rate ``k / MTTR``: an
-Erlang loss system with ``K`` servers and offered load
-``rho = lam * MTTR = (n / N) * MTTR / MTBF``::
-
-    pi_k = (rho**k / k!) / sum_{j=0..K} rho**j / j!
-
-    expected_degraded_fraction = 1 - pi_0        # steps with at least one worker down
-    expected_down_fraction     = sum_k k * pi_k / n_workers
-    fraction of arrivals dropped = pi_K
-
-A trace starts with every worker up, so a run spanning only a few MTTRs sees a
-little less than these stationary values; ``FailureTrace.degraded_fraction()``
-is the realized value that benchmarks report.
-
-Worked example: ``high`` (MTBF 0.5 h, MTTR 2 h), 4 workers, ``min_live=1``,
-1000 steps standing for 24 h. ``step_time_s = 24 * 3600 / 1000 = 86.4 s``, so
-MTBF = 1800 s = 20.8 steps and MTTR = 7200 s = 83.3 steps. Expected arrivals
-``24 / 0.5 = 48``. ``rho = 4``, ``K = 3``: ``pi = (3, 12, 24, 32) / 71``, so
-about 95.8 % of steps are degraded, 54.9 % of worker-steps are down on average,
-and 45 % of arrivals (about 22 of 48) are dropped because three workers are
-already down. MTTR > MTBF with few workers means several workers down at once:
-a 4-worker job that fails as often as a whole cluster would. The same
-preset with ``cluster_workers=64`` (the 4 workers are a slice of a 64-worker
-cluster failing every half hour): ``lam = 1/8`` per hour, ``rho = 0.25``,
-``pi = (1, 1/4, 1/32, 1/384) / 1.284``: 22 % of steps degraded, 6.2 % of
-worker-steps down.
+The long-run fractions a preset gives (an Erlang loss system), with worked
+examples, are in :mod:`unbroken.faults.analytics`.
 
 Invariants of a ``FailureTrace``
 --------------------------------
@@ -100,10 +73,10 @@ __all__ = [
     "FailureTrace",
     "Outage",
     "TracePreset",
-    "down_distribution",
-    "expected_degraded_fraction",
-    "expected_down_fraction",
+    "cluster_share",
     "generate_trace",
+    "resolve_preset",
+    "shape_problems",
     "step_time_for",
     "trace_preset",
 ]
@@ -356,11 +329,13 @@ class FailureTrace:
             raise ValueError(f"malformed failure trace JSON: {e!r}") from e
 
 
-def _resolve(preset: str | TracePreset) -> TracePreset:
+def resolve_preset(preset: str | TracePreset) -> TracePreset:
+    """``preset`` itself, or the preset of that name."""
     return preset if isinstance(preset, TracePreset) else trace_preset(preset)
 
 
-def _shape_problems(p: TracePreset, n_workers: int, min_live: int, cluster_workers: int | None) -> list[str]:
+def shape_problems(p: TracePreset, n_workers: int, min_live: int, cluster_workers: int | None) -> list[str]:
+    """What is wrong with drawing ``p`` for this job shape (empty when nothing is)."""
     problems = []
     if cluster_workers is not None and not (
         isinstance(cluster_workers, int) and not isinstance(cluster_workers, bool) and cluster_workers >= n_workers
@@ -412,8 +387,8 @@ def generate_trace(
     Raises:
         ValueError: every invalid argument, all in one message.
     """
-    p = _resolve(preset)
-    problems = _shape_problems(p, n_workers, min_live, cluster_workers)
+    p = resolve_preset(preset)
+    problems = shape_problems(p, n_workers, min_live, cluster_workers)
     if n_steps < 1:
         problems.append(f"n_steps={n_steps} must be >= 1")
     if not 0 < step_time_s < math.inf:
@@ -427,7 +402,7 @@ def generate_trace(
     dropped = 0
     if p.fails:
         rng = np.random.default_rng(seed)
-        mtbf_s = p.mtbf_hours * _SECONDS_PER_HOUR * _cluster_share(n_workers, cluster_workers)
+        mtbf_s = p.mtbf_hours * _SECONDS_PER_HOUR * cluster_share(n_workers, cluster_workers)
         mttr_s = p.mttr_hours * _SECONDS_PER_HOUR
         horizon_s = n_steps * step_time_s
         back_at = [0] * n_workers  # first step each worker is up again
@@ -461,43 +436,6 @@ def generate_trace(
     )
 
 
-def _cluster_share(n_workers: int, cluster_workers: int | None) -> float:
+def cluster_share(n_workers: int, cluster_workers: int | None) -> float:
     """``N / n``: how much longer the job waits between failures than the whole cluster."""
     return 1.0 if cluster_workers is None else cluster_workers / n_workers
-
-
-def down_distribution(
-    preset: str | TracePreset, *, n_workers: int, min_live: int = 1, cluster_workers: int | None = None
-) -> tuple[float, ...]:
-    """Long-run probability ``pi_k`` that ``k`` workers are down, ``k = 0..n_workers - min_live``.
-
-    Erlang loss formula with offered load ``(n / N) * MTTR / MTBF`` (module
-    docstring); ``(1.0,)`` for a preset that never fails.
-    """
-    p = _resolve(preset)
-    problems = _shape_problems(p, n_workers, min_live, cluster_workers)
-    if problems:
-        raise ValueError("down_distribution: " + "; ".join(problems))
-    if not p.fails:
-        return (1.0,)
-    rho = p.mttr_hours / (p.mtbf_hours * _cluster_share(n_workers, cluster_workers))
-    weights = [1.0]
-    for k in range(1, n_workers - min_live + 1):
-        weights.append(weights[-1] * rho / k)
-    total = sum(weights)
-    return tuple(w / total for w in weights)
-
-
-def expected_degraded_fraction(
-    preset: str | TracePreset, *, n_workers: int, min_live: int = 1, cluster_workers: int | None = None
-) -> float:
-    """Long-run fraction of time with at least one worker down: ``1 - pi_0``."""
-    return 1.0 - down_distribution(preset, n_workers=n_workers, min_live=min_live, cluster_workers=cluster_workers)[0]
-
-
-def expected_down_fraction(
-    preset: str | TracePreset, *, n_workers: int, min_live: int = 1, cluster_workers: int | None = None
-) -> float:
-    """Long-run mean fraction of workers down: ``sum_k k * pi_k / n_workers``."""
-    pi = down_distribution(preset, n_workers=n_workers, min_live=min_live, cluster_workers=cluster_workers)
-    return sum(k * q for k, q in enumerate(pi)) / n_workers
