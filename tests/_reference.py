@@ -23,7 +23,8 @@ def reference_train(cfg: Config, steps: int | None = None) -> dict[str, torch.Te
                         cache_dir=d.cache_dir, max_bytes=d.max_bytes)
     sampler = BatchSampler(data.train, seed=t.seed, n_slots=t.workers, micro_batch=d.micro_batch, seq_len=d.seq_len)
     model = build_model(cfg.model.preset, vocab_size=data.vocab_size, seq_len=d.seq_len, seed=t.seed)
-    opt = build_optimizer(model, cfg.optim)
+    o = cfg.optim
+    opt = build_optimizer(model, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
     for step in range(steps if steps is not None else t.steps):
         xs, ys = zip(*(sampler.batch(step, slot) for slot in range(t.workers)))
         x, y = torch.cat(xs), torch.cat(ys)
@@ -33,7 +34,8 @@ def reference_train(cfg: Config, steps: int | None = None) -> dict[str, torch.Te
         loss.backward()
         if cfg.optim.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip, foreach=False)
-        set_lr(opt, lr_at(step, cfg=cfg.optim, total_steps=t.steps))
+        set_lr(opt, lr_at(step, lr=o.lr, warmup_steps=o.warmup_steps, min_lr_ratio=o.min_lr_ratio,
+                          total_steps=t.steps))
         opt.step()
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from unbroken.config import PRESETS, SECTIONS, Config, load_config
+from unbroken.mecefo.takeover import POLICIES
 
 logger = logging.getLogger("unbroken")
 
@@ -207,8 +208,8 @@ def cmd_bench(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def cmd_simulate(args: argparse.Namespace, overrides: list[str]) -> int:
-    """Play ``train.workers`` workers in this process under a failure trace (``unbroken.mecefo.simulator``)."""
-    from unbroken.mecefo.simulator import simulate
+    """Play ``train.workers`` workers in this process under a failure trace (``unbroken.job.simulator``)."""
+    from unbroken.job.simulator import simulate
 
     cfg = _config_from(args, overrides)
     out = args.out or Path("runs") / (
@@ -321,7 +322,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="data-parallel slots = simulated workers (train.workers; same as --workers)")
     si.add_argument("--trace", default=None, help="failure trace: none, low, mid, high, extreme (fault.trace)")
     si.add_argument("--policy", default=None,
-                    help="takeover policy: neighbor, spread, spread-approx (mecefo.policy)")
+                    help=f"takeover policy: {', '.join(POLICIES)} (mecefo.policy)")
     si.add_argument("--cluster-workers", type=int, default=None, metavar="N", help=CLUSTER_WORKERS_HELP)
     si.add_argument("--out", type=Path, default=None, help="run directory (default runs/sim-PRESET-wN-TRACE-POLICY)")
     si.add_argument("--overwrite", action="store_true", help="replace a run already in --out")

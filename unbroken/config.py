@@ -26,9 +26,6 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised only on Python 3.10
     import tomli as tomllib
 
-Policy = Literal["neighbor", "spread", "spread-approx"]
-
-
 @dataclass(kw_only=True)
 class ModelConfig:
     """Which model to train."""
@@ -120,8 +117,9 @@ class TrainConfig:
 class MecefoConfig:
     """How a failed worker's slot is covered (see ``unbroken.mecefo``)."""
 
-    policy: Policy = "spread"
-    """``spread`` (default: rows split over all survivors, exact; extra load
+    policy: str = "spread"
+    """A takeover policy, a name in the registry ``unbroken.mecefo.takeover.POLICIES``:
+    ``spread`` (default: rows split over all survivors, exact; extra load
     1/(n-1) per survivor, same convergence as failure-free), ``neighbor`` (the
     MeCeFO paper: ring successor does both, approximated), ``spread-approx``.
     See docs/benchmarks.md for the figures behind the default."""
@@ -148,8 +146,8 @@ class FaultConfig:
     """Explicit faults, e.g. ``step=40:worker=2:kill,step=90:node=1:kill``."""
     heartbeat_timeout_s: float = 2.0
     """A worker silent for this long is declared hung."""
-    recovery: Literal["takeover", "restart", "alternate"] = "takeover"
-    """``takeover``: survivors finish the step and carry on (unbroken);
+    recovery: str = "takeover"
+    """One of :data:`unbroken.runtime.recovery.RECOVERIES`: ``takeover``: survivors finish the step and carry on (unbroken);
     ``restart``: plain data parallelism, any failure restarts every worker from
     the last persistent checkpoint (for comparison); ``alternate`` (a
     measurement, not a way to train): even steps plain data parallelism, odd
@@ -332,6 +330,9 @@ def validate(cfg: Config) -> list[str]:
     need(o.grad_clip >= 0, f"optim.grad_clip={o.grad_clip}: must be >= 0 (0 disables)")
     need(m.rank >= 1, f"mecefo.rank={m.rank}: must be >= 1")
     need(m.tau >= 1, f"mecefo.tau={m.tau}: must be >= 1")
+    for key, value, names in (("mecefo.policy", m.policy, _policy_names()),
+                                ("fault.recovery", f.recovery, _recovery_names())):
+        need(value in names, f"{key}={value!r}: expected one of {', '.join(names)}")
     need(f.job_hours > 0, f"fault.job_hours={f.job_hours}: must be > 0")
     need(
         f.cluster_workers is None or f.cluster_workers >= t.workers,
@@ -379,10 +380,38 @@ def _set_field(obj: Any, section: str, name: str, value: Any, *, from_text: bool
         return f"unknown field {section}.{name}; valid fields: {', '.join(fields)}"
     hint = typing.get_type_hints(type(obj))[name]
     try:
-        setattr(obj, name, _coerce(value, hint, from_text))
+        coerced = _coerce(value, hint, from_text)
+        if f"{section}.{name}" in _REGISTRY_CHOICES:
+            _expect_one_of(coerced, _REGISTRY_CHOICES[f"{section}.{name}"]())
+        setattr(obj, name, coerced)
     except ValueError as exc:
         return f"{section}.{name}={value!r}: {exc}"
     return None
+
+
+def _policy_names() -> tuple[str, ...]:
+    # Local: the registry imports torch; `import unbroken.config` stays light.
+    from unbroken.mecefo.takeover import POLICIES
+
+    return tuple(POLICIES)
+
+
+def _recovery_names() -> tuple[str, ...]:
+    from unbroken.runtime.recovery import RECOVERIES  # local, as above
+
+    return tuple(RECOVERIES)
+
+
+_REGISTRY_CHOICES: dict[str, Callable[[], tuple[str, ...]]] = {
+    "mecefo.policy": _policy_names,
+    "fault.recovery": _recovery_names,
+}
+"""Fields whose accepted values a registry defines, checked like a ``Literal``."""
+
+
+def _expect_one_of(value: Any, choices: tuple[Any, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"expected one of {', '.join(map(str, choices))}")
 
 
 def _coerce(value: Any, hint: Any, from_text: bool) -> Any:
@@ -401,9 +430,7 @@ def _coerce(value: Any, hint: Any, from_text: bool) -> Any:
                 errors.append(str(exc))
         raise ValueError("; ".join(errors))
     if origin is Literal:
-        choices = get_args(hint)
-        if value not in choices:
-            raise ValueError(f"expected one of {', '.join(map(str, choices))}")
+        _expect_one_of(value, get_args(hint))
         return value
     if hint is bool:
         if isinstance(value, bool):

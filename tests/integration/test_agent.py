@@ -8,6 +8,7 @@ checks at the end that no process it caused is left (``os.kill(pid, 0)``).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -22,8 +23,9 @@ from typing import Any
 import pytest
 
 from unbroken.config import Config
+from unbroken.faults.fail_at import fail_at
 from unbroken.jsonl import read_jsonl
-from unbroken.agent.preflight import start_store
+from unbroken.runtime.job_store import JobStore
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
 
@@ -37,12 +39,12 @@ class Job:
 
     def __init__(self, run_dir: Path) -> None:
         self.run_dir = run_dir
-        self.store = start_store("127.0.0.1", 0, 8)
+        self.store = JobStore.host("127.0.0.1", 0, clients=8)
         self.addr = f"127.0.0.1:{self.store.port}"
         self.cfg = Config().to_dict()
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.json").write_text(json.dumps(self.cfg))
-        self.store.set("config", json.dumps(self.cfg))
+        self.store.publish_config(json.dumps(self.cfg))
         self.agents: list[subprocess.Popen[bytes]] = []
 
     def agent(self, *args: str, node: int = 0, nnodes: int = 1, wpn: int = 2, store: str | None = None,
@@ -69,15 +71,13 @@ class Job:
         except (OSError, ValueError):
             return None
 
-    def key(self, key: str) -> str | None:
-        return self.store.get(key).decode() if self.store.check([key]) else None
 
     def started(self, *workers: int, timeout_s: float = 30.0) -> dict[int, int]:
         """Wait until each worker's current process beats; returns their pids."""
         def up() -> bool:
             for p in self.agents:
                 assert p.poll() is None, f"agent exited with {p.returncode}:\n{self.output(p)}"
-            return all(self.pid(w) and self.store.add(f"hb/{w}", 0) > 0 for w in workers)
+            return all(self.pid(w) and self.store.heartbeats([w])[0] > 0 for w in workers)
 
         until(up, timeout_s)
         return {w: self.pid(w) for w in workers}  # type: ignore[misc]
@@ -119,7 +119,7 @@ def job(tmp_path: Path) -> Iterator[Job]:
     try:
         yield j
     finally:
-        j.store.set("done", "1")  # lets stand-ins and agents finish on their own
+        j.store.set_done()  # lets stand-ins and agents finish on their own
         for p in j.agents:
             try:
                 p.wait(timeout=15)
@@ -139,7 +139,7 @@ def test_second_agent_with_same_rank_is_refused(job: Job) -> None:
     assert second.wait(timeout=20) == 2
     assert f"an agent with node rank 0 is already running (pid {first.pid}" in job.output(second)
     assert first.poll() is None, "the refused agent must not disturb the first"
-    job.store.set("done", "1")
+    job.store.set_done()
     assert first.wait(timeout=15) == 0
 
 
@@ -170,22 +170,22 @@ def test_different_config_is_refused_naming_the_field(job: Job) -> None:
 def test_killed_worker_is_marked_dead_at_once_and_rejoins(job: Job) -> None:
     agent = job.agent("--restart", "on-failure")
     pids = job.started(0, 1)
-    assert job.key("gen") == "0" and json.loads(job.key("view/0"))["members"] == [0, 1]
+    assert job.store.gen() == 0 and job.store.view(0).members == (0, 1)
     os.kill(pids[1], signal.SIGKILL)
-    took = until(lambda: job.key("dead/1") is not None, 5.0, poll_s=0.001)
+    took = until(lambda: job.store.dead_mark(1) is not None, 5.0, poll_s=0.001)
     assert took < 1.0, f"death marked after {took:.3f} s"
-    reason = json.loads(job.key("dead/1"))
+    reason = json.loads(job.store.dead_mark(1))
     assert reason["by"] == "agent" and reason["how"] == "exit" and reason["signal"] == signal.SIGKILL
-    until(lambda: job.store.add("deaths", 0) == 1, 1.0)  # counted right after the mark
+    until(lambda: job.store.deaths() == 1, 1.0)  # counted right after the mark
     until(lambda: job.pid(1) not in (None, pids[1]) and len(job.incarnations(1)) == 2, 20.0)
     first, second = job.incarnations(1)
     assert "--join" not in first["argv"] and "--join" in second["argv"]
-    assert job.key("join/1") is not None, "the restarted worker asks to join"
+    assert job.store.join_requests([1]) == [1], "the restarted worker asks to join"
     exit_ev = job.events(event="worker_exit")[0]
     assert exit_ev["worker"] == 1 and exit_ev["signal"] == signal.SIGKILL and not exit_ev["injected"]
     assert [e["join"] for e in job.events(event="worker_start") if e["worker"] == 1] == [False, True]
     assert job.pid(0) == pids[0], "the other worker is untouched"
-    job.store.set("done", "1")
+    job.store.set_done()
     assert agent.wait(timeout=15) == 0
 
 
@@ -194,20 +194,19 @@ def test_stopped_worker_marked_dead_by_a_peer_is_fenced(job: Job) -> None:
     pids = job.started(0, 1)
     os.kill(pids[1], signal.SIGSTOP)  # hung: its heartbeat stops
     peer_mark = json.dumps({"by": 0, "how": "heartbeat", "silent_s": 2.0})
-    job.store.compare_set("dead/1", "", peer_mark)
-    job.store.add("deaths", 1)
+    job.store.mark_dead(1, peer_mark)
     took = until(lambda: job.events(event="fence"), 5.0, poll_s=0.002)
     assert took < 1.0
     until(lambda: not alive(pids[1]), 2.0)  # the agent reaps it: no zombie either
     fence = job.events(event="fence")[0]
     assert fence["worker"] == 1 and fence["pid"] == pids[1] and fence["reason"]["by"] == 0
-    assert job.key("dead/1") == peer_mark and job.store.add("deaths", 0) == 1, "one death, one mark"
+    assert job.store.dead_mark(1) == peer_mark and job.store.deaths() == 1, "one death, one mark"
     exit_ev = job.events(event="worker_exit")[0]
     assert exit_ev["fenced"] and exit_ev["signal"] == signal.SIGKILL
     time.sleep(0.3)
     assert job.pid(1) is None, "restart=never: no new incarnation"
     assert alive(pids[0])
-    job.store.set("done", "1")
+    job.store.set_done()
     assert agent.wait(timeout=15) == 0
 
 
@@ -215,43 +214,46 @@ def test_injected_kill_fires_at_its_step_and_returns_at_back(job: Job) -> None:
     # Worker 2 lives throughout: with every member of the view dead the agent would declare the job failed.
     agent = job.agent("--fail-at", "step=3:worker=1:kill:back=5,step=4:worker=0:kill:phase=forward", wpn=3)
     pids = job.started(0, 1, 2)
-    assert job.incarnations(0)[0]["argv"][-2:] == ["--faults", "step=4:worker=0:kill:phase=forward"]
-    job.store.set("progress", "2")
+    first = job.incarnations(0)[0]
+    assert first["argv"][-2:] == ["--faults", "1"], "the plan's second spec"
+    assert first["faults"] == [dataclasses.asdict(fail_at(step=4, worker=0, phase="forward"))]
+    job.store.set_progress(2)
     time.sleep(0.2)
     assert alive(pids[1]), "not before its step"
-    job.store.set("progress", "3")
+    job.store.set_progress(3)
     took = until(lambda: job.events(event="worker_exit"), 5.0, poll_s=0.001)
     assert took < 0.5
     ev = job.events(event="worker_exit")[0]
     assert ev["worker"] == 1 and ev["injected"] and ev["restart_at_step"] == 5
-    job.store.set("progress", "4")  # worker 0 kills itself (its phase fault); restarted by policy
+    job.store.set_progress(4)  # worker 0 kills itself (its phase fault); restarted by policy
     until(lambda: len(job.incarnations(0)) == 2, 20.0)
     assert len(job.incarnations(1)) == 1, "worker 1 must stay down until step 5"
-    job.store.set("progress", "5")
+    job.store.set_progress(5)
     until(lambda: len(job.incarnations(1)) == 2, 20.0)
     assert "--join" in job.incarnations(1)[1]["argv"]
     assert "--faults" not in job.incarnations(0)[1]["argv"], "a fired phase fault is not handed on"
+    assert job.incarnations(0)[1]["faults"] == []
     injected = job.events(event="fault_injected")
     assert [(e["spec"], e["signal"], e["targets"]) for e in injected] == [("step=3:worker=1:kill:back=5", "SIGKILL", [1])]
-    job.store.set("done", "1")
+    job.store.set_done()
     assert agent.wait(timeout=15) == 0
 
 
 def test_node_kill_takes_the_agent_and_its_workers(job: Job) -> None:
     agent = job.agent("--fail-at", "step=2:node=0:kill")
     pids = job.started(0, 1)
-    job.store.set("progress", "2")
+    job.store.set_progress(2)
     assert agent.wait(timeout=10) == -signal.SIGKILL
     until(lambda: not any(alive(p) for p in pids.values()), 5.0)
-    assert job.key("dead/0") is None and job.key("dead/1") is None, "a lost node marks nothing"
+    assert job.store.dead_mark(0) is None and job.store.dead_mark(1) is None, "a lost node marks nothing"
     assert job.events(event="fault_injected")[0]["lost_node"]
 
 
 def test_standby_takes_over_a_dead_worker(job: Job) -> None:
     agent = job.agent("--standby")
     pids = job.started(0, 1)
-    until(lambda: job.key("standby/0/ready") is not None, 20.0)
-    standby_pid = int(job.key("standby/0/ready"))
+    until(lambda: job.store.standby_ready_pid(0) is not None, 20.0)
+    standby_pid = int(job.store.standby_ready_pid(0))
     os.kill(pids[0], signal.SIGKILL)
     until(lambda: job.events(event="standby_assign"), 10.0)
     assign = job.events(event="standby_assign")[0]
@@ -259,16 +261,16 @@ def test_standby_takes_over_a_dead_worker(job: Job) -> None:
     assert job.pid(0) == standby_pid
     inc = job.incarnations(0)[-1]
     assert inc["standby"] and inc["join"] and inc["pid"] == standby_pid
-    until(lambda: job.key("standby/0/ready") not in (None, str(standby_pid)), 20.0)  # a fresh standby waits
-    assert job.key("standby/0/assign") == ""
-    job.store.set("done", "1")
+    until(lambda: job.store.standby_ready_pid(0) not in (None, str(standby_pid)), 20.0)  # a fresh standby waits
+    assert job.store.backend.get("standby/0/assign") == b"", "the offer was reset"
+    job.store.set_done()
     assert agent.wait(timeout=15) == 0
 
 
 def test_failed_job_stops_the_workers(job: Job) -> None:
     agent = job.agent()
     pids = job.started(0, 1)
-    job.store.set("failed", "no live worker left: test")
+    job.store.fail("no live worker left: test")
     assert agent.wait(timeout=15) == 1
     assert "the job failed: no live worker left: test" in job.output(agent)
     assert not any(alive(p) for p in pids.values())
@@ -282,16 +284,16 @@ def test_sigterm_stops_the_agent_and_its_workers(job: Job) -> None:
     assert agent.wait(timeout=15) == 128 + signal.SIGTERM
     assert "interrupted by SIGTERM" in job.output(agent)
     assert not any(alive(p) for p in pids.values())
-    assert job.key("agent/0") == "", "a clean exit releases the node rank"
+    assert job.store.node_released(0), "a clean exit releases the node rank"
 
 
 def test_two_nodes_share_the_view_and_the_config(job: Job) -> None:
     a0 = job.agent(node=0, nnodes=2)
     a1 = job.agent(node=1, nnodes=2)
     job.started(0, 1, 2, 3)
-    assert json.loads(job.key("view/0"))["members"] == [0, 1, 2, 3]
+    assert job.store.view(0).members == (0, 1, 2, 3)
     assert json.loads((job.run_dir / "layout.json").read_text()) == {"nodes": 2, "workers_per_node": 2}
-    job.store.set("done", "1")
+    job.store.set_done()
     assert a0.wait(timeout=15) == 0 and a1.wait(timeout=15) == 0
 
 
@@ -316,7 +318,7 @@ def test_chaos_signals_a_running_job_from_outside(job: Job, capsys: pytest.Captu
     assert alive(pids[0]), "stopped for 0.3 s, then continued"
     fired = read_jsonl(job.run_dir / "events" / "chaos.jsonl")
     assert [e["event"] for e in fired] == ["fault_injected", "fault_injected", "fault_resumed"]
-    job.store.set("done", "1")
+    job.store.set_done()
     assert agent.wait(timeout=15) == 0
 
 
@@ -326,7 +328,7 @@ def test_agent_declares_failure_when_every_member_is_dead(job: Job) -> None:
     for pid in pids.values():
         os.kill(pid, signal.SIGKILL)
     assert agent.wait(timeout=15) == 1
-    assert "no live worker left: every member of view 0 [0, 1] is dead" in job.key("failed")
+    assert "no live worker left: every member of view 0 [0, 1] is dead" in job.store.failure()
 
 
 # -- the launcher, with the real worker -------------------------------------------
@@ -370,16 +372,15 @@ def test_launch_raises_job_failed_when_the_only_node_is_lost(tmp_path: Path, cor
 
 
 def test_node_0_hosts_the_store_without_a_launcher(job: Job) -> None:
-    from unbroken.runtime.membership import connect_store
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         addr = f"127.0.0.1:{s.getsockname()[1]}"
     a0 = job.agent("--host-store", node=0, nnodes=2, wpn=1, store=addr)
     a1 = job.agent(node=1, nnodes=2, wpn=1, store=addr)
-    client = connect_store(addr, timeout_s=30)
-    until(lambda: client.add("hb/0", 0) > 0 and client.add("hb/1", 0) > 0, 30.0)
-    assert json.loads(client.get("config")) == job.cfg, "node 0 published its config"
-    client.set("done", "1")
+    client = JobStore.connect(addr, timeout_s=30)
+    until(lambda: min(client.heartbeats([0, 1])) > 0, 30.0)
+    assert json.loads(client.config()) == job.cfg, "node 0 published its config"
+    client.set_done()
     assert a1.wait(timeout=15) == 0, job.output(a1)
     assert a0.wait(timeout=15) == 0, job.output(a0)

@@ -29,7 +29,7 @@ from _faults import Job, check_invariants, failover_config, run_job
 from _reference import checkpoint_params, reference_train
 from unbroken.bench.report import summarize_run
 from unbroken.data import BatchSampler
-from unbroken.mecefo.completion import complete
+from unbroken.mecefo.takeover import POLICIES
 from unbroken.mecefo.gradients import SlotWork
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
@@ -254,7 +254,7 @@ def test_spread_policies_under_a_kill(tmp_path, corpus_overrides, policy):
     mode = "exact" if policy == "spread" else "approx"
     # Step 4: the survivors keep their own slots and split slot 1, as the completion rule says.
     done = {w: [SlotWork(w, (0, MB))] for w in (0, 2, 3)}
-    extra = complete(policy, n_slots=4, micro_batch=MB, live=[0, 2, 3], done=done)
+    extra = POLICIES[policy].complete(n_slots=4, micro_batch=MB, live=[0, 2, 3], done=done)
     split = [(w, i.slot, *i.rows, i.mode) for w, items in extra.items() for i in items]
     assert {i[0] for i in split} == {0, 2, 3} and {(i[1], i[4]) for i in split} == {(1, mode)}
     assert job.committed_items(4) == sorted(exact(0, 2, 3) + split, key=lambda i: (i[1], i[2]))

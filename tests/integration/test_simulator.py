@@ -16,8 +16,8 @@ from unbroken.cli import main as cli_main
 from unbroken.config import load_config
 from unbroken.faults.traces import FailureTrace, Outage
 from unbroken.jsonl import read_jsonl
-from unbroken.mecefo.policy import POLICIES, assign, degraded_slots
-from unbroken.mecefo.simulator import live_at, simulate
+from unbroken.mecefo.takeover import POLICIES, degraded_slots
+from unbroken.job.simulator import live_at, simulate
 from unbroken.agent.launcher import launch_local
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -74,7 +74,7 @@ def test_explicit_trace_every_row_once(tmp_path, corpus_overrides, policy):
         down = TRACE.down_at(s)
         assert rec["live_workers"] == sorted(set(range(4)) - down)
         assert [d["slot"] for d in rec["degraded"]] == sorted(down)
-        expected = assign(policy, n_slots=4, live=rec["live_workers"], micro_batch=mb)
+        expected = POLICIES[policy].assign(n_slots=4, live=rec["live_workers"], micro_batch=mb)
         assert rec["degraded"] == degraded_slots(expected, 4)
         assert _rows_trained(rec) == Counter({(k, r): 1 for k in range(4) for r in range(mb)}), f"step {s}"
         assert rec["waited"] is False and math.isfinite(rec["loss"]) and math.isfinite(rec["grad_norm"])

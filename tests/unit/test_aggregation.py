@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from unbroken.mecefo.adapter import LlamaAdapter, component_of
 from unbroken.mecefo.gradients import GradLayout, apply_reduced, apply_step, compute_gradient_sums
-from unbroken.mecefo.policy import assign
+from unbroken.mecefo.takeover import POLICIES
 from unbroken.models import build_model
 
 pytestmark = pytest.mark.timeout(60)
@@ -35,7 +35,7 @@ def _reduced(policy: str, live: set[int]) -> tuple[torch.nn.Module, GradLayout, 
     model = build_model("debug", vocab_size=V, seq_len=T, seed=3)
     adapter = LlamaAdapter(model, rank=4, tau=10)
     layout = GradLayout(model, adapter)
-    work = assign(policy, n_slots=N, live=live, micro_batch=MB)
+    work = POLICIES[policy].assign(n_slots=N, live=live, micro_batch=MB)
     total = sum(compute_gradient_sums(model, adapter, layout, items, step=0, micro_batch=MB, batch_fn=_batch_fn)
                 for _, items in sorted(work.items()))
     return model, layout, total

@@ -64,9 +64,10 @@ def test_specs_before_the_start_never_fire() -> None:
 
 def test_phase_specs_go_on_the_workers_command_line() -> None:
     p1 = plan(1)
-    assert p1.worker_faults(3, from_step=0) == "step=6:worker=3:kill:phase=allreduce:back=9"
-    assert p1.worker_faults(2, from_step=0) == ""
-    assert plan(1).worker_faults(3, from_step=7) == "", "a worker joining after the step cannot fire it"
+    assert [p1.plan[i] for i in p1.worker_faults(3, from_step=0)] == [
+        fail_at(step=6, worker=3, phase="allreduce", back=9)]
+    assert p1.worker_faults(2, from_step=0) == ()
+    assert plan(1).worker_faults(3, from_step=7) == (), "a worker joining after the step cannot fire it"
 
 
 def test_death_attribution_and_back() -> None:
@@ -79,7 +80,7 @@ def test_death_attribution_and_back() -> None:
     assert not p1.on_death(3, progress=5).injected, "its phase spec has not begun"
     cause = p1.on_death(3, progress=6)
     assert cause.injected and cause.back_step == 9
-    assert p1.worker_faults(3, from_step=6) == "", "a fired phase spec is not handed to the next incarnation"
+    assert p1.worker_faults(3, from_step=6) == (), "a fired phase spec is not handed to the next incarnation"
 
 
 def test_resumed_stop_is_not_blamed_for_a_later_death() -> None:

@@ -1,13 +1,12 @@
-"""Heartbeat judgement and outcome votes on a real TCPStore."""
+"""Heartbeat judgement, outcome votes and join requests on a real TCPStore."""
 
 from __future__ import annotations
 
 import time
-from datetime import timedelta
 
 import pytest
-import torch.distributed as dist
 
+from unbroken.runtime.job_store import JobStore
 from unbroken.runtime.membership import Membership, View
 
 TIMEOUT_S = 0.3
@@ -15,18 +14,18 @@ TIMEOUT_S = 0.3
 
 @pytest.fixture()
 def store():
-    s = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timedelta(seconds=5), wait_for_workers=False)
+    s = JobStore.host("127.0.0.1", 0, clients=1)
     yield s
     del s
 
 
-def _watch(m: Membership, view: View, seconds: float, beat: dict[int, int], store) -> set[int]:
+def _watch(m: Membership, view: View, seconds: float, beat: dict[int, int], store: JobStore) -> set[int]:
     """Observe every 20 ms for ``seconds``, beating for the workers in ``beat``."""
     end = time.monotonic() + seconds
     dead: set[int] = set()
     while time.monotonic() < end:
         for w in beat:
-            store.add(f"hb/{w}", 1)
+            store.beat(w)
         dead = m.dead_members(view)
         time.sleep(0.02)
     return dead
@@ -35,36 +34,36 @@ def _watch(m: Membership, view: View, seconds: float, beat: dict[int, int], stor
 def test_a_silent_peer_is_declared_dead_after_the_timeout_a_beating_one_never(store):
     view = View(gen=0, members=(0, 1, 2), step=0)
     for w in view.members:
-        store.add(f"hb/{w}", 1)
+        store.beat(w)
     m = Membership(store, 0, heartbeat_timeout_s=TIMEOUT_S)
     assert _watch(m, view, TIMEOUT_S * 0.6, {1: 1}, store) == set()
     assert _watch(m, view, TIMEOUT_S, {1: 1}, store) == {2}
-    assert store.check(["dead/2"]) and not store.check(["dead/1"])
-    assert store.add("deaths", 0) == 1
+    assert store.is_marked_dead(2) and not store.is_marked_dead(1)
+    assert store.deaths() == 1
 
 
 def test_the_observers_own_gap_restarts_the_clocks(store):
     """An observer that was not watching (descheduled, store stalled) cannot tell who was silent."""
     view = View(gen=0, members=(0, 1), step=0)
     for w in view.members:
-        store.add(f"hb/{w}", 1)
+        store.beat(w)
     m = Membership(store, 0, heartbeat_timeout_s=TIMEOUT_S)
     assert m.dead_members(view) == set()
     time.sleep(TIMEOUT_S * 2)  # worker 1's counter did not move, but neither did this observer look
     assert m.dead_members(view) == set()
-    assert not store.check(["dead/1"])
+    assert not store.is_marked_dead(1)
     # Watching on from here, the silence is real once it lasts the timeout.
     assert _watch(m, view, TIMEOUT_S * 0.6, {}, store) == set()
     assert _watch(m, view, TIMEOUT_S, {}, store) == {1}
 
 
 def test_first_outcome_vote_decides_for_everyone(store):
-    a = Membership(store, 0, heartbeat_timeout_s=TIMEOUT_S)
-    b = Membership(store, 1, heartbeat_timeout_s=TIMEOUT_S)
-    assert a.decide(3, 7, "commit") == "commit"
-    assert b.decide(3, 7, "abort") == "commit"
-    assert b.decide(3, 8, "abort") == "abort"
-    assert a.decide(3, 8, "commit") == "abort"
+    view = View(gen=0, members=(0, 1), step=7)
+    store.publish_initial(view)
+    assert store.vote(view, 7, "commit") == "commit"
+    assert store.vote(view, 7, "abort") == "commit"
+    assert store.vote(view, 8, "abort") == "abort"
+    assert store.vote(view, 8, "commit") == "abort"
 
 
 def test_a_join_request_is_seen_through_the_heartbeat_within_an_interval(store):
@@ -78,7 +77,7 @@ def test_a_join_request_is_seen_through_the_heartbeat_within_an_interval(store):
         while (got := leader.pending_joins(view, 3)) == [] and time.monotonic() < deadline:
             time.sleep(0.01)
         assert got == [1]
-        leader.clear_join(1)
+        store.clear_join(1)
         assert leader.pending_joins(view, 3) == []
         assert leader.pending_joins(View(gen=1, members=(0, 1, 2), step=0), 3) == []
     finally:

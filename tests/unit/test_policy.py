@@ -1,4 +1,4 @@
-"""Takeover policies: hand-computed assignments, exactly-once coverage, bad inputs."""
+"""``TakeoverPolicy.assign``: hand-computed assignments, exactly-once coverage, bad inputs."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 
 from unbroken.mecefo.gradients import SlotWork
-from unbroken.mecefo.policy import POLICIES, NoLiveWorker, assign, assignment_json, degraded_slots
+from unbroken.mecefo.takeover import POLICIES, NoLiveWorker, assignment_json, degraded_slots
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -41,11 +41,11 @@ def A(slot: int, a: int = 0, b: int = MB) -> SlotWork:
     ({0, 1, 2, 3}, {w: [W(w)] for w in range(4)}),
 ])
 def test_neighbor_hand_computed(live, want):
-    assert assign("neighbor", n_slots=4, live=live, micro_batch=MB) == want
+    assert POLICIES["neighbor"].assign(n_slots=4, live=live, micro_batch=MB) == want
 
 
 def test_neighbor_single_survivor_covers_all():
-    got = assign("neighbor", n_slots=4, live=[2], micro_batch=MB)
+    got = POLICIES["neighbor"].assign(n_slots=4, live=[2], micro_batch=MB)
     assert got == {2: [A(2), A(0), A(1), A(3)]}
 
 
@@ -61,14 +61,14 @@ def test_neighbor_single_survivor_covers_all():
     ({1, 3}, {1: [W(1), W(0, 0, 4), W(2, 0, 4)], 3: [W(3), W(0, 4, 8), W(2, 4, 8)]}),
 ])
 def test_spread_hand_computed(live, want):
-    assert assign("spread", n_slots=4, live=live, micro_batch=MB) == want
+    assert POLICIES["spread"].assign(n_slots=4, live=live, micro_batch=MB) == want
     approx = {w: [items[0]] + [SlotWork(i.slot, i.rows, "approx") for i in items[1:]] for w, items in want.items()}
-    assert assign("spread-approx", n_slots=4, live=live, micro_batch=MB) == approx
+    assert POLICIES["spread-approx"].assign(n_slots=4, live=live, micro_batch=MB) == approx
 
 
 def test_spread_skips_empty_ranges():
     # 2 rows over 3 survivors: the third range is empty and worker 3 gets nothing extra.
-    got = assign("spread", n_slots=4, live=[1, 2, 3], micro_batch=2)
+    got = POLICIES["spread"].assign(n_slots=4, live=[1, 2, 3], micro_batch=2)
     assert got == {1: [W(1, 0, 2), W(0, 0, 1)], 2: [W(2, 0, 2), W(0, 1, 2)], 3: [W(3, 0, 2)]}
 
 
@@ -76,20 +76,20 @@ def test_spread_skips_empty_ranges():
 
 
 def test_degraded_slots_describe_covered_slots():
-    assert degraded_slots(assign("neighbor", n_slots=4, live={0, 3}, micro_batch=MB), 4) == [
+    assert degraded_slots(POLICIES["neighbor"].assign(n_slots=4, live={0, 3}, micro_batch=MB), 4) == [
         {"slot": 1, "workers": [3], "mode": "approx", "rows": [[0, 8]]},
         {"slot": 2, "workers": [3], "mode": "approx", "rows": [[0, 8]]},
     ]
-    assert degraded_slots(assign("spread", n_slots=4, live={0, 1, 3}, micro_batch=MB), 4) == [
+    assert degraded_slots(POLICIES["spread"].assign(n_slots=4, live={0, 1, 3}, micro_batch=MB), 4) == [
         {"slot": 2, "workers": [0, 1, 3], "mode": "exact", "rows": [[0, 3], [3, 6], [6, 8]]},
     ]
-    assert degraded_slots(assign("spread", n_slots=4, live=range(4), micro_batch=MB), 4) == []
+    assert degraded_slots(POLICIES["spread"].assign(n_slots=4, live=range(4), micro_batch=MB), 4) == []
     mixed = {0: [W(0), W(1, 0, 4)], 2: [W(2), A(1, 4, 8)]}
     assert degraded_slots(mixed, 4) == [{"slot": 1, "workers": [0, 2], "mode": "mixed", "rows": [[0, 4], [4, 8]]}]
 
 
 def test_assignment_json():
-    got = assignment_json(assign("neighbor", n_slots=3, live={0, 2}, micro_batch=4))
+    got = assignment_json(POLICIES["neighbor"].assign(n_slots=3, live={0, 2}, micro_batch=4))
     assert got == {"0": [[0, 0, 4, "exact"]], "2": [[2, 0, 4, "approx"], [1, 0, 4, "approx"]]}
 
 
@@ -97,7 +97,7 @@ def test_assignment_json():
 
 
 def _check_invariants(policy: str, n: int, live: tuple[int, ...], mb: int) -> None:
-    got = assign(policy, n_slots=n, live=live, micro_batch=mb)
+    got = POLICIES[policy].assign(n_slots=n, live=live, micro_batch=mb)
     assert sorted(got) == sorted(live)
     rows = Counter()
     for worker, items in got.items():
@@ -128,23 +128,18 @@ def test_every_row_covered_exactly_once(policy, n):
 # --- bad inputs ----------------------------------------------------------------
 
 
-def test_unknown_policy_lists_valid_ones():
-    with pytest.raises(ValueError, match="neighbor, spread, spread-approx"):
-        assign("ring", n_slots=4, live={0}, micro_batch=MB)
-
-
 def test_no_live_worker_is_a_named_error():
     with pytest.raises(NoLiveWorker):
-        assign("neighbor", n_slots=4, live=[], micro_batch=MB)
+        POLICIES["neighbor"].assign(n_slots=4, live=[], micro_batch=MB)
 
 
 @pytest.mark.parametrize("live", [[4], [0, -1], [0, 7]])
 def test_live_ids_outside_slots(live):
     with pytest.raises(ValueError, match=r"outside \[0, 4\)"):
-        assign("spread", n_slots=4, live=live, micro_batch=MB)
+        POLICIES["spread"].assign(n_slots=4, live=live, micro_batch=MB)
 
 
 @pytest.mark.parametrize("kwargs", [{"n_slots": 0, "micro_batch": MB}, {"n_slots": 4, "micro_batch": 0}])
 def test_bad_sizes(kwargs):
     with pytest.raises(ValueError):
-        assign("neighbor", live=[0], **kwargs)
+        POLICIES["neighbor"].assign(live=[0], **kwargs)

@@ -5,20 +5,20 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
-from datetime import timedelta
 
 import torch
-import torch.distributed as dist
 
+from unbroken.runtime.job_store import JobStore
 from unbroken.runtime.process_group import ViewGroup
 
 CHILD = """
 import os, sys, time, torch, torch.distributed as dist
 from datetime import timedelta
+from unbroken.runtime.job_store import JobStore
 from unbroken.runtime.process_group import ViewGroup
 port, late = int(sys.argv[1]), float(sys.argv[2])
-store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=20))
-g = ViewGroup(store, gen=0, rank=1, size=2, device=torch.device("cpu"), timeout_s=20)
+store = JobStore.connect(f"127.0.0.1:{port}", timeout_s=20)
+g = ViewGroup(store.group_store(0), gen=0, rank=1, size=2, device=torch.device("cpu"), timeout_s=20)
 x = torch.full((5,), 2.0)
 g.allreduce(x, lambda: None)
 if late == 0:
@@ -35,10 +35,9 @@ class Abandon(Exception):
 
 
 def _rank0(late_s: float) -> tuple[ViewGroup, subprocess.Popen[bytes]]:
-    store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, timeout=timedelta(seconds=20),
-                          wait_for_workers=False)
+    store = JobStore.host("127.0.0.1", 0, clients=2)
     child = subprocess.Popen([sys.executable, "-c", CHILD, str(store.port), str(late_s)])
-    g = ViewGroup(store, gen=0, rank=0, size=2, device=torch.device("cpu"), timeout_s=20)
+    g = ViewGroup(store.group_store(0), gen=0, rank=0, size=2, device=torch.device("cpu"), timeout_s=20)
     g.store = store  # keep the store (and the child's connection) alive as long as the group
     return g, child
 
@@ -82,8 +81,8 @@ def test_a_collective_missing_a_member_is_abandoned_by_the_check():
 
 
 def test_a_group_of_one_needs_no_peer():
-    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timedelta(seconds=5), wait_for_workers=False)
-    g = ViewGroup(store, gen=0, rank=0, size=1, device=torch.device("cpu"), timeout_s=5)
+    store = JobStore.host("127.0.0.1", 0, clients=1)
+    g = ViewGroup(store.group_store(0), gen=0, rank=0, size=1, device=torch.device("cpu"), timeout_s=5)
     x = torch.arange(4.0)
     y = g.allreduce(x, lambda: None)
     assert torch.equal(y, x) and y.data_ptr() != x.data_ptr()

@@ -13,9 +13,14 @@ from unbroken.runtime.state_transfer import pack_state, unpack_state
 pytestmark = pytest.mark.timeout(60)
 
 
+def _optimizer(model: torch.nn.Module) -> torch.optim.AdamW:
+    o = OptimConfig()
+    return build_optimizer(model, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
+
+
 def _trained(seed: int):
     model = build_model("debug", vocab_size=64, seq_len=8, seed=seed)
-    opt = build_optimizer(model, OptimConfig())
+    opt = _optimizer(model)
     for _ in range(2):
         x = torch.randint(0, 64, (2, 8))
         model(x).sum().backward()
@@ -28,7 +33,7 @@ def test_round_trip_is_exact():
     torch.manual_seed(0)
     src_model, src_opt = _trained(1)
     dst_model = build_model("debug", vocab_size=64, seq_len=8, seed=2)
-    dst_opt = build_optimizer(dst_model, OptimConfig())
+    dst_opt = _optimizer(dst_model)
     unpack_state(pack_state(src_model, src_opt), dst_model, dst_opt)
     for p, q in zip(src_model.parameters(), dst_model.parameters()):
         assert torch.equal(p, q)
@@ -42,4 +47,4 @@ def test_size_mismatch_is_refused():
     model, opt = _trained(1)
     other = build_model("debug", vocab_size=128, seq_len=8, seed=1)
     with pytest.raises(ValueError, match="does not match"):
-        unpack_state(pack_state(model, opt), other, build_optimizer(other, OptimConfig()))
+        unpack_state(pack_state(model, opt), other, _optimizer(other))

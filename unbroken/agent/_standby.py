@@ -1,19 +1,18 @@
 """Warm standby: one pre-started worker process per node, handed a dead worker's id.
 
-The worker side is ``python -m unbroken.runtime.worker ... --standby
+The worker side is ``python -m unbroken.agent.worker_process ... --standby
 --node-rank R`` (no ``--worker``; see ``unbroken.runtime.worker.standby``): it
 imports everything, loads the data and builds its model, then waits for an
-assignment; one that sees ``done`` or ``failed`` exits 0. Keys, all under
-``standby/<R>/``:
+assignment; one that sees ``done`` or ``failed`` exits 0. Through the job
+store's ``standby_*`` methods (keys ``standby/<R>/...``):
 
-- ``ready``: the standby writes its pid once it has imported everything and
-  built its model; the agent deletes the key before starting a new standby.
-- ``faults``: written by the agent before an assignment: the ``--faults``
-  string of the worker it is to become ("" for none).
-- ``assign``: the agent writes the worker id (decimal) by compare-and-set from
-  ""; the standby claims it with ``compare_set(assign, "<id>", "claimed:<pid>")``
-  and continues as ``--worker <id> --join``; the agent then resets it to "".
-  An assignment not claimed within ``CLAIM_TIMEOUT_S`` is retracted by
+- ready: the standby announces its pid once it has imported everything and
+  built its model; the agent clears it before starting a new standby.
+- offer: the agent hands over the fault indices of the worker it is to become
+  ("" for none) and offers the worker id by compare-and-set from ""; the
+  standby claims it by compare-and-set to ``claimed:<pid>`` and continues as
+  ``--worker <id> --join``; the agent then resets the offer to "".
+  An offer not claimed within ``CLAIM_TIMEOUT_S`` is retracted by
   compare-and-set back to "", so exactly one of "claimed" or "retracted" wins.
 
 Invariants: at most one standby process and one assignment per node at a
@@ -31,9 +30,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch.distributed as dist
-
 from unbroken.agent._process import remove_pid, send, spawn, stop_all, write_pid
+from unbroken.runtime.job_store import JobStore
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +57,7 @@ class Handover:
 class Standby:
     """The agent's side of one node's warm standby."""
 
-    def __init__(self, store: dist.Store, *, node: int, cmd: list[str], run_dir: Path, grace_s: float) -> None:
+    def __init__(self, store: JobStore, *, node: int, cmd: list[str], run_dir: Path, grace_s: float) -> None:
         self.store, self.node, self.cmd, self.run_dir, self.grace_s = store, node, cmd, run_dir, grace_s
         self.proc: subprocess.Popen[bytes] | None = None
         self._assigned: tuple[int, float, str] | None = None  # (worker, monotonic time of assignment, faults)
@@ -67,23 +65,17 @@ class Standby:
         self._failures = 0
         self.enabled = True
 
-    def _key(self, name: str) -> str:
-        return f"standby/{self.node}/{name}"
-
     def ready(self) -> bool:
         """A live standby that said it is ready and holds no assignment."""
         if self.proc is None or self._assigned is not None or self.proc.poll() is not None:
             return False
-        if not self.store.check([self._key("ready")]):
-            return False
-        return self.store.get(self._key("ready")).decode() == str(self.proc.pid)
+        return self.store.standby_ready_pid(self.node) == str(self.proc.pid)
 
     def assign(self, worker: int, faults: str) -> bool:
         """Offer ``worker`` to the ready standby; ``False``: none ready, spawn it yourself."""
         if not self.ready():
             return False
-        self.store.set(self._key("faults"), faults)
-        if self.store.compare_set(self._key("assign"), "", str(worker)).decode() != str(worker):
+        if not self.store.standby_offer(self.node, worker, faults):
             logger.warning("[node %d] standby assign key busy; spawning worker %d afresh", self.node, worker)
             return False
         self._assigned = (worker, time.monotonic(), faults)
@@ -104,8 +96,7 @@ class Standby:
                 self.enabled = False
         if self.enabled and self.proc is None and now - self._last_start >= RESPAWN_INTERVAL_S:
             self._last_start = now
-            if self.store.check([self._key("ready")]):
-                self.store.delete_key(self._key("ready"))
+            self.store.standby_clear_ready(self.node)
             self.proc = spawn(self.cmd, log=self.run_dir / "logs" / f"standby{self.node}.log",
                               header=f"node {self.node} standby: " + " ".join(self.cmd))
             write_pid(self._pid_file, self.proc.pid)
@@ -119,19 +110,14 @@ class Standby:
     def _settle(self, now: float) -> Handover | None:
         assert self._assigned is not None and self.proc is not None
         worker, t0, faults = self._assigned
-        value = self.store.get(self._key("assign")).decode()
-        claimed = f"claimed:{self.proc.pid}"
-        if value != claimed:
-            if now - t0 < CLAIM_TIMEOUT_S and self.proc.poll() is None:
-                return None
-            # Retract; if the claim slipped in just now, the compare-and-set returns it and we honour it.
-            value = self.store.compare_set(self._key("assign"), str(worker), "").decode()
+        retract = now - t0 >= CLAIM_TIMEOUT_S or self.proc.poll() is not None
+        claimed = self.store.standby_settle(self.node, worker, self.proc.pid, retract=retract)
+        if claimed is None:
+            return None
         proc, self.proc, self._assigned = self.proc, None, None
         self._last_start = -RESPAWN_INTERVAL_S  # a used standby is replaced at once
         remove_pid(self._pid_file, proc.pid)
-        if value == claimed:
-            self.store.compare_set(self._key("assign"), claimed, "")
-            self.store.delete_key(self._key("ready"))
+        if claimed:
             return Handover(worker=worker, proc=proc, wait_s=now - t0, faults=faults)
         logger.warning("[node %d] standby pid %d did not claim worker %d within %.1f s: replacing it",
                        self.node, proc.pid, worker, CLAIM_TIMEOUT_S)

@@ -42,10 +42,12 @@ from unbroken.agent._process import describe_exit, exit_status, remove_pid, send
 from unbroken.agent._standby import Standby
 from unbroken.agent.rendezvous import NodeRegistration, StartRefused
 from unbroken.agent.options import AgentOptions
-from unbroken.faults.fail_at import format_fail_at
+from unbroken.faults.fail_at import format_fail_at, write_fault_plan
 from unbroken.faults.injector import DeathCause, Injection, NodeFaults, workers_of
 from unbroken.jsonl import JsonlWriter, read_jsonl
-from unbroken.runtime.membership import EXIT_FENCED, Membership, View, connect_store
+from unbroken.runtime.job_store import JobStore
+from unbroken.runtime.membership import EXIT_FENCED
+from unbroken.runtime.view import View
 
 logger = logging.getLogger(__name__)
 
@@ -83,8 +85,11 @@ class _Restart:
 
 
 class _NodeLog(logging.LoggerAdapter):
+    """Log lines carry their origin: ``[node 1 g7 step 412]`` (the newest generation and progress seen)."""
+
     def process(self, msg: Any, kwargs: Any) -> tuple[Any, Any]:
-        return f"[node {self.extra['node']}] {msg}", kwargs
+        agent = self.extra["agent"]
+        return f"[node {agent.node} g{agent.gen} step {agent._progress}] {msg}", kwargs
 
 
 class Agent:
@@ -93,17 +98,19 @@ class Agent:
     Args:
         opts: the command line.
         worker_cmd: tests only: the command that replaces ``python -m
-            unbroken.runtime.worker`` (a stand-in worker script).
+            unbroken.agent.worker_process`` (a stand-in worker script).
     """
 
     def __init__(self, opts: AgentOptions, *, worker_cmd: Sequence[str] | None = None) -> None:
         self.opts = opts
         self.node = opts.node_rank
-        self.log = _NodeLog(logger, {"node": self.node})
+        self.gen = 0  # the newest view generation seen (for log lines)
+        self.log = _NodeLog(logger, {"agent": self})
         self.specs = opts.faults()
-        self.base_cmd = list(worker_cmd) if worker_cmd else [sys.executable, "-m", "unbroken.runtime.worker"]
+        self.base_cmd = list(worker_cmd) if worker_cmd else [sys.executable, "-m", "unbroken.agent.worker_process"]
+        self.fault_plan = opts.faults_file
         self.run_dir = opts.run_dir
-        self.store: dist.Store | None = None
+        self.store: JobStore | None = None
         self.events: JsonlWriter | None = None
         self.workers: dict[int, _Worker] = {}
         self.restarts: dict[int, _Restart] = {}
@@ -116,10 +123,9 @@ class Agent:
         self.interrupted: int | None = None  # set by the signal handler of run_agent
         self.rdv: NodeRegistration | None = None
         self.total_steps = 0
-        self._server: dist.TCPStore | None = None  # with --host-store: the store lives in this process
+        self._server: JobStore | None = None  # with --host-store: the store lives in this process
         self._deaths_seen = -1
         self._progress = opts.start_step
-        self._progress_known = False
         self._done_at: float | None = None
         self._idle_since: float | None = None
 
@@ -133,8 +139,7 @@ class Agent:
         """
         try:
             self._server = self._host_store() if self.opts.host_store else None
-            self.store = connect_store(self.opts.store, timeout_s=self.opts.timeout_s)
-            self.membership = Membership(self.store, -1, heartbeat_timeout_s=1.0)  # an observer, not a member
+            self.store = JobStore.connect(self.opts.store, timeout_s=self.opts.timeout_s)
         except (ConnectionError, ValueError) as exc:
             raise AgentError(f"node {self.node}: {exc}", 2) from None
         self.rdv = NodeRegistration(self.store, self.node, timeout_s=self.opts.timeout_s,
@@ -146,16 +151,18 @@ class Agent:
             self.total_steps = int(self.rdv.check_config(self.run_dir)["train"]["steps"])
             view = self.rdv.initial_view(self.opts.n_workers, self.opts.start_step)
             self._write_layout()
-            if self._flag("done"):
+            if self.store.is_done():
                 self.log.info("the job is already done; nothing to run")
                 return 0
             self._progress = max(self._read_progress(), view.step)
             self.plan = NodeFaults(self.specs, node=self.node, workers_per_node=self.opts.workers_per_node,
                                    start_step=self._progress, fired=self._fired_before())
+            self._write_fault_plan()
             self._start_workers(view)
             if self.opts.standby:
                 cmd = self.base_cmd + ["--run-dir", str(self.run_dir), "--world", str(self.opts.n_workers),
                                        "--store", self.opts.store, "--standby", "--node-rank", str(self.node)]
+                cmd += ["--faults-file", str(self.fault_plan)] if self.fault_plan else []
                 self.standby = Standby(self.store, node=self.node, cmd=cmd, run_dir=self.run_dir,
                                        grace_s=self.opts.grace_s)
             return self._loop()
@@ -168,13 +175,17 @@ class Agent:
         finally:
             self._shutdown()
 
-    def _host_store(self) -> dist.TCPStore:
-        from unbroken.agent.preflight import start_store  # only node 0 of a launcher-less cluster needs it
-
+    def _host_store(self) -> JobStore:
         host, _, port = self.opts.store.rpartition(":")
         if not port.isdigit():
             raise ValueError(f"--store {self.opts.store!r} is not HOST:PORT")
-        return start_store(host, int(port), self.opts.n_workers + self.opts.nnodes)
+        return JobStore.host(host, int(port), clients=self.opts.n_workers + self.opts.nnodes)
+
+    def _write_fault_plan(self) -> None:
+        """Without the launcher's plan (``--faults-file``), this node's parsed specs go to a file of its own."""
+        if self.fault_plan is None and self.specs:
+            self.fault_plan = self.run_dir / "faults" / f"node{self.node}.json"
+            write_fault_plan(self.fault_plan, self.specs)
 
     def _fired_before(self) -> set[str]:
         """Specs this node fired (or saw fire) in earlier attempts of the run: a resume must not repeat them."""
@@ -221,11 +232,13 @@ class Agent:
 
     def _status(self, now: float) -> int | None:
         """Follow ``done`` / ``failed``; an exit code once this agent's part is over."""
-        if self._flag("failed"):
-            message = self.store.get("failed").decode()
+        message = self.store.failure()
+        if message is not None:
             self.log.error("the job failed: %s", message)
             raise AgentError(f"node {self.node}: the job failed: {message}", 1)
-        if self._done_at is None and self._flag("done"):
+        if self.store.has_view():
+            self.gen = self.store.gen()
+        if self._done_at is None and self.store.is_done():
             self._done_at = now
             self.restarts.clear()
             if self.standby is not None:
@@ -269,7 +282,7 @@ class Agent:
             return
         reason = json.dumps({"by": "agent", "node": self.node, "how": "exit", "code": code, "signal": sig,
                              "t": time.time()})
-        self.membership.mark_dead(w, reason)
+        self.store.mark_dead(w, reason)
         progress = self._read_progress()
         cause = self.plan.on_death(w, progress) if self.plan else DeathCause(injected=False)
         restart = self._schedule_restart(w, inc, cause, now)
@@ -304,7 +317,7 @@ class Agent:
 
     def _fence(self) -> None:
         """SIGKILL any running worker of this node that someone marked dead after it started."""
-        deaths = self.store.add("deaths", 0)
+        deaths = self.store.deaths()
         if deaths == self._deaths_seen:
             return
         self._deaths_seen = deaths
@@ -328,13 +341,12 @@ class Agent:
         Nobody is left to hold the training state or hand it to a joiner, and
         with every worker gone nobody else would notice.
         """
-        if not self._flag("gen"):
+        if not self.store.has_view():
             return
-        view = self.membership.current_view()
-        if view.members and self.store.check([f"dead/{w}" for w in view.members]):
-            message = (f"no live worker left: every member of view {view.gen} {list(view.members)} is dead "
-                       f"(seen by the agent of node {self.node})")
-            self.store.compare_set("failed", "", message)
+        view = self.store.current_view()
+        if self.store.all_marked_dead(view.members):
+            self.store.fail(f"no live worker left: every member of view {view.gen} {list(view.members)} is dead "
+                            f"(seen by the agent of node {self.node})")
 
     # -- faults -----------------------------------------------------------------
 
@@ -381,15 +393,14 @@ class Agent:
 
     def _clear_stale_mark(self, w: int) -> None:
         """Delete ``dead/<w>`` once the survivors' view excludes ``w``: the mark has done its job."""
-        if not self._flag(f"dead/{w}") or not self._flag("gen"):
+        if not self.store.is_marked_dead(w) or not self.store.has_view():
             return
-        view = self.membership.current_view()
-        if w not in view.members:
-            self.store.delete_key(f"dead/{w}")
+        if w not in self.store.current_view().members:
+            self.store.clear_dead(w)
 
     def _start(self, w: int, *, join: bool, use_standby: bool = True) -> None:
         progress = self._read_progress()
-        faults = self.plan.worker_faults(w, progress) if self.plan else ""
+        faults = ",".join(map(str, self.plan.worker_faults(w, progress))) if self.plan else ""
         if join and use_standby and self.standby is not None and self.standby.assign(w, faults):
             self.log.info("worker %d handed to the standby (pid %d)", w, self.standby.proc.pid)
             return
@@ -397,7 +408,7 @@ class Agent:
         cmd = self.base_cmd + ["--run-dir", str(self.run_dir), "--worker", str(w), "--world", str(self.opts.n_workers),
                                "--store", self.opts.store]
         cmd += ["--join"] if join else []
-        cmd += ["--faults", faults] if faults else []
+        cmd += ["--faults-file", str(self.fault_plan), "--faults", faults] if faults else []
         if self.opts.resume is not None and not join:
             cmd += ["--resume", str(self.opts.resume)]
         proc = spawn(cmd, log=self.run_dir / "logs" / f"w{w}.log",
@@ -435,20 +446,13 @@ class Agent:
 
     # -- store helpers ----------------------------------------------------------
 
-    def _flag(self, key: str) -> bool:
-        return self.store.check([key])
-
     def _mark(self, w: int) -> str | None:
-        key = f"dead/{w}"
-        return self.store.get(key).decode() if self.store.check([key]) else None
+        return self.store.dead_mark(w)
 
     def _read_progress(self) -> int:
-        # get() on a missing key blocks until the timeout: check first, once.
-        if not self._progress_known:
-            if not self.store.check(["progress"]):
-                return self._progress
-            self._progress_known = True
-        self._progress = max(self._progress, int(self.store.get("progress")))
+        progress = self.store.progress()
+        if progress is not None:
+            self._progress = max(self._progress, progress)
         return self._progress
 
     def _event(self, event: str, worker: int | None, **fields: Any) -> None:

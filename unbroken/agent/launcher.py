@@ -8,11 +8,12 @@ config under the store key ``config``, starts one agent per node
 ``metrics.jsonl`` and the store keys ``done`` / ``failed``, and summarises.
 
 Faults: ``fault.fail_at`` (and the ``fail_at`` argument, which is not saved in
-the config) go to every agent as ``--fail-at``; a ``fault.trace`` preset is
-drawn here (``generate_trace``; seeded by ``train.seed``, scaled so the run
-stands for ``fault.job_hours``), written to ``fault_trace.json`` and handed to
-the agents, which kill each outage's worker at its start and restart it at its
-end. Each agent carries out the faults of its own node.
+the config) and a ``fault.trace`` preset (drawn here by ``generate_trace``;
+seeded by ``train.seed``, scaled so the run stands for ``fault.job_hours``;
+written to ``fault_trace.json``; each outage's worker is killed at its start
+and restarted at its end) are parsed once, here, into typed specs, written to
+the run's fault plan ``faults.json`` and handed to every agent
+(``--faults-file``). Each agent carries out the faults of its own node.
 
 Invariants: a run that fails validation leaves nothing on disk; an agent
 killed by an injected node loss does not stop the job, only ``failed`` or
@@ -31,16 +32,16 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-import torch.distributed as dist
-
 from unbroken.agent.options import RESTART_POLICIES
 from unbroken.config import Config, config_hash
-from unbroken.faults.fail_at import parse_fail_at, trace_to_faults
+from unbroken.faults.fail_at import FaultSpec, parse_fail_at, trace_to_faults, write_fault_plan
 from unbroken.faults.injector import check_faults
 from unbroken.faults.traces import FailureTrace, generate_trace, step_time_for
 from unbroken.jsonl import JsonlTail, read_jsonl
 from unbroken.runtime.checkpoint import latest_checkpoint, read_commit
-from unbroken.agent.preflight import _truncate_metrics, preflight, prepare_run_dir, start_store
+from unbroken.agent.preflight import _truncate_metrics, preflight, prepare_run_dir
+from unbroken.runtime.job_store import JobStore
+from unbroken.runtime.recovery import recovery
 
 logger = logging.getLogger(__name__)
 
@@ -91,41 +92,43 @@ def launch(
     """
     run_dir = Path(run_dir)
     cfg = _job_config(cfg, nodes, workers_per_node, restart)
-    if cfg.fault.recovery == "restart":
+    mode = recovery(cfg.fault.recovery)
+    if mode.restarts_job:
         restart = "never"  # checkpoint-restart: the launcher restarts the whole job instead
-    fail_text, trace = _job_faults(cfg, fail_at, nodes, workers_per_node)
+    specs, trace = _job_faults(cfg, fail_at, nodes, workers_per_node)
     info = preflight(cfg)
-    store = start_store(cfg.train.host, cfg.train.port, cfg.train.workers + nodes)
+    store = JobStore.host(cfg.train.host, cfg.train.port, clients=cfg.train.workers + nodes)
     resume_from = prepare_run_dir(run_dir, cfg, overwrite=overwrite, resume=resume)
-    _publish_config(store, run_dir)
-    trace_file = None
+    store.publish_config((run_dir / "config.json").read_text())
     if trace is not None:
-        trace_file = run_dir / "fault_trace.json"
-        trace_file.write_text(json.dumps(trace.to_json(), indent=1))
+        (run_dir / "fault_trace.json").write_text(json.dumps(trace.to_json(), indent=1))
+    plan = run_dir / "faults.json" if specs else None
+    if plan is not None:
+        write_fault_plan(plan, specs)
     t0 = time.time()
     restarts: list[dict[str, int]] = []
     first_resume = resume_from
     while True:
         start_step = int(read_commit(resume_from)["step"]) if resume_from else 0
         outcome = _attempt(store, cfg, run_dir, on_record, nodes=nodes, workers_per_node=workers_per_node,
-                           restart=restart, fail_at=fail_text, trace_file=trace_file, standby=standby,
+                           restart=restart, fault_plan=plan, standby=standby,
                            start_step=start_step, resume_from=resume_from)
         if outcome is None:
             break
         if outcome != _DEATH:
             raise JobFailed(_failure_message(outcome, run_dir))
         # Checkpoint-restart (fault.recovery = "restart"): everyone starts again from the last checkpoint.
-        reached = int(store.get("progress")) if store.check(["progress"]) else start_step
+        reached = store.progress() or start_step
         resume_from = latest_checkpoint(run_dir)
         restart_step = int(read_commit(resume_from)["step"]) if resume_from else 0
         restarts.append({"failed_at_step": reached, "restarted_from_step": restart_step})
         logger.warning("a worker died at step %d: restarting every worker from step %d", reached, restart_step)
         _truncate_metrics(run_dir / "metrics.jsonl", restart_step)
-        store = start_store(cfg.train.host, cfg.train.port, cfg.train.workers + nodes)
-        _publish_config(store, run_dir)
+        store = JobStore.host(cfg.train.host, cfg.train.port, clients=cfg.train.workers + nodes)
+        store.publish_config((run_dir / "config.json").read_text())
     resume_from = first_resume
     summary = _summarise(run_dir, cfg, info, time.time() - t0, resume_from, nodes=nodes, t0=t0)
-    if cfg.fault.recovery == "restart":
+    if mode.restarts_job:
         summary["job_restarts"] = restarts
         summary["steps_redone"] = sum(r["failed_at_step"] - r["restarted_from_step"] for r in restarts)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
@@ -135,12 +138,7 @@ def launch(
 _DEATH = "a worker died"
 
 
-def _publish_config(store: dist.TCPStore, run_dir: Path) -> None:
-    # The workers read run_dir/config.json: publish exactly that (a resume may differ in volatile fields).
-    store.set("config", (run_dir / "config.json").read_text())
-
-
-def _attempt(store: dist.TCPStore, cfg: Config, run_dir: Path, on_record: Callable[[dict[str, Any]], None] | None,
+def _attempt(store: JobStore, cfg: Config, run_dir: Path, on_record: Callable[[dict[str, Any]], None] | None,
              **agent_args: Any) -> str | None:
     """Run the agents until done (None), failed (message) or, under checkpoint-restart, a death."""
     agents: list[subprocess.Popen[bytes]] = []
@@ -172,8 +170,9 @@ def _job_config(cfg: Config, nodes: int, workers_per_node: int, restart: str) ->
     return cfg
 
 
-def _job_faults(cfg: Config, fail_at: str, nodes: int, workers_per_node: int) -> tuple[str, FailureTrace | None]:
-    """The fail-at text for the agents and the drawn trace, both checked against the layout."""
+def _job_faults(cfg: Config, fail_at: str, nodes: int,
+                workers_per_node: int) -> tuple[tuple[FaultSpec, ...], FailureTrace | None]:
+    """The job's fault specs (fail-at and the drawn trace, parsed once) and the trace, checked against the layout."""
     text = ",".join(t.strip() for t in (cfg.fault.fail_at, fail_at) if t.strip())
     specs = parse_fail_at(text, n_workers=cfg.train.workers, n_nodes=nodes)
     trace = None
@@ -183,17 +182,16 @@ def _job_faults(cfg: Config, fail_at: str, nodes: int, workers_per_node: int) ->
                                seed=cfg.train.seed, min_live=1, cluster_workers=cfg.fault.cluster_workers)
         specs += trace_to_faults(trace)
     check_faults(specs, n_nodes=nodes, workers_per_node=workers_per_node)
-    return text, trace
+    return specs, trace
 
 
 def _spawn_agent(node: int, cfg: Config, run_dir: Path, store_addr: str, *, nodes: int, workers_per_node: int,
-                 restart: str, fail_at: str, trace_file: Path | None, standby: bool, start_step: int,
+                 restart: str, fault_plan: Path | None, standby: bool, start_step: int,
                  resume_from: Path | None) -> subprocess.Popen[bytes]:
     cmd = [sys.executable, "-m", "unbroken.agent.command", "--node-rank", str(node), "--nnodes", str(nodes),
            "--workers-per-node", str(workers_per_node), "--store", store_addr, "--run-dir", str(run_dir),
            "--restart", restart, "--start-step", str(start_step), "--timeout-s", str(cfg.train.timeout_s)]
-    cmd += ["--fail-at", fail_at] if fail_at else []
-    cmd += ["--faults-trace", str(trace_file)] if trace_file else []
+    cmd += ["--faults-file", str(fault_plan)] if fault_plan else []
     cmd += ["--standby"] if standby else []
     cmd += ["--resume", str(resume_from)] if resume_from else []
     log = run_dir / "logs" / f"agent{node}.log"
@@ -203,7 +201,7 @@ def _spawn_agent(node: int, cfg: Config, run_dir: Path, store_addr: str, *, node
         return subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
 
-def _supervise(agents: list[subprocess.Popen[bytes]], store: dist.TCPStore, run_dir: Path, cfg: Config,
+def _supervise(agents: list[subprocess.Popen[bytes]], store: JobStore, run_dir: Path, cfg: Config,
                on_record: Callable[[dict[str, Any]], None] | None) -> str | None:
     """Follow the job to its end; returns ``None`` when done, else the failure message."""
     tail = JsonlTail(run_dir / "metrics.jsonl")
@@ -214,21 +212,22 @@ def _supervise(agents: list[subprocess.Popen[bytes]], store: dist.TCPStore, run_
         now = time.monotonic()
         if _emit(tail, on_record):
             last_progress = now
-        if store.check(["failed"]):
-            return store.get("failed").decode()
-        if cfg.fault.recovery == "restart" and store.add("deaths", 0) > 0 and not store.check(["done"]):
+        failure = store.failure()
+        if failure is not None:
+            return failure
+        if recovery(cfg.fault.recovery).restarts_job and store.deaths() > 0 and not store.is_done():
             return _DEATH
         codes = [a.poll() for a in agents]
         for node, code in enumerate(codes):
             if code == 2:  # refused to start (config, rank, store): the job cannot run as asked
                 raise AgentFailed(node, code, _log_tail(run_dir / "logs" / f"agent{node}.log"))
-        done = store.check(["done"])
+        done = store.is_done()
         if all(c is not None for c in codes):
             _emit(tail, on_record)
             if done:
                 return None
-            if store.check(["failed"]):
-                return store.get("failed").decode()
+            if store.failure() is not None:
+                return store.failure()
             return f"every agent exited before the job finished (exit codes {codes}); see {run_dir / 'logs'}"
         if done:
             done_at = done_at or now

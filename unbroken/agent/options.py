@@ -11,7 +11,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from unbroken.faults.fail_at import FaultSpec, parse_fail_at, trace_to_faults
+from unbroken.faults.fail_at import FaultSpec, parse_fail_at, read_fault_plan, trace_to_faults
 from unbroken.faults.injector import check_faults
 from unbroken.faults.traces import FailureTrace
 
@@ -31,6 +31,8 @@ class AgentOptions:
     restart_delay_s: float = 0.0
     fail_at: str = ""
     faults_trace: Path | None = None
+    faults_file: Path | None = None
+    """The job's fault plan as the launcher parsed it (then ``fail_at`` and ``faults_trace`` must be empty)."""
     standby: bool = False
     start_step: int = 0
     resume: Path | None = None
@@ -62,8 +64,14 @@ class AgentOptions:
             problems.append(f"--host-store with --node-rank {self.node_rank}: only node 0 hosts the store")
         if not self.restart_delay_s >= 0:
             problems.append(f"--restart-delay-s {self.restart_delay_s}: expected >= 0")
+        if self.faults_file is not None and (self.fail_at or self.faults_trace is not None):
+            problems.append("--faults-file with --fail-at or --faults-trace: give the plan, or the specs to parse")
         if problems:
             raise ValueError("; ".join(problems))
+        if self.faults_file is not None:
+            specs = read_fault_plan(self.faults_file)
+            check_faults(specs, n_nodes=self.nnodes, workers_per_node=self.workers_per_node)
+            return specs
         specs = parse_fail_at(self.fail_at)
         if self.faults_trace is not None:
             try:
@@ -87,6 +95,8 @@ def add_agent_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--restart-delay-s", type=float, default=0.0, help="wait before a restart (default 0)")
     ap.add_argument("--fail-at", default="", help="fault specs, e.g. step=40:worker=2:kill:back=60")
     ap.add_argument("--faults-trace", type=Path, default=None, help="failure trace JSON (outages -> kill + back)")
+    ap.add_argument("--faults-file", type=Path, default=None,
+                    help="the job's parsed fault plan (JSON, written by the launcher)")
     ap.add_argument("--standby", action="store_true", help="keep a warm standby worker process")
     ap.add_argument("--start-step", type=int, default=0, help="first step of the initial view (resume)")
     ap.add_argument("--resume", type=Path, default=None, help="checkpoint the first workers load")
@@ -99,5 +109,5 @@ def add_agent_args(ap: argparse.ArgumentParser) -> None:
 def options_from(a: argparse.Namespace) -> AgentOptions:
     return AgentOptions(node_rank=a.node_rank, nnodes=a.nnodes, workers_per_node=a.workers_per_node, store=a.store,
                         run_dir=a.run_dir, restart=a.restart, restart_delay_s=a.restart_delay_s, fail_at=a.fail_at,
-                        faults_trace=a.faults_trace, standby=a.standby, start_step=a.start_step, resume=a.resume,
+                        faults_trace=a.faults_trace, faults_file=a.faults_file, standby=a.standby, start_step=a.start_step, resume=a.resume,
                         timeout_s=a.timeout_s, grace_s=a.grace_s, host_store=a.host_store)

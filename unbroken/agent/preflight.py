@@ -2,7 +2,8 @@
 
 :func:`preflight` checks everything that can be checked before anything is
 written (config, data, sequence length); :func:`prepare_run_dir` creates or
-checks the output directory; :func:`start_store` hosts the coordination store.
+checks the output directory. The coordination store is hosted through
+:meth:`unbroken.runtime.job_store.JobStore.host`.
 Processes are started by :mod:`unbroken.agent.launcher` (one agent per node).
 
 Invariants: a run that fails validation leaves nothing on disk; a resumed run
@@ -15,15 +16,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
 
 from unbroken.config import Config, config_diff, config_hash
-from unbroken.data import BatchSampler, prepare_data
-from unbroken.models import model_args
+from unbroken.job.builder import build_data, build_samplers, check_model_fits, data_info
 from unbroken.runtime.checkpoint import latest_checkpoint, read_commit
 from unbroken.jsonl import read_jsonl
 
@@ -36,24 +34,11 @@ def preflight(cfg: Config) -> dict[str, Any]:
     Raises:
         ValueError: with the offending value and the fix.
     """
-    d = cfg.data
-    margs = model_args(cfg.model.preset, **({"max_seq_len": cfg.model.max_seq_len} if cfg.model.max_seq_len else {}))
-    if d.seq_len > margs.max_seq_len:
-        raise ValueError(
-            f"data.seq_len={d.seq_len} is longer than model {cfg.model.preset!r} allows "
-            f"(max_seq_len={margs.max_seq_len}); lower data.seq_len or raise model.max_seq_len"
-        )
-    data = prepare_data(
-        source=d.source, vocab_size=d.vocab_size, val_fraction=d.val_fraction,
-        cache_dir=d.cache_dir, token_dtype=d.token_dtype, max_bytes=d.max_bytes,
-    )
+    check_model_fits(cfg)
+    data = build_data(cfg)
     # Constructing the samplers validates that both splits hold enough windows.
-    BatchSampler(data.train, seed=cfg.train.seed, n_slots=cfg.train.workers, micro_batch=d.micro_batch, seq_len=d.seq_len)
-    try:
-        BatchSampler(data.val, seed=cfg.train.seed, n_slots=1, micro_batch=d.micro_batch, seq_len=d.seq_len)
-    except ValueError as exc:
-        raise ValueError(f"validation split too small for one micro-batch: {exc}; raise data.val_fraction") from None
-    return {"vocab_size": data.vocab_size, "train_tokens": int(len(data.train)), "val_tokens": int(len(data.val))}
+    build_samplers(cfg, data)
+    return data_info(data)
 
 
 def prepare_run_dir(run_dir: Path, cfg: Config, *, overwrite: bool, resume: bool) -> Path | None:
@@ -106,15 +91,3 @@ def _truncate_metrics(path: Path, step: int) -> None:
     if path.is_file():
         kept = [r for r in read_jsonl(path) if int(r.get("step", 0)) <= step]
         path.write_text("".join(json.dumps(r, separators=(",", ":")) + "\n" for r in kept))
-
-
-def start_store(host: str, port: int, world: int) -> dist.TCPStore:
-    """Host the coordination store; a clear error when the port is taken."""
-    try:
-        return dist.TCPStore(host, port, world + 1, is_master=True, timeout=timedelta(seconds=30), wait_for_workers=False)
-    except (RuntimeError, OSError) as exc:
-        raise ValueError(
-            f"cannot listen on {host}:{port} ({exc.__class__.__name__}: {str(exc).splitlines()[0]}); "
-            f"the port is probably in use: pick another with --train.port=N or 0 for a free one"
-        ) from None
-

@@ -1,10 +1,10 @@
 """An agent's entry into the job: its node rank, the job's config, the initial view.
 
-Store keys: ``agent/<R>`` holds the registration token of the agent owning
-node rank ``R`` (set by compare-and-set from "", reset to "" on a clean exit),
-``agent/<R>/pid`` says who that is, ``hb/agent/<R>`` is its heartbeat counter
-(+1 every 100 ms); ``config`` is the job's config JSON (the launcher, or node
-0, writes it first); ``view/0`` and ``gen`` are published by node 0 if absent.
+Through the job store (:mod:`unbroken.runtime.job_store`): the agent owning
+node rank ``R`` holds its registration (set by compare-and-set from "", reset
+to "" on a clean exit) with its pid, and beats its own heartbeat counter (+1
+every 100 ms); the job's config JSON is published by the launcher or node 0;
+node 0 publishes the initial view if absent.
 
 Invariants: at most one live agent holds a node rank (a holder whose heartbeat
 stood still for ``LIVENESS_WINDOW_S`` is presumed lost and may be replaced);
@@ -24,10 +24,9 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable
 
-import torch.distributed as dist
-
 from unbroken.config import config_diff
-from unbroken.runtime.membership import Membership, View
+from unbroken.runtime.job_store import JobStore
+from unbroken.runtime.view import View
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +43,7 @@ class StartRefused(RuntimeError):
 class NodeRegistration:
     """One agent's hold on its node rank, and its start-up checks."""
 
-    def __init__(self, store: dist.Store, node: int, *, timeout_s: float,
+    def __init__(self, store: JobStore, node: int, *, timeout_s: float,
                  interrupted: Callable[[], bool] = lambda: False) -> None:
         self.store, self.node, self.timeout_s, self.interrupted = store, node, timeout_s, interrupted
         self.token = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
@@ -58,28 +57,26 @@ class NodeRegistration:
         Raises:
             StartRefused: another live agent holds the rank.
         """
-        key = f"agent/{self.node}"
-        holder = self.store.compare_set(key, "", self.token).decode()
+        holder = self.store.claim_node(self.node, self.token)
         if holder != self.token:
-            pid = self.store.get(f"{key}/pid").decode() if self.store.check([f"{key}/pid"]) else "unknown"
+            pid = self.store.node_pid(self.node) or "unknown"
             if self._holder_alive():
                 raise StartRefused(f"an agent with node rank {self.node} is already running (pid {pid}); "
                                    f"stop it or pick another --node-rank")
-            if self.store.compare_set(key, holder, self.token).decode() != self.token:
+            if self.store.claim_node(self.node, self.token, expected=holder) != self.token:
                 raise StartRefused(f"an agent with node rank {self.node} registered at the same time; retry")
             logger.warning("[node %d] took over the node rank from a silent agent (pid %s)", self.node, pid)
             self.took_over = True
         self.registered = True
-        self.store.set(f"{key}/pid", f"{os.getpid()} on {socket.gethostname()}")
+        self.store.set_node_pid(self.node, f"{os.getpid()} on {socket.gethostname()}")
         self.heartbeat(time.monotonic())
 
     def _holder_alive(self) -> bool:
-        key = f"hb/agent/{self.node}"
-        first = self.store.add(key, 0)
+        first = self.store.agent_beat(self.node, 0)
         deadline = time.monotonic() + LIVENESS_WINDOW_S
         while time.monotonic() < deadline:
             time.sleep(0.05)
-            if self.store.add(key, 0) != first:
+            if self.store.agent_beat(self.node, 0) != first:
                 return True
         return False
 
@@ -87,12 +84,12 @@ class NodeRegistration:
         """Beat if the interval has passed (called from the agent's loop)."""
         if now >= self._next_hb:
             self._next_hb = now + HEARTBEAT_S
-            self.store.add(f"hb/agent/{self.node}", 1)
+            self.store.agent_beat(self.node)
 
     def release(self) -> None:
         """Give the rank back so a successor need not wait out the liveness window."""
         if self.registered:
-            self.store.compare_set(f"agent/{self.node}", self.token, "")
+            self.store.release_node(self.node, self.token)
             self.registered = False
 
     def wait_released(self, nnodes: int, timeout_s: float) -> None:
@@ -102,24 +99,24 @@ class NodeRegistration:
         most ``timeout_s`` (a lost node never releases its rank).
         """
         deadline = time.monotonic() + timeout_s
-        others = [f"agent/{r}" for r in range(nnodes) if r != self.node]
+        others = [r for r in range(nnodes) if r != self.node]
         while time.monotonic() < deadline:
-            if all(not self.store.check([k]) or self.store.get(k) == b"" for k in others):
+            if all(self.store.node_released(r) for r in others):
                 return
             time.sleep(0.05)
         logger.warning("[node %d] other agents still registered after %.0f s; closing the store", self.node, timeout_s)
 
-    def wait_key(self, key: str, what: str) -> None:
-        """Wait for ``key`` up to the start-up timeout, heartbeating meanwhile.
+    def wait_for(self, ready: Callable[[], bool], what: str) -> None:
+        """Wait until ``ready()`` up to the start-up timeout, heartbeating meanwhile.
 
         Raises:
-            StartRefused: the key did not appear in time, or the agent was interrupted.
+            StartRefused: it did not happen in time, or the agent was interrupted.
         """
         deadline = time.monotonic() + self.timeout_s
-        while not self.store.check([key]):
+        while not ready():
             if time.monotonic() > deadline:
-                raise StartRefused(f"node {self.node}: {what} within {self.timeout_s:.0f} s "
-                                   f"(store key {key!r}); is the node-0 agent running?")
+                raise StartRefused(f"node {self.node}: {what} within {self.timeout_s:.0f} s; "
+                                   f"is the node-0 agent running?")
             if self.interrupted():
                 raise StartRefused(f"node {self.node}: interrupted while starting")
             self.heartbeat(time.monotonic())
@@ -140,10 +137,11 @@ class NodeRegistration:
                                f"prepared (or copy the run's config.json there)")
         mine = json.loads(path.read_text())
         if self.node == 0:
-            job = self.store.compare_set("config", "", json.dumps(mine)).decode()
+            job = self.store.agree_config(json.dumps(mine))
         else:
-            self.wait_key("config", "node 0 (or the launcher) has not published the job's config")
-            job = self.store.get("config").decode()
+            self.wait_for(lambda: self.store.config() is not None,
+                          "node 0 (or the launcher) has not published the job's config")
+            job = self.store.config()
         theirs = json.loads(job)
         diff = [f for f in config_diff(theirs, mine) if f not in PER_MACHINE_FIELDS]
         if diff:
@@ -154,12 +152,11 @@ class NodeRegistration:
 
     def initial_view(self, n_workers: int, start_step: int) -> View:
         """The current view; node 0 first publishes generation 0 (all workers, from ``start_step``) if absent."""
-        m = Membership(self.store, -1, heartbeat_timeout_s=1.0)
         if self.node == 0:
-            m.publish_initial(View(gen=0, members=tuple(range(n_workers)), step=start_step, reason="start"))
+            self.store.publish_initial(View(gen=0, members=tuple(range(n_workers)), step=start_step, reason="start"))
         else:
-            self.wait_key("gen", "node 0 has not published the initial view")
-        return m.current_view()
+            self.wait_for(self.store.has_view, "node 0 has not published the initial view")
+        return self.store.current_view()
 
 
 def _field(d: dict[str, Any], dotted: str) -> Any:

@@ -37,6 +37,7 @@ from unbroken.bench.report import summarize_run
 from unbroken.bench.throughput import machine_description
 from unbroken.bench._args import parse_with_overrides
 from unbroken.config import Config, load_config
+from unbroken.runtime.recovery import recovery
 from unbroken.jsonl import read_jsonl
 
 
@@ -54,7 +55,7 @@ def _run(a: argparse.Namespace, tmp: Path, name: str, cfg: Config, **kw: Any) ->
     tokens = (len(train) - 1) * cfg.train.workers * cfg.data.micro_batch * cfg.data.seq_len
     out = {"name": name, "run_dir": str(run_dir), "median_step_s": statistics.median(steady),
            "throughput_tokens_per_s": tokens / span, "summary": summary}
-    if cfg.fault.recovery == "takeover":
+    if recovery(cfg.fault.recovery).survives_failures:
         out["report"] = summarize_run(run_dir)
     return out
 

@@ -2,7 +2,7 @@
 
 ``unbroken bench mecefo-convergence [--presets tiny] [--steps N] [--traces ...] [--policies ...]``
 trains each preset once without failures and once per (failing trace, policy)
-with the single-process simulator (:mod:`unbroken.mecefo.simulator`), 4 slots by
+with the single-process simulator (:mod:`unbroken.job.simulator`), 4 slots by
 default: ``1 + 4 traces x 3 policies = 13`` runs. ``--cluster-workers job,16,64``
 runs every failing trace once per entry: ``job`` takes the preset's failure rate
 as the job's own, ``N`` as that of an N-worker cluster the job is part of
@@ -33,7 +33,7 @@ from typing import Any
 from unbroken.bench._args import parse_with_overrides
 from unbroken.bench.throughput import machine_description
 from unbroken.config import Config, load_config
-from unbroken.mecefo.policy import POLICIES
+from unbroken.mecefo.takeover import POLICIES
 
 DEFAULT_TRACES = ("none", "low", "mid", "high", "extreme")
 TARGET_REL_PPL = 0.02
@@ -115,7 +115,7 @@ def run_one(cfg_dict: dict[str, Any], out_dir: str, threads: int) -> dict[str, A
     import torch
 
     from unbroken.jsonl import read_jsonl
-    from unbroken.mecefo.simulator import simulate
+    from unbroken.job.simulator import simulate
 
     torch.set_num_threads(threads)
     cfg = Config.from_dict(cfg_dict)
@@ -259,7 +259,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     a, overrides = _parse(argv)
     presets = _split(a.presets, None, "presets")
     traces = [t for t in _split(a.traces, DEFAULT_TRACES, "traces") if t != "none"]
-    policies = _split(a.policies, POLICIES, "policies")
+    policies = _split(a.policies, tuple(POLICIES), "policies")
     jobs: list[tuple[str, str, str | None, Config]] = []
     for preset in presets:
         # With no failure nothing is approximated, so one baseline serves every policy.

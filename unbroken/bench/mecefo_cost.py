@@ -41,8 +41,8 @@ import torch
 from unbroken.config import MecefoConfig
 from unbroken.mecefo.adapter import LlamaAdapter
 from unbroken.mecefo.costs import COMPONENTS, SavedBytes, count_flops, relative_errors, svd_flops_per_refresh
-from unbroken.mecefo.policy import POLICIES  # the policies this benchmark reports (its callers read it here)
 from unbroken.mecefo.gradients import BatchFn, GradLayout, SlotWork, apply_reduced, compute_gradient_sums
+from unbroken.mecefo.takeover import POLICIES  # the policies this benchmark reports (its callers read it here)
 from unbroken.models import Transformer, model_args
 
 logger = logging.getLogger(__name__)

@@ -30,13 +30,18 @@ the whole string in one ``ValueError``; ``parse_fail_at(format_fail_at(s)) == s`
 from __future__ import annotations
 
 import math
+import dataclasses
+import json
+import os
 from collections.abc import Iterable
+from pathlib import Path
 from dataclasses import dataclass
 from typing import Literal, get_args
 
 from unbroken.faults.traces import FailureTrace
 
-__all__ = ["FaultSpec", "fail_at", "format_fail_at", "parse_fail_at", "trace_to_faults"]
+__all__ = ["FaultSpec", "fail_at", "format_fail_at", "parse_fail_at", "read_fault_plan", "trace_to_faults",
+           "write_fault_plan"]
 
 Target = Literal["worker", "node"]
 How = Literal["kill", "stop", "term"]
@@ -285,3 +290,28 @@ def trace_to_faults(trace: FailureTrace) -> tuple[FaultSpec, ...]:
         FaultSpec(step=o.start_step, target="worker", index=o.worker, how="kill", back_step=o.end_step)
         for o in trace.outages
     )
+
+
+def write_fault_plan(path: Path, specs: Iterable[FaultSpec]) -> None:
+    """Write a job's parsed fault specs, once, as JSON (``{"specs": [{field: value}, ...]}``).
+
+    The launcher (or an agent started by hand) parses ``--fail-at`` and the
+    trace once; every agent and worker then reads these typed values, and a
+    worker is told which of them are its own by index.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"specs": [dataclasses.asdict(s) for s in specs]}, indent=1))
+    os.replace(tmp, path)
+
+
+def read_fault_plan(path: Path) -> tuple[FaultSpec, ...]:
+    """The specs :func:`write_fault_plan` wrote (each validated again on construction).
+
+    Raises:
+        ValueError: the file is unreadable or holds an invalid spec (names the file).
+    """
+    try:
+        return tuple(FaultSpec(**d) for d in json.loads(path.read_text())["specs"])
+    except (OSError, KeyError, TypeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"fault plan {path}: unreadable ({exc})") from None

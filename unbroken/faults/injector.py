@@ -22,9 +22,12 @@ Who fires what:
   ``node`` + kill -> SIGKILL to every worker of the node and then to the agent
   itself (a lost node); ``node`` + stop/term -> that signal to every worker of
   the node (the agent lives on and supervises).
-* specs with a phase (forward, backward, allreduce) target one worker, which
-  signals *itself* at that point of the step: the agent hands them over on the
-  worker's command line (``--faults``). Node specs must use ``phase=any``.
+* specs with a phase (forward, backward, allreduce, confirm) target one
+  worker, which signals *itself* at that point of the step: the worker's
+  entry point installs :class:`PhaseFaults` on the step protocol's hook
+  points; the agent tells it which specs of the job's fault plan
+  (:func:`~unbroken.faults.fail_at.write_fault_plan`) are its own, by index
+  (``--faults``). Node specs must use ``phase=any``.
 
 Invariants: each spec fires at most once per run, resumes included (the
 caller passes the specs that fired before, in ``format_fail_at`` form); a
@@ -36,13 +39,15 @@ spec's ``back`` is used.
 
 from __future__ import annotations
 
+import os
 import signal
 from dataclasses import dataclass
-from typing import Collection, Iterable
+from typing import Any, Callable, Collection, Iterable
 
 from unbroken.faults.fail_at import FaultSpec, format_fail_at
 
-__all__ = ["DeathCause", "Injection", "NodeFaults", "check_faults", "node_of", "signal_for", "workers_of"]
+__all__ = ["DeathCause", "Injection", "NodeFaults", "PhaseFaults", "check_faults", "node_of", "signal_for",
+           "workers_of"]
 
 _SIGNALS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "term": signal.SIGTERM}
 
@@ -125,7 +130,9 @@ class NodeFaults:
     def __init__(self, specs: Iterable[FaultSpec], *, node: int, workers_per_node: int, start_step: int,
                  fired: Collection[str] = ()) -> None:
         self.node, self.w = node, workers_per_node
-        mine = [s for s in specs if s.step >= start_step and self._targets(s) and format_fail_at([s]) not in fired]
+        self.plan = tuple(specs)
+        self._index = {id(s): i for i, s in enumerate(self.plan)}
+        mine = [s for s in self.plan if s.step >= start_step and self._targets(s) and format_fail_at([s]) not in fired]
         # Stable sort keeps the user's order among specs of one step.
         self._signals = sorted((s for s in mine if s.phase == "any"), key=lambda s: s.step)
         self._phased = sorted((s for s in mine if s.phase != "any"), key=lambda s: s.step)
@@ -157,14 +164,14 @@ class NodeFaults:
         """A stopped worker was continued and lives on: its next death is not this spec's."""
         self._fired.pop(worker, None)
 
-    def worker_faults(self, worker: int, from_step: int) -> str:
-        """The ``--faults`` string for a new incarnation of ``worker`` starting at ``from_step``.
+    def worker_faults(self, worker: int, from_step: int) -> tuple[int, ...]:
+        """Indices (into the plan) of the phase specs a new incarnation of ``worker`` carries out.
 
         Phase specs of ``worker`` before ``from_step`` are dropped: it was not
         running at their step, so they can no longer fire (nor explain a death).
         """
         self._phased = [s for s in self._phased if not (s.index == worker and s.step < from_step)]
-        return format_fail_at(s for s in self._phased if s.index == worker)
+        return tuple(self._index[id(s)] for s in self._phased if s.index == worker)
 
     def on_death(self, worker: int, progress: int) -> DeathCause:
         """Attribute a death of ``worker`` observed at ``progress`` committed steps.
@@ -182,3 +189,32 @@ class NodeFaults:
         if spec is None:
             return DeathCause(injected=False)
         return DeathCause(injected=True, back_step=spec.back_step, spec=spec)
+
+
+class PhaseFaults:
+    """A worker's own phase faults: at its step and phase, the worker signals itself.
+
+    Installed from outside the runtime by the worker's entry point on the step
+    protocol's hook points (``on(phase, hook)``); ``phase=any`` fires at
+    ``forward``.
+
+    Args:
+        specs: this worker's phase specs.
+        record: called with an event dict just before the signal is sent.
+    """
+
+    def __init__(self, specs: Iterable[FaultSpec], record: Callable[[dict[str, Any]], None]) -> None:
+        self.specs = tuple(specs)
+        self.record = record
+
+    def install(self, on: Callable[[str, Callable[[int], None]], None]) -> None:
+        """Register a hook for every phase some spec names."""
+        for phase in sorted({"forward" if s.phase == "any" else s.phase for s in self.specs}):
+            on(phase, lambda step, phase=phase: self._fire(phase, step))
+
+    def _fire(self, phase: str, step: int) -> None:
+        for s in self.specs:
+            if s.step == step and ("forward" if s.phase == "any" else s.phase) == phase:
+                self.record({"kind": "event", "event": "fault_self", "worker": s.index, "step": step,
+                             "phase": phase, "how": s.how})
+                os.kill(os.getpid(), signal_for(s.how))

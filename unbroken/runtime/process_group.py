@@ -1,7 +1,8 @@
 """A process group per view, with collectives that can be abandoned.
 
-Each view ``g`` gets its own group, rendezvoused under the store prefix
-``pg/<g>/`` (gloo on CPU, NCCL on CUDA), built directly rather than through
+Each view ``g`` gets its own group, rendezvoused on the store the job store
+hands out for it (:meth:`~unbroken.runtime.job_store.JobStore.group_store`,
+keys ``pg/<g>/...``; gloo on CPU, NCCL on CUDA), built directly rather than through
 the global default group so that groups can come and go.
 
 Collectives are started asynchronously and polled. Between polls the caller's
@@ -39,18 +40,17 @@ class CollectiveFailed(RuntimeError):
 class ViewGroup:
     """The process group of one view."""
 
-    def __init__(self, store: dist.Store, *, gen: int, rank: int, size: int, device: torch.device,
+    def __init__(self, rendezvous: dist.Store, *, gen: int, rank: int, size: int, device: torch.device,
                  timeout_s: float) -> None:
         self.gen, self.rank, self.size, self.device = gen, rank, size, device
         self.timeout = timedelta(seconds=timeout_s)
-        prefixed = dist.PrefixStore(f"pg/{gen}/", store)
         t0 = time.perf_counter()
         if device.type == "cuda":
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = self.timeout
-            self.pg: dist.ProcessGroup = dist.ProcessGroupNCCL(prefixed, rank, size, opts)
+            self.pg: dist.ProcessGroup = dist.ProcessGroupNCCL(rendezvous, rank, size, opts)
         else:
-            self.pg = dist.ProcessGroupGloo(prefixed, rank, size, self.timeout)
+            self.pg = dist.ProcessGroupGloo(rendezvous, rank, size, self.timeout)
         self.build_s = time.perf_counter() - t0
         self._buf: torch.Tensor | None = None
 

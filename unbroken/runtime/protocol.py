@@ -2,24 +2,33 @@
 
 For step ``s`` under view ``g`` a worker:
 
-1. computes the items assigned to it (:func:`unbroken.mecefo.policy.assign`);
-2. all-reduces its gradient sums on view ``g``'s group, polling, while the
-   failure detector and the view watcher run;
-3. votes: a member whose all-reduce completed compare-and-sets
-   ``outcome/<g>/<s>`` to ``commit`` (its completion means every member
-   contributed); the first worker to give up on the attempt sets it to
-   ``abort``. Exactly one of the two wins: on ``abort`` nobody applies the
-   step; on ``commit`` every member holding the reduced gradient applies it,
-   and a member whose own all-reduce did not complete (a peer died in the
-   middle of it) cannot, so it leaves (exit 3, fenced) and its agent brings it
-   back as a joiner, with the state;
+1. computes the items its takeover policy assigns it
+   (:meth:`unbroken.mecefo.takeover.TakeoverPolicy.assign`) with
+   ``job.gradient_sums`` (:func:`unbroken.mecefo.gradients.compute_gradient_sums`);
+2. writes them to its ledger, then all-reduces its gradient sums on view
+   ``g``'s group (:meth:`~unbroken.runtime.process_group.ViewGroup.allreduce`),
+   polling, while the failure detector and the view watcher run;
+3. votes (:meth:`~unbroken.runtime.job_store.JobStore.vote`): a member whose
+   all-reduce completed votes ``commit`` (its completion means every member
+   contributed); the first worker to give up on the attempt votes ``abort``.
+   Exactly one of the two wins: on ``abort`` nobody applies the step; on
+   ``commit`` every member holding the reduced gradient applies it, and a
+   member whose own all-reduce did not complete (a peer died in the middle of
+   it) cannot, so it leaves (exit 3, fenced) and its agent brings it back as a
+   joiner, with the state;
 4. on commit: the caller applies the optimizer step.
 
 If anything fails in 2–3 the worker aborts the attempt, agrees on view ``g+1``
 (compare-and-set; proposals race safely), builds the new group, publishes the
-items it already computed (``items/<g+1>/<s>/<w>``), and computes what
-:func:`unbroken.mecefo.completion.complete` says is still missing: the dead
-workers' rows, for the same step ``s``. Gradients already computed are kept.
+items it already computed, and computes what the policy's
+:meth:`~unbroken.mecefo.takeover.TakeoverPolicy.complete` says is still
+missing: the dead workers' rows, for the same step ``s``. Gradients already
+computed are kept.
+
+Hook points: :data:`PHASES` (``forward``, ``backward``, ``allreduce``,
+``confirm``) are named points of a step where callables registered with
+:meth:`StepProtocol.on` run (fault injection installs itself there from
+outside; the runtime knows nothing of faults).
 
 Invariants: a step is committed under exactly one view; the items of the
 committed attempt cover every ``(slot, row)`` exactly once (each worker logs
@@ -30,54 +39,82 @@ same one.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
-from typing import Callable
+from typing import Callable, Literal, Protocol
 
 import torch
 
 from unbroken.jsonl import JsonlWriter
-from unbroken.mecefo.completion import complete
 from unbroken.mecefo.gradients import SlotWork, slot_rows
-from unbroken.mecefo.policy import assign
+from unbroken.mecefo.takeover import TakeoverPolicy
 from unbroken.runtime.membership import Fenced, Membership, NoLiveWorker, View, ViewChanged
 from unbroken.runtime.process_group import CollectiveFailed, ViewGroup
+from unbroken.runtime.state_transfer import pack_state, unpack_state
+
+__all__ = ["PHASES", "MemberDied", "StepJob", "StepProtocol"]
 
 logger = logging.getLogger(__name__)
 
 CHECK_EVERY_S = 0.02
 """How often a waiting worker consults the failure detector and the view."""
 
+Phase = Literal["forward", "backward", "allreduce", "confirm"]
+PHASES: tuple[Phase, ...] = ("forward", "backward", "allreduce", "confirm")
+"""Hook points of a step: before the forward pass, after the backward pass, with the
+all-reduce in flight, right after the commit vote."""
+
 
 class MemberDied(Exception):
     """The failure detector found dead members of the current view."""
 
 
-ComputeFn = Callable[[int, list[SlotWork]], torch.Tensor]
+class StepJob(Protocol):
+    """What the protocol trains (:class:`unbroken.job.Job` is one)."""
 
-StateFn = Callable[[], torch.Tensor]
-LoadFn = Callable[[torch.Tensor], None]
+    n_slots: int
+    micro_batch: int
+    device: torch.device
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+
+    def gradient_sums(self, step: int, items: list[SlotWork]) -> torch.Tensor: ...
 
 
 class StepProtocol:
-    """One worker's side of the step protocol across view changes."""
+    """One worker's side of the step protocol across view changes.
 
-    def __init__(self, *, membership: Membership, n_slots: int, micro_batch: int, policy: str,
-                 device: torch.device, timeout_s: float, compute: ComputeFn, pack_state: StateFn,
-                 load_state: LoadFn, events: JsonlWriter,
-                 fault_hook: Callable[[str, int], None] | None = None) -> None:
-        self.m = membership
+    Args:
+        membership: this worker's failure detector (its ``store`` is the job store).
+        job: what is trained (gradient sums; model and optimizer for state transfer).
+        policy: the takeover policy.
+        events: this worker's ledger and event log.
+        timeout_s: the longest any collective or store wait may take.
+    """
+
+    def __init__(self, membership: Membership, job: StepJob, *, policy: TakeoverPolicy, events: JsonlWriter,
+                 timeout_s: float) -> None:
+        self.m, self.store, self.job, self.policy = membership, membership.store, job, policy
         self.me = membership.worker
-        self.n_slots, self.micro_batch, self.policy = n_slots, micro_batch, policy
-        self.device, self.timeout_s = device, timeout_s
-        self.compute, self.pack_state, self.load_state = compute, pack_state, load_state
-        self.events = events
-        self.fault_hook = fault_hook or (lambda phase, step: None)
+        self.events, self.timeout_s = events, timeout_s
         self.view: View | None = None
         self.group: ViewGroup | None = None
+        self.step: int | None = None
+        """The step in flight (for log lines)."""
         self.need_exchange = False
+        self._hooks: dict[Phase, list[Callable[[int], None]]] = {p: [] for p in PHASES}
+        self._pruned_below = 0
         self._next_check = 0.0
+
+    def on(self, phase: Phase, hook: Callable[[int], None]) -> None:
+        """Run ``hook(step)`` at ``phase`` of every step (see :data:`PHASES`)."""
+        if phase not in self._hooks:
+            raise ValueError(f"unknown step phase {phase!r}; expected one of {', '.join(PHASES)}")
+        self._hooks[phase].append(hook)
+
+    def _phase(self, phase: Phase, step: int) -> None:
+        for hook in self._hooks[phase]:
+            hook(step)
 
     # -- views ----------------------------------------------------------------
 
@@ -97,14 +134,14 @@ class StepProtocol:
         self._abandon()  # a group from a failed earlier attempt is parked, never dropped
         self.view = view
         self._arrive(view)
-        self.group = ViewGroup(self.m.store, gen=view.gen, rank=view.rank_of(self.me), size=len(view.members),
-                               device=self.device, timeout_s=self.timeout_s)
+        self.group = ViewGroup(self.store.group_store(view.gen), gen=view.gen, rank=view.rank_of(self.me),
+                               size=len(view.members), device=self.job.device, timeout_s=self.timeout_s)
         if view.joiners:
             source = next(w for w in view.members if w not in view.joiners)
-            state = self.pack_state()
-            got = self.group.broadcast(state, view.rank_of(source), self._check)
+            got = self.group.broadcast(pack_state(self.job.model, self.job.optimizer), view.rank_of(source),
+                                       self._check)
             if self.me in view.joiners:
-                self.load_state(got)
+                unpack_state(got, self.job.model, self.job.optimizer)
         self._event("view_adopted", gen=view.gen, members=list(view.members), step=view.step,
                     joiners=list(view.joiners), reason=view.reason, build_s=self.group.build_s,
                     adopt_s=time.perf_counter() - t0)
@@ -115,9 +152,9 @@ class StepProtocol:
         Building a group blocks until all members connect; a member that died
         after the view was proposed would make that wait last the whole timeout.
         """
-        key, n = f"arrive/{view.gen}", len(view.members)
-        if self.m.store.add(key, 1) < n:
-            self._wait_for(lambda: self.m.store.add(key, 0) >= n, f"arrival of the members of view {view.gen}")
+        n = len(view.members)
+        if self.store.arrive(view.gen) < n:
+            self._wait_for(lambda: self.store.arrived(view.gen) >= n, f"arrival of the members of view {view.gen}")
 
     def _wait_for(self, ready: Callable[[], bool], what: str) -> None:
         """Poll the store until ``ready()``, running the failure detector meanwhile."""
@@ -131,26 +168,31 @@ class StepProtocol:
     def admit_joiners(self, next_step: int) -> bool:
         """At a step boundary the view's first member admits workers waiting to join."""
         assert self.view is not None
-        if self.view.members[0] != self.me:
+        if self.view.leader != self.me:
             return False
-        joiners = self.m.pending_joins(self.view, self.n_slots)
+        joiners = self.m.pending_joins(self.view, self.job.n_slots)
         if not joiners:
             return False
-        if self.m.decide(self.view.gen, next_step, "abort") == "commit":  # pragma: no cover - invariant
+        if self.store.vote(self.view, next_step, "abort") == "commit":  # pragma: no cover - invariant
             raise AssertionError("a step was committed without the view's first member")
         for j in joiners:
-            self.m.store.delete_key(f"dead/{j}")
-            self.m.clear_join(j)
+            self.store.clear_dead(j)
+            self.store.clear_join(j)
         new = View(gen=self.view.gen + 1, members=tuple(sorted(set(self.view.members) | set(joiners))),
                    step=next_step, joiners=tuple(joiners), reason=f"rejoin {joiners}")
         self._abandon()
-        winner = self.m.propose(self.view, new)
+        winner = self._propose(self.view, new)
         self.need_exchange = True
         try:
             self.adopt(winner)
         except (CollectiveFailed, ViewChanged, MemberDied) as exc:
             self._reconfigure(next_step, f"admission failed: {type(exc).__name__}: {exc}")
         return True
+
+    def _propose(self, current: View, new: View) -> View:
+        winner = self.store.propose(current, new)
+        logger.info("view %d -> %d: members %s (%s)", current.gen, winner.gen, list(winner.members), winner.reason)
+        return winner
 
     # -- the step -------------------------------------------------------------
 
@@ -162,6 +204,7 @@ class StepProtocol:
                 but this worker's did not, so it cannot apply it; it must leave
                 and rejoin with the state (its agent restarts it).
         """
+        self.step = step
         items: list[SlotWork] = []
         local: torch.Tensor | None = None
         while True:
@@ -170,19 +213,10 @@ class StepProtocol:
                 extra = self._exchange(step, items) if self.need_exchange else self._assigned()
                 self.need_exchange = True  # any retry of this step exchanges first
                 if extra or local is None:
-                    self.fault_hook("forward", step)
-                    buf = self.compute(step, extra)
-                    self.fault_hook("backward", step)
+                    buf = self._compute(step, extra)
                     local = buf if local is None else local + buf
                     items = items + extra
-                # The ledger record precedes the all-reduce: whatever a committed reduction
-                # contains, its contributors have recorded (a dead one included).
-                self.events.write({"kind": "work", "step": step, "gen": self.view.gen, "worker": self.me,
-                                   "items": slot_rows(items)})
-                # A collective that completes within CHECK_EVERY_S never pays for the detector:
-                # a crash fails it at once anyway, and a hang takes the heartbeat timeout.
-                self._next_check = time.monotonic() + CHECK_EVERY_S
-                reduced = self.group.allreduce(local, self._check, lambda: self.fault_hook("allreduce", step))
+                reduced = self._reduce(step, local, items)
                 self._vote(step)
                 self.need_exchange = False
                 return reduced, items
@@ -195,8 +229,31 @@ class StepProtocol:
                     return reduced, items
 
     def _assigned(self) -> list[SlotWork]:
-        return list(assign(self.policy, n_slots=self.n_slots, live=self.view.members,
-                           micro_batch=self.micro_batch).get(self.me, []))
+        return list(self.policy.assign(n_slots=self.job.n_slots, live=self.view.members,
+                                       micro_batch=self.job.micro_batch).get(self.me, []))
+
+    def _compute(self, step: int, items: list[SlotWork]) -> torch.Tensor:
+        """Gradient sums of ``items`` (the ``forward`` and ``backward`` hook points around it)."""
+        self._phase("forward", step)
+        buf = self.job.gradient_sums(step, items)
+        self._phase("backward", step)
+        return buf
+
+    def _reduce(self, step: int, local: torch.Tensor, items: list[SlotWork],
+                check: Callable[[], None] | None = None) -> torch.Tensor:
+        """Record ``items`` in the ledger, then all-reduce ``local`` on the view's group.
+
+        ``check`` runs while the all-reduce is pending (default: the failure
+        detector and the view watcher) and may raise to abandon it.
+        """
+        # The ledger record precedes the all-reduce: whatever a committed reduction
+        # contains, its contributors have recorded (a dead one included).
+        self.events.write({"kind": "work", "step": step, "gen": self.view.gen, "worker": self.me,
+                           "items": slot_rows(items)})
+        # A collective that completes within CHECK_EVERY_S never pays for the detector:
+        # a crash fails it at once anyway, and a hang takes the heartbeat timeout.
+        self._next_check = time.monotonic() + CHECK_EVERY_S
+        return self.group.allreduce(local, check or self._check, lambda: self._phase("allreduce", step))
 
     def _vote(self, step: int) -> None:
         """Vote ``commit`` for ``step`` under the current view (see the module docstring).
@@ -205,20 +262,27 @@ class StepProtocol:
         completion anywhere means every member contributed, so the reduced
         gradient is defined and every member whose all-reduce completed holds
         it. A member that gives up votes ``abort`` (:meth:`_reconfigure`).
-        The first vote, by compare-and-set on ``outcome/<g>/<s>``, decides for
-        everyone: one store round trip per member and step beyond the all-reduce.
+        The first vote decides for everyone: one store round trip per member
+        and step beyond the all-reduce. The leader's first commit in a view
+        prunes the store's keys of older views (nobody needs them any more).
         """
-        g = self.view.gen
-        if self.m.decide(g, step, "commit") != "commit":
-            raise ViewChanged(f"step {step} was aborted in view {g}")
-        self.fault_hook("confirm", step)
+        view = self.view
+        outcome = self.store.vote(view, step, "commit")
+        if outcome == "stale":
+            raise Fenced(f"view {view.gen} was pruned while this worker was at step {step}")
+        if outcome != "commit":
+            raise ViewChanged(f"step {step} was aborted in view {view.gen}")
+        if view.leader == self.me and self._pruned_below < view.gen:
+            self.store.prune(view.gen)
+            self._pruned_below = view.gen
+        self._phase("confirm", step)
 
     def _check(self, force: bool = False) -> None:
         now = time.monotonic()
         if not force and now < self._next_check:
             return
         self._next_check = now + CHECK_EVERY_S
-        if self.m.current_gen() != self.view.gen:
+        if self.store.gen() != self.view.gen:
             raise ViewChanged(f"view {self.view.gen} replaced")
         dead = self.m.dead_members(self.view)
         if dead:
@@ -232,26 +296,15 @@ class StepProtocol:
     def _reconfigure(self, step: int, reason: str) -> bool:
         """Abort the attempt and move to a newer view; True if the step turned out committed."""
         t0 = time.perf_counter()
-        if self.m.decide(self.view.gen, step, "abort") == "commit":
+        outcome = self.store.vote(self.view, step, "abort")
+        if outcome == "commit":
             return True
+        if outcome == "stale":
+            raise Fenced(f"view {self.view.gen} was pruned while this worker was at step {step}")
         self._abandon()
         self._event("attempt_aborted", step=step, gen=self.view.gen, reason=reason)
         while True:
-            old = self.view
-            gen = self.m.current_gen()
-            if gen > old.gen:
-                new = self.m.view(gen)
-            else:
-                dead = self._wait_for_dead(old)
-                members = tuple(w for w in old.members if w not in dead)
-                if not members:
-                    raise NoLiveWorker("no live worker is left")
-                # An admission interrupted in this step may not have handed the state over: admit again.
-                joiners = tuple(j for j in old.joiners if j in members) if old.step == step else ()
-                if joiners and all(w in joiners for w in members):
-                    raise NoLiveWorker("only workers still waiting for the state are left")
-                new = self.m.propose(old, View(gen=old.gen + 1, members=members, step=step, joiners=joiners,
-                                               reason=f"dead {sorted(dead)}" if dead else "collective failed"))
+            new = self._next_view(self.view, step)
             if new.step != step:
                 raise AssertionError(f"view {new.gen} is for step {new.step}, this worker is at step {step}")
             try:
@@ -260,33 +313,47 @@ class StepProtocol:
                 if isinstance(exc, Fenced):
                     raise
                 logger.warning("could not adopt view %d: %s", new.gen, exc)
-                self.m.decide(new.gen, step, "abort")
+                self.store.vote(new, step, "abort")
                 self.view = new
                 continue
             self._event("reconfigured", step=step, gen=new.gen, members=list(new.members),
                         seconds=time.perf_counter() - t0, reason=reason)
             return False
 
+    def _next_view(self, old: View, step: int) -> View:
+        """The view after ``old``: someone else's newer one, or ours without the dead."""
+        if self.store.gen() > old.gen:
+            return self.store.current_view()
+        dead = self._wait_for_dead(old)
+        members = tuple(w for w in old.members if w not in dead)
+        if not members:
+            raise NoLiveWorker("no live worker is left")
+        # An admission interrupted in this step may not have handed the state over: admit again.
+        joiners = tuple(j for j in old.joiners if j in members) if old.step == step else ()
+        if joiners and all(w in joiners for w in members):
+            raise NoLiveWorker("only workers still waiting for the state are left")
+        return self._propose(old, View(gen=old.gen + 1, members=members, step=step, joiners=joiners,
+                                       reason=f"dead {sorted(dead)}" if dead else "collective failed"))
+
     def _wait_for_dead(self, view: View) -> set[int]:
         """Who died? The agent says so at once; a silent node after the heartbeat timeout."""
         deadline = time.monotonic() + self.m.heartbeat_timeout_s + 1.0
         while time.monotonic() < deadline:
             dead = self.m.dead_members(view)
-            if dead or self.m.current_gen() != view.gen:
+            if dead or self.store.gen() != view.gen:
                 return dead
             time.sleep(0.005)
         return set()
 
     def _exchange(self, step: int, items: list[SlotWork]) -> list[SlotWork]:
         """Publish what this worker computed for ``step``; return what it must add."""
-        g = self.view.gen
-        self.m.store.set(f"items/{g}/{step}/{self.me}", json.dumps(slot_rows(items)))
-        keys = [f"items/{g}/{step}/{w}" for w in self.view.members]
-        self._wait_for(lambda: self.m.store.check(keys), f"item exchange of step {step} in view {g}")
-        done = {w: [SlotWork(s, (a, b), mode) for s, a, b, mode in json.loads(raw)]
-                for w, raw in zip(self.view.members, self.m.store.multi_get(keys))}
-        extra = complete(self.policy, n_slots=self.n_slots, micro_batch=self.micro_batch,
-                         live=self.view.members, done=done)[self.me]
+        g, members = self.view.gen, self.view.members
+        self.store.publish_items(g, self.me, step, slot_rows(items))
+        self._wait_for(lambda: self.store.items_ready(g, members), f"item exchange of step {step} in view {g}")
+        done = {w: [SlotWork(s, (a, b), mode) for s, a, b, mode in rows]
+                for w, rows in self.store.items(g, step, members).items()}
+        extra = self.policy.complete(n_slots=self.job.n_slots, micro_batch=self.job.micro_batch,
+                                     live=members, done=done)[self.me]
         if extra:
             self._event("takeover", step=step, gen=g, items=slot_rows(extra))
         return extra
@@ -298,48 +365,3 @@ class StepProtocol:
 
     def _event(self, name: str, **fields: object) -> None:
         self.events.write({"kind": "event", "event": name, "worker": self.me, **fields})
-
-
-class PlainProtocol(StepProtocol):
-    """Plain data parallelism: own slot, one blocking all-reduce, no failure handling.
-
-    Used for ``fault.recovery = "restart"`` (the torchrun way: any failure stops
-    the job, which restarts from the last persistent checkpoint) and as the
-    failure-free baseline of the overhead benchmark.
-    """
-
-    def run_step(self, step: int) -> tuple[torch.Tensor, list[SlotWork]]:
-        items = [SlotWork(self.me, (0, self.micro_batch))]
-        self.fault_hook("forward", step)
-        local = self.compute(step, items)
-        self.fault_hook("backward", step)
-        work = self.group.pg.allreduce([local]) if self.group.size > 1 else None
-        if work is not None:
-            self.fault_hook("allreduce", step)
-            if not work.wait(self.group.timeout):
-                raise CollectiveFailed(f"all-reduce of step {step} timed out")
-        self.events.write({"kind": "work", "step": step, "gen": self.view.gen, "worker": self.me,
-                           "items": slot_rows(items)})
-        return local, items
-
-    def admit_joiners(self, next_step: int) -> bool:
-        return False
-
-    def reconfigure_at_start(self, step: int, reason: str) -> None:
-        raise CollectiveFailed(f"the first view could not be formed ({reason}); plain data parallelism "
-                               f"restarts the job")
-
-
-class AlternatingProtocol(StepProtocol):
-    """Even steps plain data parallelism, odd steps the step protocol (``fault.recovery = "alternate"``).
-
-    A measurement of the protocol's failure-free overhead side by side in one
-    job: both kinds of step run in the same processes, on the same cores and
-    group, interleaved step by step, so drift between runs cancels. A failure
-    on a plain step is not survived.
-    """
-
-    def run_step(self, step: int) -> tuple[torch.Tensor, list[SlotWork]]:
-        if step % 2 == 0:
-            return PlainProtocol.run_step(self, step)
-        return super().run_step(step)

@@ -2,24 +2,26 @@
 
 One process plays the ``cfg.train.workers`` workers of a data-parallel job.
 At every step it asks the trace which workers are down, asks the takeover
-policy (:mod:`unbroken.mecefo.policy`) what each live worker computes, runs
+policy (:mod:`unbroken.mecefo.takeover`) what each live worker computes, runs
 :func:`~unbroken.mecefo.gradients.compute_gradient_sums` once per live worker
 with that worker's ``SlotWork`` list, adds the buffers in ascending worker order
 (the all-reduce) and applies the sum with
 :func:`~unbroken.mecefo.gradients.apply_step`: exactly the per-slot gradient and
-aggregation code of the real runtime, only the transport differs.
+aggregation code of the real runtime, only the transport differs. The job is
+built by :func:`~unbroken.job.builder.build_job` and its metrics written by
+:class:`~unbroken.job.metrics.MetricsWriter`, as in the trainer.
 
 Outputs under ``out_dir`` (same rules as the trainer: an existing non-empty
 directory is refused unless ``overwrite=True``; nothing is written before every
 input is validated):
 
 - ``config.json``: the config; ``trace.json``: ``FailureTrace.to_json()``;
-- ``metrics.jsonl``: the trainer's ``train`` lines plus ``live_workers``
-  (ascending ids), ``degraded`` (:func:`~unbroken.mecefo.policy.degraded_slots`,
+- ``metrics.jsonl``: the trainer's ``train`` lines plus ``wall_s``, ``live_workers``
+  (ascending ids), ``degraded`` (:func:`~unbroken.mecefo.takeover.degraded_slots`,
   empty when nothing is down), ``assignment`` (``{"worker": [[slot, a, b,
   mode], ...]}``), ``waited`` and ``slowest_worker_s`` (the longest single
   worker's compute time: what a parallel step would take); ``val`` lines as the
-  trainer's ``_validate``;
+  trainer's;
 - ``final_params.safetensors`` (the model's ``state_dict``, no pickle) and
   ``summary.json``.
 
@@ -43,12 +45,10 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import shutil
 import statistics
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -56,35 +56,17 @@ import torch
 from safetensors.torch import save_file
 
 from unbroken.config import Config, config_hash
-from unbroken.data import BatchSampler, prepare_data
 from unbroken.faults.traces import FailureTrace, generate_trace, step_time_for, trace_preset
-from unbroken.jsonl import JsonlWriter
-from unbroken.mecefo.adapter import LlamaAdapter
-from unbroken.mecefo.gradients import GradLayout, SlotWork, apply_step, compute_gradient_sums
-from unbroken.mecefo.policy import POLICIES, assign, assignment_json, degraded_slots
-from unbroken.models import build_model, resolve_device, validation_loss
-from unbroken.models.optim import build_optimizer, lr_at
+from unbroken.job.builder import Job, build_job
+from unbroken.job.metrics import MetricsWriter, train_record
+from unbroken.mecefo.takeover import POLICIES, assignment_json, degraded_slots, takeover_policy
+from unbroken.models import resolve_device
 
 __all__ = ["build_trace", "live_at", "simulate"]
 
 logger = logging.getLogger(__name__)
 
 FINAL_PARAMS = "final_params.safetensors"
-
-
-@dataclass
-class _Job:
-    """Everything one simulated job trains with, built after validation."""
-
-    cfg: Config
-    device: torch.device
-    sampler: BatchSampler
-    val_sampler: BatchSampler
-    model: torch.nn.Module
-    adapter: LlamaAdapter
-    layout: GradLayout
-    optimizer: torch.optim.Optimizer
-    info: dict[str, Any]
 
 
 def build_trace(cfg: Config, *, min_live: int = 1) -> FailureTrace:
@@ -146,27 +128,20 @@ def simulate(
     """
     out = Path(out_dir)
     trace = _checked_trace(cfg, trace, min_live)
-    job = _build_job(cfg)
+    job = build_job(cfg, resolve_device(cfg.train.device))
     _prepare_out_dir(out, cfg, trace, overwrite=overwrite)
     logger.info("simulating %d workers for %d steps, policy %s, trace %s: %d outages, %.0f%% of steps degraded",
                 cfg.train.workers, cfg.train.steps, cfg.mecefo.policy, cfg.fault.trace, len(trace.outages),
                 100 * trace.degraded_fraction())
-    metrics = JsonlWriter(out / "metrics.jsonl")
     wall0 = time.perf_counter()
     records: list[dict[str, Any]] = []
     vals: list[dict[str, Any]] = []
-    try:
+    with MetricsWriter.for_run(out / "metrics.jsonl", cfg, on_record=on_record) as metrics:
         for step in range(cfg.train.steps):
-            rec = _train_step(job, trace, step, wall0)
-            records.append(rec)
-            done = step + 1
-            if done % cfg.train.log_every == 0 or done == cfg.train.steps:
-                _emit(metrics, rec, on_record)
-            if (cfg.train.val_every and done % cfg.train.val_every == 0) or done == cfg.train.steps:
-                vals.append(_validate(job, done))
-                _emit(metrics, vals[-1], on_record)
-    finally:
-        metrics.close()
+            records.append(_train_step(job, trace, step, wall0))
+            val = metrics.step_done(records[-1], job.validation_loss)
+            if val is not None:
+                vals.append(val)
     state = {k: v.detach().cpu().contiguous() for k, v in job.model.state_dict().items()}
     save_file(state, str(out / FINAL_PARAMS))
     summary = _summarise(job, trace, out, records, vals, time.perf_counter() - wall0)
@@ -198,25 +173,6 @@ def _checked_trace(cfg: Config, trace: FailureTrace | None, min_live: int) -> Fa
     return trace if trace is not None else build_trace(cfg, min_live=min_live)
 
 
-def _build_job(cfg: Config) -> _Job:
-    """Data, model, adapter and optimizer, built exactly as the trainer builds them."""
-    d, t = cfg.data, cfg.train
-    device = resolve_device(t.device)
-    data = prepare_data(source=d.source, vocab_size=d.vocab_size, val_fraction=d.val_fraction,
-                        cache_dir=d.cache_dir, token_dtype=d.token_dtype, max_bytes=d.max_bytes)
-    sampler = BatchSampler(data.train, seed=t.seed, n_slots=t.workers, micro_batch=d.micro_batch, seq_len=d.seq_len)
-    try:
-        val_sampler = BatchSampler(data.val, seed=t.seed, n_slots=1, micro_batch=d.micro_batch, seq_len=d.seq_len)
-    except ValueError as exc:
-        raise ValueError(f"validation split too small for one micro-batch: {exc}; raise data.val_fraction") from None
-    model = build_model(cfg.model.preset, vocab_size=data.vocab_size, seq_len=d.seq_len,
-                        max_seq_len=cfg.model.max_seq_len, seed=t.seed, device=device)
-    adapter = LlamaAdapter(model, rank=cfg.mecefo.rank, tau=cfg.mecefo.tau)
-    info = {"vocab_size": data.vocab_size, "train_tokens": int(len(data.train)), "val_tokens": int(len(data.val))}
-    return _Job(cfg=cfg, device=device, sampler=sampler, val_sampler=val_sampler, model=model, adapter=adapter,
-                layout=GradLayout(model, adapter), optimizer=build_optimizer(model, cfg.optim), info=info)
-
-
 def _prepare_out_dir(out: Path, cfg: Config, trace: FailureTrace, *, overwrite: bool) -> None:
     if out.exists() and not out.is_dir():
         raise ValueError(f"output path {out} exists and is not a directory; choose another --out")
@@ -232,54 +188,32 @@ def _prepare_out_dir(out: Path, cfg: Config, trace: FailureTrace, *, overwrite: 
         os.replace(tmp, out / name)
 
 
-def _train_step(job: _Job, trace: FailureTrace, step: int, wall0: float) -> dict[str, Any]:
+def _train_step(job: Job, trace: FailureTrace, step: int, wall0: float) -> dict[str, Any]:
     """One optimizer step of the whole job; returns its metrics record."""
     cfg, mb = job.cfg, job.cfg.data.micro_batch
     t0 = time.perf_counter()
     live, waited = live_at(trace, step)
-    assignment = assign(cfg.mecefo.policy, n_slots=cfg.train.workers, live=live, micro_batch=mb)
+    assignment = takeover_policy(cfg.mecefo.policy).assign(n_slots=cfg.train.workers, live=live, micro_batch=mb)
     total: torch.Tensor | None = None
     slowest = 0.0
     for worker in sorted(assignment):
         w0 = time.perf_counter()
-        buf = _worker_sums(job, assignment[worker], step)
+        buf = job.gradient_sums(step, assignment[worker])
         # Ascending-worker addition stands in for the all-reduce.
         total = buf if total is None else total.add_(buf)
         slowest = max(slowest, time.perf_counter() - w0)
     assert total is not None  # assign() returns at least one worker
-    lr = lr_at(step, cfg=cfg.optim, total_steps=cfg.train.steps)
-    grad_norm = apply_step(job.layout, total, job.optimizer, lr=lr, grad_clip=cfg.optim.grad_clip)
+    lr, grad_norm = job.apply(step, total)
     dt = time.perf_counter() - t0
-    tokens_per_step = job.sampler.tokens_per_step
-    return {
-        "kind": "train", "step": step + 1, "loss": job.layout.loss_sum(total) / job.layout.token_count(total),
-        "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens_per_step / dt, "step_time_s": dt,
-        "wall_s": time.perf_counter() - wall0, "tokens": (step + 1) * tokens_per_step,
-        "live_workers": sorted(live), "degraded": degraded_slots(assignment, cfg.train.workers),
-        "assignment": assignment_json(assignment), "waited": waited, "slowest_worker_s": slowest,
-    }
-
-
-def _worker_sums(job: _Job, work: list[SlotWork], step: int) -> torch.Tensor:
-    return compute_gradient_sums(
-        job.model, job.adapter, job.layout, work, step=step, micro_batch=job.cfg.data.micro_batch,
-        batch_fn=job.sampler.batch, device=job.device,
+    return train_record(
+        step=step + 1, loss=job.loss(total), lr=lr, grad_norm=grad_norm,
+        step_time_s=dt, tokens_per_step=job.sampler.tokens_per_step, wall_s=time.perf_counter() - wall0,
+        live_workers=sorted(live), degraded=degraded_slots(assignment, cfg.train.workers),
+        assignment=assignment_json(assignment), waited=waited, slowest_worker_s=slowest,
     )
 
 
-def _validate(job: _Job, step: int) -> dict[str, Any]:
-    """The trainer's validation: the first ``val_batches`` validation micro-batches, token mean."""
-    val_loss = validation_loss(job.model, job.val_sampler.batch, job.cfg.train.val_batches, job.device)
-    return {"kind": "val", "step": step, "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))}
-
-
-def _emit(metrics: JsonlWriter, rec: dict[str, Any], on_record: Callable[[dict[str, Any]], None] | None) -> None:
-    metrics.write(rec)
-    if on_record is not None:
-        on_record(rec)
-
-
-def _summarise(job: _Job, trace: FailureTrace, out: Path, records: list[dict[str, Any]],
+def _summarise(job: Job, trace: FailureTrace, out: Path, records: list[dict[str, Any]],
                val: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
     cfg = job.cfg
     rows = [(item[2] - item[1], item[3]) for r in records for items in r["assignment"].values() for item in items]

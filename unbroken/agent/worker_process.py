@@ -1,0 +1,104 @@
+"""A worker's process: ``python -m unbroken.agent.worker_process`` (started by its agent).
+
+The training itself is :func:`unbroken.runtime.worker.run`; this entry point
+owns the process around it: the command line, logging (every line carries the
+worker, its view generation and step), the warm-standby wait, and the fault
+hooks. Faults enter from outside the runtime: when the agent names fault specs
+for this incarnation (``--faults I,J``: indices into the job's fault plan
+``--faults-file``), :class:`unbroken.faults.injector.PhaseFaults` is installed
+on the step protocol's hook points.
+
+Command line: ``--run-dir DIR --worker ID --world N --store HOST:PORT [--join]
+[--resume CKPT] [--faults-file F --faults I,J]``, or ``--standby --node-rank R``
+instead of ``--worker``. Exit 0 = finished; 3 = fenced; anything else is a death.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Callable
+
+from unbroken.faults.fail_at import FaultSpec, read_fault_plan
+from unbroken.faults.injector import PhaseFaults
+from unbroken.runtime.worker import StepLogContext, Trainer, WorkerSpec, run, standby
+
+
+def fault_selection(plan_file: Path | None, indices: str) -> tuple[FaultSpec, ...]:
+    """The specs of the plan at ``indices`` (``"3,7"``; ``""``: none).
+
+    Raises:
+        ValueError: indices without a plan, or out of the plan's range.
+    """
+    if not indices:
+        return ()
+    if plan_file is None:
+        raise ValueError(f"--faults {indices} needs --faults-file (the job's fault plan)")
+    plan = read_fault_plan(plan_file)
+    chosen = [int(i) for i in indices.split(",")]
+    bad = [i for i in chosen if not 0 <= i < len(plan)]
+    if bad:
+        raise ValueError(f"--faults {indices}: indices {bad} outside the plan's {len(plan)} specs ({plan_file})")
+    return tuple(plan[i] for i in chosen)
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m unbroken.agent.worker_process")
+    ap.add_argument("--run-dir", type=Path, required=True)
+    ap.add_argument("--worker", type=int, default=None, help="global worker id (its home slot)")
+    ap.add_argument("--world", type=int, required=True, help="number of slots")
+    ap.add_argument("--store", required=True, help="HOST:PORT of the coordination store")
+    ap.add_argument("--join", action="store_true", help="join a running job (restart or replacement)")
+    ap.add_argument("--resume", type=Path, default=None, help="committed checkpoint directory")
+    ap.add_argument("--faults-file", type=Path, default=None, help="the job's fault plan (JSON)")
+    ap.add_argument("--faults", default="", help="indices of the plan's specs this worker inflicts on itself")
+    ap.add_argument("--standby", action="store_true", help="warm standby: wait to be assigned a worker id")
+    ap.add_argument("--node-rank", type=int, default=0, help="node whose standby this is")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = _parser()
+    a = ap.parse_args(argv)
+    if a.worker is None and not a.standby:
+        ap.error("--worker is required unless --standby is given")
+    context = StepLogContext(f"standby{a.node_rank}" if a.standby else f"w{a.worker}")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.addFilter(context)
+    handler.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s [%(where)s pid{os.getpid()}] "
+                                           f"%(name)s: %(message)s"))
+    logging.basicConfig(level=logging.INFO, handlers=[handler])
+    if a.standby:
+        got = standby(a.run_dir, a.world, a.store, a.node_rank)
+        if got is None:
+            code = 0
+        else:
+            context.who = f"w{got.spec.worker}"
+            faults = fault_selection(a.faults_file, got.faults)
+            code = run(got.spec, store=got.store, prepared=got.prepared, setup=_setup(context, faults))
+    else:
+        spec = WorkerSpec(run_dir=a.run_dir, worker=a.worker, world=a.world, store=a.store, join=a.join,
+                          resume=a.resume)
+        code = run(spec, setup=_setup(context, fault_selection(a.faults_file, a.faults)))
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Abandoned gloo groups may hold threads blocked on fenced peers: do not wait for them.
+    os._exit(code)
+
+
+def _setup(context: StepLogContext, faults: tuple[FaultSpec, ...]) -> Callable[[Trainer], None]:
+    """Attach the log context and install this worker's phase faults before it starts."""
+
+    def setup(trainer: Trainer) -> None:
+        context.trainer = trainer
+        if faults:
+            PhaseFaults(faults, trainer.events.write).install(trainer.protocol.on)
+    return setup
+
+
+if __name__ == "__main__":
+    main()

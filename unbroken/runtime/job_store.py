@@ -1,0 +1,428 @@
+"""The job's coordination store: every key the job uses, behind typed methods.
+
+This is the only module that names coordination keys or calls the store's
+``get/set/compare_set/add``; the launcher, the agents, the standby, the step
+protocol and the workers all go through :class:`JobStore`. The backend is a
+:class:`StoreBackend`; today's is torch's ``TCPStore`` (:class:`TCPStoreBackend`),
+hosted by the launcher (or node 0's agent).
+
+Key schema (``<g>`` a view generation, ``<w>`` a worker, ``<R>`` a node rank):
+
+============================  ==============================  ==================================================
+key                           written by                      holds
+============================  ==============================  ==================================================
+``config``                    launcher / node-0 agent         the job's config JSON
+``gen``                       view proposers (CAS)            the current generation
+``view/<g>``                  view proposers (CAS)            the :class:`View` JSON of generation ``g``
+``outcome/<g>``               members (CAS)                   ``"<step>:commit|abort"``: the last step decided in ``g``
+``arrive/<g>``                members (add)                   how many members reached view ``g``
+``items/<g>/<w>``             members                         ``[step, items]`` computed before joining ``g``
+``pg/<g>/0/<rank>``           gloo's rendezvous               the rank's transport addresses
+``pruned``                    view leaders                    every generation below this one is deleted
+``hb/<w>``                    worker's heartbeat thread       liveness counter
+``dead/<w>`` + ``deaths``     agents, observing peers         why ``w`` was declared dead; how many marks so far
+``join/<w>`` + ``joins``      restarted workers               a join request; how many so far
+``progress``                  view leader                     committed steps
+``done`` / ``failed``         leader / agents, workers        the job finished / cannot go on (why)
+``agent/<R>`` (+ ``/pid``)    agents (CAS)                    the registration token of node ``R``'s agent
+``hb/agent/<R>``              agents                          the agent's liveness counter
+``standby/<R>/ready``         node ``R``'s standby            its pid, once warm
+``standby/<R>/assign``        agent, standby (CAS)            ``"<w>"`` offered, ``"claimed:<pid>"`` taken, ``""``
+``standby/<R>/faults``        agent                           the fault indices the standby is to inject
+============================  ==============================  ==================================================
+
+Invariants: generations only grow; ``view/<g>`` and ``outcome/<g>`` exist
+before ``gen`` says ``g``; a step's outcome is decided once, by the first vote;
+the store holds O(workers + nodes) keys whatever the step count: one outcome
+key per generation (not per step), and every generation below the newest one
+in which a step committed is deleted by that view's leader (its members have
+all left the older ones: they all completed that step's all-reduce).
+"""
+
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from datetime import timedelta
+from typing import Any, Literal
+
+import torch.distributed as dist
+
+from unbroken.runtime.view import View
+
+__all__ = ["JobStore", "Outcome", "StoreBackend", "TCPStoreBackend"]
+
+Outcome = Literal["commit", "abort", "stale"]
+"""A vote's result; ``stale``: the generation was pruned, so the voter is far behind (fenced)."""
+
+
+class StoreBackend(ABC):
+    """A key-value store with compare-and-set and counters (the subset of ``torch.distributed.Store`` used)."""
+
+    @abstractmethod
+    def get(self, key: str) -> bytes: ...
+    @abstractmethod
+    def set(self, key: str, value: str) -> None: ...
+    @abstractmethod
+    def compare_set(self, key: str, expected: str, desired: str) -> bytes: ...
+    @abstractmethod
+    def add(self, key: str, amount: int) -> int: ...
+    @abstractmethod
+    def check(self, keys: list[str]) -> bool: ...
+    @abstractmethod
+    def multi_get(self, keys: list[str]) -> list[bytes]: ...
+    @abstractmethod
+    def delete_key(self, key: str) -> bool: ...
+    @abstractmethod
+    def num_keys(self) -> int: ...
+
+    @abstractmethod
+    def group_store(self, prefix: str) -> dist.Store:
+        """A ``torch.distributed.Store`` under ``prefix`` for a process group's rendezvous."""
+
+
+class TCPStoreBackend(StoreBackend):
+    """torch's ``TCPStore``: hosted by the launcher (or node 0's agent), nothing to install."""
+
+    def __init__(self, store: dist.TCPStore) -> None:
+        self.store = store
+
+    def get(self, key: str) -> bytes:
+        return self.store.get(key)
+
+    def set(self, key: str, value: str) -> None:
+        self.store.set(key, value)
+
+    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
+        return self.store.compare_set(key, expected, desired)
+
+    def add(self, key: str, amount: int) -> int:
+        return self.store.add(key, amount)
+
+    def check(self, keys: list[str]) -> bool:
+        return self.store.check(keys)
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        return self.store.multi_get(keys)
+
+    def delete_key(self, key: str) -> bool:
+        return self.store.delete_key(key)
+
+    def num_keys(self) -> int:
+        return self.store.num_keys()
+
+    @property
+    def port(self) -> int:
+        return self.store.port
+
+    def group_store(self, prefix: str) -> dist.Store:
+        return dist.PrefixStore(prefix, self.store)
+
+    @classmethod
+    def connect(cls, addr: str, *, timeout_s: float) -> TCPStoreBackend:
+        """A client of the store at ``HOST:PORT``.
+
+        Raises:
+            ValueError: ``addr`` is not ``HOST:PORT``.
+            ConnectionError: nothing answered within ``timeout_s`` (says what to check).
+        """
+        host, _, port = addr.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"store address {addr!r} is not HOST:PORT")
+        try:
+            return cls(dist.TCPStore(host, int(port), None, is_master=False, timeout=timedelta(seconds=timeout_s)))
+        except (RuntimeError, OSError) as exc:
+            raise ConnectionError(
+                f"store {addr} did not answer within {timeout_s:.0f} s ({str(exc).splitlines()[0]}); "
+                f"is the launcher running and the address right?"
+            ) from None
+
+    @classmethod
+    def host(cls, host: str, port: int, *, clients: int) -> TCPStoreBackend:
+        """Host the store on ``host:port`` (0: a free port).
+
+        Raises:
+            ValueError: the port cannot be bound (names it and the fix).
+        """
+        try:
+            return cls(dist.TCPStore(host, port, clients + 1, is_master=True, timeout=timedelta(seconds=30),
+                                     wait_for_workers=False))
+        except (RuntimeError, OSError) as exc:
+            raise ValueError(
+                f"cannot listen on {host}:{port} ({exc.__class__.__name__}: {str(exc).splitlines()[0]}); "
+                f"the port is probably in use: pick another with --train.port=N or 0 for a free one"
+            ) from None
+
+
+def _opt(backend: StoreBackend, key: str) -> str | None:
+    # get() on a missing key blocks until the store's timeout: check first.
+    return backend.get(key).decode() if backend.check([key]) else None
+
+
+class JobStore:
+    """Typed access to one job's coordination state (key schema in the module docstring)."""
+
+    def __init__(self, backend: StoreBackend) -> None:
+        self.backend = backend
+
+    @classmethod
+    def connect(cls, addr: str, *, timeout_s: float) -> JobStore:
+        """Connect to the job's store at ``HOST:PORT`` (see :meth:`TCPStoreBackend.connect`)."""
+        return cls(TCPStoreBackend.connect(addr, timeout_s=timeout_s))
+
+    @classmethod
+    def host(cls, host: str, port: int, *, clients: int) -> JobStore:
+        """Host a job's store (see :meth:`TCPStoreBackend.host`)."""
+        return cls(TCPStoreBackend.host(host, port, clients=clients))
+
+    @property
+    def port(self) -> int:
+        return self.backend.port  # type: ignore[attr-defined]
+
+    def num_keys(self) -> int:
+        return self.backend.num_keys()
+
+    # -- config -----------------------------------------------------------------
+
+    def publish_config(self, text: str) -> None:
+        self.backend.set("config", text)
+
+    def agree_config(self, text: str) -> str:
+        """Publish ``text`` unless a config is there already; returns the job's config."""
+        return self.backend.compare_set("config", "", text).decode()
+
+    def config(self) -> str | None:
+        return _opt(self.backend, "config")
+
+    # -- views ------------------------------------------------------------------
+
+    def has_view(self) -> bool:
+        return self.backend.check(["gen"])
+
+    def gen(self) -> int:
+        return int(self.backend.get("gen"))
+
+    def view(self, gen: int) -> View:
+        return View.from_json(self.backend.get(f"view/{gen}"))
+
+    def current_view(self) -> View:
+        """The newest view (read again if it was replaced and pruned between the two reads)."""
+        while True:
+            raw = _opt(self.backend, f"view/{self.gen()}")
+            if raw is not None:
+                return View.from_json(raw)
+
+    def publish_initial(self, view: View) -> None:
+        """Write generation 0 if absent (the launcher or node 0's agent)."""
+        self._open(self.backend.compare_set(f"view/{view.gen}", "", view.to_json()))
+        self.backend.compare_set("gen", "", str(view.gen))
+
+    def propose(self, current: View, new: View) -> View:
+        """Replace ``current`` by ``new`` unless someone already replaced it; returns the winner."""
+        assert new.gen == current.gen + 1
+        winner = self._open(self.backend.compare_set(f"view/{new.gen}", "", new.to_json()))
+        self.backend.compare_set("gen", str(current.gen), str(new.gen))
+        return winner
+
+    def _open(self, raw: bytes) -> View:
+        """Open the outcome key of a published view: "the step before its first was committed"."""
+        view = View.from_json(raw)
+        self.backend.compare_set(f"outcome/{view.gen}", "", f"{view.step - 1}:commit")
+        return view
+
+    # -- one step ---------------------------------------------------------------
+
+    def vote(self, view: View, step: int, outcome: Literal["commit", "abort"]) -> Outcome:
+        """Vote ``outcome`` for ``step`` under ``view``; returns the decided outcome.
+
+        ``outcome/<g>`` holds the last step decided in generation ``g``; a step
+        can only be voted on once the previous one committed in ``g`` (or it
+        is the view's first), so the compare-and-set from ``"<step-1>:commit"``
+        decides ``step`` exactly once. A later step already decided means
+        ``step`` committed (nobody goes past an uncommitted step).
+        """
+        raw = self.backend.compare_set(f"outcome/{view.gen}", f"{step - 1}:commit", f"{step}:{outcome}").decode()
+        decided_step, _, decided = raw.partition(":")
+        if int(decided_step) > step:
+            return "commit"
+        if int(decided_step) < step:
+            return "stale"  # the generation's keys are gone: the compare-and-set echoed the expected value
+        return decided  # type: ignore[return-value]
+
+    def arrive(self, gen: int) -> int:
+        """Count this member in at view ``gen``; returns how many have arrived."""
+        return self.backend.add(f"arrive/{gen}", 1)
+
+    def arrived(self, gen: int) -> int:
+        return self.backend.add(f"arrive/{gen}", 0)
+
+    def publish_items(self, gen: int, worker: int, step: int, items: list[list[Any]]) -> None:
+        self.backend.set(f"items/{gen}/{worker}", json.dumps([step, items]))
+
+    def items_ready(self, gen: int, members: tuple[int, ...]) -> bool:
+        return self.backend.check([f"items/{gen}/{w}" for w in members])
+
+    def items(self, gen: int, step: int, members: tuple[int, ...]) -> dict[int, list[list[Any]]]:
+        """What each member published for ``step`` in view ``gen``."""
+        out = {}
+        for w, raw in zip(members, self.backend.multi_get([f"items/{gen}/{w}" for w in members])):
+            published_step, items = json.loads(raw)
+            assert published_step == step, f"worker {w} published items of step {published_step}, not {step}"
+            out[w] = items
+        return out
+
+    def group_store(self, gen: int) -> dist.Store:
+        """The rendezvous store of view ``gen``'s process group (keys ``pg/<g>/...``)."""
+        return self.backend.group_store(f"pg/{gen}")
+
+    def prune(self, below: int) -> int:
+        """Delete every key of the generations below ``below``; returns how many generations went.
+
+        Called by a view's leader once a step committed in that view (see the
+        module docstring for why no member still needs them).
+        """
+        first = int(_opt(self.backend, "pruned") or 0)
+        for g in range(first, below):
+            raw = _opt(self.backend, f"view/{g}")
+            members = View.from_json(raw).members if raw else ()
+            keys = [f"view/{g}", f"outcome/{g}", f"arrive/{g}"]
+            keys += [f"items/{g}/{w}" for w in members] + [f"pg/{g}/0/{r}" for r in range(len(members))]
+            for key in keys:
+                self.backend.delete_key(key)
+        if below > first:
+            self.backend.set("pruned", str(below))
+        return max(0, below - first)
+
+    # -- liveness ---------------------------------------------------------------
+
+    def beat(self, worker: int) -> int:
+        return self.backend.add(f"hb/{worker}", 1)
+
+    def heartbeats(self, workers: list[int]) -> list[int]:
+        return [int(raw) for raw in self.backend.multi_get([f"hb/{w}" for w in workers])]
+
+    def mark_dead(self, worker: int, reason: str) -> bool:
+        """Declare ``worker`` dead (first mark wins); True if this call made the mark."""
+        if self.backend.compare_set(f"dead/{worker}", "", reason).decode() != reason:
+            return False
+        self.backend.add("deaths", 1)
+        return True
+
+    def deaths(self) -> int:
+        return self.backend.add("deaths", 0)
+
+    def dead_mark(self, worker: int) -> str | None:
+        return _opt(self.backend, f"dead/{worker}")
+
+    def is_marked_dead(self, worker: int) -> bool:
+        return self.backend.check([f"dead/{worker}"])
+
+    def all_marked_dead(self, workers: tuple[int, ...]) -> bool:
+        return bool(workers) and self.backend.check([f"dead/{w}" for w in workers])
+
+    def clear_dead(self, worker: int) -> None:
+        self.backend.delete_key(f"dead/{worker}")
+
+    # -- joins ------------------------------------------------------------------
+
+    def request_join(self, worker: int, info: dict[str, Any]) -> None:
+        self.backend.set(f"join/{worker}", json.dumps(info))
+        self.backend.add("joins", 1)
+
+    def joins(self) -> int:
+        return self.backend.add("joins", 0)
+
+    def join_requests(self, candidates: list[int]) -> list[int]:
+        """The ``candidates`` that asked to join."""
+        return [w for w in candidates if self.backend.check([f"join/{w}"])]
+
+    def clear_join(self, worker: int) -> None:
+        self.backend.delete_key(f"join/{worker}")
+
+    # -- progress and the end ---------------------------------------------------
+
+    def set_progress(self, steps: int) -> None:
+        self.backend.set("progress", str(steps))
+
+    def progress(self) -> int | None:
+        raw = _opt(self.backend, "progress")
+        return None if raw is None else int(raw)
+
+    def set_done(self) -> None:
+        self.backend.set("done", "1")
+
+    def is_done(self) -> bool:
+        return self.backend.check(["done"])
+
+    def fail(self, message: str) -> str:
+        """Mark the job failed (the first message stays); returns the recorded message."""
+        return self.backend.compare_set("failed", "", message).decode()
+
+    def failure(self) -> str | None:
+        return _opt(self.backend, "failed")
+
+    def finished(self) -> bool:
+        """Done or failed."""
+        return self.backend.check(["done"]) or self.backend.check(["failed"])
+
+    # -- agents -----------------------------------------------------------------
+
+    def claim_node(self, node: int, token: str, expected: str = "") -> str:
+        """Compare-and-set node ``node``'s registration from ``expected`` to ``token``; returns the holder."""
+        return self.backend.compare_set(f"agent/{node}", expected, token).decode()
+
+    def set_node_pid(self, node: int, text: str) -> None:
+        self.backend.set(f"agent/{node}/pid", text)
+
+    def node_pid(self, node: int) -> str | None:
+        return _opt(self.backend, f"agent/{node}/pid")
+
+    def release_node(self, node: int, token: str) -> None:
+        self.backend.compare_set(f"agent/{node}", token, "")
+
+    def node_released(self, node: int) -> bool:
+        """Never taken, or given back."""
+        return _opt(self.backend, f"agent/{node}") in (None, "")
+
+    def agent_beat(self, node: int, amount: int = 1) -> int:
+        return self.backend.add(f"hb/agent/{node}", amount)
+
+    # -- warm standby (contract in unbroken.agent._standby) ---------------------
+
+    def standby_announce(self, node: int, pid: int) -> None:
+        self.backend.set(f"standby/{node}/ready", str(pid))
+
+    def standby_ready_pid(self, node: int) -> str | None:
+        return _opt(self.backend, f"standby/{node}/ready")
+
+    def standby_clear_ready(self, node: int) -> None:
+        self.backend.delete_key(f"standby/{node}/ready")
+
+    def standby_offer(self, node: int, worker: int, faults: str) -> bool:
+        """Offer ``worker`` (with its fault indices) to node ``node``'s standby; False if an offer is pending."""
+        self.backend.set(f"standby/{node}/faults", faults)
+        return self.backend.compare_set(f"standby/{node}/assign", "", str(worker)).decode() == str(worker)
+
+    def standby_claim(self, node: int, pid: int) -> tuple[int, str] | None:
+        """The standby's side: take a pending offer; returns (worker, fault indices) or None."""
+        key = f"standby/{node}/assign"
+        offer = _opt(self.backend, key)
+        me = f"claimed:{pid}"
+        if offer is None or not offer.isdigit() or self.backend.compare_set(key, offer, me).decode() != me:
+            return None
+        return int(offer), _opt(self.backend, f"standby/{node}/faults") or ""
+
+    def standby_settle(self, node: int, worker: int, pid: int, *, retract: bool) -> bool | None:
+        """The agent's side of an offer: True claimed by ``pid``, False retracted, None still pending."""
+        key, claimed = f"standby/{node}/assign", f"claimed:{pid}"
+        value = self.backend.get(key).decode()
+        if value != claimed:
+            if not retract:
+                return None
+            # If the claim slipped in just now, the compare-and-set returns it and it is honoured.
+            value = self.backend.compare_set(key, str(worker), "").decode()
+        if value != claimed:
+            return False
+        self.backend.compare_set(key, claimed, "")
+        self.standby_clear_ready(node)
+        return True
