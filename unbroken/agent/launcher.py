@@ -97,7 +97,7 @@ def launch(
         restart = "never"  # checkpoint-restart: the launcher restarts the whole job instead
     specs, trace = _job_faults(cfg, fail_at, nodes, workers_per_node)
     info = preflight(cfg)
-    store = JobStore.host(cfg.train.host, cfg.train.port, clients=cfg.train.workers + nodes)
+    store = _host(cfg, nodes)
     resume_from = prepare_run_dir(run_dir, cfg, overwrite=overwrite, resume=resume)
     store.publish_config((run_dir / "config.json").read_text())
     if trace is not None:
@@ -106,27 +106,8 @@ def launch(
     if plan is not None:
         write_fault_plan(plan, specs)
     t0 = time.time()
-    restarts: list[dict[str, int]] = []
-    first_resume = resume_from
-    while True:
-        start_step = int(read_commit(resume_from)["step"]) if resume_from else 0
-        outcome = _attempt(store, cfg, run_dir, on_record, nodes=nodes, workers_per_node=workers_per_node,
-                           restart=restart, fault_plan=plan, standby=standby,
-                           start_step=start_step, resume_from=resume_from)
-        if outcome is None:
-            break
-        if outcome != _DEATH:
-            raise JobFailed(_failure_message(outcome, run_dir))
-        # Checkpoint-restart (fault.recovery = "restart"): everyone starts again from the last checkpoint.
-        reached = store.progress() or start_step
-        resume_from = latest_checkpoint(run_dir)
-        restart_step = int(read_commit(resume_from)["step"]) if resume_from else 0
-        restarts.append({"failed_at_step": reached, "restarted_from_step": restart_step})
-        logger.warning("a worker died at step %d: restarting every worker from step %d", reached, restart_step)
-        _truncate_metrics(run_dir / "metrics.jsonl", restart_step)
-        store = JobStore.host(cfg.train.host, cfg.train.port, clients=cfg.train.workers + nodes)
-        store.publish_config((run_dir / "config.json").read_text())
-    resume_from = first_resume
+    restarts = _run_attempts(store, cfg, run_dir, on_record, resume_from, nodes=nodes,
+                             workers_per_node=workers_per_node, restart=restart, fault_plan=plan, standby=standby)
     summary = _summarise(run_dir, cfg, info, time.time() - t0, resume_from, nodes=nodes, t0=t0)
     if mode.restarts_job:
         summary["job_restarts"] = restarts
@@ -136,6 +117,39 @@ def launch(
 
 
 _DEATH = "a worker died"
+
+
+def _host(cfg: Config, nodes: int) -> JobStore:
+    return JobStore.host(cfg.train.host, cfg.train.port, clients=cfg.train.workers + nodes)
+
+
+def _run_attempts(store: JobStore, cfg: Config, run_dir: Path, on_record: Callable[[dict[str, Any]], None] | None,
+                  resume_from: Path | None, **agent_args: Any) -> list[dict[str, int]]:
+    """Run the job to its end; under checkpoint-restart, again from the last checkpoint after each death.
+
+    Returns:
+        The job restarts (``failed_at_step``, ``restarted_from_step``); empty unless the mode restarts jobs.
+    Raises:
+        JobFailed: no live worker is left.
+    """
+    restarts: list[dict[str, int]] = []
+    while True:
+        start_step = int(read_commit(resume_from)["step"]) if resume_from else 0
+        outcome = _attempt(store, cfg, run_dir, on_record, start_step=start_step, resume_from=resume_from,
+                           **agent_args)
+        if outcome is None:
+            return restarts
+        if outcome != _DEATH:
+            raise JobFailed(_failure_message(outcome, run_dir))
+        # Checkpoint-restart: everyone starts again from the last checkpoint.
+        reached = store.progress() or start_step
+        resume_from = latest_checkpoint(run_dir)
+        restart_step = int(read_commit(resume_from)["step"]) if resume_from else 0
+        restarts.append({"failed_at_step": reached, "restarted_from_step": restart_step})
+        logger.warning("a worker died at step %d: restarting every worker from step %d", reached, restart_step)
+        _truncate_metrics(run_dir / "metrics.jsonl", restart_step)
+        store = _host(cfg, agent_args["nodes"])
+        store.publish_config((run_dir / "config.json").read_text())
 
 
 def _attempt(store: JobStore, cfg: Config, run_dir: Path, on_record: Callable[[dict[str, Any]], None] | None,

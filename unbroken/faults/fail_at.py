@@ -155,11 +155,8 @@ def _parse_int(item: str, key: str, value: str, problems: list[str]) -> int | No
     return n
 
 
-def _parse_item(
-    item: str, n_workers: int | None, n_nodes: int | None, problems: list[str]
-) -> FaultSpec | None:
-    """Parse one item, appending its problems; ``None`` if it has any."""
-    before = len(problems)
+def _item_fields(item: str, problems: list[str]) -> dict[str, str]:
+    """The ``key=value`` fields of one item (a bare kill/stop/term is ``how``), appending problems."""
     fields: dict[str, str] = {}
     for raw in item.split(":"):
         part = raw.strip()
@@ -179,6 +176,15 @@ def _parse_item(
             problems.append(f"item {item!r}: {key} given twice ({fields[key]!r} and {value!r}); keep one")
         else:
             fields[key] = value
+    return fields
+
+
+def _parse_item(
+    item: str, n_workers: int | None, n_nodes: int | None, problems: list[str]
+) -> FaultSpec | None:
+    """Parse one item, appending its problems; ``None`` if it has any."""
+    before = len(problems)
+    fields = _item_fields(item, problems)
 
     step = None
     if "step" not in fields:

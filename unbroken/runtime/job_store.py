@@ -232,16 +232,18 @@ class JobStore:
 
     # -- one step ---------------------------------------------------------------
 
-    def vote(self, view: View, step: int, outcome: Literal["commit", "abort"]) -> Outcome:
+    def vote(self, view: View, step: int, outcome: Literal["commit", "abort"], *, after: int | None = None) -> Outcome:
         """Vote ``outcome`` for ``step`` under ``view``; returns the decided outcome.
 
         ``outcome/<g>`` holds the last step decided in generation ``g``; a step
-        can only be voted on once the previous one committed in ``g`` (or it
-        is the view's first), so the compare-and-set from ``"<step-1>:commit"``
-        decides ``step`` exactly once. A later step already decided means
-        ``step`` committed (nobody goes past an uncommitted step).
+        is voted on only once the step voted before it (``after``: default
+        ``step - 1``; ``view.step - 1`` for a view's first) committed in ``g``,
+        so the compare-and-set from ``"<after>:commit"`` decides ``step``
+        exactly once. A later step already decided means ``step`` committed
+        (nobody goes past an uncommitted step).
         """
-        raw = self.backend.compare_set(f"outcome/{view.gen}", f"{step - 1}:commit", f"{step}:{outcome}").decode()
+        after = step - 1 if after is None else after
+        raw = self.backend.compare_set(f"outcome/{view.gen}", f"{after}:commit", f"{step}:{outcome}").decode()
         decided_step, _, decided = raw.partition(":")
         if int(decided_step) > step:
             return "commit"

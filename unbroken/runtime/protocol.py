@@ -104,6 +104,7 @@ class StepProtocol:
         self.need_exchange = False
         self._hooks: dict[Phase, list[Callable[[int], None]]] = {p: [] for p in PHASES}
         self._pruned_below = 0
+        self._voted = -1  # the last step this worker saw committed under the current view
         self._next_check = 0.0
 
     def on(self, phase: Phase, hook: Callable[[int], None]) -> None:
@@ -132,7 +133,7 @@ class StepProtocol:
             self.m.forget_dead(j)
         t0 = time.perf_counter()
         self._abandon()  # a group from a failed earlier attempt is parked, never dropped
-        self.view = view
+        self.view, self._voted = view, view.step - 1
         self._arrive(view)
         self.group = ViewGroup(self.store.group_store(view.gen), gen=view.gen, rank=view.rank_of(self.me),
                                size=len(view.members), device=self.job.device, timeout_s=self.timeout_s)
@@ -173,7 +174,7 @@ class StepProtocol:
         joiners = self.m.pending_joins(self.view, self.job.n_slots)
         if not joiners:
             return False
-        if self.store.vote(self.view, next_step, "abort") == "commit":  # pragma: no cover - invariant
+        if self.store.vote(self.view, next_step, "abort", after=self._voted) == "commit":  # pragma: no cover
             raise AssertionError("a step was committed without the view's first member")
         for j in joiners:
             self.store.clear_dead(j)
@@ -267,11 +268,12 @@ class StepProtocol:
         prunes the store's keys of older views (nobody needs them any more).
         """
         view = self.view
-        outcome = self.store.vote(view, step, "commit")
+        outcome = self.store.vote(view, step, "commit", after=self._voted)
         if outcome == "stale":
             raise Fenced(f"view {view.gen} was pruned while this worker was at step {step}")
         if outcome != "commit":
             raise ViewChanged(f"step {step} was aborted in view {view.gen}")
+        self._voted = step
         if view.leader == self.me and self._pruned_below < view.gen:
             self.store.prune(view.gen)
             self._pruned_below = view.gen
@@ -296,8 +298,9 @@ class StepProtocol:
     def _reconfigure(self, step: int, reason: str) -> bool:
         """Abort the attempt and move to a newer view; True if the step turned out committed."""
         t0 = time.perf_counter()
-        outcome = self.store.vote(self.view, step, "abort")
+        outcome = self.store.vote(self.view, step, "abort", after=self._voted)
         if outcome == "commit":
+            self._voted = step
             return True
         if outcome == "stale":
             raise Fenced(f"view {self.view.gen} was pruned while this worker was at step {step}")
@@ -314,7 +317,7 @@ class StepProtocol:
                     raise
                 logger.warning("could not adopt view %d: %s", new.gen, exc)
                 self.store.vote(new, step, "abort")
-                self.view = new
+                self.view, self._voted = new, new.step - 1
                 continue
             self._event("reconfigured", step=step, gen=new.gen, members=list(new.members),
                         seconds=time.perf_counter() - t0, reason=reason)
