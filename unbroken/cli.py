@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 from unbroken.config import PRESETS, SECTIONS, Config, load_config
 from unbroken.mecefo.takeover import POLICIES
+from unbroken.runtime.checkpoint import CheckpointError
 
 logger = logging.getLogger("unbroken")
 
@@ -381,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(levelname)s %(name)s: %(message)s")
     try:
         return COMMANDS[args.command](args, overrides)
-    except ValueError as exc:
+    except (ValueError, CheckpointError) as exc:
         print(f"unbroken {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -14,6 +14,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
+import math
 import sys
 import types
 import typing
@@ -25,6 +27,8 @@ if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - exercised only on Python 3.10
     import tomli as tomllib
+
+logger = logging.getLogger(__name__)
 
 @dataclass(kw_only=True)
 class ModelConfig:
@@ -99,8 +103,10 @@ class TrainConfig:
     """Validation micro-batches per evaluation."""
     checkpoint_every: int = 0
     """Persistent checkpoint every this many steps (0 disables)."""
-    backend: Literal["auto", "gloo", "nccl"] = "auto"
-    """Collective backend; ``auto`` picks nccl on CUDA, gloo on CPU."""
+    keep_checkpoints: int = 3
+    """Committed checkpoints kept on disk (>= 1): after each commit, older
+    committed ones beyond the newest this many are deleted, and so are
+    incomplete directories older than the newest committed one."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where workers compute; ``auto`` picks CUDA when available."""
     host: str = "127.0.0.1"
@@ -146,6 +152,11 @@ class FaultConfig:
     """Explicit faults, e.g. ``step=40:worker=2:kill,step=90:node=1:kill``."""
     heartbeat_timeout_s: float = 2.0
     """A worker silent for this long is declared hung."""
+    progress_timeout_s: float = 30.0
+    """A member whose main thread makes no progress (no new phase of its step: forward, backward,
+    all-reduce, vote) for this long while its peers wait for it is declared hung, even though its
+    heartbeat thread still beats (a main thread stuck outside Python). Longer than the slowest
+    phase of a step: a forward or backward pass of the largest micro-batch a worker computes."""
     recovery: str = "takeover"
     """One of :data:`unbroken.runtime.recovery.RECOVERIES`: ``takeover``: survivors finish the step and carry on (unbroken);
     ``restart``: plain data parallelism, any failure restarts every worker from
@@ -316,8 +327,10 @@ def validate(cfg: Config) -> list[str]:
     need(t.val_every >= 0, f"train.val_every={t.val_every}: must be >= 0 (0 disables)")
     need(t.val_batches >= 1, f"train.val_batches={t.val_batches}: must be >= 1")
     need(t.checkpoint_every >= 0, f"train.checkpoint_every={t.checkpoint_every}: must be >= 0")
+    need(t.keep_checkpoints >= 1,
+         f"train.keep_checkpoints={t.keep_checkpoints}: must be >= 1 (the newest committed checkpoints to keep)")
     need(0 <= t.port <= 65535, f"train.port={t.port}: must be in 0..65535 (0 picks a free port)")
-    need(t.timeout_s > 0, f"train.timeout_s={t.timeout_s}: must be > 0")
+    need(math.isfinite(t.timeout_s) and t.timeout_s > 0, f"train.timeout_s={t.timeout_s}: must be a finite number > 0")
     need(t.threads_per_worker >= 0, f"train.threads_per_worker={t.threads_per_worker}: must be >= 0")
     need(d.seq_len >= 1, f"data.seq_len={d.seq_len}: must be >= 1")
     need(d.micro_batch >= 1, f"data.micro_batch={d.micro_batch}: must be >= 1")
@@ -333,12 +346,16 @@ def validate(cfg: Config) -> list[str]:
     for key, value, names in (("mecefo.policy", m.policy, _policy_names()),
                                 ("fault.recovery", f.recovery, _recovery_names())):
         need(value in names, f"{key}={value!r}: expected one of {', '.join(names)}")
-    need(f.job_hours > 0, f"fault.job_hours={f.job_hours}: must be > 0")
+    need(math.isfinite(f.job_hours) and f.job_hours > 0, f"fault.job_hours={f.job_hours}: must be a finite number > 0")
     need(
         f.cluster_workers is None or f.cluster_workers >= t.workers,
         f"fault.cluster_workers={f.cluster_workers}: must be >= train.workers={t.workers} (or none)",
     )
-    need(f.heartbeat_timeout_s > 0, f"fault.heartbeat_timeout_s={f.heartbeat_timeout_s}: must be > 0")
+    need(math.isfinite(f.heartbeat_timeout_s) and f.heartbeat_timeout_s > 0,
+         f"fault.heartbeat_timeout_s={f.heartbeat_timeout_s}: must be a finite number > 0")
+    need(f.progress_timeout_s >= f.heartbeat_timeout_s,
+         f"fault.progress_timeout_s={f.progress_timeout_s}: must be >= fault.heartbeat_timeout_s="
+         f"{f.heartbeat_timeout_s} (a phase of a step takes longer than a heartbeat)")
     from unbroken.models import MODEL_PRESETS  # local: keeps `import unbroken.config` light
 
     need(
@@ -351,7 +368,7 @@ def validate(cfg: Config) -> list[str]:
 def config_hash(cfg: Config) -> str:
     """Stable hash of everything that changes what is trained (not ports or logging)."""
     d = cfg.to_dict()
-    for volatile in ("host", "port", "log_every", "threads_per_worker", "timeout_s"):
+    for volatile in ("host", "port", "log_every", "threads_per_worker", "timeout_s", "keep_checkpoints"):
         d["train"].pop(volatile, None)
     d["data"].pop("cache_dir", None)
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
@@ -363,6 +380,8 @@ def config_diff(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
     for section in sorted(set(a) | set(b)):
         sa, sb = a.get(section, {}), b.get(section, {})
         for name in sorted(set(sa) | set(sb)):
+            if f"{section}.{name}" in REMOVED_FIELDS:
+                continue  # a saved config may still name it; it changes nothing
             if sa.get(name) != sb.get(name):
                 out.append(f"{section}.{name}")
     return out
@@ -374,7 +393,19 @@ def _raise_all(errors: list[str]) -> None:
         raise ValueError(f"{len(errors)} configuration error(s):\n  - {lines}")
 
 
+REMOVED_FIELDS: dict[str, str] = {
+    "train.backend": "the collective backend follows the device (gloo on CPU, NCCL on CUDA)",
+}
+"""Fields that no longer exist, and why. A saved ``config.json``, a TOML file or an
+override that still names one loads: the value is ignored with a logged warning
+(it never changed what was trained), and :func:`config_diff` skips it."""
+
+
 def _set_field(obj: Any, section: str, name: str, value: Any, *, from_text: bool) -> str | None:
+    if f"{section}.{name}" in REMOVED_FIELDS:
+        logger.warning("config field %s.%s=%r is no longer read (ignored): %s", section, name, value,
+                       REMOVED_FIELDS[f"{section}.{name}"])
+        return None
     fields = {f.name: f for f in dataclasses.fields(obj)}
     if name not in fields:
         return f"unknown field {section}.{name}; valid fields: {', '.join(fields)}"
@@ -450,14 +481,15 @@ def _coerce(value: Any, hint: Any, from_text: bool) -> Any:
                 pass
         raise ValueError("expected an integer")
     if hint is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if from_text:
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        raise ValueError("expected a number")
+        if isinstance(value, bool) or not (isinstance(value, (int, float)) or from_text):
+            raise ValueError("expected a number")
+        try:
+            number = float(value)
+        except ValueError:
+            raise ValueError("expected a number") from None
+        if not math.isfinite(number):  # no float field means anything as inf or nan (timeouts would overflow)
+            raise ValueError("expected a finite number (not inf or nan)")
+        return number
     if hint is str:
         if isinstance(value, str):
             return value

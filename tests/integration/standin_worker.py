@@ -4,8 +4,15 @@ Takes the real worker's command line (``--run-dir --worker --world --store
 [--join] [--faults-file F --faults I,J] [--resume]``, or ``--standby --node-rank R``)
 and plays the worker's side of the agent contract through the job store:
 beats, asks to join when joining, signals itself for its faults once the
-progress reaches their step, claims standby offers, and exits 0 when the job
-is done or failed. Every incarnation records its argv in ``run_dir/standin/w<id>.<pid>.json``.
+progress reaches their step, beats the node's standby counter and claims
+offers as a standby, and exits 0 when the job is done or failed. Every
+incarnation records its argv in ``run_dir/standin/w<id>.<pid>.json``.
+
+Like the real worker it imports torch (through ``unbroken``) before it
+connects and beats, so a process stopped in its first second never beats.
+``STANDIN_STANDBY_IGNORES_SIGTERM=1`` (inherited through the agent) makes a
+standby ignore SIGTERM until it becomes a worker: an agent that waited for it
+to exit would block.
 """
 
 from __future__ import annotations
@@ -21,9 +28,12 @@ from pathlib import Path
 
 from unbroken.agent.worker_process import fault_selection
 from unbroken.runtime.job_store import JobStore
+from unbroken.runtime.store_backend import job_secret
 
 SIGNALS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "term": signal.SIGTERM}
 DEADLINE_S = 120.0  # never outlive a broken test
+BEAT_S = 0.1  # as the real worker's heartbeat thread and standby
+IGNORE_SIGTERM_ENV = "STANDIN_STANDBY_IGNORES_SIGTERM"
 
 
 def record(run_dir: Path, worker: int, argv: list[str], **extra: object) -> None:
@@ -33,10 +43,18 @@ def record(run_dir: Path, worker: int, argv: list[str], **extra: object) -> None
 
 
 def wait_assignment(store: JobStore, node: int, t0: float) -> tuple[int, str] | None:
+    if os.environ.get(IGNORE_SIGTERM_ENV) == "1":
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    store.standby_beat(node)
     store.standby_announce(node, os.getpid())
+    next_beat = time.monotonic() + BEAT_S
     while time.monotonic() - t0 < DEADLINE_S and not store.finished():
+        if time.monotonic() >= next_beat:
+            next_beat = time.monotonic() + BEAT_S
+            store.standby_beat(node)
         got = store.standby_claim(node, os.getpid())
         if got is not None:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a worker now
             return got
         time.sleep(0.005)
     return None
@@ -56,7 +74,7 @@ def main() -> int:
     ap.add_argument("--node-rank", type=int, default=None)
     a = ap.parse_args()
     t0 = time.monotonic()
-    store = JobStore.connect(a.store, timeout_s=10)
+    store = JobStore.connect(a.store, timeout_s=10, secret=job_secret(a.run_dir))
     worker, faults, join = a.worker, a.faults, a.join
     if a.standby:
         got = wait_assignment(store, a.node_rank, t0)

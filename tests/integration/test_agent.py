@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from unbroken.config import Config
 from unbroken.faults.fail_at import fail_at
 from unbroken.jsonl import read_jsonl
 from unbroken.runtime.job_store import JobStore
+from unbroken.runtime.store_backend import job_secret
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
 
@@ -39,7 +41,7 @@ class Job:
 
     def __init__(self, run_dir: Path) -> None:
         self.run_dir = run_dir
-        self.store = JobStore.host("127.0.0.1", 0, clients=8)
+        self.store = JobStore.host("127.0.0.1", 0, clients=8, secret=job_secret(run_dir, create=True))
         self.addr = f"127.0.0.1:{self.store.port}"
         self.cfg = Config().to_dict()
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -48,12 +50,12 @@ class Job:
         self.agents: list[subprocess.Popen[bytes]] = []
 
     def agent(self, *args: str, node: int = 0, nnodes: int = 1, wpn: int = 2, store: str | None = None,
-              timeout_s: float = 10.0) -> subprocess.Popen[bytes]:
+              timeout_s: float = 10.0, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
         cmd = [sys.executable, "-c", AGENT, "--node-rank", str(node), "--nnodes", str(nnodes),
                "--workers-per-node", str(wpn), "--store", store or self.addr, "--run-dir", str(self.run_dir),
                "--timeout-s", str(timeout_s), "--grace-s", "3", *args]
         out = (self.run_dir / f"agent{node}.{len(self.agents)}.out").open("wb")
-        p = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        p = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
         self.agents.append(p)
         return p
 
@@ -113,9 +115,10 @@ def alive(pid: int) -> bool:
         return False
 
 
-@pytest.fixture
-def job(tmp_path: Path) -> Iterator[Job]:
-    j = Job(tmp_path / "run")
+@contextmanager
+def running_job(run_dir: Path) -> Iterator[Job]:
+    """A :class:`Job`; on the way out: ``done``, every agent exits, no process it caused is left."""
+    j = Job(run_dir)
     try:
         yield j
     finally:
@@ -130,6 +133,12 @@ def job(tmp_path: Path) -> Iterator[Job]:
         until(lambda: not any(alive(pid) for pid in pids), 5.0)
         leaked = sorted(pid for pid in pids if alive(pid))
         assert not leaked, f"processes left behind: {leaked}"
+
+
+@pytest.fixture
+def job(tmp_path: Path) -> Iterator[Job]:
+    with running_job(tmp_path / "run") as j:
+        yield j
 
 
 def test_second_agent_with_same_rank_is_refused(job: Job) -> None:
@@ -302,7 +311,7 @@ def test_chaos_signals_a_running_job_from_outside(job: Job, capsys: pytest.Captu
 
     agent = job.agent()
     pids = job.started(0, 1)
-    with pytest.raises(ValueError, match="phase= needs the worker itself"):
+    with pytest.raises(ValueError, match="phase= and block need the worker itself"):
         from unbroken.faults.chaos import run_chaos
         run_chaos(job.run_dir, "step=1:worker=0:kill:phase=forward")
     (job.run_dir / "metrics.jsonl").write_text(json.dumps({"kind": "train", "step": 2}) + "\n")
@@ -378,7 +387,7 @@ def test_node_0_hosts_the_store_without_a_launcher(job: Job) -> None:
         addr = f"127.0.0.1:{s.getsockname()[1]}"
     a0 = job.agent("--host-store", node=0, nnodes=2, wpn=1, store=addr)
     a1 = job.agent(node=1, nnodes=2, wpn=1, store=addr)
-    client = JobStore.connect(addr, timeout_s=30)
+    client = JobStore.connect(addr, timeout_s=30, secret=job_secret(job.run_dir))
     until(lambda: min(client.heartbeats([0, 1])) > 0, 30.0)
     assert json.loads(client.config()) == job.cfg, "node 0 published its config"
     client.set_done()

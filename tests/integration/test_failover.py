@@ -130,6 +130,29 @@ def test_sigstop_is_detected_by_heartbeat_and_fenced(tmp_path, corpus_overrides)
     assert all(job.slot_items(s, 1) == [(2, 1, 0, MB, "approx")] for s in range(4, 10))
 
 
+def test_blocked_main_thread_is_detected_by_progress_and_fenced(tmp_path, corpus_overrides):
+    """The main thread blocks inside the all-reduce phase while its heartbeat thread beats on."""
+    progress_timeout = 2.0
+    cfg = failover_config(corpus_overrides, 10, "fault.heartbeat_timeout_s=1.0",
+                          f"fault.progress_timeout_s={progress_timeout}")
+    job = run_job(cfg, tmp_path / "run", nodes=1, workers_per_node=3,
+                  fail_at="step=4:worker=1:block:phase=allreduce")
+    check_invariants(job, live=[0, 2])
+    (blocked,) = job.events("fault_self", worker=1)
+    assert (blocked["step"], blocked["how"], blocked["phase"]) == (4, "block", "allreduce")
+    (fence,) = job.events("fence", worker=1)
+    assert fence["reason"]["how"] == "no progress" and fence["reason"]["by"] in (0, 2)
+    detected = fence["t"] - blocked["time"]
+    assert progress_timeout - 0.2 <= detected <= progress_timeout + 10.0, f"fenced {detected:.2f} s after the block"
+    (exit_,) = job.events("worker_exit", worker=1)
+    assert exit_["fenced"] and exit_["signal"] == 9
+    # Its all-reduce contribution was posted before it blocked: step 4 commits in view 0 with it, and the
+    # peers find it stuck when they wait for it in step 5.
+    assert job.committed_items(4) == exact(0, 1, 2)
+    assert failure_steps(job) == [5]
+    assert all(job.slot_items(s, 1) == [(2, 1, 0, MB, "approx")] for s in range(5, 10))
+
+
 def test_node_loss(tmp_path, corpus_overrides):
     """Agent and workers of node 1 SIGKILLed together: nobody marks them, heartbeats tell."""
     cfg = failover_config(corpus_overrides, 12, STALL_TIMEOUT)

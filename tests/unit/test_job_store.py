@@ -20,7 +20,7 @@ from unbroken.runtime.view import View
 
 @pytest.fixture()
 def store():
-    s = JobStore.host("127.0.0.1", 0, clients=3)
+    s = JobStore.host("127.0.0.1", 0, clients=3, secret="test")
     yield s
     del s
 
@@ -73,7 +73,7 @@ import json, sys
 from unbroken.runtime.job_store import JobStore
 from unbroken.runtime.view import View
 port, me, rounds = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-store = JobStore.connect(f"127.0.0.1:{port}", timeout_s=20)
+store = JobStore.connect(f"127.0.0.1:{port}", timeout_s=20, secret="test")
 store.backend.add("ready", 1)
 while store.backend.add("ready", 0) < 2:
     pass

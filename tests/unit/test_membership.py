@@ -2,19 +2,22 @@
 
 from __future__ import annotations
 
+import json
+import threading
 import time
 
 import pytest
 
 from unbroken.runtime.job_store import JobStore
 from unbroken.runtime.membership import Membership, View
+from unbroken.runtime.store_backend import TCPStoreBackend
 
 TIMEOUT_S = 0.3
 
 
 @pytest.fixture()
 def store():
-    s = JobStore.host("127.0.0.1", 0, clients=1)
+    s = JobStore.host("127.0.0.1", 0, clients=1, secret="test")
     yield s
     del s
 
@@ -33,6 +36,7 @@ def _watch(m: Membership, view: View, seconds: float, beat: dict[int, int], stor
 
 def test_a_silent_peer_is_declared_dead_after_the_timeout_a_beating_one_never(store):
     view = View(gen=0, members=(0, 1, 2), step=0)
+    store.publish_initial(view)  # publishing a view creates its members' liveness counters
     for w in view.members:
         store.beat(w)
     m = Membership(store, 0, heartbeat_timeout_s=TIMEOUT_S)
@@ -45,6 +49,7 @@ def test_a_silent_peer_is_declared_dead_after_the_timeout_a_beating_one_never(st
 def test_the_observers_own_gap_restarts_the_clocks(store):
     """An observer that was not watching (descheduled, store stalled) cannot tell who was silent."""
     view = View(gen=0, members=(0, 1), step=0)
+    store.publish_initial(view)
     for w in view.members:
         store.beat(w)
     m = Membership(store, 0, heartbeat_timeout_s=TIMEOUT_S)
@@ -82,3 +87,69 @@ def test_a_join_request_is_seen_through_the_heartbeat_within_an_interval(store):
         assert leader.pending_joins(View(gen=1, members=(0, 1, 2), step=0), 3) == []
     finally:
         leader.stop()
+
+
+class _Hiccup(TCPStoreBackend):
+    """The real store, whose answers fail for a while (a store restarting, a network blip)."""
+
+    def __init__(self, real: TCPStoreBackend, failing_s: float) -> None:
+        super().__init__(real.store, real.ns)
+        self.until = time.monotonic() + failing_s
+        self.errors = 0
+
+    def add(self, key: str, amount: int) -> int:
+        if time.monotonic() < self.until:
+            self.errors += 1
+            raise RuntimeError("store hiccup")
+        return super().add(key, amount)
+
+
+def test_the_heartbeat_survives_a_store_hiccup_shorter_than_the_timeout(store):
+    flaky = _Hiccup(store.backend, failing_s=0)
+    m = Membership(store, 0, heartbeat_timeout_s=2.0, heartbeat_store=JobStore(flaky))
+    m.start_heartbeat()
+    try:
+        flaky.until = time.monotonic() + 0.6  # the store fails for 0.6 s
+        time.sleep(1.2)
+        before = store.heartbeats([0])[0]
+        time.sleep(0.5)
+        assert flaky.errors > 0, "the hiccup happened"
+        assert m._hb_thread.is_alive() and store.heartbeats([0])[0] > before, "it beats again after the hiccup"
+    finally:
+        m.stop()
+
+
+def test_the_heartbeat_stops_once_the_store_is_gone_for_longer_than_the_timeout(store):
+    flaky = _Hiccup(store.backend, failing_s=60)
+    m = Membership(store, 0, heartbeat_timeout_s=0.5, heartbeat_store=JobStore(flaky))
+    thread = threading.Thread(target=m._beat, daemon=True)
+    thread.start()
+    thread.join(5.0)
+    assert not thread.is_alive(), "gave up after the timeout, not at the first error"
+    assert flaky.errors > 2
+
+
+def test_a_member_that_never_beat_is_dead_after_the_heartbeat_timeout(store):
+    """Its counters exist from the view's publication: no read waits for the store's timeout."""
+    view = View(gen=0, members=(0, 1), step=0)
+    store.publish_initial(view)
+    m = Membership(store, 0, heartbeat_timeout_s=TIMEOUT_S)
+    t0 = time.monotonic()
+    while not (dead := m.dead_members(view)) and time.monotonic() - t0 < 5.0:
+        time.sleep(0.02)
+    assert dead == {1} and TIMEOUT_S <= time.monotonic() - t0 < TIMEOUT_S + 2.0
+
+
+def test_a_beating_member_whose_main_thread_stands_still_is_dead_after_the_progress_timeout(store):
+    view = View(gen=0, members=(0, 1, 2), step=0)
+    store.publish_initial(view)
+    m = Membership(store, 0, heartbeat_timeout_s=TIMEOUT_S, progress_timeout_s=2 * TIMEOUT_S)
+    end = time.monotonic() + 3 * TIMEOUT_S
+    while time.monotonic() < end:
+        for w in (1, 2):
+            store.beat(w)  # both heartbeat threads beat ...
+        store.advance(2, 1)  # ... but only worker 2's main thread moves on
+        dead = m.dead_members(view)
+        time.sleep(0.02)
+    assert dead == {1}
+    assert json.loads(store.dead_mark(1))["how"] == "no progress"

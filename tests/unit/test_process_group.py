@@ -17,7 +17,7 @@ from datetime import timedelta
 from unbroken.runtime.job_store import JobStore
 from unbroken.runtime.process_group import ViewGroup
 port, late = int(sys.argv[1]), float(sys.argv[2])
-store = JobStore.connect(f"127.0.0.1:{port}", timeout_s=20)
+store = JobStore.connect(f"127.0.0.1:{port}", timeout_s=20, secret="test")
 g = ViewGroup(store.group_store(0), gen=0, rank=1, size=2, device=torch.device("cpu"), timeout_s=20)
 x = torch.full((5,), 2.0)
 g.allreduce(x, lambda: None)
@@ -35,7 +35,7 @@ class Abandon(Exception):
 
 
 def _rank0(late_s: float) -> tuple[ViewGroup, subprocess.Popen[bytes]]:
-    store = JobStore.host("127.0.0.1", 0, clients=2)
+    store = JobStore.host("127.0.0.1", 0, clients=2, secret="test")
     child = subprocess.Popen([sys.executable, "-c", CHILD, str(store.port), str(late_s)])
     g = ViewGroup(store.group_store(0), gen=0, rank=0, size=2, device=torch.device("cpu"), timeout_s=20)
     g.store = store  # keep the store (and the child's connection) alive as long as the group
@@ -81,7 +81,7 @@ def test_a_collective_missing_a_member_is_abandoned_by_the_check():
 
 
 def test_a_group_of_one_needs_no_peer():
-    store = JobStore.host("127.0.0.1", 0, clients=1)
+    store = JobStore.host("127.0.0.1", 0, clients=1, secret="test")
     g = ViewGroup(store.group_store(0), gen=0, rank=0, size=1, device=torch.device("cpu"), timeout_s=5)
     x = torch.arange(4.0)
     y = g.allreduce(x, lambda: None)

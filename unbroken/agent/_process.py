@@ -51,14 +51,19 @@ def spawn(cmd: Sequence[str], *, log: Path, header: str, env: dict[str, str] | N
     The agent must be single-threaded when it calls this: the child runs a
     ``preexec_fn`` between fork and exec.
     """
-    log.parent.mkdir(parents=True, exist_ok=True)
+    log_line(log, header)
     with log.open("ab") as fh:
-        fh.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} {header}\n".encode())
-        fh.flush()
         return subprocess.Popen(
             list(cmd), stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             start_new_session=True, preexec_fn=_die_with_parent(), env=env,
         )
+
+
+def log_line(path: Path, line: str) -> None:
+    """Append a ``--- <time> <line>`` header to a child's log (one per incarnation)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as fh:
+        fh.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} {line}\n")
 
 
 def send(proc: subprocess.Popen[bytes], sig: int) -> bool:

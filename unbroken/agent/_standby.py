@@ -8,6 +8,12 @@ store's ``standby_*`` methods (keys ``standby/<R>/...``):
 
 - ready: the standby announces its pid once it has imported everything and
   built its model; the agent clears it before starting a new standby.
+- heartbeat: from just before it announces readiness, the standby adds 1 to
+  its node's counter every 100 ms while it waits. The agent judges it as a
+  starting worker (:mod:`unbroken.agent._supervision`): not ready within the
+  start-up deadline, or silent for the start-up liveness timeout once it
+  beat, it is SIGKILLed and replaced; one silent for ``OFFER_SILENCE_S`` is
+  offered nothing (the worker is spawned afresh instead).
 - offer: the agent hands over the fault indices of the worker it is to become
   ("" for none) and offers the worker id by compare-and-set from ""; the
   standby claims it by compare-and-set to ``claimed:<pid>`` and continues as
@@ -15,10 +21,12 @@ store's ``standby_*`` methods (keys ``standby/<R>/...``):
   An offer not claimed within ``CLAIM_TIMEOUT_S`` is retracted by
   compare-and-set back to "", so exactly one of "claimed" or "retracted" wins.
 
-Invariants: at most one standby process and one assignment per node at a
-time; an unclaimed assignment never leaves a worker without a process (the
-agent spawns it afresh); a standby that keeps dying is given up on, not
-restarted in a loop.
+Invariants: at most one live standby process and one assignment per node at
+a time; an unclaimed assignment never leaves a worker without a process (the
+agent spawns it afresh); a standby that keeps dying or hanging is given up on,
+not restarted in a loop; nothing here waits for a process: a standby that is
+let go (unclaimed, hung, or the job is over) holds no state, so it is
+SIGKILLed and reaped by a later tick.
 """
 
 from __future__ import annotations
@@ -30,7 +38,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from unbroken.agent._process import remove_pid, send, spawn, stop_all, write_pid
+from unbroken.agent._process import describe_exit, remove_pid, send, spawn, write_pid
+from unbroken.agent._supervision import CHECK_S, Limits, ObserverClock, Pulse
 from unbroken.runtime.job_store import JobStore
 
 logger = logging.getLogger(__name__)
@@ -40,7 +49,9 @@ CLAIM_TIMEOUT_S = 2.0
 RESPAWN_INTERVAL_S = 5.0
 """Least time between two standby starts (a crashing standby must not spin)."""
 MAX_FAILURES = 3
-"""Standbys that died unassigned before standby is given up for this agent's life."""
+"""Standbys that died, hung or did not claim before standby is given up for this agent's life."""
+OFFER_SILENCE_S = 1.0
+"""A standby whose counter stood still this long (ten beats) is offered nothing."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -57,19 +68,32 @@ class Handover:
 class Standby:
     """The agent's side of one node's warm standby."""
 
-    def __init__(self, store: JobStore, *, node: int, cmd: list[str], run_dir: Path, grace_s: float) -> None:
-        self.store, self.node, self.cmd, self.run_dir, self.grace_s = store, node, cmd, run_dir, grace_s
+    def __init__(self, store: JobStore, *, node: int, cmd: list[str], run_dir: Path, limits: Limits) -> None:
+        self.store, self.node, self.cmd, self.run_dir, self.limits = store, node, cmd, run_dir, limits
         self.proc: subprocess.Popen[bytes] | None = None
+        self._pulse: Pulse | None = None
+        self._clock = ObserverClock(limits.liveness_s)
+        self._next_check = 0.0
+        self._dropped: list[subprocess.Popen[bytes]] = []  # SIGKILLed, not reaped yet
         self._assigned: tuple[int, float, str] | None = None  # (worker, monotonic time of assignment, faults)
         self._last_start = -RESPAWN_INTERVAL_S
         self._failures = 0
         self.enabled = True
 
     def ready(self) -> bool:
-        """A live standby that said it is ready and holds no assignment."""
+        """A live standby that said it is ready, holds no assignment and beat within ``OFFER_SILENCE_S``."""
         if self.proc is None or self._assigned is not None or self.proc.poll() is not None:
             return False
-        return self.store.standby_ready_pid(self.node) == str(self.proc.pid)
+        if self.store.standby_ready_pid(self.node) != str(self.proc.pid):
+            return False
+        assert self._pulse is not None
+        now = time.monotonic()
+        self._pulse.see(self.store.standby_beat(self.node, 0), now)
+        if now - self._pulse.since > OFFER_SILENCE_S:
+            logger.warning("[node %d] standby pid %d silent for %.1f s: not offering it a worker", self.node,
+                           self.proc.pid, now - self._pulse.since)
+            return False
+        return True
 
     def assign(self, worker: int, faults: str) -> bool:
         """Offer ``worker`` to the ready standby; ``False``: none ready, spawn it yourself."""
@@ -82,26 +106,55 @@ class Standby:
         return True
 
     def tick(self, now: float) -> Handover | None:
-        """Keep a standby running and settle a pending assignment."""
+        """Reap, settle a pending assignment, replace a dead or hung standby; never waits."""
+        self._reap()
         if self._assigned is not None:
             return self._settle(now)
+        if not self.enabled:
+            return None
         if self.proc is not None and self.proc.poll() is not None:
-            self._failures += 1
-            logger.warning("[node %d] standby pid %d died unassigned (code %s)", self.node, self.proc.pid,
-                           self.proc.returncode)
-            self.proc = None
-            if self._failures >= MAX_FAILURES:
-                logger.error("[node %d] %d standbys died unassigned: standby disabled; see logs/standby%d.log",
-                             self.node, self._failures, self.node)
-                self.enabled = False
+            self._lost(f"died unassigned ({describe_exit(self.proc.returncode)})")
+        elif self.proc is not None and now >= self._next_check:
+            self._judge(now)
         if self.enabled and self.proc is None and now - self._last_start >= RESPAWN_INTERVAL_S:
-            self._last_start = now
-            self.store.standby_clear_ready(self.node)
-            self.proc = spawn(self.cmd, log=self.run_dir / "logs" / f"standby{self.node}.log",
-                              header=f"node {self.node} standby: " + " ".join(self.cmd))
-            write_pid(self._pid_file, self.proc.pid)
-            logger.info("[node %d] standby started (pid %d)", self.node, self.proc.pid)
+            self._start(now)
         return None
+
+    def _start(self, now: float) -> None:
+        self._last_start = now
+        self.store.standby_clear_ready(self.node)
+        self._pulse = Pulse.start(self.store.standby_beat(self.node, 0), now)
+        self.proc = spawn(self.cmd, log=self.run_dir / "logs" / f"standby{self.node}.log",
+                          header=f"node {self.node} standby: " + " ".join(self.cmd))
+        write_pid(self._pid_file, self.proc.pid)
+        logger.info("[node %d] standby started (pid %d)", self.node, self.proc.pid)
+
+    def _judge(self, now: float) -> None:
+        """Kill and replace a standby that stalled (module docstring)."""
+        assert self.proc is not None and self._pulse is not None
+        self._next_check = now + CHECK_S
+        count = self.store.standby_beat(self.node, 0)
+        after = time.monotonic()
+        gap = self._clock.unwatched(now, after)
+        if gap:
+            self._pulse.excuse(gap, after)
+        self._pulse.see(count, after)
+        reason = self._pulse.stalled(after, self.limits)
+        if reason is not None:
+            self._drop(self.proc)
+            self._lost(f"stalled ({reason}): killed")
+            self._last_start = -RESPAWN_INTERVAL_S  # replace it at once; MAX_FAILURES stops a loop
+
+    def _lost(self, what: str) -> None:
+        """The standby is gone without becoming a worker: count it, give up after ``MAX_FAILURES``."""
+        assert self.proc is not None
+        self._failures += 1
+        logger.warning("[node %d] standby pid %d %s", self.node, self.proc.pid, what)
+        self.proc = None
+        if self._failures >= MAX_FAILURES:
+            logger.error("[node %d] %d standbys died, hung or did not claim: standby disabled; see "
+                         "logs/standby%d.log", self.node, self._failures, self.node)
+            self.enabled = False
 
     @property
     def _pid_file(self) -> Path:
@@ -114,15 +167,25 @@ class Standby:
         claimed = self.store.standby_settle(self.node, worker, self.proc.pid, retract=retract)
         if claimed is None:
             return None
-        proc, self.proc, self._assigned = self.proc, None, None
+        proc, self._assigned = self.proc, None
         self._last_start = -RESPAWN_INTERVAL_S  # a used standby is replaced at once
-        remove_pid(self._pid_file, proc.pid)
         if claimed:
+            self.proc = None
+            remove_pid(self._pid_file, proc.pid)
             return Handover(worker=worker, proc=proc, wait_s=now - t0, faults=faults)
-        logger.warning("[node %d] standby pid %d did not claim worker %d within %.1f s: replacing it",
-                       self.node, proc.pid, worker, CLAIM_TIMEOUT_S)
-        stop_all([proc], grace_s=self.grace_s)
+        self._drop(proc)
+        self._lost(f"did not claim worker {worker} within {CLAIM_TIMEOUT_S:.1f} s: killed; replacing it")
         return Handover(worker=worker, proc=None, wait_s=now - t0)
+
+    def _drop(self, proc: subprocess.Popen[bytes]) -> None:
+        """SIGKILL a standby that holds no state; a later tick reaps it."""
+        send(proc, signal.SIGKILL)
+        self._dropped.append(proc)
+
+    def _reap(self) -> None:
+        for proc in [p for p in self._dropped if p.poll() is not None]:
+            self._dropped.remove(proc)
+            remove_pid(self._pid_file, proc.pid)
 
     def kill_now(self) -> None:
         """SIGKILL the standby at once (the node is being lost)."""
@@ -130,8 +193,19 @@ class Standby:
             send(self.proc, signal.SIGKILL)
 
     def stop(self) -> None:
+        """The job is over: no more standby (SIGKILLed now, reaped by a later tick or :meth:`close`)."""
         self.enabled = False
+        self._assigned = None
         if self.proc is not None:
-            stop_all([self.proc], grace_s=self.grace_s)
-            remove_pid(self._pid_file, self.proc.pid)
+            self._drop(self.proc)
             self.proc = None
+
+    def close(self) -> None:
+        """The agent exits: SIGKILL and reap every standby process (waits only for the kernel)."""
+        self.stop()
+        for proc in self._dropped:
+            try:
+                proc.wait(timeout=10.0)
+            except subprocess.TimeoutExpired:
+                logger.error("[node %d] standby pid %d survived SIGKILL for 10 s", self.node, proc.pid)
+        self._reap()

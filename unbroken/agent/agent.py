@@ -7,6 +7,7 @@ home slot is ``w``; the job has ``N*W``)::
     python -m unbroken.agent.command --node-rank R --nnodes N --workers-per-node W --store HOST:PORT
         --run-dir DIR [--restart never|on-failure] [--restart-delay-s S] [--fail-at SPEC]
         [--faults-trace JSON] [--standby] [--start-step S] [--resume CKPT]
+        [--startup-liveness-s S] [--startup-deadline-s S]
 
 (also ``unbroken agent``). Exit 0: the job is done. 1: the job failed, the
 store was lost; 130/143: interrupted. 2: refused to start (store unreachable,
@@ -18,14 +19,15 @@ directory and the worker command line are listed in ``docs/design.md``
 :mod:`unbroken.agent._standby`.
 
 Invariants: a worker's nonzero exit is marked dead within one poll (~10 ms); a
-marked incarnation never keeps running; no child outlives the agent (own
-session per child, SIGKILL on the agent's death, SIGTERM then SIGKILL on its
-exit); every blocking call has a timeout.
+marked incarnation never keeps running; one not yet admitted to the view that
+stops beating is fenced and restarted (:mod:`unbroken.agent._supervision`),
+members are judged by their peers; no child outlives the agent (own session
+per child, SIGKILL on the agent's death, SIGTERM then SIGKILL on its exit);
+every blocking call has a timeout, and no wait in the loop exceeds a poll.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -33,19 +35,20 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any, Sequence
 
 import torch.distributed as dist
 
-from unbroken.agent._process import describe_exit, exit_status, remove_pid, send, spawn, stop_all, write_pid
+from unbroken.agent._process import describe_exit, exit_status, log_line, remove_pid, send, spawn, stop_all, write_pid
 from unbroken.agent._standby import Standby
+from unbroken.agent._supervision import Incarnation, Restart, StartupWatch, decode_mark
 from unbroken.agent.rendezvous import NodeRegistration, StartRefused
 from unbroken.agent.options import AgentOptions
 from unbroken.faults.fail_at import format_fail_at, write_fault_plan
 from unbroken.faults.injector import DeathCause, Injection, NodeFaults, workers_of
 from unbroken.jsonl import JsonlWriter, read_jsonl
 from unbroken.runtime.job_store import JobStore
+from unbroken.runtime.store_backend import SECRET_ENV, StoreAccessDenied, job_secret
 from unbroken.runtime.membership import EXIT_FENCED
 from unbroken.runtime.view import View
 
@@ -63,25 +66,6 @@ class AgentError(RuntimeError):
     def __init__(self, message: str, code: int) -> None:
         super().__init__(message)
         self.code = code
-
-
-@dataclasses.dataclass(kw_only=True)
-class _Worker:
-    """One incarnation of a worker of this node."""
-
-    worker: int
-    proc: subprocess.Popen[bytes]
-    incarnation: int
-    join: bool
-    started: float
-    mark_at_spawn: str | None  # a dead/<w> mark left by the previous incarnation
-    fenced: bool = False
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class _Restart:
-    at_time: float | None = None
-    at_step: int | None = None
 
 
 class _NodeLog(logging.LoggerAdapter):
@@ -112,8 +96,9 @@ class Agent:
         self.run_dir = opts.run_dir
         self.store: JobStore | None = None
         self.events: JsonlWriter | None = None
-        self.workers: dict[int, _Worker] = {}
-        self.restarts: dict[int, _Restart] = {}
+        self.workers: dict[int, Incarnation] = {}
+        self.watch: StartupWatch | None = None
+        self.restarts: dict[int, Restart] = {}
         self.incarnations: dict[int, int] = {}
         self.fast_crashes: dict[int, int] = {}
         self.finished: set[int] = set()
@@ -138,17 +123,23 @@ class Agent:
             AgentError: refusal (code 2) or failure (code 1, 130, 143); the message says why.
         """
         try:
-            self._server = self._host_store() if self.opts.host_store else None
-            self.store = JobStore.connect(self.opts.store, timeout_s=self.opts.timeout_s)
-        except (ConnectionError, ValueError) as exc:
+            secret = job_secret(self.run_dir, create=self.opts.host_store)
+            os.environ[SECRET_ENV] = secret  # inherited by the workers this agent starts, never on argv
+            self._server = self._host_store(secret) if self.opts.host_store else None
+            self.store = JobStore.connect(self.opts.store, timeout_s=self.opts.timeout_s, secret=secret)
+        except (ConnectionError, ValueError, StoreAccessDenied) as exc:
             raise AgentError(f"node {self.node}: {exc}", 2) from None
         self.rdv = NodeRegistration(self.store, self.node, timeout_s=self.opts.timeout_s,
-                                    interrupted=lambda: self.interrupted is not None)
+                                    interrupted=lambda: self.interrupted is not None,
+                                    workers=workers_of(self.node, self.opts.workers_per_node))
         try:
             self.rdv.register()
             self.events = JsonlWriter(self.run_dir / "events" / f"agent{self.node}.jsonl")
             write_pid(self.run_dir / "pids" / f"agent{self.node}", os.getpid())
-            self.total_steps = int(self.rdv.check_config(self.run_dir)["train"]["steps"])
+            cfg = self.rdv.check_config(self.run_dir)
+            self.total_steps = int(cfg["train"]["steps"])
+            limits = self.opts.startup_limits(heartbeat_timeout_s=float(cfg["fault"]["heartbeat_timeout_s"]))
+            self.watch = StartupWatch(self.store, limits, node=self.node)
             view = self.rdv.initial_view(self.opts.n_workers, self.opts.start_step)
             self._write_layout()
             if self.store.is_done():
@@ -163,8 +154,7 @@ class Agent:
                 cmd = self.base_cmd + ["--run-dir", str(self.run_dir), "--world", str(self.opts.n_workers),
                                        "--store", self.opts.store, "--standby", "--node-rank", str(self.node)]
                 cmd += ["--faults-file", str(self.fault_plan)] if self.fault_plan else []
-                self.standby = Standby(self.store, node=self.node, cmd=cmd, run_dir=self.run_dir,
-                                       grace_s=self.opts.grace_s)
+                self.standby = Standby(self.store, node=self.node, cmd=cmd, run_dir=self.run_dir, limits=limits)
             return self._loop()
         except StartRefused as exc:
             raise AgentError(str(exc), 2) from None
@@ -175,11 +165,11 @@ class Agent:
         finally:
             self._shutdown()
 
-    def _host_store(self) -> JobStore:
+    def _host_store(self, secret: str) -> JobStore:
         host, _, port = self.opts.store.rpartition(":")
         if not port.isdigit():
             raise ValueError(f"--store {self.opts.store!r} is not HOST:PORT")
-        return JobStore.host(host, int(port), clients=self.opts.n_workers + self.opts.nnodes)
+        return JobStore.host(host, int(port), clients=self.opts.n_workers + self.opts.nnodes, secret=secret)
 
     def _write_fault_plan(self) -> None:
         """Without the launcher's plan (``--faults-file``), this node's parsed specs go to a file of its own."""
@@ -219,10 +209,11 @@ class Agent:
             self._reap(now)
             self._fence()
             if self._done_at is None:
+                self._fence_stalled(now)
                 self._inject(now)
                 self._restart_due(now)
-                if self.standby is not None:
-                    self._standby_tick(now)
+            if self.standby is not None:
+                self._standby_tick(now)  # after done: reaps a standby let go
             if now >= next_status:
                 next_status = now + STATUS_S
                 code = self._status(now)
@@ -269,12 +260,14 @@ class Agent:
                 del self.workers[w]
                 self._on_exit(inc, rc, now)
 
-    def _on_exit(self, inc: _Worker, rc: int, now: float) -> None:
+    def _on_exit(self, inc: Incarnation, rc: int, now: float) -> None:
         w = inc.worker
         remove_pid(self.run_dir / "pids" / f"w{w}", inc.proc.pid)
+        self.watch.forget(w)
         code, sig = exit_status(rc)
         rec: dict[str, Any] = {"pid": inc.proc.pid, "code": code, "signal": sig, "incarnation": inc.incarnation,
-                               "uptime_s": round(now - inc.started, 3), "fenced": inc.fenced or code == EXIT_FENCED}
+                               "uptime_s": round(now - inc.started, 3), "fenced": inc.fenced or code == EXIT_FENCED,
+                               "reason": inc.reason}
         if rc == 0:
             self.finished.add(w)
             self._event("worker_exit", w, clean=True, **rec)
@@ -295,7 +288,7 @@ class Agent:
                          f"restart at step {restart.at_step}" if restart.at_step is not None else
                          f"restart in {self.opts.restart_delay_s:.1f} s")
 
-    def _schedule_restart(self, w: int, inc: _Worker, cause: DeathCause, now: float) -> _Restart | None:
+    def _schedule_restart(self, w: int, inc: Incarnation, cause: DeathCause, now: float) -> Restart | None:
         if self.opts.restart == "never" or self._done_at is not None:
             return None
         if not cause.injected and now - inc.started < FAST_CRASH_S:
@@ -309,9 +302,9 @@ class Agent:
         if cause.back_step is not None:
             if cause.back_step >= self.total_steps:
                 return None  # back only when the run is over (an outage cut at the end of a trace)
-            r = _Restart(at_step=cause.back_step)
+            r = Restart(at_step=cause.back_step)
         else:
-            r = _Restart(at_time=now + self.opts.restart_delay_s)
+            r = Restart(at_time=now + self.opts.restart_delay_s)
         self.restarts[w] = r
         return r
 
@@ -328,12 +321,23 @@ class Agent:
             if mark is None:
                 inc.mark_at_spawn = None  # the old mark was cleared: any new one is about this incarnation
             elif mark != inc.mark_at_spawn:
-                send(inc.proc, signal.SIGKILL)
-                inc.fenced = True
-                self._event("fence", w, pid=inc.proc.pid, reason=_loads(mark))
-                self.log.warning("fenced worker %d (pid %d): marked dead by %s", w, inc.proc.pid, mark)
+                self._kill(inc, decode_mark(mark), f"marked dead by {mark}")
         if self._done_at is None:
             self._check_live_member()
+
+    def _fence_stalled(self, now: float) -> None:
+        """SIGKILL a worker that stopped beating before it was admitted (:mod:`unbroken.agent._supervision`)."""
+        for w, reason in self.watch.stalled(now).items():
+            if w in self.workers and not self.workers[w].fenced:
+                self._kill(self.workers[w], reason, f"hung while starting or joining: {reason}")
+
+    def _kill(self, inc: Incarnation, reason: Any, why: str) -> None:
+        """Fence ``inc``: SIGKILL now; its exit, reaped by the loop, counts as a death (then a restart)."""
+        send(inc.proc, signal.SIGKILL)
+        inc.fenced, inc.reason = True, reason
+        self.watch.forget(inc.worker)
+        self._event("fence", inc.worker, pid=inc.proc.pid, reason=reason)
+        self.log.warning("fenced worker %d (pid %d): %s", inc.worker, inc.proc.pid, why)
 
     def _check_live_member(self) -> None:
         """Set ``failed`` when every member of the current view is marked dead.
@@ -418,8 +422,10 @@ class Agent:
 
     def _adopt(self, w: int, proc: subprocess.Popen[bytes], *, join: bool, incarnation: int, standby: bool,
                faults: str) -> None:
-        self.workers[w] = _Worker(worker=w, proc=proc, incarnation=incarnation, join=join, started=time.monotonic(),
-                                  mark_at_spawn=self._mark(w))
+        now = time.monotonic()
+        self.workers[w] = Incarnation(worker=w, proc=proc, incarnation=incarnation, join=join, started=now,
+                                      mark_at_spawn=self._mark(w))
+        self.watch.watch(w, now, join=join)
         self.finished.discard(w)
         self._idle_since = None
         write_pid(self.run_dir / "pids" / f"w{w}", proc.pid)
@@ -438,8 +444,8 @@ class Agent:
             self._start(w, join=True, use_standby=False)
             return
         k = self.incarnations[w] = self.incarnations.get(w, 0) + 1
-        _log_line(self.run_dir / "logs" / f"w{w}.log", f"node {self.node} worker {w} incarnation {k} (join): "
-                  f"standby pid {handover.proc.pid} took over; its output is in logs/standby{self.node}.log")
+        log_line(self.run_dir / "logs" / f"w{w}.log", f"node {self.node} worker {w} incarnation {k} (join): "
+                 f"standby pid {handover.proc.pid} took over; its output is in logs/standby{self.node}.log")
         self._adopt(w, handover.proc, join=True, incarnation=k, standby=True,
                     faults=handover.faults)
         self._event("standby_assign", w, pid=handover.proc.pid, wait_s=round(handover.wait_s, 4))
@@ -464,10 +470,9 @@ class Agent:
 
     def _shutdown(self) -> None:
         """Stop every child (SIGTERM, grace, SIGKILL) and release the node rank."""
-        procs = [inc.proc for inc in self.workers.values()]
-        if self.standby is not None and self.standby.proc is not None:
-            procs.append(self.standby.proc)
-        stop_all(procs, grace_s=self.opts.grace_s)
+        if self.standby is not None:
+            self.standby.close()  # it holds no state: SIGKILL
+        stop_all([inc.proc for inc in self.workers.values()], grace_s=self.opts.grace_s)
         for w, inc in self.workers.items():
             remove_pid(self.run_dir / "pids" / f"w{w}", inc.proc.pid)
             code, sig = exit_status(inc.proc.returncode if inc.proc.returncode is not None else -9)
@@ -485,15 +490,3 @@ class Agent:
         if self.events is not None:
             self.events.close()
             self.events = None
-
-
-def _log_line(path: Path, line: str) -> None:
-    with path.open("a") as fh:
-        fh.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} {line}\n")
-
-
-def _loads(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        return text

@@ -5,7 +5,10 @@ checks everything that can be checked before anything is written (config,
 data, fault specs, port), hosts the coordination store, publishes the run's
 config under the store key ``config``, starts one agent per node
 (``python -m unbroken.agent.command``, output in ``logs/agent<R>.log``), follows
-``metrics.jsonl`` and the store keys ``done`` / ``failed``, and summarises.
+``metrics.jsonl`` and the store keys ``progress`` (committed steps: the only sign
+of progress it trusts, see ``PROGRESS_TIMEOUT_S``), ``done`` / ``failed``, and
+summarises. Under checkpoint-restart each attempt gets a fresh store at the
+same address (the previous one is closed first).
 
 Faults: ``fault.fail_at`` (and the ``fail_at`` argument, which is not saved in
 the config) and a ``fault.trace`` preset (drawn here by ``generate_trace``;
@@ -24,7 +27,9 @@ every wait is bounded.
 from __future__ import annotations
 
 import copy
+import gc
 import json
+import os
 import logging
 import subprocess
 import sys
@@ -41,12 +46,19 @@ from unbroken.jsonl import JsonlTail, read_jsonl
 from unbroken.runtime.checkpoint import latest_checkpoint, read_commit
 from unbroken.agent.preflight import _truncate_metrics, preflight, prepare_run_dir
 from unbroken.runtime.job_store import JobStore
+from unbroken.runtime.store_backend import SECRET_ENV, new_secret, save_secret
 from unbroken.runtime.recovery import recovery
 
 logger = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = 300.0
-"""Longest the job may go without a metrics line (start-up included) before we give up."""
+"""Longest an attempt may take to commit its first step (agents and workers starting, data loading)."""
+PROGRESS_TIMEOUT_S = 300.0
+"""Longest the job may then go without committing a step before we give up. Progress is the store's
+committed-step counter (``progress``), whatever ``train.log_every`` says about metrics lines. Both
+limits are at least ``train.timeout_s`` (a blocking wait that long may precede a reconfiguration)."""
+REHOST_S = 10.0
+"""Checkpoint-restart: how long the next attempt's store may wait for the previous one's port to be free."""
 AGENT_GRACE_S = 30.0
 """How long agents may take to stop their workers after ``done`` or ``failed``."""
 POLL_S = 0.05
@@ -97,17 +109,20 @@ def launch(
         restart = "never"  # checkpoint-restart: the launcher restarts the whole job instead
     specs, trace = _job_faults(cfg, fail_at, nodes, workers_per_node)
     info = preflight(cfg)
-    store = _host(cfg, nodes)
+    secret = new_secret()
+    host = _StoreHost(cfg, nodes, secret)  # bound before anything is written: a port in use fails early
     resume_from = prepare_run_dir(run_dir, cfg, overwrite=overwrite, resume=resume)
-    store.publish_config((run_dir / "config.json").read_text())
+    save_secret(run_dir, secret)
+    host.store.publish_config((run_dir / "config.json").read_text())
     if trace is not None:
         (run_dir / "fault_trace.json").write_text(json.dumps(trace.to_json(), indent=1))
     plan = run_dir / "faults.json" if specs else None
     if plan is not None:
         write_fault_plan(plan, specs)
     t0 = time.time()
-    restarts = _run_attempts(store, cfg, run_dir, on_record, resume_from, nodes=nodes,
-                             workers_per_node=workers_per_node, restart=restart, fault_plan=plan, standby=standby)
+    restarts = _run_attempts(host, cfg, run_dir, on_record, resume_from, nodes=nodes,
+                             workers_per_node=workers_per_node, restart=restart, fault_plan=plan, standby=standby,
+                             secret=secret)
     summary = _summarise(run_dir, cfg, info, time.time() - t0, resume_from, nodes=nodes, t0=t0)
     if mode.restarts_job:
         summary["job_restarts"] = restarts
@@ -119,11 +134,42 @@ def launch(
 _DEATH = "a worker died"
 
 
-def _host(cfg: Config, nodes: int) -> JobStore:
-    return JobStore.host(cfg.train.host, cfg.train.port, clients=cfg.train.workers + nodes)
+class _StoreHost:
+    """The launcher's store, the one reference to it: checkpoint-restart replaces it by a fresh one.
+
+    A new attempt needs an empty store (no views, dead marks or progress of the last one) at the same
+    address (``train.port`` may be fixed), so the old store is closed before the new one is hosted.
+    """
+
+    def __init__(self, cfg: Config, nodes: int, secret: str) -> None:
+        self.cfg, self.clients, self.secret = cfg, cfg.train.workers + nodes, secret
+        self.store: JobStore = self._host()
+
+    def _host(self) -> JobStore:
+        return JobStore.host(self.cfg.train.host, self.cfg.train.port, clients=self.clients, secret=self.secret)
+
+    def replace(self, config_text: str) -> JobStore:
+        """Close the store (every agent of the attempt is stopped) and host an empty one; returns it.
+
+        Raises:
+            ValueError: the port did not become free within ``REHOST_S`` (someone else took it).
+        """
+        del self.store  # the only reference: the TCPStore server stops and its listening socket closes
+        gc.collect()  # in case a reference cycle (a traceback) still held it
+        deadline = time.monotonic() + REHOST_S
+        while True:
+            try:
+                self.store = self._host()
+                break
+            except ValueError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+        self.store.publish_config(config_text)
+        return self.store
 
 
-def _run_attempts(store: JobStore, cfg: Config, run_dir: Path, on_record: Callable[[dict[str, Any]], None] | None,
+def _run_attempts(host: _StoreHost, cfg: Config, run_dir: Path, on_record: Callable[[dict[str, Any]], None] | None,
                   resume_from: Path | None, **agent_args: Any) -> list[dict[str, int]]:
     """Run the job to its end; under checkpoint-restart, again from the last checkpoint after each death.
 
@@ -135,21 +181,20 @@ def _run_attempts(store: JobStore, cfg: Config, run_dir: Path, on_record: Callab
     restarts: list[dict[str, int]] = []
     while True:
         start_step = int(read_commit(resume_from)["step"]) if resume_from else 0
-        outcome = _attempt(store, cfg, run_dir, on_record, start_step=start_step, resume_from=resume_from,
+        outcome = _attempt(host.store, cfg, run_dir, on_record, start_step=start_step, resume_from=resume_from,
                            **agent_args)
         if outcome is None:
             return restarts
         if outcome != _DEATH:
             raise JobFailed(_failure_message(outcome, run_dir))
         # Checkpoint-restart: everyone starts again from the last checkpoint.
-        reached = store.progress() or start_step
+        reached = host.store.progress() or start_step
         resume_from = latest_checkpoint(run_dir)
         restart_step = int(read_commit(resume_from)["step"]) if resume_from else 0
         restarts.append({"failed_at_step": reached, "restarted_from_step": restart_step})
         logger.warning("a worker died at step %d: restarting every worker from step %d", reached, restart_step)
         _truncate_metrics(run_dir / "metrics.jsonl", restart_step)
-        store = _host(cfg, agent_args["nodes"])
-        store.publish_config((run_dir / "config.json").read_text())
+        host.replace((run_dir / "config.json").read_text())
 
 
 def _attempt(store: JobStore, cfg: Config, run_dir: Path, on_record: Callable[[dict[str, Any]], None] | None,
@@ -201,7 +246,7 @@ def _job_faults(cfg: Config, fail_at: str, nodes: int,
 
 def _spawn_agent(node: int, cfg: Config, run_dir: Path, store_addr: str, *, nodes: int, workers_per_node: int,
                  restart: str, fault_plan: Path | None, standby: bool, start_step: int,
-                 resume_from: Path | None) -> subprocess.Popen[bytes]:
+                 resume_from: Path | None, secret: str) -> subprocess.Popen[bytes]:
     cmd = [sys.executable, "-m", "unbroken.agent.command", "--node-rank", str(node), "--nnodes", str(nodes),
            "--workers-per-node", str(workers_per_node), "--store", store_addr, "--run-dir", str(run_dir),
            "--restart", restart, "--start-step", str(start_step), "--timeout-s", str(cfg.train.timeout_s)]
@@ -212,20 +257,23 @@ def _spawn_agent(node: int, cfg: Config, run_dir: Path, store_addr: str, *, node
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("ab") as fh:
         # Same process group as the launcher: a terminal's Ctrl-C reaches the agents, which stop their workers.
-        return subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        # The secret travels in the environment (never on argv, which any local user can read).
+        return subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env={**os.environ, SECRET_ENV: secret})
 
 
 def _supervise(agents: list[subprocess.Popen[bytes]], store: JobStore, run_dir: Path, cfg: Config,
                on_record: Callable[[dict[str, Any]], None] | None) -> str | None:
     """Follow the job to its end; returns ``None`` when done, else the failure message."""
     tail = JsonlTail(run_dir / "metrics.jsonl")
-    limit = max(STARTUP_TIMEOUT_S, cfg.train.timeout_s)
-    last_progress = time.monotonic()
+    committed, last_progress = store.progress(), time.monotonic()
     done_at: float | None = None
     while True:
         now = time.monotonic()
-        if _emit(tail, on_record):
-            last_progress = now
+        _emit(tail, on_record)
+        progress = store.progress()
+        if progress != committed:
+            committed, last_progress = progress, now
         failure = store.failure()
         if failure is not None:
             return failure
@@ -248,8 +296,10 @@ def _supervise(agents: list[subprocess.Popen[bytes]], store: JobStore, run_dir: 
             if now - done_at > AGENT_GRACE_S:
                 logger.warning("agents still running %.0f s after the job finished: stopping them", AGENT_GRACE_S)
                 return None
+        limit = max(STARTUP_TIMEOUT_S if committed is None else PROGRESS_TIMEOUT_S, cfg.train.timeout_s)
         if now - last_progress > limit:
-            raise TimeoutError(f"no progress from the job for {limit:.0f} s; see {run_dir / 'logs'}")
+            what = "committed no step" if committed is None else f"committed no step after step {committed}"
+            raise TimeoutError(f"the job {what} for {limit:.0f} s; see {run_dir / 'logs'}")
         time.sleep(POLL_S)
 
 

@@ -11,6 +11,7 @@ import dataclasses
 import json
 from pathlib import Path
 
+from unbroken.agent._supervision import Limits
 from unbroken.faults.fail_at import FaultSpec, parse_fail_at, read_fault_plan, trace_to_faults
 from unbroken.faults.injector import check_faults
 from unbroken.faults.traces import FailureTrace
@@ -42,10 +43,21 @@ class AgentOptions:
     """SIGTERM -> SIGKILL grace, and how long finished stragglers may linger after ``done``."""
     host_store: bool = False
     """Node 0 without a launcher: host the store at ``store``'s port (the job then lives as long as this agent)."""
+    startup_liveness_s: float | None = None
+    """A worker not yet admitted (or the standby) whose heartbeat stood still this long is fenced and replaced;
+    None: ``max(2 * fault.heartbeat_timeout_s, 5 s)`` (see :mod:`unbroken.agent._supervision`)."""
+    startup_deadline_s: float | None = None
+    """A worker (or standby) that has not beaten (or is not ready) this long after it started is fenced and
+    replaced; None: ``timeout_s``."""
 
     @property
     def n_workers(self) -> int:
         return self.nnodes * self.workers_per_node
+
+    def startup_limits(self, *, heartbeat_timeout_s: float) -> Limits:
+        """The start-up watch's limits: the flags, or their defaults from the job's heartbeat timeout."""
+        return Limits.defaults(heartbeat_timeout_s=heartbeat_timeout_s, timeout_s=self.timeout_s,
+                               liveness_s=self.startup_liveness_s, deadline_s=self.startup_deadline_s)
 
     def faults(self) -> tuple[FaultSpec, ...]:
         """The job's fault specs (``--fail-at`` and the trace), checked against the layout.
@@ -64,6 +76,10 @@ class AgentOptions:
             problems.append(f"--host-store with --node-rank {self.node_rank}: only node 0 hosts the store")
         if not self.restart_delay_s >= 0:
             problems.append(f"--restart-delay-s {self.restart_delay_s}: expected >= 0")
+        for flag, value in (("--startup-liveness-s", self.startup_liveness_s),
+                            ("--startup-deadline-s", self.startup_deadline_s)):
+            if value is not None and not value > 0:
+                problems.append(f"{flag} {value}: expected > 0 seconds (or leave it out for the default)")
         if self.faults_file is not None and (self.fail_at or self.faults_trace is not None):
             problems.append("--faults-file with --fail-at or --faults-trace: give the plan, or the specs to parse")
         if problems:
@@ -104,10 +120,17 @@ def add_agent_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--grace-s", type=float, default=10.0, help="SIGTERM -> SIGKILL grace for workers")
     ap.add_argument("--host-store", action="store_true",
                     help="node 0 on a cluster without the launcher: host the store at --store's port")
+    ap.add_argument("--startup-liveness-s", type=float, default=None,
+                    help="fence and restart a starting or joining worker (or the standby) whose heartbeat stood "
+                         "still this long (default max(2 x fault.heartbeat_timeout_s, 5))")
+    ap.add_argument("--startup-deadline-s", type=float, default=None,
+                    help="fence and restart a worker that has not beaten this long after it started, and replace "
+                         "a standby not ready by then (default --timeout-s)")
 
 
 def options_from(a: argparse.Namespace) -> AgentOptions:
     return AgentOptions(node_rank=a.node_rank, nnodes=a.nnodes, workers_per_node=a.workers_per_node, store=a.store,
                         run_dir=a.run_dir, restart=a.restart, restart_delay_s=a.restart_delay_s, fail_at=a.fail_at,
                         faults_trace=a.faults_trace, faults_file=a.faults_file, standby=a.standby, start_step=a.start_step, resume=a.resume,
-                        timeout_s=a.timeout_s, grace_s=a.grace_s, host_store=a.host_store)
+                        timeout_s=a.timeout_s, grace_s=a.grace_s, host_store=a.host_store,
+                        startup_liveness_s=a.startup_liveness_s, startup_deadline_s=a.startup_deadline_s)

@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
-
-from unbroken.config import Config, config_diff, config_hash
+from unbroken.config import Config, config_diff
 from unbroken.job.builder import build_data, build_samplers, check_model_fits, data_info
-from unbroken.runtime.checkpoint import latest_checkpoint, read_commit
+from unbroken.job.run_dir import prepare_out_dir
+from unbroken.runtime.checkpoint import CheckpointError, latest_checkpoint, read_commit
 from unbroken.jsonl import read_jsonl
 
 
@@ -44,9 +43,15 @@ def preflight(cfg: Config) -> dict[str, Any]:
 def prepare_run_dir(run_dir: Path, cfg: Config, *, overwrite: bool, resume: bool) -> Path | None:
     """Create or check the run directory; returns the checkpoint to resume from.
 
+    A new run goes through :func:`unbroken.job.run_dir.prepare_out_dir`: only a
+    directory holding a run is ever replaced (with ``overwrite``).
+
     Raises:
-        ValueError: the directory holds another run (without ``overwrite``), or
-            ``resume`` finds no committed checkpoint or a different config.
+        ValueError: the directory holds a run (without ``overwrite``) or is not
+            empty and holds no run, or ``resume`` finds no committed checkpoint
+            or a different config.
+        CheckpointError: ``resume`` finds committed checkpoints but none intact
+            (each damaged one is logged and the previous one tried).
     """
     cfg_file = run_dir / "config.json"
     if resume:
@@ -56,34 +61,23 @@ def prepare_run_dir(run_dir: Path, cfg: Config, *, overwrite: bool, resume: bool
         diff = [f for f in config_diff(saved, cfg.to_dict()) if f not in _VOLATILE]
         if diff:
             raise ValueError(f"--resume {run_dir}: the run was made with different values for {', '.join(diff)}")
-        ckpt = latest_checkpoint(run_dir)
+        try:
+            ckpt = latest_checkpoint(run_dir)  # the newest whose files match their checksums
+        except CheckpointError as exc:
+            raise CheckpointError(f"--resume {run_dir}: {exc}") from exc
         if ckpt is None:
             raise ValueError(f"--resume {run_dir}: no committed checkpoint under {run_dir / 'checkpoints'}")
         _truncate_metrics(run_dir / "metrics.jsonl", int(read_commit(ckpt)["step"]))
         return ckpt
-    if run_dir.exists() and any(run_dir.iterdir()):
-        if not overwrite:
-            what = "a different run" if cfg_file.is_file() and _hash_of(cfg_file) != config_hash(cfg) else "a run"
-            raise ValueError(
-                f"output directory {run_dir} already holds {what}; pass --overwrite to replace it, "
-                f"--resume to continue it, or choose another --out"
-            )
-        shutil.rmtree(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    prepare_out_dir(run_dir, cfg, overwrite=overwrite, continue_hint=", --resume to continue it")
     tmp = cfg_file.with_suffix(".tmp")
     tmp.write_text(json.dumps(cfg.to_dict(), indent=1))
     os.replace(tmp, cfg_file)
     return None
 
 
-_VOLATILE = {"train.host", "train.port", "train.log_every", "train.threads_per_worker", "train.timeout_s", "data.cache_dir"}
-
-
-def _hash_of(cfg_file: Path) -> str:
-    try:
-        return config_hash(Config.from_dict(json.loads(cfg_file.read_text())))
-    except (ValueError, json.JSONDecodeError):
-        return "unreadable"
+_VOLATILE = {"train.host", "train.port", "train.log_every", "train.threads_per_worker", "train.timeout_s",
+             "train.keep_checkpoints", "data.cache_dir"}
 
 
 def _truncate_metrics(path: Path, step: int) -> None:

@@ -6,11 +6,13 @@ to "" on a clean exit) with its pid, and beats its own heartbeat counter (+1
 every 100 ms); the job's config JSON is published by the launcher or node 0;
 node 0 publishes the initial view if absent.
 
-Invariants: at most one live agent holds a node rank (a holder whose heartbeat
-stood still for ``LIVENESS_WINDOW_S`` is presumed lost and may be replaced);
-no agent starts workers under a config that differs from the job's; every
-wait is bounded by the start-up timeout and keeps the heartbeat going, so a
-waiting agent still counts as live.
+Invariants: at most one live agent holds a node rank, and at most one
+incarnation of each worker id runs: a holder is replaced only once its heartbeat
+stood still for ``TAKEOVER_SILENCE_S``, and its successor starts workers only
+once every worker of the node it was given (``workers``) has been silent that
+long too; no agent starts workers under a config that differs from the job's;
+every wait is bounded by the start-up timeout and, once registered, keeps the
+heartbeat going, so a waiting agent still counts as live.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import socket
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from unbroken.config import config_diff
 from unbroken.runtime.job_store import JobStore
@@ -31,7 +33,11 @@ from unbroken.runtime.view import View
 logger = logging.getLogger(__name__)
 
 HEARTBEAT_S = 0.1
-LIVENESS_WINDOW_S = 0.5  # several heartbeats: a holder silent this long is gone
+TAKEOVER_SILENCE_S = 3.0
+"""How long the previous holder of a node rank must have been silent before another agent takes it
+over: first its agent's heartbeat, then each of its workers' (``hb/<w>``). That is 30 beats of either
+(every 100 ms), so a holder stopped or descheduled for a second or two (SIGSTOP, swapping, a loaded
+machine) keeps its node and no worker id runs twice; a lost node costs its successor these seconds once."""
 PER_MACHINE_FIELDS = frozenset({"data.cache_dir", "train.threads_per_worker"})
 """Config fields that may differ between nodes (paths and core counts of each machine)."""
 
@@ -44,41 +50,72 @@ class NodeRegistration:
     """One agent's hold on its node rank, and its start-up checks."""
 
     def __init__(self, store: JobStore, node: int, *, timeout_s: float,
-                 interrupted: Callable[[], bool] = lambda: False) -> None:
+                 interrupted: Callable[[], bool] = lambda: False, workers: Sequence[int] = (),
+                 silence_s: float = TAKEOVER_SILENCE_S) -> None:
+        """
+        Args:
+            timeout_s: the start-up timeout (every wait here is bounded by it).
+            workers: this node's worker ids; a takeover waits until the previous holder's are silent.
+            silence_s: ``TAKEOVER_SILENCE_S`` (tests may shorten it).
+        """
         self.store, self.node, self.timeout_s, self.interrupted = store, node, timeout_s, interrupted
+        self.workers, self.silence_s = list(workers), silence_s
         self.token = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.took_over = False
         self.registered = False
         self._next_hb = 0.0
 
     def register(self) -> None:
-        """Take node rank ``R``; refuse if a live agent holds it.
+        """Take node rank ``R``; refuse if a live agent holds it, or its workers still run.
 
         Raises:
-            StartRefused: another live agent holds the rank.
+            StartRefused: another live agent holds the rank, or the previous holder's
+                workers kept beating for the whole start-up timeout.
         """
         holder = self.store.claim_node(self.node, self.token)
         if holder != self.token:
             pid = self.store.node_pid(self.node) or "unknown"
-            if self._holder_alive():
+            logger.info("[node %d] the node rank is held (pid %s): watching its heartbeat for %.1f s",
+                        self.node, pid, self.silence_s)
+            if self._beats_within(lambda: [self.store.agent_beat(self.node, 0)]):
                 raise StartRefused(f"an agent with node rank {self.node} is already running (pid {pid}); "
                                    f"stop it or pick another --node-rank")
             if self.store.claim_node(self.node, self.token, expected=holder) != self.token:
                 raise StartRefused(f"an agent with node rank {self.node} registered at the same time; retry")
             logger.warning("[node %d] took over the node rank from a silent agent (pid %s)", self.node, pid)
-            self.took_over = True
+            self.took_over = self.registered = True
+            self._wait_workers_silent(holder, pid)
         self.registered = True
         self.store.set_node_pid(self.node, f"{os.getpid()} on {socket.gethostname()}")
         self.heartbeat(time.monotonic())
 
-    def _holder_alive(self) -> bool:
-        first = self.store.agent_beat(self.node, 0)
-        deadline = time.monotonic() + LIVENESS_WINDOW_S
+    def _beats_within(self, read: Callable[[], list[int]], *, beat: bool = False) -> bool:
+        """Whether the counters ``read`` returns change within ``silence_s`` (``beat``: keep ours going)."""
+        first = read()
+        deadline = time.monotonic() + self.silence_s
         while time.monotonic() < deadline:
+            if self.interrupted():
+                raise StartRefused(f"node {self.node}: interrupted while starting")
+            if beat:
+                self.heartbeat(time.monotonic())
             time.sleep(0.05)
-            if self.store.agent_beat(self.node, 0) != first:
+            if read() != first:
                 return True
         return False
+
+    def _wait_workers_silent(self, holder: str, pid: str) -> None:
+        """After a takeover: wait until the previous holder's workers stopped beating (they die with
+        their agent); give the rank back to ``holder`` if they keep beating for the start-up timeout."""
+        if not self.workers:
+            return
+        deadline = time.monotonic() + self.timeout_s
+        while self._beats_within(lambda: self.store.heartbeats(self.workers), beat=True):
+            if time.monotonic() > deadline:
+                self.store.claim_node(self.node, holder, expected=self.token)
+                self.took_over = self.registered = False
+                raise StartRefused(f"node {self.node}: workers {self.workers} of the previous agent (pid {pid}) "
+                                   f"still beat after {self.timeout_s:.0f} s; stop them (or that agent) first")
+            logger.info("[node %d] workers %s of the previous agent still beat; waiting", self.node, self.workers)
 
     def heartbeat(self, now: float) -> None:
         """Beat if the interval has passed (called from the agent's loop)."""

@@ -11,6 +11,11 @@ on the step protocol's hook points.
 Command line: ``--run-dir DIR --worker ID --world N --store HOST:PORT [--join]
 [--resume CKPT] [--faults-file F --faults I,J]``, or ``--standby --node-rank R``
 instead of ``--worker``. Exit 0 = finished; 3 = fenced; anything else is a death.
+
+Before anything can create an NCCL group, :func:`survive_nccl_failures` sets
+:data:`NCCL_ENVIRONMENT`, so that a peer's death makes the pending collective
+fail in its caller (which then moves to the next view) instead of the NCCL
+watchdog or its heartbeat monitor tearing the surviving process down.
 """
 
 from __future__ import annotations
@@ -25,6 +30,37 @@ from typing import Callable
 from unbroken.faults.fail_at import FaultSpec, read_fault_plan
 from unbroken.faults.injector import PhaseFaults
 from unbroken.runtime.worker import StepLogContext, Trainer, WorkerSpec, run, standby
+
+logger = logging.getLogger(__name__)
+
+NCCL_ENVIRONMENT: dict[str, str] = {
+    # 2 = CleanUpOnly: on an NCCL error or timeout the watchdog aborts the communicator and fails
+    # the pending work, whose caller raises; the default (3, SkipCleanUp) and 1 (TearDown) kill
+    # the process, i.e. every survivor of a peer's death.
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
+    # The heartbeat monitor kills a process whose watchdog is stuck (in the abort of a communicator
+    # whose peer died, say): that process is a survivor; our failure detector handles hangs.
+    "TORCH_NCCL_ENABLE_MONITORING": "0",
+    # wait() must not block: the protocol polls the work's future and runs its checks meanwhile.
+    "TORCH_NCCL_BLOCKING_WAIT": "0",
+    # Who died is decided by the job's failure detector, not by NCCL writing errors to the store.
+    "TORCH_NCCL_PROPAGATE_ERROR": "0",
+    # No debug dumps (they need the monitor, and delay the abort).
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
+}
+"""torch's NCCL settings under which a worker survives a peer's death (read when a group is created)."""
+
+
+def survive_nccl_failures(environ: dict[str, str] | None = None) -> None:
+    """Set :data:`NCCL_ENVIRONMENT` in ``environ`` (default ``os.environ``), overriding other values.
+
+    Must run before the first NCCL process group is created (torch reads them then).
+    """
+    env = os.environ if environ is None else environ
+    for name, value in NCCL_ENVIRONMENT.items():
+        if env.get(name, value) != value:
+            logger.warning("%s=%s would kill survivors of a peer's death; using %s", name, env[name], value)
+        env[name] = value
 
 
 def fault_selection(plan_file: Path | None, indices: str) -> tuple[FaultSpec, ...]:
@@ -71,6 +107,7 @@ def main(argv: list[str] | None = None) -> None:
     handler.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s [%(where)s pid{os.getpid()}] "
                                            f"%(name)s: %(message)s"))
     logging.basicConfig(level=logging.INFO, handlers=[handler])
+    survive_nccl_failures()
     if a.standby:
         got = standby(a.run_dir, a.world, a.store, a.node_rank)
         if got is None:

@@ -12,7 +12,7 @@ failing machine) next to a job started by ``unbroken train``:
   SIGKILLed agent takes its workers with it anyway; a stopped node is
   continued as a whole after ``for=``.
 
-Not supported, with an error up front: ``phase=`` (only the worker itself
+Not supported, with an error up front: ``phase=`` and ``block`` (only the worker itself
 knows where in a step it is: use ``unbroken train --fail-at``) and ``back=``
 (restarts are the agent's: its restart policy brings a killed worker back).
 
@@ -45,8 +45,9 @@ def check_chaos_specs(specs: tuple[FaultSpec, ...]) -> None:
     """Raises ValueError naming every spec the chaos tool cannot carry out."""
     problems = []
     for s in specs:
-        if s.phase != "any":
-            problems.append(f"{format_fail_at([s])}: phase= needs the worker itself; use unbroken train --fail-at")
+        if s.phase != "any" or s.how == "block":
+            problems.append(f"{format_fail_at([s])}: phase= and block need the worker itself; "
+                            f"use unbroken train --fail-at")
         if s.back_step is not None:
             problems.append(f"{format_fail_at([s])}: back= needs the agent; drop it (the agent's restart "
                             f"policy brings a killed worker back) or use unbroken train --fail-at")

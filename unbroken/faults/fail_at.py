@@ -10,8 +10,11 @@ Fields of an item, in any order:
 
 * ``step=N`` (required): the training step during which the fault fires;
 * exactly one of ``worker=I`` or ``node=I``: the target;
-* ``kill`` | ``stop`` | ``term`` (bare word, or ``how=...``; default ``kill``):
-  SIGKILL, SIGSTOP (a hang), SIGTERM;
+* ``kill`` | ``stop`` | ``term`` | ``block`` (bare word, or ``how=...``;
+  default ``kill``): SIGKILL, SIGSTOP (a hang), SIGTERM; ``block``: the
+  worker's main thread blocks for good (a read on a pipe nobody writes) while
+  its heartbeat thread beats on, a hang only progress detection finds (worker
+  targets only; with ``phase=any`` it blocks at ``forward``);
 * ``phase=forward|backward|allreduce|confirm|any`` (default ``any``): where in the step
   (``confirm``: right after the worker voted to commit the step, which it does
   once every member holds the reduced gradient);
@@ -44,7 +47,7 @@ __all__ = ["FaultSpec", "fail_at", "format_fail_at", "parse_fail_at", "read_faul
            "write_fault_plan"]
 
 Target = Literal["worker", "node"]
-How = Literal["kill", "stop", "term"]
+How = Literal["kill", "stop", "term", "block"]
 Phase = Literal["forward", "backward", "allreduce", "confirm", "any"]
 
 _TARGETS: tuple[str, ...] = get_args(Target)
@@ -67,7 +70,8 @@ class FaultSpec:
         target: ``"worker"`` (one training process) or ``"node"`` (an agent
             and all its workers).
         index: worker or node number (>= 0).
-        how: ``"kill"`` (SIGKILL), ``"stop"`` (SIGSTOP, a hang), ``"term"`` (SIGTERM).
+        how: ``"kill"`` (SIGKILL), ``"stop"`` (SIGSTOP, a hang), ``"term"`` (SIGTERM),
+            ``"block"`` (the main thread blocks; worker targets only).
         phase: part of the step in which to fire; ``"any"`` leaves it to the injector.
         duration_s: for ``stop`` only: send SIGCONT after this many seconds;
             ``None`` = stay stopped.
@@ -99,6 +103,8 @@ def _spec_problems(s: FaultSpec) -> list[str]:
         problems.append(f"{s.target}={s.index!r}: expected an integer >= 0")
     if s.how not in _HOWS:
         problems.append(f"how={s.how!r}: expected one of {', '.join(_HOWS)}")
+    if s.how == "block" and s.target == "node":
+        problems.append("how=block: only a worker's main thread can block; use worker=I")
     if s.phase not in _PHASES:
         problems.append(f"phase={s.phase!r}: expected one of {', '.join(_PHASES)}")
     if s.duration_s is not None:

@@ -50,6 +50,7 @@ __all__ = ["DeathCause", "Injection", "NodeFaults", "PhaseFaults", "check_faults
            "workers_of"]
 
 _SIGNALS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "term": signal.SIGTERM}
+"""The signal of each ``how`` that is one (``block`` is not: the worker blocks itself)."""
 
 
 def signal_for(how: str) -> signal.Signals:
@@ -134,8 +135,10 @@ class NodeFaults:
         self._index = {id(s): i for i, s in enumerate(self.plan)}
         mine = [s for s in self.plan if s.step >= start_step and self._targets(s) and format_fail_at([s]) not in fired]
         # Stable sort keeps the user's order among specs of one step.
-        self._signals = sorted((s for s in mine if s.phase == "any"), key=lambda s: s.step)
-        self._phased = sorted((s for s in mine if s.phase != "any"), key=lambda s: s.step)
+        # A block is the worker's own doing (no signal makes a main thread block): it fires in the worker.
+        by_signal = [s for s in mine if s.phase == "any" and s.how != "block"]
+        self._signals = sorted(by_signal, key=lambda s: s.step)
+        self._phased = sorted((s for s in mine if s not in by_signal), key=lambda s: s.step)
         self._fired: dict[int, FaultSpec] = {}  # worker -> signal spec awaiting its death
 
     def _targets(self, s: FaultSpec) -> tuple[int, ...]:
@@ -217,4 +220,7 @@ class PhaseFaults:
             if s.step == step and ("forward" if s.phase == "any" else s.phase) == phase:
                 self.record({"kind": "event", "event": "fault_self", "worker": s.index, "step": step,
                              "phase": phase, "how": s.how})
+                if s.how == "block":
+                    read_end, _ = os.pipe()
+                    os.read(read_end, 1)  # nobody ever writes: the main thread is stuck outside Python for good
                 os.kill(os.getpid(), signal_for(s.how))

@@ -11,9 +11,9 @@ aggregation code of the real runtime, only the transport differs. The job is
 built by :func:`~unbroken.job.builder.build_job` and its metrics written by
 :class:`~unbroken.job.metrics.MetricsWriter`, as in the trainer.
 
-Outputs under ``out_dir`` (same rules as the trainer: an existing non-empty
-directory is refused unless ``overwrite=True``; nothing is written before every
-input is validated):
+Outputs under ``out_dir`` (same rules as the trainer: a directory holding a
+run is replaced only with ``overwrite=True``, any other non-empty directory is
+refused; nothing is written before every input is validated):
 
 - ``config.json``: the config; ``trace.json``: ``FailureTrace.to_json()``;
 - ``metrics.jsonl``: the trainer's ``train`` lines plus ``wall_s``, ``live_workers``
@@ -46,7 +46,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 import statistics
 import time
 from pathlib import Path
@@ -59,6 +58,7 @@ from unbroken.config import Config, config_hash
 from unbroken.faults.traces import FailureTrace, generate_trace, step_time_for, trace_preset
 from unbroken.job.builder import Job, build_job
 from unbroken.job.metrics import MetricsWriter, train_record
+from unbroken.job.run_dir import prepare_out_dir
 from unbroken.mecefo.takeover import POLICIES, assignment_json, degraded_slots, takeover_policy
 from unbroken.models import resolve_device
 
@@ -117,7 +117,7 @@ def simulate(
         trace: explicit trace (``n_workers == train.workers``, ``n_steps >=
             train.steps``); default :func:`build_trace` with ``min_live``.
         on_record: called with every metrics record as it is written.
-        overwrite: replace a non-empty ``out_dir``.
+        overwrite: replace a run already in ``out_dir`` (a non-empty directory holding no run is refused).
         min_live: passed to :func:`build_trace` when ``trace`` is None.
 
     Returns:
@@ -174,14 +174,7 @@ def _checked_trace(cfg: Config, trace: FailureTrace | None, min_live: int) -> Fa
 
 
 def _prepare_out_dir(out: Path, cfg: Config, trace: FailureTrace, *, overwrite: bool) -> None:
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"output path {out} exists and is not a directory; choose another --out")
-    if out.exists() and any(out.iterdir()):
-        if not overwrite:
-            raise ValueError(f"output directory {out} already holds a run; pass --overwrite to replace it "
-                             "or choose another --out")
-        shutil.rmtree(out)
-    out.mkdir(parents=True, exist_ok=True)
+    prepare_out_dir(out, cfg, overwrite=overwrite)  # only a directory holding a run is ever replaced
     for name, payload in (("config.json", cfg.to_dict()), ("trace.json", trace.to_json())):
         tmp = out / f"{name}.tmp"
         tmp.write_text(json.dumps(payload, indent=1))

@@ -41,12 +41,55 @@ def build_model(
 
 
 def resolve_device(choice: str, rank: int = 0) -> torch.device:
-    """``auto``: the rank's CUDA device when CUDA is available, else CPU."""
+    """``auto``: the rank's CUDA device when CUDA is available, else CPU.
+
+    Placement: rank ``r`` gets ``cuda:(r % G)`` with ``G`` the visible GPUs. For a
+    worker id ``w`` on node ``R`` of ``W`` workers this is its local rank's GPU,
+    ``(w - R*W) % G``, whenever ``G`` divides ``W`` (one worker per GPU, the usual
+    layout), and it spreads several loopback "nodes" on one machine over all its GPUs.
+
+    Raises:
+        ValueError: ``choice`` is ``cuda`` on a machine without CUDA.
+    """
     if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     if not torch.cuda.is_available():
         raise ValueError("train.device='cuda' but CUDA is not available; use 'cpu' or 'auto'")
     return torch.device("cuda", rank % torch.cuda.device_count())
+
+
+def bind_device(choice: str, rank: int = 0) -> torch.device:
+    """:func:`resolve_device`, made this process's current CUDA device.
+
+    A worker must call this (not :func:`resolve_device`) before it builds anything
+    on the GPU or creates an NCCL group: kernels launched without an explicit
+    device, ``torch.cuda`` RNG calls, NCCL's communicator and the CUDA context
+    all follow the current device, which otherwise stays ``cuda:0`` for every
+    process of a node.
+    """
+    device = resolve_device(choice, rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return device
+
+
+def place_model(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """Move a model built on another device (a warm standby's) onto ``device``, in place.
+
+    The parameter objects stay the same (an optimizer built afterwards sees the
+    moved tensors). A no-op when every tensor is already there; otherwise the
+    copies made on the old GPU return to it (``empty_cache``).
+    """
+    if all(t.device == device for t in _tensors(model)):
+        return model
+    model.to(device)
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return model
+
+
+def _tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [*model.parameters(), *model.buffers()]
 
 
 @torch.no_grad()

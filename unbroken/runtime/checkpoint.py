@@ -5,43 +5,70 @@ Layout of one checkpoint, ``<run>/checkpoints/step_<NNNNNNN>/``:
   safetensors storage (JSON header + raw bytes). Holds the model parameters
   (``model.<name>``), AdamW moments (``optim.<name>.exp_avg`` ...) and the CPU
   RNG state (``rng.cpu``).
-- ``commit.json``: step, config hash, data position, written last and
-  atomically. A directory without it is incomplete and is never resumed from.
+- ``commit.json``: step, config hash, data position and the sha256 of every
+  other file, written last, durably and atomically
+  (:mod:`unbroken.runtime.checkpoint_files`). A directory without it is
+  incomplete and is never resumed from.
 
-Data-parallel state is replicated, so one worker writes it; the write runs in a
-background thread after the state has been copied (``dcp.async_save`` stages
-synchronously), so training continues while bytes reach the disk.
+Data-parallel state is replicated, so one worker (the view's leader) writes it.
+``dcp.async_save`` stages a copy synchronously; a background thread then
+writes the files, fsyncs and checksums them, commits, and deletes checkpoints
+beyond ``keep``, so training continues while bytes reach the disk and a save
+commits even if its writer stops leading.
 
-Invariant: loading step ``k`` and training to ``K`` equals training to ``K``.
+Invariants: loading step ``k`` and training to ``K`` equals training to ``K``;
+a checkpoint is loaded only if its files match the checksums of its commit;
+a save that fails on the storage (disk full, file too large, I/O error) is
+logged once, its directory removed, and training goes on.
 """
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import logging
-import os
-import shutil
 import warnings
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout  # not the builtin before 3.11
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
+from torch.distributed.checkpoint import CheckpointException, HuggingFaceStorageReader, HuggingFaceStorageWriter
+
+from unbroken.runtime.checkpoint_files import (
+    COMMIT_FILE,
+    CheckpointError,
+    checkpoint_dir,
+    committed_checkpoints,
+    prune_checkpoints,
+    read_commit,
+    remove_checkpoint,
+    seal_files,
+    verify_files,
+    write_commit,
+)
+
+__all__ = [
+    "COMMIT_FILE",
+    "AsyncCheckpointer",
+    "CheckpointError",
+    "checkpoint_dir",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "load_training_state",
+    "read_commit",
+    "training_state",
+    "verify_checkpoint",
+]
 
 logger = logging.getLogger(__name__)
 
-COMMIT_FILE = "commit.json"
 _ADAM_KEYS = ("exp_avg", "exp_avg_sq", "step")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, incomplete or does not match the run."""
-
-
-def checkpoint_dir(run_dir: str | Path, step: int) -> Path:
-    return Path(run_dir) / "checkpoints" / f"step_{step:07d}"
+DEFAULT_KEEP = 3
+"""Committed checkpoints kept when the caller does not say (``train.keep_checkpoints``)."""
+SAVE_TIMEOUT_S = 600.0
+"""Longest wait for one checkpoint's files to be written."""
 
 
 def training_state(
@@ -81,69 +108,185 @@ def load_training_state(
     torch.set_rng_state(state["rng.cpu"].clone())
 
 
-class AsyncCheckpointer:
-    """Writes checkpoints in the background, one at a time, and commits them."""
+@dataclasses.dataclass(frozen=True)
+class _Pending:
+    step: int
+    path: Path
+    future: Future[bool]
 
-    def __init__(self, run_dir: str | Path, *, config_hash: str) -> None:
+
+class AsyncCheckpointer:
+    """Writes checkpoints in the background, one at a time; each commits itself once on disk.
+
+    Args:
+        run_dir: the run directory (checkpoints go to ``run_dir/checkpoints``).
+        config_hash: recorded in each commit; a load checks it.
+        keep: committed checkpoints kept after each commit (``train.keep_checkpoints``).
+        timeout_s: longest wait for one save's files (then it counts as not written).
+    """
+
+    def __init__(self, run_dir: str | Path, *, config_hash: str, keep: int = DEFAULT_KEEP,
+                 timeout_s: float = SAVE_TIMEOUT_S) -> None:
+        if keep < 1:
+            raise ValueError(f"keep={keep}: must be >= 1 (train.keep_checkpoints)")
         self.run_dir = Path(run_dir)
         self.config_hash = config_hash
-        self._pending: tuple[Path, dict[str, Any], Future[Any]] | None = None
+        self.keep = keep
+        self.timeout_s = timeout_s
+        self.failed_steps: list[int] = []
+        """Steps whose checkpoint was not written (storage errors), oldest first."""
+        self._pending: _Pending | None = None
+        self._pool: ThreadPoolExecutor | None = None
+
+    @property
+    def pending_step(self) -> int | None:
+        """The step of the save still in flight or not yet collected, or None."""
+        return self._pending.step if self._pending else None
 
     def save(self, step: int, state: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
-        """Stage ``state`` now and write it asynchronously; ``step`` = steps done."""
+        """Stage ``state`` now and write it asynchronously; ``step`` = steps done.
+
+        Waits for the previous save first. A storage error is logged and the
+        save dropped (training goes on; the next save tries again).
+        """
         self.wait()
         path = checkpoint_dir(self.run_dir, step)
-        if path.exists():
-            shutil.rmtree(path)
-        path.mkdir(parents=True)
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-            fut = dcp.async_save(state, storage_writer=HuggingFaceStorageWriter(str(path)), no_dist=True)
         commit = {"step": step, "config_hash": self.config_hash, "data_step": step, **meta}
-        self._pending = (path, commit, fut)
+        try:
+            remove_checkpoint(path)  # a leftover of an earlier attempt at this step
+            path.mkdir(parents=True)
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+                fut = dcp.async_save(state, storage_writer=HuggingFaceStorageWriter(str(path)), no_dist=True)
+        except (Exception, CheckpointException) as exc:
+            self._failed(step, path, exc)
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
+        self._pending = _Pending(step, path, self._pool.submit(self._finish, step, path, commit, fut))
 
     def poll(self) -> None:
-        """Commit a finished background write; raise if it failed (never silently lost)."""
-        if self._pending and self._pending[2].done():
+        """Collect a finished save; raise if it failed for another reason than the storage."""
+        if self._pending and self._pending.future.done():
             self.wait()
 
     def wait(self) -> None:
-        """Block until the pending write is on disk, then commit it."""
-        if self._pending:
-            path, commit, fut = self._pending
-            self._pending = None
-            fut.result()
-            _commit(path, commit)
+        """Block until the pending save is committed (or has failed and been logged)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        try:
+            pending.future.result(timeout=2 * self.timeout_s)
+        except FutureTimeout:
+            if pending.future.done():
+                raise
+            logger.error("checkpoint at step %d still not on disk after %.0f s; not waiting for it any longer",
+                         pending.step, 2 * self.timeout_s)
+
+    def handover(self) -> None:
+        """This worker no longer leads the view: finish (wait for and commit) its pending save now.
+
+        The save then lands before the new leader's saves and retention run,
+        not at the end of the run.
+        """
+        if self._pending is not None:
+            logger.info("no longer leading: finishing the checkpoint at step %d", self._pending.step)
+            self.wait()
+
+    def _finish(self, step: int, path: Path, commit: dict[str, Any], fut: Future[Any]) -> bool:
+        """Background: wait for the files, fsync and checksum them, commit, prune. False: not written."""
+        try:
+            _wait_written(fut, self.timeout_s)
+            commit["files"] = seal_files(path)
+            write_commit(path, commit)
+        except (Exception, CheckpointException) as exc:
+            self._failed(step, path, exc)
+            return False
+        logger.info("checkpoint step %d committed at %s", step, path)
+        try:
+            prune_checkpoints(path.parent, self.keep)
+        except OSError as exc:  # the new checkpoint is safe; old ones stay until the next commit
+            logger.warning("could not delete old checkpoints after step %d: %s", step, exc)
+        return True
+
+    def _failed(self, step: int, path: Path, exc: BaseException) -> None:
+        """Log a failed save once and remove its directory; re-raise unless the storage failed."""
+        remove_checkpoint(path)
+        err = _storage_error(exc)
+        if err is None:
+            logger.error("checkpoint at step %d not written (%s removed)", step, path)
+            raise exc
+        self.failed_steps.append(step)
+        logger.error("checkpoint at step %d not written: %s; removed %s, training goes on and the next "
+                     "checkpoint is tried again", step, err, path)
 
 
-def _commit(path: Path, commit: dict[str, Any]) -> None:
-    tmp = path / (COMMIT_FILE + ".tmp")
-    tmp.write_text(json.dumps(commit, indent=1))
-    os.replace(tmp, path / COMMIT_FILE)
-    logger.info("checkpoint step %d committed at %s", commit["step"], path)
+def _wait_written(fut: Future[Any], timeout_s: float) -> None:
+    try:
+        fut.result(timeout=timeout_s)
+    except FutureTimeout:
+        if fut.done():
+            raise
+        raise TimeoutError(f"its files were not written within {timeout_s:.0f} s") from None
+
+
+def _storage_error(exc: BaseException) -> OSError | None:
+    """The OS error behind a failed save (disk full, file too large, I/O, timeout), or None."""
+    if isinstance(exc, OSError):
+        return exc
+    if isinstance(exc, CheckpointException):
+        causes = [e for e, _ in exc.failures.values()]
+        if causes and all(isinstance(e, OSError) for e in causes):
+            return causes[0]  # type: ignore[return-value]
+    return None
+
+
+def verify_checkpoint(path: str | Path) -> dict[str, Any]:
+    """Read the commit of checkpoint ``path`` and check its files' checksums; returns the commit.
+
+    Raises:
+        CheckpointError: naming the file that is torn, missing or does not match.
+    """
+    commit = read_commit(path)
+    verify_files(path, commit)
+    return commit
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    """The newest committed checkpoint directory of a run, or None."""
+    """The newest committed checkpoint of a run whose files match their checksums, or None.
+
+    A damaged one (torn ``commit.json``, a file that does not match) is skipped
+    with a warning naming the file, and the previous one is tried.
+
+    Raises:
+        CheckpointError: there are committed checkpoints but none is intact.
+    """
     root = Path(run_dir) / "checkpoints"
-    if not root.is_dir():
-        return None
-    done = sorted(p for p in root.glob("step_*") if (p / COMMIT_FILE).is_file())
-    return done[-1] if done else None
-
-
-def read_commit(path: str | Path) -> dict[str, Any]:
-    f = Path(path) / COMMIT_FILE
-    if not f.is_file():
-        raise CheckpointError(f"{path} has no {COMMIT_FILE}: the checkpoint is incomplete")
-    return json.loads(f.read_text())
+    damaged: list[str] = []
+    for path in committed_checkpoints(root):
+        try:
+            verify_checkpoint(path)
+        except CheckpointError as exc:
+            logger.warning("skipping checkpoint %s: %s", path.name, exc)
+            damaged.append(str(exc))
+            continue
+        if damaged:
+            logger.warning("using the previous committed checkpoint %s instead", path)
+        return path
+    if damaged:
+        raise CheckpointError(f"no intact committed checkpoint under {root}: {'; '.join(damaged)}")
+    return None
 
 
 def load_checkpoint(
     path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, config_hash: str
 ) -> dict[str, Any]:
-    """Load a committed checkpoint into model and optimizer; returns its commit record."""
-    commit = read_commit(path)
+    """Load a committed, verified checkpoint into model and optimizer; returns its commit record.
+
+    Raises:
+        CheckpointError: the checkpoint is incomplete, damaged or from another config.
+    """
+    commit = verify_checkpoint(path)
     if commit["config_hash"] != config_hash:
         raise CheckpointError(
             f"{path} was written by a run with config hash {commit['config_hash']}, "

@@ -6,11 +6,16 @@ protocol and the workers all go through :class:`JobStore`. The backend is a
 :class:`StoreBackend`; today's is torch's ``TCPStore`` (:class:`TCPStoreBackend`),
 hosted by the launcher (or node 0's agent).
 
+Access (:mod:`unbroken.runtime.store_backend`): the store listens on the
+job's host only, and every key lives under a namespace derived from the job's
+secret, so a client without it can neither read nor change anything.
+
 Key schema (``<g>`` a view generation, ``<w>`` a worker, ``<R>`` a node rank):
 
 ============================  ==============================  ==================================================
 key                           written by                      holds
 ============================  ==============================  ==================================================
+``job``                       the store's host                the job is here (a wrong secret finds nothing)
 ``config``                    launcher / node-0 agent         the job's config JSON
 ``gen``                       view proposers (CAS)            the current generation
 ``view/<g>``                  view proposers (CAS)            the :class:`View` JSON of generation ``g``
@@ -20,8 +25,10 @@ key                           written by                      holds
 ``pg/<g>/0/<rank>``           gloo's rendezvous               the rank's transport addresses
 ``pruned``                    view leaders                    every generation below this one is deleted
 ``hb/<w>``                    worker's heartbeat thread       liveness counter
+``prog/<w>``                  worker's heartbeat thread       progress counter of its main thread (phases entered)
 ``dead/<w>`` + ``deaths``     agents, observing peers         why ``w`` was declared dead; how many marks so far
 ``join/<w>`` + ``joins``      restarted workers               a join request; how many so far
+``refused/<w>``               view leader                     why ``w``'s join request was refused
 ``progress``                  view leader                     committed steps
 ``done`` / ``failed``         leader / agents, workers        the job finished / cannot go on (why)
 ``agent/<R>`` (+ ``/pid``)    agents (CAS)                    the registration token of node ``R``'s agent
@@ -29,6 +36,7 @@ key                           written by                      holds
 ``standby/<R>/ready``         node ``R``'s standby            its pid, once warm
 ``standby/<R>/assign``        agent, standby (CAS)            ``"<w>"`` offered, ``"claimed:<pid>"`` taken, ``""``
 ``standby/<R>/faults``        agent                           the fault indices the standby is to inject
+``hb/standby/<R>``            node ``R``'s standby            its liveness counter while it waits for an offer
 ============================  ==============================  ==================================================
 
 Invariants: generations only grow; ``view/<g>`` and ``outcome/<g>`` exist
@@ -42,117 +50,17 @@ all left the older ones: they all completed that step's all-reduce).
 from __future__ import annotations
 
 import json
-from abc import ABC, abstractmethod
-from datetime import timedelta
 from typing import Any, Literal
 
 import torch.distributed as dist
 
+from unbroken.runtime.store_backend import StoreBackend, TCPStoreBackend
 from unbroken.runtime.view import View
 
-__all__ = ["JobStore", "Outcome", "StoreBackend", "TCPStoreBackend"]
+__all__ = ["JobStore", "Outcome"]
 
 Outcome = Literal["commit", "abort", "stale"]
 """A vote's result; ``stale``: the generation was pruned, so the voter is far behind (fenced)."""
-
-
-class StoreBackend(ABC):
-    """A key-value store with compare-and-set and counters (the subset of ``torch.distributed.Store`` used)."""
-
-    @abstractmethod
-    def get(self, key: str) -> bytes: ...
-    @abstractmethod
-    def set(self, key: str, value: str) -> None: ...
-    @abstractmethod
-    def compare_set(self, key: str, expected: str, desired: str) -> bytes: ...
-    @abstractmethod
-    def add(self, key: str, amount: int) -> int: ...
-    @abstractmethod
-    def check(self, keys: list[str]) -> bool: ...
-    @abstractmethod
-    def multi_get(self, keys: list[str]) -> list[bytes]: ...
-    @abstractmethod
-    def delete_key(self, key: str) -> bool: ...
-    @abstractmethod
-    def num_keys(self) -> int: ...
-
-    @abstractmethod
-    def group_store(self, prefix: str) -> dist.Store:
-        """A ``torch.distributed.Store`` under ``prefix`` for a process group's rendezvous."""
-
-
-class TCPStoreBackend(StoreBackend):
-    """torch's ``TCPStore``: hosted by the launcher (or node 0's agent), nothing to install."""
-
-    def __init__(self, store: dist.TCPStore) -> None:
-        self.store = store
-
-    def get(self, key: str) -> bytes:
-        return self.store.get(key)
-
-    def set(self, key: str, value: str) -> None:
-        self.store.set(key, value)
-
-    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
-        return self.store.compare_set(key, expected, desired)
-
-    def add(self, key: str, amount: int) -> int:
-        return self.store.add(key, amount)
-
-    def check(self, keys: list[str]) -> bool:
-        return self.store.check(keys)
-
-    def multi_get(self, keys: list[str]) -> list[bytes]:
-        return self.store.multi_get(keys)
-
-    def delete_key(self, key: str) -> bool:
-        return self.store.delete_key(key)
-
-    def num_keys(self) -> int:
-        return self.store.num_keys()
-
-    @property
-    def port(self) -> int:
-        return self.store.port
-
-    def group_store(self, prefix: str) -> dist.Store:
-        return dist.PrefixStore(prefix, self.store)
-
-    @classmethod
-    def connect(cls, addr: str, *, timeout_s: float) -> TCPStoreBackend:
-        """A client of the store at ``HOST:PORT``.
-
-        Raises:
-            ValueError: ``addr`` is not ``HOST:PORT``.
-            ConnectionError: nothing answered within ``timeout_s`` (says what to check).
-        """
-        host, _, port = addr.rpartition(":")
-        if not host or not port.isdigit():
-            raise ValueError(f"store address {addr!r} is not HOST:PORT")
-        try:
-            return cls(dist.TCPStore(host, int(port), None, is_master=False, timeout=timedelta(seconds=timeout_s)))
-        except (RuntimeError, OSError) as exc:
-            raise ConnectionError(
-                f"store {addr} did not answer within {timeout_s:.0f} s ({str(exc).splitlines()[0]}); "
-                f"is the launcher running and the address right?"
-            ) from None
-
-    @classmethod
-    def host(cls, host: str, port: int, *, clients: int) -> TCPStoreBackend:
-        """Host the store on ``host:port`` (0: a free port).
-
-        Raises:
-            ValueError: the port cannot be bound (names it and the fix).
-        """
-        try:
-            return cls(dist.TCPStore(host, port, clients + 1, is_master=True, timeout=timedelta(seconds=30),
-                                     wait_for_workers=False))
-        except (RuntimeError, OSError) as exc:
-            raise ValueError(
-                f"cannot listen on {host}:{port} ({exc.__class__.__name__}: {str(exc).splitlines()[0]}); "
-                f"the port is probably in use: pick another with --train.port=N or 0 for a free one"
-            ) from None
-
 
 def _opt(backend: StoreBackend, key: str) -> str | None:
     # get() on a missing key blocks until the store's timeout: check first.
@@ -166,14 +74,14 @@ class JobStore:
         self.backend = backend
 
     @classmethod
-    def connect(cls, addr: str, *, timeout_s: float) -> JobStore:
+    def connect(cls, addr: str, *, timeout_s: float, secret: str) -> JobStore:
         """Connect to the job's store at ``HOST:PORT`` (see :meth:`TCPStoreBackend.connect`)."""
-        return cls(TCPStoreBackend.connect(addr, timeout_s=timeout_s))
+        return cls(TCPStoreBackend.connect(addr, timeout_s=timeout_s, secret=secret))
 
     @classmethod
-    def host(cls, host: str, port: int, *, clients: int) -> JobStore:
-        """Host a job's store (see :meth:`TCPStoreBackend.host`)."""
-        return cls(TCPStoreBackend.host(host, port, clients=clients))
+    def host(cls, host: str, port: int, *, clients: int, secret: str) -> JobStore:
+        """Host a job's store on ``host`` only (see :meth:`TCPStoreBackend.host`)."""
+        return cls(TCPStoreBackend.host(host, port, clients=clients, secret=secret))
 
     @property
     def port(self) -> int:
@@ -225,9 +133,13 @@ class JobStore:
         return winner
 
     def _open(self, raw: bytes) -> View:
-        """Open the outcome key of a published view: "the step before its first was committed"."""
+        """Open a published view: its outcome key ("the step before its first was committed") and
+        its members' liveness counters, so that reading them never waits for a key to appear."""
         view = View.from_json(raw)
         self.backend.compare_set(f"outcome/{view.gen}", "", f"{view.step - 1}:commit")
+        for w in view.members:
+            self.backend.add(f"hb/{w}", 0)
+            self.backend.add(f"prog/{w}", 0)
         return view
 
     # -- one step ---------------------------------------------------------------
@@ -301,7 +213,17 @@ class JobStore:
         return self.backend.add(f"hb/{worker}", 1)
 
     def heartbeats(self, workers: list[int]) -> list[int]:
-        return [int(raw) for raw in self.backend.multi_get([f"hb/{w}" for w in workers])]
+        """Heartbeat counters (0 for a worker that never beat; never waits for a key)."""
+        return [self.backend.add(f"hb/{w}", 0) for w in workers]
+
+    def advance(self, worker: int, phases: int) -> int:
+        """Count ``phases`` more phases entered by ``worker``'s main thread."""
+        return self.backend.add(f"prog/{worker}", phases)
+
+    def liveness(self, members: tuple[int, ...] | list[int]) -> list[tuple[int, int]]:
+        """(heartbeat, progress) counters of members of a published view, in one round trip."""
+        raw = self.backend.multi_get([f"{k}/{w}" for w in members for k in ("hb", "prog")])
+        return [(int(raw[2 * i]), int(raw[2 * i + 1])) for i in range(len(members))]
 
     def mark_dead(self, worker: int, reason: str) -> bool:
         """Declare ``worker`` dead (first mark wins); True if this call made the mark."""
@@ -328,8 +250,22 @@ class JobStore:
     # -- joins ------------------------------------------------------------------
 
     def request_join(self, worker: int, info: dict[str, Any]) -> None:
+        """Ask to join (``info``: pid, config hash, time); clears an earlier refusal."""
+        self.backend.delete_key(f"refused/{worker}")
         self.backend.set(f"join/{worker}", json.dumps(info))
         self.backend.add("joins", 1)
+
+    def join_request(self, worker: int) -> dict[str, Any] | None:
+        raw = _opt(self.backend, f"join/{worker}")
+        return None if raw is None else json.loads(raw)
+
+    def refuse_join(self, worker: int, reason: str) -> None:
+        """Turn ``worker``'s request down for good (it reads :meth:`join_refusal` and leaves)."""
+        self.backend.set(f"refused/{worker}", reason)
+        self.backend.delete_key(f"join/{worker}")
+
+    def join_refusal(self, worker: int) -> str | None:
+        return _opt(self.backend, f"refused/{worker}")
 
     def joins(self) -> int:
         return self.backend.add("joins", 0)
@@ -428,3 +364,7 @@ class JobStore:
         self.backend.compare_set(key, claimed, "")
         self.standby_clear_ready(node)
         return True
+
+    def standby_beat(self, node: int, amount: int = 1) -> int:
+        """Node ``node``'s standby beats while it waits (``amount=0``: read; never blocks)."""
+        return self.backend.add(f"hb/standby/{node}", amount)

@@ -3,6 +3,15 @@
 The keys live in the job store (:mod:`unbroken.runtime.job_store`); this
 module judges them. Views are proposed and read through the store as well.
 
+Liveness is progress, not just a beating thread: the heartbeat thread
+publishes two counters, its own beat and the main thread's progress (phases of
+a step entered, :meth:`Membership.advance`). A member is dead to an observer
+when its beat stands still for ``heartbeat_timeout_s`` (a crash, SIGSTOP, a
+lost node) or its progress stands still for ``progress_timeout_s`` (a main
+thread stuck outside Python while the heartbeat thread beats on), judged only
+while the observer waits for it. A store error does not stop the heartbeat:
+it retries with backoff until the hang timeout has passed.
+
 Invariants: a worker marked dead never becomes a member again under the same
 incarnation (its agent kills it: fencing); heartbeat liveness is judged on the
 observer's own clock (counter changes), so no clock agreement is needed, and
@@ -45,14 +54,18 @@ class Membership:
     """One worker's failure detector and heartbeat, over the job store."""
 
     def __init__(self, store: JobStore, worker: int, *, heartbeat_timeout_s: float,
-                 heartbeat_store: JobStore | None = None) -> None:
+                 progress_timeout_s: float | None = None, heartbeat_store: JobStore | None = None) -> None:
         self.store = store
         # Its own connection: a call blocked on the main one (a group rendezvous)
         # must never silence the heartbeat.
         self.heartbeat_store = heartbeat_store or store
         self.worker = worker
         self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.progress_timeout_s = progress_timeout_s if progress_timeout_s is not None else math.inf
         self._hb_seen: dict[int, tuple[int, float]] = {}
+        self._prog_seen: dict[int, tuple[int, float]] = {}
+        self._progress = 0  # phases the main thread entered (written by it, published by the heartbeat thread)
+        self._published = 0
         self._last_watch = -math.inf
         self._deaths_seen = -1
         self._dead: set[int] = set()
@@ -75,13 +88,32 @@ class Membership:
         self._hb_thread.start()
 
     def _beat(self) -> None:
-        while not self._stop.wait(HEARTBEAT_INTERVAL_S):
+        """Beat every interval; on a store error retry with backoff until the hang timeout has passed."""
+        last_ok, delay = time.monotonic(), HEARTBEAT_INTERVAL_S
+        while not self._stop.wait(delay):
             try:
-                self.heartbeat_store.beat(self.worker)
-                self._joins_seen = self.heartbeat_store.joins()
-            except Exception as exc:  # store gone: the job is over or this node is cut off
-                logger.warning("heartbeat stopped: %s", exc)
-                return
+                self._publish()
+            except Exception as exc:  # the store did not answer: a hiccup, or it is gone for good
+                if time.monotonic() - last_ok > self.heartbeat_timeout_s:
+                    logger.error("heartbeat stopped: no store answer for %.1f s (%s)",
+                                 time.monotonic() - last_ok, exc)
+                    return
+                delay = min(2 * delay, self.heartbeat_timeout_s / 4)
+                logger.warning("heartbeat: store error (%s); retrying in %.2f s", exc, delay)
+                continue
+            last_ok, delay = time.monotonic(), HEARTBEAT_INTERVAL_S
+
+    def _publish(self) -> None:
+        self.heartbeat_store.beat(self.worker)
+        progress = self._progress
+        if progress != self._published:
+            self.heartbeat_store.advance(self.worker, progress - self._published)
+            self._published = progress
+        self._joins_seen = self.heartbeat_store.joins()
+
+    def advance(self) -> None:
+        """The main thread entered a new phase of its work (the heartbeat thread publishes it)."""
+        self._progress += 1
 
     def stop(self) -> None:
         self._stop.set()
@@ -104,7 +136,7 @@ class Membership:
         others = [w for w in view.members if w != self.worker and w not in self._dead]
         if others:
             before = time.monotonic()
-            counts = self.store.heartbeats(others)
+            counters = self.store.liveness(others)
             now = time.monotonic()
             # Silence counts only while this observer kept watching: if it was itself stalled (not
             # scheduled, or the store did not answer), nobody's heartbeat could be seen, so the clocks
@@ -112,19 +144,22 @@ class Membership:
             blind = (before - self._last_watch > self.heartbeat_timeout_s / 2
                      or now - before > self.heartbeat_timeout_s / 2)
             self._last_watch = now
-            for w, c in zip(others, counts):
-                seen = self._hb_seen.get(w)
-                if seen is None or seen[0] != c or blind:
-                    self._hb_seen[w] = (c, now)
-                elif before - seen[1] > self.heartbeat_timeout_s:
-                    self.mark_dead(w, json.dumps({"by": self.worker, "how": "heartbeat",
-                                                  "silent_s": round(before - seen[1], 3)}))
+            for w, (beat, progress) in zip(others, counters):
+                for seen, value, limit, how in ((self._hb_seen, beat, self.heartbeat_timeout_s, "heartbeat"),
+                                                (self._prog_seen, progress, self.progress_timeout_s, "no progress")):
+                    last = seen.get(w)
+                    if last is None or last[0] != value or blind:
+                        seen[w] = (value, now)
+                    elif before - last[1] > limit and w not in self._dead:
+                        self.mark_dead(w, json.dumps({"by": self.worker, "how": how,
+                                                      "silent_s": round(before - last[1], 3)}))
         return self._dead & set(view.members)
 
     def forget_dead(self, worker: int) -> None:
         """A new incarnation of ``worker`` joined: judge it afresh."""
         self._dead.discard(worker)
         self._hb_seen.pop(worker, None)
+        self._prog_seen.pop(worker, None)
 
     # -- joins --------------------------------------------------------------
 

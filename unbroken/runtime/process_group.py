@@ -7,13 +7,16 @@ the global default group so that groups can come and go.
 
 Collectives are started asynchronously and polled. Between polls the caller's
 ``check`` runs (failure detector, view watcher) and may raise to abandon the
-collective. An abandoned group is never used again: gloo, whose pending
-operation may still be blocked on a silent peer, is parked until that peer is
-fenced (killed), which unblocks it; NCCL is aborted. Every collective works on
-a buffer owned by the group, never on the caller's tensor, so a late write by an
-abandoned operation can never corrupt state: the buffer is reused from one step
-to the next (no allocation, no page faults on the hot path) and is parked with
-its group when the group is abandoned.
+collective. Building a group is watched the same way (a member that dies
+while the others connect does not hold them for the whole timeout). An
+abandoned group is never used again: with no operation pending it is
+destroyed at once (its sockets, threads and buffer released); gloo with an
+operation still blocked on a silent peer is parked until that peer is fenced
+(killed), which unblocks it, and destroyed then; NCCL is aborted. Every
+collective works on a buffer owned by the group, never on the caller's tensor,
+so a late write by an abandoned operation can never corrupt state: the buffer
+is reused from one step to the next (no allocation, no page faults on the hot
+path) and goes with its group.
 """
 
 from __future__ import annotations
@@ -41,18 +44,54 @@ class ViewGroup:
     """The process group of one view."""
 
     def __init__(self, rendezvous: dist.Store, *, gen: int, rank: int, size: int, device: torch.device,
-                 timeout_s: float) -> None:
+                 timeout_s: float, check: Callable[[], None] = lambda: None) -> None:
+        """Build the group; ``check`` runs while the members connect and may raise to give up.
+
+        Raises:
+            CollectiveFailed: the members did not all connect within the timeout.
+        """
         self.gen, self.rank, self.size, self.device = gen, rank, size, device
         self.timeout = timedelta(seconds=timeout_s)
-        t0 = time.perf_counter()
-        if device.type == "cuda":
-            opts = dist.ProcessGroupNCCL.Options()
-            opts._timeout = self.timeout
-            self.pg: dist.ProcessGroup = dist.ProcessGroupNCCL(rendezvous, rank, size, opts)
-        else:
-            self.pg = dist.ProcessGroupGloo(rendezvous, rank, size, self.timeout)
-        self.build_s = time.perf_counter() - t0
         self._buf: torch.Tensor | None = None
+        self._pending: dist.Work | None = None
+        t0 = time.perf_counter()
+        self.pg: dist.ProcessGroup = self._connect(rendezvous, check)
+        self.build_s = time.perf_counter() - t0
+
+    def _connect(self, rendezvous: dist.Store, check: Callable[[], None]) -> dist.ProcessGroup:
+        """Rendezvous in a side thread, watched: a member that dies meanwhile must not hold us for the timeout.
+
+        A construction given up on finishes (or times out) in its thread and is dropped.
+        """
+        built: dict[str, object] = {}
+
+        def build() -> None:
+            try:
+                if self.device.type == "cuda":
+                    opts = dist.ProcessGroupNCCL.Options()
+                    opts._timeout = self.timeout
+                    pg = dist.ProcessGroupNCCL(rendezvous, self.rank, self.size, opts)
+                    # NCCL connects lazily, inside the first collective, which would block the caller
+                    # beyond any check if a peer died meanwhile: connect here, in the watched thread.
+                    pg.eager_connect_single_device(self.device)
+                    built["pg"] = pg
+                else:
+                    built["pg"] = dist.ProcessGroupGloo(rendezvous, self.rank, self.size, self.timeout)
+            except Exception as exc:  # handed to the caller below
+                built["error"] = exc
+
+        thread = threading.Thread(target=build, name=f"group-g{self.gen}", daemon=True)
+        thread.start()
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        while True:
+            thread.join(CHECK_S)
+            if not thread.is_alive():
+                break
+            self._tick(check, deadline, "group construction")
+        if "error" in built:
+            raise CollectiveFailed(f"group of view {self.gen} could not be built: "
+                                   f"{str(built['error']).splitlines()[0]}")
+        return built["pg"]  # type: ignore[return-value]
 
     def allreduce(self, tensor: torch.Tensor, check: Callable[[], None],
                   after_post: Callable[[], None] | None = None) -> torch.Tensor:
@@ -71,7 +110,7 @@ class ViewGroup:
             if after_post is not None:
                 after_post()
             return buf
-        work = self.pg.allreduce([buf])
+        work = self._pending = self._post(lambda: self.pg.allreduce([buf]), "all-reduce")
         if after_post is not None:
             after_post()
         self._poll(work, check, "all-reduce")
@@ -82,7 +121,7 @@ class ViewGroup:
         buf = tensor.detach().clone().to(self.device)
         if self.size == 1:
             return buf
-        work = self.pg.broadcast(buf, src)
+        work = self._post(lambda: self.pg.broadcast(buf, src), "broadcast")
         self._poll(work, check, "broadcast")
         return buf
 
@@ -93,6 +132,7 @@ class ViewGroup:
         collective completes (its "timed out" error leaves the operation running);
         CUDA: woken by the work's future.
         """
+        self._pending = work  # until it completes: an abandoned group with pending work is parked, not destroyed
         deadline = time.monotonic() + self.timeout.total_seconds()
         if self.device.type == "cuda":
             done = threading.Event()
@@ -111,10 +151,40 @@ class ViewGroup:
                     if work.is_completed():
                         break
                 self._tick(check, deadline, what)
+        self._pending = None
         try:
             work.wait()
         except RuntimeError as exc:
             raise CollectiveFailed(f"{what} of view {self.gen} failed: {str(exc).splitlines()[0]}") from None
+
+    def _post(self, start: Callable[[], dist.Work], what: str) -> dist.Work:
+        """Start a collective; an error raised at once (NCCL checks synchronously) is a failed collective."""
+        try:
+            return start()
+        except RuntimeError as exc:
+            raise CollectiveFailed(f"{what} of view {self.gen} failed: {str(exc).splitlines()[0]}") from None
+
+    def late_result(self, timeout_s: float) -> torch.Tensor | None:
+        """The reduced buffer of an all-reduce given up on, if it completes well within ``timeout_s``.
+
+        A member that gave up waiting (a false alarm) may learn that the others
+        committed the step: its own contribution was posted, so its all-reduce
+        may still complete, and then the buffer holds the same reduced gradient
+        as everybody's. None if it failed or is still pending.
+        """
+        work, deadline = self._pending, time.monotonic() + timeout_s
+        if work is None or self._buf is None:
+            return None
+        while not work.is_completed() and time.monotonic() < deadline:
+            time.sleep(0.002)
+        try:
+            if not work.is_completed():
+                return None
+            work.wait()
+        except RuntimeError:
+            return None
+        self._pending = None
+        return self._buf
 
     def _tick(self, check: Callable[[], None], deadline: float, what: str) -> None:
         check()
@@ -122,14 +192,55 @@ class ViewGroup:
             raise CollectiveFailed(f"{what} of view {self.gen} did not finish within {self.timeout}")
 
     def abandon(self) -> None:
-        """Stop using this group. NCCL: abort now. gloo: see the module docstring."""
+        """Stop using this group: destroyed now unless an operation is still pending (module docstring).
+
+        NCCL is aborted first. A group whose last operation is still running
+        (blocked on a silent peer) is parked until that operation ends (the
+        peer is fenced, its connections close), then destroyed by a later
+        :meth:`abandon`; so a worker holds at most the groups whose peers are
+        still being fenced, not one per view it ever saw.
+        """
         if self.device.type == "cuda":
             try:
                 self.pg.abort()
             except Exception as exc:  # best effort: the group is never used again
                 logger.warning("abort of view %d group failed: %s", self.gen, exc)
-        _PARKED.append(self)
+        for parked in [g for g in _PARKED if g._pending is None or g._pending.is_completed()]:
+            _PARKED.remove(parked)
+            parked._release()
+        if self._pending is None or self._pending.is_completed():
+            self._release()
+        else:
+            _PARKED.append(self)
+
+    def _release(self) -> None:
+        """Drop the group, its buffer and its last operation: gloo closes its sockets and joins its threads."""
+        self.pg, self._buf, self._pending = None, None, None  # type: ignore[assignment]
+
+    def broadcast_into(self, tensor: torch.Tensor, src: int, check: Callable[[], None]) -> torch.Tensor:
+        """Broadcast from group rank ``src`` in place: ``src`` sends ``tensor``, every other rank receives into it.
+
+        Unlike the other collectives this works on the caller's tensor (the state
+        transfer, :mod:`unbroken.runtime.state_transfer`, streams a joiner's state
+        straight into its own tensors, chunk by chunk, with no copy of the state):
+        ``src`` only reads it; a receiver's tensor is meaningful only once the
+        transfer has completed, and a late write by an abandoned transfer carries
+        the same bytes the next attempt sends. Returns ``tensor``.
+
+        Raises:
+            ValueError: ``tensor`` is not contiguous or not on the group's device.
+            CollectiveFailed: the broadcast failed or outlived the group's timeout.
+        """
+        if tensor.device.type != self.device.type or not tensor.is_contiguous():
+            raise ValueError(f"broadcast_into needs a contiguous tensor on {self.device}, got one on {tensor.device}"
+                             f"{'' if tensor.is_contiguous() else ' (not contiguous)'}")
+        if self.size == 1:
+            return tensor
+        work = self._post(lambda: self.pg.broadcast(tensor, src), "broadcast")
+        self._poll(work, check, "broadcast")
+        return tensor
 
 
 _PARKED: list[ViewGroup] = []
-"""Abandoned groups stay referenced so no destructor blocks on a stuck operation."""
+"""Abandoned groups whose last operation is still pending: referenced until it ends, so no destructor
+blocks on a stuck operation."""

@@ -50,14 +50,18 @@ from unbroken.mecefo.gradients import SlotWork, slot_rows
 from unbroken.mecefo.takeover import TakeoverPolicy
 from unbroken.runtime.membership import Fenced, Membership, NoLiveWorker, View, ViewChanged
 from unbroken.runtime.process_group import CollectiveFailed, ViewGroup
-from unbroken.runtime.state_transfer import pack_state, unpack_state
+from unbroken.runtime.state_transfer import transfer_state
 
-__all__ = ["PHASES", "MemberDied", "StepJob", "StepProtocol"]
+__all__ = ["PHASES", "MemberDied", "RetriesExhausted", "StepJob", "StepProtocol"]
 
 logger = logging.getLogger(__name__)
 
 CHECK_EVERY_S = 0.02
 """How often a waiting worker consults the failure detector and the view."""
+MAX_SAME_VIEW_RETRIES = 3
+"""Views of unchanged membership proposed in a row for one step (collectives failed, nobody found dead)
+before this worker gives up and leaves: its agent restarts it as a joiner, so a fault nobody can name
+costs one restart instead of an endless loop of new groups."""
 
 Phase = Literal["forward", "backward", "allreduce", "confirm"]
 PHASES: tuple[Phase, ...] = ("forward", "backward", "allreduce", "confirm")
@@ -67,6 +71,10 @@ all-reduce in flight, right after the commit vote."""
 
 class MemberDied(Exception):
     """The failure detector found dead members of the current view."""
+
+
+class RetriesExhausted(RuntimeError):
+    """Views of the same members kept failing at one step with nobody found dead."""
 
 
 class StepJob(Protocol):
@@ -90,13 +98,14 @@ class StepProtocol:
         policy: the takeover policy.
         events: this worker's ledger and event log.
         timeout_s: the longest any collective or store wait may take.
+        config_hash: this job's config hash; a joiner whose request names another is refused.
     """
 
     def __init__(self, membership: Membership, job: StepJob, *, policy: TakeoverPolicy, events: JsonlWriter,
-                 timeout_s: float) -> None:
+                 timeout_s: float, config_hash: str = "") -> None:
         self.m, self.store, self.job, self.policy = membership, membership.store, job, policy
         self.me = membership.worker
-        self.events, self.timeout_s = events, timeout_s
+        self.events, self.timeout_s, self.config_hash = events, timeout_s, config_hash
         self.view: View | None = None
         self.group: ViewGroup | None = None
         self.step: int | None = None
@@ -105,6 +114,7 @@ class StepProtocol:
         self._hooks: dict[Phase, list[Callable[[int], None]]] = {p: [] for p in PHASES}
         self._pruned_below = 0
         self._voted = -1  # the last step this worker saw committed under the current view
+        self._same_view_retries = 0
         self._next_check = 0.0
 
     def on(self, phase: Phase, hook: Callable[[int], None]) -> None:
@@ -114,6 +124,7 @@ class StepProtocol:
         self._hooks[phase].append(hook)
 
     def _phase(self, phase: Phase, step: int) -> None:
+        self.m.advance()
         for hook in self._hooks[phase]:
             hook(step)
 
@@ -136,13 +147,13 @@ class StepProtocol:
         self.view, self._voted = view, view.step - 1
         self._arrive(view)
         self.group = ViewGroup(self.store.group_store(view.gen), gen=view.gen, rank=view.rank_of(self.me),
-                               size=len(view.members), device=self.job.device, timeout_s=self.timeout_s)
+                               size=len(view.members), device=self.job.device, timeout_s=self.timeout_s,
+                               check=self._check)
         if view.joiners:
             source = next(w for w in view.members if w not in view.joiners)
-            got = self.group.broadcast(pack_state(self.job.model, self.job.optimizer), view.rank_of(source),
-                                       self._check)
-            if self.me in view.joiners:
-                unpack_state(got, self.job.model, self.job.optimizer)
+            transfer_state(lambda t, src: self.group.broadcast_into(t, src, self._check),
+                           self.job.model, self.job.optimizer, src=view.rank_of(source),
+                           rank=view.rank_of(self.me), receive=self.me in view.joiners, device=self.job.device)
         self._event("view_adopted", gen=view.gen, members=list(view.members), step=view.step,
                     joiners=list(view.joiners), reason=view.reason, build_s=self.group.build_s,
                     adopt_s=time.perf_counter() - t0)
@@ -171,24 +182,39 @@ class StepProtocol:
         assert self.view is not None
         if self.view.leader != self.me:
             return False
-        joiners = self.m.pending_joins(self.view, self.job.n_slots)
+        joiners = [j for j in self.m.pending_joins(self.view, self.job.n_slots) if self._acceptable(j)]
         if not joiners:
             return False
         if self.store.vote(self.view, next_step, "abort", after=self._voted) == "commit":  # pragma: no cover
             raise AssertionError("a step was committed without the view's first member")
-        for j in joiners:
-            self.store.clear_dead(j)
-            self.store.clear_join(j)
         new = View(gen=self.view.gen + 1, members=tuple(sorted(set(self.view.members) | set(joiners))),
                    step=next_step, joiners=tuple(joiners), reason=f"rejoin {joiners}")
         self._abandon()
         winner = self._propose(self.view, new)
+        # Only a joiner the winning view admits is done asking (a concurrent reconfiguration may have won
+        # without it: then its request stands for the next boundary); its predecessor's death mark goes
+        # now, so that nobody judges the new incarnation by it.
+        for j in winner.joiners:
+            self.store.clear_dead(j)
+            self.store.clear_join(j)
         self.need_exchange = True
         try:
             self.adopt(winner)
         except (CollectiveFailed, ViewChanged, MemberDied) as exc:
             self._reconfigure(next_step, f"admission failed: {type(exc).__name__}: {exc}")
         return True
+
+    def _acceptable(self, joiner: int) -> bool:
+        """A joiner trains the same job: its config hash is ours (else it is refused, and told why)."""
+        info = self.store.join_request(joiner) or {}
+        if not self.config_hash or info.get("config_hash") == self.config_hash:
+            return True
+        reason = (f"worker {joiner} runs config {info.get('config_hash')!r}, the job runs {self.config_hash!r}: "
+                  f"start it with the job's config.json")
+        self.store.refuse_join(joiner, reason)
+        self._event("join_refused", worker_refused=joiner, reason=reason)
+        logger.error("refused the join request of worker %d: %s", joiner, reason)
+        return False
 
     def _propose(self, current: View, new: View) -> View:
         winner = self.store.propose(current, new)
@@ -223,11 +249,22 @@ class StepProtocol:
                 return reduced, items
             except (ViewChanged, CollectiveFailed, MemberDied) as exc:
                 if self._reconfigure(step, f"{type(exc).__name__}: {exc}"):
+                    reduced = reduced if reduced is not None else self._late_result(step)
                     if reduced is None:
                         raise Fenced(f"step {step} was committed in view {self.view.gen}, but this worker's "
                                      f"all-reduce did not complete ({exc}); it rejoins with the state") from None
                     self.need_exchange = False
                     return reduced, items
+
+    def _late_result(self, step: int) -> torch.Tensor | None:
+        """A false alarm: this worker gave up, the others committed; its own all-reduce may still complete."""
+        if self.group is None:
+            return None
+        t0 = time.perf_counter()
+        reduced = self.group.late_result(self.m.heartbeat_timeout_s)
+        self._event("late_result", step=step, gen=self.view.gen, ok=reduced is not None,
+                    seconds=time.perf_counter() - t0)
+        return reduced
 
     def _assigned(self) -> list[SlotWork]:
         return list(self.policy.assign(n_slots=self.job.n_slots, live=self.view.members,
@@ -273,7 +310,7 @@ class StepProtocol:
             raise Fenced(f"view {view.gen} was pruned while this worker was at step {step}")
         if outcome != "commit":
             raise ViewChanged(f"step {step} was aborted in view {view.gen}")
-        self._voted = step
+        self._voted, self._same_view_retries = step, 0
         if view.leader == self.me and self._pruned_below < view.gen:
             self.store.prune(view.gen)
             self._pruned_below = view.gen
@@ -284,6 +321,7 @@ class StepProtocol:
         if not force and now < self._next_check:
             return
         self._next_check = now + CHECK_EVERY_S
+        self.m.advance()  # a main thread that keeps waiting actively is making progress
         if self.store.gen() != self.view.gen:
             raise ViewChanged(f"view {self.view.gen} replaced")
         dead = self.m.dead_members(self.view)
@@ -328,6 +366,10 @@ class StepProtocol:
         if self.store.gen() > old.gen:
             return self.store.current_view()
         dead = self._wait_for_dead(old)
+        self._same_view_retries = 0 if dead else self._same_view_retries + 1
+        if self._same_view_retries > MAX_SAME_VIEW_RETRIES:
+            raise RetriesExhausted(f"{MAX_SAME_VIEW_RETRIES} views of members {list(old.members)} failed at step "
+                                   f"{step} with nobody found dead; this worker leaves and rejoins")
         members = tuple(w for w in old.members if w not in dead)
         if not members:
             raise NoLiveWorker("no live worker is left")
@@ -342,6 +384,7 @@ class StepProtocol:
         """Who died? The agent says so at once; a silent node after the heartbeat timeout."""
         deadline = time.monotonic() + self.m.heartbeat_timeout_s + 1.0
         while time.monotonic() < deadline:
+            self.m.advance()
             dead = self.m.dead_members(view)
             if dead or self.store.gen() != view.gen:
                 return dead

@@ -1,64 +1,288 @@
-"""Training state as one flat float32 tensor, for handing it to a joining worker.
+"""Training state streamed to a joining worker, tensor by tensor, in bounded chunks.
 
-Layout (identical on every worker, since all build the same model and
-optimizer): for each trainable parameter in ``named_parameters()`` order: the
-parameter, AdamW ``exp_avg``, ``exp_avg_sq`` and ``step``; then the CPU RNG
-state (bytes as floats, exact). It crosses the process group as raw tensor
-bytes: no pickle. The data position needs no transfer: batches are a pure
+What crosses: every trainable parameter (``model.parameters()`` order), the
+optimizer state of each (every entry, keys sorted; AdamW: ``exp_avg``,
+``exp_avg_sq``, ``step``), the CPU RNG state and, on CUDA, the RNG state of the
+group's device. The data position needs no transfer: batches are a pure
 function of the step, which the joiner reads from its view.
+
+How (:func:`transfer_state`): the source first broadcasts a header (JSON bytes,
+no pickle: shapes, dtypes, where each optimizer tensor lives, non-tensor state
+values), so that a receiver whose optimizer holds no state yet creates it
+where the source keeps it. Then every tensor crosses as its raw bytes, in its
+own dtype, on the group's device:
+
+- a contiguous tensor on the group's device of at least ``DIRECT_MIN_BYTES``
+  goes *in place*, in slices of at most ``chunk_bytes`` (the source sends views
+  of its tensor; a receiver receives into views of its own);
+- everything else (norm gains, step counters, RNG states; tensors kept on the
+  host while the group is on a GPU) is packed into one staging buffer of at
+  most ``chunk_bytes`` on the group's device.
+
+Roles: the source sends; receivers (joiners) write into their own tensors; the
+other members take part in each broadcast (a group broadcast needs every rank)
+through a scratch chunk and keep their state untouched.
+
+Invariants: the state arrives bit-exact; no full copy of the state is ever
+made, so the extra memory is one chunk (plus the header) on each side; all
+ranks derive the same sequence of broadcasts from the header alone; a
+receiver's state is defined only once the call has returned (an interrupted
+transfer is simply redone: loading twice is harmless).
 """
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass
+from typing import Callable
+
 import torch
 
+__all__ = ["CHUNK_BYTES", "DIRECT_MIN_BYTES", "Broadcast", "TransferStats", "transfer_state"]
 
-def pack_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> torch.Tensor:
-    parts: list[torch.Tensor] = []
-    for p in model.parameters():
-        if not p.requires_grad:
-            continue
-        st = optimizer.state.get(p, {})
-        parts.append(p.detach().reshape(-1).float().cpu())
-        for key in ("exp_avg", "exp_avg_sq"):
-            parts.append(st[key].reshape(-1).float().cpu() if key in st else torch.zeros(p.numel()))
-        parts.append(torch.tensor([float(st["step"]) if "step" in st else 0.0]))
-    parts.append(torch.get_rng_state().float())
-    return torch.cat(parts)
+CHUNK_BYTES = 64 << 20
+"""The largest single broadcast of the state, and the size of the staging buffer."""
+
+DIRECT_MIN_BYTES = 1 << 20
+"""Tensors at least this large on the group's device cross in place; smaller ones are packed together."""
+
+Broadcast = Callable[[torch.Tensor, int], object]
+"""``broadcast(tensor, src)``: in place over the group, e.g.
+:meth:`~unbroken.runtime.process_group.ViewGroup.broadcast_into` with the caller's check bound."""
 
 
-def state_size(model: torch.nn.Module) -> int:
-    """Number of values :func:`pack_state` produces for this model."""
-    n = sum(3 * p.numel() + 1 for p in model.parameters() if p.requires_grad)
-    return n + torch.get_rng_state().numel()
+@dataclass
+class TransferStats:
+    """What one :func:`transfer_state` call moved (the header not counted)."""
+
+    broadcasts: int = 0
+    bytes: int = 0
+    largest: int = 0
+    """The largest single broadcast, in bytes (at most ``chunk_bytes``)."""
+    buffer_bytes: int = 0
+    """Size of the staging buffer this rank allocated (0: none)."""
 
 
-def unpack_state(flat: torch.Tensor, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Load a state made by :func:`pack_state` on an identically built worker.
+def transfer_state(broadcast: Broadcast, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
+                   src: int, rank: int, receive: bool, device: torch.device,
+                   chunk_bytes: int = CHUNK_BYTES) -> TransferStats:
+    """Send the training state from group rank ``src`` to every rank with ``receive`` set.
+
+    Every rank of the group calls this with the same ``src`` and ``chunk_bytes``.
+
+    Args:
+        broadcast: in-place broadcast over the group (see :data:`Broadcast`).
+        rank: this process's rank in the group; ``rank == src`` sends.
+        receive: load the state into ``model``, ``optimizer`` and the RNGs.
+        device: the group's device (where every broadcast tensor lives).
+        chunk_bytes: the largest single broadcast.
 
     Raises:
-        ValueError: the state was made for a different model.
+        ValueError: the state was made for a different model, or bad arguments.
+        Whatever ``broadcast`` raises (a collective that failed or was abandoned).
     """
-    if flat.numel() != state_size(model):
-        raise ValueError(f"state of {flat.numel()} values does not match this model ({state_size(model)} expected)")
-    flat = flat.cpu()
-    pos = 0
+    if chunk_bytes < 1:
+        raise ValueError(f"chunk_bytes={chunk_bytes}: need at least 1")
+    send = rank == src
+    if send and receive:
+        raise ValueError(f"rank {rank} is the source and cannot receive its own state")
+    params = [p for p in model.parameters() if p.requires_grad]
+    header = _header(broadcast, src, device, _describe(params, optimizer, device) if send else None)
+    _check_model(header, params, device)
+    plan = _plan(header, device)
+    if send:
+        tensors: list[torch.Tensor] | None = _sources(params, optimizer, header, device)
+    elif receive:
+        tensors = _destinations(params, optimizer, header, device)
+    else:
+        tensors = None
+    stats = _Stream(broadcast, src, device, chunk_bytes, plan).run(tensors, send)
+    if receive:
+        _load_rng(tensors[-len(header["rng"]):], device)
+    return stats
 
-    def take(n: int) -> torch.Tensor:
-        nonlocal pos
-        out = flat[pos : pos + n]
-        pos += n
-        return out
 
-    with torch.no_grad():
-        for p in model.parameters():
-            if not p.requires_grad:
-                continue
-            n = p.numel()
-            p.copy_(take(n).view_as(p))
-            exp_avg, exp_avg_sq, step = take(n), take(n), float(take(1))
-            if step > 0:
-                optimizer.state[p] = {"step": torch.tensor(step), "exp_avg": exp_avg.view_as(p).clone().to(p.device),
-                                      "exp_avg_sq": exp_avg_sq.view_as(p).clone().to(p.device)}
-    rng = torch.get_rng_state()
-    torch.set_rng_state(take(rng.numel()).to(torch.uint8))
+# -- header ---------------------------------------------------------------------
+
+
+def _describe(params: list[torch.Tensor], optimizer: torch.optim.Optimizer,
+              device: torch.device) -> dict[str, list]:
+    """The source's header: what every rank needs to plan the stream and a receiver to hold it."""
+    state, scalars = [], []
+    for i, p in enumerate(params):
+        for key, value in sorted(optimizer.state.get(p, {}).items()):
+            if isinstance(value, torch.Tensor):
+                state.append([i, key, _dtype_name(value.dtype), list(value.shape), value.device == p.device])
+            elif isinstance(value, (bool, int, float)):
+                scalars.append([i, key, value])
+            else:
+                raise ValueError(f"optimizer state {key!r} of parameter {i} is a {type(value).__name__}; "
+                                 "only tensors and numbers can be transferred")
+    rng = [torch.get_rng_state().numel()]
+    if device.type == "cuda":
+        rng.append(torch.cuda.get_rng_state(device).numel())
+    return {"params": [[_dtype_name(p.dtype), list(p.shape)] for p in params],
+            "state": state, "scalars": scalars, "rng": rng}
+
+
+def _header(broadcast: Broadcast, src: int, device: torch.device, header: dict | None) -> dict:
+    """Broadcast the header from ``src`` (length, then JSON bytes); every rank returns it."""
+    if header is not None:
+        raw = torch.frombuffer(bytearray(json.dumps(header).encode()), dtype=torch.uint8).to(device)
+        length = torch.tensor([raw.numel()], dtype=torch.int64, device=device)
+    else:
+        length = torch.zeros(1, dtype=torch.int64, device=device)
+    broadcast(length, src)
+    if header is None:
+        raw = torch.empty(int(length.item()), dtype=torch.uint8, device=device)
+    broadcast(raw, src)
+    return json.loads(bytes(raw.cpu().numpy()).decode())
+
+
+def _check_model(header: dict, params: list[torch.Tensor], device: torch.device) -> None:
+    mine = [[_dtype_name(p.dtype), list(p.shape)] for p in params]
+    if mine != header["params"]:
+        raise ValueError(f"state of {len(header['params'])} parameters does not match this model "
+                         f"({len(mine)} parameters, or different shapes or dtypes)")
+    off = [i for i, p in enumerate(params) if p.device.type != device.type or not p.is_contiguous()]
+    if off:
+        raise ValueError(f"parameters {off[:5]} are not contiguous on the group's device {device}")
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _nbytes(dtype: str, shape: list[int]) -> int:
+    n = getattr(torch, dtype).itemsize
+    for s in shape:
+        n *= s
+    return n
+
+
+def _plan(header: dict, device: torch.device) -> list[tuple[int, bool]]:
+    """``(nbytes, in_place)`` of every tensor of the stream, in order, from the header alone."""
+    plan = [(_nbytes(d, s), True) for d, s in header["params"]]
+    plan += [(_nbytes(d, s), on_param) for _, _, d, s, on_param in header["state"]]
+    plan += [(n, False) for n in header["rng"]]
+    return [(n, direct and n >= DIRECT_MIN_BYTES) for n, direct in plan]
+
+
+# -- the tensors on each side -----------------------------------------------------
+
+
+def _sources(params: list[torch.Tensor], optimizer: torch.optim.Optimizer, header: dict,
+             device: torch.device) -> list[torch.Tensor]:
+    tensors = list(params)
+    tensors += [optimizer.state[params[i]][key] for i, key, *_ in header["state"]]
+    tensors.append(torch.get_rng_state())
+    if device.type == "cuda":
+        tensors.append(torch.cuda.get_rng_state(device))
+    return tensors
+
+
+def _destinations(params: list[torch.Tensor], optimizer: torch.optim.Optimizer, header: dict,
+                  device: torch.device) -> list[torch.Tensor]:
+    """The receiver's own tensors, optimizer state created (or reused) as the source holds it."""
+    wanted: dict[int, dict[str, object]] = {}
+    tensors = list(params)
+    for i, key, dtype, shape, on_param in header["state"]:
+        p = params[i]
+        where = p.device if on_param else torch.device("cpu")
+        have = optimizer.state.get(p, {}).get(key)
+        if not (isinstance(have, torch.Tensor) and have.dtype == getattr(torch, dtype)
+                and list(have.shape) == shape and have.device == where and have.is_contiguous()):
+            have = torch.empty(shape, dtype=getattr(torch, dtype), device=where)
+        wanted.setdefault(i, {})[key] = have
+        tensors.append(have)
+    for i, key, value in header["scalars"]:
+        wanted.setdefault(i, {})[key] = value
+    for i, p in enumerate(params):
+        if i in wanted:
+            optimizer.state[p] = wanted[i]
+        else:
+            optimizer.state.pop(p, None)
+    tensors += [torch.empty(n, dtype=torch.uint8) for n in header["rng"]]
+    return tensors
+
+
+def _load_rng(states: list[torch.Tensor], device: torch.device) -> None:
+    torch.set_rng_state(states[0])
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(states[1], device)
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of ``t``'s storage (writing into it writes ``t``)."""
+    return t.detach().reshape(-1).view(torch.uint8)
+
+
+# -- the stream -------------------------------------------------------------------
+
+
+class _Stream:
+    """Runs the plan: in-place slices and packed staging chunks, the same broadcasts on every rank."""
+
+    def __init__(self, broadcast: Broadcast, src: int, device: torch.device, chunk_bytes: int,
+                 plan: list[tuple[int, bool]]) -> None:
+        self.broadcast, self.src, self.device, self.chunk, self.plan = broadcast, src, device, chunk_bytes, plan
+        self.stats = TransferStats()
+        self._buf: torch.Tensor | None = None
+        self._pending: list[tuple[int, int, int]] = []  # (tensor index, byte offset, bytes)
+        self._fill = 0
+
+    def run(self, tensors: list[torch.Tensor] | None, send: bool) -> TransferStats:
+        """``tensors``: the source's or a receiver's, in plan order; None: receive into scratch."""
+        self.tensors, self.send = tensors, send
+        for i, (nbytes, direct) in enumerate(self.plan):
+            if direct:
+                for a in range(0, nbytes, self.chunk):
+                    n = min(self.chunk, nbytes - a)
+                    self._cast(_bytes_of(tensors[i])[a:a + n] if tensors is not None else self._buffer()[:n])
+            else:
+                self._pack(i, nbytes)
+        self._flush()
+        return self.stats
+
+    def _pack(self, i: int, nbytes: int) -> None:
+        a = 0
+        while a < nbytes:
+            n = min(nbytes - a, self.chunk - self._fill)
+            self._pending.append((i, a, n))
+            self._fill += n
+            a += n
+            if self._fill == self.chunk:
+                self._flush()
+
+    def _flush(self) -> None:
+        if not self._pending:
+            return
+        buf = self._buffer()
+        if self.send:
+            pos = 0
+            for i, a, n in self._pending:
+                buf[pos:pos + n].copy_(_bytes_of(self.tensors[i])[a:a + n])
+                pos += n
+        self._cast(buf[:self._fill])
+        if self.tensors is not None and not self.send:
+            pos = 0
+            for i, a, n in self._pending:
+                _bytes_of(self.tensors[i])[a:a + n].copy_(buf[pos:pos + n])
+                pos += n
+        self._pending, self._fill = [], 0
+
+    def _buffer(self) -> torch.Tensor:
+        """The one staging/scratch chunk, sized for the largest use this stream has of it."""
+        if self._buf is None:
+            packed = sum(n for n, direct in self.plan if not direct)
+            scratch = max((n for n, direct in self.plan if direct), default=0) if self.tensors is None else 0
+            size = min(self.chunk, max(packed, scratch))
+            self._buf = torch.empty(size, dtype=torch.uint8, device=self.device)
+            self.stats.buffer_bytes = size
+        return self._buf
+
+    def _cast(self, t: torch.Tensor) -> None:
+        self.broadcast(t, self.src)
+        self.stats.broadcasts += 1
+        self.stats.bytes += t.numel()
+        self.stats.largest = max(self.stats.largest, t.numel())

@@ -11,7 +11,7 @@ is admitted at a step boundary and receives the full training state from a
 live peer before it trains.
 
 Exit codes: 0 done, 3 fenced (declared dead by the others), 4 no live worker
-left, 1 any other error.
+left, 5 join refused (another config than the job's), 1 any other error.
 
 Invariants: every member holds bitwise-identical parameters after every step;
 the view's first member writes metrics, progress and checkpoints.
@@ -34,9 +34,10 @@ from unbroken.config import Config, config_hash
 from unbroken.job import MetricsWriter, Prepared, build_job, prepare, train_record
 from unbroken.jsonl import JsonlWriter
 from unbroken.mecefo.takeover import takeover_policy
-from unbroken.models import resolve_device
+from unbroken.models.factory import bind_device, place_model
 from unbroken.runtime.checkpoint import AsyncCheckpointer, load_checkpoint, training_state
 from unbroken.runtime.job_store import JobStore
+from unbroken.runtime.store_backend import job_secret
 from unbroken.runtime.membership import EXIT_FENCED, Fenced, Membership, NoLiveWorker, View, ViewChanged
 from unbroken.runtime.process_group import CollectiveFailed
 from unbroken.runtime.protocol import MemberDied
@@ -47,6 +48,7 @@ __all__ = ["EXIT_NO_LIVE_WORKER", "StepLogContext", "Trainer", "WorkerSpec", "ru
 logger = logging.getLogger(__name__)
 
 EXIT_NO_LIVE_WORKER = 4
+EXIT_REFUSED = 5
 JOIN_POLL_S = 0.01
 
 
@@ -60,6 +62,10 @@ class WorkerSpec:
     store: str
     join: bool = False
     resume: Path | None = None
+
+
+class JoinRefused(RuntimeError):
+    """The job's leader turned this worker's join request down (the message says why)."""
 
 
 class StepLogContext(logging.Filter):
@@ -90,14 +96,17 @@ class Trainer:
     def __init__(self, cfg: Config, spec: WorkerSpec, membership: Membership,
                  prepared: Prepared | None = None) -> None:
         self.cfg, self.spec, self.m, self.store = cfg, spec, membership, membership.store
-        self.job = build_job(cfg, resolve_device(cfg.train.device, spec.worker), prepared)
+        device = bind_device(cfg.train.device, spec.worker)
+        if prepared is not None:
+            place_model(prepared.model, device)  # a standby built it on its node's guess
+        self.job = build_job(cfg, device, prepared)
         self.hash = config_hash(cfg)
         if spec.resume is not None:
             load_checkpoint(spec.resume, self.job.model, self.job.optimizer, config_hash=self.hash)
         self.events = JsonlWriter(spec.run_dir / "events" / f"w{spec.worker}.jsonl")
         self.protocol = recovery(cfg.fault.recovery).protocol_class()(
             membership, self.job, policy=takeover_policy(cfg.mecefo.policy), events=self.events,
-            timeout_s=cfg.train.timeout_s)
+            timeout_s=cfg.train.timeout_s, config_hash=self.hash)
         self.metrics: MetricsWriter | None = None
         self.checkpointer: AsyncCheckpointer | None = None
 
@@ -136,6 +145,8 @@ class Trainer:
         while time.monotonic() < deadline:
             if self.store.finished():
                 raise SystemExit(0)
+            if self.spec.join and (refusal := self.store.join_refusal(self.spec.worker)) is not None:
+                raise JoinRefused(refusal)
             if self.store.has_view():
                 view = self.store.current_view()
                 if self.spec.worker not in view.members and view.gen > 0 and self.spec.join is False:
@@ -165,6 +176,8 @@ class Trainer:
             t_prev = now
             if view.leader == self.spec.worker:
                 self._lead(done, last)
+            elif self.checkpointer is not None:
+                self.checkpointer.handover()  # stopped leading: commit the save begun while leading
             if done < steps:
                 self.protocol.admit_joiners(done)
         if self.checkpointer:
@@ -180,7 +193,7 @@ class Trainer:
         t = self.cfg.train
         if self.metrics is None:
             self.metrics = MetricsWriter.for_run(self.spec.run_dir / "metrics.jsonl", self.cfg)
-            self.checkpointer = AsyncCheckpointer(self.spec.run_dir, config_hash=self.hash)
+            self.checkpointer = AsyncCheckpointer(self.spec.run_dir, config_hash=self.hash, keep=t.keep_checkpoints)
         # Validation on the leader only: it must not depend on who else is alive.
         self.metrics.step_done(last, self.job.validation_loss)
         self.checkpointer.poll()
@@ -212,9 +225,11 @@ def run(spec: WorkerSpec, *, store: JobStore | None = None, prepared: Prepared |
             fault hooks and the log context there).
     """
     cfg = load_run_config(spec.run_dir, spec.world)
-    store = store or JobStore.connect(spec.store, timeout_s=cfg.train.timeout_s)
+    secret = job_secret(spec.run_dir)
+    store = store or JobStore.connect(spec.store, timeout_s=cfg.train.timeout_s, secret=secret)
     membership = Membership(store, spec.worker, heartbeat_timeout_s=cfg.fault.heartbeat_timeout_s,
-                            heartbeat_store=JobStore.connect(spec.store, timeout_s=cfg.train.timeout_s))
+                            progress_timeout_s=cfg.fault.progress_timeout_s,
+                            heartbeat_store=JobStore.connect(spec.store, timeout_s=cfg.train.timeout_s, secret=secret))
     membership.start_heartbeat()
     trainer = Trainer(cfg, spec, membership, prepared)
     if setup is not None:
@@ -227,6 +242,9 @@ def run(spec: WorkerSpec, *, store: JobStore | None = None, prepared: Prepared |
     except NoLiveWorker as exc:
         store.fail(f"no live worker left: {exc}")
         return EXIT_NO_LIVE_WORKER
+    except JoinRefused as exc:
+        logger.error("join refused: %s", exc)
+        return EXIT_REFUSED
     finally:
         membership.stop()
     report = {"worker": spec.worker, "steps": cfg.train.steps, "param_digest": trainer.param_digest(),
@@ -254,14 +272,23 @@ def standby(run_dir: Path, world: int, store_addr: str, node: int) -> Assignment
     """Be a warm standby of ``node``: prepare, announce, wait to be handed a worker id.
 
     Contract (see :mod:`unbroken.agent._standby`): announce the pid once warm,
-    claim an offer by compare-and-set, read the fault indices handed with it.
-    Returns None when the job ends first.
+    beat the node's standby counter every heartbeat interval while waiting (a
+    standby that stops is replaced by its agent), claim an offer by
+    compare-and-set, read the fault indices handed with it. Returns None when
+    the job ends first.
     """
+    from unbroken.runtime.membership import HEARTBEAT_INTERVAL_S
+
     cfg = load_run_config(run_dir, world)
-    store = JobStore.connect(store_addr, timeout_s=cfg.train.timeout_s)
-    prepared = prepare(cfg, resolve_device(cfg.train.device, node))
+    store = JobStore.connect(store_addr, timeout_s=cfg.train.timeout_s, secret=job_secret(run_dir))
+    prepared = prepare(cfg, bind_device(cfg.train.device, node))
+    store.standby_beat(node)  # before the announcement: the agent judges a ready standby by its beats
     store.standby_announce(node, os.getpid())
+    next_beat = time.monotonic() + HEARTBEAT_INTERVAL_S
     while not store.finished():
+        if (now := time.monotonic()) >= next_beat:
+            next_beat = now + HEARTBEAT_INTERVAL_S
+            store.standby_beat(node)
         got = store.standby_claim(node, os.getpid())
         if got is not None:
             worker, faults = got

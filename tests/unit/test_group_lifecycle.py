@@ -1,0 +1,72 @@
+"""Abandoned view groups are destroyed: threads and sockets stay bounded over many view changes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import torch
+
+from unbroken.runtime import process_group
+from unbroken.runtime.job_store import JobStore
+from unbroken.runtime.process_group import ViewGroup
+
+ROUNDS = 50
+
+CHILD = """
+import json, os, sys, torch
+from unbroken.runtime.job_store import JobStore
+from unbroken.runtime.process_group import ViewGroup
+port, rounds = int(sys.argv[1]), int(sys.argv[2])
+store = JobStore.connect(f"127.0.0.1:{port}", timeout_s=20, secret="test")
+for gen in range(rounds):
+    g = ViewGroup(store.group_store(gen), gen=gen, rank=1, size=2, device=torch.device("cpu"), timeout_s=20)
+    g.allreduce(torch.ones(1000), lambda: None)
+    g.abandon()
+sys.stdout.flush()
+os._exit(0)
+"""
+
+
+def _resources() -> tuple[int, int]:
+    """Open file descriptors (sockets included) and OS threads of this process."""
+    return len(os.listdir("/proc/self/fd")), len(os.listdir("/proc/self/task"))
+
+
+def test_fifty_view_changes_leave_no_group_behind():
+    store = JobStore.host("127.0.0.1", 0, clients=2, secret="test")
+    child = subprocess.Popen([sys.executable, "-c", CHILD, str(store.port), str(ROUNDS)])
+    try:
+        seen, groups = [], []
+        for gen in range(ROUNDS):
+            g = ViewGroup(store.group_store(gen), gen=gen, rank=0, size=2, device=torch.device("cpu"), timeout_s=20)
+            assert torch.equal(g.allreduce(torch.ones(1000), lambda: None), torch.full((1000,), 2.0))
+            g.abandon()
+            groups.append(g)
+            seen.append(_resources())
+        assert seen[-1] == seen[0], f"fds and threads after view 1 {seen[0]}, after view {ROUNDS} {seen[-1]}"
+        assert not any(g in process_group._PARKED or g.pg is not None for g in groups), "nothing was pending"
+    finally:
+        assert child.wait(60) == 0
+    assert store.num_keys() < 2 * ROUNDS + 10, "the test's rendezvous keys only (pruning is the protocol's)"
+
+
+def test_a_group_with_a_pending_operation_is_parked_then_released():
+    store = JobStore.host("127.0.0.1", 0, clients=2, secret="test")
+    child = subprocess.Popen([sys.executable, "-c", CHILD, str(store.port), "1"])  # joins view 0, then leaves
+    try:
+        g = ViewGroup(store.group_store(0), gen=0, rank=0, size=2, device=torch.device("cpu"), timeout_s=20)
+        g.allreduce(torch.ones(1000), lambda: None)
+        assert child.wait(60) == 0
+        g._pending = g.pg.allreduce([torch.ones(3)])  # blocked: the peer is gone
+        g.abandon()
+        assert g in process_group._PARKED and g.pg is not None
+        g._pending.wait()  # the peer's closed connection fails it, as a fenced peer's does
+    except RuntimeError:
+        pass
+    finally:
+        child.kill()
+    other = ViewGroup(store.group_store(1), gen=1, rank=0, size=1, device=torch.device("cpu"), timeout_s=5)
+    other.abandon()  # sweeps the parked group whose operation has ended
+    assert g not in process_group._PARKED and g.pg is None

@@ -1,0 +1,62 @@
+"""Who can reach the job's store: only the job's host address, only with the job's secret."""
+
+from __future__ import annotations
+
+import os
+import socket
+import stat
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from unbroken.runtime.job_store import JobStore
+from unbroken.runtime.store_backend import SECRET_ENV, StoreAccessDenied, job_secret, save_secret
+from unbroken.runtime.view import View
+
+
+@pytest.fixture()
+def store():
+    s = JobStore.host("127.0.0.1", 0, clients=2, secret="the job's secret")
+    s.publish_initial(View(gen=0, members=(0, 1), step=0))
+    yield s
+    del s
+
+
+def test_the_store_listens_on_the_jobs_host_only(store):
+    with socket.create_connection(("127.0.0.1", store.port), timeout=2):
+        pass
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.2", store.port), timeout=2)
+
+
+def test_a_wrong_secret_is_refused(store):
+    addr = f"127.0.0.1:{store.port}"
+    assert JobStore.connect(addr, timeout_s=5, secret="the job's secret").gen() == 0
+    with pytest.raises(StoreAccessDenied, match="holds no job under this secret"):
+        JobStore.connect(addr, timeout_s=5, secret="a guess")
+
+
+def test_a_client_without_the_secret_changes_nothing(store):
+    raw = dist.TCPStore("127.0.0.1", store.port, None, is_master=False, timeout=timedelta(seconds=5))
+    for key, value in (("dead/1", "forged"), ("deaths", "1"), ("gen", "7"), ("failed", "forged"),
+                       ("join/1", "{}"), ("done", "1")):
+        raw.set(key, value)
+    assert not store.is_marked_dead(1) and store.deaths() == 0
+    assert store.gen() == 0 and store.failure() is None and not store.is_done()
+    assert store.join_requests([0, 1]) == []
+    assert raw.get("dead/1") == b"forged", "its keys exist, outside the job's namespace"
+
+
+def test_the_secret_file_is_the_owners_alone(tmp_path, monkeypatch):
+    monkeypatch.delenv(SECRET_ENV, raising=False)
+    with pytest.raises(StoreAccessDenied, match=SECRET_ENV):
+        job_secret(tmp_path)
+    made = job_secret(tmp_path / "run", create=True)
+    assert stat.S_IMODE(os.stat(tmp_path / "run" / "secret").st_mode) == 0o600
+    assert job_secret(tmp_path / "run") == made
+    save_secret(tmp_path / "run", "another")
+    assert job_secret(tmp_path / "run") == "another"
+    assert stat.S_IMODE(os.stat(tmp_path / "run" / "secret").st_mode) == 0o600
+    monkeypatch.setenv(SECRET_ENV, "from the environment")
+    assert job_secret(tmp_path / "run") == "from the environment"

@@ -1,0 +1,192 @@
+"""Where the job store's keys live: the backend interface and torch's ``TCPStore`` behind it.
+
+Access. The host listens on the job's host only (``train.host``, loopback by
+default; a socket bound there is handed to the store). ``TCPStore`` has no
+authentication of its own, so every key of the job lives under a namespace
+derived from a per-job secret (:func:`job_secret`: generated at launch, kept in
+``RUN/secret`` with mode 0600, or given in ``UNBROKEN_JOB_SECRET`` for jobs
+spanning machines): a client without the secret cannot name, read or change
+any key of the job, cannot join a process group (their rendezvous keys are in
+the namespace too) and so never receives the training state. A connection
+with a wrong secret is refused at once (:class:`StoreAccessDenied`): the host
+writes a marker under the namespace that only the right secret finds.
+
+Invariant: every key a backend stores for the job is under its namespace.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import secrets
+import socket
+from abc import ABC, abstractmethod
+from datetime import timedelta
+from pathlib import Path
+
+import torch.distributed as dist
+
+__all__ = ["SECRET_ENV", "SECRET_FILE", "StoreAccessDenied", "StoreBackend", "TCPStoreBackend", "job_secret",
+           "new_secret", "save_secret"]
+
+SECRET_ENV = "UNBROKEN_JOB_SECRET"
+"""Environment variable holding the job's secret (agents pass it to their workers this way, never on argv)."""
+SECRET_FILE = "secret"
+"""The secret's file in the run directory (mode 0600)."""
+
+
+class StoreAccessDenied(PermissionError):
+    """The store does not hold this job under the given secret."""
+
+
+def job_secret(run_dir: Path, *, create: bool = False) -> str:
+    """The job's secret: ``$UNBROKEN_JOB_SECRET``, else ``run_dir/secret``; created (0600) if asked.
+
+    Raises:
+        StoreAccessDenied: none exists and ``create`` is false (says where to put it).
+    """
+    if os.environ.get(SECRET_ENV):
+        return os.environ[SECRET_ENV]
+    path = Path(run_dir) / SECRET_FILE
+    if path.is_file():
+        return path.read_text().strip()
+    if not create:
+        raise StoreAccessDenied(f"no job secret: set {SECRET_ENV} or copy the run's {SECRET_FILE} file into {run_dir}")
+    value = new_secret()
+    save_secret(run_dir, value)
+    return value
+
+
+def new_secret() -> str:
+    """A fresh job secret (``$UNBROKEN_JOB_SECRET`` if the user chose one)."""
+    return os.environ.get(SECRET_ENV) or secrets.token_hex(16)
+
+
+def save_secret(run_dir: Path, secret: str) -> None:
+    """Write ``run_dir/secret``, readable by its owner only (0600 from creation, replaced atomically)."""
+    path = Path(run_dir) / SECRET_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{SECRET_FILE}.{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(secret + "\n")
+    os.replace(tmp, path)
+
+
+def _namespace(secret: str) -> str:
+    return hashlib.sha256(b"unbroken-job-store\0" + secret.encode()).hexdigest()[:32] + "/"
+
+
+
+class StoreBackend(ABC):
+    """A key-value store with compare-and-set and counters (the subset of ``torch.distributed.Store`` used)."""
+
+    @abstractmethod
+    def get(self, key: str) -> bytes: ...
+    @abstractmethod
+    def set(self, key: str, value: str) -> None: ...
+    @abstractmethod
+    def compare_set(self, key: str, expected: str, desired: str) -> bytes: ...
+    @abstractmethod
+    def add(self, key: str, amount: int) -> int: ...
+    @abstractmethod
+    def check(self, keys: list[str]) -> bool: ...
+    @abstractmethod
+    def multi_get(self, keys: list[str]) -> list[bytes]: ...
+    @abstractmethod
+    def delete_key(self, key: str) -> bool: ...
+    @abstractmethod
+    def num_keys(self) -> int: ...
+
+    @abstractmethod
+    def group_store(self, prefix: str) -> dist.Store:
+        """A ``torch.distributed.Store`` under ``prefix`` for a process group's rendezvous."""
+
+
+class TCPStoreBackend(StoreBackend):
+    """torch's ``TCPStore``, every key under the job's namespace (module docstring)."""
+
+    def __init__(self, store: dist.TCPStore, namespace: str) -> None:
+        self.store, self.ns = store, namespace
+
+    def get(self, key: str) -> bytes:
+        return self.store.get(self.ns + key)
+
+    def set(self, key: str, value: str) -> None:
+        self.store.set(self.ns + key, value)
+
+    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
+        return self.store.compare_set(self.ns + key, expected, desired)
+
+    def add(self, key: str, amount: int) -> int:
+        return self.store.add(self.ns + key, amount)
+
+    def check(self, keys: list[str]) -> bool:
+        return self.store.check([self.ns + k for k in keys])
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        return self.store.multi_get([self.ns + k for k in keys])
+
+    def delete_key(self, key: str) -> bool:
+        return self.store.delete_key(self.ns + key)
+
+    def num_keys(self) -> int:
+        return self.store.num_keys()
+
+    @property
+    def port(self) -> int:
+        return self.store.port
+
+    def group_store(self, prefix: str) -> dist.Store:
+        return dist.PrefixStore(self.ns + prefix, self.store)
+
+    @classmethod
+    def connect(cls, addr: str, *, timeout_s: float, secret: str) -> TCPStoreBackend:
+        """A client of the store at ``HOST:PORT`` for the job of ``secret``.
+
+        Raises:
+            ValueError: ``addr`` is not ``HOST:PORT``.
+            ConnectionError: nothing answered within ``timeout_s`` (says what to check).
+            StoreAccessDenied: the store holds no job under this secret.
+        """
+        host, _, port = addr.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"store address {addr!r} is not HOST:PORT")
+        try:
+            store = dist.TCPStore(host, int(port), None, is_master=False, timeout=timedelta(seconds=timeout_s))
+        except (RuntimeError, OSError) as exc:
+            raise ConnectionError(
+                f"store {addr} did not answer within {timeout_s:.0f} s ({str(exc).splitlines()[0]}); "
+                f"is the launcher running and the address right?"
+            ) from None
+        backend = cls(store, _namespace(secret))
+        if not backend.check(["job"]):
+            raise StoreAccessDenied(f"store {addr} holds no job under this secret; use the run's {SECRET_FILE} "
+                                    f"file or {SECRET_ENV} of the job you mean")
+        return backend
+
+    @classmethod
+    def host(cls, host: str, port: int, *, clients: int, secret: str) -> TCPStoreBackend:
+        """Host the store on ``host:port`` only (0: a free port), for the job of ``secret``.
+
+        Raises:
+            ValueError: the address cannot be bound (names it and the fix).
+        """
+        listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        try:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind((host, port))
+            listener.listen(max(128, 4 * clients))
+            store = dist.TCPStore(host, listener.getsockname()[1], clients + 1, is_master=True,
+                                  timeout=timedelta(seconds=30), wait_for_workers=False,
+                                  master_listen_fd=listener.fileno())
+        except (RuntimeError, OSError) as exc:
+            listener.close()
+            raise ValueError(
+                f"cannot listen on {host}:{port} ({exc.__class__.__name__}: {str(exc).splitlines()[0]}); "
+                f"the port is probably in use: pick another with --train.port=N or 0 for a free one"
+            ) from None
+        listener.detach()  # the store owns the socket now (it closes it when it goes), Python must not
+        backend = cls(store, _namespace(secret))
+        backend.set("job", "1")
+        return backend
