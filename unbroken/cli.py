@@ -1,23 +1,31 @@
 """``unbroken`` command line: presets, config files, overrides, and subcommands.
 
-Only argument handling and printing live here; the work is done by the
-packages below. Config errors are reported all at once, exit code 2.
+Only argument handling and printing live here (the output of a run through
+:mod:`unbroken.console`); the work is done by the packages below. Bad input
+(config, flags, run directories, ports, stores) ends as one line
+``unbroken CMD: error: ...`` naming the flag or field, the value and what is
+accepted, exit code 2, never a traceback; config errors are reported all at once.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import contextlib
 import logging
+import os
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
 from unbroken.config import PRESETS, SECTIONS, Config, load_config
 from unbroken.mecefo.takeover import POLICIES
 from unbroken.runtime.checkpoint import CheckpointError
+from unbroken.runtime.store_backend import StoreAccessDenied
 
 logger = logging.getLogger("unbroken")
+
+DEFAULT_PRESET = "debug"
 
 EPILOG_OVERRIDES = (
     "Any config field can be set with --SECTION.FIELD=VALUE, sections: "
@@ -48,7 +56,8 @@ def _split_overrides(extra: list[str]) -> tuple[list[str], list[str]]:
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--preset", default="debug", help=f"named config preset: {', '.join(PRESETS)} (default: debug)")
+    p.add_argument("--preset", default=None, help=f"named config preset: {', '.join(PRESETS)} (default: "
+                   f"{DEFAULT_PRESET})")
     p.add_argument("--config", type=Path, default=None, help="TOML file mapping onto the config sections")
     p.add_argument("--workers", type=int, default=None, help="data-parallel workers/slots (train.workers)")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (train.steps)")
@@ -69,10 +78,14 @@ CLUSTER_WORKERS_HELP = ("the trace's failure rate is that of a cluster of N work
                         "(fault.cluster_workers; default: the job's own)")
 
 
+def _preset(args: argparse.Namespace) -> str:
+    return args.preset or DEFAULT_PRESET
+
+
 def _config_from(args: argparse.Namespace, overrides: list[str]) -> Config:
     extra = list(overrides) + [f"{field}={getattr(args, flag)}" for flag, field in FLAG_FIELDS.items()
                                if getattr(args, flag, None) is not None]
-    return load_config(preset_name=args.preset, file=args.config, overrides=extra)
+    return load_config(preset_name=_preset(args), file=args.config, overrides=extra)
 
 
 # ---------------------------------------------------------------------------
@@ -81,39 +94,126 @@ def _config_from(args: argparse.Namespace, overrides: list[str]) -> Config:
 
 def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     from unbroken.agent.launcher import AgentFailed, JobFailed, launch
+    from unbroken.console import Console
 
-    extra_faults = ""
     if args.resume is not None:
-        saved = json.loads((args.resume / "config.json").read_text()) if (args.resume / "config.json").is_file() else None
-        if saved is None:
-            raise ValueError(f"--resume {args.resume}: no config.json there; is this a run directory?")
-        cfg = Config.from_dict(saved)
-        if overrides or args.workers or args.steps or args.config or args.faults:
-            raise ValueError("--resume continues a run with its saved config; drop other config options")
-        extra_faults = args.fail_at or ""  # faults for this continuation only, not saved
-        out = args.resume
+        cfg, out, extra_faults = _resume_config(args, overrides), args.resume, args.fail_at or ""
     else:
-        cfg = _train_config(args, overrides)
+        cfg, extra_faults = _train_config(args, overrides), ""  # --fail-at is in the config
     nodes, per_node = _train_layout(args, cfg)
     if args.resume is None:
         layout = f"w{cfg.train.workers}" if nodes == 1 else f"{nodes}x{per_node}"
-        out = args.out or Path("runs") / f"{args.preset}-{layout}"
-    progress = Progress(total=cfg.train.steps)
+        out = args.out or Path("runs") / f"{_preset(args)}-{layout}"
+    _check_writable_dir("--resume" if args.resume is not None else "--out", out)
+    console = Console(total=cfg.train.steps, workers=cfg.train.workers, log_every=cfg.train.log_every)
     try:
         summary = launch(cfg, out, nodes=nodes, workers_per_node=per_node, overwrite=args.overwrite,
-                         resume=args.resume is not None, on_record=progress.update, fail_at=extra_faults,
-                         standby=args.standby, restart=args.restart)
-    except (JobFailed, AgentFailed) as exc:
+                         resume=args.resume is not None, on_record=console.record, on_event=console.event,
+                         fail_at=extra_faults, standby=args.standby, restart=args.restart)
+    except (JobFailed, AgentFailed, TimeoutError) as exc:  # the run failed; the input was fine
         failure: Exception | None = exc
     else:
         failure = None
     finally:
-        progress.close()
+        console.close()
     if failure is not None:
         print(f"unbroken train: {failure}", file=sys.stderr)
         return 1
-    _print_summary(summary)
+    console.summary(summary)
     return 0
+
+
+def cmd_demo(args: argparse.Namespace, overrides: list[str]) -> int:
+    from unbroken.agent.launcher import AgentFailed, JobFailed
+    from unbroken.console import Console, format_verdict
+    from unbroken.demo import demo_config, run_demo
+
+    cfg = demo_config(args.steps, overrides)  # bad overrides fail here, before anything runs
+    _check_writable_dir("--out", args.out)
+    console = Console(total=cfg.train.steps, workers=cfg.train.workers, log_every=cfg.train.log_every)
+    try:
+        verdict = run_demo(args.out, steps=args.steps, faults=not args.no_faults, overrides=overrides,
+                           overwrite=args.overwrite, on_record=console.record, on_event=console.event)
+    except (JobFailed, AgentFailed, TimeoutError) as exc:
+        console.close()
+        print(f"unbroken demo: {exc}", file=sys.stderr)
+        return 1
+    console.close()
+    for line in format_verdict(verdict):
+        print(line)
+    print(f"picture of the run: unbroken report {args.out}")
+    return 0 if verdict["ok"] else 1
+
+
+RESUME_CONFLICTS = (("preset", "--preset"), ("config", "--config"), ("workers", "--workers"), ("steps", "--steps"),
+                    ("faults", "--faults"), ("cluster_workers", "--cluster-workers"), ("out", "--out"),
+                    ("overwrite", "--overwrite"))
+"""Options of a new run that ``--resume`` cannot take (the run keeps its saved config and directory)."""
+
+
+def _resume_config(args: argparse.Namespace, overrides: list[str]) -> Config:
+    """The saved config of the run ``--resume`` names, once it is known to be resumable.
+
+    Raises:
+        ValueError: other config options were given; the directory holds no run; the run has no committed
+            checkpoint. Each message names the option or directory and what to do.
+    """
+    from unbroken.job.run_dir import RUN_CONFIG, saved_config
+    from unbroken.runtime.checkpoint_files import committed_checkpoints
+
+    run = args.resume
+    given = [flag + ("" if value is True else f" {value}") for name, flag in RESUME_CONFLICTS
+             if (value := getattr(args, name, None)) is not None and value is not False] + [f"--{o}" for o in overrides]
+    if given:
+        raise ValueError(f"--resume {run} continues the run with its saved config ({run / RUN_CONFIG}) in its own "
+                         f"directory, so it takes none of: {', '.join(given)}; drop them (--fail-at, --nodes, "
+                         f"--workers-per-node, --standby and --restart are accepted), or start a new run with --out")
+    saved = saved_config(run) if run.is_dir() else None
+    if saved is None:
+        what = "no such directory" if not run.exists() else "not a directory" if not run.is_dir() else \
+            f"holds no unbroken run (no {RUN_CONFIG} with a run's config)"
+        raise ValueError(f"--resume {run}: {what}; give the directory of a run made by unbroken train "
+                         f"(e.g. runs/{DEFAULT_PRESET}-w4)")
+    try:
+        cfg = Config.from_dict(saved)
+    except ValueError as exc:
+        raise ValueError(f"--resume {run}: its {RUN_CONFIG} does not load: {exc}") from None
+    if not committed_checkpoints(run / "checkpoints"):
+        raise ValueError(f"--resume {run}: the run has no committed checkpoint under {run / 'checkpoints'} "
+                         f"(it ran with train.checkpoint_every={cfg.train.checkpoint_every}); nothing to continue "
+                         f"from: start it again with --out {run} --overwrite, with --train.checkpoint_every=N > 0 "
+                         f"to be able to resume")
+    return cfg
+
+
+def _check_writable_dir(flag: str, path: Path) -> None:
+    """Raise ``ValueError`` naming ``flag`` unless ``path`` is, or can be created as, a directory we can write.
+
+    It tries: creates the missing directories and a file in ``path``, then removes what it made, so a run
+    refused here leaves nothing on disk (permissions alone do not say it: root, read-only filesystems).
+    """
+    made: list[Path] = []
+    try:
+        if path.exists() and not path.is_dir():
+            raise ValueError(f"{flag} {path}: is a file, not a directory; give a directory (created if missing)")
+        blocker = next((p for p in path.parents if p.exists() and not p.is_dir()), None)
+        if blocker is not None:
+            raise ValueError(f"{flag} {path}: {blocker} is a file, so no directory can be made under it; "
+                             f"give another path")
+        for p in reversed([path, *path.parents]):
+            if not p.exists():
+                p.mkdir()
+                made.append(p)
+        fd, probe = tempfile.mkstemp(dir=path, prefix=".unbroken-probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise ValueError(f"{flag} {path}: cannot write there ({exc.strerror or exc}: {exc.filename}); "
+                         f"give a directory you can write, e.g. {flag} runs/NAME") from None
+    finally:
+        for p in reversed(made):
+            with contextlib.suppress(OSError):
+                p.rmdir()
 
 
 def _train_config(args: argparse.Namespace, overrides: list[str]) -> Config:
@@ -140,57 +240,6 @@ def _train_layout(args: argparse.Namespace, cfg: Config) -> tuple[int, int]:
     return nodes, cfg.train.workers // nodes
 
 
-class Progress:
-    """Live progress: a rich bar on a terminal, a plain line every ~5% otherwise."""
-
-    def __init__(self, total: int) -> None:
-        from rich.console import Console
-
-        self.total = total
-        self.console = Console(stderr=True)
-        self.every = max(1, total // 20)
-        self.bar = None
-        if self.console.is_terminal:
-            from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeRemainingColumn
-            from rich.progress import Progress as RichProgress
-
-            self.bar = RichProgress(
-                TextColumn("step"), MofNCompleteColumn(), BarColumn(), TextColumn("{task.fields[info]}"),
-                TimeRemainingColumn(), console=self.console,
-            )
-            self.task = self.bar.add_task("train", total=total, info="starting workers")
-            self.bar.start()
-
-    def update(self, rec: dict[str, Any]) -> None:
-        if rec.get("kind") == "val":
-            self.console.print(f"step {rec['step']}: val loss {rec['val_loss']:.4f}  ppl {rec['val_ppl']:.2f}")
-            return
-        if rec.get("kind") != "train":
-            return
-        info = f"loss {rec['loss']:.4f}  lr {rec['lr']:.2e}  {rec['tokens_per_s']:,.0f} tok/s"
-        for key in ("live_workers", "generation", "degraded"):
-            if key in rec:
-                info += f"  {key} {rec[key]}"
-        if self.bar is not None:
-            self.bar.update(self.task, completed=rec["step"], info=info)
-        elif rec["step"] % self.every == 0 or rec["step"] == self.total:
-            self.console.print(f"step {rec['step']}/{self.total}  {info}")
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.stop()
-
-
-def _print_summary(summary: dict[str, Any]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title="run summary", show_header=False)
-    for key, value in summary.items():
-        table.add_row(key, f"{value:.4f}" if isinstance(value, float) else str(value))
-    Console().print(table)
-
-
 # ---------------------------------------------------------------------------
 # bench
 
@@ -210,26 +259,20 @@ def cmd_bench(args: argparse.Namespace, overrides: list[str]) -> int:
 
 def cmd_simulate(args: argparse.Namespace, overrides: list[str]) -> int:
     """Play ``train.workers`` workers in this process under a failure trace (``unbroken.job.simulator``)."""
+    from unbroken.console import Console
     from unbroken.job.simulator import simulate
 
     cfg = _config_from(args, overrides)
     out = args.out or Path("runs") / (
-        f"sim-{args.preset}-w{cfg.train.workers}-{cfg.fault.trace}-{cfg.mecefo.policy}")
-    progress = Progress(total=cfg.train.steps)
-
-    def show(rec: dict[str, Any]) -> None:
-        # The progress line shows counts and slot ids; the full records are in metrics.jsonl.
-        if rec.get("kind") == "train":
-            rec = {k: v for k, v in rec.items() if k != "assignment"}
-            rec["live_workers"] = f"{len(rec['live_workers'])}/{cfg.train.workers}"
-            rec["degraded"] = [d["slot"] for d in rec["degraded"]]
-        progress.update(rec)
-
+        f"sim-{_preset(args)}-w{cfg.train.workers}-{cfg.fault.trace}-{cfg.mecefo.policy}")
+    _check_writable_dir("--out", out)
+    # The status line shows counts and slot ids; the full records (assignments) are in metrics.jsonl.
+    console = Console(total=cfg.train.steps, workers=cfg.train.workers, log_every=cfg.train.log_every)
     try:
-        summary = simulate(cfg, out, overwrite=args.overwrite, on_record=show)
+        summary = simulate(cfg, out, overwrite=args.overwrite, on_record=console.record)
     finally:
-        progress.close()
-    _print_summary(summary)
+        console.close()
+    console.summary(summary)
     return 0
 
 
@@ -246,12 +289,38 @@ def cmd_agent(args: argparse.Namespace, overrides: list[str]) -> int:
     if overrides:
         raise ValueError(f"unbroken agent takes no config overrides ({', '.join(overrides)}); "
                          f"it runs the config in RUN_DIR/config.json")
+    _check_store_address(args.store)
     logging.getLogger("unbroken").setLevel(logging.DEBUG if args.verbose else logging.INFO)
     try:
         return run_agent(options_from(args))
     except AgentError as exc:
-        print(f"unbroken agent: {exc}", file=sys.stderr)
-        return exc.code
+        if exc.code != 2:  # the job failed or was interrupted: not an input error
+            print(f"unbroken agent: {exc}", file=sys.stderr)
+            return exc.code
+        # Refused to start. The agent re-raises store errors ``from None``: the original is the context.
+        if isinstance(exc.__context__, (StoreAccessDenied, ConnectionError, ValueError)):
+            raise ValueError(_store_problem(args, exc.__context__)) from None
+        raise ValueError(str(exc)) from None
+
+
+def _check_store_address(addr: str) -> None:
+    host, sep, port = addr.rpartition(":")
+    if not (sep and host and port.isdigit() and 1 <= int(port) <= 65535):
+        raise ValueError(f"--store {addr!r}: expected HOST:PORT with PORT in 1..65535, e.g. --store 10.0.0.1:29500 "
+                         f"(the job's train.host and train.port)")
+
+
+def _store_problem(args: argparse.Namespace, exc: Exception) -> str:
+    """The agent's store error, naming the option to fix: ``--run-dir`` (no secret) or ``--store``."""
+    from unbroken.runtime.store_backend import SECRET_ENV, SECRET_FILE
+
+    from_env = bool(os.environ.get(SECRET_ENV))
+    if isinstance(exc, StoreAccessDenied) and not from_env and not (args.run_dir / SECRET_FILE).is_file():
+        return f"--run-dir {args.run_dir}: {exc}"
+    if isinstance(exc, StoreAccessDenied):
+        where = f"${SECRET_ENV}" if from_env else str(args.run_dir / SECRET_FILE)
+        return f"--store {args.store}: {exc} (the secret tried is the one in {where})"
+    return f"--store {args.store}: {exc}"
 
 
 # ---------------------------------------------------------------------------
@@ -277,8 +346,8 @@ def cmd_report(args: argparse.Namespace, overrides: list[str]) -> int:
 
     if overrides:
         raise ValueError(f"unbroken report takes no config overrides ({', '.join(overrides)})")
-    summary = report_main([str(args.run_dir)] + (["--json"] if args.json else []))
-    return 0 if summary["ledger_ok"] else 1
+    result = report_main([str(d) for d in args.run_dirs] + (["--json"] if args.json else []))
+    return 1 if result["ledger_ok"] is False else 0
 
 
 # ---------------------------------------------------------------------------
@@ -289,6 +358,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace, list[str]], int]] = {
     "agent": cmd_agent,
     "chaos": cmd_chaos,
     "report": cmd_report,
+    "demo": cmd_demo,
 }
 
 
@@ -330,10 +400,24 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_agent_parser(sub)
     _add_chaos_parser(sub)
+    de = sub.add_parser(
+        "demo", help="the main job: train through a worker kill, a hang and a node loss, then check nothing was lost",
+        description="Train the debug model with 4 workers on 2 nodes and a warm standby per node, inject a worker "
+        "SIGKILL, a SIGSTOP hang and a whole-node loss from outside (each followed by a return to full strength), "
+        "then check from the ledgers that every (step, slot, row) was trained exactly once and compare the "
+        "validation perplexity with a failure-free run of the same job.", epilog=EPILOG_OVERRIDES,
+    )
+    de.add_argument("--out", type=Path, default=Path("runs/default"), help="run directory (default runs/default)")
+    de.add_argument("--steps", type=int, default=400, help="steps to train (default 400)")
+    de.add_argument("--no-faults", action="store_true", help="the same job without any fault")
+    de.add_argument("--overwrite", action="store_true", help="replace a run already in --out")
+
     rp = sub.add_parser("report", help="summarise a run: failures, stall per failure, lost steps, ledger check",
                         description="Failures, stall per failure, rejoins and the exactly-once ledger check of a run "
-                        "(exit code 1 if any (step, slot, row) was lost or trained twice).")
-    rp.add_argument("run_dir", type=Path, help="run directory")
+                        "(exit code 1 if any (step, slot, row) was lost or trained twice), drawn to RUN/report.png "
+                        "with the data in RUN/report.json; with two runs, both overlaid in "
+                        "RUN_A/report-vs-<name of RUN_B>.png.")
+    rp.add_argument("run_dirs", type=Path, nargs="+", metavar="RUN_DIR", help="run directory; a second to compare")
     rp.add_argument("--json", action="store_true", help="print JSON")
 
     be = sub.add_parser("bench", help="run a benchmark (prints a table, writes JSON)",
@@ -382,7 +466,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(levelname)s %(name)s: %(message)s")
     try:
         return COMMANDS[args.command](args, overrides)
-    except (ValueError, CheckpointError) as exc:
+    except (ValueError, CheckpointError, StoreAccessDenied, ConnectionError) as exc:
         print(f"unbroken {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

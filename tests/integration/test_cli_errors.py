@@ -1,14 +1,24 @@
-"""Bad input to ``unbroken train``: a clear error naming the problem, exit code 2, nothing written."""
+"""Bad input to the CLI: one line ``unbroken CMD: error: ...`` naming the flag or field, the value given and
+what is accepted, exit code 2, no traceback, nothing written.
+
+Config, data, run directories (``--out``, ``--resume``), ports (``--train.port``) and stores
+(``unbroken agent --store``: malformed, unreachable, wrong or missing secret).
+"""
 
 from __future__ import annotations
 
 import json
+import os
 import socket
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from unbroken.cli import main
+from unbroken.config import load_config
+from unbroken.runtime.job_store import JobStore
+from unbroken.runtime.store_backend import SECRET_ENV
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -20,6 +30,7 @@ def _train(tmp_path, corpus_overrides, *args: str) -> list[str]:
 def _fails(capsys, argv: list[str], *needles: str) -> str:
     assert main(argv) == 2
     err = capsys.readouterr().err
+    assert f"unbroken {argv[0]}: error: " in err and "Traceback" not in err, err
     for needle in needles:
         assert needle in err, f"{needle!r} not in: {err}"
     return err
@@ -91,11 +102,103 @@ def test_port_in_use(tmp_path, capsys, corpus_overrides):
         s.listen()
         port = s.getsockname()[1]
         _fails(capsys, _train(tmp_path, corpus_overrides, f"--train.port={port}"), f"127.0.0.1:{port}",
-               "in use")
+               "in use", "--train.port=N or 0 for a free one")
     assert not (tmp_path / "run").exists()
 
 
-def test_resume_without_checkpoint(tmp_path, capsys):
+def test_port_out_of_range(tmp_path, capsys, corpus_overrides):
+    _fails(capsys, _train(tmp_path, corpus_overrides, "--train.port=70000"), "train.port=70000",
+           "must be in 0..65535", "0 picks a free port")
+    assert not (tmp_path / "run").exists()
+
+
+def test_resume_of_a_directory_holding_no_run(tmp_path, capsys):
     run = tmp_path / "run"
     run.mkdir()
-    _fails(capsys, ["train", "--resume", str(run)], "no config.json")
+    _fails(capsys, ["train", "--resume", str(run)], f"--resume {run}: holds no unbroken run", "no config.json",
+           "give the directory of a run made by unbroken train")
+    (run / "config.json").write_text("[1, 2]")  # JSON, but no run's config
+    _fails(capsys, ["train", "--resume", str(run)], f"--resume {run}: holds no unbroken run")
+    _fails(capsys, ["train", "--resume", str(tmp_path / "nowhere")], f"--resume {tmp_path / 'nowhere'}: no such "
+           "directory", "give the directory of a run")
+
+
+def test_resume_of_a_run_without_checkpoint(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps(load_config(preset_name="debug").to_dict()))
+    _fails(capsys, ["train", "--resume", str(run)], f"--resume {run}: the run has no committed checkpoint",
+           "train.checkpoint_every=0", f"--out {run} --overwrite", "--train.checkpoint_every=N")
+    assert sorted(p.name for p in run.iterdir()) == ["config.json"]
+
+
+def test_resume_with_options_of_a_new_run(tmp_path, capsys):
+    run = tmp_path / "run"
+    _fails(capsys, ["train", "--resume", str(run), "--workers", "4", "--out", str(tmp_path / "x"),
+                    "--optim.lr=1e-3"],
+           f"--resume {run} continues the run with its saved config", "--workers 4", f"--out {tmp_path / 'x'}",
+           "--optim.lr=1e-3", "drop them", "--fail-at")
+    assert not (tmp_path / "x").exists()
+
+
+def test_out_is_a_file(tmp_path, capsys, corpus_overrides):
+    (tmp_path / "run").write_text("not a directory")
+    _fails(capsys, _train(tmp_path, corpus_overrides), f"--out {tmp_path / 'run'}: is a file, not a directory",
+           "give a directory")
+    _fails(capsys, ["train", "--out", str(tmp_path / "run" / "sub")],
+           f"--out {tmp_path / 'run' / 'sub'}: {tmp_path / 'run'} is a file", "give another path")
+    assert (tmp_path / "run").read_text() == "not a directory"
+
+
+def test_out_not_writable(tmp_path, capsys, corpus_overrides):
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    out = locked / "run"
+    if os.access(locked, os.W_OK):  # root ignores permissions: take a place nobody can write instead
+        out = Path("/sys/unbroken-test-run")
+        if not Path("/sys").is_dir() or out.exists():
+            pytest.skip("no unwritable directory to try")
+    _fails(capsys, ["train", "--out", str(out), *[f"--{o}" for o in corpus_overrides]], f"--out {out}: cannot "
+           "write there", "give a directory you can write")
+    assert not out.exists()
+
+
+# -- unbroken agent --store ----------------------------------------------------------
+
+
+def _agent(tmp_path, store: str, *extra: str) -> list[str]:
+    return ["agent", "--node-rank", "0", "--nnodes", "1", "--workers-per-node", "1", "--store", store,
+            "--run-dir", str(tmp_path), "--timeout-s", "1", *extra]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_agent_store_malformed(tmp_path, capsys):
+    _fails(capsys, _agent(tmp_path, "localhost"), "--store 'localhost'", "expected HOST:PORT",
+           "e.g. --store 10.0.0.1:29500")
+    _fails(capsys, _agent(tmp_path, "localhost:99999"), "--store 'localhost:99999'", "PORT in 1..65535")
+
+
+def test_agent_store_unreachable(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv(SECRET_ENV, "some job")
+    addr = f"127.0.0.1:{_free_port()}"
+    _fails(capsys, _agent(tmp_path, addr), f"--store {addr}: store {addr} did not answer within 1 s",
+           "is the launcher running and the address right?")
+
+
+def test_agent_store_wrong_secret(tmp_path, capsys, monkeypatch):
+    store = JobStore.host("127.0.0.1", 0, clients=2, secret="the job's secret")
+    monkeypatch.setenv(SECRET_ENV, "another secret")
+    addr = f"127.0.0.1:{store.port}"
+    _fails(capsys, _agent(tmp_path, addr), f"--store {addr}: store {addr} holds no job under this secret",
+           f"use the run's secret file or {SECRET_ENV}", f"the secret tried is the one in ${SECRET_ENV}")
+
+
+def test_agent_without_secret(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv(SECRET_ENV, raising=False)
+    _fails(capsys, _agent(tmp_path, f"127.0.0.1:{_free_port()}"), f"--run-dir {tmp_path}: no job secret",
+           f"set {SECRET_ENV} or copy the run's secret file into {tmp_path}")

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from unbroken.runtime import process_group
@@ -15,15 +16,16 @@ from unbroken.runtime.process_group import ViewGroup
 ROUNDS = 50
 
 CHILD = """
-import json, os, sys, torch
+import os, sys, time, torch
 from unbroken.runtime.job_store import JobStore
 from unbroken.runtime.process_group import ViewGroup
-port, rounds = int(sys.argv[1]), int(sys.argv[2])
+port, rounds, linger = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
 store = JobStore.connect(f"127.0.0.1:{port}", timeout_s=20, secret="test")
 for gen in range(rounds):
     g = ViewGroup(store.group_store(gen), gen=gen, rank=1, size=2, device=torch.device("cpu"), timeout_s=20)
     g.allreduce(torch.ones(1000), lambda: None)
     g.abandon()
+time.sleep(linger)  # alive but silent: a peer's pending operation on our last group stays blocked
 sys.stdout.flush()
 os._exit(0)
 """
@@ -36,7 +38,7 @@ def _resources() -> tuple[int, int]:
 
 def test_fifty_view_changes_leave_no_group_behind():
     store = JobStore.host("127.0.0.1", 0, clients=2, secret="test")
-    child = subprocess.Popen([sys.executable, "-c", CHILD, str(store.port), str(ROUNDS)])
+    child = subprocess.Popen([sys.executable, "-c", CHILD, str(store.port), str(ROUNDS), "0"])
     try:
         seen, groups = [], []
         for gen in range(ROUNDS):
@@ -54,17 +56,18 @@ def test_fifty_view_changes_leave_no_group_behind():
 
 def test_a_group_with_a_pending_operation_is_parked_then_released():
     store = JobStore.host("127.0.0.1", 0, clients=2, secret="test")
-    child = subprocess.Popen([sys.executable, "-c", CHILD, str(store.port), "1"])  # joins view 0, then leaves
+    # The peer joins view 0, all-reduces once, then stays alive without taking part in anything.
+    child = subprocess.Popen([sys.executable, "-c", CHILD, str(store.port), "1", "60"])
     try:
         g = ViewGroup(store.group_store(0), gen=0, rank=0, size=2, device=torch.device("cpu"), timeout_s=20)
         g.allreduce(torch.ones(1000), lambda: None)
-        assert child.wait(60) == 0
-        g._pending = g.pg.allreduce([torch.ones(3)])  # blocked: the peer is gone
+        g._pending = g.pg.allreduce([torch.ones(3)])  # blocked: the peer is silent
         g.abandon()
         assert g in process_group._PARKED and g.pg is not None
-        g._pending.wait()  # the peer's closed connection fails it, as a fenced peer's does
-    except RuntimeError:
-        pass
+        child.kill()  # fenced: its connections close, which fails the pending operation
+        child.wait(30)
+        with pytest.raises(RuntimeError):
+            g._pending.wait()
     finally:
         child.kill()
     other = ViewGroup(store.group_store(1), gen=1, rank=0, size=1, device=torch.device("cpu"), timeout_s=5)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import copy
 import gc
 import json
+import signal
 import os
 import logging
 import subprocess
@@ -37,6 +38,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from unbroken.agent.events import EventMerger
 from unbroken.agent.options import RESTART_POLICIES
 from unbroken.config import Config, config_hash
 from unbroken.faults.fail_at import FaultSpec, parse_fail_at, trace_to_faults, write_fault_plan
@@ -85,17 +87,25 @@ def launch(
     overwrite: bool = False,
     resume: bool = False,
     on_record: Callable[[dict[str, Any]], None] | None = None,
+    on_event: Callable[[dict[str, Any]], None] | None = None,
     fail_at: str = "",
     standby: bool = False,
     restart: str = "on-failure",
+    replace_lost_nodes_s: float | None = None,
 ) -> dict[str, Any]:
     """Train ``cfg`` with ``nodes`` local agents of ``workers_per_node`` workers each.
 
     Args:
         cfg: the run; ``train.workers`` is set to ``nodes * workers_per_node``.
+        on_record: called with each new ``metrics.jsonl`` record.
+        on_event: called with each event of the run as it is merged into ``<run_dir>/events.jsonl``
+            (:mod:`unbroken.agent.events`), in the order records and events were written.
         fail_at: extra fault specs for this launch (not saved in the config).
         standby: each agent keeps a warm standby worker process.
         restart: ``on-failure`` (dead workers rejoin) or ``never``.
+        replace_lost_nodes_s: play a cluster scheduler that replaces lost machines: an agent that
+            dies by SIGKILL (a lost node) is started again this many seconds later, as a new machine
+            for that node rank, whose workers rejoin; None: a lost node stays lost.
     Returns:
         The summary also written to ``<run_dir>/summary.json``.
     Raises:
@@ -120,9 +130,9 @@ def launch(
     if plan is not None:
         write_fault_plan(plan, specs)
     t0 = time.time()
-    restarts = _run_attempts(host, cfg, run_dir, on_record, resume_from, nodes=nodes,
+    restarts = _run_attempts(host, cfg, run_dir, on_record, resume_from, on_event=on_event, nodes=nodes,
                              workers_per_node=workers_per_node, restart=restart, fault_plan=plan, standby=standby,
-                             secret=secret)
+                             secret=secret, replace_lost_nodes_s=replace_lost_nodes_s)
     summary = _summarise(run_dir, cfg, info, time.time() - t0, resume_from, nodes=nodes, t0=t0)
     if mode.restarts_job:
         summary["job_restarts"] = restarts
@@ -170,7 +180,8 @@ class _StoreHost:
 
 
 def _run_attempts(host: _StoreHost, cfg: Config, run_dir: Path, on_record: Callable[[dict[str, Any]], None] | None,
-                  resume_from: Path | None, **agent_args: Any) -> list[dict[str, int]]:
+                  resume_from: Path | None, *, on_event: Callable[[dict[str, Any]], None] | None = None,
+                  **agent_args: Any) -> list[dict[str, int]]:
     """Run the job to its end; under checkpoint-restart, again from the last checkpoint after each death.
 
     Returns:
@@ -181,8 +192,8 @@ def _run_attempts(host: _StoreHost, cfg: Config, run_dir: Path, on_record: Calla
     restarts: list[dict[str, int]] = []
     while True:
         start_step = int(read_commit(resume_from)["step"]) if resume_from else 0
-        outcome = _attempt(host.store, cfg, run_dir, on_record, start_step=start_step, resume_from=resume_from,
-                           **agent_args)
+        outcome = _attempt(host.store, cfg, run_dir, on_record, on_event=on_event, start_step=start_step,
+                           resume_from=resume_from, **agent_args)
         if outcome is None:
             return restarts
         if outcome != _DEATH:
@@ -197,16 +208,26 @@ def _run_attempts(host: _StoreHost, cfg: Config, run_dir: Path, on_record: Calla
         host.replace((run_dir / "config.json").read_text())
 
 
-def _attempt(store: JobStore, cfg: Config, run_dir: Path, on_record: Callable[[dict[str, Any]], None] | None,
+def _attempt(store: JobStore, cfg: Config, run_dir: Path, on_record: Callable[[dict[str, Any]], None] | None, *,
+             on_event: Callable[[dict[str, Any]], None] | None = None, replace_lost_nodes_s: float | None = None,
              **agent_args: Any) -> str | None:
     """Run the agents until done (None), failed (message) or, under checkpoint-restart, a death."""
     agents: list[subprocess.Popen[bytes]] = []
-    try:
-        for r in range(agent_args["nodes"]):
-            agents.append(_spawn_agent(r, cfg, run_dir, f"{cfg.train.host}:{store.port}", **agent_args))
-        return _supervise(agents, store, run_dir, cfg, on_record)
-    finally:
-        _stop_agents(agents)
+    addr = f"{cfg.train.host}:{store.port}"
+    replacer = None
+    if replace_lost_nodes_s is not None:
+        replacer = _NodeReplacer(replace_lost_nodes_s, lambda r: _spawn_agent(r, cfg, run_dir, addr, **agent_args))
+    with EventMerger(run_dir, since=time.time()) as events:  # this attempt's events: those written from now on
+        try:
+            for r in range(agent_args["nodes"]):
+                agents.append(_spawn_agent(r, cfg, run_dir, addr, **agent_args))
+            return _supervise(agents, store, run_dir, cfg, on_record, events=events, on_event=on_event,
+                              replacer=replacer)
+        finally:
+            _stop_agents(agents)
+            for e in events.poll():  # the exits of the agents' shutdown, for events.jsonl
+                if on_event is not None:
+                    on_event(e)
 
 
 def launch_local(cfg: Config, run_dir: str | Path, **kwargs: Any) -> dict[str, Any]:
@@ -263,14 +284,20 @@ def _spawn_agent(node: int, cfg: Config, run_dir: Path, store_addr: str, *, node
 
 
 def _supervise(agents: list[subprocess.Popen[bytes]], store: JobStore, run_dir: Path, cfg: Config,
-               on_record: Callable[[dict[str, Any]], None] | None) -> str | None:
-    """Follow the job to its end; returns ``None`` when done, else the failure message."""
+               on_record: Callable[[dict[str, Any]], None] | None, *, events: EventMerger | None = None,
+               on_event: Callable[[dict[str, Any]], None] | None = None,
+               replacer: _NodeReplacer | None = None) -> str | None:
+    """Follow the job to its end; returns ``None`` when done, else the failure message.
+
+    Every poll hands the new metrics records to ``on_record`` and merges the new events (``events``)
+    into ``events.jsonl``, handing each to ``on_event``.
+    """
     tail = JsonlTail(run_dir / "metrics.jsonl")
     committed, last_progress = store.progress(), time.monotonic()
     done_at: float | None = None
     while True:
         now = time.monotonic()
-        _emit(tail, on_record)
+        _emit(tail, on_record, events, on_event)
         progress = store.progress()
         if progress != committed:
             committed, last_progress = progress, now
@@ -279,13 +306,15 @@ def _supervise(agents: list[subprocess.Popen[bytes]], store: JobStore, run_dir: 
             return failure
         if recovery(cfg.fault.recovery).restarts_job and store.deaths() > 0 and not store.is_done():
             return _DEATH
+        if replacer is not None and not store.is_done():
+            replacer.tick(agents, now)
         codes = [a.poll() for a in agents]
         for node, code in enumerate(codes):
             if code == 2:  # refused to start (config, rank, store): the job cannot run as asked
                 raise AgentFailed(node, code, _log_tail(run_dir / "logs" / f"agent{node}.log"))
         done = store.is_done()
-        if all(c is not None for c in codes):
-            _emit(tail, on_record)
+        if all(c is not None for c in codes) and not (replacer is not None and replacer.lost):
+            _emit(tail, on_record, events, on_event)
             if done:
                 return None
             if store.failure() is not None:
@@ -303,12 +332,39 @@ def _supervise(agents: list[subprocess.Popen[bytes]], store: JobStore, run_dir: 
         time.sleep(POLL_S)
 
 
-def _emit(tail: JsonlTail, on_record: Callable[[dict[str, Any]], None] | None) -> bool:
-    records = tail.read_new()
-    for rec in records:
-        if on_record:
-            on_record(rec)
-    return bool(records)
+class _NodeReplacer:
+    """Brings up a replacement for a lost node (its agent killed by SIGKILL), as a scheduler would.
+
+    The new agent takes the node rank over from the silent one and starts that
+    node's workers as joiners; the survivors admit them at a step boundary.
+    """
+
+    def __init__(self, delay_s: float, spawn: Callable[[int], subprocess.Popen[bytes]]) -> None:
+        self.delay_s, self.spawn = delay_s, spawn
+        self.lost: dict[int, float] = {}  # node -> when its agent was seen dead
+
+    def tick(self, agents: list[subprocess.Popen[bytes]], now: float) -> None:
+        for node, agent in enumerate(agents):
+            if agent.poll() == -signal.SIGKILL and node not in self.lost:
+                self.lost[node] = now
+                logger.warning("node %d lost: a replacement comes up in %.1f s", node, self.delay_s)
+        for node, since in list(self.lost.items()):
+            if now - since >= self.delay_s:
+                del self.lost[node]
+                agents[node] = self.spawn(node)
+                logger.warning("node %d replaced (agent pid %d)", node, agents[node].pid)
+
+
+def _emit(tail: JsonlTail, on_record: Callable[[dict[str, Any]], None] | None, events: EventMerger | None = None,
+          on_event: Callable[[dict[str, Any]], None] | None = None) -> bool:
+    """Hand new metrics records and merged events to their callbacks, in the order they were written."""
+    new = [(r.get("time", 0.0), on_record, r) for r in tail.read_new()]
+    new += [(e.get("time", 0.0), on_event, e) for e in (events.poll() if events is not None else [])]
+    new.sort(key=lambda item: item[0])  # stable: each source keeps its own order
+    for _, callback, rec in new:
+        if callback is not None:
+            callback(rec)
+    return bool(new)
 
 
 def _stop_agents(agents: list[subprocess.Popen[bytes]]) -> None:

@@ -1,6 +1,7 @@
-"""``unbroken report RUN_DIR``: what failed, what it cost, and whether anything was lost.
+"""``unbroken report RUN [RUN_B]``: what failed, what it cost, whether anything was lost, as text and a picture.
 
-Reads ``config.json``, ``metrics.jsonl`` and the event files of a run:
+Reads ``config.json``, ``metrics.jsonl``, the event files (``events/*.jsonl``)
+and ``summary.json`` of a run:
 
 - failures: each aborted attempt that led to a new view (one per step and view);
 - stall per failure: the survivors' gap between the step that failed and the one
@@ -9,44 +10,76 @@ Reads ``config.json``, ``metrics.jsonl`` and the event files of a run:
   record of the exit) to its admission back into the job;
 - the ledger check (:func:`unbroken.runtime.ledger.check_ledger`): lost steps,
   rows trained never or twice — all must be 0.
+
+One run: the text table, ``RUN/report.json`` (the summary plus the per-step
+series of :mod:`unbroken.bench.report_series`) and ``RUN/report.png``
+(:func:`unbroken.bench.report_plot.plot_run`). Two runs: the headline numbers
+side by side and ``RUN_A/report-vs-<name of B>.png`` (loss and live workers
+overlaid). A simulated run (``unbroken simulate``: no event files) is read
+from its metrics lines; it has no ledger to check (``ledger_ok`` is None).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 from pathlib import Path
 from typing import Any
 
+from unbroken.bench import report_series as rs
 from unbroken.jsonl import read_jsonl
 from unbroken.runtime.ledger import check_ledger, read_events
 
+MAX_RUNS = 2
+"""``unbroken report`` draws one run, or overlays two."""
+
 
 def summarize_run(run_dir: str | Path) -> dict[str, Any]:
-    """Failures, stalls, rejoins and the ledger check of one run directory."""
+    """Failures, stalls, rejoins and the ledger check of one run directory.
+
+    Raises:
+        ValueError: ``run_dir`` has no ``config.json``.
+    """
     run_dir = Path(run_dir)
-    if not (run_dir / "config.json").is_file():
-        raise ValueError(f"{run_dir} is not a run directory (no config.json)")
-    cfg = json.loads((run_dir / "config.json").read_text())
+    cfg = _read_config(run_dir)
     train = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r.get("kind") == "train"]
     events = [r for r in read_events(run_dir) if r.get("kind") == "event"]
     steps = {r["step"]: r for r in train}
     normal = statistics.median(r["step_time_s"] for r in train) if train else 0.0
     failures = _failures(events, steps, normal)
-    ledger = check_ledger(run_dir, n_slots=cfg["train"]["workers"], micro_batch=cfg["data"]["micro_batch"],
-                          steps=cfg["train"]["steps"], start_step=_start_step(run_dir))
     stalls = [f["stall_s"] for f in failures if f["stall_s"] is not None]
     return {
-        "run_dir": str(run_dir), "steps": cfg["train"]["steps"], "committed_steps": ledger.committed,
-        "normal_step_s": normal, "failures": len(failures), "failure_details": failures,
+        "run_dir": str(run_dir), "steps": cfg["train"]["steps"], "normal_step_s": normal,
+        "failures": len(failures), "failure_details": failures,
         "stall_per_failure_s": {"median": statistics.median(stalls) if stalls else None,
                                 "max": max(stalls) if stalls else None},
-        "rejoins": _rejoins(events), "lost_steps": len(ledger.lost_steps),
-        "rows_trained_never": ledger.rows_never, "rows_trained_twice": ledger.rows_twice,
-        "degraded_steps": ledger.degraded_steps, "approx_rows": ledger.approx_rows,
-        "ledger_ok": ledger.ok, "ledger_examples": ledger.examples,
+        "rejoins": _rejoins(events), **_ledger(run_dir, cfg, len(train)),
     }
+
+
+def _read_config(run_dir: Path) -> dict[str, Any]:
+    if not run_dir.is_dir():
+        why = "a file, not a directory" if run_dir.exists() else "no such directory"
+        raise ValueError(f"{run_dir} is not a run directory ({why})")
+    if not (run_dir / "config.json").is_file():
+        raise ValueError(f"{run_dir} is not a run directory (no config.json)")
+    return json.loads((run_dir / "config.json").read_text())
+
+
+def _ledger(run_dir: Path, cfg: dict[str, Any], train_lines: int) -> dict[str, Any]:
+    """The ledger check's fields; all None for a simulated run (no event files, nothing to check)."""
+    if not (run_dir / "events").is_dir():
+        return {"committed_steps": train_lines, "lost_steps": None, "rows_trained_never": None,
+                "rows_trained_twice": None, "degraded_steps": None, "approx_rows": None, "ledger_ok": None,
+                "ledger_examples": []}
+    ledger = check_ledger(run_dir, n_slots=cfg["train"]["workers"], micro_batch=cfg["data"]["micro_batch"],
+                          steps=cfg["train"]["steps"], start_step=_start_step(run_dir))
+    return {"committed_steps": ledger.committed, "lost_steps": len(ledger.lost_steps),
+            "rows_trained_never": ledger.rows_never, "rows_trained_twice": ledger.rows_twice,
+            "degraded_steps": ledger.degraded_steps, "approx_rows": ledger.approx_rows,
+            "ledger_ok": ledger.ok, "ledger_examples": ledger.examples}
 
 
 def _start_step(run_dir: Path) -> int:
@@ -85,44 +118,173 @@ def _failures(events: list[dict[str, Any]], steps: dict[int, dict[str, Any]], no
 
 
 def _rejoins(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    deaths: dict[int, list[float]] = {}
-    for e in events:
-        if e.get("event") in ("fault_self", "worker_exit", "fault_injected") and "worker" in e and "time" in e:
-            deaths.setdefault(e["worker"], []).append(e.get("t", e["time"]))
+    """Each rejoin with the time since the first record of the death it ends (after the previous rejoin)."""
+    down_since: dict[int, float] = {}
     out = []
-    for e in events:
-        if e.get("event") == "rejoined":
-            before = [t for t in deaths.get(e["worker"], []) if t <= e["time"]]
+    for e in sorted((e for e in events if "time" in e), key=lambda e: e.get("t", e["time"])):
+        if e.get("event") in ("fault_self", "worker_exit", "fault_injected"):
+            hit = e.get("targets") if e.get("worker") is None else [e["worker"]]  # a node loss names targets
+            for w in hit or []:
+                down_since.setdefault(w, e.get("t", e["time"]))
+        elif e.get("event") == "rejoined":
+            since = down_since.pop(e["worker"], None)
             out.append({"worker": e["worker"], "step": e["step"], "gen": e["gen"],
-                        "down_to_back_s": e["time"] - min(before) if before else None})
+                        "down_to_back_s": e["time"] - since if since is not None else None})
     return out
 
 
+def build_report(run_dir: str | Path) -> dict[str, Any]:
+    """:func:`summarize_run` plus what the picture shows: run facts, deaths and the per-step series.
+
+    Raises:
+        ValueError: ``run_dir`` is not a run (no ``config.json``, or neither
+            ``metrics.jsonl`` nor ``events/``).
+    """
+    run_dir = Path(run_dir)
+    cfg = _read_config(run_dir)
+    if not (run_dir / "metrics.jsonl").is_file() and not (run_dir / "events").is_dir():
+        raise ValueError(f"{run_dir} is not a run directory (no metrics.jsonl and no events/: nothing to report)")
+    report = summarize_run(run_dir)
+    steps, n_workers = cfg["train"]["steps"], cfg["train"]["workers"]
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    simulated = not (run_dir / "events").is_dir()
+    records = rs.simulated_records(metrics) if simulated else read_events(run_dir)
+    states = rs.worker_states(records, n_workers=n_workers, steps=steps)
+    loss, val_loss = rs.loss_series(metrics, steps=steps)
+    deaths = rs.deaths(records)
+    degraded = rs.degraded_series(rs.committed_items(records), steps=steps)
+    report.update({
+        "name": run_dir.name, "simulated": simulated, "workers": n_workers,
+        "workers_per_node": _workers_per_node(run_dir),
+        "policy": cfg.get("mecefo", {}).get("policy"), "recovery": cfg.get("fault", {}).get("recovery"),
+        "deaths": deaths, "death_count": len(deaths),
+        "rejoin_steps": [{"worker": w, "step": s} for w, s in rs.rejoin_steps(records)],
+        "final_loss": next((x for x in reversed(loss) if x is not None), None),
+        "final_val_loss": next((x for x in reversed(val_loss) if x is not None), None),
+        "series": {
+            "step": list(range(steps)), "live_workers": rs.live_counts(states, steps=steps),
+            "worker_states": states, "stall_s": rs.stall_series(report["failure_details"], steps=steps),
+            **{rs.slots_key(mode): n for mode, n in degraded.items()},
+            "loss": loss, "val_loss": val_loss,
+        },
+    })
+    return report
+
+
+def _workers_per_node(run_dir: Path) -> int | None:
+    layout = run_dir / "layout.json"
+    if not layout.is_file():
+        return None
+    found = json.loads(layout.read_text()).get("workers_per_node")
+    return int(found) if isinstance(found, int) and found > 0 else None
+
+
+def write_report(run_dir: str | Path) -> dict[str, Any]:
+    """Build the report of one run, write ``report.json`` and ``report.png`` into it; returns the report."""
+    from unbroken.bench.report_plot import plot_run  # matplotlib only when a picture is drawn
+
+    run_dir = Path(run_dir)
+    report = build_report(run_dir)
+    report["figure"] = str(plot_run(report, run_dir / "report.png"))
+    report["json"] = str(run_dir / "report.json")
+    (run_dir / "report.json").write_text(json.dumps(report, indent=1))
+    return report
+
+
+def compare_runs(run_a: str | Path, run_b: str | Path) -> dict[str, Any]:
+    """Reports of two runs and their overlay, written to ``run_a/report-vs-<name of run_b>.png``."""
+    from unbroken.bench.report_plot import plot_overlay
+
+    a, b = build_report(run_a), build_report(run_b)
+    if a["name"] == b["name"]:  # e.g. two runs both called "run": tell them apart by their parents
+        a["name"], b["name"] = (f"{Path(r['run_dir']).parent.name}/{r['name']}" for r in (a, b))
+    path = Path(run_a) / f"report-vs-{_file_part(Path(run_b).name)}.png"
+    plot_overlay([a, b], path)
+    ok = [r["ledger_ok"] for r in (a, b)]
+    both = False if False in ok else None if None in ok else True  # None: a simulated run has no ledger
+    return {"runs": [a, b], "figure": str(path), "ledger_ok": both}
+
+
+def _file_part(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", name) or "run"
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    ap = argparse.ArgumentParser(prog="unbroken report", description="Summarise failures and the ledger of a run.")
-    ap.add_argument("run_dir", type=Path)
+    ap = argparse.ArgumentParser(prog="unbroken report",
+                                 description="Summarise failures and the ledger of a run, and draw it.")
+    ap.add_argument("run_dirs", type=Path, nargs="+", metavar="RUN_DIR", help="a run, or two to compare")
     ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
     a = ap.parse_args(argv)
-    s = summarize_run(a.run_dir)
-    if a.json:
-        print(json.dumps(s, indent=1))
-        return s
-    print(f"run {s['run_dir']}: {s['committed_steps']}/{s['steps']} steps committed, "
-          f"normal step {s['normal_step_s'] * 1000:.1f} ms")
-    print(f"failures: {s['failures']}  stall per failure: median {_fmt(s['stall_per_failure_s']['median'])}"
-          f"  max {_fmt(s['stall_per_failure_s']['max'])}")
-    for f in s["failure_details"]:
-        print(f"  step {f['step']:>6}  view {f['gen']:>3}  stall {_fmt(f['stall_s'])}  "
-              f"reconfigure {_fmt(f['reconfigure_s'])}  {f['reason'][:70]}")
-    for r in s["rejoins"]:
-        print(f"  worker {r['worker']} back at step {r['step']} after {_fmt(r['down_to_back_s'])}")
-    print(f"lost steps: {s['lost_steps']}  rows trained never: {s['rows_trained_never']}  "
-          f"twice: {s['rows_trained_twice']}  degraded steps: {s['degraded_steps']}  "
-          f"ledger {'OK' if s['ledger_ok'] else 'VIOLATED'}")
-    for ex in s["ledger_examples"]:
-        print(f"  {ex}")
+    if len(a.run_dirs) > MAX_RUNS:
+        raise ValueError(f"unbroken report takes at most {MAX_RUNS} run directories (one to report, two to "
+                         f"compare); got {len(a.run_dirs)}: {', '.join(map(str, a.run_dirs))}")
+    if len(a.run_dirs) == MAX_RUNS:
+        result = compare_runs(*a.run_dirs)
+        print(json.dumps(result, indent=1) if a.json else _comparison_text(result))
+        return result
+    s = write_report(a.run_dirs[0])
+    print(json.dumps(s, indent=1) if a.json else _run_text(s))
     return s
+
+
+def _run_text(s: dict[str, Any]) -> str:
+    lines = [f"run {s['run_dir']}: {s['committed_steps']}/{s['steps']} steps committed, "
+             f"normal step {s['normal_step_s'] * 1000:.1f} ms",
+             f"failures: {s['failures']}  stall per failure: median {_fmt(s['stall_per_failure_s']['median'])}"
+             f"  max {_fmt(s['stall_per_failure_s']['max'])}"]
+    for f in s["failure_details"]:
+        lines.append(f"  step {f['step']:>6}  view {f['gen']:>3}  stall {_fmt(f['stall_s'])}  "
+                     f"reconfigure {_fmt(f['reconfigure_s'])}  {f['reason'][:70]}")
+    for r in s["rejoins"]:
+        lines.append(f"  worker {r['worker']} back at step {r['step']} after {_fmt(r['down_to_back_s'])}")
+    if s["ledger_ok"] is None:
+        lines.append("ledger: none (a simulated run writes no event files)")
+    else:
+        lines.append(f"lost steps: {s['lost_steps']}  rows trained never: {s['rows_trained_never']}  "
+                     f"twice: {s['rows_trained_twice']}  degraded steps: {s['degraded_steps']}  "
+                     f"ledger {rs.ledger_verdict(s['ledger_ok'])}")
+    lines += [f"  {ex}" for ex in s["ledger_examples"]]
+    lines.append(f"picture: {s['figure']}  data: {s['json']}")
+    return "\n".join(lines)
+
+
+HEADLINE: tuple[tuple[str, Any], ...] = (
+    ("steps committed", lambda s: f"{s['committed_steps']}/{s['steps']}"),
+    ("policy / recovery", lambda s: f"{s['policy']} / {s['recovery']}"),
+    ("normal step", lambda s: f"{s['normal_step_s'] * 1000:.1f} ms"),
+    ("failures", lambda s: s["failures"]),
+    ("deaths", lambda s: s["death_count"]),
+    ("stall median", lambda s: _fmt(s["stall_per_failure_s"]["median"])),
+    ("stall max", lambda s: _fmt(s["stall_per_failure_s"]["max"])),
+    ("rejoins", lambda s: len(s["rejoins"])),
+    ("lost steps", lambda s: _dash(s["lost_steps"])),
+    ("degraded steps", lambda s: _dash(s["degraded_steps"])),
+    ("approx rows", lambda s: _dash(s["approx_rows"])),
+    ("final loss", lambda s: _num(s["final_loss"])),
+    ("final val loss", lambda s: _num(s["final_val_loss"])),
+    ("ledger", lambda s: rs.ledger_verdict(s["ledger_ok"])),
+)
+"""The rows of the side-by-side comparison: label, value of one report."""
+
+
+def _comparison_text(result: dict[str, Any]) -> str:
+    runs = result["runs"]
+    cells = [[str(get(s)) for s in runs] for _, get in HEADLINE]
+    width = max(len(r["name"]) for r in runs)
+    width = max([width] + [len(c) for row in cells for c in row]) + 2
+    lines = [f"{'':<18}" + "".join(f"{r['name']:>{width}}" for r in runs)]
+    lines += [f"{label:<18}" + "".join(f"{c:>{width}}" for c in row) for (label, _), row in zip(HEADLINE, cells)]
+    lines.append(f"picture: {result['figure']}")
+    return "\n".join(lines)
 
 
 def _fmt(x: float | None) -> str:
     return "-" if x is None else f"{x:.3f} s"
+
+
+def _num(x: float | None) -> str:
+    return "-" if x is None else f"{x:.4f}"
+
+
+def _dash(x: Any) -> str:
+    return "-" if x is None else str(x)

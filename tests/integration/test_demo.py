@@ -1,0 +1,31 @@
+"""The main job, reduced: it survives its three faults and its verdict comes from the ledger."""
+
+from __future__ import annotations
+
+import json
+
+from unbroken.demo import demo_faults, run_demo
+from unbroken.runtime.ledger import check_ledger
+
+
+def test_the_demo_survives_a_kill_a_hang_and_a_node_loss(tmp_path, corpus_overrides):
+    out = tmp_path / "default"
+    steps = 120
+    verdict = run_demo(out, steps=steps, overrides=corpus_overrides)
+    assert verdict["ok"], verdict
+    assert verdict["faults_injected"] == demo_faults(steps) == "step=12:worker=1:kill,step=30:worker=2:stop,step=48:node=1:kill"
+    # The node loss takes two workers: four deaths, three failed steps, each stall measured.
+    assert verdict["failures_survived"] == 4 and len(verdict["stalls_s"]) == 3
+    assert verdict["standby_handovers"] == 2, "the kill and the hang were covered by the warm standby"
+    ledger = check_ledger(out, n_slots=4, micro_batch=json.loads((out / "config.json").read_text())["data"]["micro_batch"],
+                          steps=steps)
+    assert ledger.ok and verdict["lost_steps"] == len(ledger.lost_steps) == 0
+    assert verdict["rows_trained_never"] == ledger.rows_never == 0 and verdict["rows_trained_twice"] == 0
+    assert verdict["steps"] == ledger.committed == steps
+    assert verdict["workers_agree"]
+    reference = json.loads((tmp_path / "default-failure-free" / "summary.json").read_text())
+    assert verdict["failure_free_val_ppl"] == reference["val_ppl"]
+    # spread (the default policy) computes everything exactly: the same model as without failures, up to
+    # the order of float sums.
+    assert abs(verdict["val_ppl_vs_failure_free"]) < 1e-3
+    assert json.loads((out / "demo.json").read_text()) == json.loads(json.dumps(verdict))

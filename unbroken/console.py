@@ -1,0 +1,334 @@
+"""The command line's output of a run: a status line, event lines, the summary.
+
+:class:`Console` is handed the run's records as they appear (``train`` and
+``val`` records of ``metrics.jsonl``; the merged events of ``events.jsonl``,
+see :mod:`unbroken.agent.events`) and prints them:
+
+- on a terminal, one live status line (step/total, loss, tokens/s,
+  generation, live workers, degraded slots, last stall, lr) rewritten in place;
+  events and validation results are printed above it as lines of their own;
+- anywhere else (a pipe, a log file), one plain line per ``every`` steps
+  (about 5% of the run, a multiple of ``train.log_every``), a line per event,
+  and the status line right after an event.
+
+Invariants: a line is never wrapped nor cut inside a field, whatever the
+width (plain writes, no width limit; on a terminal the live line drops whole
+trailing fields that do not fit instead); only :class:`Console` writes, the
+``format_*`` and ``describe_event`` functions only format.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import shutil
+import signal
+import sys
+from typing import Any, Callable, TextIO
+
+Record = dict[str, Any]
+
+SEP = "  "
+"""Between the fields of a line."""
+CLEAR_LINE = "\r\x1b[K"
+"""Back to the start of the terminal's line and erase it."""
+
+
+@dataclasses.dataclass
+class RunState:
+    """What the status line shows besides the last ``train`` record, kept up to date from events."""
+
+    workers: int
+    step: int = 0
+    """Committed steps (the step in progress, 0-based, for an event that names none)."""
+    gen: int | None = None
+    members: list[int] | None = None
+    stall: tuple[float, int] | None = None
+    """The last view change: its duration in seconds and the step it happened at."""
+
+    def observe(self, ev: Record) -> None:
+        if ev.get("event") in ("view_adopted", "reconfigured") and "members" in ev:
+            self.gen, self.members = ev.get("gen", self.gen), sorted(ev["members"])
+        if ev.get("event") == "reconfigured" and "seconds" in ev:
+            self.stall = (float(ev["seconds"]), int(ev.get("step", self.step)))
+
+
+# ---------------------------------------------------------------------------
+# formatting
+
+
+def format_status(rec: Record, *, total: int, workers: int, stall: tuple[float, int] | None) -> list[str]:
+    """The fields of the status line for a ``train`` record (join them with :data:`SEP`).
+
+    Most wanted first: a narrow terminal shows the leading ones (:func:`fit`).
+    """
+    fields = [f"step {rec['step']}/{total}", f"loss {rec['loss']:.4f}", f"{rec['tokens_per_s']:,.0f} tok/s"]
+    if rec.get("generation") is not None:
+        fields.append(f"g{rec['generation']}")
+    if "live_workers" in rec:
+        live = rec["live_workers"]
+        fields.append(f"live {len(live) if isinstance(live, list) else live}/{workers}")
+    if "degraded" in rec:
+        slots = [d["slot"] if isinstance(d, dict) else d for d in rec["degraded"]]
+        fields.append(f"degraded {','.join(map(str, slots)) or '-'}")
+    fields.append("stall -" if stall is None else f"stall {stall[0]:.2f} s (step {stall[1]})")
+    if "lr" in rec:
+        fields.append(f"lr {rec['lr']:.2e}")
+    return fields
+
+
+def format_val(rec: Record, *, total: int) -> str:
+    return SEP.join([f"step {rec['step']}/{total}", f"val loss {rec['val_loss']:.4f}", f"ppl {rec['val_ppl']:.2f}"])
+
+
+def format_event(ev: Record, state: RunState) -> str | None:
+    """``step S  gG  what happened`` for an event, or None for one not worth a line (a clean exit...).
+
+    ``state`` is the run before the event: it supplies the step and generation an event does not
+    name (the agents' events) and who was live.
+    """
+    text = describe_event(ev, state)
+    if text is None:
+        return None
+    step = ev.get("step", ev.get("progress"))
+    gen = ev.get("gen", state.gen)
+    return SEP.join([f"step {state.step if step is None else step}", f"g{'-' if gen is None else gen}",
+                     one_line(text)])
+
+
+def describe_event(ev: Record, state: RunState) -> str | None:
+    name = ev.get("event", "?")
+    describe = _DESCRIBE.get(name)
+    if describe is not None:
+        return describe(ev, state)
+    who = f"worker {ev['worker']}: " if ev.get("worker") is not None else ""
+    return f"{who}{name}"
+
+
+def _worker_exit(ev: Record, state: RunState) -> str | None:
+    if ev.get("clean") or ev.get("stopped_by_agent"):
+        return None
+    w = ev.get("worker")
+    text = f"worker {w} {'was fenced' if ev.get('fenced') else 'died'} ({_exit_how(ev)})"
+    if state.members is not None:
+        live = [m for m in state.members if m != w]
+        text += f": {len(live)} of {state.workers} live"
+    if ev.get("restart_at_step") is not None:
+        return text + f"; restart at step {ev['restart_at_step']}"
+    if ev.get("restart_in_s") is not None:
+        return text + f"; restart in {ev['restart_in_s']:.1f} s"
+    return text + "; not restarted"
+
+
+def _exit_how(ev: Record) -> str:
+    if ev.get("signal") is not None:
+        try:
+            return signal.Signals(ev["signal"]).name
+        except ValueError:
+            return f"signal {ev['signal']}"
+    return f"exit code {ev.get('code')}"
+
+
+def _fault_injected(ev: Record, state: RunState) -> str:
+    targets = ev.get("targets") or []
+    to = f"workers {_ids(targets)}" if len(targets) != 1 else f"worker {targets[0]}"
+    by = " by chaos" if ev.get("by") == "chaos" else ""
+    lost = " and its agent (node lost)" if ev.get("lost_node") else ""
+    return f"fault {ev.get('spec', '?')} injected{by}: {ev.get('signal', 'signal')} to {to}{lost}"
+
+
+def _reconfigured(ev: Record, state: RunState) -> str:
+    members = sorted(ev.get("members", []))
+    degraded = sorted(set(range(state.workers)) - set(members))
+    text = f"new view in {ev.get('seconds', 0.0):.2f} s: {len(members)} of {state.workers} live ({_ids(members)})"
+    return text + (f", slot{'s' if len(degraded) > 1 else ''} {_ids(degraded)} degraded" if degraded else "")
+
+
+def _view_adopted(ev: Record, state: RunState) -> str | None:
+    joiners = ev.get("joiners") or []
+    if not joiners:
+        return None  # the first view, or a failure's (its ``reconfigured`` says it, with the stall)
+    members = ev.get("members", [])
+    return f"view admits worker{'s' if len(joiners) > 1 else ''} {_ids(joiners)}: {len(members)} of " \
+           f"{state.workers} live"
+
+
+def _takeover(ev: Record, state: RunState) -> str:
+    rows = ", ".join(f"slot {s} rows {a}-{b} ({mode})" for s, a, b, mode in ev.get("items", []))
+    return f"worker {ev.get('worker')} covers {rows or 'nothing'}"
+
+
+def _worker_start(ev: Record, state: RunState) -> str | None:
+    if not ev.get("join"):
+        return None  # the run's first workers
+    how = "from the warm standby" if ev.get("standby") else "cold"
+    return f"worker {ev.get('worker')} restarted {how} (incarnation {ev.get('incarnation')}), asks to join"
+
+
+def _late_result(ev: Record, state: RunState) -> str:
+    if ev.get("ok"):
+        return f"worker {ev.get('worker')}: false alarm, its all-reduce completed {ev.get('seconds', 0.0):.2f} s late"
+    return f"worker {ev.get('worker')}: false alarm, its all-reduce failed; it leaves and rejoins"
+
+
+_DESCRIBE: dict[str, Callable[[Record, RunState], str | None]] = {
+    "worker_exit": _worker_exit,
+    "fault_injected": _fault_injected,
+    "reconfigured": _reconfigured,
+    "view_adopted": _view_adopted,
+    "takeover": _takeover,
+    "worker_start": _worker_start,
+    "late_result": _late_result,
+    # The first sentence of the reason: the rest of a gloo error is advice (it stays in events.jsonl).
+    "attempt_aborted": lambda ev, st: f"attempt aborted: {str(ev.get('reason', '?')).split('. ')[0]}",
+    "rejoined": lambda ev, st: f"worker {ev.get('worker')} rejoined after {ev.get('wait_s', 0.0):.1f} s",
+    "fence": lambda ev, st: f"worker {ev.get('worker')} fenced (pid {ev.get('pid')}): {ev.get('reason')}",
+    "standby_assign": lambda ev, st: f"warm standby takes over worker {ev.get('worker')} "
+                                     f"(waited {ev.get('wait_s', 0.0):.2f} s)",
+    "join_refused": lambda ev, st: f"join of worker {ev.get('worker_refused')} refused: {ev.get('reason')}",
+    "fault_self": lambda ev, st: f"worker {ev.get('worker')} injects {ev.get('how')} at {ev.get('phase')}",
+    "fault_resumed": lambda ev, st: f"SIGCONT to pids {_ids(ev.get('pids', []))}",
+}
+
+
+def one_line(text: str) -> str:
+    """``text`` with its line breaks replaced by `` / `` (a reason may quote a multi-line error)."""
+    return re.sub(r"\s*\n\s*", " / ", text.strip())
+
+
+def _ids(values: list[Any]) -> str:
+    return ",".join(map(str, values)) or "none"
+
+
+def format_summary(summary: Record) -> list[str]:
+    """``run summary`` and one ``key  value`` line per entry, keys aligned."""
+    width = max((len(k) for k in summary), default=0)
+    lines = ["run summary"]
+    for key, value in summary.items():
+        text = f"{value:.4f}" if isinstance(value, float) else str(value)
+        lines.append(f"  {key.ljust(width)}  {one_line(text)}")
+    return lines
+
+
+def format_verdict(v: Record) -> list[str]:
+    """The demo's headline: what failed, what it cost, and the checks that say nothing was lost."""
+    def seconds(xs: list[float]) -> str:
+        return ", ".join(f"{x:.2f} s" for x in xs) if xs else "-"
+
+    rel = v["val_ppl_vs_failure_free"]
+    lines = [
+        f"what happened   {v['steps']}/{v['of_steps']} steps; {v['failures_survived']} failures survived "
+        f"({one_line(v['faults_injected']) or 'no faults injected'})",
+        f"stall per failure   {seconds(v['stalls_s'])}",
+        f"back at full strength after   {seconds(v['rejoins_s'])} ({v['standby_handovers']} by warm standby)",
+        f"lost steps   {v['lost_steps']};  rows trained never {v['rows_trained_never']}, twice "
+        f"{v['rows_trained_twice']};  degraded steps {v['degraded_steps']}",
+        f"validation perplexity   {v['val_ppl']:.3f}, failure-free {v['failure_free_val_ppl']:.3f}"
+        + (f" ({100 * rel:+.2f}%)" if rel is not None else ""),
+    ]
+    lines += [f"  {'ok  ' if ok else 'FAIL'}  {name}" for name, ok in v["checks"].items()]
+    lines.append("unbroken: survived every failure, nothing lost" if v["ok"] else "unbroken: CHECKS FAILED (see above)")
+    return lines
+
+
+def every_n_steps(total: int, log_every: int) -> int:
+    """Steps between two status lines in a log: ~5% of the run, a multiple of ``log_every`` (>= 1)."""
+    log_every = max(1, log_every)
+    return math.ceil(max(1, total // 20) / log_every) * log_every
+
+
+# ---------------------------------------------------------------------------
+# output
+
+
+class Console:
+    """Prints a run's progress and events (module docstring); hand it records, then :meth:`close`.
+
+    Args:
+        total: the run's last step.
+        workers: data-parallel slots (``train.workers``).
+        log_every: ``train.log_every``: records come every this many steps.
+        stream: where to write (default ``sys.stdout``).
+        live: rewrite one status line in place (default: whether ``stream`` is a terminal).
+        width: the terminal's width in columns, asked at each redraw (default: the terminal's).
+    """
+
+    def __init__(self, *, total: int, workers: int, log_every: int = 1, stream: TextIO | None = None,
+                 live: bool | None = None, width: Callable[[], int] | None = None) -> None:
+        self.stream = stream or sys.stdout
+        self.live = self.stream.isatty() if live is None else live
+        self.width = width or (lambda: shutil.get_terminal_size((80, 24)).columns)
+        self.total, self.every = total, every_n_steps(total, log_every)
+        self.state = RunState(workers=workers)
+        self._status: list[str] | None = None  # fields of the newest status line
+        self._shown = True  # the newest status line has been printed (pipe) / drawn (terminal)
+        self._after_event = False
+
+    def record(self, rec: Record) -> None:
+        """A ``metrics.jsonl`` record (``train`` or ``val``; others are ignored)."""
+        if rec.get("kind") == "val":
+            self._line(format_val(rec, total=self.total))
+        elif rec.get("kind") == "train":
+            self.state.step = int(rec["step"])
+            self.state.gen = rec.get("generation", self.state.gen)
+            self._status = format_status(rec, total=self.total, workers=self.state.workers, stall=self.state.stall)
+            self._shown = False
+            due = rec["step"] % self.every == 0 or rec["step"] >= self.total or self._after_event
+            if self.live or due:
+                self._show_status()
+
+    def event(self, ev: Record) -> None:
+        """A merged event (``events.jsonl``): a line of its own when it says something."""
+        line = format_event(ev, self.state)
+        self.state.observe(ev)
+        if line is not None:
+            self._line(line)
+            self._after_event = True
+
+    def summary(self, summary: Record) -> None:
+        for line in format_summary(summary):
+            self._line(line)
+
+    def close(self) -> None:
+        """End the output: the live line stays as the last line; a log gets the last status if not yet printed."""
+        if self.live:
+            if self._status is not None:
+                self.stream.write("\n")
+                self.stream.flush()
+                self._status = None
+        elif not self._shown:
+            self._show_status()
+
+    def _line(self, text: str) -> None:
+        """A permanent line (above the live status line on a terminal)."""
+        if self.live and self._status is not None:
+            self.stream.write(CLEAR_LINE + text + "\n")
+            self._draw()
+        else:
+            self.stream.write(text + "\n")
+        self.stream.flush()
+
+    def _show_status(self) -> None:
+        if self._status is None:
+            return
+        if self.live:
+            self._draw()
+        else:
+            self.stream.write(SEP.join(self._status) + "\n")
+        self.stream.flush()
+        self._shown, self._after_event = True, False
+
+    def _draw(self) -> None:
+        assert self._status is not None
+        self.stream.write(CLEAR_LINE + fit(self._status, self.width() - 1))
+
+
+def fit(fields: list[str], width: int) -> str:
+    """The leading fields that fit in ``width`` columns, joined; whole fields only (the first always)."""
+    out = fields[0]
+    for f in fields[1:]:
+        if len(out) + len(SEP) + len(f) > width:
+            break
+        out += SEP + f
+    return out
