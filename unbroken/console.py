@@ -9,12 +9,14 @@ see :mod:`unbroken.agent.events`) and prints them:
   events and validation results are printed above it as lines of their own;
 - anywhere else (a pipe, a log file), one plain line per ``every`` steps
   (about 5% of the run, a multiple of ``train.log_every``), a line per event,
-  and the status line right after an event.
+  and the status line right after an event; each at most :data:`LOG_WIDTH`
+  columns (the terminal width fallback), so a log never wraps.
 
-Invariants: a line is never wrapped nor cut inside a field, whatever the
-width (plain writes, no width limit; on a terminal the live line drops whole
-trailing fields that do not fit instead); only :class:`Console` writes, the
-``format_*`` and ``describe_event`` functions only format.
+Invariants: a line is never wrapped nor cut inside a field: a line that does
+not fit drops whole trailing fields (the status line's least wanted ones; an
+event's trailing clauses, marked ``…``: the whole record is in
+``events.jsonl``); only :class:`Console` writes, the ``format_*`` and
+``describe_event`` functions only format.
 """
 
 from __future__ import annotations
@@ -31,6 +33,10 @@ Record = dict[str, Any]
 
 SEP = "  "
 """Between the fields of a line."""
+LOG_WIDTH = 80
+"""The most columns a line takes when the output is not a terminal (the usual terminal width fallback)."""
+MORE = " …"
+"""Ends an event line whose trailing clauses were dropped to fit."""
 CLEAR_LINE = "\r\x1b[K"
 """Back to the start of the terminal's line and erase it."""
 
@@ -134,8 +140,9 @@ def _fault_injected(ev: Record, state: RunState) -> str:
     targets = ev.get("targets") or []
     to = f"workers {_ids(targets)}" if len(targets) != 1 else f"worker {targets[0]}"
     by = " by chaos" if ev.get("by") == "chaos" else ""
-    lost = " and its agent (node lost)" if ev.get("lost_node") else ""
-    return f"fault {ev.get('spec', '?')} injected{by}: {ev.get('signal', 'signal')} to {to}{lost}"
+    if ev.get("lost_node"):
+        return f"node lost{by}: {ev.get('signal', 'signal')} to {to} + agent ({ev.get('spec', '?')})"
+    return f"fault {ev.get('spec', '?')} injected{by}: {ev.get('signal', 'signal')} to {to}"
 
 
 def _reconfigured(ev: Record, state: RunState) -> str:
@@ -193,8 +200,23 @@ _DESCRIBE: dict[str, Callable[[Record, RunState], str | None]] = {
 
 
 def one_line(text: str) -> str:
-    """``text`` with its line breaks replaced by `` / `` (a reason may quote a multi-line error)."""
-    return re.sub(r"\s*\n\s*", " / ", text.strip())
+    """``text`` with its line breaks replaced by `` / `` (a reason may quote a multi-line error) and without
+    the source-file locations a collective's error carries (``[/path/pair.cc:537] ``)."""
+    return re.sub(r"\[/[^\]]*\]\s*", "", re.sub(r"\s*\n\s*", " / ", text.strip()))
+
+
+def shorten(line: str, width: int) -> str:
+    """``line`` if it fits in ``width`` columns, else its leading clauses (cut after ``:``, ``;`` or ``,`` and
+    at the fields' separator, never inside a word) and :data:`MORE`."""
+    if len(line) <= width:
+        return line
+    parts = re.split(r"(?<=[:;,])(?= )|(?=  )", line)
+    out = parts[0]
+    for part in parts[1:]:
+        if len(out) + len(part) + len(MORE) > width:
+            break
+        out += part
+    return out.rstrip(" :;,") + MORE
 
 
 def _ids(values: list[Any]) -> str:
@@ -306,7 +328,7 @@ class Console:
             self.stream.write(CLEAR_LINE + text + "\n")
             self._draw()
         else:
-            self.stream.write(text + "\n")
+            self.stream.write(shorten(text, LOG_WIDTH) + "\n")
         self.stream.flush()
 
     def _show_status(self) -> None:
@@ -315,7 +337,7 @@ class Console:
         if self.live:
             self._draw()
         else:
-            self.stream.write(SEP.join(self._status) + "\n")
+            self.stream.write(fit(self._status, LOG_WIDTH) + "\n")
         self.stream.flush()
         self._shown, self._after_event = True, False
 

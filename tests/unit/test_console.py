@@ -12,7 +12,7 @@ import json
 import pytest
 
 from unbroken.agent.events import EventMerger
-from unbroken.console import CLEAR_LINE, Console, RunState, every_n_steps, format_event, format_status, \
+from unbroken.console import LOG_WIDTH, CLEAR_LINE, Console, RunState, every_n_steps, format_event, format_status, \
     format_summary, format_val
 
 pytestmark = pytest.mark.timeout(30)
@@ -112,7 +112,8 @@ def test_log_cadence():
 
 def test_log_output_one_whole_line_per_cadence_and_event():
     """Not a terminal: a status line every 5 steps, every event, the status after an event, the last one;
-    whole lines whatever the width."""
+    whole lines of at most LOG_WIDTH columns whatever the terminal's width: the status line drops its
+    least wanted fields whole (the new view's duration is on the event line)."""
     out = io.StringIO()
     console = Console(total=100, workers=4, stream=out, live=False, width=lambda: 20)
     console.event({"event": "view_adopted", "worker": 0, "gen": 1, "step": 0, "members": [0, 1, 2, 3]})
@@ -123,7 +124,7 @@ def test_log_output_one_whole_line_per_cadence_and_event():
             console.event({"event": "reconfigured", "worker": 0, "step": 2, "gen": 2, "members": [0, 2, 3],
                            "seconds": 0.5})
     console.close()
-    tail = "1,234 tok/s  g1  live 4/4  degraded -  stall 0.50 s (step 2)  lr 1.00e-03"
+    tail = "1,234 tok/s  g1  live 4/4  degraded -"  # "stall 0.50 s (step 2)" would pass 80 columns
     assert out.getvalue().splitlines() == [
         "step 2  g1  worker 1 died (SIGKILL): 3 of 4 live; restart at step 60",
         "step 2  g2  new view in 0.50 s: 3 of 4 live (0,2,3), slot 1 degraded",
@@ -179,3 +180,19 @@ def test_event_merger_sources_dedupe_order_and_new_files(tmp_path):
     assert merged == first + second
     assert merged[0] == {"source": "events/agent0.jsonl", "kind": "event", "event": "worker_exit", "worker": 1,
                          "t": 4.0, "time": 4.0}
+
+
+def test_a_long_event_line_keeps_its_leading_clauses_within_the_log_width():
+    out = io.StringIO()
+    console = Console(total=100, workers=4, stream=out, live=False)
+    reason = ("CollectiveFailed: all-reduce of view 4 failed: [/src/gloo/transport/tcp/pair.cc:537] Read error "
+              "[127.0.0.1]:65182: Connection reset by peer")
+    console.event({"event": "attempt_aborted", "worker": 0, "step": 160, "gen": 4, "reason": reason})
+    console.state.gen = 4  # an agent's event names no generation: the run's is shown
+    console.event({"event": "fault_injected", "node": 1, "worker": None, "spec": "step=160:node=1:kill",
+                   "signal": "SIGKILL", "targets": [2, 3], "progress": 160, "lost_node": True})
+    assert out.getvalue().splitlines() == [
+        "step 160  g4  attempt aborted: CollectiveFailed: all-reduce of view 4 failed \u2026",
+        "step 160  g4  node lost: SIGKILL to workers 2,3 + agent (step=160:node=1:kill)",
+    ]
+    assert all(len(line) <= LOG_WIDTH for line in out.getvalue().splitlines())
