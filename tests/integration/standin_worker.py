@@ -83,10 +83,10 @@ def main() -> int:
         (worker, faults), join = got, True
     assert worker is not None
     pending = list(fault_selection(a.faults_file, faults))
+    if join:  # before the record of this incarnation: a test that sees the record may look for the request
+        store.request_join(worker, {"pid": os.getpid()})
     record(a.run_dir, worker, sys.argv[1:], join=join, faults=[dataclasses.asdict(f) for f in pending],
            standby=a.standby)
-    if join:
-        store.request_join(worker, {"pid": os.getpid()})
     while time.monotonic() - t0 < DEADLINE_S:
         store.beat(worker)
         if store.finished():
