@@ -59,6 +59,10 @@ from unbroken.runtime.view import View
 
 __all__ = ["JobStore", "Outcome"]
 
+CURRENT_VIEW_READS = 100
+"""A view replaced and pruned between reading ``gen`` and reading it is read again, this many times at most
+(each retry sees a newer generation; a missing view can only be a race that the next read wins)."""
+
 Outcome = Literal["commit", "abort", "stale"]
 """A vote's result; ``stale``: the generation was pruned, so the voter is far behind (fenced)."""
 
@@ -114,11 +118,17 @@ class JobStore:
         return View.from_json(self.backend.get(f"view/{gen}"))
 
     def current_view(self) -> View:
-        """The newest view (read again if it was replaced and pruned between the two reads)."""
-        while True:
-            raw = _opt(self.backend, f"view/{self.gen()}")
+        """The newest view (read again if it was replaced and pruned between the two reads).
+
+        Raises:
+            RuntimeError: ``gen`` names a view that stays missing (the store lost keys).
+        """
+        for _ in range(CURRENT_VIEW_READS):
+            gen = self.gen()
+            raw = _opt(self.backend, f"view/{gen}")
             if raw is not None:
                 return View.from_json(raw)
+        raise RuntimeError(f"the store's current generation {gen} names no view after {CURRENT_VIEW_READS} reads")
 
     def publish_initial(self, view: View) -> None:
         """Write generation 0 if absent (the launcher or node 0's agent)."""
