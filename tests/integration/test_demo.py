@@ -17,7 +17,8 @@ def test_the_demo_survives_a_kill_a_hang_and_a_node_loss(tmp_path, corpus_overri
     # The node loss takes two workers: at least four deaths (a survivor whose own all-reduce broke while
     # the other's completed leaves and rejoins too), three failed steps, each stall measured.
     assert verdict["failures_survived"] >= 4 and len(verdict["stalls_s"]) == 3
-    assert verdict["standby_handovers"] == 2, "the kill and the hang were covered by the warm standby"
+    # The kill and the hang are covered by the warm standby (and the survivor that left, if one did).
+    assert verdict["standby_handovers"] >= 2
     ledger = check_ledger(out, n_slots=4, micro_batch=json.loads((out / "config.json").read_text())["data"]["micro_batch"],
                           steps=steps)
     assert ledger.ok and verdict["lost_steps"] == len(ledger.lost_steps) == 0
