@@ -1,0 +1,54 @@
+"""Named presets: functions returning a :class:`Config`; a variant calls its base and changes a few fields."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from unbroken.config.sections import Config
+
+def _debug() -> Config:
+    cfg = Config()
+    cfg.model.preset = "debug"
+    cfg.data.seq_len = 64
+    cfg.data.micro_batch = 8
+    return cfg
+
+
+def _tiny() -> Config:
+    cfg = Config()
+    cfg.model.preset = "tiny"
+    cfg.data.seq_len = 128
+    cfg.data.micro_batch = 16
+    cfg.optim.lr = 2e-3
+    return cfg
+
+
+def _paper_shape(model: str) -> Callable[[], Config]:
+    def preset() -> Config:
+        cfg = Config()
+        cfg.model.preset = model
+        cfg.data.vocab_size = 32000
+        cfg.data.seq_len = 256
+        cfg.data.micro_batch = 8
+        cfg.optim.lr = 1e-3
+        cfg.optim.warmup_steps = 100
+        return cfg
+
+    return preset
+
+
+PRESETS: dict[str, Callable[[], Config]] = {
+    "debug": _debug,
+    "tiny": _tiny,
+    "llama-60m": _paper_shape("llama-60m"),
+    "llama-350m": _paper_shape("llama-350m"),
+    "llama-1b": _paper_shape("llama-1b"),
+    "llama-7b": _paper_shape("llama-7b"),
+}
+
+
+def preset(name: str) -> Config:
+    """Return a fresh config of the named preset."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; valid presets: {', '.join(PRESETS)}")
+    return PRESETS[name]()

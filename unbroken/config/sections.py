@@ -1,0 +1,209 @@
+"""The configuration's sections: one keyword-only dataclass each, every field documented.
+
+Invariant: ``Config.from_dict(cfg.to_dict()) == cfg``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """Which model to train."""
+
+    preset: str = "debug"
+    """Name of a model shape in ``unbroken.models.MODEL_PRESETS``."""
+    max_seq_len: int | None = None
+    """Override the preset's longest sequence (rotary table size)."""
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    """Corpus, tokenizer and batch layout."""
+
+    source: str = "stdlib"
+    """``stdlib`` (the interpreter's own sources), a directory of ``.txt`` files,
+    or a pre-tokenized ``.bin``/``.npy`` token file."""
+    vocab_size: int = 4096
+    """BPE vocabulary trained on text sources; the stated vocabulary of a token file."""
+    seq_len: int = 128
+    """Tokens per row."""
+    micro_batch: int = 8
+    """Rows per slot per step; the global batch is ``workers * micro_batch`` rows."""
+    val_fraction: float = 0.05
+    """Share of documents (by file-name hash) held out for validation."""
+    max_bytes: int | None = None
+    """Use only the first documents of a text corpus up to this many bytes."""
+    cache_dir: str | None = None
+    """Tokenizer/token cache; default ``$UNBROKEN_CACHE_DIR`` or ``~/.cache/unbroken``."""
+    token_dtype: Literal["uint16", "uint32"] | None = None
+    """Element type of a raw ``.bin`` token file when it has no JSON sidecar."""
+
+
+@dataclass(kw_only=True)
+class OptimConfig:
+    """AdamW with linear warm-up and cosine decay."""
+
+    lr: float = 3e-3
+    """Peak learning rate."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of the peak."""
+    warmup_steps: int = 20
+    """Linear warm-up length."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay on matrices (not on norms)."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.95
+    """AdamW beta2."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value (0 disables)."""
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """The run itself."""
+
+    steps: int = 200
+    """Optimizer steps to train."""
+    workers: int = 4
+    """Data-parallel slots (one worker per slot when nothing fails)."""
+    seed: int = 0
+    """Seed of initialisation and data order."""
+    log_every: int = 1
+    """Write a metrics line every this many steps."""
+    val_every: int = 50
+    """Validation loss every this many steps (0 disables; always at the end)."""
+    val_batches: int = 4
+    """Validation micro-batches per evaluation."""
+    checkpoint_every: int = 0
+    """Persistent checkpoint every this many steps (0 disables)."""
+    keep_checkpoints: int = 3
+    """Committed checkpoints kept on disk (>= 1): after each commit, older
+    committed ones beyond the newest this many are deleted, and so are
+    incomplete directories older than the newest committed one."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where workers compute; ``auto`` picks CUDA when available."""
+    host: str = "127.0.0.1"
+    """Address the coordination store listens on."""
+    port: int = 0
+    """Store port; 0 picks a free one."""
+    threads_per_worker: int = 0
+    """torch intra-op threads per worker (0: cores / workers, at least 1)."""
+    timeout_s: float = 120.0
+    """Longest wait for any blocking call once training runs."""
+
+
+@dataclass(kw_only=True)
+class MecefoConfig:
+    """How a failed worker's slot is covered (see ``unbroken.mecefo``)."""
+
+    policy: str = "spread"
+    """A takeover policy, a name in the registry ``unbroken.mecefo.takeover.POLICIES``:
+    ``spread`` (default: rows split over all survivors, exact; extra load
+    1/(n-1) per survivor, same convergence as failure-free), ``neighbor`` (the
+    MeCeFO paper: ring successor does both, approximated), ``spread-approx``.
+    See docs/benchmarks.md for the figures behind the default."""
+    rank: int = 32
+    """Rank r of the low-rank FFN weight gradient (32: aggregated FFN gradient
+    error below 0.6 on tiny at < 1.75x FLOPs; see docs/benchmarks.md)."""
+    tau: int = 50
+    """Refresh each FFN weight's top-r right singular vectors every tau steps."""
+
+
+@dataclass(kw_only=True)
+class FaultConfig:
+    """Failures to inject and how to detect them."""
+
+    trace: str = "none"
+    """Failure trace preset: none, low, mid, high, extreme."""
+    job_hours: float = 24.0
+    """Wall-clock hours of training the run stands for (scales a trace to steps)."""
+    cluster_workers: int | None = None
+    """Workers of the cluster whose failure rate the trace preset gives (>=
+    train.workers): the job sees ``train.workers / cluster_workers`` of its
+    failures. None: the preset's rate is the job's own."""
+    fail_at: str = ""
+    """Explicit faults, e.g. ``step=40:worker=2:kill,step=90:node=1:kill``."""
+    heartbeat_timeout_s: float = 2.0
+    """A worker silent for this long is declared hung."""
+    progress_timeout_s: float = 30.0
+    """A member whose main thread makes no progress (no new phase of its step: forward, backward,
+    all-reduce, vote) for this long while its peers wait for it is declared hung, even though its
+    heartbeat thread still beats (a main thread stuck outside Python). Longer than the slowest
+    phase of a step: a forward or backward pass of the largest micro-batch a worker computes."""
+    recovery: str = "takeover"
+    """One of :data:`unbroken.runtime.recovery.RECOVERIES`: ``takeover``: survivors finish the step and carry on (unbroken);
+    ``restart``: plain data parallelism, any failure restarts every worker from
+    the last persistent checkpoint (for comparison); ``alternate`` (a
+    measurement, not a way to train): even steps plain data parallelism, odd
+    steps the takeover protocol, so one job times both side by side; a failure
+    on a plain step is not survived."""
+
+
+@dataclass(kw_only=True)
+class SnapshotConfig:
+    """Per-step in-memory snapshots (see ``unbroken.snapshot``)."""
+
+    every: int = 1
+    """Snapshot the training state into node-agent shared memory every this many steps (0 disables)."""
+    redundancy: Literal["parity", "replica", "none"] = "parity"
+    """Protection across nodes: ``parity`` (Reed-Solomon erasure coding, survives the loss of
+    ``parity`` nodes), ``replica`` (each node's slices also held by the next node), ``none``."""
+    parity: int = 1
+    """Nodes whose loss a ``parity`` snapshot survives (< number of nodes)."""
+
+
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "data": DataConfig,
+    "optim": OptimConfig,
+    "train": TrainConfig,
+    "mecefo": MecefoConfig,
+    "fault": FaultConfig,
+    "snapshot": SnapshotConfig,
+}
+
+
+@dataclass(kw_only=True)
+class Config:
+    """A whole run."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    mecefo: MecefoConfig = field(default_factory=MecefoConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
+    snapshot: SnapshotConfig = field(default_factory=SnapshotConfig)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Config:
+        """Build from nested dicts, validating every field; all errors at once."""
+        from unbroken.config.loading import _raise_all, _set_field  # local: loading imports this module
+        from unbroken.config.validation import validate
+
+        cfg = cls()
+        errors: list[str] = []
+        for section, values in data.items():
+            if section not in SECTIONS:
+                errors.append(f"unknown section {section!r}; valid: {', '.join(SECTIONS)}")
+                continue
+            if not isinstance(values, dict):
+                errors.append(f"section {section!r} must be a table, got {values!r}")
+                continue
+            for name, value in values.items():
+                err = _set_field(getattr(cfg, section), section, name, value, from_text=False)
+                if err:
+                    errors.append(err)
+        errors += validate(cfg)
+        _raise_all(errors)
+        return cfg

@@ -1,0 +1,119 @@
+"""Cross-field checks, the config hash and config differences.
+
+Invariant: ``config_hash(cfg)`` depends only on fields that change what is trained.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from typing import Any, Callable
+
+from unbroken.config.sections import Config
+
+def validate(cfg: Config) -> list[str]:
+    """Cross-field checks; returns messages (empty when valid)."""
+    errs: list[str] = []
+
+    def need(cond: bool, msg: str) -> None:
+        if not cond:
+            errs.append(msg)
+
+    t, d, o, m, f = cfg.train, cfg.data, cfg.optim, cfg.mecefo, cfg.fault
+    need(t.workers >= 1, f"train.workers={t.workers}: need at least 1 worker")
+    need(t.steps >= 1, f"train.steps={t.steps}: need at least 1 step")
+    need(t.log_every >= 1, f"train.log_every={t.log_every}: must be >= 1")
+    need(t.val_every >= 0, f"train.val_every={t.val_every}: must be >= 0 (0 disables)")
+    need(t.val_batches >= 1, f"train.val_batches={t.val_batches}: must be >= 1")
+    need(t.checkpoint_every >= 0, f"train.checkpoint_every={t.checkpoint_every}: must be >= 0")
+    need(t.keep_checkpoints >= 1,
+         f"train.keep_checkpoints={t.keep_checkpoints}: must be >= 1 (the newest committed checkpoints to keep)")
+    need(0 <= t.port <= 65535, f"train.port={t.port}: must be in 0..65535 (0 picks a free port)")
+    need(math.isfinite(t.timeout_s) and t.timeout_s > 0, f"train.timeout_s={t.timeout_s}: must be a finite number > 0")
+    need(t.threads_per_worker >= 0, f"train.threads_per_worker={t.threads_per_worker}: must be >= 0")
+    need(d.seq_len >= 1, f"data.seq_len={d.seq_len}: must be >= 1")
+    need(d.micro_batch >= 1, f"data.micro_batch={d.micro_batch}: must be >= 1")
+    need(d.vocab_size >= 2, f"data.vocab_size={d.vocab_size}: must be >= 2")
+    need(0 < d.val_fraction < 1, f"data.val_fraction={d.val_fraction}: must be in (0, 1)")
+    need(d.max_bytes is None or d.max_bytes > 0, f"data.max_bytes={d.max_bytes}: must be > 0")
+    need(o.lr > 0, f"optim.lr={o.lr}: must be > 0")
+    need(0 <= o.min_lr_ratio <= 1, f"optim.min_lr_ratio={o.min_lr_ratio}: must be in [0, 1]")
+    need(o.warmup_steps >= 0, f"optim.warmup_steps={o.warmup_steps}: must be >= 0")
+    need(o.grad_clip >= 0, f"optim.grad_clip={o.grad_clip}: must be >= 0 (0 disables)")
+    need(m.rank >= 1, f"mecefo.rank={m.rank}: must be >= 1")
+    need(m.tau >= 1, f"mecefo.tau={m.tau}: must be >= 1")
+    for key, value, names in (("mecefo.policy", m.policy, _policy_names()),
+                                ("fault.recovery", f.recovery, _recovery_names())):
+        need(value in names, f"{key}={value!r}: expected one of {', '.join(names)}")
+    need(math.isfinite(f.job_hours) and f.job_hours > 0, f"fault.job_hours={f.job_hours}: must be a finite number > 0")
+    need(
+        f.cluster_workers is None or f.cluster_workers >= t.workers,
+        f"fault.cluster_workers={f.cluster_workers}: must be >= train.workers={t.workers} (or none)",
+    )
+    need(math.isfinite(f.heartbeat_timeout_s) and f.heartbeat_timeout_s > 0,
+         f"fault.heartbeat_timeout_s={f.heartbeat_timeout_s}: must be a finite number > 0")
+    need(f.progress_timeout_s >= f.heartbeat_timeout_s,
+         f"fault.progress_timeout_s={f.progress_timeout_s}: must be >= fault.heartbeat_timeout_s="
+         f"{f.heartbeat_timeout_s} (a phase of a step takes longer than a heartbeat)")
+    sn = cfg.snapshot
+    need(sn.every >= 0, f"snapshot.every={sn.every}: must be >= 0 (0 disables)")
+    need(sn.parity >= 1, f"snapshot.parity={sn.parity}: must be >= 1 (nodes whose loss a snapshot survives)")
+    from unbroken.models import MODEL_PRESETS  # local: keeps `import unbroken.config` light
+
+    need(
+        cfg.model.preset in MODEL_PRESETS,
+        f"model.preset={cfg.model.preset!r}: unknown; valid: {', '.join(MODEL_PRESETS)}",
+    )
+    return errs
+
+
+def config_hash(cfg: Config) -> str:
+    """Stable hash of everything that changes what is trained (not ports or logging)."""
+    d = cfg.to_dict()
+    for volatile in ("host", "port", "log_every", "threads_per_worker", "timeout_s", "keep_checkpoints"):
+        d["train"].pop(volatile, None)
+    d["data"].pop("cache_dir", None)
+    d.pop("snapshot", None)  # how the state is protected, not what is trained
+    return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def config_diff(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+    """Dotted names of fields whose values differ between two ``to_dict()`` forms."""
+    out = []
+    for section in sorted(set(a) | set(b)):
+        sa, sb = a.get(section, {}), b.get(section, {})
+        for name in sorted(set(sa) | set(sb)):
+            if f"{section}.{name}" in REMOVED_FIELDS:
+                continue  # a saved config may still name it; it changes nothing
+            if sa.get(name) != sb.get(name):
+                out.append(f"{section}.{name}")
+    return out
+
+
+REMOVED_FIELDS: dict[str, str] = {
+    "train.backend": "the collective backend follows the device (gloo on CPU, NCCL on CUDA)",
+}
+"""Fields that no longer exist, and why. A saved ``config.json``, a TOML file or an
+override that still names one loads: the value is ignored with a logged warning
+(it never changed what was trained), and :func:`config_diff` skips it."""
+
+
+def _policy_names() -> tuple[str, ...]:
+    # Local: the registry imports torch; `import unbroken.config` stays light.
+    from unbroken.mecefo.takeover import POLICIES
+
+    return tuple(POLICIES)
+
+
+def _recovery_names() -> tuple[str, ...]:
+    from unbroken.runtime.recovery import RECOVERIES  # local, as above
+
+    return tuple(RECOVERIES)
+
+
+_REGISTRY_CHOICES: dict[str, Callable[[], tuple[str, ...]]] = {
+    "mecefo.policy": _policy_names,
+    "fault.recovery": _recovery_names,
+}
+"""Fields whose accepted values a registry defines, checked like a ``Literal``."""
