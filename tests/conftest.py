@@ -19,3 +19,15 @@ CORPUS_BYTES = 1_500_000
 @pytest.fixture(scope="session")
 def corpus_overrides() -> list[str]:
     return [f"data.max_bytes={CORPUS_BYTES}"]
+
+
+@pytest.fixture(autouse=True)
+def _snapshot_memory_is_released():
+    """Remove the snapshot segments a test left behind (a job that failed keeps its memory for --resume
+    by design; a test that checks for leaks asserts on them itself before this runs)."""
+    from unbroken.snapshot.segment import SHM_DIR
+
+    before = set(SHM_DIR.glob("unbroken-*"))
+    yield
+    for path in set(SHM_DIR.glob("unbroken-*")) - before:
+        path.unlink(missing_ok=True)

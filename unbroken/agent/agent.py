@@ -39,6 +39,8 @@ from typing import Any, Sequence
 
 import torch.distributed as dist
 
+from unbroken.agent._restore import JobRestore
+from unbroken.agent._run_files import fired_before, write_layout
 from unbroken.agent._process import describe_exit, exit_status, log_line, remove_pid, send, spawn, stop_all, write_pid
 from unbroken.agent._standby import Standby
 from unbroken.agent._supervision import Incarnation, Restart, StartupWatch, decode_mark
@@ -46,11 +48,13 @@ from unbroken.agent.rendezvous import NodeRegistration, StartRefused
 from unbroken.agent.options import AgentOptions
 from unbroken.faults.fail_at import format_fail_at, write_fault_plan
 from unbroken.faults.injector import DeathCause, Injection, NodeFaults, workers_of
-from unbroken.jsonl import JsonlWriter, read_jsonl
+from unbroken.jsonl import JsonlWriter
 from unbroken.runtime.job_store import JobStore
 from unbroken.runtime.store_backend import SECRET_ENV, StoreAccessDenied, job_secret
 from unbroken.runtime.membership import EXIT_FENCED
 from unbroken.runtime.view import View
+from unbroken.config import Config, config_hash
+from unbroken.snapshot.segment import remove_segments
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +116,8 @@ class Agent:
         self._deaths_seen = -1
         self._progress = opts.start_step
         self._done_at: float | None = None
+        self._restored_gen: int | None = None
+        self.restorer: JobRestore | None = None
         self._idle_since: float | None = None
 
     # -- start-up ---------------------------------------------------------------
@@ -140,14 +146,19 @@ class Agent:
             self.total_steps = int(cfg["train"]["steps"])
             limits = self.opts.startup_limits(heartbeat_timeout_s=float(cfg["fault"]["heartbeat_timeout_s"]))
             self.watch = StartupWatch(self.store, limits, node=self.node)
+            self.restorer = JobRestore(self.store, node=self.node, nnodes=self.opts.nnodes,
+                                       workers_per_node=self.opts.workers_per_node, run_dir=self.run_dir,
+                                       config_hash=config_hash(Config.from_dict(cfg)), event=self._event)
+            if self.opts.resume_memory and not self.store.has_view():
+                self.restorer.first_view(lambda: self.rdv.heartbeat(time.monotonic()), LOOP_S)
             view = self.rdv.initial_view(self.opts.n_workers, self.opts.start_step)
-            self._write_layout()
+            write_layout(self.run_dir, self.node, self.opts.nnodes, self.opts.workers_per_node)
             if self.store.is_done():
                 self.log.info("the job is already done; nothing to run")
                 return 0
             self._progress = max(self._read_progress(), view.step)
             self.plan = NodeFaults(self.specs, node=self.node, workers_per_node=self.opts.workers_per_node,
-                                   start_step=self._progress, fired=self._fired_before())
+                                   start_step=self._progress, fired=fired_before(self.run_dir, self.node))
             self._write_fault_plan()
             self._start_workers(view)
             if self.opts.standby:
@@ -177,19 +188,12 @@ class Agent:
             self.fault_plan = self.run_dir / "faults" / f"node{self.node}.json"
             write_fault_plan(self.fault_plan, self.specs)
 
-    def _fired_before(self) -> set[str]:
-        """Specs this node fired (or saw fire) in earlier attempts of the run: a resume must not repeat them."""
-        events = read_jsonl(self.run_dir / "events" / f"agent{self.node}.jsonl")
-        return {e["spec"] for e in events if e.get("event") in ("fault_injected", "worker_exit") and e.get("spec")}
-
-    def _write_layout(self) -> None:
-        # Read by `unbroken chaos` to map node targets to workers; identical from every agent.
-        path = self.run_dir / "layout.json"
-        tmp = path.with_name(f".layout.{self.node}.tmp")
-        tmp.write_text(json.dumps({"nodes": self.opts.nnodes, "workers_per_node": self.opts.workers_per_node}))
-        os.replace(tmp, path)
-
     def _start_workers(self, view: View) -> None:
+        if view.restore is not None:  # a restored first view: its members load the state themselves
+            for w in workers_of(self.node, self.opts.workers_per_node):
+                if w in view.members:
+                    self._start(w, join=False, resume=False)
+            return
         for w in workers_of(self.node, self.opts.workers_per_node):
             # A fresh process without the training state can only be a member of a
             # view that starts now; otherwise it must join and receive the state.
@@ -212,6 +216,9 @@ class Agent:
                 self._fence_stalled(now)
                 self._inject(now)
                 self._restart_due(now)
+                if (failure := self.restorer.tick(now)) is not None:
+                    self.store.fail(failure)
+                self._follow_restore()
             if self.standby is not None:
                 self._standby_tick(now)  # after done: reaps a standby let go
             if now >= next_status:
@@ -349,8 +356,18 @@ class Agent:
             return
         view = self.store.current_view()
         if self.store.all_marked_dead(view.members):
-            self.store.fail(f"no live worker left: every member of view {view.gen} {list(view.members)} is dead "
-                            f"(seen by the agent of node {self.node})")
+            # A job-wide failure: bring the job back from snapshot memory or the checkpoint (_restore).
+            self.restorer.all_dead(view)
+
+    def _follow_restore(self) -> None:
+        """A restored view names this node's dead workers: start them now (they load the state in it)."""
+        if self.gen is None or self.gen == self._restored_gen or not self.store.has_view():
+            return
+        view = self.store.current_view()
+        self._restored_gen = view.gen
+        for w in self.restorer.workers_to_start(view, set(self.workers)):
+            self.restarts.pop(w, None)
+            self._start(w, join=True)
 
     # -- faults -----------------------------------------------------------------
 
@@ -402,7 +419,7 @@ class Agent:
         if w not in self.store.current_view().members:
             self.store.clear_dead(w)
 
-    def _start(self, w: int, *, join: bool, use_standby: bool = True) -> None:
+    def _start(self, w: int, *, join: bool, use_standby: bool = True, resume: bool = True) -> None:
         progress = self._read_progress()
         faults = ",".join(map(str, self.plan.worker_faults(w, progress))) if self.plan else ""
         if join and use_standby and self.standby is not None and self.standby.assign(w, faults):
@@ -413,7 +430,7 @@ class Agent:
                                "--store", self.opts.store]
         cmd += ["--join"] if join else []
         cmd += ["--faults-file", str(self.fault_plan), "--faults", faults] if faults else []
-        if self.opts.resume is not None and not join:
+        if self.opts.resume is not None and not join and resume:
             cmd += ["--resume", str(self.opts.resume)]
         proc = spawn(cmd, log=self.run_dir / "logs" / f"w{w}.log",
                      header=f"node {self.node} worker {w} incarnation {k} ({'join' if join else 'start'}): "
@@ -487,6 +504,9 @@ class Agent:
             except dist.DistError:
                 pass  # the store is gone with the launcher: nothing left to release
         remove_pid(self.run_dir / "pids" / f"agent{self.node}", os.getpid())
+        if self._done_at is not None and self.restorer is not None:
+            removed = remove_segments(self.restorer.job, self.node)  # the job ended normally: memory is freed
+            self.log.info("removed %d snapshot segment(s) of node %d", removed, self.node)
         if self.events is not None:
             self.events.close()
             self.events = None

@@ -46,6 +46,7 @@ from unbroken.faults.injector import check_faults
 from unbroken.faults.traces import FailureTrace, generate_trace, step_time_for
 from unbroken.jsonl import JsonlTail, read_jsonl
 from unbroken.runtime.checkpoint import latest_checkpoint, read_commit
+from unbroken.snapshot.capacity import check_snapshot_config
 from unbroken.agent.preflight import _truncate_metrics, preflight, prepare_run_dir
 from unbroken.runtime.job_store import JobStore
 from unbroken.runtime.store_backend import SECRET_ENV, new_secret, save_secret
@@ -119,6 +120,7 @@ def launch(
         restart = "never"  # checkpoint-restart: the launcher restarts the whole job instead
     specs, trace = _job_faults(cfg, fail_at, nodes, workers_per_node)
     info = preflight(cfg)
+    check_snapshot_config(cfg, nodes, workers_per_node, info.get("vocab_size"))
     secret = new_secret()
     host = _StoreHost(cfg, nodes, secret)  # bound before anything is written: a port in use fails early
     resume_from = prepare_run_dir(run_dir, cfg, overwrite=overwrite, resume=resume)
@@ -132,7 +134,8 @@ def launch(
     t0 = time.time()
     restarts = _run_attempts(host, cfg, run_dir, on_record, resume_from, on_event=on_event, nodes=nodes,
                              workers_per_node=workers_per_node, restart=restart, fault_plan=plan, standby=standby,
-                             secret=secret, replace_lost_nodes_s=replace_lost_nodes_s)
+                             secret=secret, replace_lost_nodes_s=replace_lost_nodes_s,
+                             resume_memory=resume and not mode.restarts_job)
     summary = _summarise(run_dir, cfg, info, time.time() - t0, resume_from, nodes=nodes, t0=t0)
     if mode.restarts_job:
         summary["job_restarts"] = restarts
@@ -267,13 +270,14 @@ def _job_faults(cfg: Config, fail_at: str, nodes: int,
 
 def _spawn_agent(node: int, cfg: Config, run_dir: Path, store_addr: str, *, nodes: int, workers_per_node: int,
                  restart: str, fault_plan: Path | None, standby: bool, start_step: int,
-                 resume_from: Path | None, secret: str) -> subprocess.Popen[bytes]:
+                 resume_from: Path | None, secret: str, resume_memory: bool = False) -> subprocess.Popen[bytes]:
     cmd = [sys.executable, "-m", "unbroken.agent.command", "--node-rank", str(node), "--nnodes", str(nodes),
            "--workers-per-node", str(workers_per_node), "--store", store_addr, "--run-dir", str(run_dir),
            "--restart", restart, "--start-step", str(start_step), "--timeout-s", str(cfg.train.timeout_s)]
     cmd += ["--faults-file", str(fault_plan)] if fault_plan else []
     cmd += ["--standby"] if standby else []
     cmd += ["--resume", str(resume_from)] if resume_from else []
+    cmd += ["--resume-memory"] if resume_memory else []
     log = run_dir / "logs" / f"agent{node}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("ab") as fh:

@@ -37,6 +37,8 @@ class AgentOptions:
     standby: bool = False
     start_step: int = 0
     resume: Path | None = None
+    resume_memory: bool = False
+    """``--resume``: restore the first view from the nodes' snapshot memory when it is newer than ``resume``."""
     timeout_s: float = 30.0
     """Store connection and start-up waits (config, initial view)."""
     grace_s: float = 10.0
@@ -116,6 +118,8 @@ def add_agent_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--standby", action="store_true", help="keep a warm standby worker process")
     ap.add_argument("--start-step", type=int, default=0, help="first step of the initial view (resume)")
     ap.add_argument("--resume", type=Path, default=None, help="checkpoint the first workers load")
+    ap.add_argument("--resume-memory", action="store_true",
+                    help="resume from the nodes' snapshot memory where it is newer than --resume")
     ap.add_argument("--timeout-s", type=float, default=30.0, help="store connection and start-up timeout")
     ap.add_argument("--grace-s", type=float, default=10.0, help="SIGTERM -> SIGKILL grace for workers")
     ap.add_argument("--host-store", action="store_true",
@@ -132,5 +136,6 @@ def options_from(a: argparse.Namespace) -> AgentOptions:
     return AgentOptions(node_rank=a.node_rank, nnodes=a.nnodes, workers_per_node=a.workers_per_node, store=a.store,
                         run_dir=a.run_dir, restart=a.restart, restart_delay_s=a.restart_delay_s, fail_at=a.fail_at,
                         faults_trace=a.faults_trace, faults_file=a.faults_file, standby=a.standby, start_step=a.start_step, resume=a.resume,
+                        resume_memory=a.resume_memory,
                         timeout_s=a.timeout_s, grace_s=a.grace_s, host_store=a.host_store,
                         startup_liveness_s=a.startup_liveness_s, startup_deadline_s=a.startup_deadline_s)

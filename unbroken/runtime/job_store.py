@@ -37,6 +37,8 @@ key                           written by                      holds
 ``standby/<R>/assign``        agent, standby (CAS)            ``"<w>"`` offered, ``"claimed:<pid>"`` taken, ``""``
 ``standby/<R>/faults``        agent                           the fault indices the standby is to inject
 ``hb/standby/<R>``            node ``R``'s standby            its liveness counter while it waits for an offer
+``snapinv/<g>/<R>``           node ``R``'s agent              its snapshot memory (sealed buffers) when view ``g`` died
+``restore/<g>``               agents (CAS)                    the node whose agent restores the job after view ``g``
 ============================  ==============================  ==================================================
 
 Invariants: generations only grow; ``view/<g>`` and ``outcome/<g>`` exist
@@ -209,7 +211,8 @@ class JobStore:
         for g in range(first, below):
             raw = _opt(self.backend, f"view/{g}")
             members = View.from_json(raw).members if raw else ()
-            keys = [f"view/{g}", f"outcome/{g}", f"arrive/{g}"]
+            keys = [f"view/{g}", f"outcome/{g}", f"arrive/{g}", f"restore/{g}", f"restore/{g}/nodes"]
+            keys += [f"snapinv/{g}/{r}" for r in range(int(_opt(self.backend, f"restore/{g}/nodes") or 0))]
             keys += [f"items/{g}/{w}" for w in members] + [f"pg/{g}/0/{r}" for r in range(len(members))]
             for key in keys:
                 self.backend.delete_key(key)
@@ -256,6 +259,21 @@ class JobStore:
 
     def clear_dead(self, worker: int) -> None:
         self.backend.delete_key(f"dead/{worker}")
+
+    # -- whole-job restore ------------------------------------------------------
+
+    def publish_inventory(self, gen: int, node: int, nodes: int, text: str) -> None:
+        """Node ``node``'s snapshot inventory, once every member of view ``gen`` is dead."""
+        self.backend.set(f"snapinv/{gen}/{node}", text)
+        self.backend.compare_set(f"restore/{gen}/nodes", "", str(nodes))
+
+    def inventories(self, gen: int, nodes: int) -> dict[int, str]:
+        """The inventories published so far for view ``gen`` (node -> JSON)."""
+        return {r: raw for r in range(nodes) if (raw := _opt(self.backend, f"snapinv/{gen}/{r}")) is not None}
+
+    def claim_restore(self, gen: int, node: int) -> bool:
+        """True for the one agent that restores the job after view ``gen`` (first come)."""
+        return self.backend.compare_set(f"restore/{gen}", "", str(node)).decode() == str(node)
 
     # -- joins ------------------------------------------------------------------
 

@@ -6,7 +6,11 @@ Workers append to ``<run>/events/w<id>.jsonl``:
   before its all-reduce (so whatever a committed reduction contains, its
   contributors have recorded, a worker that died right after included);
 - ``{"kind": "commit", "step", "gen", "worker"}`` after applying a step;
-- ``{"kind": "event", "event": ...}`` for view changes, takeovers, rejoins.
+- ``{"kind": "event", "event": ...}`` for view changes, takeovers, rejoins;
+- ``{"kind": "restore", "step", "gen"}`` when a job comes back from a snapshot
+  or checkpoint of ``step``: commits of steps ``>= step`` in generations below
+  ``gen`` are superseded (those steps are trained again; the final history is
+  the one that counts).
 
 The committed attempt of a step is the generation its commit records name
 (they must agree). Only the work records of that attempt count; records of
@@ -58,7 +62,14 @@ def check_ledger(run_dir: str | Path, *, n_slots: int, micro_batch: int, steps: 
     records = read_events(run_dir)
     commit_gens: dict[int, set[int]] = defaultdict(set)
     work: dict[tuple[int, int], list[tuple[int, list[Any]]]] = defaultdict(list)
+    restores = [(r["step"], r["gen"]) for r in records if r.get("kind") == "restore"]
+
+    def superseded(step: int, gen: int) -> bool:
+        return any(step >= s and gen < g for s, g in restores)
+
     for r in records:
+        if r.get("kind") == "commit" and superseded(r["step"], r["gen"]):
+            continue
         if r.get("kind") == "commit":
             commit_gens[r["step"]].add(r["gen"])
         elif r.get("kind") == "work":

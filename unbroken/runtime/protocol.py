@@ -116,6 +116,8 @@ class StepProtocol:
         self._voted = -1  # the last step this worker saw committed under the current view
         self._same_view_retries = 0
         self._next_check = 0.0
+        self.restorer: Callable[[View, Callable[[torch.Tensor, int], object]], None] | None = None
+        """Loads the state a restored view names (``view.restore``), in :meth:`adopt` (the trainer sets it)."""
 
     def on(self, phase: Phase, hook: Callable[[int], None]) -> None:
         """Run ``hook(step)`` at ``phase`` of every step (see :data:`PHASES`)."""
@@ -149,6 +151,8 @@ class StepProtocol:
         self.group = ViewGroup(self.store.group_store(view.gen), gen=view.gen, rank=view.rank_of(self.me),
                                size=len(view.members), device=self.job.device, timeout_s=self.timeout_s,
                                check=self._check)
+        if view.restore is not None and self.restorer is not None:
+            self.restorer(view, lambda t, src: self.group.broadcast_into(t, src, self._check))
         if view.joiners:
             source = next(w for w in view.members if w not in view.joiners)
             transfer_state(lambda t, src: self.group.broadcast_into(t, src, self._check),
@@ -377,8 +381,11 @@ class StepProtocol:
         joiners = tuple(j for j in old.joiners if j in members) if old.step == step else ()
         if joiners and all(w in joiners for w in members):
             raise NoLiveWorker("only workers still waiting for the state are left")
+        # A restore interrupted before its first step committed is done again by the survivors.
+        restore = old.restore if old.step == step else None
         return self._propose(old, View(gen=old.gen + 1, members=members, step=step, joiners=joiners,
-                                       reason=f"dead {sorted(dead)}" if dead else "collective failed"))
+                                       reason=f"dead {sorted(dead)}" if dead else "collective failed",
+                                       restore=restore))
 
     def _wait_for_dead(self, view: View) -> set[int]:
         """Who died? The agent says so at once; a silent node after the heartbeat timeout."""

@@ -21,6 +21,9 @@ class View:
     step: int
     joiners: tuple[int, ...] = ()
     reason: str = ""
+    restore: dict | None = None
+    """Set on a view that brings the job back after every member died (or at ``--resume``): where
+    its members load the state from (:func:`unbroken.snapshot.restore.decide`'s spec)."""
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
@@ -29,7 +32,8 @@ class View:
     def from_json(cls, text: str | bytes) -> View:
         d = json.loads(text)
         return cls(gen=d["gen"], members=tuple(d["members"]), step=d["step"],
-                   joiners=tuple(d.get("joiners", ())), reason=d.get("reason", ""))
+                   joiners=tuple(d.get("joiners", ())), reason=d.get("reason", ""),
+                   restore=d.get("restore"))
 
     def rank_of(self, worker: int) -> int:
         return self.members.index(worker)

@@ -42,6 +42,7 @@ from unbroken.runtime.membership import EXIT_FENCED, Fenced, Membership, NoLiveW
 from unbroken.runtime.process_group import CollectiveFailed
 from unbroken.runtime.protocol import MemberDied
 from unbroken.runtime.recovery import recovery
+from unbroken.snapshot.trainer_hooks import restore_state, snapshotter_for
 
 __all__ = ["EXIT_NO_LIVE_WORKER", "StepLogContext", "Trainer", "WorkerSpec", "run", "standby"]
 
@@ -109,6 +110,30 @@ class Trainer:
             timeout_s=cfg.train.timeout_s, config_hash=self.hash)
         self.metrics: MetricsWriter | None = None
         self.checkpointer: AsyncCheckpointer | None = None
+        self.snapshots = snapshotter_for(cfg, spec.run_dir, spec.worker, spec.world, self.job.model,
+                                         self.job.optimizer, device, self.hash, self._event)
+        if self.snapshots is not None:
+            # Before this step's reduction completes, the last step's snapshot is sealed: a commit of
+            # step s+1 means every member sealed its share of step s (the restore point).
+            self.protocol.on("allreduce", lambda step: self.snapshots.wait())
+        self.protocol.restorer = self._restore
+
+    def _event(self, event: str, **fields: Any) -> None:
+        self.events.write({"kind": "event", "event": event, "worker": self.spec.worker, "t": time.time(), **fields})
+
+    def _restore(self, view: View, broadcast: Callable[[torch.Tensor, int], object]) -> None:
+        """Load the state ``view.restore`` names (every member of a restored view does)."""
+        t0 = time.perf_counter()
+        if self.snapshots is not None:
+            self.snapshots.wait()
+        done = restore_state(view.restore, run_dir=self.spec.run_dir, worker=self.spec.worker,
+                             world=self.spec.world, members=view.members, broadcast=broadcast,
+                             model=self.job.model, optimizer=self.job.optimizer, device=self.job.device,
+                             config_hash=self.hash)
+        self.events.write({"kind": "restore", "step": view.step, "gen": view.gen, "worker": self.spec.worker})
+        self._event("restored", **{**done, "gen": view.gen, "step": view.step, "seconds": time.perf_counter() - t0})
+        logger.info("restored the state of step %d from %s in %.2f s", view.step, done["source"],
+                    time.perf_counter() - t0)
 
     # -- start ----------------------------------------------------------------
 
@@ -127,9 +152,12 @@ class Trainer:
         self.m.request_join({"pid": os.getpid(), "config_hash": self.hash, "t": time.time()})
         gen = -1
         while True:
-            view = self._wait_view(lambda v, g=gen: self.spec.worker in v.joiners and v.gen > g)
+            view = self._wait_view(lambda v, g=gen: v.gen > g and (
+                self.spec.worker in v.joiners or (v.restore is not None and self.spec.worker in v.members)))
             try:
                 self.protocol.adopt(view)
+                if view.restore is not None:
+                    return view.step  # the job came back from a snapshot: a member like any other
                 break
             except (CollectiveFailed, ViewChanged, MemberDied) as exc:
                 # Someone died during the admission: the next view of that step admits us again.
@@ -167,6 +195,8 @@ class Trainer:
             reduced, _ = self.protocol.run_step(step)
             lr, grad_norm = self.job.apply(step, reduced)
             view, done = self.protocol.view, step + 1
+            if self.snapshots is not None:
+                self.snapshots.take(done, view)
             self.events.write({"kind": "commit", "step": step, "gen": view.gen, "worker": self.spec.worker})
             now = time.perf_counter()
             last = train_record(step=done, loss=self.job.loss(reduced), lr=lr, grad_norm=grad_norm,
@@ -182,6 +212,8 @@ class Trainer:
                 self.protocol.admit_joiners(done)
         if self.checkpointer:
             self.checkpointer.wait()
+        if self.snapshots is not None:
+            self.snapshots.close()
         if self.metrics:
             self.metrics.close()
         if self.protocol.view.leader == self.spec.worker:

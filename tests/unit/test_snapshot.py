@@ -1,0 +1,237 @@
+"""The state layer on real shared memory: seal, checksums, torn writes, parity rebuild, restore order."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from unbroken.config import load_config, preset
+from unbroken.models import build_model
+from unbroken.runtime.ledger import check_ledger
+from unbroken.runtime.view import View
+from unbroken.snapshot.capacity import check_snapshot_config, node_bytes, state_bytes
+from unbroken.snapshot.erasure import Coding, ErasureError
+from unbroken.snapshot.plan import plan_for
+from unbroken.snapshot.restore import decide, inventory, restore_from_memory
+from unbroken.snapshot.segment import SHM_DIR, SealedBuffer, job_segments, remove_segments
+from unbroken.snapshot.snapshotter import Snapshotter
+from unbroken.snapshot.state_bytes import tensors_of
+
+pytestmark = pytest.mark.timeout(120)
+
+NODE_OF = {0: 0, 1: 0, 2: 1, 3: 1}
+
+
+@pytest.fixture
+def job_id():
+    ident = os.urandom(6).hex()
+    yield ident
+    remove_segments(ident)
+    assert not job_segments(ident)
+
+
+@dataclasses.dataclass
+class _State:
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+
+
+_BASE: list = []
+
+
+def _trained(seed: int = 0, steps: int = 1) -> _State:
+    """The debug model (built once) after ``steps`` AdamW steps on seeded random gradients."""
+    if not _BASE:
+        _BASE.append(build_model("debug", vocab_size=512, seq_len=64))
+    model = copy.deepcopy(_BASE[0])
+    job = _State(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        for p in job.model.parameters():
+            p.grad = torch.randn(p.shape, generator=gen)
+        job.optimizer.step()
+    return job
+
+
+def _snapshot(job_id: str, job, done: int, *, redundancy: str = "parity", members=(0, 1, 2, 3)) -> list[dict]:
+    events: list[dict] = []
+    snaps = [Snapshotter(job_id=job_id, node=NODE_OF[w], worker=w, node_of=NODE_OF, every=1, redundancy=redundancy,
+                         parity=1, config_hash="cfg", state=lambda: tensors_of(job.model, job.optimizer),
+                         on_event=lambda name, **f: events.append({"event": name, **f})) for w in members]
+    view = View(gen=2, members=tuple(members), step=done)
+    for s in snaps:
+        s.take(done, view)
+    for s in snaps:
+        s.close()
+    return events
+
+
+def _spec(job_id: str, nodes=(0, 1), checkpoint=None):
+    invs = [inventory(job_id, n, config_hash="cfg") for n in nodes]
+    return decide(invs, checkpoint=checkpoint, members_of=lambda ns: [w for w in NODE_OF if NODE_OF[w] in ns]), invs
+
+
+def _restore_into(job_id: str, spec, node: int, members, me: int):
+    fresh = _trained(seed=99)  # different state: the restore must overwrite every byte
+    stats = restore_from_memory(spec, job=job_id, node=node, node_of=NODE_OF, members=tuple(members), me=me,
+                                broadcast=None, model=fresh.model, optimizer=fresh.optimizer,
+                                device=torch.device("cpu"))
+    return fresh, stats
+
+
+def _same_state(a, b) -> bool:
+    ta, tb = tensors_of(a.model, a.optimizer), tensors_of(b.model, b.optimizer)
+    return ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) and ta[k].dtype == tb[k].dtype for k in ta)
+
+
+def test_segments_are_private_named_and_sealed(job_id):
+    job = _trained()
+    events = _snapshot(job_id, job, done=1)
+    names = sorted(p.name for p in job_segments(job_id))
+    assert names == sorted(f"unbroken-{job_id}-n{NODE_OF[w]}-w{w}-b1" for w in range(4))
+    assert all(oct(p.stat().st_mode & 0o777) == "0o600" for p in job_segments(job_id))
+    plan = [e for e in events if e["event"] == "snapshot_plan"][0]
+    assert (plan["k"], plan["m"], plan["stripes"], plan["protected"]) == (1, 1, 2, True)
+    seal = SealedBuffer.open(job_segments(job_id)[0], job_id).seal
+    assert seal["step"] == 1 and seal["gen"] == 2 and seal["config_hash"] == "cfg"
+    with pytest.raises(Exception, match="sealed by job"):
+        SealedBuffer.open(job_segments(job_id)[0], "0" * 12)
+
+
+@pytest.mark.parametrize("redundancy", ["parity", "replica"])
+def test_restore_from_own_memory_is_exact(job_id, redundancy):
+    job = _trained()
+    _snapshot(job_id, job, done=1, redundancy=redundancy)
+    spec, _ = _spec(job_id)
+    assert spec["source"] == "memory" and spec["step"] == 1
+    restored, stats = _restore_into(job_id, spec, node=0, members=[0, 1], me=0)
+    assert _same_state(job, restored)
+    assert stats["local"] == 2 and stats["rebuilt"] == 0
+
+
+def test_parity_rebuilds_a_lost_node_exactly(job_id):
+    job = _trained()
+    _snapshot(job_id, job, done=1)
+    remove_segments(job_id, node=0)  # node 0 and its memory are gone
+    spec, _ = _spec(job_id, nodes=(1,))
+    assert spec["members"] == [2, 3] and spec["parity_stripes"] == [0, 1]
+    restored, stats = _restore_into(job_id, spec, node=1, members=[2, 3], me=2)
+    assert _same_state(job, restored) and stats["rebuilt"] == 2
+
+
+def test_no_redundancy_cannot_survive_a_lost_node(job_id):
+    job = _trained()
+    _snapshot(job_id, job, done=1, redundancy="none")
+    spec, _ = _spec(job_id)  # complete only with both nodes: each holds one of the two pieces
+    assert spec["step"] == 1 and {h[2] for h in spec["holders"]} == {0, 1}
+    remove_segments(job_id, node=0)
+    spec, _ = _spec(job_id, nodes=(1,), checkpoint=(0, "/ckpt/step-0"))
+    assert spec == {"source": "checkpoint", "step": 0, "path": "/ckpt/step-0"}
+    assert _spec(job_id, nodes=(1,))[0] is None
+
+
+def test_corrupt_buffer_falls_back_to_the_other_buffer_and_says_so(job_id):
+    job = _trained()
+    _snapshot(job_id, job, done=1)
+    older = _trained()  # the state of step 1, kept to compare
+    for p in job.model.parameters():
+        p.grad = torch.ones_like(p)
+    job.optimizer.step()
+    _snapshot(job_id, job, done=2)
+    victim = SHM_DIR / f"unbroken-{job_id}-n0-w0-b0"  # step 2 lives in buffer 0
+    with open(victim, "r+b") as fh:
+        fh.seek(-100, os.SEEK_END)
+        byte = fh.read(1)
+        fh.seek(-100, os.SEEK_END)
+        fh.write(bytes([byte[0] ^ 0xFF]))
+    spec, invs = _spec(job_id)
+    assert any("do not match their checksum" in p for p in invs[0]["problems"])
+    # Step 2 is still complete through node 1's parity; lose that too and step 1 (buffer 1) is next.
+    assert spec["step"] == 2 and spec["parity_stripes"] == [0]
+    restored, _ = _restore_into(job_id, spec, node=1, members=[2, 3], me=2)
+    assert _same_state(job, restored)
+    for w in (2, 3):
+        (SHM_DIR / f"unbroken-{job_id}-n1-w{w}-b0").unlink()
+    spec, _ = _spec(job_id)
+    assert spec["step"] == 1
+    restored, _ = _restore_into(job_id, spec, node=0, members=[0, 1], me=0)
+    assert _same_state(older, restored)
+
+
+def test_a_writer_killed_mid_copy_leaves_the_buffer_unsealed(job_id, tmp_path):
+    """A real process is SIGKILLed while it fills a buffer: the reader never trusts it."""
+    script = textwrap.dedent(f"""
+        import os, sys, time
+        from unbroken.snapshot.segment import Buffer
+        b = Buffer({job_id!r}, 0, 0, 0)
+        area = b.begin(1 << 20)
+        area[: 1 << 19] = b"x" * (1 << 19)
+        print("half", flush=True)
+        time.sleep(60)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE)
+    assert proc.stdout.readline().strip() == b"half"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=10)
+    inv = inventory(job_id, 0)
+    assert inv["seals"] == [] and inv["problems"] == [f"unbroken-{job_id}-n0-w0-b0: not sealed (a write was interrupted)"]
+
+
+def test_plan_bytes_per_node_follow_the_formula():
+    node_of = {w: w // 2 for w in range(6)}  # 3 nodes of 2 workers
+    plan = plan_for(node_of, node_of, redundancy="parity", parity=1, state_bytes=6_000_000)
+    assert (plan.k, plan.m, plan.stripes) == (2, 1, 2)
+    per_node = plan.stripes * len(plan.fragments_of(0)) * (plan.state_bytes // plan.stripes // plan.k)
+    assert per_node == pytest.approx((1 + 1 / 2) * 6_000_000 / 3)
+    assert plan.assignment(node_of, node_of) == {0: [(0, 0)], 1: [(1, 0)], 2: [(0, 1)], 3: [(1, 1)],
+                                                  4: [(0, 2)], 5: [(1, 2)]}
+    alone = plan_for([0, 1], node_of, redundancy="parity", parity=1, state_bytes=100)
+    assert (alone.k, alone.m, alone.protected) == (1, 0, False)
+
+
+def test_erasure_needs_k_fragments():
+    data = os.urandom(10_001)
+    c = Coding(2, 1)
+    frags = c.encode(data, [0, 1, 2])
+    assert c.decode({1: frags[1], 2: frags[2]}, len(data)) == data
+    with pytest.raises(ErasureError, match="needs 2 of its 3 fragments"):
+        c.decode({2: frags[2]}, len(data))
+
+
+def test_bad_snapshot_settings_are_refused_with_the_fix():
+    cfg = load_config(preset_name="debug", overrides=["snapshot.parity=2"])
+    with pytest.raises(ValueError, match="snapshot.parity=2 needs more than 2 nodes"):
+        check_snapshot_config(cfg, nodes=2, workers_per_node=2)
+    assert check_snapshot_config(preset("debug"), nodes=1, workers_per_node=4) > 0  # one node: nothing to protect across
+    big = preset("llama-7b")
+    assert state_bytes(big) > 12 * 6_000_000_000
+    with pytest.raises(ValueError, match=r"snapshots need .* MiB of shared memory per node .*snapshot.every=0"):
+        check_snapshot_config(big, nodes=2, workers_per_node=2)
+    assert node_bytes(preset("debug"), 2, 2) > 2 * state_bytes(preset("debug"))
+    with pytest.raises(ValueError, match="snapshot.every=-1"):
+        load_config(preset_name="debug", overrides=["snapshot.every=-1"])
+    with pytest.raises(ValueError, match="snapshot.redundancy"):
+        load_config(preset_name="debug", overrides=["snapshot.redundancy=raid"])
+
+
+def test_ledger_counts_the_history_after_a_restore(tmp_path):
+    from unbroken.jsonl import JsonlWriter
+
+    w = JsonlWriter(tmp_path / "events" / "w0.jsonl")
+    for step, gen in ((0, 0), (1, 0), (1, 1)):  # step 1 committed in gen 0, then the job restored at step 1
+        w.write({"kind": "work", "step": step, "gen": gen, "worker": 0, "items": [[0, 0, 2, "exact"]]})
+        if (step, gen) != (1, 1):
+            w.write({"kind": "commit", "step": step, "gen": gen, "worker": 0})
+    w.write({"kind": "restore", "step": 1, "gen": 1, "worker": 0})
+    w.write({"kind": "commit", "step": 1, "gen": 1, "worker": 0})
+    w.close()
+    check = check_ledger(tmp_path, n_slots=1, micro_batch=2, steps=2)
+    assert check.ok and check.conflicting_steps == []

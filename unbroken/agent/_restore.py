@@ -1,0 +1,155 @@
+"""An agent's part in bringing a whole job back: after every worker died, or at ``--resume``.
+
+When every member of the current view is dead (a job-wide fault: an OOM, a
+bug, a hung collective that forced a kill), each live agent publishes its
+node's snapshot inventory (:func:`unbroken.snapshot.restore.inventory`: the
+sealed, intact buffers; a torn or corrupt one is reported and left out). The
+first agent to claim the restore waits until every node's inventory is in, or
+``INVENTORY_WAIT_S`` (a node whose agent is gone is lost with its memory),
+then publishes the next view: the workers of the nodes that answered, from
+the newest complete snapshot (rebuilt from parity where a node is missing) or
+the newest committed checkpoint, whichever is newer. Every agent then starts
+its workers of that view at once; they load the state in the view's group.
+
+At ``--resume`` the same happens before the first view: node 0 decides, with
+the checkpoint the launcher found (if any) as the fallback.
+
+Invariant: one agent decides per dead view (compare-and-set); nothing is
+deleted or overwritten on the way, so a failed restore leaves every source as
+it was.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Callable
+
+from unbroken.faults.injector import workers_of
+from unbroken.runtime.checkpoint import latest_checkpoint, read_commit
+from unbroken.runtime.job_store import JobStore
+from unbroken.runtime.view import View
+from unbroken.snapshot.restore import decide, inventory
+from unbroken.agent.rendezvous import StartRefused
+from unbroken.snapshot.trainer_hooks import job_id
+
+__all__ = ["INVENTORY_WAIT_S", "JobRestore"]
+
+logger = logging.getLogger(__name__)
+
+MAX_RESTORES_PER_STEP = 3
+"""A job that dies this many times restored at the same step stops (a fault that recurs at once)."""
+INVENTORY_WAIT_S = 3.0
+"""How long the restoring agent waits for every node's inventory before going on without the silent ones."""
+START_GEN = -1
+"""The inventories of a ``--resume`` are published under this pseudo-generation (before view 0)."""
+
+
+class JobRestore:
+    """One agent's side of whole-job restores (see the module docstring)."""
+
+    def __init__(self, store: JobStore, *, node: int, nnodes: int, workers_per_node: int, run_dir: Path,
+                 config_hash: str, event: Callable[..., None]) -> None:
+        self.store, self.node, self.nnodes, self.per_node = store, node, nnodes, workers_per_node
+        self.run_dir, self.config_hash, self.event = run_dir, config_hash, event
+        self.job = job_id(run_dir, create=True)  # the launcher wrote it; an agent started alone may not have
+        self._published: set[int] = set()
+        self._deciding: tuple[View | None, float] | None = None
+        self._restores: dict[int, int] = {}
+
+    # -- after every worker died ------------------------------------------------
+
+    def all_dead(self, view: View) -> None:
+        """Every member of ``view`` is dead: publish this node's inventory; maybe claim the restore."""
+        self._publish(view.gen)
+        if self._deciding is None and self.store.claim_restore(view.gen, self.node):
+            self._deciding = (view, time.monotonic() + INVENTORY_WAIT_S)
+
+    def tick(self, now: float) -> str | None:
+        """Decide once the inventories are in; returns a failure message if nothing can be restored."""
+        if self._deciding is None:
+            return None
+        view, deadline = self._deciding
+        gen = view.gen if view is not None else START_GEN
+        invs = self.store.inventories(gen, self.nnodes)
+        if len(invs) < self.nnodes and now < deadline:
+            return None
+        self._deciding = None
+        inventories = [json.loads(t) for t in invs.values()]
+        spec = decide(inventories, checkpoint=self._checkpoint(),
+                      members_of=lambda nodes: [w for n in nodes for w in workers_of(n, self.per_node)])
+        if spec is None:
+            who = f"every member of view {view.gen} {list(view.members)} is dead" if view else "--resume"
+            return (f"no live worker left: {who}, and nothing to restore from: no complete snapshot in the "
+                    f"memory of nodes {sorted(invs)} and no committed checkpoint under {self.run_dir / 'checkpoints'}")
+        self._restores[spec["step"]] = n = self._restores.get(spec["step"], 0) + 1
+        if n > MAX_RESTORES_PER_STEP:
+            return (f"every worker died {n} times after being restored at step {spec['step']}: a fault that "
+                    f"recurs at once; see the workers' logs")
+        members = tuple(spec.get("members") or [w for n in sorted(invs) for w in workers_of(n, self.per_node)])
+        for w in members:
+            self.store.clear_dead(w)
+            self.store.clear_join(w)
+        lost = sorted(set(range(self.nnodes)) - set(invs))
+        reason = (f"restored from {'snapshot memory' if spec['source'] == 'memory' else 'the checkpoint'} "
+                  f"at step {spec['step']}" + (f" without lost nodes {lost}" if lost else ""))
+        new = View(gen=(view.gen + 1) if view is not None else 0, members=members, step=spec["step"],
+                   reason=reason, restore=spec)
+        if view is None:
+            self.store.publish_initial(new)
+        else:
+            self.store.propose(view, new)
+        self.event("job_restore", None, source=spec["source"], step=spec["step"], gen=new.gen,
+                   members=list(members), lost_nodes=lost, parity_stripes=spec.get("parity_stripes", []))
+        logger.warning("node %d: %s (view %d, members %s)", self.node, reason, new.gen, list(members))
+        return None
+
+    def workers_to_start(self, view: View, running: set[int]) -> list[int]:
+        """This node's workers a restored ``view`` names that are not running (start them now)."""
+        if view.restore is None:
+            return []
+        return [w for w in workers_of(self.node, self.per_node) if w in view.members and w not in running]
+
+    # -- at --resume ------------------------------------------------------------
+
+    def first_view(self, heartbeat: Callable[[], None], poll_s: float) -> None:
+        """``--resume``: publish this node's inventory; node 0 waits for the others' and publishes view 0.
+
+        Raises:
+            StartRefused: nothing to resume from (the message says what was looked for).
+        """
+        self.at_start()
+        while self.node == 0 and not self.store.has_view():
+            heartbeat()
+            if (failure := self.tick(time.monotonic())) is not None:
+                raise StartRefused(f"--resume: {failure}")
+            time.sleep(poll_s)
+
+    def at_start(self) -> None:
+        """``--resume``: publish this node's inventory; node 0 decides the first view."""
+        self._publish(START_GEN)
+        if self.node == 0 and self.store.claim_restore(START_GEN, self.node):
+            self._deciding = (None, time.monotonic() + INVENTORY_WAIT_S)
+
+    # -- helpers ----------------------------------------------------------------
+
+    def _publish(self, gen: int) -> None:
+        if gen in self._published:
+            return
+        self._published.add(gen)
+        inv = inventory(self.job, self.node, config_hash=self.config_hash)
+        for problem in inv["problems"]:
+            logger.warning("node %d snapshot memory: %s (not used)", self.node, problem)
+            self.event("snapshot_fallback", None, problem=problem)
+        self.store.publish_inventory(gen, self.node, self.nnodes, json.dumps(inv, separators=(",", ":")))
+
+    def _checkpoint(self) -> tuple[int, str] | None:
+        try:
+            path = latest_checkpoint(self.run_dir)
+        except Exception as exc:  # a damaged checkpoint directory: memory may still serve
+            logger.warning("no usable checkpoint: %s", exc)
+            return None
+        return (int(read_commit(path)["step"]), str(path)) if path is not None else None
+

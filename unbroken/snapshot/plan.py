@@ -1,0 +1,113 @@
+"""Who snapshots which bytes under a view, and which snapshot is complete.
+
+Under a view with live workers on nodes ``nodes`` (N of them), the flat state
+of S bytes is cut into ``stripes`` equal byte ranges (as many as the most
+workers any node has live). Each stripe is coded into ``k + m`` fragments
+(:mod:`unbroken.snapshot.erasure`); the node at position ``j`` of ``nodes``
+holds:
+
+- ``parity``: fragment ``j`` (``k = N - p`` data fragments, ``m = p`` parity
+  fragments): any ``p`` nodes may be lost, each node holds about
+  ``(1 + p/(N - p)) * S / N`` bytes;
+- ``replica``: fragments ``j`` and ``j - 1`` (mod N) of ``k = N`` pieces: any
+  one node may be lost, ``2 S / N`` per node;
+- ``none``: fragment ``j`` of ``k = N`` pieces: ``S / N`` per node.
+
+With too few nodes for the parity asked (``N <= p``), the snapshot is taken
+unprotected (``k = N``, ``m = 0``) and says so (``protected`` is False).
+Within a node, stripe ``i`` is written by its ``i mod L``-th live worker (L
+live workers on it), so each live worker writes about ``1/m`` of the
+protected state, m the live workers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+from typing import Any, Iterable
+
+__all__ = ["SnapshotPlan", "complete_steps", "plan_for"]
+
+
+@dataclasses.dataclass(frozen=True)
+class SnapshotPlan:
+    """The coding and the assignment of one view's snapshots."""
+
+    scheme: str
+    k: int
+    m: int
+    nodes: tuple[int, ...]
+    stripes: int
+    state_bytes: int
+    protected: bool
+
+    def stripe_range(self, i: int) -> tuple[int, int]:
+        size = -(-self.state_bytes // self.stripes)
+        return min(i * size, self.state_bytes), min((i + 1) * size, self.state_bytes)
+
+    def fragments_of(self, node: int) -> list[int]:
+        """Fragment indices (of every stripe) the node holds."""
+        j = self.nodes.index(node)
+        if self.scheme == "replica" and len(self.nodes) > 1:
+            return [j, (j - 1) % len(self.nodes)]
+        return [j]
+
+    def assignment(self, members: Iterable[int], node_of: dict[int, int]) -> dict[int, list[tuple[int, int]]]:
+        """worker -> [(stripe, fragment)] it writes."""
+        by_node: dict[int, list[int]] = defaultdict(list)
+        for w in sorted(members):
+            by_node[node_of[w]].append(w)
+        out: dict[int, list[tuple[int, int]]] = {w: [] for w in members}
+        for node, workers in by_node.items():
+            for i in range(self.stripes):
+                out[workers[i % len(workers)]] += [(i, f) for f in self.fragments_of(node)]
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self) | {"nodes": list(self.nodes)}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> SnapshotPlan:
+        return cls(**{**d, "nodes": tuple(d["nodes"])})
+
+
+def plan_for(members: Iterable[int], node_of: dict[int, int], *, redundancy: str, parity: int,
+             state_bytes: int) -> SnapshotPlan:
+    """The plan of a view whose live workers are ``members`` (``node_of`` maps each to its node)."""
+    members = sorted(members)
+    nodes = tuple(sorted({node_of[w] for w in members}))
+    per_node: dict[int, int] = defaultdict(int)
+    for w in members:
+        per_node[node_of[w]] += 1
+    n = len(nodes)
+    if redundancy == "parity" and n > parity:
+        k, m, protected = n - parity, parity, True
+    else:
+        k, m = n, 0
+        protected = redundancy == "replica" and n > 1
+    return SnapshotPlan(scheme=redundancy, k=k, m=m, nodes=nodes, stripes=max(per_node.values()),
+                        state_bytes=state_bytes, protected=protected)
+
+
+def complete_steps(seals: Iterable[dict[str, Any]]) -> list[tuple[int, dict[tuple[int, int], dict[str, Any]]]]:
+    """The steps for which the given seals hold a complete snapshot, newest first.
+
+    A snapshot of step ``t`` is complete when, among seals of ``t`` that agree
+    on plan and layout, every stripe has at least ``k`` distinct fragments.
+    Returns ``[(t, {(stripe, fragment): seal})]``.
+    """
+    groups: dict[tuple, dict[tuple[int, int], dict[str, Any]]] = defaultdict(dict)
+    for s in seals:
+        key = (s["step"], s["gen"], s["layout_hash"], tuple(sorted(s["plan"].items(), key=lambda kv: kv[0]).__repr__()))
+        for stripe, frag, *_ in s["fragments"]:
+            groups[key].setdefault((stripe, frag), s)
+    out = []
+    for key, held in groups.items():
+        plan = SnapshotPlan.from_json(next(iter(held.values()))["plan"])
+        per_stripe: dict[int, set[int]] = defaultdict(set)
+        for stripe, frag in held:
+            per_stripe[stripe].add(frag)
+        if all(len(per_stripe[i]) >= plan.k for i in range(plan.stripes)):
+            out.append((key[0], held))
+    out.sort(key=lambda t: -t[0])
+    return out

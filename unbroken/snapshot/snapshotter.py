@@ -1,0 +1,125 @@
+"""The worker's side of snapshots: after each optimizer step, its share of the state into snapshot memory.
+
+:meth:`Snapshotter.take` is called right after the optimizer step of a step
+(``done`` steps applied). A side thread copies this worker's stripes of the
+live state (:mod:`unbroken.snapshot.plan`), codes them
+(:mod:`unbroken.snapshot.erasure`) and seals them into buffer
+``(done // every) % 2`` of its segment (:mod:`unbroken.snapshot.segment`)
+while the next step computes. :meth:`Snapshotter.wait` joins it; the worker
+calls it before its all-reduce of the next step completes, so (1) the state
+is never read while the next optimizer step changes it: a snapshot is the
+state of exactly one step, and (2) when step ``s + 1`` commits, every member
+has sealed its share of step ``s``: the newest complete snapshot is at most
+one step behind the newest committed step.
+
+On a CUDA device the tensors are first copied to the host (pinned staging,
+on a side stream) by the same thread.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable
+
+import torch
+
+from unbroken.runtime.view import View
+from unbroken.snapshot.erasure import Coding
+from unbroken.snapshot.plan import SnapshotPlan, plan_for
+from unbroken.snapshot.segment import Buffer, write_payload
+from unbroken.snapshot.state_bytes import capture, describe, layout_hash
+
+__all__ = ["Snapshotter"]
+
+logger = logging.getLogger(__name__)
+
+
+class Snapshotter:
+    """Per-step snapshots of one worker's share of the state.
+
+    Args:
+        job_id, node, worker: name the segments.
+        node_of: worker id -> node (every worker of the job).
+        every, redundancy, parity: the ``snapshot`` config section.
+        config_hash: recorded in each seal.
+        state: returns the live tensors of the state (model, optimizer, RNG) by name.
+        on_event: receives snapshot events (errors, plan changes).
+    """
+
+    def __init__(self, *, job_id: str, node: int, worker: int, node_of: dict[int, int], every: int,
+                 redundancy: str, parity: int, config_hash: str,
+                 state: Callable[[], dict[str, torch.Tensor]], on_event: Callable[..., None]) -> None:
+        self.job_id, self.node, self.worker, self.node_of = job_id, node, worker, node_of
+        self.every, self.redundancy, self.parity, self.config_hash = every, redundancy, parity, config_hash
+        self.state, self.on_event = state, on_event
+        self.buffers = [Buffer(job_id, node, worker, b) for b in (0, 1)]
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"snapshot-w{worker}")
+        self._pending: Future[dict[str, Any]] | None = None
+        self._plan_gen = -1
+        self.last: dict[str, Any] | None = None
+        """What the last completed snapshot wrote (step, bytes, seconds)."""
+
+    def take(self, done: int, view: View) -> None:
+        """Start the snapshot of the state after ``done`` steps (a no-op off the ``every`` grid)."""
+        if self.every <= 0 or done % self.every:
+            return
+        self.wait()
+        tensors = self.state()
+        layout = describe(tensors)
+        plan = plan_for(view.members, self.node_of, redundancy=self.redundancy, parity=self.parity,
+                        state_bytes=layout.nbytes)
+        if view.gen != self._plan_gen:
+            self._plan_gen = view.gen
+            self.on_event("snapshot_plan", gen=view.gen, step=done, k=plan.k, m=plan.m, stripes=plan.stripes,
+                          nodes=list(plan.nodes), protected=plan.protected, scheme=plan.scheme)
+        mine = plan.assignment(view.members, self.node_of).get(self.worker, [])
+        buffer = self.buffers[(done // self.every) % 2]
+        self._pending = self._pool.submit(self._write, buffer, tensors, layout.entries, plan, mine, done, view.gen)
+
+    def wait(self) -> None:
+        """Block until the snapshot in flight is sealed (or failed: then it is reported, training goes on)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        try:
+            self.last = pending.result()
+        except Exception as exc:  # a full /dev/shm, a coding failure: the job trains on, less protected
+            logger.error("snapshot failed: %s", exc)
+            self.on_event("snapshot_failed", error=f"{type(exc).__name__}: {exc}")
+
+    def close(self) -> None:
+        self.wait()
+        self._pool.shutdown(wait=True)
+        for b in self.buffers:
+            b.close()
+
+    def _write(self, buffer: Buffer, tensors: dict[str, torch.Tensor], layout: list[list], plan: SnapshotPlan,
+               mine: list[tuple[int, int]], done: int, gen: int) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        coding = Coding(plan.k, plan.m)
+        layout_raw = json.dumps(layout, separators=(",", ":")).encode()
+        parts: list[bytes | memoryview] = [layout_raw]
+        index: list[tuple[int, int]] = []
+        by_stripe: dict[int, list[int]] = {}
+        for stripe, frag in mine:
+            by_stripe.setdefault(stripe, []).append(frag)
+        for stripe, frags in sorted(by_stripe.items()):
+            lo, hi = plan.stripe_range(stripe)
+            raw = bytearray(hi - lo)
+            capture(tensors, memoryview(raw), lo, hi)
+            for frag, data in sorted(coding.encode(raw, frags).items()):
+                parts.append(data)
+                index.append((stripe, frag))
+        size = sum(len(p) for p in parts)
+        area = buffer.begin(size)
+        placed = write_payload(area, parts)
+        buffer.seal({
+            "v": 1, "job": self.job_id, "node": self.node, "worker": self.worker, "step": done, "gen": gen,
+            "config_hash": self.config_hash, "layout_hash": layout_hash(layout), "plan": plan.to_json(),
+            "layout_offset": placed[0][0], "layout_len": placed[0][1], "layout_crc": placed[0][2],
+            "fragments": [[s, f, *p] for (s, f), p in zip(index, placed[1:])], "t": time.time(),
+        })
+        return {"step": done, "bytes": size, "seconds": time.perf_counter() - t0}
