@@ -95,7 +95,8 @@ class JobRestore:
         lost = sorted(set(range(self.nnodes)) - set(invs))
         reason = (f"restored from {'snapshot memory' if spec['source'] == 'memory' else 'the checkpoint'} "
                   f"at step {spec['step']}" + (f" without lost nodes {lost}" if lost else ""))
-        new = View(gen=(view.gen + 1) if view is not None else 0, members=members, step=spec["step"],
+        new = View(gen=(view.gen + 1) if view is not None else _next_generation(self.run_dir), members=members,
+                   step=spec["step"],
                    reason=reason, restore=spec)
         if view is None:
             self.store.publish_initial(new)
@@ -153,3 +154,13 @@ class JobRestore:
             return None
         return (int(read_commit(path)["step"]), str(path)) if path is not None else None
 
+
+def _next_generation(run_dir: Path) -> int:
+    """The first generation of a resumed job: above every generation its earlier launches recorded.
+
+    The ledger tells attempts apart by generation, so a step trained again after ``--resume`` must not
+    share its generation with the launch that trained it first.
+    """
+    from unbroken.runtime.ledger import read_events  # local: only a resume reads the whole history
+
+    return 1 + max((int(r["gen"]) for r in read_events(run_dir) if isinstance(r.get("gen"), int)), default=-1)

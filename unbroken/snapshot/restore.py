@@ -134,14 +134,18 @@ def restore_from_memory(spec: dict[str, Any], *, job: str, node: int, node_of: d
         elif able:  # one node decodes and sends the stripe
             src_node = able[0]
             out = torch.empty(hi - lo, dtype=torch.uint8, device=device)
-            if node == src_node:
-                mine = sorted(on_node[node])
+            sender = first_on[src_node]
+            if me == sender:
+                mine = sorted(on_node[node])[:plan.k]
                 data = coding.decode({fr: read(frags[fr][1], st, fr) for fr in mine}, hi - lo)
                 out.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-            broadcast(out, members.index(first_on[src_node]))
-            data = out.cpu().numpy().tobytes()
-            stats["received"] += 1
-            stats["bytes_received"] += hi - lo
+                stats["rebuilt"] += any(fr >= plan.k for fr in mine)
+                stats["sent"] = stats.get("sent", 0) + 1
+            broadcast(out, members.index(sender))
+            if me != sender:
+                data = out.cpu().numpy().tobytes()
+                stats["received"] += 1
+                stats["bytes_received"] += hi - lo
         else:  # fragments from several nodes
             chosen = sorted(frags)[:plan.k]
             got = {}

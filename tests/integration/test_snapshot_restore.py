@@ -1,0 +1,137 @@
+"""Whole-job failures survived from snapshot memory: real processes, real SIGKILLs, real /dev/shm.
+
+1. Every worker of a 2-node x 2-worker job is SIGKILLed in the middle of a step:
+   the agents restore the job from the newest complete snapshot (0 steps lost
+   beyond the one in flight), and it ends with the parameters of an
+   uninterrupted run, bit for bit; the ledger's final history is exactly-once; the
+   segments are gone at the end.
+2. The launcher, both agents and every worker are SIGKILLed, and node 0's
+   memory is lost with them: ``--resume`` rebuilds node 0's share from node
+   1's parity, sends it to node 0's workers, and finishes with the same
+   parameters.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from _faults import MICRO_BATCH as MB
+from _faults import check_invariants, run_job
+from _reference import checkpoint_params
+from unbroken.agent.launcher import launch
+from unbroken.config import load_config
+from unbroken.jsonl import read_jsonl
+from unbroken.runtime.ledger import check_ledger, read_events
+from unbroken.snapshot.segment import job_segments, remove_segments
+from unbroken.snapshot.trainer_hooks import job_id
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(360)]
+
+
+STEPS = 40
+
+
+def _overrides(corpus_overrides: list[str]) -> list[str]:
+    return [*corpus_overrides, f"train.steps={STEPS}", "train.val_every=0", "train.val_batches=1",
+            "optim.warmup_steps=2", "optim.eps=1e-6", f"data.micro_batch={MB}", "data.seq_len=32",
+            "mecefo.policy=spread", "train.workers=4"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, corpus_overrides) -> dict[str, torch.Tensor]:
+    """The parameters of the same job with no failure (the target of every restore)."""
+    run = tmp_path_factory.mktemp("uninterrupted") / "run"
+    summary = launch(load_config(preset_name="debug", overrides=_overrides(corpus_overrides)), run, nodes=2,
+                     workers_per_node=2)
+    return checkpoint_params(summary["checkpoint"])
+
+
+def _assert_identical(ckpt, want: dict[str, torch.Tensor]) -> None:
+    got = checkpoint_params(ckpt)
+    assert got.keys() == want.keys()
+    differ = [name for name in want if not torch.equal(got[name], want[name])]
+    assert not differ, f"parameters differ from the uninterrupted run: {differ}"
+
+
+def test_every_worker_killed_mid_step_resumes_from_memory(tmp_path, corpus_overrides, uninterrupted):
+    cfg = load_config(preset_name="debug", overrides=_overrides(corpus_overrides))
+    kills = ",".join(f"step=6:worker={w}:kill:phase=allreduce" for w in range(4))
+    job = run_job(cfg, tmp_path / "run", nodes=2, workers_per_node=2, fail_at=kills)
+    check_invariants(job, live=[0, 1, 2, 3])
+    restores = job.events("job_restore")
+    assert [(e["source"], e["step"], e["lost_nodes"]) for e in restores] == [("memory", 6, [])]
+    restored = job.events("restored")
+    assert sorted(e["worker"] for e in restored) == [0, 1, 2, 3]
+    assert all(e["source"] == "memory" and e["step"] == 6 and e["received"] == 0 for e in restored)
+    assert {e["rebuilt"] for e in restored if e["worker"] in (2, 3)} == {2}  # node 1 holds the parity
+    # Step 6 was in flight (killed in its all-reduce): retrained once in the final history, nothing else redone.
+    commits = [(r["step"], r["gen"]) for r in read_events(job.run_dir) if r.get("kind") == "commit"]
+    assert not [s for s, g in commits if s < 6 and g > 0], "a step before the restore point was trained again"
+    _assert_identical(job.summary["checkpoint"], uninterrupted)
+    assert job_segments(job_id(job.run_dir)) == [], "the agents free snapshot memory when the job ends"
+
+
+def _pids(run_dir) -> list[int]:
+    out = []
+    for p in (run_dir / "pids").glob("*"):
+        try:
+            out.append(int(p.read_text().split()[0]))
+        except (ValueError, IndexError, FileNotFoundError):
+            pass
+    return out
+
+
+def test_launcher_and_agents_killed_then_resume_rebuilds_a_lost_node_from_parity(tmp_path, corpus_overrides,
+                                                                                uninterrupted):
+    run = tmp_path / "run"
+    overrides = _overrides(corpus_overrides)
+    script = ("import json, sys; from unbroken.config import load_config; from unbroken.agent.launcher import launch; "
+              "launch(load_config(preset_name='debug', overrides=json.loads(sys.argv[1])), sys.argv[2], "
+              "nodes=2, workers_per_node=2)")
+    cmd = [sys.executable, "-c", script, json.dumps(overrides), str(run)]
+    launcher = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 180
+    try:
+        while time.monotonic() < deadline:
+            recs = read_jsonl(run / "metrics.jsonl") if (run / "metrics.jsonl").is_file() else []
+            if any(r.get("step", 0) >= 10 for r in recs):
+                break
+            assert launcher.poll() is None, "the run ended before it could be killed"
+            time.sleep(0.05)
+        victims = [launcher.pid, *_pids(run)]
+        for pid in victims:  # a power cut: launcher, agents and workers at once
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    finally:
+        os.killpg(launcher.pid, signal.SIGKILL) if launcher.poll() is None else None
+        launcher.wait(timeout=30)
+    time.sleep(1.0)
+    job = job_id(run)
+    reached = max(r["step"] for r in read_jsonl(run / "metrics.jsonl"))
+    assert job_segments(job, node=0) and job_segments(job, node=1)
+    remove_segments(job, node=0)  # node 0 was a lost machine: its memory is gone
+    cfg = load_config(preset_name="debug", overrides=overrides)
+    summary = launch(cfg, run, nodes=2, workers_per_node=2, resume=True)
+    assert summary["steps"] == STEPS and summary["workers_agree"]
+    events = read_events(run)
+    restore = [e for e in events if e.get("event") == "job_restore"]
+    assert len(restore) == 1 and restore[0]["source"] == "memory"
+    assert reached - 1 <= restore[0]["step"] <= reached + 1, (reached, restore[0])
+    assert restore[0]["parity_stripes"] == [0, 1]
+    restored = {e["worker"]: e for e in events if e.get("event") == "restored"}
+    assert sorted(restored) == [0, 1, 2, 3]
+    assert restored[0]["received"] == 2 and restored[2]["rebuilt"] == 2
+    ledger = check_ledger(run, n_slots=4, micro_batch=cfg.data.micro_batch, steps=STEPS)
+    assert ledger.ok, ledger.to_json()
+    _assert_identical(summary["checkpoint"], uninterrupted)
+    assert job_segments(job) == []
