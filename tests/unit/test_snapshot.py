@@ -114,7 +114,8 @@ def test_restore_from_own_memory_is_exact(job_id, redundancy):
     assert spec["source"] == "memory" and spec["step"] == 1
     restored, stats = _restore_into(job_id, spec, node=0, members=[0, 1], me=0)
     assert _same_state(job, restored)
-    assert stats["local"] == 2 and stats["rebuilt"] == 0
+    # Parity rotates over the nodes: node 0 holds stripe 0's data and stripe 1's parity.
+    assert stats["local"] == 2 and stats["rebuilt"] == (1 if redundancy == "parity" else 0)
 
 
 def test_parity_rebuilds_a_lost_node_exactly(job_id):
@@ -122,9 +123,9 @@ def test_parity_rebuilds_a_lost_node_exactly(job_id):
     _snapshot(job_id, job, done=1)
     remove_segments(job_id, node=0)  # node 0 and its memory are gone
     spec, _ = _spec(job_id, nodes=(1,))
-    assert spec["members"] == [2, 3] and spec["parity_stripes"] == [0, 1]
+    assert spec["members"] == [2, 3] and spec["parity_stripes"] == [0]  # stripe 1's data lives on node 1
     restored, stats = _restore_into(job_id, spec, node=1, members=[2, 3], me=2)
-    assert _same_state(job, restored) and stats["rebuilt"] == 2
+    assert _same_state(job, restored) and stats["rebuilt"] == 1
 
 
 def test_no_redundancy_cannot_survive_a_lost_node(job_id):
@@ -189,10 +190,11 @@ def test_plan_bytes_per_node_follow_the_formula():
     node_of = {w: w // 2 for w in range(6)}  # 3 nodes of 2 workers
     plan = plan_for(node_of, node_of, redundancy="parity", parity=1, state_bytes=6_000_000)
     assert (plan.k, plan.m, plan.stripes) == (2, 1, 2)
-    per_node = plan.stripes * len(plan.fragments_of(0)) * (plan.state_bytes // plan.stripes // plan.k)
+    per_node = plan.stripes * len(plan.fragments_of(0, 0)) * (plan.state_bytes // plan.stripes // plan.k)
     assert per_node == pytest.approx((1 + 1 / 2) * 6_000_000 / 3)
-    assert plan.assignment(node_of, node_of) == {0: [(0, 0)], 1: [(1, 0)], 2: [(0, 1)], 3: [(1, 1)],
-                                                  4: [(0, 2)], 5: [(1, 2)]}
+    # Stripe i's parity (fragment 2) sits on node (2 - i) mod 3: the encoding work rotates.
+    assert plan.assignment(node_of, node_of) == {0: [(0, 0)], 1: [(1, 1)], 2: [(0, 1)], 3: [(1, 2)],
+                                                  4: [(0, 2)], 5: [(1, 0)]}
     alone = plan_for([0, 1], node_of, redundancy="parity", parity=1, state_bytes=100)
     assert (alone.k, alone.m, alone.protected) == (1, 0, False)
 
@@ -200,10 +202,16 @@ def test_plan_bytes_per_node_follow_the_formula():
 def test_erasure_needs_k_fragments():
     data = os.urandom(10_001)
     c = Coding(2, 1)
-    frags = c.encode(data, [0, 1, 2])
-    assert c.decode({1: frags[1], 2: frags[2]}, len(data)) == data
+    chunk = c.chunk(len(data))
+    raw = data.ljust(2 * chunk, b"\0")
+    parity, headers = c.parity(data, [2])
+    pieces = {0: raw[:chunk], 1: raw[chunk:], 2: parity[2]}
+    assert c.decode({0: pieces[0], 1: pieces[1]}, len(data)) == data  # the data fragments are the bytes
+    assert c.decode({1: pieces[1], 2: pieces[2]}, len(data), headers) == data
     with pytest.raises(ErasureError, match="needs 2 of its 3 fragments"):
-        c.decode({2: frags[2]}, len(data))
+        c.decode({2: pieces[2]}, len(data), headers)
+    with pytest.raises(ErasureError, match="needs the data fragments' headers"):
+        c.decode({1: pieces[1], 2: pieces[2]}, len(data))
 
 
 def test_bad_snapshot_settings_are_refused_with_the_fix():

@@ -22,6 +22,7 @@ BENCHMARKS: dict[str, Callable[[list[str] | None], dict[str, Any]]] = {
     "mecefo-cost": _lazy("mecefo_cost"),
     "mecefo-convergence": _lazy("mecefo_convergence"),
     "failover": _lazy("failover"),
+    "snapshot": _lazy("snapshot"),
 }
 
 __all__ = ["BENCHMARKS"]

@@ -12,6 +12,7 @@ import os
 
 from unbroken.config import Config
 from unbroken.models.llama import count_parameters, model_args
+from unbroken.snapshot.erasure import HEADER
 from unbroken.snapshot.plan import plan_for
 from unbroken.snapshot.segment import HEADER_BYTES, SHM_DIR
 
@@ -35,8 +36,8 @@ def node_bytes(cfg: Config, nodes: int, workers_per_node: int, vocab_size: int |
     plan = plan_for(node_of, node_of, redundancy=s.redundancy, parity=s.parity,
                     state_bytes=state_bytes(cfg, vocab_size))
     per_stripe = -(-plan.state_bytes // plan.stripes)
-    fragment = -(-per_stripe // plan.k) + (80 if plan.m else 0)
-    held = plan.stripes * len(plan.fragments_of(0)) * fragment
+    fragment = -(-per_stripe // plan.k) + (2 * HEADER * plan.k if plan.m else 0)  # parity: its header, the data's
+    held = plan.stripes * len(plan.fragments_of(plan.nodes[0], 0)) * fragment
     return 2 * (held + workers_per_node * (HEADER_BYTES + (64 << 10)))
 
 

@@ -1,25 +1,33 @@
-"""Erasure coding of snapshot stripes: Reed-Solomon through pyeclib (ISA-L), or plain pieces.
+"""Erasure coding of snapshot stripes: systematic Reed-Solomon through pyeclib (ISA-L).
 
-A stripe (a byte range of the flat state) becomes ``k + m`` fragments; any
-``k`` of them give the stripe back. With ``m > 0`` the fragments are
-pyeclib's (``isa_l_rs_vand``: ISA-L's Vandermonde Reed-Solomon; each fragment
-carries liberasurecode's header); with ``m = 0`` they are the stripe cut in
-``k`` equal pieces (the last one padded), which is what ``none`` and
-``replica`` redundancy store.
+A stripe (a byte range of the flat state) becomes ``k`` data fragments and
+``m`` parity fragments; any ``k`` of them give the stripe back. The code is
+systematic (``isa_l_rs_vand``: ISA-L's Vandermonde Reed-Solomon), so data
+fragment ``i`` *is* bytes ``[i*L, (i+1)*L)`` of the stripe (zero-padded), and
+a node holding a data fragment copies those bytes straight from the state
+into its snapshot memory: no coding, no staging copy. Only a node holding a
+parity fragment runs the encoder; it also keeps the ``k`` 80-byte headers
+liberasurecode gives the data fragments, so that a rebuild can hand pyeclib
+complete fragments (header + raw bytes) when a data fragment is lost.
+
+With ``m = 0`` (``none`` and ``replica`` redundancy) the fragments are the
+stripe cut in ``k`` pieces, nothing else.
 
 Every data-parallel worker holds the whole replicated state, so each node
-encodes its own fragments from its own replica: no byte crosses the network
-to protect a snapshot.
+codes its own fragments from its own replica: no byte crosses the network to
+protect a snapshot.
 """
 
 from __future__ import annotations
 
 import functools
 
-__all__ = ["EC_TYPE", "Coding", "ErasureError"]
+__all__ = ["EC_TYPE", "HEADER", "Coding", "ErasureError"]
 
 EC_TYPE = "isa_l_rs_vand"
 """pyeclib backend: ISA-L Reed-Solomon (Vandermonde), bundled with the pyeclib wheel."""
+HEADER = 80
+"""Bytes of liberasurecode's header at the front of each pyeclib fragment."""
 
 
 class ErasureError(RuntimeError):
@@ -49,31 +57,45 @@ class Coding:
     def n(self) -> int:
         return self.k + self.m
 
-    def encode(self, stripe: bytes | memoryview, which: list[int]) -> dict[int, bytes]:
-        """The fragments ``which`` of ``stripe`` (indices in ``0..n-1``)."""
-        if self.m == 0:
-            size = -(-len(stripe) // self.k) if len(stripe) else 0
-            return {i: bytes(stripe[i * size:(i + 1) * size]).ljust(size, b"\0") for i in which}
+    def chunk(self, length: int) -> int:
+        """Bytes of each data fragment of a ``length``-byte stripe (the raw slice, padding included)."""
+        if self.m == 0 or length == 0:
+            return -(-length // self.k)
+        return int(_driver(self.k, self.m).get_segment_info(length, length)["fragment_size"]) - HEADER
+
+    def parity(self, stripe: bytes | bytearray | memoryview, which: list[int]) -> tuple[dict[int, bytes], bytes]:
+        """The parity fragments ``which`` (indices ``>= k``) of ``stripe`` and the k data headers (joined).
+
+        Raises:
+            ErasureError: the backend failed, or its fragments are not the size :meth:`chunk` says.
+        """
         try:
             frags = _driver(self.k, self.m).encode(bytes(stripe))
         except Exception as exc:  # pyeclib raises its own ECDriverError family
             raise ErasureError(f"encoding a {len(stripe)}-byte stripe with k={self.k}, m={self.m} failed: {exc}") from exc
-        return {i: frags[i] for i in which}
+        if len(frags[0]) != self.chunk(len(stripe)) + HEADER:
+            raise ErasureError(f"pyeclib fragment of {len(frags[0])} bytes, expected {self.chunk(len(stripe)) + HEADER}")
+        return {i: frags[i] for i in which}, b"".join(f[:HEADER] for f in frags[:self.k])
 
-    def decode(self, fragments: dict[int, bytes | memoryview], length: int) -> bytes:
-        """The stripe of ``length`` bytes from at least ``k`` of its fragments.
+    def decode(self, fragments: dict[int, bytes], length: int, headers: bytes | None = None) -> bytes:
+        """The stripe of ``length`` bytes from ``k`` of its fragments (data: raw slices; parity: pyeclib's).
+
+        ``headers``: the data fragments' headers a parity holder kept (needed only when a data fragment is lost).
 
         Raises:
             ErasureError: fewer than ``k`` fragments, or the backend could not rebuild.
         """
-        if len(fragments) < self.k:
-            raise ErasureError(f"a stripe needs {self.k} of its {self.n} fragments, only "
-                               f"{sorted(fragments)} survive")
-        if self.m == 0:
+        if all(i in fragments for i in range(self.k)):
             return b"".join(bytes(fragments[i]) for i in range(self.k))[:length]
-        chosen = sorted(fragments)[:self.k] if all(i in fragments for i in range(self.k)) else sorted(fragments)
+        if self.m == 0 or len(fragments) < self.k:
+            raise ErasureError(f"a stripe needs {self.k} of its {self.n} fragments, only {sorted(fragments)} survive")
+        if headers is None or len(headers) != self.k * HEADER:
+            raise ErasureError("rebuilding from parity needs the data fragments' headers kept with the parity")
+        chosen = sorted(fragments)[:self.k]
+        whole = [bytes(fragments[i]) if i >= self.k else headers[i * HEADER:(i + 1) * HEADER] + bytes(fragments[i])
+                 for i in chosen]
         try:
-            out = _driver(self.k, self.m).decode([bytes(fragments[i]) for i in chosen])
+            out = _driver(self.k, self.m).decode(whole)
         except Exception as exc:
             raise ErasureError(f"rebuilding a stripe from fragments {chosen} failed: {exc}") from exc
         if len(out) != length:

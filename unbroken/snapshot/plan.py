@@ -6,9 +6,10 @@ workers any node has live). Each stripe is coded into ``k + m`` fragments
 (:mod:`unbroken.snapshot.erasure`); the node at position ``j`` of ``nodes``
 holds:
 
-- ``parity``: fragment ``j`` (``k = N - p`` data fragments, ``m = p`` parity
-  fragments): any ``p`` nodes may be lost, each node holds about
-  ``(1 + p/(N - p)) * S / N`` bytes;
+- ``parity``: fragment ``(j + i) mod N`` of stripe ``i`` (``k = N - p`` data
+  fragments, ``m = p`` parity fragments; the rotation spreads the encoding
+  work, which only parity holders do, over the nodes): any ``p`` nodes may be
+  lost, each node holds about ``(1 + p/(N - p)) * S / N`` bytes;
 - ``replica``: fragments ``j`` and ``j - 1`` (mod N) of ``k = N`` pieces: any
   one node may be lost, ``2 S / N`` per node;
 - ``none``: fragment ``j`` of ``k = N`` pieces: ``S / N`` per node.
@@ -45,12 +46,12 @@ class SnapshotPlan:
         size = -(-self.state_bytes // self.stripes)
         return min(i * size, self.state_bytes), min((i + 1) * size, self.state_bytes)
 
-    def fragments_of(self, node: int) -> list[int]:
-        """Fragment indices (of every stripe) the node holds."""
-        j = self.nodes.index(node)
-        if self.scheme == "replica" and len(self.nodes) > 1:
-            return [j, (j - 1) % len(self.nodes)]
-        return [j]
+    def fragments_of(self, node: int, stripe: int) -> list[int]:
+        """Fragment indices of ``stripe`` the node holds."""
+        j, n = self.nodes.index(node), len(self.nodes)
+        if self.scheme == "replica" and n > 1:
+            return [j, (j - 1) % n]
+        return [(j + stripe) % n] if self.m else [j]
 
     def assignment(self, members: Iterable[int], node_of: dict[int, int]) -> dict[int, list[tuple[int, int]]]:
         """worker -> [(stripe, fragment)] it writes."""
@@ -60,7 +61,7 @@ class SnapshotPlan:
         out: dict[int, list[tuple[int, int]]] = {w: [] for w in members}
         for node, workers in by_node.items():
             for i in range(self.stripes):
-                out[workers[i % len(workers)]] += [(i, f) for f in self.fragments_of(node)]
+                out[workers[i % len(workers)]] += [(i, f) for f in self.fragments_of(node, i)]
         return out
 
     def to_json(self) -> dict[str, Any]:

@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import torch
 
-from unbroken.snapshot.erasure import Coding
+from unbroken.snapshot.erasure import HEADER, Coding
 from unbroken.snapshot.plan import SnapshotPlan, complete_steps
 from unbroken.snapshot.segment import SHM_DIR, SealedBuffer, SnapshotCorrupt, job_segments
 from unbroken.snapshot.state_bytes import load_into
@@ -109,13 +109,21 @@ def restore_from_memory(spec: dict[str, Any], *, job: str, node: int, node_of: d
         where.setdefault(st, {})[fr] = (nd, seg)
     opened: dict[str, SealedBuffer] = {}
 
-    def read(seg: str, st: int, fr: int) -> bytes:
+    def segment(seg: str) -> SealedBuffer:
         if seg not in opened:
             buf = SealedBuffer.open(SHM_DIR / seg, job)
             if buf is None or buf.seal["step"] != spec["step"]:
                 raise SnapshotCorrupt(f"{seg}: no longer holds the snapshot of step {spec['step']}")
             opened[seg] = buf
-        return opened[seg].fragment(st, fr)
+        return opened[seg]
+
+    def read(seg: str, st: int, fr: int) -> bytes:
+        return segment(seg).fragment(st, fr)
+
+    def local_decode(st: int, frs: list[int], length: int) -> bytes:
+        """Decode stripe ``st`` from fragments ``frs`` held on this node (with a parity holder's headers)."""
+        hdrs = next((h for fr in frs if fr >= plan.k and (h := segment(where[st][fr][1]).headers(st))), None)
+        return coding.decode({fr: read(where[st][fr][1], st, fr) for fr in frs}, length, hdrs)
 
     nodes_of_members = sorted({node_of[w] for w in members})
     first_on = {nd: min(w for w in members if node_of[w] == nd) for nd in nodes_of_members}
@@ -127,8 +135,8 @@ def restore_from_memory(spec: dict[str, Any], *, job: str, node: int, node_of: d
         on_node = {nd: {fr for fr, (n2, _) in frags.items() if n2 == nd} for nd in nodes_of_members}
         able = [nd for nd in nodes_of_members if len(on_node[nd]) >= plan.k]
         if len(able) == len(nodes_of_members):  # every node decodes from its own memory
-            mine = sorted(on_node[node])[:plan.k] if all(f in on_node[node] for f in range(plan.k)) else sorted(on_node[node])
-            data = coding.decode({fr: read(frags[fr][1], st, fr) for fr in mine}, hi - lo)
+            mine = _prefer_data(on_node[node], plan.k)
+            data = local_decode(st, mine, hi - lo)
             stats["local"] += 1
             stats["rebuilt"] += any(fr >= plan.k for fr in mine[:plan.k])
         elif able:  # one node decodes and sends the stripe
@@ -136,8 +144,8 @@ def restore_from_memory(spec: dict[str, Any], *, job: str, node: int, node_of: d
             out = torch.empty(hi - lo, dtype=torch.uint8, device=device)
             sender = first_on[src_node]
             if me == sender:
-                mine = sorted(on_node[node])[:plan.k]
-                data = coding.decode({fr: read(frags[fr][1], st, fr) for fr in mine}, hi - lo)
+                mine = _prefer_data(on_node[node], plan.k)
+                data = local_decode(st, mine, hi - lo)
                 out.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
                 stats["rebuilt"] += any(fr >= plan.k for fr in mine)
                 stats["sent"] = stats.get("sent", 0) + 1
@@ -147,8 +155,17 @@ def restore_from_memory(spec: dict[str, Any], *, job: str, node: int, node_of: d
                 stats["received"] += 1
                 stats["bytes_received"] += hi - lo
         else:  # fragments from several nodes
-            chosen = sorted(frags)[:plan.k]
+            chosen = _prefer_data(set(frags), plan.k)
             got = {}
+            hdr_src = next((fr for fr in chosen if fr >= plan.k), None)
+            hdrs = None
+            if hdr_src is not None:  # the headers kept with that parity fragment travel with it
+                nd, seg = frags[hdr_src]
+                h_t = torch.empty(plan.k * HEADER, dtype=torch.uint8, device=device)
+                if node == nd and me == first_on[nd]:
+                    h_t.copy_(torch.frombuffer(bytearray(segment(seg).headers(st)), dtype=torch.uint8))
+                broadcast(h_t, members.index(first_on[nd]))
+                hdrs = h_t.cpu().numpy().tobytes()
             for fr in chosen:
                 nd, seg = frags[fr]
                 length = int(spec["fragment_lengths"][f"{st}/{fr}"])
@@ -158,10 +175,14 @@ def restore_from_memory(spec: dict[str, Any], *, job: str, node: int, node_of: d
                 broadcast(buf_t, members.index(first_on[nd]))
                 got[fr] = buf_t.cpu().numpy().tobytes()
                 stats["bytes_received"] += length
-            data = coding.decode(got, hi - lo)
+            data = coding.decode(got, hi - lo, hdrs)
             stats["received"] += 1
             stats["rebuilt"] += any(fr >= plan.k for fr in chosen)
         stripes.append(data)
     load_into(b"".join(stripes), spec["layout"], model, optimizer, device)
     return {**stats, "seconds": time.perf_counter() - t0, "step": spec["step"]}
 
+
+def _prefer_data(held: set[int], k: int) -> list[int]:
+    """``k`` of the fragments ``held``, data fragments first (no rebuild needed when all are there)."""
+    return sorted(held)[:k]

@@ -192,22 +192,20 @@ class SealedBuffer:
                 return self.read(offset, length, crc)
         raise KeyError(f"{self.path.name} holds no fragment {frag} of stripe {stripe}")
 
+    def headers(self, stripe: int) -> bytes | None:
+        """The data fragments' headers a parity holder kept for ``stripe`` (None: it kept none)."""
+        for st, offset, length, crc in self.seal.get("headers", []):
+            if st == stripe:
+                return self.read(offset, length, crc)
+        return None
+
     def verify(self) -> None:
         """Check every byte the seal describes (raises :class:`SnapshotCorrupt`)."""
         self.layout()
         for st, fr, *_ in self.seal["fragments"]:
             self.fragment(st, fr)
-
-
-def write_payload(view: memoryview, parts: list[bytes | memoryview]) -> list[tuple[int, int, int]]:
-    """Copy ``parts`` one after another into ``view``; returns (offset, length, crc32) of each."""
-    out, offset = [], 0
-    for part in parts:
-        n = len(part)
-        view[offset:offset + n] = part
-        out.append((offset, n, _crc(part)))
-        offset += n
-    return out
+        for st, *_ in self.seal.get("headers", []):
+            self.headers(st)
 
 
 def crc32(data: bytes | memoryview) -> int:

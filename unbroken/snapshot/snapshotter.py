@@ -27,9 +27,9 @@ from typing import Any, Callable
 import torch
 
 from unbroken.runtime.view import View
-from unbroken.snapshot.erasure import Coding
+from unbroken.snapshot.erasure import HEADER, Coding
 from unbroken.snapshot.plan import SnapshotPlan, plan_for
-from unbroken.snapshot.segment import Buffer, write_payload
+from unbroken.snapshot.segment import Buffer, crc32
 from unbroken.snapshot.state_bytes import capture, describe, layout_hash
 
 __all__ = ["Snapshotter"]
@@ -101,25 +101,46 @@ class Snapshotter:
         t0 = time.perf_counter()
         coding = Coding(plan.k, plan.m)
         layout_raw = json.dumps(layout, separators=(",", ":")).encode()
-        parts: list[bytes | memoryview] = [layout_raw]
-        index: list[tuple[int, int]] = []
         by_stripe: dict[int, list[int]] = {}
         for stripe, frag in mine:
             by_stripe.setdefault(stripe, []).append(frag)
+        # Where everything goes: the layout, then per stripe its fragments (and a parity holder's headers).
+        places, offset = [], len(layout_raw)
         for stripe, frags in sorted(by_stripe.items()):
             lo, hi = plan.stripe_range(stripe)
-            raw = bytearray(hi - lo)
-            capture(tensors, memoryview(raw), lo, hi)
-            for frag, data in sorted(coding.encode(raw, frags).items()):
-                parts.append(data)
-                index.append((stripe, frag))
-        size = sum(len(p) for p in parts)
-        area = buffer.begin(size)
-        placed = write_payload(area, parts)
+            chunk = coding.chunk(hi - lo)
+            for frag in sorted(frags):
+                size = chunk if frag < plan.k else chunk + HEADER
+                places.append((stripe, frag, offset, size))
+                offset += size
+            if any(f >= plan.k for f in frags):
+                places.append((stripe, -1, offset, HEADER * plan.k))  # -1: the data fragments' headers
+                offset += HEADER * plan.k
+        area = buffer.begin(offset)
+        area[:len(layout_raw)] = layout_raw
+        fragments, headers = [], []
+        encoded: dict[int, tuple[dict[int, bytes], bytes]] = {}
+        for stripe, frag, at, size in places:
+            lo, hi = plan.stripe_range(stripe)
+            chunk = coding.chunk(hi - lo)
+            out = area[at:at + size]
+            if 0 <= frag < plan.k:  # a data fragment is the stripe's own bytes: straight from the state
+                a, b = lo + frag * chunk, min(lo + (frag + 1) * chunk, hi)
+                capture(tensors, out[:max(0, b - a)], a, b)
+                out[max(0, b - a):] = bytes(size - max(0, b - a))
+            else:
+                if stripe not in encoded:
+                    staging = bytearray(hi - lo)
+                    capture(tensors, memoryview(staging), lo, hi)
+                    encoded[stripe] = coding.parity(staging, [f for f in by_stripe[stripe] if f >= plan.k])
+                parity, hdrs = encoded[stripe]
+                out[:] = hdrs if frag < 0 else parity[frag]
+            (headers if frag < 0 else fragments).append(
+                [stripe, at, size, crc32(out)] if frag < 0 else [stripe, frag, at, size, crc32(out)])
         buffer.seal({
             "v": 1, "job": self.job_id, "node": self.node, "worker": self.worker, "step": done, "gen": gen,
             "config_hash": self.config_hash, "layout_hash": layout_hash(layout), "plan": plan.to_json(),
-            "layout_offset": placed[0][0], "layout_len": placed[0][1], "layout_crc": placed[0][2],
-            "fragments": [[s, f, *p] for (s, f), p in zip(index, placed[1:])], "t": time.time(),
+            "layout_offset": 0, "layout_len": len(layout_raw), "layout_crc": crc32(layout_raw),
+            "fragments": fragments, "headers": headers, "t": time.time(),
         })
-        return {"step": done, "bytes": size, "seconds": time.perf_counter() - t0}
+        return {"step": done, "bytes": offset, "seconds": time.perf_counter() - t0}
