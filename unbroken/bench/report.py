@@ -55,8 +55,25 @@ def summarize_run(run_dir: str | Path) -> dict[str, Any]:
         "failures": len(failures), "failure_details": failures,
         "stall_per_failure_s": {"median": statistics.median(stalls) if stalls else None,
                                 "max": max(stalls) if stalls else None},
-        "rejoins": _rejoins(events), **_ledger(run_dir, cfg, len(train)),
+        "rejoins": _rejoins(events), "snapshots": _snapshots(run_dir, events), **_ledger(run_dir, cfg, len(train)),
     }
+
+
+def _snapshots(run_dir: Path, events: list[dict[str, Any]]) -> dict[str, Any]:
+    """Snapshots taken (workers' reports), restores and where from, parity rebuilds, fallbacks."""
+    taken = []
+    for path in sorted((run_dir / "workers").glob("w*.json")):
+        taken.append(json.loads(path.read_text()).get("snapshots", {}).get("taken", 0))
+    restores = [{"step": e["step"], "gen": e["gen"], "source": e["source"], "lost_nodes": e.get("lost_nodes", []),
+                 "parity_stripes": e.get("parity_stripes", [])} for e in events if e.get("event") == "job_restore"]
+    loaded = [{k: e.get(k) for k in ("worker", "gen", "step", "source", "local", "received", "rebuilt", "seconds")}
+              for e in events if e.get("event") == "restored"]
+    plans = {e["gen"]: {k: e.get(k) for k in ("gen", "k", "m", "stripes", "protected")}
+             for e in events if e.get("event") == "snapshot_plan"}
+    return {"taken_per_worker": taken, "plans": [plans[g] for g in sorted(plans)],
+            "restores": restores, "loaded": loaded,
+            "fallbacks": [e["problem"] for e in events if e.get("event") == "snapshot_fallback"],
+            "failed": [e["error"] for e in events if e.get("event") == "snapshot_failed"]}
 
 
 def _read_config(run_dir: Path) -> dict[str, Any]:
@@ -237,6 +254,7 @@ def _run_text(s: dict[str, Any]) -> str:
                      f"reconfigure {_fmt(f['reconfigure_s'])}  {f['reason'][:70]}")
     for r in s["rejoins"]:
         lines.append(f"  worker {r['worker']} back at step {r['step']} after {_fmt(r['down_to_back_s'])}")
+    lines += _snapshot_lines(s["snapshots"])
     if s["ledger_ok"] is None:
         lines.append("ledger: none (a simulated run writes no event files)")
     else:
@@ -248,6 +266,18 @@ def _run_text(s: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _snapshot_lines(sn: dict[str, Any]) -> list[str]:
+    taken = sn["taken_per_worker"]
+    lines = [f"snapshots: {max(taken) if taken else 0} taken per worker"
+             + (f", {len(sn['restores'])} whole-job restore(s)" if sn["restores"] else "")]
+    for r in sn["restores"]:
+        lost = f", nodes {r['lost_nodes']} lost" if r["lost_nodes"] else ""
+        rebuilt = f", stripes {r['parity_stripes']} rebuilt from parity" if r["parity_stripes"] else ""
+        lines.append(f"  restored at step {r['step']} (view {r['gen']}) from {r['source']}{lost}{rebuilt}")
+    lines += [f"  fallback: {p}" for p in sn["fallbacks"]] + [f"  snapshot failed: {e}" for e in sn["failed"]]
+    return lines
+
+
 HEADLINE: tuple[tuple[str, Any], ...] = (
     ("steps committed", lambda s: f"{s['committed_steps']}/{s['steps']}"),
     ("policy / recovery", lambda s: f"{s['policy']} / {s['recovery']}"),
@@ -257,6 +287,7 @@ HEADLINE: tuple[tuple[str, Any], ...] = (
     ("stall median", lambda s: _fmt(s["stall_per_failure_s"]["median"])),
     ("stall max", lambda s: _fmt(s["stall_per_failure_s"]["max"])),
     ("rejoins", lambda s: len(s["rejoins"])),
+    ("job restores", lambda s: len(s["snapshots"]["restores"])),
     ("lost steps", lambda s: _dash(s["lost_steps"])),
     ("degraded steps", lambda s: _dash(s["degraded_steps"])),
     ("approx rows", lambda s: _dash(s["approx_rows"])),

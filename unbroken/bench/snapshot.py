@@ -161,7 +161,7 @@ def _in_process(a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
 
 
 def _kill_all(a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
-    at = a.steps // 2
+    at = a.steps // 2 + a.checkpoint_every // 2 + 1  # off the checkpoint grid: checkpoint-restart redoes steps
     kills = ",".join(f"step={at}:worker={w}:kill:phase=backward" for w in range(a.nodes * a.workers_per_node))
     snap = _recovery_run(a, tmp / "kill-all-snapshots", _cfg(a), kills, at)
     ckpt = _recovery_run(a, tmp / "kill-one-checkpoint-restart",

@@ -280,7 +280,8 @@ def run(spec: WorkerSpec, *, store: JobStore | None = None, prepared: Prepared |
     finally:
         membership.stop()
     report = {"worker": spec.worker, "steps": cfg.train.steps, "param_digest": trainer.param_digest(),
-              "last": last, "gen": trainer.protocol.view.gen}
+              "last": last, "gen": trainer.protocol.view.gen,
+              "snapshots": trainer.snapshots.summary() if trainer.snapshots is not None else {}}
     out = spec.run_dir / "workers" / f"w{spec.worker}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".tmp")

@@ -61,6 +61,9 @@ class Snapshotter:
         self._plan_gen = -1
         self.last: dict[str, Any] | None = None
         """What the last completed snapshot wrote (step, bytes, seconds)."""
+        self.taken = 0
+        self._stream: Any = None  # CUDA: the side stream of device-to-host copies
+        self._pinned: dict[str, torch.Tensor] = {}
 
     def take(self, done: int, view: View) -> None:
         """Start the snapshot of the state after ``done`` steps (a no-op off the ``every`` grid)."""
@@ -77,7 +80,12 @@ class Snapshotter:
                           nodes=list(plan.nodes), protected=plan.protected, scheme=plan.scheme)
         mine = plan.assignment(view.members, self.node_of).get(self.worker, [])
         buffer = self.buffers[(done // self.every) % 2]
-        self._pending = self._pool.submit(self._write, buffer, tensors, layout.entries, plan, mine, done, view.gen)
+        ready = None
+        if any(t.is_cuda for t in tensors.values()):  # the optimizer step was queued on the compute stream
+            ready = torch.cuda.Event()
+            ready.record()
+        self._pending = self._pool.submit(self._write_from_device, buffer, tensors, ready, layout.entries, plan,
+                                          mine, done, view.gen)
 
     def wait(self) -> None:
         """Block until the snapshot in flight is sealed (or failed: then it is reported, training goes on)."""
@@ -86,15 +94,42 @@ class Snapshotter:
             return
         try:
             self.last = pending.result()
+            self.taken += 1
         except Exception as exc:  # a full /dev/shm, a coding failure: the job trains on, less protected
             logger.error("snapshot failed: %s", exc)
             self.on_event("snapshot_failed", error=f"{type(exc).__name__}: {exc}")
+
+    def summary(self) -> dict[str, Any]:
+        """Snapshots sealed by this worker, and the last one's step, bytes and seconds."""
+        return {"taken": self.taken, **(self.last or {})}
 
     def close(self) -> None:
         self.wait()
         self._pool.shutdown(wait=True)
         for b in self.buffers:
             b.close()
+
+    def _write_from_device(self, buffer: Buffer, tensors: dict[str, torch.Tensor], ready: Any,
+                           *args: Any) -> dict[str, Any]:
+        """On CUDA: copy the state to pinned host buffers on a side stream first (compute goes on), then write."""
+        if ready is not None:
+            if self._stream is None:
+                self._stream = torch.cuda.Stream()
+            with torch.cuda.stream(self._stream):
+                self._stream.wait_event(ready)
+                host = {}
+                for name, t in tensors.items():
+                    if not t.is_cuda:
+                        host[name] = t
+                        continue
+                    pinned = self._pinned.get(name)
+                    if pinned is None or pinned.shape != t.shape or pinned.dtype != t.dtype:
+                        pinned = self._pinned[name] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                    pinned.copy_(t, non_blocking=True)
+                    host[name] = pinned
+            self._stream.synchronize()
+            tensors = host
+        return self._write(buffer, tensors, *args)
 
     def _write(self, buffer: Buffer, tensors: dict[str, torch.Tensor], layout: list[list], plan: SnapshotPlan,
                mine: list[tuple[int, int]], done: int, gen: int) -> dict[str, Any]:
