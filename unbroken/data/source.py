@@ -56,6 +56,7 @@ class MapDatasetSource:
         if n < 1:
             raise ValueError("the dataset returned by data.factory is empty; give at least one row")
         self.dataset, self.seed, self.n_slots, self.micro_batch, self.n_rows = dataset, seed, n_slots, micro_batch, n
+        self.vocab_size: int | None = getattr(dataset, "vocab_size", None)
         first = _row(dataset, 0)
         self.seq_len = int(first.numel()) - 1
         self._perms: OrderedDict[int, np.ndarray] = OrderedDict()
@@ -93,7 +94,7 @@ class MapDatasetSource:
 
 
 def _row(dataset: Any, i: int, length: int | None = None) -> torch.Tensor:
-    row = torch.as_tensor(np.asarray(dataset[i])).to(torch.int64).reshape(-1)
+    row = torch.from_numpy(np.asarray(dataset[i]).astype(np.int64)).reshape(-1)  # astype copies
     if row.numel() < 2 or (length is not None and row.numel() != length):
         want = f"{length}" if length is not None else "at least 2"
         raise ValueError(f"row {i} of the dataset has {row.numel()} token ids; every row needs {want} "

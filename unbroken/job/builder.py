@@ -119,6 +119,34 @@ def build_samplers(cfg: Config, data: TrainData) -> tuple[Any, Any]:
     return train, val
 
 
+def check_model_parts(cfg: Config, data: TrainData) -> None:
+    """What can be checked of the model before any worker starts (preflight).
+
+    A ``hf_path`` directory is checked without loading its weights; a user's
+    model is built once on the CPU, so that a factory that fails, or a model
+    without LLaMA blocks under a policy that approximates, is reported before
+    anything is written.
+
+    Raises:
+        ValueError: naming the field, the value and the fix.
+    """
+    m = cfg.model
+    if m.family == "hf-llama":
+        from unbroken.models.hf_llama import check_hf_dir, require_transformers  # optional dependency
+
+        require_transformers()
+        if m.hf_path is None:
+            return
+        if data.vocab_size is None:
+            raise ValueError("model.family='hf-llama' needs the data's vocabulary; give the data source a "
+                             "vocab_size attribute")
+        check_hf_dir(m.hf_path, vocab_size=data.vocab_size, seq_len=cfg.data.seq_len)
+    elif m.family == "custom":
+        model = _build_model(cfg, data, torch.device("cpu"))
+        adapter_for(model, rank=cfg.mecefo.rank, tau=cfg.mecefo.tau,
+                    approximates=takeover_policy(cfg.mecefo.policy).approximates, policy=cfg.mecefo.policy)
+
+
 class _Validation:
     """A user's ``validation_batch(index)`` as a one-slot sampler."""
 

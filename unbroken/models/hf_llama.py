@@ -30,7 +30,8 @@ import torch
 
 from unbroken.models.llama import INIT_STD, ModelArgs
 
-__all__ = ["HF_EXTRA", "build_hf_llama", "hf_config", "hf_state_dict_from_ours", "load_hf_llama", "logits_of"]
+__all__ = ["HF_EXTRA", "build_hf_llama", "check_hf_dir", "hf_config", "hf_state_dict_from_ours", "load_hf_llama",
+           "logits_of", "require_transformers"]
 
 logger = logging.getLogger(__name__)
 
@@ -38,17 +39,22 @@ HF_EXTRA = "pip install 'unbroken[hf]'"
 """How to install the optional dependency (named in the error when it is missing)."""
 
 
-def _transformers() -> Any:
+def require_transformers() -> Any:
+    """The ``transformers`` module.
+
+    Raises:
+        ValueError: it is not installed (a config asking for ``hf-llama`` cannot run here; names the extra).
+    """
     try:
         import transformers
     except ImportError as exc:
-        raise ImportError(f"model.family='hf-llama' needs transformers: {HF_EXTRA}") from exc
+        raise ValueError(f"model.family='hf-llama' needs transformers, which is not installed: {HF_EXTRA}") from exc
     return transformers
 
 
 def hf_config(args: ModelArgs) -> Any:
     """A ``transformers.LlamaConfig`` with the shapes of ``args`` (untied output, no biases, no KV cache)."""
-    t = _transformers()
+    t = require_transformers()
     return t.LlamaConfig(
         vocab_size=args.vocab_size, hidden_size=args.dim, intermediate_size=args.ffn_dim,
         num_hidden_layers=args.n_layers, num_attention_heads=args.n_heads, num_key_value_heads=args.kv_heads,
@@ -65,7 +71,7 @@ def build_hf_llama(args: ModelArgs, *, seed: int = 0, device: torch.device | str
     the residual stream (``o_proj``, ``down_proj``) ~ N(0, 0.02 / sqrt(2 L)),
     norms = 1; drawn in parameter order from a generator seeded with ``seed``.
     """
-    t = _transformers()
+    t = require_transformers()
     with torch.random.fork_rng(devices=[]):  # transformers' own init draws from the global RNG
         model = t.LlamaForCausalLM(hf_config(args))
     _init_weights(model, seed=seed, n_layers=args.n_layers)
@@ -85,21 +91,15 @@ def _init_weights(model: torch.nn.Module, *, seed: int, n_layers: int) -> None:
         p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * std)
 
 
-def load_hf_llama(path: str | Path, *, vocab_size: int, seq_len: int, device: torch.device | str = "cpu",
-                  field: str = "model.hf_path") -> torch.nn.Module:
-    """Load a ``LlamaForCausalLM`` written by ``save_pretrained`` from a local directory, in float32.
-
-    Args:
-        vocab_size: the tokenizer's vocabulary; the model's must be the same.
-        seq_len: tokens per row; at most the model's ``max_position_embeddings``.
-        field: the config field named in errors.
+def check_hf_dir(path: str | Path, *, vocab_size: int, seq_len: int, field: str = "model.hf_path") -> Any:
+    """Check a ``save_pretrained`` directory without loading its weights; returns its ``LlamaConfig``.
 
     Raises:
         ValueError: the directory is missing, holds no ``config.json`` or no
             ``*.safetensors`` weights, is not a Llama model, or its vocabulary
             or context does not fit the data (each message names the value and the fix).
     """
-    t = _transformers()
+    t = require_transformers()
     root = Path(path).expanduser()
     if not root.is_dir():
         raise ValueError(f"{field}={str(path)!r} is not a directory; give a local directory written by "
@@ -120,10 +120,27 @@ def load_hf_llama(path: str | Path, *, vocab_size: int, seq_len: int, device: to
     if seq_len > config.max_position_embeddings:
         raise ValueError(f"data.seq_len={seq_len} is longer than {field}={str(path)!r} allows "
                          f"(max_position_embeddings={config.max_position_embeddings}); lower data.seq_len")
+    return config
+
+
+def load_hf_llama(path: str | Path, *, vocab_size: int, seq_len: int, device: torch.device | str = "cpu",
+                  field: str = "model.hf_path") -> torch.nn.Module:
+    """Load a ``LlamaForCausalLM`` written by ``save_pretrained`` from a local directory, in float32.
+
+    Args:
+        vocab_size: the tokenizer's vocabulary; the model's must be the same.
+        seq_len: tokens per row; at most the model's ``max_position_embeddings``.
+        field: the config field named in errors.
+
+    Raises:
+        ValueError: see :func:`check_hf_dir`.
+    """
+    t = require_transformers()
+    config = check_hf_dir(path, vocab_size=vocab_size, seq_len=seq_len, field=field)
     config.use_cache = False
-    model = t.LlamaForCausalLM.from_pretrained(str(root), config=config, local_files_only=True,
+    model = t.LlamaForCausalLM.from_pretrained(str(Path(path).expanduser()), config=config, local_files_only=True,
                                                use_safetensors=True, dtype=torch.float32)
-    logger.info("loaded LlamaForCausalLM from %s", root)
+    logger.info("loaded LlamaForCausalLM from %s", path)
     return model.to(device).train()
 
 
