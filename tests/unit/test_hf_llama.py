@@ -152,3 +152,17 @@ def test_a_model_without_llama_blocks_trains_exact_only() -> None:
     with pytest.raises(ValueError, match="mode 'approx' needs a MeCeFO adapter"):
         compute_gradient_sums(model, adapter, layout, [SlotWork(slot=0, rows=(0, MB), mode="approx")], step=0,
                               micro_batch=MB, batch_fn=_batch)
+
+
+def test_the_cli_refuses_a_model_of_another_vocabulary_before_writing(
+        saved: tuple[torch.nn.Module, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        corpus_overrides: list[str]) -> None:
+    from unbroken.cli import main
+
+    out = tmp_path / "run"
+    argv = ["train", "--preset", "debug", "--workers", "2", "--out", str(out), "--model.family=hf-llama",
+            f"--model.hf_path={saved[1]}", *[f"--{o}" for o in corpus_overrides]]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "has vocab_size=512 but the tokenizer of the data has 4096" in err and "Traceback" not in err
+    assert not out.exists()
