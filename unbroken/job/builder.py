@@ -26,10 +26,9 @@ approximates refuses at build time.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
-
-from typing import Any
 
 from unbroken.config import Config, OptimConfig
 from unbroken.data import BatchSampler, PreparedData, prepare_data
