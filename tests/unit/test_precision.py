@@ -98,6 +98,7 @@ def test_bf16_training_follows_fp32_with_float32_master_state() -> None:
     assert (diff / update) ** 0.5 < 0.1
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_a_checkpoint_gives_each_tensor_back_in_its_dtype(tmp_path: Path) -> None:
     """A model mixing float32 and bfloat16 parameters (a user's may) round-trips bit for bit."""
     model = build_model("debug", vocab_size=VOCAB, seq_len=SEQ, seed=1)
