@@ -67,9 +67,10 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
     isolation=""
     .venv/bin/python -c "import setuptools, sys; sys.exit(int(setuptools.__version__.split('.')[0]) < 68)" 2>/dev/null \
         && isolation="--no-build-isolation"
-    .venv/bin/python -m pip install -q $isolation -e ".[test]" 2>&1 | grep -v "^WARNING: Location" || true
+    # [hf] too: the tests (and CI) exercise model.family = hf-llama.
+    .venv/bin/python -m pip install -q $isolation -e ".[test,hf]" 2>&1 | grep -v "^WARNING: Location" || true
     # Checked from outside the checkout, so that the source tree on sys.path cannot pass for an install.
-    (venv_python="$PWD/.venv/bin/python"; cd / && "$venv_python" -c "import unbroken, torch, tokenizers, safetensors, rich, pytest_timeout") \
+    (venv_python="$PWD/.venv/bin/python"; cd / && "$venv_python" -c "import unbroken, torch, tokenizers, safetensors, rich, pytest_timeout, transformers") \
         && [ -x .venv/bin/unbroken ] \
         || { echo "setup: installation incomplete (see pip's messages above)" >&2; exit 1; }
     touch "$stamp"

@@ -14,12 +14,13 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 def test_throughput_benchmark(tmp_path, corpus_overrides):
     out = tmp_path / "tp.json"
-    result = throughput.main(["--workers", "1,2", "--steps", "4", "--out", str(out),
+    result = throughput.main(["--workers", "2", "--precision", "fp32,bf16", "--steps", "4", "--out", str(out),
                               *[f"--{o}" for o in corpus_overrides]])
     assert json.loads(out.read_text())["rows"] == result["rows"]
-    assert [r["workers"] for r in result["rows"]] == [1, 2]
-    assert all(r["tokens_per_s"] > 0 for r in result["rows"])
-    assert result["rows"][0]["scaling_vs_first"] == 1.0
+    assert [(r["workers"], r["precision"]) for r in result["rows"]] == [(2, "fp32"), (2, "bf16")]
+    assert all(r["tokens_per_s"] > 0 and r["scaling_vs_first"] == 1.0 for r in result["rows"])
+    fp32, bf16 = result["rows"]
+    assert bf16["bf16_vs_fp32"] == pytest.approx(bf16["tokens_per_s"] / fp32["tokens_per_s"])
 
 
 def test_failover_benchmark_overhead_part(tmp_path, corpus_overrides):

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from unbroken.config import Config, config_diff, config_hash
-from unbroken.job.builder import build_data, build_samplers, check_model_fits, data_info
+from unbroken.job.builder import build_data, build_samplers, check_model_fits, check_model_parts, data_info
 from unbroken.job.run_dir import prepare_out_dir
 from unbroken.runtime.checkpoint import CheckpointError, latest_checkpoint, read_commit
 from unbroken.jsonl import read_jsonl
@@ -39,6 +39,7 @@ def preflight(cfg: Config) -> dict[str, Any]:
     data = build_data(cfg)
     # Constructing the samplers validates that both splits hold enough windows.
     build_samplers(cfg, data)
+    check_model_parts(cfg, data)
     return data_info(data)
 
 

@@ -18,6 +18,16 @@ class ModelConfig:
     """Name of a model shape in ``unbroken.models.MODEL_PRESETS``."""
     max_seq_len: int | None = None
     """Override the preset's longest sequence (rotary table size)."""
+    family: Literal["llama", "hf-llama", "custom"] = "llama"
+    """``llama``: our model; ``hf-llama``: Hugging Face's ``LlamaForCausalLM`` (``pip install
+    unbroken[hf]``), of the preset's shape or loaded from ``model.hf_path``; ``custom``: the model
+    returned by ``model.factory`` (the Python API, ``unbroken.train``, sets it)."""
+    hf_path: str | None = None
+    """``hf-llama`` only: a local directory written by ``save_pretrained`` (safetensors weights;
+    nothing is ever downloaded). None: a fresh model of the preset's shape."""
+    factory: str = ""
+    """``custom`` only: ``module:function`` or ``/path/file.py:function`` returning the model
+    (called in every worker with a :class:`unbroken.BuildContext`)."""
 
 
 @dataclass(kw_only=True)
@@ -41,6 +51,9 @@ class DataConfig:
     """Tokenizer/token cache; default ``$UNBROKEN_CACHE_DIR`` or ``~/.cache/unbroken``."""
     token_dtype: Literal["uint16", "uint32"] | None = None
     """Element type of a raw ``.bin`` token file when it has no JSON sidecar."""
+    factory: str = ""
+    """``module:function`` or ``/path/file.py:function`` returning the training data (a source with
+    ``batch(step, slot, rows)`` or a map-style dataset of token rows); empty: ``data.source``."""
 
 
 @dataclass(kw_only=True)
@@ -63,6 +76,9 @@ class OptimConfig:
     """AdamW epsilon."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value (0 disables)."""
+    factory: str = ""
+    """``module:function`` or ``/path/file.py:function`` called with ``(model, context)`` returning the
+    optimizer; empty: AdamW from this section. The schedule above sets its learning rate every step."""
 
 
 @dataclass(kw_only=True)
@@ -89,6 +105,9 @@ class TrainConfig:
     incomplete directories older than the newest committed one."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where workers compute; ``auto`` picks CUDA when available."""
+    precision: Literal["fp32", "bf16"] = "fp32"
+    """``bf16``: forward and backward under bfloat16 autocast (CPU or CUDA) with float32 master
+    weights, optimizer moments, loss and gradient reduction; ``fp32``: float32 throughout."""
     host: str = "127.0.0.1"
     """Address the coordination store listens on."""
     port: int = 0

@@ -59,6 +59,13 @@ def validate(cfg: Config) -> list[str]:
     sn = cfg.snapshot
     need(sn.every >= 0, f"snapshot.every={sn.every}: must be >= 0 (0 disables)")
     need(sn.parity >= 1, f"snapshot.parity={sn.parity}: must be >= 1 (nodes whose loss a snapshot survives)")
+    mo = cfg.model
+    need(mo.family == "custom" or not mo.factory,
+         f"model.factory={mo.factory!r} is set but model.family={mo.family!r}; set model.family='custom'")
+    need(mo.family != "custom" or bool(mo.factory),
+         "model.family='custom' needs model.factory ('module:function' returning the model)")
+    need(mo.family == "hf-llama" or mo.hf_path is None,
+         f"model.hf_path={mo.hf_path!r} is set but model.family={mo.family!r}; set model.family='hf-llama'")
     from unbroken.models import MODEL_PRESETS  # local: keeps `import unbroken.config` light
 
     need(

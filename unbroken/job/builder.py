@@ -14,20 +14,34 @@ Invariants:
 - the order is fixed: data, samplers, model, adapter, gradient layout,
   optimizer; a :class:`Prepared` (what a warm standby builds before it knows
   which worker it will be) stands in for the data and the model.
+
+Each part is ours or the user's: ``data.factory`` replaces the corpus and its
+samplers, ``model.family`` picks our LLaMA, Hugging Face's
+``LlamaForCausalLM`` (``hf-llama``) or ``model.factory`` (``custom``), and
+``optim.factory`` replaces AdamW (:mod:`unbroken.job.user_parts`). A model
+without LLaMA blocks gets an exact-only adapter, which a policy that
+approximates refuses at build time.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from unbroken.config import Config, OptimConfig
 from unbroken.data import BatchSampler, PreparedData, prepare_data
-from unbroken.mecefo.adapter import LlamaAdapter
+from unbroken.job.user_parts import BuildContext, CheckedSource, user_data, user_model, user_optimizer
+from unbroken.mecefo.adapter import ExactOnlyAdapter, LlamaAdapter, adapter_for
 from unbroken.mecefo.gradients import GradLayout, SlotWork, apply_step, compute_gradient_sums
+from unbroken.mecefo.takeover import takeover_policy
 from unbroken.models import build_model, model_args, validation_loss
 from unbroken.models.optim import build_optimizer, lr_at
+from unbroken.models.precision import check_precision
+
+TrainData = PreparedData | CheckedSource
+"""Our prepared corpus, or the user's source (``data.factory``)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,6 +75,8 @@ def check_model_fits(cfg: Config) -> None:
     Raises:
         ValueError: ``data.seq_len`` is longer than the model allows (names both values and the fix).
     """
+    if cfg.model.family == "custom":
+        return  # the user's model: its own business
     overrides = {"max_seq_len": cfg.model.max_seq_len} if cfg.model.max_seq_len else {}
     margs = model_args(cfg.model.preset, **overrides)
     if cfg.data.seq_len > margs.max_seq_len:
@@ -70,20 +86,28 @@ def check_model_fits(cfg: Config) -> None:
         )
 
 
-def build_data(cfg: Config) -> PreparedData:
-    """Tokenizer and token streams of the ``data`` section (prepared once, then loaded from the cache)."""
+def build_data(cfg: Config, device: torch.device | None = None) -> TrainData:
+    """Tokenizer and token streams of the ``data`` section (prepared once, then loaded from the cache),
+    or the source ``data.factory`` returns."""
+    if cfg.data.factory:
+        return user_data(cfg, device or torch.device("cpu"))
     d = cfg.data
     return prepare_data(source=d.source, vocab_size=d.vocab_size, val_fraction=d.val_fraction,
                         cache_dir=d.cache_dir, token_dtype=d.token_dtype, max_bytes=d.max_bytes)
 
 
-def build_samplers(cfg: Config, data: PreparedData) -> tuple[BatchSampler, BatchSampler]:
-    """The training sampler (``train.workers`` slots) and the validation sampler (one slot).
+def build_samplers(cfg: Config, data: TrainData) -> tuple[Any, Any]:
+    """The training sampler (``train.workers`` slots) and the validation sampler (one slot; None: no validation).
+
+    A user's source is its own training sampler; its validation sampler is its
+    ``validation_batch`` when it has one.
 
     Raises:
         ValueError: a split holds fewer windows than one global batch (training)
             or one micro-batch (validation: raise ``data.val_fraction``).
     """
+    if isinstance(data, CheckedSource):
+        return data, (_Validation(data) if data.has_validation else None)
     d, seed = cfg.data, cfg.train.seed
     train = BatchSampler(data.train, seed=seed, n_slots=cfg.train.workers, micro_batch=d.micro_batch,
                          seq_len=d.seq_len)
@@ -94,8 +118,49 @@ def build_samplers(cfg: Config, data: PreparedData) -> tuple[BatchSampler, Batch
     return train, val
 
 
-def data_info(data: PreparedData) -> dict[str, int]:
-    """``vocab_size``, ``train_tokens`` and ``val_tokens`` of prepared data (as preflight and summaries report)."""
+def check_model_parts(cfg: Config, data: TrainData) -> None:
+    """What can be checked of the model before any worker starts (preflight).
+
+    A ``hf_path`` directory is checked without loading its weights; a user's
+    model is built once on the CPU, so that a factory that fails, or a model
+    without LLaMA blocks under a policy that approximates, is reported before
+    anything is written.
+
+    Raises:
+        ValueError: naming the field, the value and the fix.
+    """
+    m = cfg.model
+    if m.family == "hf-llama":
+        from unbroken.models.hf_llama import check_hf_dir, require_transformers  # optional dependency
+
+        require_transformers()
+        if m.hf_path is None:
+            return
+        if data.vocab_size is None:
+            raise ValueError("model.family='hf-llama' needs the data's vocabulary; give the data source a "
+                             "vocab_size attribute")
+        check_hf_dir(m.hf_path, vocab_size=data.vocab_size, seq_len=cfg.data.seq_len)
+    elif m.family == "custom":
+        model = _build_model(cfg, data, torch.device("cpu"))
+        adapter_for(model, rank=cfg.mecefo.rank, tau=cfg.mecefo.tau,
+                    approximates=takeover_policy(cfg.mecefo.policy).approximates, policy=cfg.mecefo.policy)
+
+
+class _Validation:
+    """A user's ``validation_batch(index)`` as a one-slot sampler."""
+
+    def __init__(self, source: CheckedSource) -> None:
+        self.source = source
+
+    def batch(self, index: int, slot: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.source.validation_batch(index)
+
+
+def data_info(data: TrainData) -> dict[str, int]:
+    """``vocab_size``, ``train_tokens`` and ``val_tokens`` of prepared data (as preflight and summaries report);
+    a user's source reports its ``vocab_size`` only (when it states one)."""
+    if isinstance(data, CheckedSource):
+        return {"vocab_size": data.vocab_size} if data.vocab_size else {}
     return {"vocab_size": data.vocab_size, "train_tokens": int(len(data.train)), "val_tokens": int(len(data.val))}
 
 
@@ -103,19 +168,35 @@ def data_info(data: PreparedData) -> dict[str, int]:
 class Prepared:
     """What a warm standby builds before it knows which worker it will be."""
 
-    data: PreparedData
+    data: TrainData
     model: torch.nn.Module
 
 
 def prepare(cfg: Config, device: torch.device) -> Prepared:
     """Load the data and build the model: the slow part of a worker's start besides imports."""
-    data = build_data(cfg)
+    data = build_data(cfg, device)
     return Prepared(data=data, model=_build_model(cfg, data, device))
 
 
-def _build_model(cfg: Config, data: PreparedData, device: torch.device) -> torch.nn.Module:
-    return build_model(cfg.model.preset, vocab_size=data.vocab_size, seq_len=cfg.data.seq_len,
-                       max_seq_len=cfg.model.max_seq_len, seed=cfg.train.seed, device=device)
+def _build_model(cfg: Config, data: TrainData, device: torch.device) -> torch.nn.Module:
+    """The model of ``model.family`` (see the module docstring)."""
+    m, vocab = cfg.model, data.vocab_size
+    if m.family == "custom":
+        return user_model(cfg, BuildContext(cfg=cfg, device=device, seed=cfg.train.seed, vocab_size=vocab))
+    if vocab is None:
+        raise ValueError(f"model.family={m.family!r} needs the data's vocabulary; give the data source a "
+                         "vocab_size attribute")
+    if m.family == "hf-llama":
+        from unbroken.models.hf_llama import build_hf_llama, load_hf_llama  # optional dependency
+
+        if m.hf_path is not None:
+            return load_hf_llama(m.hf_path, vocab_size=vocab, seq_len=cfg.data.seq_len, device=device)
+        overrides: dict[str, object] = {"vocab_size": vocab}
+        if m.max_seq_len is not None:
+            overrides["max_seq_len"] = m.max_seq_len
+        return build_hf_llama(model_args(m.preset, **overrides), seed=cfg.train.seed, device=device)
+    return build_model(m.preset, vocab_size=vocab, seq_len=cfg.data.seq_len,
+                       max_seq_len=m.max_seq_len, seed=cfg.train.seed, device=device)
 
 
 @dataclass(kw_only=True)
@@ -124,13 +205,14 @@ class Job:
 
     cfg: Config
     device: torch.device
-    data: PreparedData
-    sampler: BatchSampler
-    val_sampler: BatchSampler
+    data: TrainData
+    sampler: BatchSampler | CheckedSource
+    val_sampler: Any
+    """A one-slot sampler of validation batches; None: the data has no validation split."""
     model: torch.nn.Module
-    adapter: LlamaAdapter
+    adapter: LlamaAdapter | ExactOnlyAdapter
     layout: GradLayout
-    optimizer: torch.optim.AdamW
+    optimizer: torch.optim.Optimizer
     schedule: Schedule
 
     @property
@@ -149,7 +231,8 @@ class Job:
     def gradient_sums(self, step: int, items: list[SlotWork]) -> torch.Tensor:
         """One worker's gradient sums of ``items`` of ``step`` (:func:`~unbroken.mecefo.gradients.compute_gradient_sums`)."""
         return compute_gradient_sums(self.model, self.adapter, self.layout, items, step=step,
-                                     micro_batch=self.micro_batch, batch_fn=self.sampler.batch, device=self.device)
+                                     micro_batch=self.micro_batch, batch_fn=self.sampler.batch, device=self.device,
+                                     precision=self.cfg.train.precision)
 
     def apply(self, step: int, reduced: torch.Tensor) -> tuple[float, float]:
         """Apply the reduced buffer of ``step`` (schedule's lr, clipping, AdamW); returns (lr, grad norm)."""
@@ -161,24 +244,36 @@ class Job:
         return self.layout.loss_sum(reduced) / self.layout.token_count(reduced)
 
     def validation_loss(self) -> float:
-        """Token-mean loss of the first ``train.val_batches`` validation micro-batches."""
-        return validation_loss(self.model, self.val_sampler.batch, self.cfg.train.val_batches, self.device)
+        """Token-mean loss of the first ``train.val_batches`` validation micro-batches (nan without validation data)."""
+        if self.val_sampler is None:
+            return float("nan")
+        return validation_loss(self.model, self.val_sampler.batch, self.cfg.train.val_batches, self.device,
+                               self.cfg.train.precision)
 
 
 def build_job(cfg: Config, device: torch.device, prepared: Prepared | None = None) -> Job:
     """Build the job of ``cfg`` on ``device``, reusing ``prepared`` (its data and model object) when given.
 
     Raises:
-        ValueError: data too small for the samplers, or a model that does not
-            fit ``data.seq_len`` (the fix named).
+        ValueError: data too small for the samplers, a model that does not
+            fit ``data.seq_len``, bf16 on a GPU without it, or a model without
+            LLaMA blocks under a policy that approximates (the fix named).
     """
-    data = prepared.data if prepared is not None else build_data(cfg)
+    check_precision(cfg.train.precision, device)
+    data = prepared.data if prepared is not None else build_data(cfg, device)
     # Samplers before the model: a too-small split fails before the slow part.
     sampler, val_sampler = build_samplers(cfg, data)
     model = prepared.model if prepared is not None else _build_model(cfg, data, device)
-    adapter = LlamaAdapter(model, rank=cfg.mecefo.rank, tau=cfg.mecefo.tau)
+    m = cfg.mecefo
+    adapter = adapter_for(model, rank=m.rank, tau=m.tau, approximates=takeover_policy(m.policy).approximates,
+                          policy=m.policy)
     layout = GradLayout(model, adapter)
     o = cfg.optim
-    optimizer = build_optimizer(model, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
+    if o.factory:
+        optimizer = user_optimizer(cfg, model, BuildContext(cfg=cfg, device=device, seed=cfg.train.seed,
+                                                             vocab_size=data.vocab_size))
+    else:
+        optimizer = build_optimizer(model, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+                                    weight_decay=o.weight_decay)
     return Job(cfg=cfg, device=device, data=data, sampler=sampler, val_sampler=val_sampler, model=model,
                adapter=adapter, layout=layout, optimizer=optimizer, schedule=schedule_for(cfg))

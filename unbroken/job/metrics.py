@@ -90,12 +90,13 @@ class MetricsWriter:
             self.on_record(line)
         return line
 
-    def step_done(self, record: Record, val_loss: Callable[[], float]) -> Record | None:
+    def step_done(self, record: Record, val_loss: Callable[[], float] | None) -> Record | None:
         """After a step: its ``train`` line when due, then validation when due.
 
         Args:
             record: the step's :func:`train_record` (its ``step`` is the steps done).
-            val_loss: computes the validation loss; called only when validation is due.
+            val_loss: computes the validation loss; called only when validation is due
+                (None: the data has no validation split, no ``val`` line).
 
         Returns:
             The ``val`` line written, or None when validation was not due.
@@ -103,7 +104,7 @@ class MetricsWriter:
         done = int(record["step"])
         if self.log_due(done):
             self.write(record)
-        if not self.val_due(done):
+        if val_loss is None or not self.val_due(done):
             return None
         return self.write(val_record(done, val_loss()))
 

@@ -4,7 +4,13 @@ The MeCeFO approximations reach a model only through this adapter, so model code
 stays free of fault-tolerance concerns. Switching a micro-batch between exact
 and approximate mode is a context manager; it never rebuilds or copies the model.
 
-Mechanism: at construction the adapter gives every ``TransformerBlock`` an
+Two block kinds are known (:class:`BlockKind`): our ``TransformerBlock``
+(``attention``, ``feed_forward`` with ``w1 w2 w3``) and Hugging Face's
+``LlamaDecoderLayer`` (``self_attn``, ``mlp`` with ``gate_proj down_proj
+up_proj``); both run the same approximations. A model with neither trains
+exactly through :class:`ExactOnlyAdapter`, which refuses approximate mode.
+
+Mechanism: at construction the adapter gives every transformer block an
 instance attribute ``forward`` (a :class:`_BlockForward`) that reads a switch
 shared by the model's blocks. Outside ``mode("approx", ...)`` it calls the
 block's original forward, so exact mode is bit-identical to the plain model;
@@ -28,20 +34,74 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 import torch.nn.functional as F
 
 from unbroken.mecefo.approx import recomputed_residual, skip_connected
 from unbroken.mecefo.lowrank import LowRankBasis, lowrank_linear
-from unbroken.models.llama import Rope, TransformerBlock
+from unbroken.models.llama import TransformerBlock
 
-__all__ = ["GROUP_NAMES", "BlockParts", "LlamaAdapter", "ModelAdapter", "component_of"]
+__all__ = ["GROUP_NAMES", "BlockKind", "BlockParts", "ExactOnlyAdapter", "LlamaAdapter", "ModelAdapter",
+           "NoAdapter", "adapter_for", "component_of", "has_blocks"]
 
 GROUP_NAMES = ("rest", "attention")
 MODES = ("exact", "approx")
 FFN_LINEARS = ("w1", "w2", "w3")
+
+
+class NoAdapter(ValueError):
+    """Approximate mode was asked of a model whose blocks no adapter knows."""
+
+
+@dataclass(frozen=True)
+class BlockKind:
+    """Where one kind of pre-norm transformer block keeps its parts (attribute names on the block).
+
+    Attributes:
+        name: the kind's name in messages.
+        attention, attention_norm, ffn_norm, feed_forward: the sub-layers.
+        ffn_linears: the SwiGLU linears in the roles ``(gate, down, up)``,
+            i.e. ``out = down(act(gate z) * up z)``.
+        run_attention: ``(attention, z, args, kwargs) -> y``: the attention
+            sub-layer on its normed input ``z``, given the block's own call
+            arguments after the hidden state.
+    """
+
+    name: str
+    attention: str
+    attention_norm: str
+    ffn_norm: str
+    feed_forward: str
+    ffn_linears: tuple[str, str, str]
+    run_attention: Callable[[torch.nn.Module, torch.Tensor, tuple[Any, ...], dict[str, Any]], torch.Tensor]
+
+    def activation(self, feed_forward: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The FFN's gate activation (SiLU for ours; the module's own ``act_fn`` for Hugging Face's)."""
+        return getattr(feed_forward, "act_fn", F.silu)
+
+
+LLAMA_BLOCK = BlockKind(
+    name="llama", attention="attention", attention_norm="attention_norm", ffn_norm="ffn_norm",
+    feed_forward="feed_forward", ffn_linears=FFN_LINEARS,
+    run_attention=lambda attn, z, args, kwargs: attn(z, *args, **kwargs))
+HF_LLAMA_BLOCK = BlockKind(
+    name="hf-llama", attention="self_attn", attention_norm="input_layernorm", ffn_norm="post_attention_layernorm",
+    feed_forward="mlp", ffn_linears=("gate_proj", "down_proj", "up_proj"),
+    # LlamaAttention returns (output, attention weights).
+    run_attention=lambda attn, z, args, kwargs: attn(z, *args, **kwargs)[0])
+_ATTENTION_NAMES = frozenset({"attention", "attention_norm", "self_attn", "input_layernorm"})
+_FFN_NAMES = frozenset({"feed_forward", "mlp"})
+
+
+def _kind_of(module: torch.nn.Module) -> BlockKind | None:
+    if isinstance(module, TransformerBlock):
+        return LLAMA_BLOCK
+    # By name: transformers stays an optional dependency, never imported here.
+    if type(module).__name__ == "LlamaDecoderLayer" and hasattr(module, "self_attn") and hasattr(module, "mlp"):
+        return HF_LLAMA_BLOCK
+    return None
 
 
 class ModelAdapter(Protocol):
@@ -64,6 +124,7 @@ class BlockParts:
     """Qualified module names of one transformer block's parts (``model.get_submodule`` keys).
 
     Attributes:
+        kind: the block's kind (its attribute names).
         index: position of the block in the model.
         block: the block itself, e.g. ``layers.3``.
         attention: attention sub-layer (dropped from backward in approx mode).
@@ -73,6 +134,7 @@ class BlockParts:
         ffn_linears: the FFN linear maps whose weight gradients go low-rank.
     """
 
+    kind: BlockKind
     index: int
     block: str
     attention: str
@@ -100,25 +162,25 @@ class _Switch:
 class _BlockForward:
     """Instance-level ``forward`` of a block: exact, or the active adapter's approximation."""
 
-    def __init__(self, block: TransformerBlock, parts: BlockParts, switch: _Switch) -> None:
+    def __init__(self, block: torch.nn.Module, parts: BlockParts, switch: _Switch) -> None:
         self.block = block
         self.parts = parts
         self.switch = switch
         # The bound forward found before installation (normally the class's).
         self.exact_forward = block.forward
 
-    def __call__(self, x_BTD: torch.Tensor, rope: Rope) -> torch.Tensor:
+    def __call__(self, x_BTD: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         run = self.switch.active
         if run is None:
-            return self.exact_forward(x_BTD, rope)
-        return run.adapter._approx_block_forward(self.block, self.parts, x_BTD, rope, run.step)
+            return self.exact_forward(x_BTD, *args, **kwargs)
+        return run.adapter._approx_block_forward(self.block, self.parts, x_BTD, args, kwargs, run.step)
 
 
 class LlamaAdapter:
-    """Adapter for :mod:`unbroken.models.llama`: groups, blocks and both modes.
+    """Adapter for LLaMA-shaped models (ours, or Hugging Face's ``LlamaForCausalLM``): groups, blocks, both modes.
 
     Args:
-        model: a ``Transformer`` (or any module whose blocks are ``TransformerBlock``).
+        model: a module whose blocks are ``TransformerBlock`` or ``LlamaDecoderLayer``.
         rank: r of the low-rank FFN weight gradients (``MecefoConfig.rank``).
         tau: steps between refreshes of the FFN singular vectors (``MecefoConfig.tau``).
         recompute: recompute FFN intermediates in backward (False only for ablations).
@@ -180,54 +242,66 @@ class LlamaAdapter:
                 self.basis.get(name, self.model.get_submodule(name).weight, step=step)
         return self.basis.svd_count - before
 
-    def _approx_block_forward(
-        self, block: TransformerBlock, parts: BlockParts, x_BTD: torch.Tensor, rope: Rope, step: int
-    ) -> torch.Tensor:
+    def _approx_block_forward(self, block: torch.nn.Module, parts: BlockParts, x_BTD: torch.Tensor,
+                              args: tuple[Any, ...], kwargs: dict[str, Any], step: int) -> torch.Tensor:
         """One block in approximate mode; same value as ``block.forward``."""
-        ff = block.feed_forward
+        kind = parts.kind
+        ff = getattr(block, kind.feed_forward)
+        w1, w2, w3 = (getattr(ff, name).weight for name in kind.ffn_linears)
+        act = kind.activation(ff)
         # Bases fetched before the checkpoint, so the recomputation reuses them.
-        v1, v2, v3 = (self.basis.get(name, getattr(ff, name.rsplit(".", 1)[1]).weight, step=step)
-                      for name in parts.ffn_linears)
+        v1, v2, v3 = (self.basis.get(name, w, step=step) for name, w in zip(parts.ffn_linears, (w1, w2, w3)))
+        attention, attention_norm = getattr(block, kind.attention), getattr(block, kind.attention_norm)
+        ffn_norm = getattr(block, kind.ffn_norm)
 
         def attention_branch(x: torch.Tensor) -> torch.Tensor:
-            return block.attention(block.attention_norm(x), rope)
+            return kind.run_attention(attention, attention_norm(x), args, kwargs)
 
         def ffn_gate(h: torch.Tensor) -> torch.Tensor:
-            z = block.ffn_norm(h)
-            return F.silu(lowrank_linear(z, ff.w1.weight, v1)) * lowrank_linear(z, ff.w3.weight, v3)
+            z = ffn_norm(h)
+            return act(lowrank_linear(z, w1, v1)) * lowrank_linear(z, w3, v3)
 
         def ffn_out(gate_BTF: torch.Tensor) -> torch.Tensor:
             # Outside the recomputed region: it keeps gate @ V2 (r wide), so
             # backward never redoes w2's product.
-            return lowrank_linear(gate_BTF, ff.w2.weight, v2)
+            return lowrank_linear(gate_BTF, w2, v2)
 
         h_BTD = skip_connected(attention_branch, x_BTD)
         return recomputed_residual(ffn_gate, h_BTD, recompute=self.recompute, tail=ffn_out)
 
 
 def component_of(param_name: str) -> str:
-    """``attention``, ``ffn`` or ``rest`` for a LLaMA parameter name."""
-    parts = param_name.split(".")
-    if "attention" in parts or "attention_norm" in parts:
+    """``attention``, ``ffn`` or ``rest`` for a parameter name of ours or of Hugging Face's Llama."""
+    parts = set(param_name.split("."))
+    if parts & _ATTENTION_NAMES:
         return "attention"
-    if "feed_forward" in parts:
+    if parts & _FFN_NAMES:
         return "ffn"
     return "rest"
 
 
+def has_blocks(model: torch.nn.Module) -> bool:
+    """True when :class:`LlamaAdapter` knows ``model``'s blocks (ours or Hugging Face's Llama)."""
+    return any(_kind_of(m) is not None for m in model.modules())
+
+
 def _find_blocks(model: torch.nn.Module) -> list[BlockParts]:
-    """Every ``TransformerBlock`` of ``model`` with its parts' qualified names."""
+    """Every block of a known kind in ``model`` with its parts' qualified names."""
     found = []
     for name, module in model.named_modules():
-        if isinstance(module, TransformerBlock):
-            p = f"{name}." if name else ""
-            found.append(BlockParts(
-                index=len(found), block=name, attention=f"{p}attention", attention_norm=f"{p}attention_norm",
-                ffn_norm=f"{p}ffn_norm", feed_forward=f"{p}feed_forward",
-                ffn_linears=tuple(f"{p}feed_forward.{w}" for w in FFN_LINEARS),
-            ))
+        kind = _kind_of(module)
+        if kind is None:
+            continue
+        p = f"{name}." if name else ""
+        found.append(BlockParts(
+            kind=kind, index=len(found), block=name, attention=f"{p}{kind.attention}",
+            attention_norm=f"{p}{kind.attention_norm}", ffn_norm=f"{p}{kind.ffn_norm}",
+            feed_forward=f"{p}{kind.feed_forward}",
+            ffn_linears=tuple(f"{p}{kind.feed_forward}.{w}" for w in kind.ffn_linears),
+        ))
     if not found:
-        raise ValueError(f"{type(model).__name__} has no TransformerBlock; LlamaAdapter needs a llama model")
+        raise NoAdapter(f"{type(model).__name__} has no TransformerBlock or LlamaDecoderLayer; "
+                        "LlamaAdapter needs a LLaMA-shaped model")
     return found
 
 
@@ -262,3 +336,59 @@ def _install_dispatch(model: torch.nn.Module, blocks: list[BlockParts]) -> _Swit
         block = model.get_submodule(parts.block)
         block.forward = _BlockForward(block, parts, switch)
     return switch
+
+
+class ExactOnlyAdapter:
+    """Adapter of a model with no known transformer blocks: exact mode only, every parameter in ``rest``.
+
+    Such a model trains under the ``spread`` policy (exact) unchanged; a policy
+    that approximates needs :class:`LlamaAdapter`, and :meth:`mode` says so.
+    """
+
+    group_names = GROUP_NAMES
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    def group_of(self, param_name: str) -> int:
+        return 0
+
+    def dropped_in_approx(self, group_name: str) -> bool:
+        return False
+
+    def blocks(self) -> list[BlockParts]:
+        return []
+
+    def prepare(self, step: int) -> int:
+        return 0
+
+    @contextlib.contextmanager
+    def mode(self, mode: str, *, step: int) -> Iterator[None]:
+        """Exact mode only.
+
+        Raises:
+            NoAdapter: ``mode`` is ``approx`` (names the model and the fix).
+        """
+        if mode != "exact":
+            raise NoAdapter(_no_adapter_message(self.model, f"mode {mode!r}"))
+        yield
+
+
+def _no_adapter_message(model: torch.nn.Module, what: str) -> str:
+    return (f"{what} needs a MeCeFO adapter, and {type(model).__name__} has no block it knows "
+            "(TransformerBlock or LlamaDecoderLayer with self_attn and mlp); train it with "
+            "mecefo.policy='spread' (exact), or build the model from such blocks")
+
+
+def adapter_for(model: torch.nn.Module, *, rank: int, tau: int, approximates: bool,
+                policy: str = "") -> LlamaAdapter | ExactOnlyAdapter:
+    """:class:`LlamaAdapter` for a LLaMA-shaped model, else :class:`ExactOnlyAdapter`.
+
+    Raises:
+        NoAdapter: the model has no known blocks but ``approximates`` (the policy needs approximate mode).
+    """
+    if has_blocks(model):
+        return LlamaAdapter(model, rank=rank, tau=tau)
+    if approximates:
+        raise NoAdapter(_no_adapter_message(model, f"mecefo.policy={policy!r}"))
+    return ExactOnlyAdapter(model)

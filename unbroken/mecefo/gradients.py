@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 
 from unbroken.mecefo.adapter import ModelAdapter
+from unbroken.models.hf_llama import logits_of
+from unbroken.models.precision import autocast
 
 Mode = Literal["exact", "approx"]
 BatchFn = Callable[[int, int, tuple[int, int]], tuple[torch.Tensor, torch.Tensor]]
@@ -100,12 +102,16 @@ def compute_gradient_sums(
     micro_batch: int,
     batch_fn: BatchFn,
     device: torch.device | str = "cpu",
+    precision: str = "fp32",
 ) -> torch.Tensor:
     """Compute the gradient sums of ``work`` for ``step`` into a fresh flat buffer.
 
     Each item's loss is the token-mean cross-entropy over a full micro-batch,
     restricted to the item's rows, so an item of ``rows`` rows carries weight
     ``rows / micro_batch`` of one slot. Parameter ``.grad`` is used as scratch.
+    With ``precision="bf16"`` the forward runs under bfloat16 autocast; the
+    loss, the gradients and the buffer stay float32
+    (:mod:`unbroken.models.precision`).
     """
     buf = layout.new_buffer(device)
     weights = layout.weights(buf)
@@ -119,10 +125,11 @@ def compute_gradient_sums(
         x, y = batch_fn(step, item.slot, item.rows)
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         with adapter.mode(item.mode, step=step):
-            logits = model(x)
-            loss_tok = F.cross_entropy(
-                logits.float().reshape(-1, logits.size(-1)), y.reshape(-1), reduction="sum"
-            )
+            with autocast(torch.device(device), precision):
+                logits = logits_of(model(x))
+                loss_tok = F.cross_entropy(
+                    logits.float().reshape(-1, logits.size(-1)), y.reshape(-1), reduction="sum"
+                )
             (loss_tok / (micro_batch * y.size(1))).backward()
         loss_sum += float(loss_tok.detach())
         tokens += y.numel()

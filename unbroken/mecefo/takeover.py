@@ -72,6 +72,8 @@ class TakeoverPolicy(ABC):
 
     name: str
     """The policy's name in the config (``mecefo.policy``) and in :data:`POLICIES`."""
+    approximates: bool = True
+    """Whether the policy ever computes in ``approx`` mode (then the model needs a MeCeFO adapter)."""
 
     @abstractmethod
     def cover(self, slot: int, rows: tuple[int, int], live: Sequence[int], n_slots: int) -> list[tuple[int, SlotWork]]:
@@ -163,6 +165,7 @@ class SpreadPolicy(TakeoverPolicy):
     """Missing rows split over all live workers, computed exactly."""
 
     name = "spread"
+    approximates = False
 
     def covered_mode(self, worker: int, slot: int) -> Mode:
         """Mode in which ``worker`` computes rows of ``slot`` it covers."""
@@ -182,6 +185,7 @@ class SpreadApproxPolicy(SpreadPolicy):
     """The ``spread`` split, approximated except for the slot's home worker."""
 
     name = "spread-approx"
+    approximates = True
 
     def covered_mode(self, worker: int, slot: int) -> Mode:
         return "exact" if worker == slot else "approx"

@@ -6,7 +6,9 @@ from typing import Callable
 
 import torch
 
+from unbroken.models.hf_llama import logits_of
 from unbroken.models.llama import Transformer, model_args
+from unbroken.models.precision import autocast
 
 
 def build_model(
@@ -94,15 +96,16 @@ def _tensors(model: torch.nn.Module) -> list[torch.Tensor]:
 
 @torch.no_grad()
 def validation_loss(model: torch.nn.Module, batch: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]],
-                    n_batches: int, device: torch.device) -> float:
+                    n_batches: int, device: torch.device, precision: str = "fp32") -> float:
     """Token-mean cross-entropy over validation micro-batches ``batch(0, 0) .. batch(n_batches - 1, 0)``."""
     model.eval()
     loss, tokens = 0.0, 0
     for i in range(n_batches):
         x, y = batch(i, 0)
-        logits = model(x.to(device))
+        with autocast(device, precision):
+            logits = logits_of(model(x.to(device)))
         loss += float(torch.nn.functional.cross_entropy(
-            logits.reshape(-1, logits.size(-1)), y.to(device).reshape(-1), reduction="sum"))
+            logits.float().reshape(-1, logits.size(-1)), y.to(device).reshape(-1), reduction="sum"))
         tokens += y.numel()
     model.train()
     return loss / tokens

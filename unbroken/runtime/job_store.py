@@ -17,6 +17,8 @@ key                           written by                      holds
 ============================  ==============================  ==================================================
 ``job``                       the store's host                the job is here (a wrong secret finds nothing)
 ``config``                    launcher / node-0 agent         the job's config JSON
+``fingerprint/<h>/<name>``    first worker to start (CAS)     what every worker of config hash ``h`` must
+                                                              build alike: parameter layout, data rows
 ``gen``                       view proposers (CAS)            the current generation
 ``view/<g>``                  view proposers (CAS)            the :class:`View` JSON of generation ``g``
 ``outcome/<g>``               members (CAS)                   ``"<step>:commit|abort"``: the last step decided in ``g``
@@ -107,6 +109,13 @@ class JobStore:
 
     def config(self) -> str | None:
         return _opt(self.backend, "config")
+
+    def agree_fingerprint(self, config_hash: str, name: str, text: str) -> str:
+        """Publish ``text`` as fingerprint ``name`` of the job unless one is there; returns the job's."""
+        return self.backend.compare_set(f"fingerprint/{config_hash}/{name}", "", text).decode()
+
+    def fingerprint(self, config_hash: str, name: str) -> str | None:
+        return _opt(self.backend, f"fingerprint/{config_hash}/{name}")
 
     # -- views ------------------------------------------------------------------
 

@@ -32,6 +32,7 @@ import torch
 
 from unbroken.config import Config, config_hash
 from unbroken.job import MetricsWriter, Prepared, build_job, prepare, train_record
+from unbroken.job.consistency import InconsistentJob, LayoutMismatch, check_consistency
 from unbroken.jsonl import JsonlWriter
 from unbroken.mecefo.takeover import takeover_policy
 from unbroken.models.factory import bind_device, place_model
@@ -140,6 +141,7 @@ class Trainer:
     def start(self) -> int:
         """Enter the job (first view or as a joiner); returns the first step to train."""
         t0 = time.perf_counter()
+        self._check_consistency()
         if not self.spec.join:
             view = self._wait_view(lambda v: self.spec.worker in v.members)
             try:
@@ -167,6 +169,17 @@ class Trainer:
         self.events.write({"kind": "event", "event": "rejoined", "worker": self.spec.worker, "gen": view.gen,
                            "step": view.step, "wait_s": time.perf_counter() - t0})
         return view.step
+
+    def _check_consistency(self) -> None:
+        """Same parameter layout and data rows as the job's (:mod:`unbroken.job.consistency`); a joiner
+        whose layout differs is refused, any other difference fails the job."""
+        try:
+            check_consistency(self.store, self.hash, list(self.job.model.named_parameters()),
+                              self.job.sampler.batch, self.job.micro_batch, joining=self.spec.join)
+        except LayoutMismatch as exc:
+            if self.spec.join:
+                raise JoinRefused(str(exc)) from None
+            raise
 
     def _wait_view(self, accept: Callable[[View], bool]) -> View:
         deadline = time.monotonic() + max(self.cfg.train.timeout_s, 600.0 if self.spec.join else 0.0)
@@ -227,7 +240,7 @@ class Trainer:
             self.metrics = MetricsWriter.for_run(self.spec.run_dir / "metrics.jsonl", self.cfg)
             self.checkpointer = AsyncCheckpointer(self.spec.run_dir, config_hash=self.hash, keep=t.keep_checkpoints)
         # Validation on the leader only: it must not depend on who else is alive.
-        self.metrics.step_done(last, self.job.validation_loss)
+        self.metrics.step_done(last, self.job.validation_loss if self.job.val_sampler is not None else None)
         self.checkpointer.poll()
         if (t.checkpoint_every and done % t.checkpoint_every == 0) or done == t.steps:
             self.checkpointer.save(done, training_state(self.job.model, self.job.optimizer), {"loss": last["loss"]})
@@ -236,7 +249,7 @@ class Trainer:
     def param_digest(self) -> str:
         h = hashlib.sha256()
         for p in self.job.layout.params:
-            h.update(p.detach().cpu().contiguous().numpy().tobytes())
+            h.update(p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
         return h.hexdigest()
 
 
@@ -276,6 +289,10 @@ def run(spec: WorkerSpec, *, store: JobStore | None = None, prepared: Prepared |
         return EXIT_NO_LIVE_WORKER
     except JoinRefused as exc:
         logger.error("join refused: %s", exc)
+        return EXIT_REFUSED
+    except InconsistentJob as exc:
+        logger.error("%s", exc)
+        store.fail(str(exc))
         return EXIT_REFUSED
     finally:
         membership.stop()

@@ -1,0 +1,106 @@
+"""References to user code that every worker process can resolve: ``module:function`` or ``/path/file.py:function``.
+
+A user's model, data and optimizer factories reach the worker processes as
+text in the run's config (``model.factory``, ``data.factory``,
+``optim.factory``), never as pickled objects. :func:`reference_of` turns a
+function into such a text; :func:`resolve` turns the text back into the
+function inside a worker.
+
+A function defined in a script run as ``python script.py`` lives in module
+``__main__``, which another process cannot import: its reference names the
+script's file instead, and a worker loads that file as a module of its own
+name (not ``__main__``), so the script's ``if __name__ == "__main__":`` block,
+which starts the job, does not run again in the worker.
+
+Invariants: resolving a reference twice in one process gives the same object
+(files are loaded once); a reference names a module-level attribute, so every
+process resolves it to the same code.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+__all__ = ["reference_of", "resolve"]
+
+_FILE_MODULE_PREFIX = "unbroken_user_"
+
+
+def reference_of(obj: Callable[..., Any] | str, *, field: str) -> str:
+    """The reference text of ``obj`` (a module-level function or class, or a reference already).
+
+    Raises:
+        ValueError: ``obj`` is a lambda, a nested function or a bound method
+            (no other process can find it), or a ``__main__`` attribute without a file.
+    """
+    if isinstance(obj, str):
+        _split(obj, field)
+        return obj
+    qualname = getattr(obj, "__qualname__", None)
+    module = getattr(obj, "__module__", None)
+    if not callable(obj) or qualname is None or module is None or "<" in qualname or "." in qualname:
+        raise ValueError(f"{field}={obj!r}: give a function or class defined at the top level of a module "
+                         "(workers are separate processes and find it by module and name; no lambdas, "
+                         "nested functions or bound methods)")
+    if module != "__main__":
+        return f"{module}:{qualname}"
+    main_file = getattr(sys.modules["__main__"], "__file__", None)
+    if main_file is None:
+        raise ValueError(f"{field}={qualname} is defined in an interactive session; define it in a module or "
+                         "script file so that the worker processes can load it")
+    return f"{Path(main_file).resolve()}:{qualname}"
+
+
+def resolve(reference: str, *, field: str) -> Any:
+    """The object a reference names, imported (or loaded from its file) in this process.
+
+    Raises:
+        ValueError: malformed reference, unknown module or file, or missing attribute (names which and the fix).
+    """
+    where, name = _split(reference, field)
+    if where.endswith(".py"):
+        module = _load_file(Path(where), field)
+    else:
+        try:
+            module = importlib.import_module(where)
+        except ImportError as exc:
+            raise ValueError(f"{field}={reference!r}: cannot import module {where!r} ({exc}); make it importable "
+                             "in the worker processes (PYTHONPATH) or name a file: '/path/file.py:function'") from exc
+    try:
+        return getattr(module, name)
+    except AttributeError:
+        raise ValueError(f"{field}={reference!r}: {where} has no attribute {name!r}") from None
+
+
+def _split(reference: str, field: str) -> tuple[str, str]:
+    where, sep, name = reference.rpartition(":")
+    if not sep or not where or not name.isidentifier():
+        raise ValueError(f"{field}={reference!r}: expected 'module:function' or '/path/file.py:function'")
+    return where, name
+
+
+def _load_file(path: Path, field: str) -> Any:
+    if not path.is_file():
+        raise ValueError(f"{field}: file {str(path)!r} does not exist (give an absolute path to the script)")
+    path = path.resolve()
+    name = _FILE_MODULE_PREFIX + hashlib.sha256(str(path).encode()).hexdigest()[:12]
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    # The script's folder first on the path, as when it runs itself: its own imports resolve alike.
+    if str(path.parent) not in sys.path:
+        sys.path.insert(0, str(path.parent))
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
