@@ -8,6 +8,7 @@ parameter; see :mod:`unbroken.snapshot.plan` for ``k``, ``m``).
 
 from __future__ import annotations
 
+import logging
 import os
 
 from unbroken.config import Config
@@ -17,6 +18,8 @@ from unbroken.snapshot.plan import plan_for
 from unbroken.snapshot.segment import HEADER_BYTES, SHM_DIR
 
 __all__ = ["check_snapshot_config", "node_bytes", "state_bytes"]
+
+logger = logging.getLogger(__name__)
 
 
 def state_bytes(cfg: Config, vocab_size: int | None = None) -> int:
@@ -52,6 +55,11 @@ def check_snapshot_config(cfg: Config, nodes: int, workers_per_node: int, vocab_
     """
     s = cfg.snapshot
     if s.every <= 0:
+        return 0
+    if cfg.model.family == "custom" or cfg.model.hf_path:
+        # The state's size is known only once the model is built: a full /dev/shm is then reported by the
+        # first snapshot (an event and a log line) and training goes on without snapshots.
+        logger.info("snapshot memory per node not estimated for a model the config does not describe")
         return 0
     if s.redundancy == "parity" and nodes > 1 and s.parity >= nodes:
         raise ValueError(f"snapshot.parity={s.parity} needs more than {s.parity} nodes, the job has {nodes}: "
