@@ -19,3 +19,16 @@ CORPUS_BYTES = 1_500_000
 @pytest.fixture(scope="session")
 def corpus_overrides() -> list[str]:
     return [f"data.max_bytes={CORPUS_BYTES}"]
+
+
+@pytest.fixture(scope="session")
+def etcd_cluster():
+    """One real 3-member etcd cluster on loopback for the whole session (skipped where etcd is not installed)."""
+    from unbroken.bench.etcd_cluster import EtcdNotFound, LocalEtcd
+
+    try:
+        cluster = LocalEtcd(3)
+    except EtcdNotFound as exc:
+        pytest.skip(str(exc))
+    yield cluster
+    cluster.stop()
