@@ -93,10 +93,16 @@ def test_sigkill_mid_step(tmp_path, corpus_overrides, phase):
     assert job.summary["failures"] == 1
 
 
-def test_sigkill_right_after_confirm(tmp_path, corpus_overrides):
-    """A worker that confirmed holds the reduced gradient: the step commits with its work; the next step sees the loss."""
+@pytest.mark.parametrize("backend", ["tcp", "etcd"])
+def test_sigkill_right_after_confirm(tmp_path, corpus_overrides, backend, request):
+    """A worker that confirmed holds the reduced gradient: the step commits with its work; the next step sees the loss.
+
+    Also on a 3-member etcd cluster: the same assertions, and none of the job's keys left there.
+    """
+    store = request.getfixturevalue("etcd_cluster").url if backend == "etcd" else None
     cfg = failover_config(corpus_overrides, 10)
-    job = run_job(cfg, tmp_path / "run", nodes=1, workers_per_node=3, fail_at="step=4:worker=1:kill:phase=confirm")
+    job = run_job(cfg, tmp_path / "run", nodes=1, workers_per_node=3, fail_at="step=4:worker=1:kill:phase=confirm",
+                  store=store)
     check_invariants(job, live=[0, 2])
     (fired,) = job.events("fault_self", worker=1)
     assert (fired["step"], fired["phase"]) == (4, "confirm")
@@ -109,11 +115,14 @@ def test_sigkill_right_after_confirm(tmp_path, corpus_overrides):
     assert job.slot_items(5, 1) == [(2, 1, 0, MB, "approx")]
 
 
-def test_sigstop_is_detected_by_heartbeat_and_fenced(tmp_path, corpus_overrides):
-    """A hung worker: its heartbeat stops, a peer declares it dead, its agent SIGKILLs it."""
+@pytest.mark.parametrize("backend", ["tcp", "etcd"])
+def test_sigstop_is_detected_by_heartbeat_and_fenced(tmp_path, corpus_overrides, backend, request):
+    """A hung worker: its heartbeat stops, a peer declares it dead, its agent SIGKILLs it (on either store)."""
+    store = request.getfixturevalue("etcd_cluster").url if backend == "etcd" else None
     timeout = 1.0
     cfg = failover_config(corpus_overrides, 10, f"fault.heartbeat_timeout_s={timeout}")
-    job = run_job(cfg, tmp_path / "run", nodes=1, workers_per_node=3, fail_at="step=4:worker=1:stop:phase=forward")
+    job = run_job(cfg, tmp_path / "run", nodes=1, workers_per_node=3, fail_at="step=4:worker=1:stop:phase=forward",
+                  store=store)
     check_invariants(job, live=[0, 2])
     (stopped,) = job.events("fault_self", worker=1)
     assert (stopped["step"], stopped["how"]) == (4, "stop")
