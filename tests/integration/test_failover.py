@@ -29,6 +29,8 @@ from _faults import Job, check_invariants, failover_config, run_job
 from _reference import checkpoint_params, reference_train
 from unbroken.bench.report import summarize_run
 from unbroken.data import BatchSampler
+from unbroken.faults.store_loss import STORE_PIDS_ENV
+from unbroken.jsonl import read_jsonl
 from unbroken.mecefo.takeover import POLICIES
 from unbroken.mecefo.gradients import SlotWork
 
@@ -94,15 +96,27 @@ def test_sigkill_mid_step(tmp_path, corpus_overrides, phase):
 
 
 @pytest.mark.parametrize("backend", ["tcp", "etcd"])
-def test_sigkill_right_after_confirm(tmp_path, corpus_overrides, backend, request):
+def test_sigkill_right_after_confirm(tmp_path, corpus_overrides, backend, request, monkeypatch):
     """A worker that confirmed holds the reduced gradient: the step commits with its work; the next step sees the loss.
 
-    Also on a 3-member etcd cluster: the same assertions, and none of the job's keys left there.
+    Also on a 3-member etcd cluster whose leader is SIGKILLed after step 7: the same assertions (so that
+    loss costs no step: step 5 stays the only one with a failure), and none of the job's keys left there.
     """
-    store = request.getfixturevalue("etcd_cluster").url if backend == "etcd" else None
+    fail_at, store = "step=4:worker=1:kill:phase=confirm", None
+    if backend == "etcd":
+        cluster = request.getfixturevalue("etcd_cluster")
+        leader, store = cluster.leader(), cluster.url
+        fail_at += f",step=7:store={leader}:kill"
+        monkeypatch.setenv(STORE_PIDS_ENV, str(cluster.pids_file))
     cfg = failover_config(corpus_overrides, 10)
-    job = run_job(cfg, tmp_path / "run", nodes=1, workers_per_node=3, fail_at="step=4:worker=1:kill:phase=confirm",
-                  store=store)
+    try:
+        job = run_job(cfg, tmp_path / "run", nodes=1, workers_per_node=3, fail_at=fail_at, store=store)
+    finally:
+        if backend == "etcd":
+            cluster.restart_member(leader)  # for the session's other tests
+    if backend == "etcd":
+        (fired,) = read_jsonl(job.run_dir / "events" / "store.jsonl")
+        assert fired["member"] == leader and fired["committed"] >= 7
     check_invariants(job, live=[0, 2])
     (fired,) = job.events("fault_self", worker=1)
     assert (fired["step"], fired["phase"]) == (4, "confirm")
@@ -115,14 +129,11 @@ def test_sigkill_right_after_confirm(tmp_path, corpus_overrides, backend, reques
     assert job.slot_items(5, 1) == [(2, 1, 0, MB, "approx")]
 
 
-@pytest.mark.parametrize("backend", ["tcp", "etcd"])
-def test_sigstop_is_detected_by_heartbeat_and_fenced(tmp_path, corpus_overrides, backend, request):
-    """A hung worker: its heartbeat stops, a peer declares it dead, its agent SIGKILLs it (on either store)."""
-    store = request.getfixturevalue("etcd_cluster").url if backend == "etcd" else None
+def test_sigstop_is_detected_by_heartbeat_and_fenced(tmp_path, corpus_overrides):
+    """A hung worker: its heartbeat stops, a peer declares it dead, its agent SIGKILLs it."""
     timeout = 1.0
     cfg = failover_config(corpus_overrides, 10, f"fault.heartbeat_timeout_s={timeout}")
-    job = run_job(cfg, tmp_path / "run", nodes=1, workers_per_node=3, fail_at="step=4:worker=1:stop:phase=forward",
-                  store=store)
+    job = run_job(cfg, tmp_path / "run", nodes=1, workers_per_node=3, fail_at="step=4:worker=1:stop:phase=forward")
     check_invariants(job, live=[0, 2])
     (stopped,) = job.events("fault_self", worker=1)
     assert (stopped["step"], stopped["how"]) == (4, "stop")

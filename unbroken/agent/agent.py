@@ -162,7 +162,9 @@ class Agent:
         except dist.DistError as exc:
             if self._done_at is not None:
                 return 0  # the store's host closed it after the end: nothing was lost
-            raise AgentError(f"node {self.node}: lost the store {self.opts.store}: {str(exc).splitlines()[0]}", 1) from None
+            raise AgentError(f"node {self.node}: lost the store {self.opts.store} ({str(exc).splitlines()[0]}): "
+                             f"its workers are stopped, the committed checkpoints kept; continue with "
+                             f"unbroken train --resume {self.run_dir}", 1) from None
         finally:
             self._shutdown()
 

@@ -46,10 +46,12 @@ from unbroken.agent.options import RESTART_POLICIES
 from unbroken.config import Config, config_hash
 from unbroken.faults.fail_at import FaultSpec, parse_fail_at, trace_to_faults, write_fault_plan
 from unbroken.faults.injector import check_faults
+from unbroken.faults.store_loss import StoreFaults
 from unbroken.faults.traces import FailureTrace, generate_trace, step_time_for
 from unbroken.jsonl import JsonlTail, read_jsonl
 from unbroken.runtime.checkpoint import latest_checkpoint, read_commit
 from unbroken.agent.preflight import _truncate_metrics, preflight, prepare_run_dir
+from unbroken.runtime.etcd_backend import parse_etcd
 from unbroken.runtime.job_store import JobStore
 from unbroken.runtime.store_backend import SECRET_ENV, new_secret, save_secret
 from unbroken.runtime.recovery import recovery
@@ -125,13 +127,14 @@ def launch(
         restart = "never"  # checkpoint-restart: the launcher restarts the whole job instead
     specs, trace = _job_faults(cfg, fail_at, nodes, workers_per_node)
     info = preflight(cfg)
+    store_faults = StoreFaults(specs, members=len(parse_etcd(store)[0]) if store else None, run_dir=run_dir)
     secret = new_secret()
     host = _StoreHost(cfg, nodes, secret, store, run_dir)  # before anything is written: a port in use fails early
     try:
         return _launch(host, cfg, run_dir, overwrite=overwrite, resume=resume, on_record=on_record,
                        on_event=on_event, specs=specs, trace=trace, info=info, nodes=nodes,
                        workers_per_node=workers_per_node, restart=restart, standby=standby,
-                       replace_lost_nodes_s=replace_lost_nodes_s)
+                       replace_lost_nodes_s=replace_lost_nodes_s, store_faults=store_faults)
     finally:
         host.close()
 
@@ -139,7 +142,8 @@ def launch(
 def _launch(host: _StoreHost, cfg: Config, run_dir: Path, *, overwrite: bool, resume: bool,
             on_record: Callable[[dict[str, Any]], None] | None, on_event: Callable[[dict[str, Any]], None] | None,
             specs: tuple[FaultSpec, ...], trace: FailureTrace | None, info: Any, nodes: int, workers_per_node: int,
-            restart: str, standby: bool, replace_lost_nodes_s: float | None) -> dict[str, Any]:
+            restart: str, standby: bool, replace_lost_nodes_s: float | None,
+            store_faults: StoreFaults) -> dict[str, Any]:
     """:func:`launch` once its store is open: prepare the run directory, run every attempt, summarise."""
     mode, secret = recovery(cfg.fault.recovery), host.secret
     resume_from = prepare_run_dir(run_dir, cfg, overwrite=overwrite, resume=resume)
@@ -153,7 +157,7 @@ def _launch(host: _StoreHost, cfg: Config, run_dir: Path, *, overwrite: bool, re
     t0 = time.time()
     restarts = _run_attempts(host, cfg, run_dir, on_record, resume_from, on_event=on_event, nodes=nodes,
                              workers_per_node=workers_per_node, restart=restart, fault_plan=plan, standby=standby,
-                             secret=secret, replace_lost_nodes_s=replace_lost_nodes_s)
+                             secret=secret, replace_lost_nodes_s=replace_lost_nodes_s, store_faults=store_faults)
     summary = _summarise(run_dir, cfg, info, time.time() - t0, resume_from, nodes=nodes, t0=t0)
     if mode.restarts_job:
         summary["job_restarts"] = restarts
@@ -254,7 +258,7 @@ def _run_attempts(host: _StoreHost, cfg: Config, run_dir: Path, on_record: Calla
 
 def _attempt(store: JobStore, addr: str, cfg: Config, run_dir: Path, on_record: Callable[[dict[str, Any]], None] | None, *,
              on_event: Callable[[dict[str, Any]], None] | None = None, replace_lost_nodes_s: float | None = None,
-             **agent_args: Any) -> str | None:
+             store_faults: StoreFaults | None = None, **agent_args: Any) -> str | None:
     """Run the agents until done (None), failed (message) or, under checkpoint-restart, a death."""
     agents: list[subprocess.Popen[bytes]] = []
     replacer = None
@@ -265,7 +269,7 @@ def _attempt(store: JobStore, addr: str, cfg: Config, run_dir: Path, on_record: 
             for r in range(agent_args["nodes"]):
                 agents.append(_spawn_agent(r, cfg, run_dir, addr, **agent_args))
             return _supervise(agents, store, run_dir, cfg, on_record, events=events, on_event=on_event,
-                              replacer=replacer)
+                              replacer=replacer, store_faults=store_faults)
         finally:
             _stop_agents(agents)
             for e in events.poll():  # the exits of the agents' shutdown, for events.jsonl
@@ -329,7 +333,7 @@ def _spawn_agent(node: int, cfg: Config, run_dir: Path, store_addr: str, *, node
 def _supervise(agents: list[subprocess.Popen[bytes]], store: JobStore, run_dir: Path, cfg: Config,
                on_record: Callable[[dict[str, Any]], None] | None, *, events: EventMerger | None = None,
                on_event: Callable[[dict[str, Any]], None] | None = None,
-               replacer: _NodeReplacer | None = None) -> str | None:
+               replacer: _NodeReplacer | None = None, store_faults: StoreFaults | None = None) -> str | None:
     """Follow the job to its end; returns ``None`` when done, else the failure message.
 
     Every poll hands the new metrics records to ``on_record`` and merges the new events (``events``)
@@ -344,6 +348,8 @@ def _supervise(agents: list[subprocess.Popen[bytes]], store: JobStore, run_dir: 
         progress = store.progress()
         if progress != committed:
             committed, last_progress = progress, now
+        if store_faults is not None:
+            store_faults.tick(progress)
         failure = store.failure()
         if failure is not None:
             return failure

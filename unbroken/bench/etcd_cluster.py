@@ -121,6 +121,24 @@ class LocalEtcd:
         except (requests.RequestException, ValueError):
             return False
 
+    def leader(self) -> int:
+        """The index of the member that leads now (asked of each live member).
+
+        Raises:
+            RuntimeError: no live member knows a leader.
+        """
+        for i, proc in enumerate(self.procs):
+            if proc is None or proc.poll() is not None:
+                continue
+            try:
+                status = requests.post(f"http://127.0.0.1:{self.client_ports[i]}/v3/maintenance/status", json={},
+                                       timeout=1.0).json()
+            except (requests.RequestException, ValueError):
+                continue
+            if status.get("leader") and status.get("header", {}).get("member_id") == status["leader"]:
+                return i
+        raise RuntimeError("no etcd member of the cluster reports being the leader")
+
     def wait_healthy(self, members: range | list[int], timeout_s: float) -> None:
         """Wait until each of ``members`` reports healthy (it has a leader and quorum).
 
@@ -143,6 +161,12 @@ class LocalEtcd:
             proc.send_signal(signal.SIGKILL)
             proc.wait(STOP_TIMEOUT_S)
         self._write_pids()
+
+    def restart_member(self, i: int, timeout_s: float = START_TIMEOUT_S) -> None:
+        """Bring member ``i`` back (killed if it still runs) with its data, and wait for the cluster's health."""
+        self.kill(i)
+        self.start_member(i)
+        self.wait_healthy(range(len(self.procs)), timeout_s)
 
     def stop(self) -> None:
         """Stop every member and remove the data directory: nothing left behind.
