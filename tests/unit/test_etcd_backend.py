@@ -104,3 +104,26 @@ def test_a_missing_key_waits_then_fails_as_a_store_error(etcd_cluster):
     with pytest.raises(StoreUnavailable) as info:
         backend.get("never")
     assert isinstance(info.value, dist.DistStoreError), "callers handle it as a lost store"
+
+
+def test_without_quorum_an_operation_waits_visibly_then_fails_within_its_timeout(etcd_cluster, caplog):
+    """Two members of three gone: nothing can be written; the client says so and gives up at its timeout."""
+    backend = JobStore.create_on_etcd(etcd_cluster.url, timeout_s=2, secret="quorum", job={"t": 1}).backend
+    survivor = backend.cluster.current
+    lost = [i for i in range(3) if i != survivor]
+    try:
+        for i in lost:
+            etcd_cluster.kill(i)
+        t0 = time.monotonic()
+        with pytest.raises(StoreUnavailable, match="etcd did not answer within 2 s"):
+            backend.compare_set("half", "", "written")
+        assert time.monotonic() - t0 < 2 + 2 * 1.0 + 1, "past the timeout by at most one request"
+        assert "etcd: no member answers" in caplog.text
+    finally:
+        for i in lost:
+            etcd_cluster.start_member(i)
+        etcd_cluster.wait_healthy(range(3), 30)
+    # The cluster is whole again; the refused write either never happened or, if the survivor had logged it
+    # before losing quorum, was committed whole by the new majority (etcd's ambiguous-request rule).
+    assert backend.check(["job"]) and backend.compare_set("half", "", "again") in (b"again", b"written")
+    backend.clear()

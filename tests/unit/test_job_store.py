@@ -122,7 +122,7 @@ class _Job:
         return torch.ones(4)
 
 
-def test_the_key_count_stays_bounded_over_1000_steps_and_view_changes(store, tmp_path: Path):
+def test_the_key_count_stays_bounded_over_1000_steps_and_view_changes(store, tmp_path: Path, request):
     m = Membership(store, 0, heartbeat_timeout_s=0.05)
     store.beat(0)
     p = StepProtocol(m, _Job(), policy=takeover_policy("spread"), events=JsonlWriter(tmp_path / "w0.jsonl"),
@@ -140,4 +140,7 @@ def test_the_key_count_stays_bounded_over_1000_steps_and_view_changes(store, tmp
     # After the first view change the count never moves again: each new view's keys replace the old ones
     # (they are pruned at the new view's first commit), and no key is per step.
     assert set(counts[100:]) == {counts[-1]}
-    assert counts[-1] == counts[0] + 3, "the deaths counter, the prune marker and one view's item key"
+    if "tcp" in request.node.name:
+        assert counts[-1] == counts[0] + 3, "the deaths counter, the prune marker and one view's item key"
+    else:  # etcd: step 0 may still count a key of the group's rendezvous that goes soon after
+        assert counts[0] + 2 <= counts[-1] <= counts[0] + 3

@@ -225,7 +225,7 @@ class Agent:
                 code = self._status(now)
                 if code is not None:
                     return code
-            time.sleep(LOOP_S)
+            time.sleep(max(LOOP_S, self.store.poll_s))
 
     def _status(self, now: float) -> int | None:
         """Follow ``done`` / ``failed``; an exit code once this agent's part is over."""

@@ -22,6 +22,7 @@ BENCHMARKS: dict[str, Callable[[list[str] | None], dict[str, Any]]] = {
     "mecefo-cost": _lazy("mecefo_cost"),
     "mecefo-convergence": _lazy("mecefo_convergence"),
     "failover": _lazy("failover"),
+    "store": _lazy("store"),
 }
 
 __all__ = ["BENCHMARKS"]

@@ -5,7 +5,9 @@
 loopback ports, with data directories under one temporary directory, and
 stops them all and removes that directory on :meth:`LocalEtcd.stop` (also as a
 context manager). Elections are tuned short (50 ms heartbeats, 500 ms election
-timeout) so that the loss of the leader costs well under a second.
+timeout) so that the loss of the leader costs well under a second, and history
+is compacted to the last 10,000 revisions (every put is a revision: an etcd
+serving a job must auto-compact, or its database grows with every heartbeat).
 
 The members' pids are written to ``<dir>/pids.json`` (``{"0": pid, ...}``):
 ``store=I`` faults read it through ``UNBROKEN_STORE_PIDS`` to kill member ``I``.
@@ -103,6 +105,7 @@ class LocalEtcd:
                "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
                "--initial-cluster", cluster, "--initial-cluster-state", state,
                "--initial-cluster-token", self.token, "--heartbeat-interval", "50", "--election-timeout", "500",
+               "--auto-compaction-mode", "revision", "--auto-compaction-retention", "10000",
                "--logger", "zap", "--log-outputs", str(self.dir / f"{self.names[i]}.log")]
         self.procs[i] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                          stderr=subprocess.DEVNULL, start_new_session=True)

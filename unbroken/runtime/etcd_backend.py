@@ -10,8 +10,9 @@ Operations, each one HTTP round trip in the common case:
 - ``compare_set``: one etcd transaction (compare the value, or that the key is
   absent, then put; else read), with ``TCPStore``'s semantics: a missing key
   with a non-empty ``expected`` echoes ``expected`` and creates nothing;
-- ``add``: a read, then a transaction guarded by the key's revision (retried on
-  a lost race); each adder also writes its own marker key in that transaction,
+- ``add``: a transaction guarded by the key's revision (read first, unless this
+  client wrote the counter last: a worker's own heartbeat is one round trip;
+  retried on a lost race); each adder also writes its own marker key in that transaction,
   so an add whose answer was lost (its member died mid-request) is recognised
   when retried on another member and never counted twice;
 - ``check`` / ``multi_get``: one transaction of reads;
@@ -65,6 +66,8 @@ REQUEST_TIMEOUT_S = 1.0
 """One HTTP request to one member; past it the next member is tried (a member without quorum answers late)."""
 WAIT_POLL_S = (0.002, 0.05)
 """A ``get`` of a missing key reads again after this delay, doubling from the first to the second value."""
+COUNTER_CACHE = 256
+"""At most this many counters' last written revisions are remembered by a client."""
 MARKER = "\x00add\x00"
 """An adder's marker key is the counter's key + this + the adder's id (sorted right after the counter)."""
 
@@ -147,6 +150,10 @@ class _Cluster:
 class EtcdBackend(StoreBackend):
     """The job's keys on etcd, under ``PREFIX/<namespace>/`` (module docstring)."""
 
+    poll_s = 0.05
+    """Each request is an HTTP round trip (1-3 ms, and a raft write for a put): an agent's loop that polls
+    every few milliseconds would keep the cluster busy for nothing, so supervising loops poll at most this often."""
+
     def __init__(self, addr: str, secret: str, *, timeout_s: float) -> None:
         endpoints, prefix = parse_etcd(addr)
         self.addr, self.timeout_s = addr, timeout_s
@@ -154,6 +161,7 @@ class EtcdBackend(StoreBackend):
         self.ns = f"{prefix}/{_namespace(secret)}"
         self._me = uuid.uuid4().hex[:12]
         self._seq = itertools.count(1)
+        self._counters: dict[str, dict[str, Any]] = {}  # key -> the kv this client last wrote (add)
 
     # -- plumbing ---------------------------------------------------------------
 
@@ -170,8 +178,14 @@ class EtcdBackend(StoreBackend):
 
     def _txn(self, compare: list[dict[str, Any]], success: list[dict[str, Any]],
              failure: list[dict[str, Any]]) -> tuple[bool, list[dict[str, Any]]]:
+        ok, responses, _ = self._txn_rev(compare, success, failure)
+        return ok, responses
+
+    def _txn_rev(self, compare: list[dict[str, Any]], success: list[dict[str, Any]],
+                 failure: list[dict[str, Any]]) -> tuple[bool, list[dict[str, Any]], str]:
+        """A transaction: (succeeded, responses, the store's revision after it)."""
         out = self._call("kv/txn", {"compare": compare, "success": success, "failure": failure})
-        return bool(out.get("succeeded")), out.get("responses", [])
+        return bool(out.get("succeeded")), out.get("responses", []), str(out.get("header", {}).get("revision", "0"))
 
     def _read(self, key: str) -> dict[str, Any]:
         return {"request_range": {"key": self._k(key)}}
@@ -237,7 +251,11 @@ class EtcdBackend(StoreBackend):
                 return _unb64(kv.get("value"))
 
     def add(self, key: str, amount: int) -> int:
-        kv = self._read_many([key])[0]
+        # A counter this client wrote last (its own heartbeat) is guarded by the revision it wrote: one round
+        # trip; a stale guess costs one more (the failed transaction returns the current value).
+        kv = self._counters.get(key) if amount else None
+        if kv is None:
+            kv = self._read_many([key])[0]
         if amount == 0 and kv is not None:
             return int(_unb64(kv.get("value")) or b"0")
         token = f"{self._me}:{next(self._seq)}"
@@ -248,8 +266,12 @@ class EtcdBackend(StoreBackend):
                      if kv is None else
                      {"key": self._k(key), "target": "MOD", "result": "EQUAL", "mod_revision": kv["mod_revision"]})
             puts = [self._put(key, str(base + amount))] + ([self._put(marker, token)] if amount else [])
-            ok, responses = self._txn([guard], puts, [self._read(key)])
+            ok, responses, revision = self._txn_rev([guard], puts, [self._read(key)])
             if ok:
+                if amount:
+                    if len(self._counters) >= COUNTER_CACHE:
+                        self._counters.clear()  # old generations' counters: bounded, whatever the run's length
+                    self._counters[key] = {"value": _b64(str(base + amount)), "mod_revision": revision}
                 return base + amount
             kv = self._kv(responses[0])
             if amount and self._landed(marker, token):
@@ -268,6 +290,7 @@ class EtcdBackend(StoreBackend):
 
     def delete_key(self, key: str) -> bool:
         # The key and its adders' markers (key + "\x00..."), nothing else: the range [key, key + "\x01").
+        self._counters.pop(key, None)
         out = self._call("kv/deleterange", {"key": self._k(key), "range_end": _b64(self.ns + key + "\x01")})
         return int(out.get("deleted", 0)) > 0
 
@@ -283,6 +306,7 @@ class EtcdBackend(StoreBackend):
 
     def clear(self) -> int:
         """Delete every key of the job; returns how many went."""
+        self._counters.clear()
         out = self._call("kv/deleterange", {"key": _b64(self.ns), "range_end": _range_end(self.ns)})
         return int(out.get("deleted", 0))
 

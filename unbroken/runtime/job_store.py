@@ -108,6 +108,11 @@ class JobStore:
     def num_keys(self) -> int:
         return self.backend.num_keys()
 
+    @property
+    def poll_s(self) -> float:
+        """The floor on a supervising loop's polling interval for this store (see :attr:`StoreBackend.poll_s`)."""
+        return self.backend.poll_s
+
     # -- config -----------------------------------------------------------------
 
     def publish_config(self, text: str) -> None:

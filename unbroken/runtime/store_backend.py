@@ -83,6 +83,9 @@ def _namespace(secret: str) -> str:
 class StoreBackend(ABC):
     """A key-value store with compare-and-set and counters (the subset of ``torch.distributed.Store`` used)."""
 
+    poll_s: float = 0.0
+    """The shortest sensible interval between two polls of the same keys by a supervising loop (0: no floor)."""
+
     @abstractmethod
     def get(self, key: str) -> bytes: ...
     @abstractmethod
