@@ -378,7 +378,7 @@ def _supervise(agents: list[subprocess.Popen[bytes]], store: JobStore, run_dir: 
         if now - last_progress > limit:
             what = "committed no step" if committed is None else f"committed no step after step {committed}"
             raise TimeoutError(f"the job {what} for {limit:.0f} s; see {run_dir / 'logs'}")
-        time.sleep(POLL_S)
+        time.sleep(max(POLL_S, store.poll_s))
 
 
 class _NodeReplacer:

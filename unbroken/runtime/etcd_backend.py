@@ -150,9 +150,10 @@ class _Cluster:
 class EtcdBackend(StoreBackend):
     """The job's keys on etcd, under ``PREFIX/<namespace>/`` (module docstring)."""
 
-    poll_s = 0.05
-    """Each request is an HTTP round trip (1-3 ms, and a raft write for a put): an agent's loop that polls
-    every few milliseconds would keep the cluster busy for nothing, so supervising loops poll at most this often."""
+    poll_s = 0.1
+    """Each request is an HTTP round trip (1-3 ms, and a raft write for a put) and CPU on every member: loops
+    that poll every few milliseconds (agents, launcher, a worker's detector during a collective) would keep
+    the cluster busy for nothing, so they poll at most this often (hangs are judged over seconds anyway)."""
 
     def __init__(self, addr: str, secret: str, *, timeout_s: float) -> None:
         endpoints, prefix = parse_etcd(addr)
