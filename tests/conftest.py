@@ -24,6 +24,7 @@ def corpus_overrides() -> list[str]:
 @pytest.fixture(scope="session")
 def etcd_cluster():
     """One real 3-member etcd cluster on loopback for the whole session (skipped where etcd is not installed)."""
+    pytest.importorskip("etcd3gw", reason="the etcd client is not installed: pip install 'unbroken[etcd]'")
     from unbroken.bench.etcd_cluster import EtcdNotFound, LocalEtcd
 
     try:
