@@ -9,7 +9,8 @@ and measures, alternating the two stores so that drift cancels:
    compare-and-set, add, check, multi_get of 4 keys) from a client process;
 2. **failure-free step time**: median step time after warm-up of the same job on
    each store, interleaved ``--repeats`` times; ratio etcd / TCPStore (target <= 1.02);
-3. **store operations per step**: requests the etcd members served (their
+3. **store operations per step**: the step protocol's own requests per step
+   (counted exactly, in-process, over 100 and 400 steps); and requests the etcd members served (their
    ``grpc_server_handled_total`` for the KV service), per committed step and
    per worker, over the first and the second half of the steady steps of a run
    (equal halves: O(1) per step, independent of the step count); also per second;
@@ -32,6 +33,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import requests
+import torch
 
 from unbroken.agent.launcher import launch
 from unbroken.bench._args import parse_with_overrides
@@ -40,9 +42,13 @@ from unbroken.bench.report import summarize_run
 from unbroken.bench.throughput import machine_description
 from unbroken.config import Config, load_config
 from unbroken.faults.store_loss import STORE_PIDS_ENV
-from unbroken.jsonl import read_jsonl
+from unbroken.jsonl import JsonlWriter, read_jsonl
+from unbroken.mecefo.takeover import takeover_policy
 from unbroken.runtime.etcd_backend import parse_etcd
 from unbroken.runtime.job_store import JobStore
+from unbroken.runtime.membership import Membership
+from unbroken.runtime.protocol import StepProtocol
+from unbroken.runtime.view import View
 
 __all__ = ["main"]
 
@@ -91,6 +97,37 @@ def _latency(url: str, ops: int) -> dict[str, dict[str, float]]:
     return out
 
 
+class _ConstantJob:
+    """A job of one slot whose gradient is a constant: only the protocol's store traffic is measured."""
+
+    n_slots, micro_batch, device = 1, 2, torch.device("cpu")
+    model = optimizer = None
+
+    def gradient_sums(self, step: int, items: list[Any]) -> torch.Tensor:
+        return torch.ones(4)
+
+
+def _protocol_requests(url: str, tmp: Path) -> dict[str, float]:
+    """etcd requests the step protocol itself sends per step (one member, no heartbeat thread), over runs of
+    100 and 400 steps: a count, not a timing, so it is exact; equal figures mean O(1) per step."""
+    out = {}
+    for steps in (100, 400):
+        store = JobStore.create_on_etcd(url, timeout_s=10, secret=f"bench-protocol-{steps}", job={"bench": "store"})
+        m = Membership(store, 0, heartbeat_timeout_s=5.0)
+        store.beat(0)
+        p = StepProtocol(m, _ConstantJob(), policy=takeover_policy("spread"), timeout_s=10,
+                         events=JsonlWriter(tmp / f"protocol{steps}.jsonl"))
+        store.publish_initial(View(gen=0, members=(0,), step=0))
+        p.adopt(store.current_view())
+        p.run_step(0)
+        before = store.backend.round_trips  # type: ignore[attr-defined]
+        for step in range(1, steps + 1):
+            p.run_step(step)
+        out[f"per_step_over_{steps}_steps"] = (store.backend.round_trips - before) / steps  # type: ignore[attr-defined]
+        store.backend.clear()  # type: ignore[attr-defined]
+    return out
+
+
 def _run(a: argparse.Namespace, tmp: Path, name: str, cfg: Config, store: str | None,
          probe: Callable[[int], None] | None = None, **kw: Any) -> dict[str, Any]:
     run_dir = tmp / name
@@ -122,7 +159,7 @@ def _steady(a: argparse.Namespace, tmp: Path, url: str) -> dict[str, Any]:
         halves.append({"first_half": (r1 - r0) / (s1 - s0) / workers, "second_half": (r2 - r1) / (s2 - s1) / workers,
                        "per_worker_per_s": (r2 - r0) / (t2 - t0) / workers,
                        "steps": [s0, s1, s2]})
-    return {"median_step_s": medians,
+    return {"median_step_s": medians, "protocol_requests": _protocol_requests(url, tmp),
             "ratio_etcd_vs_tcp": statistics.median(medians["etcd"]) / statistics.median(medians["tcp"]),
             "target": 1.02, "etcd_requests_per_worker_per_step": halves}
 
@@ -203,6 +240,9 @@ def _print(r: dict[str, Any]) -> None:
         s = r["steady"]
         print(f"failure-free step time etcd / TCPStore: {s['ratio_etcd_vs_tcp']:.3f} (target <= {s['target']}); "
               f"medians {s['median_step_s']}")
+        pr = s["protocol_requests"]
+        print("  the step protocol's own etcd requests per step (exact count, one member): "
+              + ", ".join(f"{v:.2f} {k.replace('_', ' ')}" for k, v in pr.items()))
         for h in s["etcd_requests_per_worker_per_step"]:
             print(f"  etcd requests per worker per step: {h['first_half']:.1f} (steps {h['steps'][0]}-{h['steps'][1]})"
                   f", {h['second_half']:.1f} (steps {h['steps'][1]}-{h['steps'][2]}); "
