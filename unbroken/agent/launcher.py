@@ -240,8 +240,8 @@ def _run_attempts(host: _StoreHost, cfg: Config, run_dir: Path, on_record: Calla
     restarts: list[dict[str, int]] = []
     while True:
         start_step = int(read_commit(resume_from)["step"]) if resume_from else 0
-        outcome = _attempt(host.store, host.addr, cfg, run_dir, on_record, on_event=on_event, start_step=start_step,
-                           resume_from=resume_from, **agent_args)
+        outcome = _attempt(host.store, host.addr, cfg, run_dir, on_record, on_event=on_event,
+                           start_step=start_step, resume_from=resume_from, **agent_args)
         if outcome is None:
             return restarts
         if outcome != _DEATH:
