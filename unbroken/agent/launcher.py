@@ -256,7 +256,8 @@ def _run_attempts(host: _StoreHost, cfg: Config, run_dir: Path, on_record: Calla
         host.replace((run_dir / "config.json").read_text())
 
 
-def _attempt(store: JobStore, addr: str, cfg: Config, run_dir: Path, on_record: Callable[[dict[str, Any]], None] | None, *,
+def _attempt(store: JobStore, addr: str, cfg: Config, run_dir: Path,
+             on_record: Callable[[dict[str, Any]], None] | None, *,
              on_event: Callable[[dict[str, Any]], None] | None = None, replace_lost_nodes_s: float | None = None,
              store_faults: StoreFaults | None = None, **agent_args: Any) -> str | None:
     """Run the agents until done (None), failed (message) or, under checkpoint-restart, a death."""
