@@ -67,11 +67,26 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
     isolation=""
     .venv/bin/python -c "import setuptools, sys; sys.exit(int(setuptools.__version__.split('.')[0]) < 68)" 2>/dev/null \
         && isolation="--no-build-isolation"
-    # [hf] too: the tests (and CI) exercise model.family = hf-llama.
-    .venv/bin/python -m pip install -q $isolation -e ".[test,hf]" 2>&1 | grep -v "^WARNING: Location" || true
+    # [hf] too: the tests (and CI) exercise model.family = hf-llama; [etcd]: the etcd store backend.
+    .venv/bin/python -m pip install -q $isolation -e ".[test,hf,etcd]" 2>&1 | grep -v "^WARNING: Location" || true
     # Checked from outside the checkout, so that the source tree on sys.path cannot pass for an install.
     (venv_python="$PWD/.venv/bin/python"; cd / && "$venv_python" -c "import unbroken, torch, tokenizers, safetensors, rich, pytest_timeout, transformers") \
         && [ -x .venv/bin/unbroken ] \
         || { echo "setup: installation incomplete (see pip's messages above)" >&2; exit 1; }
     touch "$stamp"
+fi
+# etcd (the etcd-server package) for the tests and benchmarks of --store etcd://: installed when missing and
+# possible (root, or passwordless sudo, with apt-get); otherwise those tests skip and say how to get it.
+if ! command -v etcd >/dev/null 2>&1 && [ -z "${UNBROKEN_ETCD:-}" ]; then
+    sudo_cmd=""
+    [ "$(id -u)" -eq 0 ] || { command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null && sudo_cmd="sudo -n"; }
+    if command -v apt-get >/dev/null 2>&1 && { [ "$(id -u)" -eq 0 ] || [ -n "$sudo_cmd" ]; }; then
+        echo "setup: installing etcd-server (apt-get)"
+        $sudo_cmd apt-get install -y -q etcd-server >/dev/null 2>&1 \
+            || { $sudo_cmd apt-get update -q >/dev/null 2>&1 && $sudo_cmd apt-get install -y -q etcd-server >/dev/null 2>&1; } \
+            || echo "setup: etcd-server could not be installed; the etcd tests will skip" >&2
+    else
+        echo "setup: no etcd: the etcd tests will skip. Install it as root (apt-get install etcd-server)," \
+             "or put an etcd 3.4+ binary on PATH or in UNBROKEN_ETCD" >&2
+    fi
 fi

@@ -31,3 +31,17 @@ def _snapshot_memory_is_released():
     yield
     for path in set(SHM_DIR.glob("unbroken-*")) - before:
         path.unlink(missing_ok=True)
+
+
+@pytest.fixture(scope="session")
+def etcd_cluster():
+    """One real 3-member etcd cluster on loopback for the whole session (skipped where etcd is not installed)."""
+    pytest.importorskip("etcd3gw", reason="the etcd client is not installed: pip install 'unbroken[etcd]'")
+    from unbroken.bench.etcd_cluster import EtcdNotFound, LocalEtcd
+
+    try:
+        cluster = LocalEtcd(3)
+    except EtcdNotFound as exc:
+        pytest.skip(str(exc))
+    yield cluster
+    cluster.stop()

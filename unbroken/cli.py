@@ -109,7 +109,8 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     try:
         summary = launch(cfg, out, nodes=nodes, workers_per_node=per_node, overwrite=args.overwrite,
                          resume=args.resume is not None, on_record=console.record, on_event=console.event,
-                         fail_at=extra_faults, standby=args.standby, restart=args.restart)
+                         fail_at=extra_faults, standby=args.standby, restart=args.restart,
+                         store=_store_url(args.store))
     except (JobFailed, AgentFailed, TimeoutError) as exc:  # the run failed; the input was fine
         failure: Exception | None = exc
     else:
@@ -303,7 +304,26 @@ def cmd_agent(args: argparse.Namespace, overrides: list[str]) -> int:
         raise ValueError(str(exc)) from None
 
 
+def _store_url(addr: str | None) -> str | None:
+    """``unbroken train --store``: an etcd cluster's address, checked (the embedded store needs none)."""
+    if addr is None:
+        return None
+    if not addr.startswith("etcd://"):
+        raise ValueError(f"--store {addr!r}: expected etcd://HOST:PORT[,HOST:PORT...][/PREFIX] (leave it out for "
+                         f"the store embedded in this process, on train.host:train.port)")
+    _check_store_address(addr)
+    return addr
+
+
 def _check_store_address(addr: str) -> None:
+    if addr.startswith("etcd://"):
+        from unbroken.runtime.etcd_backend import parse_etcd
+
+        try:
+            parse_etcd(addr)
+        except ValueError as exc:
+            raise ValueError(f"--store: {exc}") from None
+        return
     host, sep, port = addr.rpartition(":")
     if not (sep and host and port.isdigit() and 1 <= int(port) <= 65535):
         raise ValueError(f"--store {addr!r}: expected HOST:PORT with PORT in 1..65535, e.g. --store 10.0.0.1:29500 "
@@ -439,6 +459,8 @@ def _add_cluster_args(tr: argparse.ArgumentParser) -> None:
     tr.add_argument("--standby", action="store_true", help="keep a warm standby worker on every node")
     tr.add_argument("--restart", choices=("on-failure", "never"), default="on-failure",
                     help="restart dead workers as joiners (default on-failure)")
+    tr.add_argument("--store", default=None, metavar="etcd://HOST:PORT[,...]",
+                    help="the job's store on an etcd cluster (default: embedded in this process)")
 
 
 def _add_agent_parser(sub: Any) -> None:

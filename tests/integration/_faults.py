@@ -51,6 +51,8 @@ class Job:
     summary: dict[str, Any]
     pids: set[int]
     wall_s: float
+    store: str | None = None
+    """The job's etcd cluster; None: the launcher's embedded store."""
 
     @functools.cached_property
     def records(self) -> list[dict[str, Any]]:
@@ -88,8 +90,8 @@ class Job:
 
 
 def run_job(cfg: Config, run_dir: Path, *, nodes: int, workers_per_node: int, fail_at: str = "",
-            restart: str = "never") -> Job:
-    """Launch the job; records every pid the run directory names while it runs."""
+            restart: str = "never", store: str | None = None) -> Job:
+    """Launch the job (on the etcd cluster ``store``, if given); records every pid the run directory names."""
     pids: set[int] = set()
 
     def seen(_record: dict[str, Any]) -> None:
@@ -97,7 +99,7 @@ def run_job(cfg: Config, run_dir: Path, *, nodes: int, workers_per_node: int, fa
 
     t0 = time.monotonic()
     summary = launch(cfg, run_dir, nodes=nodes, workers_per_node=workers_per_node, fail_at=fail_at,
-                     restart=restart, on_record=seen)
+                     restart=restart, on_record=seen, store=store)
     wall = time.monotonic() - t0
     pids.update(_pid_files(run_dir))
     for path in (run_dir / "events").glob("agent*.jsonl"):
@@ -106,7 +108,7 @@ def run_job(cfg: Config, run_dir: Path, *, nodes: int, workers_per_node: int, fa
             pids.update(e.get("pids", []))
     launched = Config.from_dict(cfg.to_dict())
     launched.train.workers = nodes * workers_per_node
-    return Job(run_dir=run_dir, cfg=launched, summary=summary, pids=pids, wall_s=wall)
+    return Job(run_dir=run_dir, cfg=launched, summary=summary, pids=pids, wall_s=wall, store=store)
 
 
 def check_invariants(job: Job, *, live: list[int]) -> None:
@@ -117,8 +119,12 @@ def check_invariants(job: Job, *, live: list[int]) -> None:
     leaked = [pid for pid in sorted(job.pids) if _ours_alive(pid, job.run_dir)]
     assert job.pids, "no process of the job was seen"
     assert not leaked, f"processes of the job still running after launch returned: {leaked}"
-    port = store_port(job.run_dir)
-    assert port_free(port), f"the store port {port} is still in use after launch returned"
+    if job.store is None:
+        port = store_port(job.run_dir)
+        assert port_free(port), f"the store port {port} is still in use after launch returned"
+    else:
+        left = etcd_keys_left(job)
+        assert left == 0, f"{left} keys of the job are still on {job.store} after launch returned"
 
     cfg, s = job.cfg, job.summary
     assert s["steps"] == cfg.train.steps, f"the run stopped at step {s['steps']} of {cfg.train.steps}"
@@ -138,6 +144,14 @@ def check_invariants(job: Job, *, live: list[int]) -> None:
     bound = cfg.fault.heartbeat_timeout_s + RECONFIGURE_SLACK_S
     slow = [e for e in job.events("reconfigured") if e["seconds"] > bound]
     assert not slow, f"view changes took longer than {bound} s: {[(e['worker'], e['gen'], e['seconds']) for e in slow]}"
+
+
+def etcd_keys_left(job: Job) -> int:
+    """How many keys of the job (under its secret's namespace) are still on its etcd cluster."""
+    from unbroken.runtime.etcd_backend import EtcdBackend
+    from unbroken.runtime.store_backend import job_secret
+
+    return EtcdBackend(job.store, job_secret(job.run_dir), timeout_s=10).num_keys()
 
 
 def store_port(run_dir: Path) -> int:

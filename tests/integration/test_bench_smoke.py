@@ -1,4 +1,4 @@
-"""Smoke tests: the throughput and failover benchmarks run end to end and write their JSON."""
+"""Smoke tests: the throughput, failover and store benchmarks run end to end and write their JSON."""
 
 from __future__ import annotations
 
@@ -39,3 +39,14 @@ def test_bench_rejects_unknown_arguments(capsys):
         throughput.main(["--bogus", "1"])
     assert main(["bench", "nope"]) == 2
     assert "unknown benchmark 'nope'" in capsys.readouterr().err
+
+
+def test_store_benchmark_latency_part(tmp_path, etcd_cluster):
+    """On the session's etcd cluster (``--store``): the latency table of both stores, and its JSON."""
+    from unbroken.bench import store
+
+    out = tmp_path / "store.json"
+    result = store.main(["--parts", "latency", "--ops", "5", "--store", etcd_cluster.url, "--out", str(out)])
+    assert json.loads(out.read_text())["latency_us"] == result["latency_us"]
+    assert set(result["latency_us"]) == {"tcp", "etcd"}
+    assert all(v > 0 for lat in result["latency_us"].values() for v in lat.values())

@@ -29,6 +29,8 @@ from _faults import Job, check_invariants, failover_config, run_job
 from _reference import checkpoint_params, reference_train
 from unbroken.bench.report import summarize_run
 from unbroken.data import BatchSampler
+from unbroken.faults.store_loss import STORE_PIDS_ENV
+from unbroken.jsonl import read_jsonl
 from unbroken.mecefo.takeover import POLICIES
 from unbroken.mecefo.gradients import SlotWork
 
@@ -93,10 +95,28 @@ def test_sigkill_mid_step(tmp_path, corpus_overrides, phase):
     assert job.summary["failures"] == 1
 
 
-def test_sigkill_right_after_confirm(tmp_path, corpus_overrides):
-    """A worker that confirmed holds the reduced gradient: the step commits with its work; the next step sees the loss."""
+@pytest.mark.parametrize("backend", ["tcp", "etcd"])
+def test_sigkill_right_after_confirm(tmp_path, corpus_overrides, backend, request, monkeypatch):
+    """A worker that confirmed holds the reduced gradient: the step commits with its work; the next step sees the loss.
+
+    Also on a 3-member etcd cluster whose leader is SIGKILLed after step 7: the same assertions (so that
+    loss costs no step: step 5 stays the only one with a failure), and none of the job's keys left there.
+    """
+    fail_at, store = "step=4:worker=1:kill:phase=confirm", None
+    if backend == "etcd":
+        cluster = request.getfixturevalue("etcd_cluster")
+        leader, store = cluster.leader(), cluster.url
+        fail_at += f",step=7:store={leader}:kill"
+        monkeypatch.setenv(STORE_PIDS_ENV, str(cluster.pids_file))
     cfg = failover_config(corpus_overrides, 10)
-    job = run_job(cfg, tmp_path / "run", nodes=1, workers_per_node=3, fail_at="step=4:worker=1:kill:phase=confirm")
+    try:
+        job = run_job(cfg, tmp_path / "run", nodes=1, workers_per_node=3, fail_at=fail_at, store=store)
+    finally:
+        if backend == "etcd":
+            cluster.restart_member(leader)  # for the session's other tests
+    if backend == "etcd":
+        (fired,) = read_jsonl(job.run_dir / "events" / "store.jsonl")
+        assert fired["member"] == leader and fired["committed"] >= 7
     check_invariants(job, live=[0, 2])
     (fired,) = job.events("fault_self", worker=1)
     assert (fired["step"], fired["phase"]) == (4, "confirm")

@@ -66,10 +66,10 @@ def test_all_errors_at_once() -> None:
         parse_fail_at(text)
     msg = str(e.value)
     for expected in [
-        "'step=1:worker=0:kill:color=red': unknown key 'color' (='red'); expected one of step, worker, node, how, phase, for, back",
+        "'step=1:worker=0:kill:color=red': unknown key 'color' (='red'); expected one of step, worker, node, store, how, phase, for, back",
         "'worker=1:kill': missing step=N",
-        "'step=2:worker=1:node=0:kill': both worker= and node=; give exactly one",
-        "'step=3:kill': neither worker= nor node=; give exactly one",
+        "'step=2:worker=1:node=0:kill': more than one of worker=, node=, store=; give exactly one",
+        "'step=3:kill': none of worker=, node=, store=; give exactly one",
         "step='-4' is negative; expected an integer >= 0",
         "worker='-1' is negative; expected an integer >= 0",
         "'explode' is neither key=value nor one of kill, stop, term",

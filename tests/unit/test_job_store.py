@@ -1,4 +1,5 @@
-"""The typed job store on a real TCPStore: key schema, votes, races between processes, pruning."""
+"""The typed job store on a real TCPStore and a real 3-member etcd cluster: key schema, votes, races between
+processes, pruning."""
 
 from __future__ import annotations
 
@@ -18,11 +19,20 @@ from unbroken.runtime.protocol import StepProtocol
 from unbroken.runtime.view import View
 
 
-@pytest.fixture()
-def store():
-    s = JobStore.host("127.0.0.1", 0, clients=3, secret="test")
+@pytest.fixture(params=["tcp", "etcd"])
+def store(request):
+    """A fresh job store on each backend; ``store.addr`` is the address a client connects to."""
+    if request.param == "tcp":
+        s = JobStore.host("127.0.0.1", 0, clients=3, secret="test")
+        s.addr = f"127.0.0.1:{s.port}"
+        yield s
+        del s
+        return
+    cluster = request.getfixturevalue("etcd_cluster")
+    s = JobStore.create_on_etcd(cluster.url, timeout_s=10, secret=f"test-{request.node.name}", job={"test": 1})
+    s.addr = cluster.url
     yield s
-    del s
+    s.backend.clear()
 
 
 def test_views_open_their_outcome_and_proposals_agree(store):
@@ -72,8 +82,8 @@ RACER = """
 import json, sys
 from unbroken.runtime.job_store import JobStore
 from unbroken.runtime.view import View
-port, me, rounds = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-store = JobStore.connect(f"127.0.0.1:{port}", timeout_s=20, secret="test")
+addr, me, rounds, secret = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+store = JobStore.connect(addr, timeout_s=20, secret=secret)
 store.backend.add("ready", 1)
 while store.backend.add("ready", 0) < 2:
     pass
@@ -87,10 +97,11 @@ print(json.dumps(won))
 """
 
 
-def test_compare_and_set_races_between_two_processes_have_one_winner(store):
+def test_compare_and_set_races_between_two_processes_have_one_winner(store, request):
     store.publish_initial(View(gen=0, members=(0, 1, 2), step=0))
-    rounds = 300
-    procs = [subprocess.Popen([sys.executable, "-c", RACER, str(store.port), str(me), str(rounds)],
+    rounds = 300 if "tcp" in request.node.name else 100
+    secret = "test" if "tcp" in request.node.name else f"test-{request.node.name}"
+    procs = [subprocess.Popen([sys.executable, "-c", RACER, store.addr, str(me), str(rounds), secret],
                               stdout=subprocess.PIPE, text=True) for me in (0, 1)]
     outs = [json.loads(p.communicate(timeout=60)[0]) for p in procs]
     assert all(p.returncode == 0 for p in procs)
@@ -111,7 +122,7 @@ class _Job:
         return torch.ones(4)
 
 
-def test_the_key_count_stays_bounded_over_1000_steps_and_view_changes(store, tmp_path: Path):
+def test_the_key_count_stays_bounded_over_1000_steps_and_view_changes(store, tmp_path: Path, request):
     m = Membership(store, 0, heartbeat_timeout_s=0.05)
     store.beat(0)
     p = StepProtocol(m, _Job(), policy=takeover_policy("spread"), events=JsonlWriter(tmp_path / "w0.jsonl"),
@@ -129,4 +140,7 @@ def test_the_key_count_stays_bounded_over_1000_steps_and_view_changes(store, tmp
     # After the first view change the count never moves again: each new view's keys replace the old ones
     # (they are pruned at the new view's first commit), and no key is per step.
     assert set(counts[100:]) == {counts[-1]}
-    assert counts[-1] == counts[0] + 3, "the deaths counter, the prune marker and one view's item key"
+    if "tcp" in request.node.name:
+        assert counts[-1] == counts[0] + 3, "the deaths counter, the prune marker and one view's item key"
+    else:  # etcd: step 0 may still count a key of the group's rendezvous that goes soon after
+        assert counts[0] + 2 <= counts[-1] <= counts[0] + 3

@@ -32,6 +32,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -50,7 +51,7 @@ from unbroken.faults.fail_at import format_fail_at, write_fault_plan
 from unbroken.faults.injector import DeathCause, Injection, NodeFaults, workers_of
 from unbroken.jsonl import JsonlWriter
 from unbroken.runtime.job_store import JobStore
-from unbroken.runtime.store_backend import SECRET_ENV, StoreAccessDenied, job_secret
+from unbroken.runtime.store_backend import ETCD_SCHEME, SECRET_ENV, StoreAccessDenied, job_secret
 from unbroken.runtime.membership import EXIT_FENCED
 from unbroken.runtime.view import View
 from unbroken.config import Config, config_hash
@@ -172,11 +173,16 @@ class Agent:
         except dist.DistError as exc:
             if self._done_at is not None:
                 return 0  # the store's host closed it after the end: nothing was lost
-            raise AgentError(f"node {self.node}: lost the store {self.opts.store}: {str(exc).splitlines()[0]}", 1) from None
+            raise AgentError(f"node {self.node}: lost the store {self.opts.store} ({str(exc).splitlines()[0]}): "
+                             f"its workers are stopped, the committed checkpoints kept; continue with "
+                             f"unbroken train --resume {self.run_dir}", 1) from None
         finally:
             self._shutdown()
 
     def _host_store(self, secret: str) -> JobStore:
+        if self.opts.store.startswith(ETCD_SCHEME):  # open the job's keys on the cluster; nothing to host
+            job = {"run_dir": str(self.run_dir.resolve()), "host": socket.gethostname(), "pid": os.getpid()}
+            return JobStore.create_on_etcd(self.opts.store, timeout_s=self.opts.timeout_s, secret=secret, job=job)
         host, _, port = self.opts.store.rpartition(":")
         if not port.isdigit():
             raise ValueError(f"--store {self.opts.store!r} is not HOST:PORT")
@@ -226,7 +232,7 @@ class Agent:
                 code = self._status(now)
                 if code is not None:
                     return code
-            time.sleep(LOOP_S)
+            time.sleep(max(LOOP_S, self.store.poll_s))
 
     def _status(self, now: float) -> int | None:
         """Follow ``done`` / ``failed``; an exit code once this agent's part is over."""

@@ -30,6 +30,7 @@ import copy
 import gc
 import json
 import signal
+import socket
 import os
 import logging
 import subprocess
@@ -38,16 +39,20 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+import torch.distributed as dist
+
 from unbroken.agent.events import EventMerger
 from unbroken.agent.options import RESTART_POLICIES
 from unbroken.config import Config, config_hash
 from unbroken.faults.fail_at import FaultSpec, parse_fail_at, trace_to_faults, write_fault_plan
 from unbroken.faults.injector import check_faults
+from unbroken.faults.store_loss import StoreFaults
 from unbroken.faults.traces import FailureTrace, generate_trace, step_time_for
 from unbroken.jsonl import JsonlTail, read_jsonl
 from unbroken.runtime.checkpoint import latest_checkpoint, read_commit
 from unbroken.snapshot.capacity import check_snapshot_config
 from unbroken.agent.preflight import _truncate_metrics, preflight, prepare_run_dir
+from unbroken.runtime.etcd_backend import parse_etcd
 from unbroken.runtime.job_store import JobStore
 from unbroken.runtime.store_backend import SECRET_ENV, new_secret, save_secret
 from unbroken.runtime.recovery import recovery
@@ -93,6 +98,7 @@ def launch(
     standby: bool = False,
     restart: str = "on-failure",
     replace_lost_nodes_s: float | None = None,
+    store: str | None = None,
 ) -> dict[str, Any]:
     """Train ``cfg`` with ``nodes`` local agents of ``workers_per_node`` workers each.
 
@@ -107,6 +113,8 @@ def launch(
         replace_lost_nodes_s: play a cluster scheduler that replaces lost machines: an agent that
             dies by SIGKILL (a lost node) is started again this many seconds later, as a new machine
             for that node rank, whose workers rejoin; None: a lost node stays lost.
+        store: ``etcd://HOST:PORT[,...][/PREFIX]``: the job's keys on that etcd cluster (they are deleted
+            at the end); None: a ``TCPStore`` embedded in this process, on ``train.host:train.port``.
     Returns:
         The summary also written to ``<run_dir>/summary.json``.
     Raises:
@@ -121,8 +129,25 @@ def launch(
     specs, trace = _job_faults(cfg, fail_at, nodes, workers_per_node)
     info = preflight(cfg)
     check_snapshot_config(cfg, nodes, workers_per_node, info.get("vocab_size"))
+    store_faults = StoreFaults(specs, members=len(parse_etcd(store)[0]) if store else None, run_dir=run_dir)
     secret = new_secret()
-    host = _StoreHost(cfg, nodes, secret)  # bound before anything is written: a port in use fails early
+    host = _StoreHost(cfg, nodes, secret, store, run_dir)  # before anything is written: a port in use fails early
+    try:
+        return _launch(host, cfg, run_dir, overwrite=overwrite, resume=resume, on_record=on_record,
+                       on_event=on_event, specs=specs, trace=trace, info=info, nodes=nodes,
+                       workers_per_node=workers_per_node, restart=restart, standby=standby,
+                       replace_lost_nodes_s=replace_lost_nodes_s, store_faults=store_faults)
+    finally:
+        host.close()
+
+
+def _launch(host: _StoreHost, cfg: Config, run_dir: Path, *, overwrite: bool, resume: bool,
+            on_record: Callable[[dict[str, Any]], None] | None, on_event: Callable[[dict[str, Any]], None] | None,
+            specs: tuple[FaultSpec, ...], trace: FailureTrace | None, info: Any, nodes: int, workers_per_node: int,
+            restart: str, standby: bool, replace_lost_nodes_s: float | None,
+            store_faults: StoreFaults) -> dict[str, Any]:
+    """:func:`launch` once its store is open: prepare the run directory, run every attempt, summarise."""
+    mode, secret = recovery(cfg.fault.recovery), host.secret
     resume_from = prepare_run_dir(run_dir, cfg, overwrite=overwrite, resume=resume)
     save_secret(run_dir, secret)
     host.store.publish_config((run_dir / "config.json").read_text())
@@ -134,7 +159,7 @@ def launch(
     t0 = time.time()
     restarts = _run_attempts(host, cfg, run_dir, on_record, resume_from, on_event=on_event, nodes=nodes,
                              workers_per_node=workers_per_node, restart=restart, fault_plan=plan, standby=standby,
-                             secret=secret, replace_lost_nodes_s=replace_lost_nodes_s,
+                             secret=secret, replace_lost_nodes_s=replace_lost_nodes_s, store_faults=store_faults,
                              resume_memory=resume and not mode.restarts_job)
     summary = _summarise(run_dir, cfg, info, time.time() - t0, resume_from, nodes=nodes, t0=t0)
     if mode.restarts_job:
@@ -152,14 +177,35 @@ class _StoreHost:
 
     A new attempt needs an empty store (no views, dead marks or progress of the last one) at the same
     address (``train.port`` may be fixed), so the old store is closed before the new one is hosted.
+    On etcd (``url``) the job's keys are opened on the cluster instead, deleted between attempts and
+    at the end.
     """
 
-    def __init__(self, cfg: Config, nodes: int, secret: str) -> None:
-        self.cfg, self.clients, self.secret = cfg, cfg.train.workers + nodes, secret
+    def __init__(self, cfg: Config, nodes: int, secret: str, url: str | None = None,
+                 run_dir: Path | None = None) -> None:
+        self.cfg, self.clients, self.secret, self.url = cfg, cfg.train.workers + nodes, secret, url
+        self.job = {"run_dir": str(Path(run_dir or ".").resolve()), "host": socket.gethostname(),
+                    "pid": os.getpid(), "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
         self.store: JobStore = self._host()
 
+    @property
+    def addr(self) -> str:
+        """The ``--store`` address agents and workers connect to."""
+        return self.url or f"{self.cfg.train.host}:{self.store.port}"
+
     def _host(self) -> JobStore:
+        if self.url:
+            return JobStore.create_on_etcd(self.url, timeout_s=self.cfg.train.timeout_s, secret=self.secret,
+                                           job=self.job)
         return JobStore.host(self.cfg.train.host, self.cfg.train.port, clients=self.clients, secret=self.secret)
+
+    def close(self) -> None:
+        """On etcd: delete the job's keys (the embedded store goes with this process)."""
+        if self.url and getattr(self, "store", None) is not None:
+            try:
+                self.store.backend.clear()  # type: ignore[attr-defined]
+            except dist.DistError as exc:
+                logger.warning("could not delete the job's keys on %s: %s", self.url, exc)
 
     def replace(self, config_text: str) -> JobStore:
         """Close the store (every agent of the attempt is stopped) and host an empty one; returns it.
@@ -167,6 +213,8 @@ class _StoreHost:
         Raises:
             ValueError: the port did not become free within ``REHOST_S`` (someone else took it).
         """
+        if self.url:
+            self.store.backend.clear()  # type: ignore[attr-defined]
         del self.store  # the only reference: the TCPStore server stops and its listening socket closes
         gc.collect()  # in case a reference cycle (a traceback) still held it
         deadline = time.monotonic() + REHOST_S
@@ -195,8 +243,8 @@ def _run_attempts(host: _StoreHost, cfg: Config, run_dir: Path, on_record: Calla
     restarts: list[dict[str, int]] = []
     while True:
         start_step = int(read_commit(resume_from)["step"]) if resume_from else 0
-        outcome = _attempt(host.store, cfg, run_dir, on_record, on_event=on_event, start_step=start_step,
-                           resume_from=resume_from, **agent_args)
+        outcome = _attempt(host.store, host.addr, cfg, run_dir, on_record, on_event=on_event,
+                           start_step=start_step, resume_from=resume_from, **agent_args)
         if outcome is None:
             return restarts
         if outcome != _DEATH:
@@ -211,12 +259,12 @@ def _run_attempts(host: _StoreHost, cfg: Config, run_dir: Path, on_record: Calla
         host.replace((run_dir / "config.json").read_text())
 
 
-def _attempt(store: JobStore, cfg: Config, run_dir: Path, on_record: Callable[[dict[str, Any]], None] | None, *,
+def _attempt(store: JobStore, addr: str, cfg: Config, run_dir: Path,
+             on_record: Callable[[dict[str, Any]], None] | None, *,
              on_event: Callable[[dict[str, Any]], None] | None = None, replace_lost_nodes_s: float | None = None,
-             **agent_args: Any) -> str | None:
+             store_faults: StoreFaults | None = None, **agent_args: Any) -> str | None:
     """Run the agents until done (None), failed (message) or, under checkpoint-restart, a death."""
     agents: list[subprocess.Popen[bytes]] = []
-    addr = f"{cfg.train.host}:{store.port}"
     replacer = None
     if replace_lost_nodes_s is not None:
         replacer = _NodeReplacer(replace_lost_nodes_s, lambda r: _spawn_agent(r, cfg, run_dir, addr, **agent_args))
@@ -225,7 +273,7 @@ def _attempt(store: JobStore, cfg: Config, run_dir: Path, on_record: Callable[[d
             for r in range(agent_args["nodes"]):
                 agents.append(_spawn_agent(r, cfg, run_dir, addr, **agent_args))
             return _supervise(agents, store, run_dir, cfg, on_record, events=events, on_event=on_event,
-                              replacer=replacer)
+                              replacer=replacer, store_faults=store_faults)
         finally:
             _stop_agents(agents)
             for e in events.poll():  # the exits of the agents' shutdown, for events.jsonl
@@ -290,7 +338,7 @@ def _spawn_agent(node: int, cfg: Config, run_dir: Path, store_addr: str, *, node
 def _supervise(agents: list[subprocess.Popen[bytes]], store: JobStore, run_dir: Path, cfg: Config,
                on_record: Callable[[dict[str, Any]], None] | None, *, events: EventMerger | None = None,
                on_event: Callable[[dict[str, Any]], None] | None = None,
-               replacer: _NodeReplacer | None = None) -> str | None:
+               replacer: _NodeReplacer | None = None, store_faults: StoreFaults | None = None) -> str | None:
     """Follow the job to its end; returns ``None`` when done, else the failure message.
 
     Every poll hands the new metrics records to ``on_record`` and merges the new events (``events``)
@@ -305,6 +353,8 @@ def _supervise(agents: list[subprocess.Popen[bytes]], store: JobStore, run_dir: 
         progress = store.progress()
         if progress != committed:
             committed, last_progress = progress, now
+        if store_faults is not None:
+            store_faults.tick(progress)
         failure = store.failure()
         if failure is not None:
             return failure
@@ -333,7 +383,7 @@ def _supervise(agents: list[subprocess.Popen[bytes]], store: JobStore, run_dir: 
         if now - last_progress > limit:
             what = "committed no step" if committed is None else f"committed no step after step {committed}"
             raise TimeoutError(f"the job {what} for {limit:.0f} s; see {run_dir / 'logs'}")
-        time.sleep(POLL_S)
+        time.sleep(max(POLL_S, store.poll_s))
 
 
 class _NodeReplacer:

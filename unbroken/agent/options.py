@@ -106,7 +106,7 @@ def add_agent_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--node-rank", type=int, required=True, help="this node's rank R (0..N-1)")
     ap.add_argument("--nnodes", type=int, required=True, help="number of nodes N")
     ap.add_argument("--workers-per-node", type=int, required=True, help="workers per node W")
-    ap.add_argument("--store", required=True, help="HOST:PORT of the job's store")
+    ap.add_argument("--store", required=True, help="HOST:PORT of the job's store, or etcd://HOST:PORT[,HOST:PORT...] of its etcd cluster")
     ap.add_argument("--run-dir", type=Path, required=True, help="the run directory (holds config.json)")
     ap.add_argument("--restart", choices=RESTART_POLICIES, default="on-failure",
                     help="restart dead workers as joiners (default on-failure)")

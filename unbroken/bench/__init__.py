@@ -23,6 +23,7 @@ BENCHMARKS: dict[str, Callable[[list[str] | None], dict[str, Any]]] = {
     "mecefo-convergence": _lazy("mecefo_convergence"),
     "failover": _lazy("failover"),
     "snapshot": _lazy("snapshot"),
+    "store": _lazy("store"),
 }
 
 __all__ = ["BENCHMARKS"]

@@ -48,7 +48,7 @@ def _cfg(a: argparse.Namespace, *extra: str) -> Config:
 
 def _run(a: argparse.Namespace, tmp: Path, name: str, cfg: Config, **kw: Any) -> dict[str, Any]:
     run_dir = tmp / name
-    summary = launch(cfg, run_dir, nodes=a.nodes, workers_per_node=a.workers_per_node, **kw)
+    summary = launch(cfg, run_dir, nodes=a.nodes, workers_per_node=a.workers_per_node, store=a.store, **kw)
     train = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "train"]
     steady = [r["step_time_s"] for r in train[max(3, len(train) // 5):]]
     span = train[-1]["time"] - train[0]["time"] if len(train) > 1 else float("nan")
@@ -68,7 +68,7 @@ def _overhead(a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     # One job whose steps alternate between plain data parallelism (even) and the protocol (odd).
     alt = _cfg(a, "fault.recovery=alternate", "train.log_every=1", f"train.steps={2 * a.steps}")
     run_dir = tmp / "alternate"
-    launch(alt, run_dir, nodes=a.nodes, workers_per_node=a.workers_per_node)
+    launch(alt, run_dir, nodes=a.nodes, workers_per_node=a.workers_per_node, store=a.store)
     train = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "train"]
     steady = train[max(4, len(train) // 5):]
     by_kind = {k: [r["step_time_s"] for r in steady if (r["step"] - 1) % 2 == k] for k in (0, 1)}
@@ -144,13 +144,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--checkpoint-every", type=int, default=10, help="persistent checkpoints (checkpoint-restart)")
     ap.add_argument("--policies", default="neighbor,spread,spread-approx")
     ap.add_argument("--parts", default="overhead,failures,trace", help="which measurements to run")
+    ap.add_argument("--store", default=None, metavar="etcd://HOST:PORT[,...]",
+                    help="every job's store on this etcd cluster (default: embedded); see also unbroken bench store")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/failover.json"))
     a, a.overrides = parse_with_overrides(ap, argv)
     parts = {"overhead": _overhead, "failures": _failures, "trace": _trace}
     unknown = set(a.parts.split(",")) - set(parts)
     if unknown:
         raise ValueError(f"--parts: unknown {', '.join(sorted(unknown))}; valid: {', '.join(parts)}")
-    result: dict[str, Any] = {"benchmark": "failover", "preset": a.preset, "nodes": a.nodes,
+    result: dict[str, Any] = {"benchmark": "failover", "preset": a.preset, "store": a.store or "embedded",
+                              "nodes": a.nodes,
                               "workers_per_node": a.workers_per_node, "machine": machine_description()}
     with tempfile.TemporaryDirectory(prefix="unbroken-failover-") as tmp:
         for name in a.parts.split(","):

@@ -70,6 +70,9 @@ def run_chaos(run_dir: str | Path, fail_at: str, *, timeout_s: float = 3600.0,
         raise ValueError(f"--run-dir {run_dir}: no config.json there; is this a running job's directory?")
     steps = int(json.loads(cfg_file.read_text())["train"]["steps"])
     specs = parse_fail_at(fail_at)
+    if any(s.target == "store" for s in specs):
+        raise ValueError(f"--fail-at {fail_at!r}: unbroken chaos signals workers and nodes; a store=I target is "
+                         f"fired by the launcher (unbroken train --fail-at), or kill the store's process yourself")
     check_chaos_specs(specs)
     pending = sorted(specs, key=lambda s: s.step)
     resumes: list[tuple[float, list[int]]] = []

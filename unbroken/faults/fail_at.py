@@ -9,7 +9,10 @@ items, each a colon-separated list of fields::
 Fields of an item, in any order:
 
 * ``step=N`` (required): the training step during which the fault fires;
-* exactly one of ``worker=I`` or ``node=I``: the target;
+* exactly one of ``worker=I``, ``node=I`` or ``store=I``: the target;
+  ``store=I`` is the job's store: member ``I`` of its etcd cluster, or
+  (``store=0``, the only one) the launcher hosting the embedded store, fired
+  by the launcher with ``kill`` only (:mod:`unbroken.faults.store_loss`);
 * ``kill`` | ``stop`` | ``term`` | ``block`` (bare word, or ``how=...``;
   default ``kill``): SIGKILL, SIGSTOP (a hang), SIGTERM; ``block``: the
   worker's main thread blocks for good (a read on a pipe nobody writes) while
@@ -46,14 +49,14 @@ from unbroken.faults.traces import FailureTrace
 __all__ = ["FaultSpec", "fail_at", "format_fail_at", "parse_fail_at", "read_fault_plan", "trace_to_faults",
            "write_fault_plan"]
 
-Target = Literal["worker", "node"]
+Target = Literal["worker", "node", "store"]
 How = Literal["kill", "stop", "term", "block"]
 Phase = Literal["forward", "backward", "allreduce", "confirm", "any"]
 
 _TARGETS: tuple[str, ...] = get_args(Target)
 _HOWS: tuple[str, ...] = get_args(How)
 _PHASES: tuple[str, ...] = get_args(Phase)
-_KEYS = ("step", "worker", "node", "how", "phase", "for", "back")
+_KEYS = ("step", "worker", "node", "store", "how", "phase", "for", "back")
 
 
 def _is_int(x: object) -> bool:
@@ -120,6 +123,8 @@ def _spec_problems(s: FaultSpec) -> list[str]:
         elif s.target == "node" and s.how == "kill":
             problems.append(f"back={s.back_step}: a killed node's agent is gone and cannot restart its workers; "
                             "drop back= or use worker= targets")
+    if s.target == "store" and (s.how != "kill" or s.phase != "any" or s.back_step is not None):
+        problems.append(f"store={s.index}: a store target takes kill only, with no phase= or back=")
     return problems
 
 
@@ -201,11 +206,11 @@ def _parse_item(
     targets = [t for t in _TARGETS if t in fields]
     index = None
     if len(targets) != 1:
-        what = "both worker= and node=" if targets else "neither worker= nor node="
+        what = "more than one of worker=, node=, store=" if targets else "none of worker=, node=, store="
         problems.append(f"item {item!r}: {what}; give exactly one")
     else:
         index = _parse_int(item, targets[0], fields[targets[0]], problems)
-        bound = n_workers if targets[0] == "worker" else n_nodes
+        bound = {"worker": n_workers, "node": n_nodes}.get(targets[0])
         if index is not None and bound is not None and index >= bound:
             problems.append(
                 f"item {item!r}: {targets[0]}={index} out of range; expected 0..{bound - 1} "
@@ -238,6 +243,8 @@ def _parse_item(
             problems.append(f"item {item!r}: back= with node=...:kill: a killed node's agent is gone and cannot "
                             "restart its workers; drop back= or target workers")
 
+    if targets == ["store"] and (how != "kill" or phase != "any" or back is not None):
+        problems.append(f"item {item!r}: a store target takes kill only, with no phase= or back=")
     if len(problems) > before:
         return None
     assert step is not None and index is not None

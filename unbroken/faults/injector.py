@@ -77,6 +77,8 @@ def check_faults(specs: Iterable[FaultSpec], *, n_nodes: int, workers_per_node: 
     problems = []
     for s in specs:
         item = format_fail_at([s])
+        if s.target == "store":
+            continue  # checked against the store by unbroken.faults.store_loss
         bound = n_workers if s.target == "worker" else n_nodes
         if s.index >= bound:
             problems.append(f"{item}: {s.target}={s.index} out of range; expected 0..{bound - 1} "
@@ -142,6 +144,8 @@ class NodeFaults:
         self._fired: dict[int, FaultSpec] = {}  # worker -> signal spec awaiting its death
 
     def _targets(self, s: FaultSpec) -> tuple[int, ...]:
+        if s.target == "store":
+            return ()  # the launcher fires it (unbroken.faults.store_loss)
         if s.target == "node":
             return tuple(workers_of(s.index, self.w)) if s.index == self.node else ()
         return (s.index,) if node_of(s.index, self.w) == self.node else ()

@@ -4,7 +4,8 @@ This is the only module that names coordination keys or calls the store's
 ``get/set/compare_set/add``; the launcher, the agents, the standby, the step
 protocol and the workers all go through :class:`JobStore`. The backend is a
 :class:`StoreBackend`; today's is torch's ``TCPStore`` (:class:`TCPStoreBackend`),
-hosted by the launcher (or node 0's agent).
+hosted by the launcher (or node 0's agent), or an etcd v3 cluster
+(:class:`~unbroken.runtime.etcd_backend.EtcdBackend`, ``--store etcd://...``).
 
 Access (:mod:`unbroken.runtime.store_backend`): the store listens on the
 job's host only, and every key lives under a namespace derived from the job's
@@ -58,7 +59,7 @@ from typing import Any, Literal
 
 import torch.distributed as dist
 
-from unbroken.runtime.store_backend import StoreBackend, TCPStoreBackend
+from unbroken.runtime.store_backend import ETCD_SCHEME, StoreBackend, TCPStoreBackend
 from unbroken.runtime.view import View
 
 __all__ = ["JobStore", "Outcome"]
@@ -83,8 +84,21 @@ class JobStore:
 
     @classmethod
     def connect(cls, addr: str, *, timeout_s: float, secret: str) -> JobStore:
-        """Connect to the job's store at ``HOST:PORT`` (see :meth:`TCPStoreBackend.connect`)."""
+        """Connect to the job's store at ``HOST:PORT`` (see :meth:`TCPStoreBackend.connect`) or on the etcd
+        cluster of an ``etcd://`` address (see :meth:`~unbroken.runtime.etcd_backend.EtcdBackend.connect`)."""
+        if addr.startswith(ETCD_SCHEME):
+            from unbroken.runtime.etcd_backend import EtcdBackend  # optional dependency, imported on use
+
+            return cls(EtcdBackend.connect(addr, timeout_s=timeout_s, secret=secret))
         return cls(TCPStoreBackend.connect(addr, timeout_s=timeout_s, secret=secret))
+
+    @classmethod
+    def create_on_etcd(cls, addr: str, *, timeout_s: float, secret: str, job: dict[str, Any]) -> JobStore:
+        """Open a new job's keys on the etcd cluster at ``addr`` (``job``: who it is, named to a later job
+        that collides; see :meth:`~unbroken.runtime.etcd_backend.EtcdBackend.create`)."""
+        from unbroken.runtime.etcd_backend import EtcdBackend
+
+        return cls(EtcdBackend.create(addr, timeout_s=timeout_s, secret=secret, job=job))
 
     @classmethod
     def host(cls, host: str, port: int, *, clients: int, secret: str) -> JobStore:
@@ -97,6 +111,11 @@ class JobStore:
 
     def num_keys(self) -> int:
         return self.backend.num_keys()
+
+    @property
+    def poll_s(self) -> float:
+        """The floor on a supervising loop's polling interval for this store (see :attr:`StoreBackend.poll_s`)."""
+        return self.backend.poll_s
 
     # -- config -----------------------------------------------------------------
 

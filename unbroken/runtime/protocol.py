@@ -294,7 +294,7 @@ class StepProtocol:
                            "items": slot_rows(items)})
         # A collective that completes within CHECK_EVERY_S never pays for the detector:
         # a crash fails it at once anyway, and a hang takes the heartbeat timeout.
-        self._next_check = time.monotonic() + CHECK_EVERY_S
+        self._next_check = time.monotonic() + self._check_every
         return self.group.allreduce(local, check or self._check, lambda: self._phase("allreduce", step))
 
     def _vote(self, step: int) -> None:
@@ -320,11 +320,16 @@ class StepProtocol:
             self._pruned_below = view.gen
         self._phase("confirm", step)
 
+    @property
+    def _check_every(self) -> float:
+        """How often the detector reads the store while a collective runs (a floor per store: etcd's is higher)."""
+        return max(CHECK_EVERY_S, self.store.poll_s)
+
     def _check(self, force: bool = False) -> None:
         now = time.monotonic()
         if not force and now < self._next_check:
             return
-        self._next_check = now + CHECK_EVERY_S
+        self._next_check = now + self._check_every
         self.m.advance()  # a main thread that keeps waiting actively is making progress
         if self.store.gen() != self.view.gen:
             raise ViewChanged(f"view {self.view.gen} replaced")

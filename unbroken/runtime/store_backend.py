@@ -26,9 +26,11 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-__all__ = ["SECRET_ENV", "SECRET_FILE", "StoreAccessDenied", "StoreBackend", "TCPStoreBackend", "job_secret",
+__all__ = ["ETCD_SCHEME", "SECRET_ENV", "SECRET_FILE", "StoreAccessDenied", "StoreBackend", "TCPStoreBackend", "job_secret",
            "new_secret", "save_secret"]
 
+ETCD_SCHEME = "etcd://"
+"""A store address starting so names an etcd cluster (:mod:`unbroken.runtime.etcd_backend`)."""
 SECRET_ENV = "UNBROKEN_JOB_SECRET"
 """Environment variable holding the job's secret (agents pass it to their workers this way, never on argv)."""
 SECRET_FILE = "secret"
@@ -80,6 +82,9 @@ def _namespace(secret: str) -> str:
 
 class StoreBackend(ABC):
     """A key-value store with compare-and-set and counters (the subset of ``torch.distributed.Store`` used)."""
+
+    poll_s: float = 0.0
+    """The shortest sensible interval between two polls of the same keys by a supervising loop (0: no floor)."""
 
     @abstractmethod
     def get(self, key: str) -> bytes: ...

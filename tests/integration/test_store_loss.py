@@ -1,0 +1,72 @@
+"""The loss of the job's store, injected from outside (``--fail-at step=N:store=I:kill``).
+
+- Embedded ``TCPStore``: the launcher that hosts it is SIGKILLed (its machine is
+  lost). Every agent and worker must exit by itself, the agents saying why; the
+  committed checkpoint stays; ``--resume`` finishes the job.
+
+(The loss of an etcd member, which must cost no step, is asserted with the etcd variant of
+``test_failover.py::test_sigkill_right_after_confirm``: one job, both faults.)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from _faults import _ours_alive
+from unbroken.jsonl import read_jsonl
+from unbroken.runtime.checkpoint import latest_checkpoint, read_commit
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+EXIT_WAIT_S = 60.0
+"""How long the orphaned agents and workers may take to notice the loss and exit (their grace included)."""
+
+
+def _job_pids(run_dir: Path) -> set[int]:
+    """The agents (pid files, present while they run) and every worker they started (their events)."""
+    pids = set()
+    for path in (run_dir / "pids").glob("agent*"):
+        try:
+            pids.add(int(path.read_text().split()[0]))
+        except (OSError, ValueError, IndexError):
+            pass  # the agent has just removed it: it is gone
+    for path in (run_dir / "events").glob("agent*.jsonl"):
+        for e in read_jsonl(path):
+            pids.update([e["pid"]] if "pid" in e else [])
+    return pids
+
+
+def test_embedded_store_host_loss_stops_cleanly_and_resume_finishes(tmp_path, corpus_overrides):
+    run = tmp_path / "run"
+    overrides = [f"--{o}" for o in corpus_overrides] + ["--train.checkpoint_every=3", "--train.val_every=0"]
+    cmd = [sys.executable, "-m", "unbroken.cli", "train", "--preset", "debug", "--workers", "2", "--steps", "12",
+           "--out", str(run), "--fail-at", "step=6:store=0:kill", *overrides]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env={**os.environ})
+    assert proc.returncode == -9, f"the launcher (the store's host) was to be SIGKILLed:\n{proc.stderr[-2000:]}"
+    (fired,) = read_jsonl(run / "events" / "store.jsonl")
+    assert fired["event"] == "store_fault" and fired["committed"] >= 6
+    pids = _job_pids(run)
+    assert pids, "no agent or worker was seen"
+    deadline = time.monotonic() + EXIT_WAIT_S
+    while (alive := [p for p in pids if _ours_alive(p, run)]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not alive, f"agents or workers still running {EXIT_WAIT_S:.0f} s after the store's host died: {alive}"
+    log = (run / "logs" / "agent0.log").read_text()
+    assert "lost the store" in log and f"unbroken train --resume {run}" in log, log[-2000:]
+    kept = latest_checkpoint(run)
+    assert kept is not None and 3 <= int(read_commit(kept)["step"]) <= fired["committed"]
+
+    resumed = subprocess.run([sys.executable, "-m", "unbroken.cli", "train", "--resume", str(run)],
+                             capture_output=True, text=True, timeout=180)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == 12 and summary["workers_agree"]
+    assert summary["resumed_from"] == str(kept)
+    assert len(read_jsonl(run / "events" / "store.jsonl")) == 1, "the resumed job must not kill its store again"

@@ -1,0 +1,129 @@
+"""The etcd backend's own contract on a real 3-member cluster: addresses, refusals, member loss, group rendezvous."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from unbroken.faults.fail_at import parse_fail_at
+from unbroken.faults.store_loss import StoreFaults
+from unbroken.runtime.etcd_backend import EtcdBackend, StoreUnavailable, parse_etcd
+from unbroken.runtime.job_store import JobStore
+from unbroken.runtime.store_backend import StoreAccessDenied
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_addresses_parse_and_bad_ones_name_the_form():
+    assert parse_etcd("etcd://a:1,b:2/jobs/x") == ([("a", 1), ("b", 2)], "/jobs/x")
+    assert parse_etcd("etcd://[::1]:2379") == ([("::1", 2379)], "/unbroken")
+    for bad in ("etcd://", "etcd://host", "etcd://h:0", "etcd://h:1,,h:2", "h:2379"):
+        with pytest.raises(ValueError, match=r"etcd://HOST:PORT\[,HOST:PORT\.\.\.\]"):
+            parse_etcd(bad)
+
+
+def test_an_address_nobody_answers_fails_within_the_timeout():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nothing listens there
+    t0 = time.monotonic()
+    with pytest.raises(ConnectionError, match=f"store etcd://127.0.0.1:{port}: no etcd member answered within 2 s"):
+        JobStore.connect(f"etcd://127.0.0.1:{port}", timeout_s=2, secret="s")
+    assert time.monotonic() - t0 < 5
+
+
+def test_a_job_is_refused_keys_of_another_job_and_a_wrong_secret_finds_nothing(etcd_cluster):
+    first = JobStore.create_on_etcd(etcd_cluster.url, timeout_s=5, secret="same", job={"run_dir": "/runs/a"})
+    try:
+        with pytest.raises(ValueError, match=r'another job \(\{"run_dir": "/runs/a"\}\).*etcdctl del --prefix'):
+            JobStore.create_on_etcd(etcd_cluster.url, timeout_s=5, secret="same", job={"run_dir": "/runs/b"})
+        with pytest.raises(StoreAccessDenied, match="holds no job under this secret"):
+            JobStore.connect(etcd_cluster.url, timeout_s=5, secret="other")
+        assert JobStore.connect(etcd_cluster.url, timeout_s=5, secret="same").backend.check(["job"])
+    finally:
+        first.backend.clear()
+    assert first.num_keys() == 0
+
+
+def test_store_targets_are_checked_against_the_store(monkeypatch, tmp_path):
+    (spec,) = parse_fail_at("step=3:store=1:kill")
+    assert (spec.target, spec.index) == ("store", 1)
+    with pytest.raises(ValueError, match="a store target takes kill only"):
+        parse_fail_at("step=3:store=0:stop")
+    with pytest.raises(ValueError, match="store=1 out of range; expected 0..0"):
+        StoreFaults([spec], members=None, run_dir=tmp_path)
+    monkeypatch.delenv("UNBROKEN_STORE_PIDS", raising=False)
+    with pytest.raises(ValueError, match="set UNBROKEN_STORE_PIDS"):
+        StoreFaults([spec], members=3, run_dir=tmp_path)
+
+
+def test_operations_go_on_through_a_members_loss_and_adds_count_once(etcd_cluster):
+    store = JobStore.create_on_etcd(etcd_cluster.url, timeout_s=10, secret="member-loss", job={"t": 1})
+    victim = store.backend.cluster.current  # the member this client talks to
+    try:
+        assert store.backend.add("n", 5) == 5
+        etcd_cluster.kill(victim)
+        assert store.backend.add("n", 1) == 6, "the add moved to a live member, counted once"
+        assert store.backend.compare_set("k", "", "v") == b"v"
+        assert store.backend.cluster.current != victim
+    finally:
+        etcd_cluster.restart_member(victim)
+        store.backend.clear()
+
+
+def test_a_gloo_group_rendezvous_on_etcd(etcd_cluster):
+    """gloo calls the Python store from C++ (two ranks in two threads of this process)."""
+    backend = JobStore.create_on_etcd(etcd_cluster.url, timeout_s=10, secret="gloo", job={"t": 1}).backend
+    out: dict[int, torch.Tensor] = {}
+
+    def rank(r: int) -> None:
+        pg = dist.ProcessGroupGloo(backend.group_store("pg/0"), r, 2, timedelta(seconds=20))
+        t = torch.full((3,), float(r + 1))
+        pg.allreduce([t]).wait()
+        out[r] = t
+
+    try:
+        threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert out[0].tolist() == out[1].tolist() == [3.0, 3.0, 3.0]
+    finally:
+        backend.clear()
+
+
+def test_a_missing_key_waits_then_fails_as_a_store_error(etcd_cluster):
+    backend = EtcdBackend(etcd_cluster.url, "wait", timeout_s=0.3)
+    with pytest.raises(StoreUnavailable) as info:
+        backend.get("never")
+    assert isinstance(info.value, dist.DistStoreError), "callers handle it as a lost store"
+
+
+def test_without_quorum_an_operation_waits_visibly_then_fails_within_its_timeout(etcd_cluster, caplog):
+    """Two members of three gone: nothing can be written; the client says so and gives up at its timeout."""
+    backend = JobStore.create_on_etcd(etcd_cluster.url, timeout_s=2, secret="quorum", job={"t": 1}).backend
+    survivor = backend.cluster.current
+    lost = [i for i in range(3) if i != survivor]
+    try:
+        for i in lost:
+            etcd_cluster.kill(i)
+        t0 = time.monotonic()
+        with pytest.raises(StoreUnavailable, match="etcd did not answer within 2 s"):
+            backend.compare_set("half", "", "written")
+        assert time.monotonic() - t0 < 2 + 2 * 1.0 + 1, "past the timeout by at most one request"
+        assert "etcd: no member answers" in caplog.text
+    finally:
+        for i in lost:
+            etcd_cluster.start_member(i)
+        etcd_cluster.wait_healthy(range(3), 30)
+    # The cluster is whole again; the refused write either never happened or, if the survivor had logged it
+    # before losing quorum, was committed whole by the new majority (etcd's ambiguous-request rule).
+    assert backend.check(["job"]) and backend.compare_set("half", "", "again") in (b"again", b"written")
+    backend.clear()

@@ -1,0 +1,258 @@
+"""Store benchmark: the embedded ``TCPStore`` and a 3-member etcd cluster, side by side in one run.
+
+``unbroken bench store --preset tiny --out benchmarks/results/store.json`` starts
+its own etcd cluster on loopback (:class:`~unbroken.bench.etcd_cluster.LocalEtcd`;
+or give ``--store etcd://...`` with ``UNBROKEN_STORE_PIDS`` for the member kill)
+and measures, alternating the two stores so that drift cancels:
+
+1. **operation latency**: median of each job-store operation (set, get,
+   compare-and-set, add, check, multi_get of 4 keys) from a client process;
+2. **failure-free step time**: median step time after warm-up of the same job on
+   each store, interleaved ``--repeats`` times; ratio etcd / TCPStore (target <= 1.02);
+3. **store operations per step**: the step protocol's own requests per step
+   (counted exactly, in-process, over 100 and 400 steps); and requests the etcd members served (their
+   ``grpc_server_handled_total`` for the KV service), per committed step and
+   per worker, over the first and the second half of the steady steps of a run
+   (equal halves: O(1) per step, independent of the step count); also per second;
+4. **stall per crash and per hang** on each store (``unbroken report``'s stall:
+   the survivors' gap between applied steps minus a normal step);
+5. **etcd leader loss**: the leader is SIGKILLed mid-run (``store=I:kill``); its
+   stall (the longest step around the kill minus the median step) and the steps
+   lost (target: <= 1 s, 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import requests
+import torch
+
+from unbroken.agent.launcher import launch
+from unbroken.bench._args import parse_with_overrides
+from unbroken.bench.etcd_cluster import LocalEtcd
+from unbroken.bench.report import summarize_run
+from unbroken.bench.throughput import machine_description
+from unbroken.config import Config, load_config
+from unbroken.faults.store_loss import STORE_PIDS_ENV
+from unbroken.jsonl import JsonlWriter, read_jsonl
+from unbroken.mecefo.takeover import takeover_policy
+from unbroken.runtime.etcd_backend import parse_etcd
+from unbroken.runtime.job_store import JobStore
+from unbroken.runtime.membership import Membership
+from unbroken.runtime.protocol import StepProtocol
+from unbroken.runtime.view import View
+
+__all__ = ["main"]
+
+
+def _cfg(a: argparse.Namespace, *extra: str) -> Config:
+    return load_config(preset_name=a.preset, overrides=a.overrides + [
+        f"train.steps={a.steps}", "train.val_every=0", "train.val_batches=1", *extra])
+
+
+def _kv_requests(url: str) -> int:
+    """KV requests served so far by the cluster's live members (their Prometheus counters)."""
+    total = 0
+    for host, port in parse_etcd(url)[0]:
+        try:
+            text = requests.get(f"http://{host}:{port}/metrics", timeout=2.0).text
+        except requests.RequestException:
+            continue  # a member killed by the benchmark
+        total += sum(int(float(line.rsplit(" ", 1)[1])) for line in text.splitlines()
+                     if line.startswith("grpc_server_handled_total{") and 'grpc_service="etcdserverpb.KV"' in line)
+    return total
+
+
+def _latency(url: str, ops: int) -> dict[str, dict[str, float]]:
+    """Median microseconds per operation, TCPStore and etcd alternating op by op."""
+    tcp_host = JobStore.host("127.0.0.1", 0, clients=2, secret="bench")
+    stores = {"tcp": JobStore.connect(f"127.0.0.1:{tcp_host.port}", timeout_s=10, secret="bench"),
+              "etcd": JobStore.create_on_etcd(url, timeout_s=10, secret="bench-latency", job={"bench": "store"})}
+    for s in stores.values():
+        for k in ("a", "b", "c", "d"):
+            s.backend.set(k, "1")
+    cases: dict[str, Callable[[Any], object]] = {
+        "set": lambda b: b.set("a", "1"), "get": lambda b: b.get("a"),
+        "compare_set": lambda b: b.compare_set("a", "1", "1"), "add": lambda b: b.add("n", 1),
+        "check": lambda b: b.check(["a"]), "multi_get_4": lambda b: b.multi_get(["a", "b", "c", "d"])}
+    out: dict[str, dict[str, float]] = {name: {} for name in stores}
+    for op, fn in cases.items():
+        samples: dict[str, list[float]] = {name: [] for name in stores}
+        for _ in range(ops):
+            for name, s in stores.items():
+                t0 = time.perf_counter()
+                fn(s.backend)
+                samples[name].append(time.perf_counter() - t0)
+        for name in stores:
+            out[name][op] = 1e6 * statistics.median(samples[name])
+    stores["etcd"].backend.clear()  # type: ignore[attr-defined]
+    return out
+
+
+class _ConstantJob:
+    """A job of one slot whose gradient is a constant: only the protocol's store traffic is measured."""
+
+    n_slots, micro_batch, device = 1, 2, torch.device("cpu")
+    model = optimizer = None
+
+    def gradient_sums(self, step: int, items: list[Any]) -> torch.Tensor:
+        return torch.ones(4)
+
+
+def _protocol_requests(url: str, tmp: Path) -> dict[str, float]:
+    """etcd requests the step protocol itself sends per step (one member, no heartbeat thread), over runs of
+    100 and 400 steps: a count, not a timing, so it is exact; equal figures mean O(1) per step."""
+    out = {}
+    for steps in (100, 400):
+        store = JobStore.create_on_etcd(url, timeout_s=10, secret=f"bench-protocol-{steps}", job={"bench": "store"})
+        m = Membership(store, 0, heartbeat_timeout_s=5.0)
+        store.beat(0)
+        p = StepProtocol(m, _ConstantJob(), policy=takeover_policy("spread"), timeout_s=10,
+                         events=JsonlWriter(tmp / f"protocol{steps}.jsonl"))
+        store.publish_initial(View(gen=0, members=(0,), step=0))
+        p.adopt(store.current_view())
+        p.run_step(0)
+        before = store.backend.round_trips  # type: ignore[attr-defined]
+        for step in range(1, steps + 1):
+            p.run_step(step)
+        out[f"per_step_over_{steps}_steps"] = (store.backend.round_trips - before) / steps  # type: ignore[attr-defined]
+        store.backend.clear()  # type: ignore[attr-defined]
+    return out
+
+
+def _run(a: argparse.Namespace, tmp: Path, name: str, cfg: Config, store: str | None,
+         probe: Callable[[int], None] | None = None, **kw: Any) -> dict[str, Any]:
+    run_dir = tmp / name
+    on_record = (lambda r: probe(r["step"]) if r.get("kind") == "train" else None) if probe else None
+    summary = launch(cfg, run_dir, nodes=a.nodes, workers_per_node=a.workers_per_node, store=store,
+                     on_record=on_record, **kw)
+    train = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "train"]
+    steady = [r["step_time_s"] for r in train[max(3, len(train) // 5):]]
+    return {"run_dir": str(run_dir), "median_step_s": statistics.median(steady), "train": train,
+            "summary": summary, "report": summarize_run(run_dir)}
+
+
+def _steady(a: argparse.Namespace, tmp: Path, url: str) -> dict[str, Any]:
+    """Failure-free step time on each store, interleaved; etcd requests per step over two halves."""
+    medians: dict[str, list[float]] = {"tcp": [], "etcd": []}
+    halves: list[dict[str, float]] = []
+    for rep in range(a.repeats):
+        medians["tcp"].append(_run(a, tmp, f"steady_tcp{rep}", _cfg(a), None)["median_step_s"])
+        marks = {a.steps // 4: 0.0, a.steps // 2 + a.steps // 8: 0.0, a.steps: 0.0}
+        seen: dict[int, tuple[int, float]] = {}
+
+        def probe(step: int) -> None:
+            if step in marks and step not in seen:
+                seen[step] = (_kv_requests(url), time.monotonic())
+
+        medians["etcd"].append(_run(a, tmp, f"steady_etcd{rep}", _cfg(a), url, probe=probe)["median_step_s"])
+        (s0, (r0, t0)), (s1, (r1, t1)), (s2, (r2, t2)) = sorted(seen.items())
+        workers = a.nodes * a.workers_per_node
+        halves.append({"first_half": (r1 - r0) / (s1 - s0) / workers, "second_half": (r2 - r1) / (s2 - s1) / workers,
+                       "per_worker_per_s": (r2 - r0) / (t2 - t0) / workers,
+                       "steps": [s0, s1, s2]})
+    return {"median_step_s": medians, "protocol_requests": _protocol_requests(url, tmp),
+            "ratio_etcd_vs_tcp": statistics.median(medians["etcd"]) / statistics.median(medians["tcp"]),
+            "target": 1.02, "etcd_requests_per_worker_per_step": halves}
+
+
+def _faults(a: argparse.Namespace, tmp: Path, url: str, cluster: LocalEtcd | None) -> dict[str, Any]:
+    s0 = a.steps // 3
+    out: dict[str, Any] = {}
+    for name, store in (("tcp", None), ("etcd", url)):
+        crash = _run(a, tmp, f"crash_{name}", _cfg(a), store, fail_at=f"step={s0}:worker=1:kill:phase=forward")
+        hang = _run(a, tmp, f"hang_{name}", _cfg(a), store, fail_at=f"step={s0}:worker=1:stop:phase=forward")
+        out[name] = {"crash_stall_s": [f["stall_s"] for f in crash["report"]["failure_details"]],
+                     "hang_stall_s": [f["stall_s"] for f in hang["report"]["failure_details"]],
+                     "lost_steps": crash["report"]["lost_steps"] + hang["report"]["lost_steps"]}
+    if cluster is None and not os.environ.get(STORE_PIDS_ENV):
+        out["leader_loss"] = None  # cannot kill a member of a cluster we do not know the pids of
+        return out
+    leader = cluster.leader() if cluster is not None else 0
+    if cluster is not None:
+        os.environ[STORE_PIDS_ENV] = str(cluster.pids_file)
+    try:
+        r = _run(a, tmp, "leader_loss", _cfg(a), url, fail_at=f"step={s0}:store={leader}:kill")
+    finally:
+        if cluster is not None:
+            cluster.restart_member(leader)
+    (fired,) = read_jsonl(Path(r["run_dir"]) / "events" / "store.jsonl")
+    after = [x for x in r["train"] if x["time"] > fired["time"]][:3]
+    out["leader_loss"] = {"member": leader, "at_committed_step": fired["committed"],
+                          "stall_s": max(x["step_time_s"] for x in after) - r["median_step_s"],
+                          "steps_after": [round(x["step_time_s"], 3) for x in after],
+                          "median_step_s": r["median_step_s"], "failures": r["summary"]["failures"],
+                          "lost_steps": r["report"]["lost_steps"], "target_stall_s": 1.0}
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(prog="unbroken bench store", description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="tiny")
+    ap.add_argument("--nodes", type=int, default=1)
+    ap.add_argument("--workers-per-node", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--repeats", type=int, default=2, help="interleaved failure-free runs on each store")
+    ap.add_argument("--ops", type=int, default=300, help="samples per operation for the latencies")
+    ap.add_argument("--store", default=None, help="an etcd cluster to use (default: start 3 members on loopback)")
+    ap.add_argument("--parts", default="latency,steady,faults", help="which measurements to run")
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/store.json"))
+    a, a.overrides = parse_with_overrides(ap, argv)
+    unknown = set(a.parts.split(",")) - {"latency", "steady", "faults"}
+    if unknown:
+        raise ValueError(f"--parts: unknown {', '.join(sorted(unknown))}; valid: latency, steady, faults")
+    cluster = None if a.store else LocalEtcd(3)
+    url = a.store or cluster.url  # type: ignore[union-attr]
+    result: dict[str, Any] = {"benchmark": "store", "preset": a.preset, "nodes": a.nodes, "steps": a.steps,
+                              "workers_per_node": a.workers_per_node, "etcd": url, "machine": machine_description()}
+    try:
+        with tempfile.TemporaryDirectory(prefix="unbroken-store-") as tmp:
+            if "latency" in a.parts:
+                result["latency_us"] = _latency(url, a.ops)
+            if "steady" in a.parts:
+                result["steady"] = _steady(a, Path(tmp), url)
+            if "faults" in a.parts:
+                result["faults"] = _faults(a, Path(tmp), url, cluster)
+    finally:
+        if cluster is not None:
+            cluster.stop()
+    _print(result)
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(result, indent=1, default=str))
+    print(f"wrote {a.out}")
+    return result
+
+
+def _print(r: dict[str, Any]) -> None:
+    if "latency_us" in r:
+        lat = r["latency_us"]
+        print("median latency (us):  " + "  ".join(f"{op} {lat['tcp'][op]:.0f}/{lat['etcd'][op]:.0f}"
+                                                   for op in lat["tcp"]) + "  (TCPStore/etcd)")
+    if "steady" in r:
+        s = r["steady"]
+        print(f"failure-free step time etcd / TCPStore: {s['ratio_etcd_vs_tcp']:.3f} (target <= {s['target']}); "
+              f"medians {s['median_step_s']}")
+        pr = s["protocol_requests"]
+        print("  the step protocol's own etcd requests per step (exact count, one member): "
+              + ", ".join(f"{v:.2f} {k.replace('_', ' ')}" for k, v in pr.items()))
+        for h in s["etcd_requests_per_worker_per_step"]:
+            print(f"  etcd requests per worker per step: {h['first_half']:.1f} (steps {h['steps'][0]}-{h['steps'][1]})"
+                  f", {h['second_half']:.1f} (steps {h['steps'][1]}-{h['steps'][2]}); "
+                  f"{h['per_worker_per_s']:.1f} per worker per second")
+    if "faults" in r:
+        f = r["faults"]
+        for name in ("tcp", "etcd"):
+            print(f"{name:>4}: stall per crash {f[name]['crash_stall_s']} s, per hang {f[name]['hang_stall_s']} s, "
+                  f"lost steps {f[name]['lost_steps']}")
+        if f.get("leader_loss"):
+            x = f["leader_loss"]
+            print(f"etcd leader killed at step {x['at_committed_step']}: stall {x['stall_s']:.3f} s "
+                  f"(target <= {x['target_stall_s']}), failures {x['failures']}, lost steps {x['lost_steps']}")

@@ -1,0 +1,393 @@
+"""The job store on an etcd v3 cluster: no single machine whose loss stops the job.
+
+``--store etcd://HOST:PORT[,HOST:PORT...][/PREFIX]`` puts every key of the job
+under ``PREFIX/<namespace>/`` (the namespace derived from the job's secret, as
+with the embedded store) on an etcd cluster, reached through etcd's v3 JSON
+gateway with :mod:`etcd3gw` (pure Python: no grpc or protobuf pins).
+
+Operations, each one HTTP round trip in the common case:
+
+- ``compare_set``: one etcd transaction (compare the value, or that the key is
+  absent, then put; else read), with ``TCPStore``'s semantics: a missing key
+  with a non-empty ``expected`` echoes ``expected`` and creates nothing;
+- ``add``: a transaction guarded by the key's revision (read first, unless this
+  client wrote the counter last: a worker's own heartbeat is one round trip;
+  retried on a lost race); each adder also writes its own marker key in that transaction,
+  so an add whose answer was lost (its member died mid-request) is recognised
+  when retried on another member and never counted twice;
+- ``check`` / ``multi_get``: one transaction of reads;
+- ``get`` / ``multi_get`` of a missing key wait for it (like ``TCPStore``) up
+  to the operation timeout.
+
+Failover: a client talks to one member (chosen by its pid, so the job's
+clients are spread over the cluster); a member that refuses, resets or does not
+answer within ``REQUEST_TIMEOUT_S`` is left for the next one, until the
+operation's timeout, after which :class:`StoreUnavailable` (a
+``torch.distributed.DistStoreError``, like a lost ``TCPStore``) is raised. Every
+operation is safe to send again: puts, deletes and compare-and-sets are
+idempotent in their result, adds carry their marker.
+
+Process groups rendezvous on :class:`EtcdGroupStore`, a Python
+``torch.distributed.Store`` over the same backend (gloo and NCCL call its
+``set``/``get``/``wait`` from C++), so the rendezvous survives a member's loss too.
+
+Invariant: every key written is under the job's prefix and namespace.
+"""
+
+from __future__ import annotations
+
+import base64
+import itertools
+import json
+import logging
+import os
+import time
+import uuid
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+try:  # an optional dependency: ``pip install unbroken[etcd]``
+    from etcd3gw.client import Etcd3Client
+    from etcd3gw import exceptions as etcd_exceptions
+except ImportError:  # pragma: no cover - reported by EtcdBackend.connect
+    Etcd3Client = None  # type: ignore[assignment,misc]
+    etcd_exceptions = None  # type: ignore[assignment]
+
+from unbroken.runtime.store_backend import ETCD_SCHEME, SECRET_ENV, StoreAccessDenied, StoreBackend, _namespace
+
+__all__ = ["ETCD_SCHEME", "EtcdBackend", "EtcdGroupStore", "StoreUnavailable", "is_etcd", "parse_etcd"]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_PREFIX = "/unbroken"
+REQUEST_TIMEOUT_S = 1.0
+"""One HTTP request to one member; past it the next member is tried (a member without quorum answers late)."""
+WAIT_POLL_S = (0.002, 0.05)
+"""A ``get`` of a missing key reads again after this delay, doubling from the first to the second value."""
+COUNTER_CACHE = 256
+"""At most this many counters' last written revisions are remembered by a client."""
+MARKER = "\x00add\x00"
+"""An adder's marker key is the counter's key + this + the adder's id (sorted right after the counter)."""
+
+
+class StoreUnavailable(dist.DistStoreError):
+    """No member of the etcd cluster answered (with quorum) within the operation's timeout."""
+
+
+def is_etcd(addr: str) -> bool:
+    return addr.startswith(ETCD_SCHEME)
+
+
+def parse_etcd(addr: str) -> tuple[list[tuple[str, int]], str]:
+    """``etcd://H:P[,H:P...][/PREFIX]`` → (endpoints, prefix without trailing slash).
+
+    Raises:
+        ValueError: the address is malformed (names it and the expected form).
+    """
+    body = addr[len(ETCD_SCHEME):] if is_etcd(addr) else ""
+    hosts, slash, prefix = body.partition("/")
+    endpoints = []
+    for part in hosts.split(",") if hosts else []:
+        host, _, port = part.strip().rpartition(":")
+        host = host.strip("[]")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            endpoints = []
+            break
+        endpoints.append((host, int(port)))
+    if not endpoints:
+        raise ValueError(f"store address {addr!r}: expected etcd://HOST:PORT[,HOST:PORT...][/PREFIX] with each "
+                         f"PORT in 1..65535, e.g. etcd://10.0.0.1:2379,10.0.0.2:2379,10.0.0.3:2379")
+    prefix = "/" + prefix.strip("/") if slash and prefix.strip("/") else DEFAULT_PREFIX
+    return endpoints, prefix
+
+
+def _b64(data: str | bytes) -> str:
+    return base64.b64encode(data.encode() if isinstance(data, str) else data).decode()
+
+
+def _unb64(data: str | None) -> bytes:
+    return base64.b64decode(data) if data else b""
+
+
+def _range_end(prefix: str) -> str:
+    raw = bytearray(prefix.encode())
+    raw[-1] += 1  # prefixes end with "/" or "\x00": never 0xff
+    return _b64(bytes(raw))
+
+
+class _Cluster:
+    """HTTP clients of the cluster's members; sends a request to one member, moving on when it fails."""
+
+    def __init__(self, endpoints: list[tuple[str, int]]) -> None:
+        if Etcd3Client is None:
+            raise ValueError("an etcd:// store needs the etcd client: pip install 'unbroken[etcd]' (etcd3gw)")
+        self.addrs = [f"{h}:{p}" for h, p in endpoints]
+        self.clients = [Etcd3Client(host=h, port=p, timeout=REQUEST_TIMEOUT_S, api_path="/v3/") for h, p in endpoints]
+        self.current = os.getpid() % len(self.clients)
+        self.round_trips = 0
+
+    def call(self, path: str, payload: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        """POST ``payload`` to ``/v3/<path>`` of a live member; raises :class:`StoreUnavailable` at the deadline."""
+        deadline, last, tries = time.monotonic() + timeout_s, "", 0
+        while True:
+            client = self.clients[self.current]
+            try:
+                self.round_trips += 1
+                return client.post(client.get_url(path), json=payload)
+            except etcd_exceptions.Etcd3Exception as exc:
+                last = f"{self.addrs[self.current]}: {exc.__class__.__name__} {str(exc)[:200]}"
+            tries += 1
+            if time.monotonic() > deadline:
+                raise StoreUnavailable(f"etcd did not answer within {timeout_s:.0f} s (last: {last})")
+            self.current = (self.current + 1) % len(self.clients)
+            if tries % len(self.clients) == 0:  # every member failed once: no quorum, or all are down
+                logger.warning("etcd: no member answers (last: %s); retrying", last)
+                time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+
+
+class EtcdBackend(StoreBackend):
+    """The job's keys on etcd, under ``PREFIX/<namespace>/`` (module docstring)."""
+
+    poll_s = 0.1
+    """Each request is an HTTP round trip (1-3 ms, and a raft write for a put) and CPU on every member: loops
+    that poll every few milliseconds (agents, launcher, a worker's detector during a collective) would keep
+    the cluster busy for nothing, so they poll at most this often (hangs are judged over seconds anyway)."""
+
+    def __init__(self, addr: str, secret: str, *, timeout_s: float) -> None:
+        endpoints, prefix = parse_etcd(addr)
+        self.addr, self.timeout_s = addr, timeout_s
+        self.cluster = _Cluster(endpoints)
+        self.ns = f"{prefix}/{_namespace(secret)}"
+        self._me = uuid.uuid4().hex[:12]
+        self._seq = itertools.count(1)
+        self._counters: dict[str, dict[str, Any]] = {}  # key -> the kv this client last wrote (add)
+
+    # -- plumbing ---------------------------------------------------------------
+
+    @property
+    def round_trips(self) -> int:
+        """HTTP requests sent so far by this client (the benchmark's store operations)."""
+        return self.cluster.round_trips
+
+    def _call(self, path: str, payload: dict[str, Any]) -> dict[str, Any]:
+        return self.cluster.call(path, payload, self.timeout_s)
+
+    def _k(self, key: str) -> str:
+        return _b64(self.ns + key)
+
+    def _txn(self, compare: list[dict[str, Any]], success: list[dict[str, Any]],
+             failure: list[dict[str, Any]]) -> tuple[bool, list[dict[str, Any]]]:
+        ok, responses, _ = self._txn_rev(compare, success, failure)
+        return ok, responses
+
+    def _txn_rev(self, compare: list[dict[str, Any]], success: list[dict[str, Any]],
+                 failure: list[dict[str, Any]]) -> tuple[bool, list[dict[str, Any]], str]:
+        """A transaction: (succeeded, responses, the store's revision after it)."""
+        out = self._call("kv/txn", {"compare": compare, "success": success, "failure": failure})
+        return bool(out.get("succeeded")), out.get("responses", []), str(out.get("header", {}).get("revision", "0"))
+
+    def _read(self, key: str) -> dict[str, Any]:
+        return {"request_range": {"key": self._k(key)}}
+
+    def _put(self, key: str, value: str | bytes) -> dict[str, Any]:
+        return {"request_put": {"key": self._k(key), "value": _b64(value)}}
+
+    @staticmethod
+    def _kv(response: dict[str, Any]) -> dict[str, Any] | None:
+        kvs = response.get("response_range", {}).get("kvs")
+        return kvs[0] if kvs else None
+
+    def _read_many(self, keys: list[str]) -> list[dict[str, Any] | None]:
+        _, responses = self._txn([], [self._read(k) for k in keys], [])
+        return [self._kv(r) for r in responses]
+
+    def _wait_values(self, keys: list[str], timeout_s: float | None = None) -> list[bytes]:
+        """The keys' values, waiting for missing ones (like ``TCPStore``) up to the timeout."""
+        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        delay = WAIT_POLL_S[0]
+        while True:
+            kvs = self._read_many(keys)
+            if all(kv is not None for kv in kvs):
+                return [_unb64(kv.get("value")) for kv in kvs]  # type: ignore[union-attr]
+            if time.monotonic() > deadline:
+                missing = [k for k, kv in zip(keys, kvs) if kv is None]
+                raise StoreUnavailable(f"etcd keys {missing} did not appear within the timeout")
+            time.sleep(delay)
+            delay = min(2 * delay, WAIT_POLL_S[1])
+
+    # -- StoreBackend -----------------------------------------------------------
+
+    def get(self, key: str) -> bytes:
+        return self._wait_values([key])[0]
+
+    def set(self, key: str, value: str | bytes) -> None:
+        self._call("kv/put", {"key": self._k(key), "value": _b64(value)})
+
+    def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
+        desired_b = desired.encode() if isinstance(desired, str) else desired
+        expected_b = expected.encode() if isinstance(expected, str) else expected
+        absent = {"key": self._k(key), "target": "CREATE", "result": "EQUAL", "create_revision": "0"}
+        equal = {"key": self._k(key), "target": "VALUE", "result": "EQUAL", "value": _b64(expected_b)}
+        while True:
+            ok, responses = self._txn([absent if not expected_b else equal], [self._put(key, desired_b)],
+                                      [self._read(key)])
+            if ok:
+                return desired_b
+            kv = self._kv(responses[0])
+            if kv is None:
+                if expected_b:
+                    return expected_b  # TCPStore: a missing key echoes the expected value, creates nothing
+                continue  # deleted between the compare and the read: try again
+            current = _unb64(kv.get("value"))
+            if expected_b or current:
+                return current
+            # Present and empty, expected empty: the compare must be on the value (an absent key fails it).
+            ok, responses = self._txn([equal], [self._put(key, desired_b)], [self._read(key)])
+            if ok:
+                return desired_b
+            kv = self._kv(responses[0])
+            if kv is not None:
+                return _unb64(kv.get("value"))
+
+    def add(self, key: str, amount: int) -> int:
+        # A counter this client wrote last (its own heartbeat) is guarded by the revision it wrote: one round
+        # trip; a stale guess costs one more (the failed transaction returns the current value).
+        kv = self._counters.get(key) if amount else None
+        if kv is None:
+            kv = self._read_many([key])[0]
+        if amount == 0 and kv is not None:
+            return int(_unb64(kv.get("value")) or b"0")
+        token = f"{self._me}:{next(self._seq)}"
+        marker = f"{key}{MARKER}{self._me}"
+        while True:
+            base = int(_unb64(kv.get("value")) or b"0") if kv else 0
+            guard = ({"key": self._k(key), "target": "CREATE", "result": "EQUAL", "create_revision": "0"}
+                     if kv is None else
+                     {"key": self._k(key), "target": "MOD", "result": "EQUAL", "mod_revision": kv["mod_revision"]})
+            puts = [self._put(key, str(base + amount))] + ([self._put(marker, token)] if amount else [])
+            ok, responses, revision = self._txn_rev([guard], puts, [self._read(key)])
+            if ok:
+                if amount:
+                    if len(self._counters) >= COUNTER_CACHE:
+                        self._counters.clear()  # old generations' counters: bounded, whatever the run's length
+                    self._counters[key] = {"value": _b64(str(base + amount)), "mod_revision": revision}
+                return base + amount
+            kv = self._kv(responses[0])
+            if amount and self._landed(marker, token):
+                return int(_unb64(kv.get("value")) or b"0") if kv else base + amount
+
+    def _landed(self, marker: str, token: str) -> bool:
+        """An earlier try of this add committed although its answer was lost (the retry found our marker)."""
+        kv = self._read_many([marker])[0]
+        return kv is not None and _unb64(kv.get("value")).decode() == token
+
+    def check(self, keys: list[str]) -> bool:
+        return all(kv is not None for kv in self._read_many(keys))
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        return self._wait_values(keys)
+
+    def delete_key(self, key: str) -> bool:
+        # The key and its adders' markers (key + "\x00..."), nothing else: the range [key, key + "\x01").
+        self._counters.pop(key, None)
+        out = self._call("kv/deleterange", {"key": self._k(key), "range_end": _b64(self.ns + key + "\x01")})
+        return int(out.get("deleted", 0)) > 0
+
+    def num_keys(self) -> int:
+        """The job's keys (adders' markers not counted): one read of the namespace's keys."""
+        out = self._call("kv/range", {"key": _b64(self.ns), "range_end": _range_end(self.ns), "keys_only": True})
+        return sum(1 for kv in out.get("kvs", []) if "\x00" not in _unb64(kv["key"]).decode())
+
+    def group_store(self, prefix: str) -> dist.Store:
+        return EtcdGroupStore(self, prefix + "/")
+
+    # -- the job's namespace ----------------------------------------------------
+
+    def clear(self) -> int:
+        """Delete every key of the job; returns how many went."""
+        self._counters.clear()
+        out = self._call("kv/deleterange", {"key": _b64(self.ns), "range_end": _range_end(self.ns)})
+        return int(out.get("deleted", 0))
+
+    @classmethod
+    def connect(cls, addr: str, *, timeout_s: float, secret: str) -> EtcdBackend:
+        """A client of the job of ``secret`` on the etcd cluster at ``addr``.
+
+        Raises:
+            ValueError: ``addr`` is malformed or etcd3gw is missing.
+            ConnectionError: no member answered within ``timeout_s`` (says what to check).
+            StoreAccessDenied: the cluster holds no job under this secret.
+        """
+        backend = cls(addr, secret, timeout_s=timeout_s)
+        try:
+            present = backend.check(["job"])
+        except StoreUnavailable as exc:
+            raise ConnectionError(f"store {addr}: no etcd member answered within {timeout_s:.0f} s ({exc}); "
+                                  f"is etcd running there, with quorum, and the address right?") from None
+        if not present:
+            raise StoreAccessDenied(f"store {addr} holds no job under this secret; use the run's secret file or "
+                                    f"{SECRET_ENV} of the job you mean")
+        return backend
+
+    @classmethod
+    def create(cls, addr: str, *, timeout_s: float, secret: str, job: dict[str, Any]) -> EtcdBackend:
+        """Open a new job's namespace on the cluster, refusing one that holds another job's keys.
+
+        ``job`` describes this job (run directory, host, pid): a later job whose
+        secret maps to the same namespace is refused with it.
+
+        Raises:
+            ValueError: the namespace holds another job's keys (names that job and the fix).
+            ConnectionError: no member answered within ``timeout_s``.
+        """
+        backend = cls(addr, secret, timeout_s=timeout_s)
+        mine = json.dumps(job, sort_keys=True)
+        try:
+            holder = backend.compare_set("job", "", mine).decode()
+            if holder != mine:
+                raise ValueError(
+                    f"store {addr}: the prefix {backend.ns} already holds the keys of another job ({holder}); "
+                    f"give this job its own secret ({SECRET_ENV}) or prefix (etcd://.../PREFIX), or remove the "
+                    f"old keys once that job is over: etcdctl del --prefix {backend.ns}")
+        except StoreUnavailable as exc:
+            raise ConnectionError(f"store {addr}: no etcd member answered within {timeout_s:.0f} s ({exc}); "
+                                  f"is etcd running there, with quorum, and the address right?") from None
+        return backend
+
+
+class EtcdGroupStore(dist.Store):
+    """A ``torch.distributed.Store`` over :class:`EtcdBackend` under ``prefix``: a process group's rendezvous."""
+
+    def __init__(self, backend: EtcdBackend, prefix: str) -> None:
+        super().__init__()
+        self.backend, self.prefix = backend, prefix
+
+    def set(self, key: str, value: str | bytes) -> None:
+        self.backend.set(self.prefix + key, value)
+
+    def get(self, key: str) -> bytes:
+        return self.backend.get(self.prefix + key)
+
+    def add(self, key: str, amount: int) -> int:
+        return self.backend.add(self.prefix + key, amount)
+
+    def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
+        return self.backend.compare_set(self.prefix + key, expected, desired)
+
+    def check(self, keys: list[str]) -> bool:
+        return self.backend.check([self.prefix + k for k in keys])
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        self.backend._wait_values([self.prefix + k for k in keys],
+                                  None if timeout is None else timeout.total_seconds())
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        return self.backend.multi_get([self.prefix + k for k in keys])
+
+    def delete_key(self, key: str) -> bool:
+        return self.backend.delete_key(self.prefix + key)
+
+    def num_keys(self) -> int:
+        return self.backend.num_keys()
