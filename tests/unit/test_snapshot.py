@@ -243,3 +243,24 @@ def test_ledger_counts_the_history_after_a_restore(tmp_path):
     w.close()
     check = check_ledger(tmp_path, n_slots=1, micro_batch=2, steps=2)
     assert check.ok and check.conflicting_steps == []
+
+
+def test_resume_refuses_snapshot_memory_of_another_config(tmp_path):
+    from unbroken.agent.preflight import prepare_run_dir
+    from unbroken.snapshot.trainer_hooks import job_id as run_job_id
+
+    cfg = load_config(preset_name="debug")
+    run = tmp_path / "run"
+    assert prepare_run_dir(run, cfg, overwrite=False, resume=False) is None
+    ident = run_job_id(run)
+    try:
+        with pytest.raises(ValueError, match="no committed checkpoint .* and no snapshot of this job"):
+            prepare_run_dir(run, cfg, overwrite=False, resume=True)
+        _snapshot(ident, _trained(), done=1)  # sealed under config hash "cfg", not this run's
+        with pytest.raises(ValueError, match=f"shared memory holds snapshots of job {ident} written under config cfg"):
+            prepare_run_dir(run, cfg, overwrite=False, resume=True)
+        # Overwriting the run starts a new job: the old job's memory is freed with it.
+        prepare_run_dir(run, cfg, overwrite=True, resume=False)
+        assert job_segments(ident) == [] and run_job_id(run) != ident
+    finally:
+        remove_segments(ident)

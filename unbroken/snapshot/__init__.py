@@ -1,7 +1,19 @@
-"""unbroken.snapshot: per-step in-memory snapshots, erasure coding, restore (the state layer).
+"""unbroken.snapshot: per-step snapshots in the nodes' shared memory, erasure-coded across nodes.
 
-Not built yet: the package exports nothing. Persistent checkpoints live in
-:mod:`unbroken.runtime.checkpoint` until it is.
+- :mod:`~unbroken.snapshot.segment`: the shared-memory buffers, sealed last, every byte checksummed;
+- :mod:`~unbroken.snapshot.state_bytes`: the training state as a JSON layout plus raw bytes;
+- :mod:`~unbroken.snapshot.plan`: stripes, fragments and who writes which under a view;
+- :mod:`~unbroken.snapshot.erasure`: systematic Reed-Solomon through pyeclib (ISA-L);
+- :mod:`~unbroken.snapshot.snapshotter`: the worker's asynchronous per-step writer;
+- :mod:`~unbroken.snapshot.restore`: inventory, decision and load of the newest complete snapshot;
+- :mod:`~unbroken.snapshot.capacity`: shared memory needed per node, checked before a job starts.
+
+Invariants: a snapshot is the state of exactly one step; a buffer is trusted only
+under an intact seal of its own job and only for bytes that match their checksums;
+the newest complete snapshot is at most one step behind the newest commit.
 """
 
-__all__: list[str] = []
+from unbroken.snapshot.segment import SnapshotCorrupt
+from unbroken.snapshot.snapshotter import Snapshotter
+
+__all__ = ["SnapshotCorrupt", "Snapshotter"]

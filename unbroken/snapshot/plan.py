@@ -24,6 +24,7 @@ protected state, m the live workers.
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections import defaultdict
 from typing import Any, Iterable
 
@@ -99,7 +100,7 @@ def complete_steps(seals: Iterable[dict[str, Any]]) -> list[tuple[int, dict[tupl
     """
     groups: dict[tuple, dict[tuple[int, int], dict[str, Any]]] = defaultdict(dict)
     for s in seals:
-        key = (s["step"], s["gen"], s["layout_hash"], tuple(sorted(s["plan"].items(), key=lambda kv: kv[0]).__repr__()))
+        key = (s["step"], s["gen"], s["layout_hash"], json.dumps(s["plan"], sort_keys=True))
         for stripe, frag, *_ in s["fragments"]:
             groups[key].setdefault((stripe, frag), s)
     out = []

@@ -95,92 +95,106 @@ def restore_from_memory(spec: dict[str, Any], *, job: str, node: int, node_of: d
                         optimizer: torch.optim.Optimizer, device: torch.device) -> dict[str, Any]:
     """Load the snapshot ``spec`` describes into ``model``/``optimizer``; every member calls it.
 
-    Returns what was done: ``local`` / ``received`` / ``rebuilt`` stripe counts and bytes.
+    Every member derives the same sequence of broadcasts from ``spec`` alone.
+    Returns what was done: ``local`` / ``received`` / ``rebuilt`` / ``sent`` stripe counts and bytes.
 
     Raises:
         SnapshotCorrupt: a fragment's bytes no longer match their checksum.
         Whatever ``broadcast`` raises.
     """
     t0 = time.perf_counter()
-    plan = SnapshotPlan.from_json(spec["plan"])
-    coding = Coding(plan.k, plan.m)
-    where: dict[int, dict[int, tuple[int, str]]] = {}
-    for st, fr, nd, seg in spec["holders"]:
-        where.setdefault(st, {})[fr] = (nd, seg)
-    opened: dict[str, SealedBuffer] = {}
+    loader = _Loader(spec, job=job, node=node, node_of=node_of, members=members, me=me, broadcast=broadcast,
+                     device=device)
+    data = b"".join(loader.stripe(st) for st in range(loader.plan.stripes))
+    load_into(data, spec["layout"], model, optimizer, device)
+    return {**loader.stats, "seconds": time.perf_counter() - t0, "step": spec["step"]}
 
-    def segment(seg: str) -> SealedBuffer:
-        if seg not in opened:
-            buf = SealedBuffer.open(SHM_DIR / seg, job)
-            if buf is None or buf.seal["step"] != spec["step"]:
-                raise SnapshotCorrupt(f"{seg}: no longer holds the snapshot of step {spec['step']}")
-            opened[seg] = buf
-        return opened[seg]
 
-    def read(seg: str, st: int, fr: int) -> bytes:
-        return segment(seg).fragment(st, fr)
+class _Loader:
+    """One member's reads, broadcasts and decodes of a snapshot's stripes (see the module docstring)."""
 
-    def local_decode(st: int, frs: list[int], length: int) -> bytes:
-        """Decode stripe ``st`` from fragments ``frs`` held on this node (with a parity holder's headers)."""
-        hdrs = next((h for fr in frs if fr >= plan.k and (h := segment(where[st][fr][1]).headers(st))), None)
-        return coding.decode({fr: read(where[st][fr][1], st, fr) for fr in frs}, length, hdrs)
+    def __init__(self, spec: dict[str, Any], *, job: str, node: int, node_of: dict[int, int],
+                 members: tuple[int, ...], me: int, broadcast: Broadcast, device: torch.device) -> None:
+        self.spec, self.job, self.node, self.me, self.members = spec, job, node, me, members
+        self.broadcast, self.device = broadcast, device
+        self.plan = SnapshotPlan.from_json(spec["plan"])
+        self.coding = Coding(self.plan.k, self.plan.m)
+        self.where: dict[int, dict[int, tuple[int, str]]] = {}
+        for st, fr, nd, seg in spec["holders"]:
+            self.where.setdefault(st, {})[fr] = (nd, seg)
+        self.nodes = sorted({node_of[w] for w in members})
+        self.first_on = {nd: min(w for w in members if node_of[w] == nd) for nd in self.nodes}
+        self.opened: dict[str, SealedBuffer] = {}
+        self.stats = {"local": 0, "received": 0, "rebuilt": 0, "sent": 0, "bytes_received": 0}
 
-    nodes_of_members = sorted({node_of[w] for w in members})
-    first_on = {nd: min(w for w in members if node_of[w] == nd) for nd in nodes_of_members}
-    stats = {"local": 0, "received": 0, "rebuilt": 0, "bytes_received": 0}
-    stripes: list[bytes] = []
-    for st in range(plan.stripes):
-        lo, hi = plan.stripe_range(st)
-        frags = where.get(st, {})
-        on_node = {nd: {fr for fr, (n2, _) in frags.items() if n2 == nd} for nd in nodes_of_members}
-        able = [nd for nd in nodes_of_members if len(on_node[nd]) >= plan.k]
-        if len(able) == len(nodes_of_members):  # every node decodes from its own memory
-            mine = _prefer_data(on_node[node], plan.k)
-            data = local_decode(st, mine, hi - lo)
-            stats["local"] += 1
-            stats["rebuilt"] += any(fr >= plan.k for fr in mine[:plan.k])
-        elif able:  # one node decodes and sends the stripe
-            src_node = able[0]
-            out = torch.empty(hi - lo, dtype=torch.uint8, device=device)
-            sender = first_on[src_node]
-            if me == sender:
-                mine = _prefer_data(on_node[node], plan.k)
-                data = local_decode(st, mine, hi - lo)
-                out.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-                stats["rebuilt"] += any(fr >= plan.k for fr in mine)
-                stats["sent"] = stats.get("sent", 0) + 1
-            broadcast(out, members.index(sender))
-            if me != sender:
-                data = out.cpu().numpy().tobytes()
-                stats["received"] += 1
-                stats["bytes_received"] += hi - lo
-        else:  # fragments from several nodes
-            chosen = _prefer_data(set(frags), plan.k)
-            got = {}
-            hdr_src = next((fr for fr in chosen if fr >= plan.k), None)
-            hdrs = None
-            if hdr_src is not None:  # the headers kept with that parity fragment travel with it
-                nd, seg = frags[hdr_src]
-                h_t = torch.empty(plan.k * HEADER, dtype=torch.uint8, device=device)
-                if node == nd and me == first_on[nd]:
-                    h_t.copy_(torch.frombuffer(bytearray(segment(seg).headers(st)), dtype=torch.uint8))
-                broadcast(h_t, members.index(first_on[nd]))
-                hdrs = h_t.cpu().numpy().tobytes()
-            for fr in chosen:
-                nd, seg = frags[fr]
-                length = int(spec["fragment_lengths"][f"{st}/{fr}"])
-                buf_t = torch.empty(length, dtype=torch.uint8, device=device)
-                if node == nd and me == first_on[nd]:
-                    buf_t.copy_(torch.frombuffer(bytearray(read(seg, st, fr)), dtype=torch.uint8))
-                broadcast(buf_t, members.index(first_on[nd]))
-                got[fr] = buf_t.cpu().numpy().tobytes()
-                stats["bytes_received"] += length
-            data = coding.decode(got, hi - lo, hdrs)
-            stats["received"] += 1
-            stats["rebuilt"] += any(fr >= plan.k for fr in chosen)
-        stripes.append(data)
-    load_into(b"".join(stripes), spec["layout"], model, optimizer, device)
-    return {**stats, "seconds": time.perf_counter() - t0, "step": spec["step"]}
+    def segment(self, seg: str) -> SealedBuffer:
+        if seg not in self.opened:
+            buf = SealedBuffer.open(SHM_DIR / seg, self.job)
+            if buf is None or buf.seal["step"] != self.spec["step"]:
+                raise SnapshotCorrupt(f"{seg}: no longer holds the snapshot of step {self.spec['step']}")
+            self.opened[seg] = buf
+        return self.opened[seg]
+
+    def stripe(self, st: int) -> bytes:
+        """Stripe ``st``: from this node's memory, from the one node that can decode it, or from fragments."""
+        lo, hi = self.plan.stripe_range(st)
+        frags = self.where.get(st, {})
+        on_node = {nd: {fr for fr, (n2, _) in frags.items() if n2 == nd} for nd in self.nodes}
+        able = [nd for nd in self.nodes if len(on_node[nd]) >= self.plan.k]
+        if len(able) == len(self.nodes):  # every node decodes from its own memory
+            self.stats["local"] += 1
+            return self._decode_here(st, on_node[self.node], hi - lo)
+        if able:  # the first member on a node that can decodes and sends the stripe
+            return self._send(st, on_node[able[0]], self.first_on[able[0]], hi - lo)
+        return self._gather(st, frags, hi - lo)
+
+    def _decode_here(self, st: int, held: set[int], length: int) -> bytes:
+        chosen = _prefer_data(held, self.plan.k)
+        self.stats["rebuilt"] += any(fr >= self.plan.k for fr in chosen)
+        hdrs = next((h for fr in chosen if fr >= self.plan.k
+                     and (h := self.segment(self.where[st][fr][1]).headers(st))), None)
+        frags = {fr: self.segment(self.where[st][fr][1]).fragment(st, fr) for fr in chosen}
+        return self.coding.decode(frags, length, hdrs)
+
+    def _send(self, st: int, held: set[int], sender: int, length: int) -> bytes:
+        out = torch.empty(length, dtype=torch.uint8, device=self.device)
+        if self.me == sender:
+            data = self._decode_here(st, held, length)
+            out.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+            self.stats["sent"] += 1
+        self.broadcast(out, self.members.index(sender))
+        if self.me == sender:
+            return data
+        self.stats["received"] += 1
+        self.stats["bytes_received"] += length
+        return out.cpu().numpy().tobytes()
+
+    def _share(self, nbytes: int, holder_node: int, read: Callable[[], bytes]) -> bytes:
+        """``read()`` on the first member of ``holder_node``, broadcast to every member."""
+        t = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        sender = self.first_on[holder_node]
+        if self.me == sender:
+            t.copy_(torch.frombuffer(bytearray(read()), dtype=torch.uint8))
+        self.broadcast(t, self.members.index(sender))
+        self.stats["bytes_received"] += nbytes if self.me != sender else 0
+        return t.cpu().numpy().tobytes()
+
+    def _gather(self, st: int, frags: dict[int, tuple[int, str]], length: int) -> bytes:
+        """No node can decode alone: each chosen fragment (and a parity holder's headers) is broadcast."""
+        chosen = _prefer_data(set(frags), self.plan.k)
+        hdrs = None
+        parity = next((fr for fr in chosen if fr >= self.plan.k), None)
+        if parity is not None:  # the headers kept with that parity fragment travel with it
+            nd, seg = frags[parity]
+            hdrs = self._share(self.plan.k * HEADER, nd, lambda: self.segment(seg).headers(st))
+        got = {}
+        for fr in chosen:
+            nd, seg = frags[fr]
+            got[fr] = self._share(int(self.spec["fragment_lengths"][f"{st}/{fr}"]), nd,
+                                  lambda seg=seg, fr=fr: self.segment(seg).fragment(st, fr))
+        self.stats["received"] += 1
+        self.stats["rebuilt"] += parity is not None
+        return self.coding.decode(got, length, hdrs)
 
 
 def _prefer_data(held: set[int], k: int) -> list[int]:
