@@ -135,3 +135,17 @@ def test_launcher_and_agents_killed_then_resume_rebuilds_a_lost_node_from_parity
     assert ledger.ok, ledger.to_json()
     _assert_identical(summary["checkpoint"], uninterrupted)
     assert job_segments(job) == []
+
+
+def test_a_node_lost_with_every_worker_is_rebuilt_from_parity_by_the_surviving_agent(tmp_path, corpus_overrides):
+    """Node 0 (agent and workers) is SIGKILLed and node 1's workers die in the same step: nobody is left to
+    mark node 0's workers dead but node 1's agent, which does once they stay silent, then restores the
+    job without node 0, its share rebuilt from parity."""
+    cfg = load_config(preset_name="debug", overrides=_overrides(corpus_overrides)[:-1] + ["train.steps=16"])
+    kills = "step=8:node=0:kill,step=8:worker=2:kill:phase=allreduce,step=8:worker=3:kill:phase=allreduce"
+    job = run_job(cfg, tmp_path / "run", nodes=2, workers_per_node=2, fail_at=kills)
+    check_invariants(job, live=[2, 3])
+    [restore] = job.events("job_restore")
+    assert (restore["source"], restore["step"], restore["lost_nodes"], restore["parity_stripes"]) == \
+        ("memory", 8, [0], [0])
+    assert sorted(e["worker"] for e in job.events("restored")) == [2, 3]

@@ -43,6 +43,8 @@ MAX_RESTORES_PER_STEP = 3
 """A job that dies this many times restored at the same step stops (a fault that recurs at once)."""
 INVENTORY_WAIT_S = 3.0
 """How long the restoring agent waits for every node's inventory before going on without the silent ones."""
+WATCH_S = 0.1
+"""How often an agent whose node's members are all dead looks at the other members' heartbeats."""
 START_GEN = -1
 """The inventories of a ``--resume`` are published under this pseudo-generation (before view 0)."""
 
@@ -58,6 +60,8 @@ class JobRestore:
         self._published: set[int] = set()
         self._deciding: tuple[View | None, float] | None = None
         self._restores: dict[int, int] = {}
+        self._beats: dict[int, tuple[int, float]] = {}
+        self._next_watch = 0.0
 
     # -- after every worker died ------------------------------------------------
 
@@ -112,6 +116,37 @@ class JobRestore:
         if view.restore is None:
             return []
         return [w for w in workers_of(self.node, self.per_node) if w in view.members and w not in running]
+
+    def mark_silent(self, current_view: Callable[[], View | None], now: float, timeout_s: float) -> list[int]:
+        """Once every member on this node is marked dead, mark dead the other members whose heartbeat
+        stood still for ``timeout_s`` while this agent watched; returns them.
+
+        A node lost together with every other worker (its agent killed with them) leaves nobody to mark
+        its workers dead: their peers are dead too. Without this the job would wait for ever instead of
+        being restored. While any member of this node lives, its own failure detector does this job.
+        """
+        if now < self._next_watch:
+            return []
+        self._next_watch = now + WATCH_S
+        view = current_view()
+        mine = [w for w in view.members if w in workers_of(self.node, self.per_node)] if view else []
+        if not mine or not all(self.store.is_marked_dead(w) for w in mine):
+            self._beats.clear()
+            return []
+        others = [w for w in view.members if w not in mine]
+        silent = []
+        for w, beat in zip(others, self.store.heartbeats(others)):
+            seen = self._beats.get(w)
+            if seen is None or seen[0] != beat:
+                self._beats[w] = (beat, now)
+            elif now - seen[1] > timeout_s and not self.store.is_marked_dead(w):
+                silent.append(w)
+        for w in silent:
+            self.store.mark_dead(w, json.dumps({"by": "agent", "node": self.node, "how": "heartbeat",
+                                                "silent_s": round(now - self._beats[w][1], 3), "t": time.time()}))
+            logger.warning("node %d: worker %d silent for %.1f s with every worker of this node dead: marked dead",
+                           self.node, w, now - self._beats[w][1])
+        return silent
 
     # -- at --resume ------------------------------------------------------------
 

@@ -118,6 +118,7 @@ class Agent:
         self._progress = opts.start_step
         self._done_at: float | None = None
         self._restored_gen: int | None = None
+        self._hb_timeout = 2.0
         self.restorer: JobRestore | None = None
         self._idle_since: float | None = None
 
@@ -145,7 +146,8 @@ class Agent:
             write_pid(self.run_dir / "pids" / f"agent{self.node}", os.getpid())
             cfg = self.rdv.check_config(self.run_dir)
             self.total_steps = int(cfg["train"]["steps"])
-            limits = self.opts.startup_limits(heartbeat_timeout_s=float(cfg["fault"]["heartbeat_timeout_s"]))
+            self._hb_timeout = float(cfg["fault"]["heartbeat_timeout_s"])
+            limits = self.opts.startup_limits(heartbeat_timeout_s=self._hb_timeout)
             self.watch = StartupWatch(self.store, limits, node=self.node)
             self.restorer = JobRestore(self.store, node=self.node, nnodes=self.opts.nnodes,
                                        workers_per_node=self.opts.workers_per_node, run_dir=self.run_dir,
@@ -224,6 +226,8 @@ class Agent:
                 self._restart_due(now)
                 if (failure := self.restorer.tick(now)) is not None:
                     self.store.fail(failure)
+                self.restorer.mark_silent(lambda: self.store.current_view() if self.store.has_view() else None,
+                                          now, self._hb_timeout)
                 self._follow_restore()
             if self.standby is not None:
                 self._standby_tick(now)  # after done: reaps a standby let go
