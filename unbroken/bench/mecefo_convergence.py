@@ -81,11 +81,16 @@ def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/mecefo_convergence.json"))
     ap.add_argument("--plot", type=Path, default=Path("docs/mecefo_convergence.png"))
     ap.add_argument("--runs-dir", type=Path, default=None, help="keep every run directory here (default: temporary)")
+    ap.add_argument("--reuse", action="store_true",
+                    help="with --runs-dir: read back runs of the same config finished there instead of training "
+                    "them again (a study grown or resumed piece by piece)")
     a, overrides = parse_with_overrides(ap, argv)
     for name in ("slots", "steps", "micro_batch", "global_batch", "seq_len", "val_batches", "evals", "threads",
                  "jobs"):
         if getattr(a, name) is not None and getattr(a, name) < 1:
             ap.error(f"--{name.replace('_', '-')}={getattr(a, name)} must be >= 1")
+    if a.reuse and a.runs_dir is None:
+        ap.error("--reuse needs --runs-dir (where the finished runs are)")
     if a.max_down is not None and not 0 <= a.max_down < a.slots:
         ap.error(f"--max-down={a.max_down} must be in 0..{a.slots - 1} (fewer than --slots={a.slots}: a live "
                  "worker must take over)")
@@ -180,22 +185,36 @@ def _config(a: argparse.Namespace, overrides: list[str], preset: str, trace: str
     ])
 
 
-def run_one(cfg_dict: dict[str, Any], out_dir: str, threads: int) -> dict[str, Any]:
-    """Simulate one config (in this process or a pool worker) and return its row with loss curves."""
+def run_one(cfg_dict: dict[str, Any], out_dir: str, threads: int, reuse: bool = False) -> dict[str, Any]:
+    """Simulate one config (in this process or a pool worker) and return its row with loss curves.
+
+    With ``reuse``, a finished run of the same config already in ``out_dir`` (its ``summary.json``
+    written, its ``config.json`` equal to ``cfg_dict``) is read back instead of trained again.
+    """
     import torch
 
     from unbroken.jsonl import read_jsonl
     from unbroken.job.simulator import simulate
 
-    torch.set_num_threads(threads)
-    cfg = Config.from_dict(cfg_dict)
-    summary = simulate(cfg, Path(out_dir), overwrite=True)
-    records = read_jsonl(Path(out_dir) / "metrics.jsonl")
+    out = Path(out_dir)
+    if reuse and _finished_run(out, cfg_dict):
+        summary = json.loads((out / "summary.json").read_text())
+    else:
+        torch.set_num_threads(threads)
+        summary = simulate(Config.from_dict(cfg_dict), out, overwrite=True)
+    records = read_jsonl(out / "metrics.jsonl")
     return {
         "summary": summary,
         "train_curve": [[r["step"], r["loss"]] for r in records if r["kind"] == "train"],
         "val_curve": [[r["step"], r["val_loss"]] for r in records if r["kind"] == "val"],
     }
+
+
+def _finished_run(out: Path, cfg_dict: dict[str, Any]) -> bool:
+    try:
+        return (out / "summary.json").is_file() and json.loads((out / "config.json").read_text()) == cfg_dict
+    except (OSError, ValueError):
+        return False
 
 
 Job = tuple[str, str, "str | None", int, Config]
@@ -204,7 +223,7 @@ Job = tuple[str, str, "str | None", int, Config]
 
 def _run_all(jobs: list[Job], a: argparse.Namespace, runs_dir: Path) -> list[dict[str, Any]]:
     """Train every (preset, trace, policy, seed) config; rows in the order of ``jobs``."""
-    args = [(cfg.to_dict(), str(runs_dir / f"{p}-{t}-{pol or 'baseline'}-s{seed}"), a.threads)
+    args = [(cfg.to_dict(), str(runs_dir / f"{p}-{t}-{pol or 'baseline'}-s{seed}"), a.threads, a.reuse)
             for p, t, pol, seed, cfg in jobs]
     if a.jobs == 1:
         results = []
