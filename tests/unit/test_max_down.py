@@ -175,3 +175,10 @@ def test_slot_count_must_divide_the_global_batch(tmp_path, capsys) -> None:
             convergence_main(argv + out)
         assert message in capsys.readouterr().err
     assert not (tmp_path / "x.json").exists()
+
+
+def test_a_spec_seen_late_without_the_cap_keeps_its_back_step() -> None:
+    plan = NodeFaults(parse_fail_at("step=3:worker=1:kill:back=5"), node=0, workers_per_node=2, start_step=0,
+                      max_down=1)
+    (late,) = plan.due(4, down=())  # the agent learned of step 3 only at step 4: nothing held it
+    assert plan.held == set() and plan.on_death(1, progress=4).back_step == 5

@@ -185,7 +185,7 @@ class NodeFaults:
             self._signals.pop(0)
             now_down |= set(workers)
             blamed = s
-            if s.back_step is not None and progress > s.step:
+            if s.back_step is not None and progress > s.step and format_fail_at([s]) in self.held:
                 # A spec that waited keeps its outage length; the Injection keeps the original (its identity).
                 blamed = dataclasses.replace(s, back_step=s.back_step + (progress - s.step))
             for w in workers:
