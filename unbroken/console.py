@@ -196,6 +196,8 @@ _DESCRIBE: dict[str, Callable[[Record, RunState], str | None]] = {
     "join_refused": lambda ev, st: f"join of worker {ev.get('worker_refused')} refused: {ev.get('reason')}",
     "fault_self": lambda ev, st: f"worker {ev.get('worker')} injects {ev.get('how')} at {ev.get('phase')}",
     "fault_resumed": lambda ev, st: f"SIGCONT to pids {_ids(ev.get('pids', []))}",
+    "fault_deferred": lambda ev, st: f"fault {ev.get('spec')} waits: fault.max_down={ev.get('max_down')} "
+                                     f"workers are down",
 }
 
 

@@ -39,11 +39,11 @@ AGENT = ("import sys; from unbroken.agent.command import main; "
 class Job:
     """The test's side of a job: store, run directory, agents started, pids seen."""
 
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(self, run_dir: Path, cfg: Config | None = None) -> None:
         self.run_dir = run_dir
         self.store = JobStore.host("127.0.0.1", 0, clients=8, secret=job_secret(run_dir, create=True))
         self.addr = f"127.0.0.1:{self.store.port}"
-        self.cfg = Config().to_dict()
+        self.cfg = (cfg or Config()).to_dict()
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.json").write_text(json.dumps(self.cfg))
         self.store.publish_config(json.dumps(self.cfg))
@@ -116,9 +116,9 @@ def alive(pid: int) -> bool:
 
 
 @contextmanager
-def running_job(run_dir: Path) -> Iterator[Job]:
+def running_job(run_dir: Path, cfg: Config | None = None) -> Iterator[Job]:
     """A :class:`Job`; on the way out: ``done``, every agent exits, no process it caused is left."""
-    j = Job(run_dir)
+    j = Job(run_dir, cfg)
     try:
         yield j
     finally:

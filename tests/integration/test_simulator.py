@@ -126,3 +126,23 @@ def test_cli_simulate(tmp_path, corpus_overrides):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["trace"] == "high" and summary["workers"] == 4 and summary["steps"] == 3
     assert cli_main(["simulate", "--steps", "3", "--out", str(out), *(f"--{o}" for o in corpus_overrides)]) == 2
+
+
+def test_max_down_one_failure_at_a_time(tmp_path, corpus_overrides):
+    cfg = _cfg(corpus_overrides, 4, 8, "fault.trace=high", "fault.max_down=1", "mecefo.policy=neighbor",
+               "data.micro_batch=2", "mecefo.rank=4")
+    summary = simulate(cfg, tmp_path / "run")
+    trace = FailureTrace.from_json(json.loads((tmp_path / "run" / "trace.json").read_text()))
+    assert trace.max_down == 1 and trace.deferred > 0 and trace.most_down() == 1
+    train = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if r["kind"] == "train"]
+    assert [r["live_workers"] for r in train] == [sorted(set(range(4)) - trace.down_at(s)) for s in range(8)]
+    assert min(len(r["live_workers"]) for r in train) == 3
+    # One worker down: its successor computes both micro-batches approximately, 2 of the 4 slots' rows.
+    degraded = sum(1 for r in train if r["degraded"])
+    assert summary["approx_row_fraction"] == pytest.approx(degraded * 2 / (8 * 4))
+    assert (summary["max_down"], summary["most_down"], summary["deferred_failures"]) == (1, 1, trace.deferred)
+    uncapped = FailureTrace(n_workers=4, n_steps=8, outages=(Outage(worker=0, start_step=1, end_step=5),
+                                                              Outage(worker=1, start_step=2, end_step=3)))
+    with pytest.raises(ValueError, match="2 workers down at once, more than fault.max_down=1"):
+        simulate(cfg, tmp_path / "other", trace=uncapped)
+    assert not (tmp_path / "other").exists()

@@ -43,3 +43,26 @@ def test_convergence_rejects_bad_cluster_workers(tmp_path, capsys, bad):
 def test_convergence_rejects_unknown_policy(tmp_path):
     with pytest.raises(ValueError, match="--policies"):
         main(["--policies", "ring", "--out", str(tmp_path / "x.json"), "--plot", str(tmp_path / "x.png")])
+
+
+def test_convergence_seeds_and_reuse_of_finished_runs(tmp_path, corpus_overrides):
+    args = ["--presets", "debug", "--steps", "6", "--policies", "neighbor,spread", "--traces", "high",
+            "--slots", "4", "--global-batch", "8", "--max-down", "1", "--seeds", "0,1", "--seeds-per-point",
+            "spread=1", "--seq-len", "32", "--val-batches", "2", "--runs-dir", str(tmp_path / "runs"), "--reuse",
+            "--out", str(tmp_path / "a.json"), "--plot", str(tmp_path / "a.png"),
+            *(f"--{o}" for o in corpus_overrides)]
+    first = main(args)
+    assert [(r["trace"], r["policy"], r["seed"]) for r in first["runs"]] == [
+        ("none", None, 0), ("none", None, 1), ("high", "neighbor", 0), ("high", "neighbor", 1),
+        ("high", "spread", 0)]
+    assert first["settings"]["micro_batch"] == 2 and first["settings"]["max_down"] == 1
+    assert all(r["most_down"] <= 1 for r in first["runs"])
+    stats = first["rel_val_ppl_stats"]["debug"]["high"]
+    assert stats["neighbor"]["n"] == 2 and stats["spread"]["n"] == 1
+    assert stats["neighbor"]["mean"] == pytest.approx(sum(r["rel_ppl"] for r in first["runs"][2:4]) / 2)
+    assert abs(stats["spread"]["mean"]) < 1e-4 and first["targets"]["debug/high/spread_equals_failure_free"]
+    marker = tmp_path / "runs" / "debug-high-neighbor-s1" / "metrics.jsonl"
+    mtime = marker.stat().st_mtime_ns
+    second = main(args)
+    assert marker.stat().st_mtime_ns == mtime, "a finished run of the same config is read back, not trained again"
+    assert [r["val_ppl"] for r in second["runs"]] == [r["val_ppl"] for r in first["runs"]]

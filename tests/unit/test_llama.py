@@ -21,6 +21,8 @@ pytestmark = pytest.mark.timeout(60)
 EXPECTED_PARAMS = {
     "debug": 624_960,
     "tiny": 1_852_544,
+    "tiny-2l": 2_326_680,
+    "tiny-8l": 1_599_072,
     "llama-60m": 58_073_600,
     "llama-350m": 367_969_280,
     "llama-1b": 1_339_082_752,

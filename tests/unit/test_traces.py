@@ -77,13 +77,13 @@ def test_min_live_workers_always_up(preset: str, min_live: int) -> None:
     for t in traces:
         assert all(len(t.down_at(s)) <= t.n_workers - min_live for s in range(t.n_steps))
     # The bound is reached under these harsh presets, and arrivals beyond it are dropped.
-    assert max(t.max_down() for t in traces) == 4 - min_live
+    assert max(t.most_down() for t in traces) == 4 - min_live
     assert sum(t.dropped for t in traces) > 0
 
 
 def test_min_live_zero_allows_all_down() -> None:
     t = _trace("extreme", n_workers=2, min_live=0)
-    assert t.max_down() == 2
+    assert t.most_down() == 2
 
 
 def test_queries_agree_with_outages() -> None:

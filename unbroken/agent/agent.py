@@ -161,7 +161,8 @@ class Agent:
                 return 0
             self._progress = max(self._read_progress(), view.step)
             self.plan = NodeFaults(self.specs, node=self.node, workers_per_node=self.opts.workers_per_node,
-                                   start_step=self._progress, fired=fired_before(self.run_dir, self.node))
+                                   start_step=self._progress, fired=fired_before(self.run_dir, self.node),
+                                   max_down=cfg["fault"].get("max_down"))
             self._write_fault_plan()
             self._start_workers(view)
             if self.opts.standby:
@@ -385,8 +386,15 @@ class Agent:
         if self.plan is not None and (self.plan.next_step is not None or
                                       any(r.at_step is not None for r in self.restarts.values())):
             self._progress = self._read_progress()
-            for inj in self.plan.due(self._progress):
-                self._fire(inj, now)
+            if self.plan.waiting(self._progress):
+                held = set(self.plan.held)
+                for inj in self.plan.due(self._progress, self._down_now()):
+                    self._fire(inj, now)
+                for spec in sorted(self.plan.held - held):
+                    self._event("fault_deferred", None, spec=spec, progress=self._progress,
+                                max_down=self.plan.max_down)
+                    self.log.info("fault %s deferred at step %d: fault.max_down=%d workers are down",
+                                  spec, self._progress, self.plan.max_down)
         for item in [t for t in self.stopped if t[0] <= now]:
             self.stopped.remove(item)
             _, w, proc = item
@@ -412,6 +420,13 @@ class Agent:
                 self.standby.kill_now()
             logging.shutdown()
             os.kill(os.getpid(), signal.SIGKILL)  # a lost node: no goodbye, no dead marks
+
+    def _down_now(self) -> set[int]:
+        """Workers of the job down as the store tells: outside the current view, or marked dead."""
+        if self.plan is None or self.plan.max_down is None or not self.store.has_view():
+            return set()
+        members = set(self.store.current_view().members)
+        return {w for w in range(self.opts.n_workers) if w not in members or self.store.is_marked_dead(w)}
 
     # -- (re)starting -----------------------------------------------------------
 

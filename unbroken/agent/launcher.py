@@ -310,7 +310,8 @@ def _job_faults(cfg: Config, fail_at: str, nodes: int,
     if cfg.fault.trace != "none":
         trace = generate_trace(cfg.fault.trace, n_workers=cfg.train.workers, n_steps=cfg.train.steps,
                                step_time_s=step_time_for(cfg.train.steps, cfg.fault.job_hours),
-                               seed=cfg.train.seed, min_live=1, cluster_workers=cfg.fault.cluster_workers)
+                               seed=cfg.train.seed, min_live=1, cluster_workers=cfg.fault.cluster_workers,
+                               max_down=cfg.fault.max_down)
         specs += trace_to_faults(trace)
     check_faults(specs, n_nodes=nodes, workers_per_node=workers_per_node)
     return specs, trace

@@ -23,6 +23,19 @@ def _tiny() -> Config:
     return cfg
 
 
+def _tiny_depth(model: str, rank: int) -> Callable[[], Config]:
+    """``tiny`` with another depth at about its block parameter count; the low-rank FFN gradient keeps
+    ``tiny``'s rank / width (32 / 128), so only the depth changes what MeCeFO approximates."""
+
+    def preset() -> Config:
+        cfg = _tiny()
+        cfg.model.preset = model
+        cfg.mecefo.rank = rank
+        return cfg
+
+    return preset
+
+
 def _paper_shape(model: str) -> Callable[[], Config]:
     def preset() -> Config:
         cfg = Config()
@@ -40,6 +53,8 @@ def _paper_shape(model: str) -> Callable[[], Config]:
 PRESETS: dict[str, Callable[[], Config]] = {
     "debug": _debug,
     "tiny": _tiny,
+    "tiny-2l": _tiny_depth("tiny-2l", rank=46),
+    "tiny-8l": _tiny_depth("tiny-8l", rank=24),
     "llama-60m": _paper_shape("llama-60m"),
     "llama-350m": _paper_shape("llama-350m"),
     "llama-1b": _paper_shape("llama-1b"),

@@ -147,6 +147,11 @@ class FaultConfig:
     """Workers of the cluster whose failure rate the trace preset gives (>=
     train.workers): the job sees ``train.workers / cluster_workers`` of its
     failures. None: the preset's rate is the job's own."""
+    max_down: int | None = None
+    """At most this many workers down at once (0..train.workers-1): a trace failure that would take the
+    job past it is deferred until a worker returns (``unbroken.faults.traces``); 1 is "single-node
+    failures only". In the real runtime an agent also holds back a signal fault (``fail_at`` or trace)
+    while the job is at the cap. None: no cap."""
     fail_at: str = ""
     """Explicit faults, e.g. ``step=40:worker=2:kill,step=90:node=1:kill``."""
     heartbeat_timeout_s: float = 2.0

@@ -51,6 +51,11 @@ def validate(cfg: Config) -> list[str]:
         f.cluster_workers is None or f.cluster_workers >= t.workers,
         f"fault.cluster_workers={f.cluster_workers}: must be >= train.workers={t.workers} (or none)",
     )
+    need(
+        f.max_down is None or 0 <= f.max_down < t.workers,
+        f"fault.max_down={f.max_down}: must be in 0..{t.workers - 1} (fewer than train.workers={t.workers}: "
+        "a live worker must take over), or none for no cap",
+    )
     need(math.isfinite(f.heartbeat_timeout_s) and f.heartbeat_timeout_s > 0,
          f"fault.heartbeat_timeout_s={f.heartbeat_timeout_s}: must be a finite number > 0")
     need(f.progress_timeout_s >= f.heartbeat_timeout_s,

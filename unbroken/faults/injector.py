@@ -29,6 +29,17 @@ Who fires what:
   (:func:`~unbroken.faults.fail_at.write_fault_plan`) are its own, by index
   (``--faults``). Node specs must use ``phase=any``.
 
+Concurrency cap. With ``max_down`` (``fault.max_down``) a signal spec that
+would take the job past ``max_down`` workers down waits, and every signal
+spec after it (first come, first served), until enough workers are back: the
+caller passes the workers it sees down (not members of the current view, or
+marked dead). A spec that waited ``d`` steps keeps its outage length: its
+``back`` moves ``d`` steps later. The count is this node's view of the store:
+two agents deciding within the same poll can both fire; a trace drawn under
+the same cap (the launcher's) only has two specs waiting at once when a
+returning worker is slow to rejoin. Phase specs are the worker's own and are
+not held.
+
 Invariants: each spec fires at most once per run, resumes included (the
 caller passes the specs that fired before, in ``format_fail_at`` form); a
 spec whose step lies before the progress the schedule starts from never fires
@@ -39,6 +50,7 @@ spec's ``back`` is used.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 from dataclasses import dataclass
@@ -128,11 +140,14 @@ class NodeFaults:
         start_step: the progress when the schedule starts; earlier specs are dropped.
         fired: specs (``format_fail_at`` of one spec) that fired in an earlier
             attempt of the run; they are dropped too.
+        max_down: at most this many workers down at once (module docstring); ``None``: no cap.
     """
 
     def __init__(self, specs: Iterable[FaultSpec], *, node: int, workers_per_node: int, start_step: int,
-                 fired: Collection[str] = ()) -> None:
+                 fired: Collection[str] = (), max_down: int | None = None) -> None:
         self.node, self.w = node, workers_per_node
+        self.max_down = max_down
+        self.held: set[str] = set()  # specs that waited for the cap at least once (format_fail_at)
         self.plan = tuple(specs)
         self._index = {id(s): i for i, s in enumerate(self.plan)}
         mine = [s for s in self.plan if s.step >= start_step and self._targets(s) and format_fail_at([s]) not in fired]
@@ -155,17 +170,37 @@ class NodeFaults:
         """Step of the next signal this node fires itself (``None``: none left)."""
         return self._signals[0].step if self._signals else None
 
-    def due(self, progress: int) -> list[Injection]:
-        """Pop the signal specs due at ``progress`` committed steps, in order."""
+    def due(self, progress: int, down: Collection[int] = ()) -> list[Injection]:
+        """Pop the signal specs due at ``progress`` committed steps, in order.
+
+        Args:
+            progress: committed steps.
+            down: workers of the job that are down now (only read with ``max_down``); the workers
+                this node signalled and that have not died yet count as down too.
+        """
         out = []
+        now_down = set(down) | set(self._fired)
         while self._signals and self._signals[0].step <= progress:
-            s = self._signals.pop(0)
+            s = self._signals[0]
             workers = self._targets(s)
+            if self.max_down is not None and len(now_down | set(workers)) > self.max_down:
+                self.held.add(format_fail_at([s]))
+                break  # first come, first served: later specs wait behind this one
+            self._signals.pop(0)
+            now_down |= set(workers)
+            blamed = s
+            if s.back_step is not None and progress > s.step and format_fail_at([s]) in self.held:
+                # A spec that waited keeps its outage length; the Injection keeps the original (its identity).
+                blamed = dataclasses.replace(s, back_step=s.back_step + (progress - s.step))
             for w in workers:
-                self._fired[w] = s
+                self._fired[w] = blamed
             out.append(Injection(spec=s, workers=workers, signal=signal_for(s.how),
                                  kill_agent=s.target == "node" and s.how == "kill", resume_after_s=s.duration_s))
         return out
+
+    def waiting(self, progress: int) -> bool:
+        """Whether a signal spec is due at ``progress`` (fired at once, or held by the cap)."""
+        return bool(self._signals) and self._signals[0].step <= progress
 
     def resumed(self, worker: int) -> None:
         """A stopped worker was continued and lives on: its next death is not this spec's."""

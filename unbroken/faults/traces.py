@@ -21,6 +21,22 @@ distributed repair time of mean ``MTTR`` hours and is then back. An arrival is
 Dropping rather than postponing keeps the model a plain Erlang loss system (see
 below); postponed failures would pile up and strike the moment a worker returns.
 
+A concurrency cap ``max_down`` (``fault.max_down``; ``None``, the default, is no
+cap) is different on purpose: an arrival that would take the job past
+``max_down`` workers down is *deferred* (counted in ``FailureTrace.deferred``),
+first come first served, to the step boundary at which a worker returns and
+the count falls below the cap; it then hits a worker drawn among those up at
+that step and lasts its own drawn repair time from there. ``max_down=1`` is
+"single-node failures only": one worker down at a time, the others queued.
+Deferred failures do pile up: whenever the offered load ``rho = lam * MTTR``
+reaches ``max_down`` (every preset at ``max_down=1`` with the job's own
+rate: ``low`` 2, ``mid`` 3, ``high`` 4), the queue grows for the whole run,
+the cap is reached soon after the first failure and stays reached, and the
+presets differ only in when that first failure comes. Arrivals still queued
+when the run ends never strike (``FailureTrace.pending_at_end``). ``min_live``
+is checked after the cap: with ``max_down <= n_workers - min_live`` (always
+true for ``min_live=1``, since ``max_down < n_workers``) nothing is dropped.
+
 From wall clock to steps
 ------------------------
 A run of ``n_steps`` steps stands for ``n_steps * step_time_s`` seconds of wall
@@ -54,7 +70,8 @@ Invariants of a ``FailureTrace``
 * outages of one worker are disjoint; one may start at the step where the
   previous one ended (the worker rejoins at the step boundary, then fails again
   during that step: consumers apply ``returns_at(s)`` before ``failures_at(s)``);
-* a generated trace keeps at least ``min_live`` workers up at every step;
+* a generated trace keeps at least ``min_live`` workers up at every step, and
+  at most ``max_down`` workers down when a cap is set;
 * ``generate_trace`` is a pure function of its arguments.
 """
 
@@ -62,6 +79,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import sys
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -188,6 +206,11 @@ class FailureTrace:
         n_steps: steps covered; queries take ``0 <= step < n_steps``.
         outages: sorted into ``(start_step, worker)`` order on construction.
         dropped: failure arrivals that were not applied (nobody up, or ``min_live``).
+        deferred: arrivals that waited for a worker to return under ``max_down``
+            (applied later, or still waiting at the end: ``pending_at_end``).
+        pending_at_end: deferred arrivals that had not struck when the run ended.
+        max_down: the cap the trace was drawn under (``None``: none); checked
+            against the outages on construction.
         preset, step_time_s, seed, min_live, cluster_workers: provenance of a
             generated trace, ``None`` for a hand-made one; not used by the queries.
     """
@@ -196,6 +219,9 @@ class FailureTrace:
     n_steps: int
     outages: tuple[Outage, ...]
     dropped: int = 0
+    deferred: int = 0
+    pending_at_end: int = 0
+    max_down: int | None = None
     preset: TracePreset | None = None
     step_time_s: float | None = None
     seed: int | None = None
@@ -212,8 +238,11 @@ class FailureTrace:
             problems.append(f"n_workers={self.n_workers} must be >= 1")
         if self.n_steps < 1:
             problems.append(f"n_steps={self.n_steps} must be >= 1")
-        if self.dropped < 0:
-            problems.append(f"dropped={self.dropped} must be >= 0")
+        for name in ("dropped", "deferred", "pending_at_end"):
+            if getattr(self, name) < 0:
+                problems.append(f"{name}={getattr(self, name)} must be >= 0")
+        if self.pending_at_end > self.deferred:
+            problems.append(f"pending_at_end={self.pending_at_end} must be <= deferred={self.deferred}")
         last_end: dict[int, int] = {}
         for o in ordered:
             if o.worker >= self.n_workers or o.end_step > self.n_steps:
@@ -221,6 +250,8 @@ class FailureTrace:
             if o.start_step < last_end.get(o.worker, 0):
                 problems.append(f"{o} overlaps an earlier outage of worker {o.worker}")
             last_end[o.worker] = o.end_step
+        if not problems and self.max_down is not None and ordered and self.most_down() > self.max_down:
+            problems.append(f"{self.most_down()} workers down at once, more than max_down={self.max_down}")
         if problems:
             raise ValueError("invalid FailureTrace: " + "; ".join(problems))
 
@@ -263,8 +294,8 @@ class FailureTrace:
         """Mean fraction of workers down per step (worker-steps lost / all worker-steps)."""
         return float(self._down_counts.sum()) / (self.n_steps * self.n_workers)
 
-    def max_down(self) -> int:
-        """Largest number of workers down at the same step."""
+    def most_down(self) -> int:
+        """Largest number of workers down at the same step (at most ``max_down`` when that is set)."""
         return int(self._down_counts.max())
 
     def to_json(self) -> dict[str, Any]:
@@ -282,6 +313,9 @@ class FailureTrace:
             "n_workers": self.n_workers,
             "n_steps": self.n_steps,
             "dropped": self.dropped,
+            "deferred": self.deferred,
+            "pending_at_end": self.pending_at_end,
+            "max_down": self.max_down,
             "outages": [
                 {"worker": o.worker, "start_step": o.start_step, "end_step": o.end_step}
                 for o in self.outages
@@ -315,6 +349,9 @@ class FailureTrace:
                 n_workers=int(d["n_workers"]),
                 n_steps=int(d["n_steps"]),
                 dropped=int(d["dropped"]),
+                deferred=int(d.get("deferred", 0)),
+                pending_at_end=int(d.get("pending_at_end", 0)),
+                max_down=None if d.get("max_down") is None else int(d["max_down"]),
                 outages=tuple(
                     Outage(worker=int(o["worker"]), start_step=int(o["start_step"]), end_step=int(o["end_step"]))
                     for o in d["outages"]
@@ -334,9 +371,17 @@ def resolve_preset(preset: str | TracePreset) -> TracePreset:
     return preset if isinstance(preset, TracePreset) else trace_preset(preset)
 
 
-def shape_problems(p: TracePreset, n_workers: int, min_live: int, cluster_workers: int | None) -> list[str]:
+def shape_problems(p: TracePreset, n_workers: int, min_live: int, cluster_workers: int | None,
+                   max_down: int | None = None) -> list[str]:
     """What is wrong with drawing ``p`` for this job shape (empty when nothing is)."""
     problems = []
+    if max_down is not None and not (
+        isinstance(max_down, int) and not isinstance(max_down, bool) and 0 <= max_down < max(n_workers, 1)
+    ):
+        problems.append(
+            f"max_down={max_down!r} must be an integer in 0..{n_workers - 1} (fewer than n_workers={n_workers}: "
+            "someone must stay up to take over); None for no cap"
+        )
     if cluster_workers is not None and not (
         isinstance(cluster_workers, int) and not isinstance(cluster_workers, bool) and cluster_workers >= n_workers
     ):
@@ -370,6 +415,7 @@ def generate_trace(
     seed: int,
     min_live: int = 1,
     cluster_workers: int | None = None,
+    max_down: int | None = None,
 ) -> FailureTrace:
     """Draw a failure trace (model and step mapping in the module docstring).
 
@@ -383,12 +429,14 @@ def generate_trace(
             0 lets every worker be down at once (the runtime must then wait).
         cluster_workers: workers of the cluster the preset's MTBF is for
             (``>= n_workers``); ``None``: the job itself.
+        max_down: at most this many workers down at once (``0..n_workers-1``);
+            arrivals beyond it are deferred until a worker returns; ``None``: no cap.
 
     Raises:
         ValueError: every invalid argument, all in one message.
     """
     p = resolve_preset(preset)
-    problems = shape_problems(p, n_workers, min_live, cluster_workers)
+    problems = shape_problems(p, n_workers, min_live, cluster_workers, max_down)
     if n_steps < 1:
         problems.append(f"n_steps={n_steps} must be >= 1")
     if not 0 < step_time_s < math.inf:
@@ -399,13 +447,14 @@ def generate_trace(
         raise ValueError("generate_trace: " + "; ".join(problems))
 
     outages: list[Outage] = []
-    dropped = 0
+    counts = {"dropped": 0, "deferred": 0, "pending_at_end": 0}
     if p.fails:
         rng = np.random.default_rng(seed)
         mtbf_s = p.mtbf_hours * _SECONDS_PER_HOUR * cluster_share(n_workers, cluster_workers)
         mttr_s = p.mttr_hours * _SECONDS_PER_HOUR
         horizon_s = n_steps * step_time_s
         back_at = [0] * n_workers  # first step each worker is up again
+        queue_head = 0  # deferred arrivals strike in arrival order: none before this step
         t = 0.0
         while True:
             t += mtbf_s * rng.standard_exponential()
@@ -415,25 +464,53 @@ def generate_trace(
             repair_s = mttr_s * rng.standard_exponential()
             # min() guards the float division rounding t just below the horizon up to n_steps.
             start = min(math.floor(t / step_time_s), n_steps - 1)
+            end = max(start + 1, math.ceil((t + repair_s) / step_time_s))
+            if max_down is not None:
+                capped = _capped_start(back_at, max(start, queue_head), max_down)
+                if capped != start:
+                    counts["deferred"] += 1
+                    if capped >= n_steps:
+                        counts["pending_at_end"] += 1
+                        continue
+                    # It strikes at the step boundary where a worker returned: its repair runs from there.
+                    start, end = capped, capped + max(1, math.ceil(repair_s / step_time_s))
+                    queue_head = capped
             up = [w for w in range(n_workers) if back_at[w] <= start]
             if not up or len(up) - 1 < min_live:
-                dropped += 1
+                counts["dropped"] += 1
                 continue
             worker = up[int(u * len(up))]
-            end = max(start + 1, math.ceil((t + repair_s) / step_time_s))
             back_at[worker] = end
             outages.append(Outage(worker=worker, start_step=start, end_step=min(end, n_steps)))
     return FailureTrace(
         n_workers=n_workers,
         n_steps=n_steps,
         outages=tuple(outages),
-        dropped=dropped,
+        **counts,
+        max_down=max_down,
         preset=p,
         step_time_s=step_time_s,
         seed=seed,
         min_live=min_live,
         cluster_workers=cluster_workers,
     )
+
+
+def _capped_start(back_at: list[int], step: int, max_down: int) -> int:
+    """First step ``>= step`` at which fewer than ``max_down`` workers are down.
+
+    ``back_at[w]`` is the step worker ``w`` is up again; every outage placed so
+    far starts at or before ``step`` (arrivals are placed in order), so the
+    workers down at a later step ``s`` are those with ``back_at > s``. With
+    ``max_down=0`` no step qualifies: the result is ``sys.maxsize`` (never).
+    """
+    if max_down == 0:
+        return sys.maxsize
+    ends = sorted(b for b in back_at if b > step)
+    if len(ends) < max_down:
+        return step
+    # The (len - max_down + 1)-th return brings the count below the cap.
+    return ends[len(ends) - max_down]
 
 
 def cluster_share(n_workers: int, cluster_workers: int | None) -> float:

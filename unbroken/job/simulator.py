@@ -72,7 +72,8 @@ FINAL_PARAMS = "final_params.safetensors"
 def build_trace(cfg: Config, *, min_live: int = 1) -> FailureTrace:
     """The run's failure trace: ``cfg.fault.trace`` over ``cfg.train.steps`` steps standing for
     ``cfg.fault.job_hours``, seeded with ``cfg.train.seed``, at the job's share of the failures of
-    ``cfg.fault.cluster_workers`` workers when that is set.
+    ``cfg.fault.cluster_workers`` workers when that is set, at most ``cfg.fault.max_down`` workers
+    down at once (later failures deferred) when that is set.
 
     Raises:
         ValueError: unknown trace, or a failing trace with fewer than 2 workers.
@@ -81,7 +82,7 @@ def build_trace(cfg: Config, *, min_live: int = 1) -> FailureTrace:
     return generate_trace(
         cfg.fault.trace, n_workers=t.workers, n_steps=t.steps,
         step_time_s=step_time_for(t.steps, cfg.fault.job_hours), seed=t.seed, min_live=min_live,
-        cluster_workers=cfg.fault.cluster_workers,
+        cluster_workers=cfg.fault.cluster_workers, max_down=cfg.fault.max_down,
     )
 
 
@@ -165,6 +166,9 @@ def _checked_trace(cfg: Config, trace: FailureTrace | None, min_live: int) -> Fa
         if trace.n_workers != n or trace.n_steps < cfg.train.steps:
             problems.append(f"trace of {trace.n_workers} workers x {trace.n_steps} steps does not fit "
                             f"train.workers={n}, train.steps={cfg.train.steps}")
+        elif cfg.fault.max_down is not None and trace.outages and trace.most_down() > cfg.fault.max_down:
+            problems.append(f"trace has {trace.most_down()} workers down at once, more than "
+                            f"fault.max_down={cfg.fault.max_down}; draw it with max_down or raise the cap")
     if fails and n < 2:
         problems.append(f"train.workers={n} with failure trace {cfg.fault.trace!r}: no one to take over; "
                         "use train.workers >= 2 or fault.trace=none")
@@ -224,6 +228,7 @@ def _summarise(job: Job, trace: FailureTrace, out: Path, records: list[dict[str,
         "approx_row_fraction": approx_rows / max(1, sum(n for n, _ in rows)),
         "waited_steps": sum(1 for r in records if r["waited"]),
         "outages": len(trace.outages), "dropped_failures": trace.dropped,
+        "deferred_failures": trace.deferred, "max_down": cfg.fault.max_down, "most_down": trace.most_down(),
         "tokens_per_s": statistics.median(steady), "wall_s": wall_s,
         "final_params": str(out / FINAL_PARAMS), **job.info,
     }

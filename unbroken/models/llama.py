@@ -154,10 +154,22 @@ def _tiny() -> ModelArgs:
     return ModelArgs(dim=128, n_layers=4, n_heads=4, ffn_hidden_dim=352, vocab_size=4096, max_seq_len=512)
 
 
+def _tiny_2l() -> ModelArgs:
+    """``tiny``'s block parameters (0.82 M vs 0.80 M) in 2 wider layers, for depth studies."""
+    return ModelArgs(dim=184, n_layers=2, n_heads=4, ffn_hidden_dim=496, vocab_size=4096, max_seq_len=512)
+
+
+def _tiny_8l() -> ModelArgs:
+    """``tiny``'s block parameters (0.81 M vs 0.80 M) in 8 narrower layers, for depth studies."""
+    return ModelArgs(dim=96, n_layers=8, n_heads=4, ffn_hidden_dim=224, vocab_size=4096, max_seq_len=512)
+
+
 # Shapes of GaLore's configs/llama_*.json (used again by MeCeFO), rms eps 1e-6 as there.
 MODEL_PRESETS: dict[str, Callable[[], ModelArgs]] = {
     "debug": _debug,
     "tiny": _tiny,
+    "tiny-2l": _tiny_2l,
+    "tiny-8l": _tiny_8l,
     "llama-60m": _llama_60m,
     "llama-350m": _llama_350m,
     "llama-1b": _llama_1b,
