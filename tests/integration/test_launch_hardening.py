@@ -98,7 +98,7 @@ def test_overwrite_replaces_a_run_directory(tmp_path: Path) -> None:
         prepare_run_dir(run, cfg, overwrite=False, resume=False)
     assert "--overwrite" in str(err.value) and "--resume" in str(err.value)
     assert prepare_run_dir(run, cfg, overwrite=True, resume=False) is None
-    assert listing(run) == ["config.json"]
+    assert listing(run) == ["config.json", "job_id"]  # a new job: a new id names its snapshot memory
     assert json.loads((run / "config.json").read_text()) == cfg.to_dict()
     assert outside.read_text() == "not the run's", "a link is removed, never what it points to"
 
