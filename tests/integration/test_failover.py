@@ -259,6 +259,9 @@ def test_kill_then_rejoin(tmp_path, corpus_overrides):
     report = summarize_run(job.run_dir)
     assert [(r["worker"], r["step"]) for r in report["rejoins"]] == [(1, back)]
     assert job.summary["restarts"] == 1 and job.summary["failures"] == 1
+    # Its node's live workers snapshotted the admission step: it loads it from the node's memory.
+    (loaded,) = job.events("rejoin_from_memory", worker=1)
+    assert loaded["step"] == back and loaded["received"] == 0
 
 
 def test_failure_during_rejoin(tmp_path, corpus_overrides):

@@ -21,7 +21,7 @@ from unbroken.snapshot.capacity import check_snapshot_config, node_bytes, state_
 from unbroken.snapshot.erasure import Coding, ErasureError
 from unbroken.snapshot.plan import plan_for
 from unbroken.snapshot.restore import decide, inventory, restore_from_memory
-from unbroken.snapshot.segment import SHM_DIR, SealedBuffer, job_segments, remove_segments
+from unbroken.snapshot.segment import SHM_DIR, SealedBuffer, SnapshotCorrupt, job_segments, remove_segments
 from unbroken.snapshot.snapshotter import Snapshotter
 from unbroken.snapshot.state_bytes import tensors_of
 
@@ -264,3 +264,32 @@ def test_resume_refuses_snapshot_memory_of_another_config(tmp_path):
         assert job_segments(ident) == [] and run_job_id(run) != ident
     finally:
         remove_segments(ident)
+
+
+def test_a_joiner_loads_the_boundary_from_its_own_node_when_the_node_can_decode_alone(job_id, tmp_path):
+    from unbroken.snapshot import trainer_hooks as th
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "job_id").write_text(job_id + "\n")
+    (run / "layout.json").write_text('{"nodes": 2, "workers_per_node": 2}')
+    cfg = preset("debug")
+    everyone = (0, 1, 2, 3)
+    assert th.memory_rejoin_possible(cfg, run, 4, 1, everyone, 7)  # 2 nodes, k = 1: a node decodes alone
+    assert not th.memory_rejoin_possible(cfg, run, 4, 1, (2, 3), 7)  # nobody on its node snapshotted step 7
+    cfg.snapshot.every = 2
+    assert not th.memory_rejoin_possible(cfg, run, 4, 1, everyone, 7)  # step 7 is not a snapshot step
+    (run / "layout.json").write_text('{"nodes": 4, "workers_per_node": 1}')
+    cfg.snapshot.every = 1
+    assert not th.memory_rejoin_possible(cfg, run, 4, 1, everyone, 7)  # k = 3: needs other nodes' fragments
+    (run / "layout.json").write_text('{"nodes": 2, "workers_per_node": 2}')
+    job = _trained()
+    _snapshot(job_id, job, done=7)
+    fresh = _trained(seed=5)
+    done = th.load_from_node_memory(run, 1, 4, 7, fresh.model, fresh.optimizer, torch.device("cpu"), "cfg")
+    assert _same_state(job, fresh) and done["received"] == 0
+    with pytest.raises(SnapshotCorrupt, match="no complete snapshot of step 8"):
+        th.load_from_node_memory(run, 1, 4, 8, fresh.model, fresh.optimizer, torch.device("cpu"), "cfg")
+    assert th.memory_rejoin_allowed(run, 1)
+    th.memory_rejoin_failed(run, 1, "test")
+    assert not th.memory_rejoin_allowed(run, 1) and th.memory_rejoin_allowed(run, 2)

@@ -18,7 +18,10 @@
    beyond the one in flight and seconds from the kill to the next committed
    step, against checkpoint-restart (plain data parallelism restarted from its
    last DCP checkpoint, ``--checkpoint-every``) after one worker's kill;
-6. the projection for ``llama-1b`` / ``llama-7b``: bytes per node and seconds
+6. **rejoin**: a killed worker restarted and admitted again, loading the state from its node's
+   snapshot memory vs receiving it from a peer (``snapshot.every=0``): the joiner's and the members'
+   time to adopt the admitting view;
+7. the projection for ``llama-1b`` / ``llama-7b``: bytes per node and seconds
    per snapshot at the measured write throughput (a projection, not a
    measurement).
 """
@@ -192,6 +195,26 @@ def _recovery_run(a: argparse.Namespace, run: Path, cfg: Config, fail_at: str, a
             "steps": summary["steps"]}
 
 
+def _rejoin(a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    """A killed worker restarted and admitted again: from its node's memory vs a peer's transfer."""
+    out = {}
+    steps = max(a.steps, 150)
+    for name, extra in (("memory", ()), ("transfer", ("snapshot.every=0",))):
+        cfg = load_config(preset_name=a.preset, overrides=a.overrides + [
+            f"train.steps={steps}", "train.val_every=0", "train.val_batches=1", *extra])
+        run = tmp / f"rejoin-{name}"
+        launch(cfg, run, nodes=a.nodes, workers_per_node=a.workers_per_node, fail_at="step=5:worker=1:kill:back=8")
+        events = read_events(run)
+        adopt = [e for e in events if e.get("event") == "view_adopted" and 1 in e.get("joiners", [])]
+        joiner = [e["adopt_s"] for e in adopt if e["worker"] == 1]
+        members = [e["adopt_s"] for e in adopt if e["worker"] != 1]
+        loads = [e["seconds"] for e in events if e.get("event") == "rejoin_from_memory"]
+        out[name] = {"joiner_adopt_s": joiner[0] if joiner else None,
+                     "members_adopt_s_max": max(members) if members else None,
+                     "memory_load_s": loads[0] if loads else None, "rejoined": bool(joiner)}
+    return out
+
+
 def _projection(write_mb_s: float, nodes: int, per_node: int) -> dict[str, Any]:
     out = {}
     for name in ("llama-1b", "llama-7b"):
@@ -209,13 +232,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--workers-per-node", type=int, default=2)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--checkpoint-every", type=int, default=5, help="DCP checkpoints of the checkpoint-restart run")
-    ap.add_argument("--parts", default="bytes,in_process,overhead,kill", help="which measurements to run")
+    ap.add_argument("--parts", default="bytes,in_process,overhead,kill,rejoin", help="which measurements to run")
     ap.add_argument("--out", type=Path, default=None, help="default benchmarks/results/snapshot_PRESET.json")
     a, a.overrides = parse_with_overrides(ap, argv)
     parts = a.parts.split(",")
-    unknown = set(parts) - {"bytes", "in_process", "overhead", "kill"}
+    unknown = set(parts) - {"bytes", "in_process", "overhead", "kill", "rejoin"}
     if unknown:
-        raise ValueError(f"--parts: unknown {', '.join(sorted(unknown))}; valid: bytes, in_process, overhead, kill")
+        raise ValueError(f"--parts: unknown {', '.join(sorted(unknown))}; valid: bytes, in_process, overhead, kill, rejoin")
     result: dict[str, Any] = {"benchmark": "snapshot", "preset": a.preset, "nodes": a.nodes,
                               "workers_per_node": a.workers_per_node, "steps": a.steps,
                               "machine": machine_description()}
@@ -230,6 +253,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             result["overhead"] = _overhead(a, Path(tmp))
         if "kill" in parts:
             result["kill"] = _kill_all(a, Path(tmp))
+        if "rejoin" in parts:
+            result["rejoin"] = _rejoin(a, Path(tmp))
     out = a.out or Path(f"benchmarks/results/snapshot_{a.preset}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1, default=str))

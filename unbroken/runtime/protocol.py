@@ -118,6 +118,12 @@ class StepProtocol:
         self._next_check = 0.0
         self.restorer: Callable[[View, Callable[[torch.Tensor, int], object]], None] | None = None
         """Loads the state a restored view names (``view.restore``), in :meth:`adopt` (the trainer sets it)."""
+        self.memory_rejoin: Callable[[int, View, int], bool] | None = None
+        """Leader: may joiner ``j``, admitted at ``step`` from ``view``, load from its node's snapshot memory?"""
+        self.memory_loader: Callable[[View], None] | None = None
+        """Joiner: load the state of ``view.step`` from this node's snapshot memory."""
+        self.before_admission: Callable[[], None] | None = None
+        """Member: make this worker's share of the boundary's snapshot sealed before joiners read it."""
 
     def on(self, phase: Phase, hook: Callable[[int], None]) -> None:
         """Run ``hook(step)`` at ``phase`` of every step (see :data:`PHASES`)."""
@@ -147,17 +153,22 @@ class StepProtocol:
         t0 = time.perf_counter()
         self._abandon()  # a group from a failed earlier attempt is parked, never dropped
         self.view, self._voted = view, view.step - 1
+        if view.from_memory and self.me not in view.joiners and self.before_admission is not None:
+            self.before_admission()  # sealed before arriving: a joiner reads only once everyone has arrived
         self._arrive(view)
         self.group = ViewGroup(self.store.group_store(view.gen), gen=view.gen, rank=view.rank_of(self.me),
                                size=len(view.members), device=self.job.device, timeout_s=self.timeout_s,
                                check=self._check)
         if view.restore is not None and self.restorer is not None:
             self.restorer(view, lambda t, src: self.group.broadcast_into(t, src, self._check))
-        if view.joiners:
+        if self.me in view.from_memory and self.memory_loader is not None:
+            self.memory_loader(view)
+        if set(view.joiners) - set(view.from_memory):
             source = next(w for w in view.members if w not in view.joiners)
             transfer_state(lambda t, src: self.group.broadcast_into(t, src, self._check),
                            self.job.model, self.job.optimizer, src=view.rank_of(source),
-                           rank=view.rank_of(self.me), receive=self.me in view.joiners, device=self.job.device)
+                           rank=view.rank_of(self.me), device=self.job.device,
+                           receive=self.me in view.joiners and self.me not in view.from_memory)
         self._event("view_adopted", gen=view.gen, members=list(view.members), step=view.step,
                     joiners=list(view.joiners), reason=view.reason, build_s=self.group.build_s,
                     adopt_s=time.perf_counter() - t0)
@@ -191,8 +202,9 @@ class StepProtocol:
             return False
         if self.store.vote(self.view, next_step, "abort", after=self._voted) == "commit":  # pragma: no cover
             raise AssertionError("a step was committed without the view's first member")
+        local = tuple(j for j in joiners if self.memory_rejoin is not None and self.memory_rejoin(j, self.view, next_step))
         new = View(gen=self.view.gen + 1, members=tuple(sorted(set(self.view.members) | set(joiners))),
-                   step=next_step, joiners=tuple(joiners), reason=f"rejoin {joiners}")
+                   step=next_step, joiners=tuple(joiners), reason=f"rejoin {joiners}", from_memory=local)
         self._abandon()
         winner = self._propose(self.view, new)
         # Only a joiner the winning view admits is done asking (a concurrent reconfiguration may have won
@@ -390,7 +402,7 @@ class StepProtocol:
         restore = old.restore if old.step == step else None
         return self._propose(old, View(gen=old.gen + 1, members=members, step=step, joiners=joiners,
                                        reason=f"dead {sorted(dead)}" if dead else "collective failed",
-                                       restore=restore))
+                                       restore=restore, from_memory=tuple(j for j in old.from_memory if j in joiners)))
 
     def _wait_for_dead(self, view: View) -> set[int]:
         """Who died? The agent says so at once; a silent node after the heartbeat timeout."""

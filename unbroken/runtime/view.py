@@ -22,6 +22,8 @@ class View:
     joiners: tuple[int, ...] = ()
     reason: str = ""
     restore: dict | None = None
+    from_memory: tuple[int, ...] = ()
+    """Joiners that load the state of ``step`` from their own node's snapshot memory instead of a peer."""
     """Set on a view that brings the job back after every member died (or at ``--resume``): where
     its members load the state from (:func:`unbroken.snapshot.restore.decide`'s spec)."""
 
@@ -33,7 +35,7 @@ class View:
         d = json.loads(text)
         return cls(gen=d["gen"], members=tuple(d["members"]), step=d["step"],
                    joiners=tuple(d.get("joiners", ())), reason=d.get("reason", ""),
-                   restore=d.get("restore"))
+                   restore=d.get("restore"), from_memory=tuple(d.get("from_memory", ())))
 
     def rank_of(self, worker: int) -> int:
         return self.members.index(worker)

@@ -43,7 +43,8 @@ from unbroken.runtime.membership import EXIT_FENCED, Fenced, Membership, NoLiveW
 from unbroken.runtime.process_group import CollectiveFailed
 from unbroken.runtime.protocol import MemberDied
 from unbroken.runtime.recovery import recovery
-from unbroken.snapshot.trainer_hooks import restore_state, snapshotter_for
+from unbroken.snapshot.trainer_hooks import (load_from_node_memory, memory_rejoin_allowed, memory_rejoin_failed,
+                                             memory_rejoin_possible, restore_state, snapshotter_for)
 
 __all__ = ["EXIT_NO_LIVE_WORKER", "StepLogContext", "Trainer", "WorkerSpec", "run", "standby"]
 
@@ -118,9 +119,32 @@ class Trainer:
             # step s+1 means every member sealed its share of step s (the restore point).
             self.protocol.on("allreduce", lambda step: self.snapshots.wait())
         self.protocol.restorer = self._restore
+        if self.snapshots is not None:
+            self.protocol.memory_rejoin = self._memory_rejoin_ok
+            self.protocol.memory_loader = self._load_from_memory
+            self.protocol.before_admission = self.snapshots.wait
 
     def _event(self, event: str, **fields: Any) -> None:
         self.events.write({"kind": "event", "event": event, "worker": self.spec.worker, "t": time.time(), **fields})
+
+    def _memory_rejoin_ok(self, joiner: int, view: View, step: int) -> bool:
+        """Leader: ``joiner`` loads the state of ``step`` from its node's memory (no transfer) when its
+        node's live members snapshotted that step under ``view`` and hold enough fragments to decode it."""
+        info = self.store.join_request(joiner) or {}
+        return bool(info.get("memory")) and memory_rejoin_possible(self.cfg, self.spec.run_dir, self.spec.world,
+                                                                   joiner, view.members, step)
+
+    def _load_from_memory(self, view: View) -> None:
+        """Joiner: the state of ``view.step`` from this node's snapshot memory (a failure is remembered, so
+        the next incarnation asks for a transfer instead)."""
+        t0 = time.perf_counter()
+        try:
+            done = load_from_node_memory(self.spec.run_dir, self.spec.worker, self.spec.world, view.step,
+                                         self.job.model, self.job.optimizer, self.job.device, self.hash)
+        except Exception as exc:
+            memory_rejoin_failed(self.spec.run_dir, self.spec.worker, f"{type(exc).__name__}: {exc}")
+            raise
+        self._event("rejoin_from_memory", gen=view.gen, **{**done, "seconds": time.perf_counter() - t0})
 
     def _restore(self, view: View, broadcast: Callable[[torch.Tensor, int], object]) -> None:
         """Load the state ``view.restore`` names (every member of a restored view does)."""
@@ -151,7 +175,9 @@ class Trainer:
                 # any step; its agent restarts it and it rejoins.
                 self.protocol.reconfigure_at_start(view.step, f"{type(exc).__name__}: {exc}")
             return view.step
-        self.m.request_join({"pid": os.getpid(), "config_hash": self.hash, "t": time.time()})
+        self.m.request_join({"pid": os.getpid(), "config_hash": self.hash, "t": time.time(),
+                             "memory": self.snapshots is not None and memory_rejoin_allowed(self.spec.run_dir,
+                                                                                            self.spec.worker)})
         gen = -1
         while True:
             view = self._wait_view(lambda v, g=gen: v.gen > g and (

@@ -16,11 +16,14 @@ from typing import Any, Callable
 import torch
 
 from unbroken.config import Config
-from unbroken.snapshot.restore import restore_from_memory
+from unbroken.snapshot.plan import plan_for
+from unbroken.snapshot.restore import decide, inventory, restore_from_memory
+from unbroken.snapshot.segment import SnapshotCorrupt
 from unbroken.snapshot.snapshotter import Snapshotter
 from unbroken.snapshot.state_bytes import tensors_of
 
-__all__ = ["job_id", "node_map", "restore_state", "snapshotter_for"]
+__all__ = ["job_id", "load_from_node_memory", "memory_rejoin_allowed", "memory_rejoin_failed",
+           "memory_rejoin_possible", "node_map", "restore_state", "snapshotter_for"]
 
 JOB_ID_FILE = "job_id"
 
@@ -78,4 +81,53 @@ def restore_state(spec: dict[str, Any], *, run_dir: Path, worker: int, world: in
     node_of = node_map(run_dir, world)
     stats = restore_from_memory(spec, job=job_id(run_dir), node=node_of[worker], node_of=node_of, members=members,
                                 me=worker, broadcast=broadcast, model=model, optimizer=optimizer, device=device)
+    return {"source": "memory", **stats}
+
+
+def _failed_marker(run_dir: Path, worker: int) -> Path:
+    return Path(run_dir) / "snapshots" / f"memory_rejoin_failed.w{worker}"
+
+
+def memory_rejoin_allowed(run_dir: Path, worker: int) -> bool:
+    """False once a load from this node's memory failed for ``worker`` (it then rejoins by transfer)."""
+    return not _failed_marker(run_dir, worker).exists()
+
+
+def memory_rejoin_failed(run_dir: Path, worker: int, why: str) -> None:
+    path = _failed_marker(run_dir, worker)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(why + "\n")
+
+
+def memory_rejoin_possible(cfg: Config, run_dir: Path, world: int, joiner: int, members: tuple[int, ...],
+                           step: int) -> bool:
+    """Does the joiner's node hold, after ``step`` steps under a view of ``members``, enough fragments of
+    every stripe to decode the state alone? (A live member on the node wrote them; ``step`` is a snapshot step.)"""
+    s = cfg.snapshot
+    if s.every <= 0 or step % s.every:
+        return False
+    node_of = node_map(run_dir, world)
+    if not any(node_of[w] == node_of[joiner] for w in members):
+        return False  # nobody on its node snapshotted that step
+    plan = plan_for(members, node_of, redundancy=s.redundancy, parity=s.parity, state_bytes=1)
+    return all(len(plan.fragments_of(node_of[joiner], i)) >= plan.k for i in range(plan.stripes))
+
+
+def load_from_node_memory(run_dir: Path, worker: int, world: int, step: int, model: torch.nn.Module,
+                          optimizer: torch.optim.Optimizer, device: torch.device, config_hash: str) -> dict[str, Any]:
+    """Load the state after ``step`` steps from this node's own snapshot memory (no network).
+
+    Raises:
+        SnapshotCorrupt: the node's memory holds no complete, intact snapshot of ``step``.
+    """
+    node_of = node_map(run_dir, world)
+    job, node = job_id(run_dir), node_of[worker]
+    inv = inventory(job, node, config_hash=config_hash)
+    inv["seals"] = [seal for seal in inv["seals"] if seal["step"] == step]
+    spec = decide([inv], checkpoint=None, members_of=lambda nodes: [worker])
+    if spec is None or spec["step"] != step:
+        raise SnapshotCorrupt(f"node {node}'s snapshot memory holds no complete snapshot of step {step}"
+                              + (f" ({'; '.join(inv['problems'])})" if inv["problems"] else ""))
+    stats = restore_from_memory(spec, job=job, node=node, node_of=node_of, members=(worker,), me=worker,
+                                broadcast=lambda t, src: None, model=model, optimizer=optimizer, device=device)
     return {"source": "memory", **stats}
