@@ -67,10 +67,10 @@ def test_every_worker_killed_mid_step_resumes_from_memory(tmp_path, corpus_overr
     job = run_job(cfg, tmp_path / "run", nodes=2, workers_per_node=2, fail_at=kills)
     check_invariants(job, live=[0, 1, 2, 3])
     restores = job.events("job_restore")
-    assert [(e["source"], e["step"], e["lost_nodes"]) for e in restores] == [("memory", 6, [])]
+    assert [(e["restored_from"], e["step"], e["lost_nodes"]) for e in restores] == [("memory", 6, [])]
     restored = job.events("restored")
     assert sorted(e["worker"] for e in restored) == [0, 1, 2, 3]
-    assert all(e["source"] == "memory" and e["step"] == 6 and e["received"] == 0 for e in restored)
+    assert all(e["restored_from"] == "memory" and e["step"] == 6 and e["received"] == 0 for e in restored)
     assert {e["rebuilt"] for e in restored} == {1}  # parity rotates: each node holds one stripe's parity
     # Step 6 was in flight (killed in its all-reduce): retrained once in the final history, nothing else redone.
     commits = [(r["step"], r["gen"]) for r in read_events(job.run_dir) if r.get("kind") == "commit"]
@@ -125,7 +125,7 @@ def test_launcher_and_agents_killed_then_resume_rebuilds_a_lost_node_from_parity
     assert summary["steps"] == STEPS and summary["workers_agree"]
     events = read_events(run)
     restore = [e for e in events if e.get("event") == "job_restore"]
-    assert len(restore) == 1 and restore[0]["source"] == "memory"
+    assert len(restore) == 1 and restore[0]["restored_from"] == "memory"
     assert reached - 1 <= restore[0]["step"] <= reached + 1, (reached, restore[0])
     assert restore[0]["parity_stripes"] == [0]  # node 0 held stripe 0's data
     restored = {e["worker"]: e for e in events if e.get("event") == "restored"}
@@ -146,6 +146,6 @@ def test_a_node_lost_with_every_worker_is_rebuilt_from_parity_by_the_surviving_a
     job = run_job(cfg, tmp_path / "run", nodes=2, workers_per_node=2, fail_at=kills)
     check_invariants(job, live=[2, 3])
     [restore] = job.events("job_restore")
-    assert (restore["source"], restore["step"], restore["lost_nodes"], restore["parity_stripes"]) == \
+    assert (restore["restored_from"], restore["step"], restore["lost_nodes"], restore["parity_stripes"]) == \
         ("memory", 8, [0], [0])
     assert sorted(e["worker"] for e in job.events("restored")) == [2, 3]

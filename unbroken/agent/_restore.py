@@ -106,7 +106,7 @@ class JobRestore:
             self.store.publish_initial(new)
         else:
             self.store.propose(view, new)
-        self.event("job_restore", None, source=spec["source"], step=spec["step"], gen=new.gen,
+        self.event("job_restore", None, restored_from=spec["source"], step=spec["step"], gen=new.gen,
                    members=list(members), lost_nodes=lost, parity_stripes=spec.get("parity_stripes", []))
         logger.warning("node %d: %s (view %d, members %s)", self.node, reason, new.gen, list(members))
         return None

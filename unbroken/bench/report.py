@@ -64,9 +64,9 @@ def _snapshots(run_dir: Path, events: list[dict[str, Any]]) -> dict[str, Any]:
     taken = []
     for path in sorted((run_dir / "workers").glob("w*.json")):
         taken.append(json.loads(path.read_text()).get("snapshots", {}).get("taken", 0))
-    restores = [{"step": e["step"], "gen": e["gen"], "source": e["source"], "lost_nodes": e.get("lost_nodes", []),
+    restores = [{"step": e["step"], "gen": e["gen"], "source": e["restored_from"], "lost_nodes": e.get("lost_nodes", []),
                  "parity_stripes": e.get("parity_stripes", [])} for e in events if e.get("event") == "job_restore"]
-    loaded = [{k: e.get(k) for k in ("worker", "gen", "step", "source", "local", "received", "rebuilt", "seconds")}
+    loaded = [{k: e.get(k) for k in ("worker", "gen", "step", "restored_from", "local", "received", "rebuilt", "seconds")}
               for e in events if e.get("event") == "restored"]
     plans = {e["gen"]: {k: e.get(k) for k in ("gen", "k", "m", "stripes", "protected")}
              for e in events if e.get("event") == "snapshot_plan"}

@@ -157,7 +157,7 @@ class Trainer:
                              config_hash=self.hash)
         self.events.write({"kind": "restore", "step": view.step, "gen": view.gen, "worker": self.spec.worker})
         self._event("restored", **{**done, "gen": view.gen, "step": view.step, "seconds": time.perf_counter() - t0})
-        logger.info("restored the state of step %d from %s in %.2f s", view.step, done["source"],
+        logger.info("restored the state of step %d from %s in %.2f s", view.step, done["restored_from"],
                     time.perf_counter() - t0)
 
     # -- start ----------------------------------------------------------------

@@ -77,11 +77,11 @@ def restore_state(spec: dict[str, Any], *, run_dir: Path, worker: int, world: in
         from unbroken.runtime.checkpoint import load_checkpoint  # local: heavy (DCP)
 
         load_checkpoint(Path(spec["path"]), model, optimizer, config_hash=config_hash)
-        return {"source": "checkpoint", "step": spec["step"], "path": spec["path"]}
+        return {"restored_from": "checkpoint", "step": spec["step"], "path": spec["path"]}
     node_of = node_map(run_dir, world)
     stats = restore_from_memory(spec, job=job_id(run_dir), node=node_of[worker], node_of=node_of, members=members,
                                 me=worker, broadcast=broadcast, model=model, optimizer=optimizer, device=device)
-    return {"source": "memory", **stats}
+    return {"restored_from": "memory", **stats}
 
 
 def _failed_marker(run_dir: Path, worker: int) -> Path:
@@ -130,4 +130,4 @@ def load_from_node_memory(run_dir: Path, worker: int, world: int, step: int, mod
                               + (f" ({'; '.join(inv['problems'])})" if inv["problems"] else ""))
     stats = restore_from_memory(spec, job=job, node=node, node_of=node_of, members=(worker,), me=worker,
                                 broadcast=lambda t, src: None, model=model, optimizer=optimizer, device=device)
-    return {"source": "memory", **stats}
+    return {"restored_from": "memory", **stats}
