@@ -130,7 +130,7 @@ class JobRestore:
         self._next_watch = now + WATCH_S
         view = current_view()
         mine = [w for w in view.members if w in workers_of(self.node, self.per_node)] if view else []
-        if not mine or not all(self.store.is_marked_dead(w) for w in mine):
+        if not self.store.all_marked_dead(tuple(mine)):  # one round trip; empty: False
             self._beats.clear()
             return []
         others = [w for w in view.members if w not in mine]

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["HEADER_BYTES", "SHM_DIR", "Buffer", "SealedBuffer", "SnapshotCorrupt", "job_segments",
+__all__ = ["HEADER_BYTES", "SHM_DIR", "Buffer", "SealedBuffer", "SnapshotCorrupt", "crc32", "job_segments",
            "remove_segments", "segment_name"]
 
 SHM_DIR = Path(os.environ.get("UNBROKEN_SHM_DIR", "/dev/shm"))
@@ -80,7 +80,8 @@ def remove_segments(job: str, node: int | None = None) -> int:
     return n
 
 
-def _crc(data: bytes | memoryview) -> int:
+def crc32(data: bytes | memoryview) -> int:
+    """The checksum every sealed byte is checked against."""
     return zlib.crc32(data) & 0xFFFFFFFF
 
 
@@ -125,7 +126,7 @@ class Buffer:
         if _SEAL_AT + len(raw) > HEADER_BYTES:
             raise ValueError(f"snapshot seal of {len(raw)} bytes does not fit the {HEADER_BYTES}-byte header")
         mem[_SEAL_AT:_SEAL_AT + len(raw)] = raw
-        mem[8:16] = struct.pack("<II", len(raw), _crc(raw))
+        mem[8:16] = struct.pack("<II", len(raw), crc32(raw))
 
     def close(self) -> None:
         if self._map is not None:
@@ -158,7 +159,7 @@ class SealedBuffer:
             if length == 0:
                 return None
             raw = fh.read(length)
-        if length > HEADER_BYTES - _SEAL_AT or len(raw) != length or _crc(raw) != crc:
+        if length > HEADER_BYTES - _SEAL_AT or len(raw) != length or crc32(raw) != crc:
             raise SnapshotCorrupt(f"{path.name}: the seal is torn (length {length}, checksum mismatch)")
         seal = json.loads(raw)
         if seal.get("job") != job:
@@ -177,7 +178,7 @@ class SealedBuffer:
                 data = fh.read(length)
         except FileNotFoundError:
             raise SnapshotCorrupt(f"{self.path.name}: removed while being read") from None
-        if len(data) != length or _crc(data) != crc:
+        if len(data) != length or crc32(data) != crc:
             raise SnapshotCorrupt(f"{self.path.name}: bytes [{offset}, {offset + length}) do not match their "
                                   f"checksum (step {self.seal.get('step')})")
         return data
@@ -207,6 +208,3 @@ class SealedBuffer:
         for st, *_ in self.seal.get("headers", []):
             self.headers(st)
 
-
-def crc32(data: bytes | memoryview) -> int:
-    return _crc(data)
