@@ -54,6 +54,7 @@ class ViewGroup:
         self.timeout = timedelta(seconds=timeout_s)
         self._buf: torch.Tensor | None = None
         self._pending: dist.Work | None = None
+        self._p2p: list[dist.Work] = []
         t0 = time.perf_counter()
         self.pg: dist.ProcessGroup = self._connect(rendezvous, check)
         self.build_s = time.perf_counter() - t0
@@ -124,6 +125,39 @@ class ViewGroup:
         work = self._post(lambda: self.pg.broadcast(buf, src), "broadcast")
         self._poll(work, check, "broadcast")
         return buf
+
+    def allgather(self, shard: torch.Tensor, padded: int, check: Callable[[], None]) -> torch.Tensor:
+        """Every rank's ``shard`` (at most ``padded`` elements, zero-padded to it), in rank order.
+
+        Returns a new ``(size * padded,)`` tensor: rank ``r``'s shard starts at ``r * padded``.
+        """
+        inp = torch.zeros(padded, dtype=shard.dtype, device=self.device)
+        inp[:shard.numel()].copy_(shard.reshape(-1))
+        if self.size == 1:
+            return inp
+        out = torch.empty(self.size * padded, dtype=shard.dtype, device=self.device)
+        parts = list(out.view(self.size, padded).unbind(0))
+        work = self._post(lambda: self.pg.allgather([parts], [inp]), "all-gather")
+        self._poll(work, check, "all-gather")
+        return out
+
+    def post_send(self, tensor: torch.Tensor, dst: int, tag: int) -> dist.Work:
+        """Start sending ``tensor`` (contiguous, on the group's device; not to be modified until waited) to ``dst``."""
+        work = self._post(lambda: self.pg.send([tensor], dst, tag), "send")
+        self._p2p.append(work)
+        return work
+
+    def post_recv(self, tensor: torch.Tensor, src: int, tag: int) -> dist.Work:
+        """Start receiving into ``tensor`` from ``src``."""
+        work = self._post(lambda: self.pg.recv([tensor], src, tag), "receive")
+        self._p2p.append(work)
+        return work
+
+    def wait_p2p(self, works: list[dist.Work], check: Callable[[], None], what: str) -> None:
+        """Wait for point-to-point ``works`` as for a collective (``check`` runs meanwhile)."""
+        for work in works:
+            self._poll(work, check, what)
+        self._p2p = [w for w in self._p2p if not w.is_completed()]
 
     def _poll(self, work: dist.Work, check: Callable[[], None], what: str) -> None:
         """Wait for ``work``, running ``check`` every ``CHECK_S`` until it completes.
@@ -205,17 +239,21 @@ class ViewGroup:
                 self.pg.abort()
             except Exception as exc:  # best effort: the group is never used again
                 logger.warning("abort of view %d group failed: %s", self.gen, exc)
-        for parked in [g for g in _PARKED if g._pending is None or g._pending.is_completed()]:
+        for parked in [g for g in _PARKED if not g._busy()]:
             _PARKED.remove(parked)
             parked._release()
-        if self._pending is None or self._pending.is_completed():
+        if not self._busy():
             self._release()
         else:
             _PARKED.append(self)
 
+    def _busy(self) -> bool:
+        """An operation of this group is still running (a collective or a point-to-point transfer)."""
+        return any(w is not None and not w.is_completed() for w in [self._pending, *self._p2p])
+
     def _release(self) -> None:
         """Drop the group, its buffer and its last operation: gloo closes its sockets and joins its threads."""
-        self.pg, self._buf, self._pending = None, None, None  # type: ignore[assignment]
+        self.pg, self._buf, self._pending, self._p2p = None, None, None, []  # type: ignore[assignment]
 
     def broadcast_into(self, tensor: torch.Tensor, src: int, check: Callable[[], None]) -> torch.Tensor:
         """Broadcast from group rank ``src`` in place: ``src`` sends ``tensor``, every other rank receives into it.

@@ -43,8 +43,10 @@ from unbroken.runtime.membership import EXIT_FENCED, Fenced, Membership, NoLiveW
 from unbroken.runtime.process_group import CollectiveFailed
 from unbroken.runtime.protocol import MemberDied
 from unbroken.runtime.recovery import recovery
-from unbroken.snapshot.trainer_hooks import (load_from_node_memory, memory_rejoin_allowed, memory_rejoin_failed,
-                                             memory_rejoin_possible, restore_state, snapshotter_for)
+from unbroken.sharding.replicas import ReplicaStore
+from unbroken.sharding.state import ShardedState, ShardLost
+from unbroken.snapshot.trainer_hooks import (job_id, load_from_node_memory, memory_rejoin_allowed, memory_rejoin_failed,
+                                             memory_rejoin_possible, node_map, restore_state, snapshotter_for)
 
 __all__ = ["EXIT_NO_LIVE_WORKER", "StepLogContext", "Trainer", "WorkerSpec", "run", "standby"]
 
@@ -119,6 +121,11 @@ class Trainer:
             # step s+1 means every member sealed its share of step s (the restore point).
             self.protocol.on("allreduce", lambda step: self.snapshots.wait())
         self.protocol.restorer = self._restore
+        if cfg.train.shard_optimizer:
+            node_of = node_map(spec.run_dir, spec.world)
+            self.protocol.sharded = ShardedState(
+                self.job, worker=spec.worker, node_of=node_of, on_event=self._event,
+                replicas=ReplicaStore(job_id(spec.run_dir), node_of[spec.worker], spec.worker))
         if self.snapshots is not None:
             self.protocol.memory_rejoin = self._memory_rejoin_ok
             self.protocol.memory_loader = self._load_from_memory
@@ -232,8 +239,11 @@ class Trainer:
         t_prev = time.perf_counter()
         for step in range(start, steps):
             reduced, _ = self.protocol.run_step(step)
-            lr, grad_norm = self.job.apply(step, reduced)
             view, done = self.protocol.view, step + 1
+            if self.protocol.sharded is not None:
+                lr, grad_norm = self.protocol.sharded.commit(step, view, self.protocol.group, replicate=done < steps)
+            else:
+                lr, grad_norm = self.job.apply(step, reduced)
             if self.snapshots is not None:
                 self.snapshots.take(done, view)
             self.events.write({"kind": "commit", "step": step, "gen": view.gen, "worker": self.spec.worker})
@@ -313,6 +323,10 @@ def run(spec: WorkerSpec, *, store: JobStore | None = None, prepared: Prepared |
     except NoLiveWorker as exc:
         store.fail(f"no live worker left: {exc}")
         return EXIT_NO_LIVE_WORKER
+    except ShardLost as exc:
+        logger.error("%s", exc)
+        store.fail(str(exc))
+        return EXIT_NO_LIVE_WORKER
     except JoinRefused as exc:
         logger.error("join refused: %s", exc)
         return EXIT_REFUSED
@@ -324,7 +338,8 @@ def run(spec: WorkerSpec, *, store: JobStore | None = None, prepared: Prepared |
         membership.stop()
     report = {"worker": spec.worker, "steps": cfg.train.steps, "param_digest": trainer.param_digest(),
               "last": last, "gen": trainer.protocol.view.gen,
-              "snapshots": trainer.snapshots.summary() if trainer.snapshots is not None else {}}
+              "snapshots": trainer.snapshots.summary() if trainer.snapshots is not None else {},
+              "sharded": trainer.protocol.sharded.summary() if trainer.protocol.sharded is not None else None}
     out = spec.run_dir / "workers" / f"w{spec.worker}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".tmp")
