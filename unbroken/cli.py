@@ -150,6 +150,8 @@ RESUME_CONFLICTS = (("preset", "--preset"), ("config", "--config"), ("workers", 
                     ("faults", "--faults"), ("cluster_workers", "--cluster-workers"), ("out", "--out"),
                     ("overwrite", "--overwrite"))
 """Options of a new run that ``--resume`` cannot take (the run keeps its saved config and directory)."""
+RESUME_OVERRIDES = ("train.shard_optimizer",)
+"""Config fields ``--resume`` may change: where the state lives, not what is trained."""
 
 
 def _resume_config(args: argparse.Namespace, overrides: list[str]) -> Config:
@@ -163,12 +165,15 @@ def _resume_config(args: argparse.Namespace, overrides: list[str]) -> Config:
     from unbroken.runtime.checkpoint_files import committed_checkpoints
 
     run = args.resume
+    allowed = [o for o in overrides if o.lstrip("-").partition("=")[0] in RESUME_OVERRIDES]
     given = [flag + ("" if value is True else f" {value}") for name, flag in RESUME_CONFLICTS
-             if (value := getattr(args, name, None)) is not None and value is not False] + [f"--{o}" for o in overrides]
+             if (value := getattr(args, name, None)) is not None and value is not False] + \
+        [f"--{o}" for o in overrides if o not in allowed]
     if given:
         raise ValueError(f"--resume {run} continues the run with its saved config ({run / RUN_CONFIG}) in its own "
                          f"directory, so it takes none of: {', '.join(given)}; drop them (--fail-at, --nodes, "
-                         f"--workers-per-node, --standby and --restart are accepted), or start a new run with --out")
+                         f"--workers-per-node, --standby, --restart and --{'/--'.join(RESUME_OVERRIDES)} are "
+                         f"accepted), or start a new run with --out")
     saved = saved_config(run) if run.is_dir() else None
     if saved is None:
         what = "no such directory" if not run.exists() else "not a directory" if not run.is_dir() else \
@@ -179,6 +184,10 @@ def _resume_config(args: argparse.Namespace, overrides: list[str]) -> Config:
         cfg = Config.from_dict(saved)
     except ValueError as exc:
         raise ValueError(f"--resume {run}: its {RUN_CONFIG} does not load: {exc}") from None
+    if allowed:
+        from unbroken.config.loading import apply_overrides
+
+        cfg = apply_overrides(cfg, allowed)
     if not committed_checkpoints(run / "checkpoints"):
         raise ValueError(f"--resume {run}: the run has no committed checkpoint under {run / 'checkpoints'} "
                          f"(it ran with train.checkpoint_every={cfg.train.checkpoint_every}); nothing to continue "

@@ -43,6 +43,7 @@ from unbroken.runtime.membership import EXIT_FENCED, Fenced, Membership, NoLiveW
 from unbroken.runtime.process_group import CollectiveFailed
 from unbroken.runtime.protocol import MemberDied
 from unbroken.runtime.recovery import recovery
+from unbroken.sharding.checkpoint import ShardCheckpointer
 from unbroken.sharding.replicas import ReplicaStore
 from unbroken.sharding.state import ShardedState, ShardLost
 from unbroken.snapshot.trainer_hooks import (job_id, load_from_node_memory, memory_rejoin_allowed, memory_rejoin_failed,
@@ -126,6 +127,7 @@ class Trainer:
             self.protocol.sharded = ShardedState(
                 self.job, worker=spec.worker, node_of=node_of, on_event=self._event,
                 replicas=ReplicaStore(job_id(spec.run_dir), node_of[spec.worker], spec.worker))
+        self.shard_checkpoints = ShardCheckpointer(spec.run_dir) if cfg.train.shard_optimizer else None
         if self.snapshots is not None:
             self.protocol.memory_rejoin = self._memory_rejoin_ok
             self.protocol.memory_loader = self._load_from_memory
@@ -162,6 +164,8 @@ class Trainer:
                              world=self.spec.world, members=view.members, broadcast=broadcast,
                              model=self.job.model, optimizer=self.job.optimizer, device=self.job.device,
                              config_hash=self.hash)
+        if self.protocol.sharded is not None:
+            self.protocol.sharded.reset_full()
         self.events.write({"kind": "restore", "step": view.step, "gen": view.gen, "worker": self.spec.worker})
         self._event("restored", **{**done, "gen": view.gen, "step": view.step, "seconds": time.perf_counter() - t0})
         logger.info("restored the state of step %d from %s in %.2f s", view.step, done["restored_from"],
@@ -242,6 +246,9 @@ class Trainer:
             view, done = self.protocol.view, step + 1
             if self.protocol.sharded is not None:
                 lr, grad_norm = self.protocol.sharded.commit(step, view, self.protocol.group, replicate=done < steps)
+                if self._checkpoint_step(done):  # every member writes its range of the moments
+                    opt = self.job.optimizer
+                    self.shard_checkpoints.save(done, view.gen, opt.lo, opt.hi, opt.exp_avg, opt.exp_avg_sq)
             else:
                 lr, grad_norm = self.job.apply(step, reduced)
             if self.snapshots is not None:
@@ -259,6 +266,8 @@ class Trainer:
                 self.checkpointer.handover()  # stopped leading: commit the save begun while leading
             if done < steps:
                 self.protocol.admit_joiners(done)
+        if self.shard_checkpoints is not None:
+            self.shard_checkpoints.close()
         if self.checkpointer:
             self.checkpointer.wait()
         if self.snapshots is not None:
@@ -278,9 +287,17 @@ class Trainer:
         # Validation on the leader only: it must not depend on who else is alive.
         self.metrics.step_done(last, self.job.validation_loss if self.job.val_sampler is not None else None)
         self.checkpointer.poll()
-        if (t.checkpoint_every and done % t.checkpoint_every == 0) or done == t.steps:
-            self.checkpointer.save(done, training_state(self.job.model, self.job.optimizer), {"loss": last["loss"]})
+        if self._checkpoint_step(done):
+            shards = None
+            if self.protocol.sharded is not None:
+                shards = (self.protocol.view.gen, self.protocol.sharded.checkpoint_ranges())
+            self.checkpointer.save(done, training_state(self.job.model, self.job.optimizer), {"loss": last["loss"]},
+                                   shards=shards)
         self.store.set_progress(done)
+
+    def _checkpoint_step(self, done: int) -> bool:
+        t = self.cfg.train
+        return bool(t.checkpoint_every and done % t.checkpoint_every == 0) or done == t.steps
 
     def param_digest(self) -> str:
         h = hashlib.sha256()

@@ -48,7 +48,8 @@ class ShardedAdamW(torch.optim.Optimizer):
 
     def __init__(self, model: torch.nn.Module, *, lr: float, betas: tuple[float, float], eps: float,
                  weight_decay: float) -> None:
-        self.flat = [p for _, p in model.named_parameters() if p.requires_grad]
+        self._named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.flat = [p for _, p in self._named]
         decay = [p for p in self.flat if p.dim() >= 2]
         no_decay = [p for p in self.flat if p.dim() < 2]
         super().__init__([{"params": decay, "weight_decay": weight_decay},
@@ -155,6 +156,24 @@ class ShardedAdamW(torch.optim.Optimizer):
         self.commit(proposal, proposal.params)
 
     # -- state as flat tensors ------------------------------------------------------
+
+    def load_full(self, by_name: dict[str, tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]]
+                     ) -> None:
+        """Hold the whole range again, loaded per parameter name: ``(exp_avg, exp_avg_sq, step)``
+        (a checkpoint or a snapshot; missing moments are zeros, a missing step leaves none)."""
+        names = {id(p): n for n, p in self._named}
+        m = torch.zeros(self.total, dtype=torch.float32, device=self.exp_avg.device)
+        v = torch.zeros_like(m)
+        self.state.clear()
+        for p, off in zip(self.flat, self.offsets):
+            exp_avg, exp_avg_sq, step = by_name.get(names[id(p)], (None, None, None))
+            if exp_avg is not None:
+                m[off:off + p.numel()].copy_(exp_avg.reshape(-1))
+            if exp_avg_sq is not None:
+                v[off:off + p.numel()].copy_(exp_avg_sq.reshape(-1))
+            if step is not None:
+                self.state[p] = {"step": step.detach().clone().float().cpu()}
+        self.set_range(0, self.total, m, v)
 
     def full_moments(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         """Per parameter index, views of its moments (only when the whole range is held)."""

@@ -157,6 +157,16 @@ class ShardedState:
 
     # -- views --------------------------------------------------------------------------
 
+    def reset_full(self) -> None:
+        """The optimizer was just loaded whole (a checkpoint): every range is held here, nothing is pending."""
+        self.held = (None, 0, self.opt.total, self.opt.exp_avg, self.opt.exp_avg_sq)
+        self.active, self.last_reduced, self._pending, self._outgoing = None, None, None, None
+
+    def checkpoint_ranges(self) -> list[tuple[int, int]]:
+        """The ranges of the current sharding (a checkpoint's commit waits for each)."""
+        sharding = self.active or Sharding((self.me,), self.opt.total)
+        return [(lo, hi) for _, lo, hi in sharding.ranges()]
+
     def discard(self) -> None:
         """Forget a proposal of an attempt that did not commit (a new attempt of the step begins)."""
         self._pending = None
