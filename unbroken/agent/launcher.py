@@ -313,7 +313,7 @@ def _job_faults(cfg: Config, fail_at: str, nodes: int,
                                seed=cfg.train.seed, min_live=1, cluster_workers=cfg.fault.cluster_workers,
                                max_down=cfg.fault.max_down)
         specs += trace_to_faults(trace)
-    check_faults(specs, n_nodes=nodes, workers_per_node=workers_per_node)
+    check_faults(specs, n_nodes=nodes, workers_per_node=workers_per_node, sharded=cfg.train.shard_optimizer)
     return specs, trace
 
 
@@ -445,8 +445,9 @@ def _failure_message(failure: str, run_dir: Path) -> str:
     else:
         how = (f"the newest committed checkpoint is {ckpt} (step {read_commit(ckpt)['step']}); "
                f"continue with: unbroken train --resume {run_dir}")
-    detail = failure.removeprefix("no live worker left").lstrip(": ")  # the workers' and agents' wording
-    return f"no live worker is left: {detail}; {how}"
+    if failure.startswith("no live worker left"):  # the workers' and agents' wording
+        return f"no live worker is left: {failure.removeprefix('no live worker left').lstrip(': ')}; {how}"
+    return f"the job stopped: {failure}; {how}"
 
 
 def _log_tail(path: Path, lines: int = 15) -> str:

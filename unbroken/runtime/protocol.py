@@ -64,10 +64,11 @@ MAX_SAME_VIEW_RETRIES = 3
 before this worker gives up and leaves: its agent restarts it as a joiner, so a fault nobody can name
 costs one restart instead of an endless loop of new groups."""
 
-Phase = Literal["forward", "backward", "allreduce", "confirm"]
-PHASES: tuple[Phase, ...] = ("forward", "backward", "allreduce", "confirm")
+Phase = Literal["forward", "backward", "allreduce", "update", "allgather", "confirm"]
+PHASES: tuple[Phase, ...] = ("forward", "backward", "allreduce", "update", "allgather", "confirm")
 """Hook points of a step: before the forward pass, after the backward pass, with the
-all-reduce in flight, right after the commit vote."""
+all-reduce in flight, before a sharded run's optimizer update, with its all-gather of the
+parameters in flight, right after the commit vote."""
 
 
 class MemberDied(Exception):
@@ -270,7 +271,8 @@ class StepProtocol:
                     items = items + extra
                 reduced = self._reduce(step, local, items)
                 if self.sharded is not None:  # the whole step before the vote: update and all-gather
-                    self.sharded.update(step, reduced, self.group, self._check)
+                    self.sharded.update(step, reduced, self.group, self._check,
+                                        on_phase=lambda phase: self._phase(phase, step))
                 self._vote(step)
                 self.need_exchange = False
                 return reduced, items

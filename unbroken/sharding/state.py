@@ -79,14 +79,17 @@ class ShardedState:
 
     # -- a step -----------------------------------------------------------------------
 
-    def update(self, step: int, reduced: torch.Tensor, group: Any, check: Check) -> None:
-        """Propose step ``step`` on this worker's range and all-gather every range's new parameters."""
+    def update(self, step: int, reduced: torch.Tensor, group: Any, check: Check,
+               on_phase: Callable[[str], None] = lambda phase: None) -> None:
+        """Propose step ``step`` on this worker's range and all-gather every range's new parameters
+        (``on_phase("update")`` before the update, ``on_phase("allgather")`` with the all-gather in flight)."""
+        on_phase("update")
         lr = self.job.schedule(step)
         norm = self._gradients(reduced)
         set_lr(self.opt, lr)
         proposal = self.opt.propose()
         sharding = self.active or Sharding((self.me,), self.opt.total)
-        gathered = group.allgather(proposal.params, sharding.padded, check)
+        gathered = group.allgather(proposal.params, sharding.padded, check, lambda: on_phase("allgather"))
         flat = torch.cat([gathered[r * sharding.padded:r * sharding.padded + hi - lo]
                           for r, (_, lo, hi) in enumerate(sharding.ranges())])
         self._pending = (step, proposal, flat, lr, norm, reduced.detach().clone())
@@ -124,28 +127,35 @@ class ShardedState:
     # -- the ring ---------------------------------------------------------------------
 
     def _send_copies(self, done: int, view: Any, group: Any) -> None:
+        """Every member: one all-to-all in which each sends its range's moments to its ring buddy only."""
         sharding = self.active
         buddies = ring_buddies(sharding.members, self.node_of)
-        works, received = [], {}
-        tag = done % (1 << 20)
-        if self.me in buddies:
-            mine = torch.cat([self.opt.exp_avg, self.opt.exp_avg_sq])
-            works.append(group.post_send(mine, view.rank_of(buddies[self.me]), tag))
-        for owner, holder in buddies.items():
-            if holder == self.me:
-                lo, hi = sharding.range_of(owner)
-                t = torch.empty(2 * (hi - lo), dtype=torch.float32, device=self.opt.exp_avg.device)
-                works.append(group.post_recv(t, view.rank_of(owner), tag))
-                received[owner] = (lo, hi, t)
-        self._outgoing = {"works": works, "copies": received, "done": done, "gen": view.gen,
-                          "members": sharding.members, "group": group}
+        if not buddies:
+            return
+        size = len(view.members)
+        in_splits, out_splits = [0] * size, [0] * size
+        mine = torch.cat([self.opt.exp_avg, self.opt.exp_avg_sq])
+        in_splits[view.rank_of(buddies[self.me])] = mine.numel()
+        owners = [o for o in sharding.members if buddies[o] == self.me]
+        for o in owners:
+            lo, hi = sharding.range_of(o)
+            out_splits[view.rank_of(o)] = 2 * (hi - lo)
+        out = torch.empty(sum(out_splits), dtype=torch.float32, device=mine.device)
+        work = group.post_alltoall(out, mine, out_splits, in_splits)
+        received, at = {}, 0
+        for o in owners:  # rank order = ascending worker ids = the order of ``owners``
+            lo, hi = sharding.range_of(o)
+            received[o] = (lo, hi, out[at:at + 2 * (hi - lo)])
+            at += 2 * (hi - lo)
+        self._outgoing = {"works": [work], "copies": received, "done": done, "gen": view.gen,
+                          "members": sharding.members, "group": group, "keep": mine}
 
     def seal_replicas(self, check: Check) -> None:
         """Wait for the last step's ring transfers; seal the copies received (before this step's reduction)."""
         out, self._outgoing = self._outgoing, None
         if out is None:
             return
-        out["group"].wait_p2p(out["works"], check, "shard copy")
+        out["group"].wait_side(out["works"], check, "shard copy")
         self.replicas.write(out["done"], out["gen"], out["members"], out["copies"])
 
     def settle(self, check: Check) -> None:
@@ -198,8 +208,7 @@ class ShardedState:
         # Every member learns whether every range can be sent before any is: nobody waits on a holder that cannot.
         failed = allreduce(torch.tensor([float(len(problems))], device=self.opt.exp_avg.device))
         if float(failed[0]) > 0:
-            raise ShardLost("; ".join(problems) or f"{int(failed[0])} optimizer shard(s) have no usable copy left; "
-                            "continue from the last checkpoint with unbroken train --resume RUN_DIR")
+            raise ShardLost("; ".join(problems) or f"{int(failed[0])} optimizer shard(s) have no usable copy left")
         lo, hi = new.range_of(self.me)
         m = torch.empty(hi - lo, dtype=torch.float32, device=self.opt.exp_avg.device)
         v = torch.empty_like(m)
@@ -244,9 +253,9 @@ class ShardedState:
             else:
                 lost.append(owner)
         if lost:
-            raise ShardLost(f"the optimizer shards of workers {lost} are lost with their copies (held by "
-                            f"{[buddies.get(o) for o in lost]}): more workers failed at once than the ring "
-                            f"covers; continue from the last checkpoint with unbroken train --resume RUN_DIR")
+            raise ShardLost(f"the optimizer shards of workers {lost} are lost with their copies (held by workers "
+                            f"{[buddies.get(o) for o in lost]}): more workers failed at once than the ring covers "
+                            f"(one copy of each shard, on the next node)")
         return holders
 
     def _range_data(self, owner: int, lo: int, hi: int, old: Sharding, view: Any) -> torch.Tensor:
@@ -264,7 +273,7 @@ class ShardedState:
             self.opt.replay_moments(lo, hi, data[:hi - lo], data[hi - lo:])
             return data
         raise ShardLost(f"worker {self.me} holds no usable copy of worker {owner}'s optimizer shard after "
-                        f"{view.step} steps (newest copy: {done}); continue with unbroken train --resume RUN_DIR")
+                        f"{view.step} steps (newest copy: {done})")
 
     def _slice_full(self, new: Sharding) -> tuple[torch.Tensor, torch.Tensor]:
         _, a, _, m, v = self.held
