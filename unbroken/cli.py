@@ -10,6 +10,7 @@ accepted, exit code 2, never a traceback; config errors are reported all at once
 from __future__ import annotations
 
 import argparse
+import textwrap
 import contextlib
 import logging
 import os
@@ -32,6 +33,19 @@ EPILOG_OVERRIDES = (
     + ", ".join(SECTIONS)
     + ". Example: --optim.lr=1e-3 --data.seq_len=128."
 )
+
+SHARDING_HELP = """
+
+Sharded optimizer state (--train.shard_optimizer=true, ZeRO-1): each live worker
+keeps AdamW's moments for 1/m of the parameters (m live workers) instead of all
+of them: optimizer memory per worker falls from 8 bytes per parameter to 8/m,
+plus a copy of one peer's slice in its node's host (snapshot) memory, which is
+what rebuilds a failed worker's slice with no rollback. Costs one all-gather of
+the parameters per step and one copy of the slice to the next node, overlapped
+with the next step. Use it when the moments do not fit beside the model (a
+replicated worker holds 16 bytes per parameter before activations); a no-op
+with one worker. Whole-job restores of a sharded run come from the persistent
+checkpoint (every worker writes its slice); --resume may switch it on or off."""
 
 
 def _split_overrides(extra: list[str]) -> tuple[list[str], list[str]]:
@@ -403,7 +417,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     tr = sub.add_parser(
         "train", help="train with local workers (spawned here; no torchrun needed)",
-        description="Train a LLaMA-style model data-parallel with local worker processes.", epilog=EPILOG_OVERRIDES,
+        description="Train a LLaMA-style model data-parallel with local worker processes.",
+        epilog=textwrap.fill(EPILOG_OVERRIDES, 80) + SHARDING_HELP, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add_config_args(tr)
     tr.add_argument("--out", type=Path, default=None, help="run directory (default runs/PRESET-wN)")

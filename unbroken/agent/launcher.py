@@ -129,6 +129,8 @@ def launch(
     specs, trace = _job_faults(cfg, fail_at, nodes, workers_per_node)
     info = preflight(cfg)
     check_snapshot_config(cfg, nodes, workers_per_node, info.get("vocab_size"))
+    if cfg.train.shard_optimizer and cfg.train.workers == 1:
+        logger.warning("train.shard_optimizer with one worker: nothing to shard, the run is the same without it")
     store_faults = StoreFaults(specs, members=len(parse_etcd(store)[0]) if store else None, run_dir=run_dir)
     secret = new_secret()
     host = _StoreHost(cfg, nodes, secret, store, run_dir)  # before anything is written: a port in use fails early
