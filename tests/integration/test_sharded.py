@@ -10,7 +10,9 @@ Two jobs of 2 nodes x 2 workers (real processes, SIGKILL, gloo):
   when it rejoins; a checkpoint written while a worker was down holds the three
   ranges of that view;
 - two workers that hold each other's copies die at once: the job stops and
-  says why; ``--resume`` continues from the checkpoint, as a replicated run.
+  says why; ``--resume`` continues from the checkpoint, as a replicated run;
+  that checkpoint, written by the four workers before the failure, holds the
+  parameters and moments of plain single-process training (to float tolerance).
 """
 
 from __future__ import annotations
@@ -18,11 +20,14 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from _faults import check_invariants, failover_config, run_job
+from _reference import checkpoint_params, reference_train
 from unbroken.agent.launcher import JobFailed, launch
 from unbroken.config import Config
 from unbroken.runtime.checkpoint_files import committed_checkpoints, read_commit
+from unbroken.sharding.checkpoint import load_moments
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -63,6 +68,16 @@ def test_losing_a_shard_and_its_copy_stops_the_job_and_resume_continues(tmp_path
     assert "optimizer shards of workers [0, 2] are lost" in msg and f"unbroken train --resume {run}" in msg, msg
     kept = committed_checkpoints(run / "checkpoints")[0]
     assert read_commit(kept)["step"] == 4 and len(read_commit(kept)["shards"]) == 4
+    # Until the failure the sharded job is plain data parallelism: equal to the oracle's parameters and moments.
+    want, want_moments = reference_train(cfg, 4, moments=True)
+    got = checkpoint_params(kept)
+    m, v = load_moments(kept, read_commit(kept)["shards"], sum(p.numel() for p in want.values()))
+    at = 0
+    for name, p in want.items():  # tolerance and eps=1e-6: see tests/integration/test_data_parallel.py
+        torch.testing.assert_close(got[name], p, rtol=1e-4, atol=1e-5, msg=name)
+        for flat, ref in zip((m, v), want_moments[name]):
+            torch.testing.assert_close(flat[at:at + p.numel()].view_as(p), ref, rtol=1e-3, atol=1e-7, msg=name)
+        at += p.numel()
     replicated = Config.from_dict({**cfg.to_dict(), "train": {**cfg.to_dict()["train"], "shard_optimizer": False}})
     summary = launch(replicated, run, nodes=2, workers_per_node=2, resume=True)
     assert summary["steps"] == 16 and summary["resumed_from"] == str(kept) and summary["workers_agree"]
