@@ -110,7 +110,10 @@ def _member(rank: int, store_path: str, out: str, job: str, early: bool) -> None
 @pytest.mark.parametrize("early", [False, True], ids=["copy-of-the-step", "copy-one-step-behind"])
 def test_survivors_reshard_from_ring_copies_bit_for_bit(tmp_path: Path, early: bool) -> None:
     job = secrets.token_hex(6)
-    ctx = mp.get_context("fork")
+    # forkserver: children forked from a clean server process (no threads of earlier tests inherited, as with
+    # fork), which imported torch once (not per child, as with spawn).
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "unbroken.sharding.state", "unbroken.runtime.process_group"])
     procs = [ctx.Process(target=_member, args=(r, str(tmp_path / "store"), str(tmp_path), job, early))
              for r in range(WORLD)]
     try:
