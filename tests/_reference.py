@@ -17,7 +17,9 @@ from unbroken.models import build_model
 from unbroken.models.optim import build_optimizer, lr_at, set_lr
 
 
-def reference_train(cfg: Config, steps: int | None = None) -> dict[str, torch.Tensor]:
+def reference_train(cfg: Config, steps: int | None = None, *, moments: bool = False):
+    """Parameters by name after ``steps`` (default ``train.steps``); with ``moments``, also
+    ``{name: (exp_avg, exp_avg_sq)}``."""
     d, t = cfg.data, cfg.train
     data = prepare_data(source=d.source, vocab_size=d.vocab_size, val_fraction=d.val_fraction,
                         cache_dir=d.cache_dir, max_bytes=d.max_bytes)
@@ -37,7 +39,11 @@ def reference_train(cfg: Config, steps: int | None = None) -> dict[str, torch.Te
         set_lr(opt, lr_at(step, lr=o.lr, warmup_steps=o.warmup_steps, min_lr_ratio=o.min_lr_ratio,
                           total_steps=t.steps))
         opt.step()
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    if not moments:
+        return params
+    return params, {n: (opt.state[p]["exp_avg"].clone(), opt.state[p]["exp_avg_sq"].clone())
+                    for n, p in model.named_parameters()}
 
 
 def checkpoint_params(ckpt_dir) -> dict[str, torch.Tensor]:

@@ -10,6 +10,7 @@ accepted, exit code 2, never a traceback; config errors are reported all at once
 from __future__ import annotations
 
 import argparse
+import textwrap
 import contextlib
 import logging
 import os
@@ -32,6 +33,19 @@ EPILOG_OVERRIDES = (
     + ", ".join(SECTIONS)
     + ". Example: --optim.lr=1e-3 --data.seq_len=128."
 )
+
+SHARDING_HELP = """
+
+Sharded optimizer state (--train.shard_optimizer=true, ZeRO-1): each live worker
+keeps AdamW's moments for 1/m of the parameters (m live workers) instead of all
+of them: optimizer memory per worker falls from 8 bytes per parameter to 8/m,
+plus a copy of one peer's slice in its node's host (snapshot) memory, which is
+what rebuilds a failed worker's slice with no rollback. Costs one all-gather of
+the parameters per step and one copy of the slice to the next node, overlapped
+with the next step. Use it when the moments do not fit beside the model (a
+replicated worker holds 16 bytes per parameter before activations); a no-op
+with one worker. Whole-job restores of a sharded run come from the persistent
+checkpoint (every worker writes its slice); --resume may switch it on or off."""
 
 
 def _split_overrides(extra: list[str]) -> tuple[list[str], list[str]]:
@@ -150,6 +164,8 @@ RESUME_CONFLICTS = (("preset", "--preset"), ("config", "--config"), ("workers", 
                     ("faults", "--faults"), ("cluster_workers", "--cluster-workers"), ("out", "--out"),
                     ("overwrite", "--overwrite"))
 """Options of a new run that ``--resume`` cannot take (the run keeps its saved config and directory)."""
+RESUME_OVERRIDES = ("train.shard_optimizer",)
+"""Config fields ``--resume`` may change: where the state lives, not what is trained."""
 
 
 def _resume_config(args: argparse.Namespace, overrides: list[str]) -> Config:
@@ -163,12 +179,15 @@ def _resume_config(args: argparse.Namespace, overrides: list[str]) -> Config:
     from unbroken.runtime.checkpoint_files import committed_checkpoints
 
     run = args.resume
+    allowed = [o for o in overrides if o.lstrip("-").partition("=")[0] in RESUME_OVERRIDES]
     given = [flag + ("" if value is True else f" {value}") for name, flag in RESUME_CONFLICTS
-             if (value := getattr(args, name, None)) is not None and value is not False] + [f"--{o}" for o in overrides]
+             if (value := getattr(args, name, None)) is not None and value is not False] + \
+        [f"--{o}" for o in overrides if o not in allowed]
     if given:
         raise ValueError(f"--resume {run} continues the run with its saved config ({run / RUN_CONFIG}) in its own "
                          f"directory, so it takes none of: {', '.join(given)}; drop them (--fail-at, --nodes, "
-                         f"--workers-per-node, --standby and --restart are accepted), or start a new run with --out")
+                         f"--workers-per-node, --standby, --restart and --{'/--'.join(RESUME_OVERRIDES)} are "
+                         f"accepted), or start a new run with --out")
     saved = saved_config(run) if run.is_dir() else None
     if saved is None:
         what = "no such directory" if not run.exists() else "not a directory" if not run.is_dir() else \
@@ -179,6 +198,10 @@ def _resume_config(args: argparse.Namespace, overrides: list[str]) -> Config:
         cfg = Config.from_dict(saved)
     except ValueError as exc:
         raise ValueError(f"--resume {run}: its {RUN_CONFIG} does not load: {exc}") from None
+    if allowed:
+        from unbroken.config.loading import apply_overrides
+
+        cfg = apply_overrides(cfg, allowed)
     if not committed_checkpoints(run / "checkpoints"):
         raise ValueError(f"--resume {run}: the run has no committed checkpoint under {run / 'checkpoints'} "
                          f"(it ran with train.checkpoint_every={cfg.train.checkpoint_every}); nothing to continue "
@@ -394,7 +417,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     tr = sub.add_parser(
         "train", help="train with local workers (spawned here; no torchrun needed)",
-        description="Train a LLaMA-style model data-parallel with local worker processes.", epilog=EPILOG_OVERRIDES,
+        description="Train a LLaMA-style model data-parallel with local worker processes.",
+        epilog=textwrap.fill(EPILOG_OVERRIDES, 80) + SHARDING_HELP, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add_config_args(tr)
     tr.add_argument("--out", type=Path, default=None, help="run directory (default runs/PRESET-wN)")

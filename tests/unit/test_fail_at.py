@@ -74,7 +74,7 @@ def test_all_errors_at_once() -> None:
         "worker='-1' is negative; expected an integer >= 0",
         "'explode' is neither key=value nor one of kill, stop, term",
         "how='melt'; expected one of kill, stop, term",
-        "phase='lunch'; expected one of forward, backward, allreduce, confirm, any",
+        "phase='lunch'; expected one of forward, backward, allreduce, update, allgather, confirm, any",
         "for='2' only applies to stop",
         "step='x' is not an integer",
         "for='-1'; expected a finite number of seconds > 0",
@@ -140,3 +140,14 @@ def test_back_step() -> None:
         fail_at(step=3, worker=0, back=3)
     with pytest.raises(ValueError, match="cannot restart its workers"):
         fail_at(step=3, node=0, back=5)
+
+
+def test_sharded_phases_need_a_sharded_run() -> None:
+    from unbroken.faults.injector import check_faults
+
+    specs = parse_fail_at("step=3:worker=1:kill:phase=allgather")
+    check_faults(specs, n_nodes=2, workers_per_node=2, sharded=True)
+    check_faults(specs, n_nodes=2, workers_per_node=2)  # not known (an agent's own check): accepted
+    with pytest.raises(ValueError, match="phase=allgather is a point of a sharded step only; set "
+                                         "train.shard_optimizer=true"):
+        check_faults(specs, n_nodes=2, workers_per_node=2, sharded=False)

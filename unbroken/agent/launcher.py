@@ -129,6 +129,8 @@ def launch(
     specs, trace = _job_faults(cfg, fail_at, nodes, workers_per_node)
     info = preflight(cfg)
     check_snapshot_config(cfg, nodes, workers_per_node, info.get("vocab_size"))
+    if cfg.train.shard_optimizer and cfg.train.workers == 1:
+        logger.warning("train.shard_optimizer with one worker: nothing to shard, the run is the same without it")
     store_faults = StoreFaults(specs, members=len(parse_etcd(store)[0]) if store else None, run_dir=run_dir)
     secret = new_secret()
     host = _StoreHost(cfg, nodes, secret, store, run_dir)  # before anything is written: a port in use fails early
@@ -313,7 +315,7 @@ def _job_faults(cfg: Config, fail_at: str, nodes: int,
                                seed=cfg.train.seed, min_live=1, cluster_workers=cfg.fault.cluster_workers,
                                max_down=cfg.fault.max_down)
         specs += trace_to_faults(trace)
-    check_faults(specs, n_nodes=nodes, workers_per_node=workers_per_node)
+    check_faults(specs, n_nodes=nodes, workers_per_node=workers_per_node, sharded=cfg.train.shard_optimizer)
     return specs, trace
 
 
@@ -445,8 +447,9 @@ def _failure_message(failure: str, run_dir: Path) -> str:
     else:
         how = (f"the newest committed checkpoint is {ckpt} (step {read_commit(ckpt)['step']}); "
                f"continue with: unbroken train --resume {run_dir}")
-    detail = failure.removeprefix("no live worker left").lstrip(": ")  # the workers' and agents' wording
-    return f"no live worker is left: {detail}; {how}"
+    if failure.startswith("no live worker left"):  # the workers' and agents' wording
+        return f"no live worker is left: {failure.removeprefix('no live worker left').lstrip(': ')}; {how}"
+    return f"the job stopped: {failure}; {how}"
 
 
 def _log_tail(path: Path, lines: int = 15) -> str:

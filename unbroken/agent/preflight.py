@@ -64,6 +64,10 @@ def prepare_run_dir(run_dir: Path, cfg: Config, *, overwrite: bool, resume: bool
         diff = [f for f in config_diff(saved, cfg.to_dict()) if f not in _VOLATILE]
         if diff:
             raise ValueError(f"--resume {run_dir}: the run was made with different values for {', '.join(diff)}")
+        if config_diff(saved, cfg.to_dict()):  # a field --resume may change (train.shard_optimizer): saved for all
+            tmp = cfg_file.with_suffix(".tmp")
+            tmp.write_text(json.dumps(cfg.to_dict(), indent=1))
+            os.replace(tmp, cfg_file)
         memory = _snapshot_memory(run_dir, cfg)
         try:
             ckpt = latest_checkpoint(run_dir)  # the newest whose files match their checksums
@@ -115,7 +119,7 @@ def _snapshot_memory(run_dir: Path, cfg: Config) -> bool:
 
 
 _VOLATILE = {"train.host", "train.port", "train.log_every", "train.threads_per_worker", "train.timeout_s",
-             "train.keep_checkpoints", "data.cache_dir"}
+             "train.keep_checkpoints", "train.shard_optimizer", "data.cache_dir"}
 
 
 def _truncate_metrics(path: Path, step: int) -> None:

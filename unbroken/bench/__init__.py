@@ -24,6 +24,7 @@ BENCHMARKS: dict[str, Callable[[list[str] | None], dict[str, Any]]] = {
     "failover": _lazy("failover"),
     "snapshot": _lazy("snapshot"),
     "store": _lazy("store"),
+    "sharded": _lazy("sharded"),
 }
 
 __all__ = ["BENCHMARKS"]

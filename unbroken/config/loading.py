@@ -35,7 +35,15 @@ def load_config(
     Raises:
         ValueError: listing every unknown section/field and every bad value.
     """
-    cfg = preset(preset_name)
+    return _load(preset(preset_name), file, overrides)
+
+
+def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
+    """``cfg`` (a copy) with ``section.field=value`` overrides applied and validated (see :func:`load_config`)."""
+    return _load(Config.from_dict(cfg.to_dict()), None, overrides)
+
+
+def _load(cfg: Config, file: str | Path | None, overrides: list[str]) -> Config:
     errors: list[str] = []
     if file is not None:
         path = Path(file)

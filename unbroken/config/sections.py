@@ -116,6 +116,16 @@ class TrainConfig:
     """torch intra-op threads per worker (0: cores / workers, at least 1)."""
     timeout_s: float = 120.0
     """Longest wait for any blocking call once training runs."""
+    shard_optimizer: bool = False
+    """ZeRO-1: each live worker keeps the AdamW moments of only its 1/m slice of the parameters
+    (m live workers), updates that slice and all-gathers the parameters inside the step, before
+    the commit vote. Optimizer memory per worker falls from 8 bytes per parameter to 8/m plus a
+    ring copy of one peer's slice (kept in its node's snapshot memory; a failed worker's slice is
+    rebuilt from it with no rollback). Costs one all-gather of the parameters per step and one
+    point-to-point copy of the slice, overlapped with the next step. Worth it when the moments do
+    not fit beside the model (16 bytes per parameter replicated); a no-op with one worker. The
+    per-step snapshots of replicated state are off while sharding (whole-job restores come from
+    the persistent checkpoint). Needs the built-in AdamW (not ``optim.factory``)."""
 
 
 @dataclass(kw_only=True)

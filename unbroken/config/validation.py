@@ -40,6 +40,9 @@ def validate(cfg: Config) -> list[str]:
     need(o.lr > 0, f"optim.lr={o.lr}: must be > 0")
     need(0 <= o.min_lr_ratio <= 1, f"optim.min_lr_ratio={o.min_lr_ratio}: must be in [0, 1]")
     need(o.warmup_steps >= 0, f"optim.warmup_steps={o.warmup_steps}: must be >= 0")
+    need(not (t.shard_optimizer and o.factory),
+         f"train.shard_optimizer=true with optim.factory={o.factory!r}: sharding needs the built-in AdamW; "
+         "drop optim.factory or set train.shard_optimizer=false")
     need(o.grad_clip >= 0, f"optim.grad_clip={o.grad_clip}: must be >= 0 (0 disables)")
     need(m.rank >= 1, f"mecefo.rank={m.rank}: must be >= 1")
     need(m.tau >= 1, f"mecefo.tau={m.tau}: must be >= 1")
@@ -83,7 +86,9 @@ def validate(cfg: Config) -> list[str]:
 def config_hash(cfg: Config) -> str:
     """Stable hash of everything that changes what is trained (not ports or logging)."""
     d = cfg.to_dict()
-    for volatile in ("host", "port", "log_every", "threads_per_worker", "timeout_s", "keep_checkpoints"):
+    # shard_optimizer: where the moments live, not what is trained (the update is the same, element for element)
+    for volatile in ("host", "port", "log_every", "threads_per_worker", "timeout_s", "keep_checkpoints",
+                     "shard_optimizer"):
         d["train"].pop(volatile, None)
     d["data"].pop("cache_dir", None)
     d.pop("snapshot", None)  # how the state is protected, not what is trained

@@ -78,12 +78,14 @@ def workers_of(node: int, workers_per_node: int) -> range:
     return range(node * workers_per_node, (node + 1) * workers_per_node)
 
 
-def check_faults(specs: Iterable[FaultSpec], *, n_nodes: int, workers_per_node: int) -> None:
+def check_faults(specs: Iterable[FaultSpec], *, n_nodes: int, workers_per_node: int,
+                 sharded: bool | None = None) -> None:
     """Check that every spec can be carried out on this job's layout.
 
     Raises:
         ValueError: listing every target out of range and every node spec with
-            a phase (a phase is a point in one worker's step; use worker=).
+            a phase (a phase is a point in one worker's step; use worker=), and a sharded step's
+            phase in a run that is not sharded (``sharded`` None: not known, not checked).
     """
     n_workers = n_nodes * workers_per_node
     problems = []
@@ -95,6 +97,9 @@ def check_faults(specs: Iterable[FaultSpec], *, n_nodes: int, workers_per_node: 
         if s.index >= bound:
             problems.append(f"{item}: {s.target}={s.index} out of range; expected 0..{bound - 1} "
                             f"({n_nodes} node(s) x {workers_per_node} worker(s))")
+        if s.phase in ("update", "allgather") and sharded is False:
+            problems.append(f"{item}: phase={s.phase} is a point of a sharded step only; set "
+                            f"train.shard_optimizer=true or pick forward, backward, allreduce or confirm")
         if s.target == "node" and s.phase != "any":
             problems.append(f"{item}: phase={s.phase} needs a worker target (the worker signals itself at "
                             f"that point of its step); use worker=I or drop phase=")

@@ -272,6 +272,10 @@ def build_job(cfg: Config, device: torch.device, prepared: Prepared | None = Non
     if o.factory:
         optimizer = user_optimizer(cfg, model, BuildContext(cfg=cfg, device=device, seed=cfg.train.seed,
                                                              vocab_size=data.vocab_size))
+    elif cfg.train.shard_optimizer:
+        from unbroken.sharding.adamw import ShardedAdamW
+
+        optimizer = ShardedAdamW(model, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
     else:
         optimizer = build_optimizer(model, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
                                     weight_decay=o.weight_decay)

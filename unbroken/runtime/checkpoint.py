@@ -96,6 +96,11 @@ def load_training_state(
     with torch.no_grad():
         for name, p in params.items():
             p.copy_(state[f"model.{name}"])
+    if hasattr(optimizer, "load_full"):  # a sharded optimizer: flat moments, per-parameter steps
+        optimizer.load_full({name: (state.get(f"optim.{name}.exp_avg"), state.get(f"optim.{name}.exp_avg_sq"),
+                                       state.get(f"optim.{name}.step")) for name in params})
+        torch.set_rng_state(state["rng.cpu"].clone())
+        return
     for name, p in params.items():
         keys = {k: state.get(f"optim.{name}.{k}") for k in _ADAM_KEYS}
         if all(v is None for v in keys.values()):
@@ -143,11 +148,15 @@ class AsyncCheckpointer:
         """The step of the save still in flight or not yet collected, or None."""
         return self._pending.step if self._pending else None
 
-    def save(self, step: int, state: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+    def save(self, step: int, state: dict[str, torch.Tensor], meta: dict[str, Any],
+             shards: tuple[int, list[tuple[int, int]]] | None = None) -> None:
         """Stage ``state`` now and write it asynchronously; ``step`` = steps done.
 
         Waits for the previous save first. A storage error is logged and the
-        save dropped (training goes on; the next save tries again).
+        save dropped (training goes on; the next save tries again). ``shards``
+        (a sharded run: the view's generation and its ranges) makes the commit
+        wait for every member's range of the moments
+        (:func:`unbroken.sharding.checkpoint.collect_shards`).
         """
         self.wait()
         path = checkpoint_dir(self.run_dir, step)
@@ -163,7 +172,7 @@ class AsyncCheckpointer:
             return
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
-        self._pending = _Pending(step, path, self._pool.submit(self._finish, step, path, commit, fut))
+        self._pending = _Pending(step, path, self._pool.submit(self._finish, step, path, commit, fut, shards))
 
     def poll(self) -> None:
         """Collect a finished save; raise if it failed for another reason than the storage."""
@@ -193,10 +202,16 @@ class AsyncCheckpointer:
             logger.info("no longer leading: finishing the checkpoint at step %d", self._pending.step)
             self.wait()
 
-    def _finish(self, step: int, path: Path, commit: dict[str, Any], fut: Future[Any]) -> bool:
+    def _finish(self, step: int, path: Path, commit: dict[str, Any], fut: Future[Any],
+                shards: tuple[int, list[tuple[int, int]]] | None = None) -> bool:
         """Background: wait for the files, fsync and checksum them, commit, prune. False: not written."""
         try:
             _wait_written(fut, self.timeout_s)
+            if shards is not None:
+                from unbroken.sharding.checkpoint import collect_shards
+
+                collect_shards(self.run_dir, step, shards[0], shards[1], path)
+                commit["shards"] = [list(r) for r in shards[1]]
             commit["files"] = seal_files(path)
             write_commit(path, commit)
         except (Exception, CheckpointException) as exc:
@@ -213,9 +228,10 @@ class AsyncCheckpointer:
         """Log a failed save once and remove its directory; re-raise unless the storage failed."""
         remove_checkpoint(path)
         err = _storage_error(exc)
-        if err is None:
+        if err is None and not isinstance(exc, TimeoutError):
             logger.error("checkpoint at step %d not written (%s removed)", step, path)
             raise exc
+        err = err or exc
         self.failed_steps.append(step)
         logger.error("checkpoint at step %d not written: %s; removed %s, training goes on and the next "
                      "checkpoint is tried again", step, err, path)
@@ -292,15 +308,29 @@ def load_checkpoint(
             f"{path} was written by a run with config hash {commit['config_hash']}, "
             f"this run has {config_hash}"
         )
-    # Build the full key set (optimizer moments may not exist yet before a first step).
-    state = training_state(model, optimizer)
+    # Build the full key set (optimizer moments may not exist yet before a first step). A sharded run's
+    # checkpoint holds the moments as flat ranges under shards/ (unbroken.sharding.checkpoint).
+    sharded = "shards" in commit
+    state = {k: v for k, v in training_state(model, optimizer).items() if not k.endswith(".exp_avg")
+             and not k.endswith(".exp_avg_sq")}
     for name, p in model.named_parameters():
-        for key in ("exp_avg", "exp_avg_sq"):
-            state.setdefault(f"optim.{name}.{key}", torch.zeros_like(p))
+        if not sharded:
+            for key in ("exp_avg", "exp_avg_sq"):
+                state.setdefault(f"optim.{name}.{key}", torch.zeros_like(p))
         state.setdefault(f"optim.{name}.step", torch.zeros((), dtype=torch.float32))
     state = {k: v.detach().clone() for k, v in state.items()}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
         dcp.load(state, storage_reader=HuggingFaceStorageReader(str(path)), no_dist=True)
+    if sharded:
+        from unbroken.sharding.checkpoint import load_moments
+
+        params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        m, v = load_moments(path, commit["shards"], sum(p.numel() for _, p in params))
+        offset = 0
+        for name, p in params:
+            state[f"optim.{name}.exp_avg"] = m[offset:offset + p.numel()].view_as(p)
+            state[f"optim.{name}.exp_avg_sq"] = v[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
     load_training_state(state, model, optimizer)
     return commit

@@ -99,15 +99,17 @@ def _hash_file(path: Path, *, sync: bool) -> str:
 
 
 def _payload_files(path: Path) -> list[Path]:
-    """The files of a checkpoint other than its commit record (and temporary files)."""
-    return sorted(f for f in path.iterdir()
+    """The files of a checkpoint other than its commit record (and temporary files), subdirectories included
+    (a sharded run's ``shards/LO-HI/``)."""
+    return sorted(f for f in path.rglob("*")
                   if f.is_file() and f.name != COMMIT_FILE and not f.name.endswith(_TMP_SUFFIX))
 
 
 def seal_files(path: Path) -> dict[str, str]:
-    """Fsync every file of checkpoint ``path`` and the directory; returns ``{name: sha256}``."""
-    digests = {f.name: _hash_file(f, sync=True) for f in _payload_files(path)}
-    fsync_dir(path)
+    """Fsync every file of checkpoint ``path`` and its directories; returns ``{relative path: sha256}``."""
+    digests = {f.relative_to(path).as_posix(): _hash_file(f, sync=True) for f in _payload_files(path)}
+    for d in sorted({f.parent for f in _payload_files(path)} | {path}, key=lambda d: -len(d.parts)):
+        fsync_dir(d)
     return digests
 
 

@@ -54,6 +54,7 @@ class ViewGroup:
         self.timeout = timedelta(seconds=timeout_s)
         self._buf: torch.Tensor | None = None
         self._pending: dist.Work | None = None
+        self._side: list[dist.Work] = []
         t0 = time.perf_counter()
         self.pg: dist.ProcessGroup = self._connect(rendezvous, check)
         self.build_s = time.perf_counter() - t0
@@ -124,6 +125,46 @@ class ViewGroup:
         work = self._post(lambda: self.pg.broadcast(buf, src), "broadcast")
         self._poll(work, check, "broadcast")
         return buf
+
+    def allgather(self, shard: torch.Tensor, padded: int, check: Callable[[], None],
+                  after_post: Callable[[], None] | None = None) -> torch.Tensor:
+        """Every rank's ``shard`` (at most ``padded`` elements, zero-padded to it), in rank order.
+
+        Returns a new ``(size * padded,)`` tensor: rank ``r``'s shard starts at ``r * padded``.
+        ``after_post`` runs once the collective is in flight (fault injection hook).
+        """
+        inp = torch.zeros(padded, dtype=shard.dtype, device=self.device)
+        inp[:shard.numel()].copy_(shard.reshape(-1))
+        if self.size == 1:
+            if after_post is not None:
+                after_post()
+            return inp
+        out = torch.empty(self.size * padded, dtype=shard.dtype, device=self.device)
+        parts = list(out.view(self.size, padded).unbind(0))
+        work = self._post(lambda: self.pg.allgather([parts], [inp]), "all-gather")
+        if after_post is not None:
+            after_post()
+        self._poll(work, check, "all-gather")
+        return out
+
+    def post_alltoall(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int],
+                      in_splits: list[int]) -> dist.Work:
+        """Start an all-to-all: ``in_splits[r]`` elements of ``inp`` go to rank ``r`` (in rank order),
+        ``out_splits[r]`` elements from rank ``r`` land in ``out``. Wait with :meth:`wait_side`.
+
+        (An all-to-all rather than sends and receives: gloo closes the pair when a timed wait on
+        a send or receive expires, so those could not be polled.)
+        """
+        work = self._post(lambda: self.pg.alltoall_base(out, inp, out_splits, in_splits, dist.AllToAllOptions()),
+                          "all-to-all")
+        self._side.append(work)
+        return work
+
+    def wait_side(self, works: list[dist.Work], check: Callable[[], None], what: str) -> None:
+        """Wait for collectives started with ``post_*`` (``check`` runs meanwhile)."""
+        for work in works:
+            self._poll(work, check, what)
+        self._side = [w for w in self._side if not w.is_completed()]
 
     def _poll(self, work: dist.Work, check: Callable[[], None], what: str) -> None:
         """Wait for ``work``, running ``check`` every ``CHECK_S`` until it completes.
@@ -205,17 +246,21 @@ class ViewGroup:
                 self.pg.abort()
             except Exception as exc:  # best effort: the group is never used again
                 logger.warning("abort of view %d group failed: %s", self.gen, exc)
-        for parked in [g for g in _PARKED if g._pending is None or g._pending.is_completed()]:
+        for parked in [g for g in _PARKED if not g._busy()]:
             _PARKED.remove(parked)
             parked._release()
-        if self._pending is None or self._pending.is_completed():
+        if not self._busy():
             self._release()
         else:
             _PARKED.append(self)
 
+    def _busy(self) -> bool:
+        """An operation of this group is still running (a collective or a point-to-point transfer)."""
+        return any(w is not None and not w.is_completed() for w in [self._pending, *self._side])
+
     def _release(self) -> None:
         """Drop the group, its buffer and its last operation: gloo closes its sockets and joins its threads."""
-        self.pg, self._buf, self._pending = None, None, None  # type: ignore[assignment]
+        self.pg, self._buf, self._pending, self._side = None, None, None, []  # type: ignore[assignment]
 
     def broadcast_into(self, tensor: torch.Tensor, src: int, check: Callable[[], None]) -> torch.Tensor:
         """Broadcast from group rank ``src`` in place: ``src`` sends ``tensor``, every other rank receives into it.

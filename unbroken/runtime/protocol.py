@@ -51,6 +51,7 @@ from unbroken.mecefo.takeover import TakeoverPolicy
 from unbroken.runtime.membership import Fenced, Membership, NoLiveWorker, View, ViewChanged
 from unbroken.runtime.process_group import CollectiveFailed, ViewGroup
 from unbroken.runtime.state_transfer import transfer_state
+from unbroken.sharding.state import ShardedState
 
 __all__ = ["PHASES", "MemberDied", "RetriesExhausted", "StepJob", "StepProtocol"]
 
@@ -63,10 +64,11 @@ MAX_SAME_VIEW_RETRIES = 3
 before this worker gives up and leaves: its agent restarts it as a joiner, so a fault nobody can name
 costs one restart instead of an endless loop of new groups."""
 
-Phase = Literal["forward", "backward", "allreduce", "confirm"]
-PHASES: tuple[Phase, ...] = ("forward", "backward", "allreduce", "confirm")
+Phase = Literal["forward", "backward", "allreduce", "update", "allgather", "confirm"]
+PHASES: tuple[Phase, ...] = ("forward", "backward", "allreduce", "update", "allgather", "confirm")
 """Hook points of a step: before the forward pass, after the backward pass, with the
-all-reduce in flight, right after the commit vote."""
+all-reduce in flight, before a sharded run's optimizer update, with its all-gather of the
+parameters in flight, right after the commit vote."""
 
 
 class MemberDied(Exception):
@@ -124,6 +126,9 @@ class StepProtocol:
         """Joiner: load the state of ``view.step`` from this node's snapshot memory."""
         self.before_admission: Callable[[], None] | None = None
         """Member: make this worker's share of the boundary's snapshot sealed before joiners read it."""
+        self.sharded: ShardedState | None = None
+        """Sharded optimizer state (``train.shard_optimizer``): updated and all-gathered before the vote,
+        re-sharded in :meth:`adopt`."""
 
     def on(self, phase: Phase, hook: Callable[[int], None]) -> None:
         """Run ``hook(step)`` at ``phase`` of every step (see :data:`PHASES`)."""
@@ -169,6 +174,9 @@ class StepProtocol:
                            self.job.model, self.job.optimizer, src=view.rank_of(source),
                            rank=view.rank_of(self.me), device=self.job.device,
                            receive=self.me in view.joiners and self.me not in view.from_memory)
+        if self.sharded is not None:
+            self.sharded.reshard(view, lambda t: self.group.allreduce(t, self._check).clone(),
+                                 lambda t, src: self.group.broadcast_into(t, src, self._check))
         self._event("view_adopted", gen=view.gen, members=list(view.members), step=view.step,
                     joiners=list(view.joiners), reason=view.reason, build_s=self.group.build_s,
                     adopt_s=time.perf_counter() - t0)
@@ -252,6 +260,8 @@ class StepProtocol:
         local: torch.Tensor | None = None
         while True:
             reduced: torch.Tensor | None = None
+            if self.sharded is not None:
+                self.sharded.discard()
             try:
                 extra = self._exchange(step, items) if self.need_exchange else self._assigned()
                 self.need_exchange = True  # any retry of this step exchanges first
@@ -260,12 +270,18 @@ class StepProtocol:
                     local = buf if local is None else local + buf
                     items = items + extra
                 reduced = self._reduce(step, local, items)
+                if self.sharded is not None:  # the whole step before the vote: update and all-gather
+                    self.sharded.update(step, reduced, self.group, self._check,
+                                        on_phase=lambda phase: self._phase(phase, step))
                 self._vote(step)
                 self.need_exchange = False
                 return reduced, items
             except (ViewChanged, CollectiveFailed, MemberDied) as exc:
                 if self._reconfigure(step, f"{type(exc).__name__}: {exc}"):
-                    reduced = reduced if reduced is not None else self._late_result(step)
+                    if self.sharded is not None:  # applying needs this worker's all-gather, not only the reduction
+                        reduced = reduced if self.sharded.ready(step) else None
+                    else:
+                        reduced = reduced if reduced is not None else self._late_result(step)
                     if reduced is None:
                         raise Fenced(f"step {step} was committed in view {self.view.gen}, but this worker's "
                                      f"all-reduce did not complete ({exc}); it rejoins with the state") from None
@@ -307,6 +323,8 @@ class StepProtocol:
         # A collective that completes within CHECK_EVERY_S never pays for the detector:
         # a crash fails it at once anyway, and a hang takes the heartbeat timeout.
         self._next_check = time.monotonic() + self._check_every
+        if self.sharded is not None:  # the last step's shard copies sealed before this reduction can complete
+            self.sharded.seal_replicas(check or self._check)
         return self.group.allreduce(local, check or self._check, lambda: self._phase("allreduce", step))
 
     def _vote(self, step: int) -> None:
@@ -429,9 +447,17 @@ class StepProtocol:
         return extra
 
     def _abandon(self) -> None:
+        if self.group is not None and self.sharded is not None and self.view is not None:
+            view = self.view
+            self.sharded.settle(lambda: self._raise_if_dead(view))
         if self.group is not None:
             self.group.abandon()
             self.group = None
+
+    def _raise_if_dead(self, view: View) -> None:
+        dead = self.m.dead_members(view)
+        if dead:
+            raise MemberDied(f"workers {sorted(dead)} of view {view.gen} are dead")
 
     def _event(self, name: str, **fields: object) -> None:
         self.events.write({"kind": "event", "event": name, "worker": self.me, **fields})

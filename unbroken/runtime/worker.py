@@ -43,8 +43,11 @@ from unbroken.runtime.membership import EXIT_FENCED, Fenced, Membership, NoLiveW
 from unbroken.runtime.process_group import CollectiveFailed
 from unbroken.runtime.protocol import MemberDied
 from unbroken.runtime.recovery import recovery
-from unbroken.snapshot.trainer_hooks import (load_from_node_memory, memory_rejoin_allowed, memory_rejoin_failed,
-                                             memory_rejoin_possible, restore_state, snapshotter_for)
+from unbroken.sharding.checkpoint import ShardCheckpointer
+from unbroken.sharding.replicas import ReplicaStore
+from unbroken.sharding.state import ShardedState, ShardLost
+from unbroken.snapshot.trainer_hooks import (job_id, load_from_node_memory, memory_rejoin_allowed, memory_rejoin_failed,
+                                             memory_rejoin_possible, node_map, restore_state, snapshotter_for)
 
 __all__ = ["EXIT_NO_LIVE_WORKER", "StepLogContext", "Trainer", "WorkerSpec", "run", "standby"]
 
@@ -119,6 +122,12 @@ class Trainer:
             # step s+1 means every member sealed its share of step s (the restore point).
             self.protocol.on("allreduce", lambda step: self.snapshots.wait())
         self.protocol.restorer = self._restore
+        if cfg.train.shard_optimizer:
+            node_of = node_map(spec.run_dir, spec.world)
+            self.protocol.sharded = ShardedState(
+                self.job, worker=spec.worker, node_of=node_of, on_event=self._event,
+                replicas=ReplicaStore(job_id(spec.run_dir), node_of[spec.worker], spec.worker))
+        self.shard_checkpoints = ShardCheckpointer(spec.run_dir) if cfg.train.shard_optimizer else None
         if self.snapshots is not None:
             self.protocol.memory_rejoin = self._memory_rejoin_ok
             self.protocol.memory_loader = self._load_from_memory
@@ -155,6 +164,8 @@ class Trainer:
                              world=self.spec.world, members=view.members, broadcast=broadcast,
                              model=self.job.model, optimizer=self.job.optimizer, device=self.job.device,
                              config_hash=self.hash)
+        if self.protocol.sharded is not None:
+            self.protocol.sharded.reset_full()
         self.events.write({"kind": "restore", "step": view.step, "gen": view.gen, "worker": self.spec.worker})
         self._event("restored", **{**done, "gen": view.gen, "step": view.step, "seconds": time.perf_counter() - t0})
         logger.info("restored the state of step %d from %s in %.2f s", view.step, done["restored_from"],
@@ -232,8 +243,14 @@ class Trainer:
         t_prev = time.perf_counter()
         for step in range(start, steps):
             reduced, _ = self.protocol.run_step(step)
-            lr, grad_norm = self.job.apply(step, reduced)
             view, done = self.protocol.view, step + 1
+            if self.protocol.sharded is not None:
+                lr, grad_norm = self.protocol.sharded.commit(step, view, self.protocol.group, replicate=done < steps)
+                if self._checkpoint_step(done):  # every member writes its range of the moments
+                    opt = self.job.optimizer
+                    self.shard_checkpoints.save(done, view.gen, opt.lo, opt.hi, opt.exp_avg, opt.exp_avg_sq)
+            else:
+                lr, grad_norm = self.job.apply(step, reduced)
             if self.snapshots is not None:
                 self.snapshots.take(done, view)
             self.events.write({"kind": "commit", "step": step, "gen": view.gen, "worker": self.spec.worker})
@@ -249,6 +266,8 @@ class Trainer:
                 self.checkpointer.handover()  # stopped leading: commit the save begun while leading
             if done < steps:
                 self.protocol.admit_joiners(done)
+        if self.shard_checkpoints is not None:
+            self.shard_checkpoints.close()
         if self.checkpointer:
             self.checkpointer.wait()
         if self.snapshots is not None:
@@ -268,9 +287,17 @@ class Trainer:
         # Validation on the leader only: it must not depend on who else is alive.
         self.metrics.step_done(last, self.job.validation_loss if self.job.val_sampler is not None else None)
         self.checkpointer.poll()
-        if (t.checkpoint_every and done % t.checkpoint_every == 0) or done == t.steps:
-            self.checkpointer.save(done, training_state(self.job.model, self.job.optimizer), {"loss": last["loss"]})
+        if self._checkpoint_step(done):
+            shards = None
+            if self.protocol.sharded is not None:
+                shards = (self.protocol.view.gen, self.protocol.sharded.checkpoint_ranges())
+            self.checkpointer.save(done, training_state(self.job.model, self.job.optimizer), {"loss": last["loss"]},
+                                   shards=shards)
         self.store.set_progress(done)
+
+    def _checkpoint_step(self, done: int) -> bool:
+        t = self.cfg.train
+        return bool(t.checkpoint_every and done % t.checkpoint_every == 0) or done == t.steps
 
     def param_digest(self) -> str:
         h = hashlib.sha256()
@@ -313,6 +340,10 @@ def run(spec: WorkerSpec, *, store: JobStore | None = None, prepared: Prepared |
     except NoLiveWorker as exc:
         store.fail(f"no live worker left: {exc}")
         return EXIT_NO_LIVE_WORKER
+    except ShardLost as exc:
+        logger.error("%s", exc)
+        store.fail(str(exc))
+        return EXIT_NO_LIVE_WORKER
     except JoinRefused as exc:
         logger.error("join refused: %s", exc)
         return EXIT_REFUSED
@@ -324,7 +355,8 @@ def run(spec: WorkerSpec, *, store: JobStore | None = None, prepared: Prepared |
         membership.stop()
     report = {"worker": spec.worker, "steps": cfg.train.steps, "param_digest": trainer.param_digest(),
               "last": last, "gen": trainer.protocol.view.gen,
-              "snapshots": trainer.snapshots.summary() if trainer.snapshots is not None else {}}
+              "snapshots": trainer.snapshots.summary() if trainer.snapshots is not None else {},
+              "sharded": trainer.protocol.sharded.summary() if trainer.protocol.sharded is not None else None}
     out = spec.run_dir / "workers" / f"w{spec.worker}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".tmp")

@@ -2,7 +2,9 @@
 
 A segment is a file of the node's POSIX shared memory (``/dev/shm`` on Linux),
 mode 0600, named ``unbroken-<job>-n<node>-w<worker>-b<buffer>``: the job id,
-the node, the worker that wrote it and which of its two buffers it is. It
+the node, the worker that wrote it and which of its two buffers it is
+(``-r<buffer>``: the copies of other workers' optimizer shards it holds,
+:mod:`unbroken.sharding.replicas`). It
 belongs to the node's agent: it outlives the worker that wrote it and the
 agent's own restarts (it is a file of memory, not a mapping of a process), and
 the agent removes its node's segments when the job ends normally.
@@ -47,23 +49,24 @@ MAGIC = b"UBSNAP1\0"
 HEADER_BYTES = 64 << 10
 """Room for the seal; the payload starts here."""
 _SEAL_AT = 64
-_NAME = re.compile(r"^unbroken-(?P<job>[0-9a-f]{4,32})-n(?P<node>\d+)-w(?P<worker>\d+)-b(?P<buffer>[01])$")
+_NAME = re.compile(r"^unbroken-(?P<job>[0-9a-f]{4,32})-n(?P<node>\d+)-w(?P<worker>\d+)-(?P<kind>[br])(?P<buffer>[01])$")
 
 
 class SnapshotCorrupt(RuntimeError):
     """A sealed buffer's bytes do not match what its seal records (or the seal itself is torn)."""
 
 
-def segment_name(job: str, node: int, worker: int, buffer: int) -> str:
-    return f"unbroken-{job}-n{node}-w{worker}-b{buffer}"
+def segment_name(job: str, node: int, worker: int, buffer: int, kind: str = "b") -> str:
+    """``kind``: ``b`` a snapshot buffer, ``r`` a buffer of shard replicas."""
+    return f"unbroken-{job}-n{node}-w{worker}-{kind}{buffer}"
 
 
-def job_segments(job: str, node: int | None = None) -> list[Path]:
-    """The segments of ``job`` (of one node, if given) in shared memory, sorted by name."""
+def job_segments(job: str, node: int | None = None, kind: str | None = "b") -> list[Path]:
+    """The segments of ``job`` (of one node, if given; of one kind, None: all) in shared memory, sorted by name."""
     out = []
     for path in SHM_DIR.glob(f"unbroken-{job}-n*"):
         m = _NAME.match(path.name)
-        if m and m["job"] == job and (node is None or int(m["node"]) == node):
+        if m and m["job"] == job and (node is None or int(m["node"]) == node) and kind in (None, m["kind"]):
             out.append(path)
     return sorted(out)
 
@@ -71,7 +74,7 @@ def job_segments(job: str, node: int | None = None) -> list[Path]:
 def remove_segments(job: str, node: int | None = None) -> int:
     """Unlink the segments of ``job`` (of one node, if given); returns how many."""
     n = 0
-    for path in job_segments(job, node):
+    for path in job_segments(job, node, kind=None):
         try:
             path.unlink()
             n += 1
@@ -88,8 +91,8 @@ def crc32(data: bytes | memoryview) -> int:
 class Buffer:
     """One buffer of one worker, opened for writing (created or grown as needed)."""
 
-    def __init__(self, job: str, node: int, worker: int, buffer: int) -> None:
-        self.path = SHM_DIR / segment_name(job, node, worker, buffer)
+    def __init__(self, job: str, node: int, worker: int, buffer: int, kind: str = "b") -> None:
+        self.path = SHM_DIR / segment_name(job, node, worker, buffer, kind)
         self._fd: int | None = None
         self._map: mmap.mmap | None = None
 

@@ -59,8 +59,9 @@ def node_map(run_dir: Path, world: int) -> dict[int, int]:
 def snapshotter_for(cfg: Config, run_dir: Path, worker: int, world: int, model: torch.nn.Module,
                     optimizer: torch.optim.Optimizer, device: torch.device, config_hash: str,
                     on_event: Callable[..., None]) -> Snapshotter | None:
-    """The worker's snapshotter, or None when ``snapshot.every`` is 0."""
-    if cfg.snapshot.every <= 0:
+    """The worker's snapshotter, or None when ``snapshot.every`` is 0 or the optimizer is sharded (the
+    replicated state's snapshot would lack the moments; :mod:`unbroken.sharding.replicas` protects them)."""
+    if cfg.snapshot.every <= 0 or cfg.train.shard_optimizer:
         return None
     node_of = node_map(run_dir, world)
     return Snapshotter(job_id=job_id(run_dir), node=node_of[worker], worker=worker, node_of=node_of,

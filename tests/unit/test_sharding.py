@@ -1,0 +1,177 @@
+"""Sharded optimizer state: ranges, the ring, AdamW on a range, shard copies, checkpoints, config."""
+
+from __future__ import annotations
+
+import copy
+import secrets
+
+import pytest
+import torch
+
+from unbroken.config import config_hash, load_config
+from unbroken.models.optim import build_optimizer
+from unbroken.runtime.checkpoint import AsyncCheckpointer, load_checkpoint, training_state
+from unbroken.sharding import ShardedAdamW, Sharding, ring_buddies, shard_range
+from unbroken.sharding.checkpoint import ShardCheckpointer, load_moments
+from unbroken.sharding.replicas import ReplicaStore
+from unbroken.snapshot.segment import SHM_DIR, remove_segments, segment_name
+
+HYPER = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.LayerNorm(5), torch.nn.Linear(5, 3))
+
+
+def test_shard_ranges_partition_in_rank_order() -> None:
+    assert [shard_range(10, 3, r) for r in range(3)] == [(0, 4), (4, 7), (7, 10)]
+    assert [shard_range(2, 3, r) for r in range(3)] == [(0, 1), (1, 2), (2, 2)]
+    s = Sharding((1, 4, 6), 10)
+    assert s.ranges() == [(1, 0, 4), (4, 4, 7), (6, 7, 10)] and s.padded == 4 and s.range_of(6) == (7, 10)
+    with pytest.raises(ValueError, match="rank 3 of 3"):
+        shard_range(10, 3, 3)
+
+
+def test_ring_copies_go_to_the_next_node() -> None:
+    node_of = {0: 0, 1: 0, 2: 1, 3: 1, 4: 2}
+    assert ring_buddies([0, 1, 2, 3], node_of) == {0: 2, 1: 3, 2: 0, 3: 1}
+    assert ring_buddies([0, 2, 3], node_of) == {0: 2, 2: 0, 3: 0}  # node 0 has one member left
+    assert ring_buddies([0, 1, 2, 3, 4], node_of) == {0: 2, 1: 3, 2: 4, 3: 4, 4: 0}
+    assert ring_buddies([0, 1], node_of) == {0: 1, 1: 0}  # one node: a ring over its members
+    assert ring_buddies([3], node_of) == {}
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 5])
+def test_sharded_adamw_equals_adamw_bit_for_bit(m: int) -> None:
+    ref = _model()
+    opt_ref = build_optimizer(ref, **HYPER)
+    shards = [copy.deepcopy(ref) for _ in range(m)]
+    opts = [ShardedAdamW(s, **HYPER) for s in shards]
+    sharding = Sharding(tuple(range(m)), opts[0].total)
+    for r, o in enumerate(opts):
+        lo, hi = sharding.range_of(r)
+        o.set_range(lo, hi, torch.zeros(hi - lo), torch.zeros(hi - lo))
+    for step in range(4):
+        x = torch.randn(4, 7, generator=torch.Generator().manual_seed(step))
+        for model in [ref, *shards]:
+            model.zero_grad(set_to_none=True)
+            model(x).pow(2).sum().backward()
+            if step == 2:  # a parameter without gradient this step: AdamW leaves it (and its step) alone
+                model[1].weight.grad = None
+        opt_ref.step()
+        proposals = [o.propose() for o in opts]
+        flat = torch.cat([p.params for p in proposals])
+        for o, p in zip(opts, proposals):
+            o.commit(p, flat)
+    want = torch.cat([p.detach().reshape(-1) for p in ref.parameters()])
+    for s in shards:
+        assert torch.equal(torch.cat([p.detach().reshape(-1) for p in s.parameters()]), want)
+    want_m = torch.cat([opt_ref.state[p]["exp_avg"].reshape(-1) for p in ref.parameters()])
+    assert torch.equal(torch.cat([o.exp_avg for o in opts]), want_m)
+    steps = [float(opt_ref.state[p]["step"]) for p in ref.parameters()]
+    assert [float(opts[0].state[p]["step"]) for p in shards[0].parameters()] == steps
+    assert steps[2] == 3.0 and steps[0] == 4.0
+
+
+def test_replayed_moments_equal_the_owners() -> None:
+    model = _model()
+    opt = ShardedAdamW(model, **HYPER)
+    model(torch.randn(3, 7)).sum().backward()
+    m0, v0 = torch.rand(opt.total), torch.rand(opt.total)
+    opt.set_range(0, opt.total, m0.clone(), v0.clone())
+    owner = opt.propose()
+    lo, hi = 10, 50
+    m, v = m0[lo:hi].clone(), v0[lo:hi].clone()
+    opt.replay_moments(lo, hi, m, v)
+    assert torch.equal(m, owner.exp_avg[lo:hi]) and torch.equal(v, owner.exp_avg_sq[lo:hi])
+
+
+def test_sharded_step_needs_the_whole_range() -> None:
+    opt = ShardedAdamW(_model(), **HYPER)
+    opt.set_range(0, 5, torch.zeros(5), torch.zeros(5))
+    with pytest.raises(RuntimeError, match="needs the whole range"):
+        opt.step()
+
+
+def test_replica_store_keeps_the_newest_intact_copy() -> None:
+    job = secrets.token_hex(6)
+    store = ReplicaStore(job, 1, 3)
+    try:
+        a, b = torch.arange(8, dtype=torch.float32), torch.arange(8, 16, dtype=torch.float32)
+        store.write(4, 0, (0, 3), {0: (0, 4, a)})
+        store.write(5, 0, (0, 3), {0: (0, 4, b)})
+        assert (SHM_DIR / segment_name(job, 1, 3, 1, "r")).stat().st_mode & 0o777 == 0o600
+        done, got = store.read(0, 0, 4, (0, 3))
+        assert done == 5 and torch.equal(got, b)
+        assert store.read(0, 0, 4, (0, 1, 3)) is None, "a copy made under another sharding is not used"
+        with open(SHM_DIR / segment_name(job, 1, 3, 1, "r"), "r+b") as fh:  # one byte of step 5's copy flips
+            fh.seek(64 << 10)
+            byte = fh.read(1)
+            fh.seek(64 << 10)
+            fh.write(bytes([byte[0] ^ 0xFF]))
+        done, got = store.read(0, 0, 4, (0, 3))
+        assert done == 4 and torch.equal(got, a)
+    finally:
+        store.close()
+        remove_segments(job)
+
+
+def _trained(optimizer_cls: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    model = _model()
+    opt = build_optimizer(model, **HYPER) if optimizer_cls == "adamw" else ShardedAdamW(model, **HYPER)
+    for step in range(2):
+        model.zero_grad(set_to_none=True)
+        model(torch.randn(4, 7, generator=torch.Generator().manual_seed(step))).pow(2).sum().backward()
+        opt.step()
+    return model, opt
+
+
+@pytest.mark.parametrize("into", ["adamw", "sharded"])
+def test_sharded_checkpoint_resumes_replicated_or_sharded(tmp_path, into: str) -> None:
+    model, opt = _trained("sharded")
+    ranges = [(0, 30), (30, 61), (61, opt.total)]
+    writer = ShardCheckpointer(tmp_path)
+    for lo, hi in ranges:
+        writer.save(2, 7, lo, hi, opt.exp_avg[lo:hi], opt.exp_avg_sq[lo:hi])
+    writer.close()
+    ckpt = AsyncCheckpointer(tmp_path, config_hash="h")
+    ckpt.save(2, training_state(model, opt), {"loss": 1.0}, shards=(7, ranges))
+    ckpt.wait()
+    path = tmp_path / "checkpoints" / "step_0000002"
+    fresh = _model()
+    target = build_optimizer(fresh, **HYPER) if into == "adamw" else ShardedAdamW(fresh, **HYPER)
+    load_checkpoint(path, fresh, target, config_hash="h")
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters()))
+    if into == "adamw":
+        got = torch.cat([target.state[p]["exp_avg_sq"].reshape(-1) for p in fresh.parameters()])
+    else:
+        got = target.exp_avg_sq
+    assert torch.equal(got, opt.exp_avg_sq)
+
+
+def test_replicated_checkpoint_resumes_sharded(tmp_path) -> None:
+    model, opt = _trained("adamw")
+    ckpt = AsyncCheckpointer(tmp_path, config_hash="h")
+    ckpt.save(2, training_state(model, opt), {"loss": 1.0})
+    ckpt.wait()
+    fresh = _model()
+    target = ShardedAdamW(fresh, **HYPER)
+    load_checkpoint(tmp_path / "checkpoints" / "step_0000002", fresh, target, config_hash="h")
+    assert torch.equal(target.exp_avg, torch.cat([opt.state[p]["exp_avg"].reshape(-1) for p in model.parameters()]))
+    assert [float(target.state[p]["step"]) for p in fresh.parameters()] == [2.0] * 6
+
+
+def test_a_checkpoint_missing_a_range_is_refused(tmp_path) -> None:
+    with pytest.raises(ValueError, match=r"cover \[30, 40\) twice or not at all"):
+        load_moments(tmp_path, [[0, 30], [40, 61]], 61)
+    with pytest.raises(ValueError, match="cover 61 elements, the model has 70"):
+        load_moments(tmp_path, [[0, 61]], 70)
+
+
+def test_shard_optimizer_config() -> None:
+    plain = load_config(preset_name="debug")
+    sharded = load_config(preset_name="debug", overrides=["train.shard_optimizer=true"])
+    assert config_hash(plain) == config_hash(sharded), "where the moments live does not change what is trained"
+    with pytest.raises(ValueError, match="train.shard_optimizer=true with optim.factory='m:f': sharding needs"):
+        load_config(preset_name="debug", overrides=["train.shard_optimizer=true", "optim.factory=m:f"])
