@@ -24,6 +24,7 @@ BENCHMARKS: dict[str, Callable[[list[str] | None], dict[str, Any]]] = {
     "failover": _lazy("failover"),
     "snapshot": _lazy("snapshot"),
     "store": _lazy("store"),
+    "goodput-check": _lazy("goodput_check"),
 }
 
 __all__ = ["BENCHMARKS"]

@@ -18,10 +18,14 @@ exactly:
   of all ``k * rows`` missing rows (``ceil(k * rows / L)`` per worker): what a
   rotating start would give; it is not what the runtime does today.
 
-The step time is the slowest worker's load (GPUs: a worker has its device to
-itself). With ``cores`` given (a CPU machine where ``G`` workers share
-``cores`` cores, one intra-op thread each) the step time is ``max(max load,
-sum of loads / cores)``, relative to the failure-free ``max(1, G / cores)``.
+A worker's time in a step is ``fixed + (1 - fixed) * load``: ``fixed`` is the
+share of a failure-free step that does not grow with the rows computed (the
+optimizer step, the reduction, the snapshot copy; 0 by default, so that the
+whole step scales, the conservative choice). The step time is the slowest
+worker's (GPUs: a worker has its device to itself). With ``cores`` given (a
+CPU machine where ``G`` workers share ``cores`` cores, one intra-op thread
+each) it is ``max(slowest worker, sum over workers / cores)``, relative to
+the failure-free ``max(1, G / cores)``.
 """
 
 from __future__ import annotations
@@ -64,7 +68,7 @@ def dead_runs(down: Sequence[int], workers: int) -> list[int]:
 
 
 def step_load(policy: str, *, workers: int, rows: int, down: Sequence[int], approx: float, svd: float,
-              cores: int | None = None, balanced: bool = False) -> StepLoad:
+              cores: int | None = None, balanced: bool = False, fixed: float = 0.0) -> StepLoad:
     """The degraded step of ``policy`` with the workers ``down`` dead.
 
     Raises:
@@ -72,6 +76,8 @@ def step_load(policy: str, *, workers: int, rows: int, down: Sequence[int], appr
     """
     if policy not in POLICY_NAMES:
         raise ValueError(f"policy={policy!r}; valid: {', '.join(POLICY_NAMES)}")
+    if not 0.0 <= fixed < 1.0:
+        raise ValueError(f"fixed={fixed!r} must be in [0, 1): the share of a step that does not scale with rows")
     k = len(down)
     live = workers - k
     if live < 1:
@@ -89,6 +95,8 @@ def step_load(policy: str, *, workers: int, rows: int, down: Sequence[int], appr
         peak = 1.0 + per / rows * cost + (svd if policy == "spread-approx" else 0.0)
         total = live + k * cost + (min(live, k * rows) * svd if policy == "spread-approx" else 0.0)
         approx_rows = k * rows if policy == "spread-approx" else 0
+    peak = fixed + (1.0 - fixed) * peak
+    total = live * fixed + (1.0 - fixed) * total
     if cores is None:
         return StepLoad(peak, approx_rows)
     return StepLoad(max(peak, total / cores) / max(1.0, workers / cores), approx_rows)

@@ -1,0 +1,191 @@
+"""Goodput check: the cluster simulator's cost model against real multi-process runs under a failure trace.
+
+``unbroken bench goodput-check`` runs (through ``unbroken bench failover``'s
+trace part: the same jobs, the same runner) a failure-free job, one job per
+takeover policy and one checkpoint-restart job under a failure trace (default
+``tiny``, 4 workers on 2 nodes, ``high``), keeps their run directories, and
+predicts each job's throughput relative to failure-free from:
+
+* the run's own failure trace (``fault_trace.json``: which worker is down at
+  which step) and, for checkpoint-restart, the checkpoint interval;
+* the simulator's step-cost model (:func:`unbroken.cluster.degraded.step_load`:
+  the runtime's row assignment per policy, MeCeFO's measured FLOPs ratio, and
+  the machine's cores shared by the workers);
+* costs measured by the other benchmarks (``--costs``): detection + stall per
+  crash (``failover``), the compute time of one micro-batch (``mecefo-cost``
+  wall-clock, linear in rows) which gives the share of a step that does not
+  scale with rows, and a checkpoint-restart's cost (``snapshot``: seconds from
+  a kill to the next step minus the steps redone).
+
+The prediction replays the steps the throughput is measured over (first to
+last committed step in ``metrics.jsonl``): a checkpoint-restart that goes back
+to step 0 truncates the metrics, so it falls before the measured window, as
+in the measurement. Two measured ratios are printed: the benchmark's (tokens/s
+of the run over the failure-free run's, two runs at different times on a
+shared machine) and one normalised inside the run (the median step before the
+first failure as the failure-free step), which load drift between runs does
+not move. The check passes when the prediction is within ``--tolerance``
+(relative) of the in-run ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from unbroken.bench.failover import _trace as run_trace
+from unbroken.cluster.costs import MeasuredCosts, default_cost_files, load_costs
+from unbroken.cluster.degraded import step_load
+from unbroken.jsonl import read_jsonl
+
+__all__ = ["main", "predict_ratio"]
+
+
+def _train(run_dir: Path) -> list[dict[str, Any]]:
+    return [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "train"]
+
+
+def _outages(run_dir: Path) -> list[tuple[int, int, int]]:
+    path = run_dir / "fault_trace.json"
+    if not path.exists():
+        return []
+    return [(o["worker"], o["start_step"], o["end_step"]) for o in json.loads(path.read_text())["outages"]]
+
+
+def predict_ratio(*, policy: str | None, outages: list[tuple[int, int, int]], first: int, last: int,
+                  workers: int, rows: int, cores: int | None, fixed: float, approx: float, svd: float,
+                  stall_s: float, step_s: float, ckpt_every: int | None = None,
+                  restart_s: float = 0.0) -> float:
+    """Predicted throughput relative to failure-free over the committed steps ``first..last``.
+
+    ``policy`` None is checkpoint-restart: every distinct failure step ``s`` restarts the job from
+    the newest checkpoint ``floor((s - 1) / ckpt_every) * ckpt_every``; a restart from step 0 falls
+    before the measured window (its metrics are truncated), any other costs ``restart_s`` plus the
+    steps redone. Otherwise each step takes ``step_s`` times the degraded factor of the workers down
+    at that step, plus ``stall_s`` per failure.
+    """
+    if policy is None:
+        wall = (last - first) * step_s
+        for s in sorted({start for _, start, _ in outages}):
+            ckpt = (s - 1) // ckpt_every * ckpt_every if ckpt_every else 0
+            if ckpt > 0 and first <= s <= last:
+                wall += restart_s + (s - 1 - ckpt) * step_s
+        return (last - first) * step_s / wall
+    wall = 0.0
+    for s in range(first + 1, last + 1):
+        down = [w for w, a, b in outages if a <= s < b]
+        f = step_load(policy, workers=workers, rows=rows, down=down, approx=approx, svd=svd, cores=cores,
+                      fixed=fixed).factor
+        wall += step_s * f + stall_s * sum(1 for _, a, _ in outages if a == s)
+    return (last - first) * step_s / wall
+
+
+def _measured(run_dir: Path, none_step_s: float) -> dict[str, Any]:
+    train = _train(run_dir)
+    first, last = train[0]["step"], train[-1]["step"]
+    span = train[-1]["time"] - train[0]["time"]
+    starts = [a for _, a, _ in _outages(run_dir) if a > first]
+    before = [b["time"] - a["time"] for a, b in zip(train, train[1:]) if b["step"] < min(starts, default=10**9)]
+    own = statistics.median(before[1:] or before) if before else math.nan  # the first interval is warm-up
+    return {"first_step": first, "last_step": last, "span_s": span,
+            "ratio_vs_failure_free_run": (last - first) * none_step_s / span,
+            "failure_free_step_in_run_s": own, "ratio_in_run": (last - first) * own / span}
+
+
+def _figures(m: MeasuredCosts, preset: str, cfg_rows: int) -> dict[str, Any]:
+    d = json.loads(Path(m.get("mecefo.approx_ratio").source.split(" [")[0]).read_text())
+    wall = d["wall"][preset]
+    per_row = wall["normal_s"] / wall["shape"]["micro_batch"]
+    snap_step = m.get("snapshot.step_s").value
+    kill = json.loads(Path(m.get("snapshot.ckpt_restart_s").source.split(" [")[0]).read_text())["kill"]
+    redone = kill["checkpoint_restart"]["killed_at_step"] - kill["checkpoint_restart"]["resumed_at_step"] + 1
+    return {"compute_s_per_microbatch": per_row * cfg_rows,
+            "approx": m.get("mecefo.approx_ratio").value, "svd": m.get("mecefo.svd_share").value,
+            "stall_s": m.get("failover.crash_stall_s").value,
+            "restart_s": m.get("snapshot.ckpt_restart_s").value - redone * snap_step}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(prog="unbroken bench goodput-check", description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="tiny")
+    ap.add_argument("--nodes", type=int, default=2)
+    ap.add_argument("--workers-per-node", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--trace", default="high")
+    ap.add_argument("--job-hours", type=float, default=2.0)
+    ap.add_argument("--checkpoint-every", type=int, default=10)
+    ap.add_argument("--policies", default="neighbor,spread,spread-approx")
+    ap.add_argument("--costs", type=Path, nargs="+", default=None, help="default: benchmarks/results/*.json")
+    ap.add_argument("--runs-dir", type=Path, default=None, help="keep the runs here (default: a temporary folder)")
+    ap.add_argument("--reuse", action="store_true", help="read the runs already in --runs-dir instead of running")
+    ap.add_argument("--tolerance", type=float, default=0.10)
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/goodput_check.json"))
+    a = ap.parse_args(argv)
+    if a.reuse and a.runs_dir is None:
+        raise ValueError("--reuse needs --runs-dir DIR (the folder of an earlier goodput-check)")
+    a.store, a.overrides = None, []
+    with tempfile.TemporaryDirectory(prefix="unbroken-goodput-") as tmp:
+        runs = a.runs_dir or Path(tmp)
+        if not a.reuse:
+            runs.mkdir(parents=True, exist_ok=True)
+            run_trace(a, runs)
+        result = _check(a, runs)
+    _print(result)
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(result, indent=1))
+    print(f"wrote {a.out}")
+    return result
+
+
+def _check(a: argparse.Namespace, runs: Path) -> dict[str, Any]:
+    from unbroken.config import load_config
+
+    cfg = load_config(preset_name=a.preset)
+    workers = a.nodes * a.workers_per_node
+    m = load_costs(a.costs if a.costs is not None else default_cost_files(), a.preset)
+    fig = _figures(m, a.preset, cfg.data.micro_batch)
+    none = _train(runs / "trace_none")
+    none_step = (none[-1]["time"] - none[0]["time"]) / (none[-1]["step"] - none[0]["step"])
+    cores = json.loads(Path(m.get("failover.crash_stall_s").source.split(" [")[0]).read_text())["machine"]["cpu_count"]
+    rows = {}
+    for name, run in [(p, f"trace_{p}") for p in a.policies.split(",")] + [("checkpoint-restart", "trace_restart")]:
+        meas = _measured(runs / run, none_step)
+        policy = None if name == "checkpoint-restart" else name
+        first = meas["first_step"]
+        pred = {}
+        for key, step_s in (("vs_failure_free_run", none_step), ("in_run", meas["failure_free_step_in_run_s"])):
+            busy = step_s * min(cores, workers) / workers
+            fixed = min(0.95, max(0.0, 1.0 - fig["compute_s_per_microbatch"] / busy))
+            pred[key] = predict_ratio(policy=policy, outages=_outages(runs / run), first=first,
+                                      last=meas["last_step"], workers=workers, rows=cfg.data.micro_batch,
+                                      cores=cores, fixed=fixed, approx=fig["approx"], svd=fig["svd"],
+                                      stall_s=fig["stall_s"], step_s=step_s, ckpt_every=a.checkpoint_every,
+                                      restart_s=fig["restart_s"])
+        err = pred["in_run"] / meas["ratio_in_run"] - 1.0
+        rows[name] = {"measured": meas, "predicted": pred, "relative_error_in_run": err,
+                      "relative_error_vs_failure_free_run": pred["vs_failure_free_run"]
+                      / meas["ratio_vs_failure_free_run"] - 1.0, "ok": abs(err) <= a.tolerance}
+    return {"benchmark": "goodput-check", "preset": a.preset, "nodes": a.nodes,
+            "workers_per_node": a.workers_per_node, "steps": a.steps, "trace": a.trace, "job_hours": a.job_hours,
+            "checkpoint_every": a.checkpoint_every, "cores": cores, "tolerance": a.tolerance, "figures": fig,
+            "figure_sources": {k: m.get(k).source for k in ("mecefo.approx_ratio", "failover.crash_stall_s",
+                                                             "snapshot.ckpt_restart_s")},
+            "failure_free_step_s": none_step, "rows": rows, "ok": all(r["ok"] for r in rows.values())}
+
+
+def _print(r: dict[str, Any]) -> None:
+    print(f"goodput check: {r['preset']}, {r['nodes']} x {r['workers_per_node']} workers, trace {r['trace']!r}, "
+          f"{r['steps']} steps; throughput relative to failure-free, measured vs predicted by the simulator's model")
+    print(f"{'run':<20} {'measured (vs ff run)':>21} {'predicted':>10} {'measured (in run)':>18} "
+          f"{'predicted':>10} {'rel. error':>11}")
+    for name, row in r["rows"].items():
+        mm, p = row["measured"], row["predicted"]
+        print(f"{name:<20} {mm['ratio_vs_failure_free_run']:>21.3f} {p['vs_failure_free_run']:>10.3f} "
+              f"{mm['ratio_in_run']:>18.3f} {p['in_run']:>10.3f} {row['relative_error_in_run']:>+10.1%} "
+              f"{'ok' if row['ok'] else 'MISS'}")
+    print(f"within {r['tolerance']:.0%}: {'yes' if r['ok'] else 'no'}")
