@@ -66,7 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"{text} (default {default if default is not None else 'see text'})")
     ap.add_argument("--out", type=Path, default=None, help="write the results as JSON")
     ap.add_argument("--plot", type=Path, default=None, help="goodput vs cluster size (--sweep), PNG")
-    ap.add_argument("--sweep", default=SWEEP_DEFAULT, help="cluster sizes of --plot, at the same MTBF per worker")
+    ap.add_argument("--sweep", default=SWEEP_DEFAULT, help="cluster sizes of --plot, at the same MTBF per worker and "
+                    "the same share of spare nodes")
     return ap
 
 
@@ -148,13 +149,16 @@ def _sweep(a: argparse.Namespace, measured: Any, hw: TargetHardware, opts: SimOp
     per_worker = _spec(a, a.workers).worker_mtbf_h
     out, sweep = {}, {}
     for g in sizes:
+        # The same share of spare nodes at every size (at least one when any is asked for).
+        spares = max(1, round(a.spare_nodes * g / a.workers)) if a.spare_nodes else 0
         spec = FailureSpec(workers=g, workers_per_node=a.workers_per_node, worker_mtbf_h=per_worker,
-                           mix=_mix(a.mix), repair_h=a.repair_h, spare_nodes=a.spare_nodes, duration_h=a.hours)
+                           mix=_mix(a.mix), repair_h=a.repair_h, spare_nodes=spares, duration_h=a.hours)
         costs = scale_costs(measured, model=a.model, workers=g, workers_per_node=a.workers_per_node, hw=hw)
         sweep[g] = run_monte_carlo(spec, costs, opts)
-        out[str(g)] = {"job_mtbf_h": spec.job_mtbf_h, "results": estimates_json(sweep[g])}
+        out[str(g)] = {"job_mtbf_h": spec.job_mtbf_h, "spare_nodes": spares, "results": estimates_json(sweep[g])}
         print(f"  G={g:>6}: " + ", ".join(f"{e.name.split(' (')[0]} {e.mean['goodput']:.4f}" for e in sweep[g]))
     plot_sweep(sweep, a.plot, title=f"PROJECTION: {a.model}, MTBF {per_worker / 24 / 365:.2f} years per worker, "
-               f"{a.spare_nodes} spare nodes, {a.seeds} seeds")
+               f"{a.spare_nodes} spare nodes per {a.workers} workers, "
+               f"snapshot every {a.snapshot_every}, {a.seeds} seeds")
     print(f"wrote {a.plot}")
     return out
