@@ -21,7 +21,7 @@ RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 
 def _costs(**kw: float) -> SimCosts:
     base = dict(step_s=1.0, protocol_s=0.0, snapshot_s=0.0, ckpt_save_s=0.0, detect_crash_s=0.5, detect_hang_s=2.0,
-                rejoin_warm_s=2.0, rejoin_cold_s=5.0, restart_memory_s=4.0, restart_disk_s=10.0, approx_ratio=0.75,
+                rejoin_warm_s=2.0, rejoin_cold_s=5.0, rejoin_stall_s=0.0, restart_memory_s=4.0, restart_disk_s=10.0, approx_ratio=0.75,
                 svd_share=0.0)
     base.update(kw)
     return SimCosts(rows=1, **{k: Figure(v, "s", "test") for k, v in base.items()})
@@ -70,6 +70,16 @@ def test_spread_one_failure_costs_stall_and_degraded_steps() -> None:
     assert o.lost_samples == 0
     assert o.degraded_s == pytest.approx(2.0)
     assert o.samples == pytest.approx(4 * (10 + 1.0 + 87.5))
+
+
+def test_an_admission_stalls_the_job_once_per_view_change() -> None:
+    spec = _spec(mix={"node": 1.0})
+    o = simulate_strategy(SPREAD, spec, _costs(rejoin_stall_s=0.25), [Event(10.0, "node", 1)])
+    # Node 1 (workers 2, 3) lost; no spare, so it is back after the repair (2 h), past the end: no admission.
+    assert o.blocked_s == pytest.approx(2.0)
+    o = simulate_strategy(SPREAD, _spec(), _costs(rejoin_stall_s=0.25), [Event(10.0, "crash", 3)])
+    assert o.blocked_s == pytest.approx(0.5 + 0.25)
+    assert o.samples == pytest.approx(4 * (10 + 1.0 + 87.25))
 
 
 def test_whole_job_failure_memory_vs_disk() -> None:
@@ -137,10 +147,15 @@ def test_costs_from_another_model_need_a_scaling_rule(tmp_path: Path) -> None:
 
 
 def test_goodput_check_prediction_without_failures_is_one() -> None:
-    kw = dict(workers=4, rows=16, cores=2, fixed=0.3, approx=0.85, svd=0.0, stall_s=0.1, step_s=1.0)
-    assert predict_ratio(policy="spread", outages=[], first=1, last=40, **kw) == pytest.approx(1.0)
-    # checkpoint-restart: a failure at step 13 goes back to step 10: 2 steps redone + 5 s restart.
-    cr = predict_ratio(policy=None, outages=[(1, 13, 40)], first=1, last=40, ckpt_every=10, restart_s=5.0, **kw)
+    kw = dict(workers=4, rows=16, cores=2, fixed=0.0, approx=0.85, svd=0.0, step_s=1.0)
+    assert predict_ratio(policy="spread", outages=[], stalls={}, first=1, last=40, **kw) == pytest.approx(1.0)
+    # Two of four down from step 11 on 2 cores: as fast as failure-free; a 0.5 s stall at step 11.
+    got = predict_ratio(policy="spread", outages=[(2, 11, 41), (3, 11, 41)], stalls={11: 0.5}, first=1, last=40, **kw)
+    assert got == pytest.approx(39 / 39.5)
+    # checkpoint-restart: a failure at step 13 went back to step 10: 2 steps redone + 5 s restart; one back
+    # to step 0 falls before the measured window.
+    cr = predict_ratio(policy=None, outages=[], stalls={}, first=1, last=40, restarts=[(6, 0), (13, 10)],
+                       restart_s=5.0, **kw)
     assert cr == pytest.approx(39 / (39 + 5 + 2))
 
 

@@ -12,10 +12,12 @@ predicts each job's throughput relative to failure-free from:
   the runtime's row assignment per policy, MeCeFO's measured FLOPs ratio, and
   the machine's cores shared by the workers);
 * costs measured by the other benchmarks (``--costs``): detection + stall per
-  crash (``failover``), the compute time of one micro-batch (``mecefo-cost``
-  wall-clock, linear in rows) which gives the share of a step that does not
-  scale with rows, and a checkpoint-restart's cost (``snapshot``: seconds from
-  a kill to the next step minus the steps redone).
+  crash (``failover``), MeCeFO's FLOPs ratio (``mecefo-cost``) and a
+  checkpoint-restart's cost (``snapshot``: seconds from a kill to the next
+  step minus the steps redone);
+* the share of a step that does not grow with its rows, ``--fixed-share``
+  (default 0, as in the projections: the whole step scales with the rows a
+  worker computes).
 
 The prediction replays the steps the throughput is measured over (first to
 last committed step in ``metrics.jsonl``): a checkpoint-restart that goes back
@@ -59,30 +61,59 @@ def _outages(run_dir: Path) -> list[tuple[int, int, int]]:
 
 def predict_ratio(*, policy: str | None, outages: list[tuple[int, int, int]], first: int, last: int,
                   workers: int, rows: int, cores: int | None, fixed: float, approx: float, svd: float,
-                  stall_s: float, step_s: float, ckpt_every: int | None = None,
+                  stalls: dict[int, float], step_s: float, restarts: list[tuple[int, int]] | None = None,
                   restart_s: float = 0.0) -> float:
     """Predicted throughput relative to failure-free over the committed steps ``first..last``.
 
-    ``policy`` None is checkpoint-restart: every distinct failure step ``s`` restarts the job from
-    the newest checkpoint ``floor((s - 1) / ckpt_every) * ckpt_every``; a restart from step 0 falls
-    before the measured window (its metrics are truncated), any other costs ``restart_s`` plus the
-    steps redone. Otherwise each step takes ``step_s`` times the degraded factor of the workers down
-    at that step, plus ``stall_s`` per failure.
+    ``policy`` None is checkpoint-restart: each restart ``(failed_at, restarted_from)`` costs
+    ``restart_s`` plus the steps redone, ``failed_at - 1 - restarted_from``; one that goes back to
+    step 0 falls before the measured window (its metrics are truncated). Otherwise each step takes
+    ``step_s`` times the degraded factor of the workers down at that step (``outages``: worker,
+    first step down, step back), plus the one-off ``stalls`` (seconds per step: failures, admissions).
     """
     if policy is None:
         wall = (last - first) * step_s
-        for s in sorted({start for _, start, _ in outages}):
-            ckpt = (s - 1) // ckpt_every * ckpt_every if ckpt_every else 0
-            if ckpt > 0 and first <= s <= last:
-                wall += restart_s + (s - 1 - ckpt) * step_s
+        for failed_at, back_to in restarts or []:
+            if back_to > 0 and first <= failed_at <= last:
+                wall += restart_s + (failed_at - 1 - back_to) * step_s
         return (last - first) * step_s / wall
     wall = 0.0
     for s in range(first + 1, last + 1):
         down = [w for w, a, b in outages if a <= s < b]
         f = step_load(policy, workers=workers, rows=rows, down=down, approx=approx, svd=svd, cores=cores,
                       fixed=fixed).factor
-        wall += step_s * f + stall_s * sum(1 for _, a, _ in outages if a == s)
+        wall += step_s * f + stalls.get(s, 0.0)
     return (last - first) * step_s / wall
+
+
+def _recorded(run_dir: Path, fig: dict[str, Any]) -> dict[str, Any]:
+    """The failures and rejoins the run recorded (its realisation of the trace, which the runtime may add to).
+
+    A worker's outage lasts from its planned failure to its first recorded rejoin at or after the planned
+    return; each failure stalls the job by the measured crash or hang stall (by how it was detected),
+    each admission of a joiner (``view_adopted`` with joiners) by the measured rejoin stall.
+    """
+    from unbroken.bench.report import summarize_run
+
+    rep = summarize_run(run_dir)
+    back: dict[int, list[int]] = {}
+    for r in rep["rejoins"]:
+        back.setdefault(int(r["worker"]), []).append(int(r["step"]))
+    outages = []
+    for w, a, b in _outages(run_dir):
+        later = [s for s in back.get(w, []) if s >= b]
+        outages.append((w, a, min(later) if later else b))
+    stalls: dict[int, float] = {}
+    kinds = []
+    for f in rep["failure_details"]:
+        hang = not str(f["reason"]).startswith("CollectiveFailed")
+        kinds.append("hang" if hang else "crash")
+        stalls[f["step"]] = stalls.get(f["step"], 0.0) + (fig["hang_stall_s"] if hang else fig["stall_s"])
+    admitted = {(e["gen"], e["step"]) for e in read_jsonl(run_dir / "events.jsonl")
+                if e.get("event") == "view_adopted" and e.get("joiners")}
+    for _, step in admitted:
+        stalls[step] = stalls.get(step, 0.0) + fig["rejoin_stall_s"]
+    return {"outages": outages, "stalls": stalls, "failure_kinds": kinds, "admissions": len(admitted)}
 
 
 def _measured(run_dir: Path, none_step_s: float) -> dict[str, Any]:
@@ -97,16 +128,13 @@ def _measured(run_dir: Path, none_step_s: float) -> dict[str, Any]:
             "failure_free_step_in_run_s": own, "ratio_in_run": (last - first) * own / span}
 
 
-def _figures(m: MeasuredCosts, preset: str, cfg_rows: int) -> dict[str, Any]:
-    d = json.loads(Path(m.get("mecefo.approx_ratio").source.split(" [")[0]).read_text())
-    wall = d["wall"][preset]
-    per_row = wall["normal_s"] / wall["shape"]["micro_batch"]
+def _figures(m: MeasuredCosts) -> dict[str, Any]:
     snap_step = m.get("snapshot.step_s").value
     kill = json.loads(Path(m.get("snapshot.ckpt_restart_s").source.split(" [")[0]).read_text())["kill"]
     redone = kill["checkpoint_restart"]["killed_at_step"] - kill["checkpoint_restart"]["resumed_at_step"] + 1
-    return {"compute_s_per_microbatch": per_row * cfg_rows,
-            "approx": m.get("mecefo.approx_ratio").value, "svd": m.get("mecefo.svd_share").value,
-            "stall_s": m.get("failover.crash_stall_s").value,
+    return {"approx": m.get("mecefo.approx_ratio").value, "svd": m.get("mecefo.svd_share").value,
+            "stall_s": m.get("failover.crash_stall_s").value, "hang_stall_s": m.get("failover.hang_stall_s").value,
+            "rejoin_stall_s": m.get("failover.rejoin_stall_s").value,
             "restart_s": m.get("snapshot.ckpt_restart_s").value - redone * snap_step}
 
 
@@ -124,6 +152,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--runs-dir", type=Path, default=None, help="keep the runs here (default: a temporary folder)")
     ap.add_argument("--reuse", action="store_true", help="read the runs already in --runs-dir instead of running")
     ap.add_argument("--tolerance", type=float, default=0.10)
+    ap.add_argument("--fixed-share", type=float, default=0.0,
+                    help="share of a failure-free step that does not grow with the rows computed (default 0)")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/goodput_check.json"))
     a = ap.parse_args(argv)
     if a.reuse and a.runs_dir is None:
@@ -148,24 +178,28 @@ def _check(a: argparse.Namespace, runs: Path) -> dict[str, Any]:
     cfg = load_config(preset_name=a.preset)
     workers = a.nodes * a.workers_per_node
     m = load_costs(a.costs if a.costs is not None else default_cost_files(), a.preset)
-    fig = _figures(m, a.preset, cfg.data.micro_batch)
+    fig = _figures(m)
     none = _train(runs / "trace_none")
     none_step = (none[-1]["time"] - none[0]["time"]) / (none[-1]["step"] - none[0]["step"])
-    cores = json.loads(Path(m.get("failover.crash_stall_s").source.split(" [")[0]).read_text())["machine"]["cpu_count"]
+    cores = int(m.get("failover.cpu_count").value)
     rows = {}
     for name, run in [(p, f"trace_{p}") for p in a.policies.split(",")] + [("checkpoint-restart", "trace_restart")]:
         meas = _measured(runs / run, none_step)
         policy = None if name == "checkpoint-restart" else name
-        first = meas["first_step"]
-        pred = {}
-        for key, step_s in (("vs_failure_free_run", none_step), ("in_run", meas["failure_free_step_in_run_s"])):
-            busy = step_s * min(cores, workers) / workers
-            fixed = min(0.95, max(0.0, 1.0 - fig["compute_s_per_microbatch"] / busy))
-            pred[key] = predict_ratio(policy=policy, outages=_outages(runs / run), first=first,
-                                      last=meas["last_step"], workers=workers, rows=cfg.data.micro_batch,
-                                      cores=cores, fixed=fixed, approx=fig["approx"], svd=fig["svd"],
-                                      stall_s=fig["stall_s"], step_s=step_s, ckpt_every=a.checkpoint_every,
-                                      restart_s=fig["restart_s"])
+        if policy is None:
+            summary = json.loads((runs / run / "summary.json").read_text())
+            restarts = [(r["failed_at_step"], r["restarted_from_step"]) for r in summary["job_restarts"]]
+            rec: dict[str, Any] = {"outages": [], "stalls": {}, "restarts": restarts}
+        else:
+            rec, restarts = _recorded(runs / run, fig), None
+        meas["recorded"] = {k: (sorted(v.items()) if isinstance(v, dict) else v) for k, v in rec.items()}
+        meas["planned_outages"] = _outages(runs / run)
+        pred = {key: predict_ratio(policy=policy, outages=rec["outages"], first=meas["first_step"],
+                                   last=meas["last_step"], workers=workers, rows=cfg.data.micro_batch, cores=cores,
+                                   fixed=a.fixed_share, approx=fig["approx"], svd=fig["svd"], stalls=rec["stalls"],
+                                   step_s=step_s, restarts=restarts, restart_s=fig["restart_s"])
+                for key, step_s in (("vs_failure_free_run", none_step),
+                                    ("in_run", meas["failure_free_step_in_run_s"]))}
         err = pred["in_run"] / meas["ratio_in_run"] - 1.0
         rows[name] = {"measured": meas, "predicted": pred, "relative_error_in_run": err,
                       "relative_error_vs_failure_free_run": pred["vs_failure_free_run"]
@@ -173,8 +207,11 @@ def _check(a: argparse.Namespace, runs: Path) -> dict[str, Any]:
     return {"benchmark": "goodput-check", "preset": a.preset, "nodes": a.nodes,
             "workers_per_node": a.workers_per_node, "steps": a.steps, "trace": a.trace, "job_hours": a.job_hours,
             "checkpoint_every": a.checkpoint_every, "cores": cores, "tolerance": a.tolerance, "figures": fig,
-            "figure_sources": {k: m.get(k).source for k in ("mecefo.approx_ratio", "failover.crash_stall_s",
-                                                             "snapshot.ckpt_restart_s")},
+            "fixed_share": a.fixed_share,
+            "figure_sources": {k: m.get(k).source for k in ("mecefo.approx_ratio", "mecefo.svd_share",
+                                                             "failover.crash_stall_s", "failover.hang_stall_s",
+                                                             "failover.rejoin_stall_s", "snapshot.ckpt_restart_s",
+                                                             "snapshot.step_s")},
             "failure_free_step_s": none_step, "rows": rows, "ok": all(r["ok"] for r in rows.values())}
 
 

@@ -11,8 +11,9 @@ what describes the target cluster (GPU speed, bandwidths) is a parameter.
 Which file serves which figure
 ------------------------------
 * ``failover`` (a file with a ``failures`` part): detection + stall per crash
-  and per hang (medians), time back to full strength with a warm standby and
-  with a cold start (medians). A ``failover`` file with only an ``overhead``
+  and per hang, time back to full strength with a warm standby and with a
+  cold start, and the members' stall when a worker is admitted: each the
+  median of all samples in every such file of the chosen preset. A ``failover`` file with only an ``overhead``
   part gives the protocol's failure-free overhead (median of the ratios of the
   files of the preset nearest the target).
 * ``snapshot``: state bytes, one worker's snapshot write time and the time it
@@ -46,8 +47,9 @@ count, both computed from the presets; ``G`` the data-parallel workers.
   worker at the measured rate ``S_m / dcp_added_s`` (or ``--ckpt-gbs``);
 * restore: ``S_t / G`` bytes at the measured rates ``S_m / own_memory_s`` and
   ``S_m / dcp_disk_s`` (or ``--disk-gbs``);
-* rejoin: measured time back (warm or cold) plus the transfer of ``S_t`` bytes
-  from a peer at ``--net-gbs``;
+* rejoin: measured time back (warm or cold) plus the transfer of the extra
+  state ``S_t - S_m`` from a peer at ``--net-gbs``; the members' stall at an
+  admission likewise (the transfer is part of it);
 * takeover: FLOPs ratios of the measured preset nearest the target (they
   depend on the model's shape, not on the cluster).
 
@@ -93,9 +95,9 @@ class MeasuredCosts:
     unused: list[str] = field(default_factory=list)
 
     def get(self, name: str) -> Figure:
-        """The figure ``name``; KeyError naming the benchmark that writes it when no file gave it."""
+        """The figure ``name``; ValueError naming the benchmark that writes it when no file gave it."""
         if name not in self.figures:
-            raise KeyError(f"no costs file gave {name!r}; run the benchmark that measures it "
+            raise ValueError(f"no costs file gave {name!r}; run the benchmark that measures it "
                            f"({_WRITER.get(name.split('.')[0], 'unbroken bench ...')}) and pass its JSON with --costs")
         return self.figures[name]
 
@@ -195,20 +197,29 @@ def _median(xs: list[float]) -> float:
 
 
 def _read_failover(rows: list[tuple[str, Path, dict[str, Any]]], out: MeasuredCosts) -> None:
+    """Each figure: the median of every sample of it in the files of the chosen preset (pooled)."""
     if not rows:
         return
-    preset, path, d = rows[0]  # the newest-named file of the preset: one failure measurement is enough
-    f = d["failures"]
-    src = f"{path} [{preset}]"
-    out.figures["failover.crash_stall_s"] = Figure(_median(f["crash_stall_s"]), "s",
-                                                   f"{src} failures.crash_stall_s (median)")
-    out.figures["failover.hang_stall_s"] = Figure(_median(f["hang_stall_s"]), "s",
-                                                  f"{src} failures.hang_stall_s (median)")
-    back = f["back_to_full_strength_s"]
-    out.figures["failover.rejoin_warm_s"] = Figure(_median(back["warm_standby"]), "s",
-                                                   f"{src} failures.back_to_full_strength_s.warm_standby (median)")
-    out.figures["failover.rejoin_cold_s"] = Figure(_median(back["cold_start"]), "s",
-                                                   f"{src} failures.back_to_full_strength_s.cold_start (median)")
+    keys = {"failover.crash_stall_s": ("crash_stall_s",), "failover.hang_stall_s": ("hang_stall_s",),
+            "failover.rejoin_warm_s": ("back_to_full_strength_s", "warm_standby"),
+            "failover.rejoin_cold_s": ("back_to_full_strength_s", "cold_start"),
+            "failover.rejoin_stall_s": ("rejoin_stall_s", "warm_standby")}
+    cpu = rows[0][2].get("machine", {}).get("cpu_count")
+    if cpu:
+        out.figures["failover.cpu_count"] = Figure(float(cpu), "cores", f"{rows[0][1]} machine.cpu_count")
+    for name, path_keys in keys.items():
+        samples, files = [], []
+        for preset, path, d in rows:
+            v: Any = d["failures"]
+            for k in path_keys:
+                v = v.get(k, {}) if isinstance(v, dict) else {}
+            if isinstance(v, list) and v:
+                samples += [float(x) for x in v]
+                files.append(path.name)
+        if samples:
+            out.figures[name] = Figure(_median(samples), "s", f"median of {len(samples)} samples "
+                                       f"{[round(x, 3) for x in samples]} of failures.{'.'.join(path_keys)} in "
+                                       f"{', '.join(files)} [{rows[0][0]}] ({path.parent})")
 
 
 def _read_protocol(rows: list[tuple[str, Path, dict[str, Any]]], out: MeasuredCosts) -> None:

@@ -62,7 +62,8 @@ class SimCosts:
 
     ``protocol_s``, ``snapshot_s`` are added to every step of the strategies that pay them;
     ``ckpt_save_s`` to every checkpoint; the ``detect_*`` are stalls of the whole job per failure;
-    ``rejoin_*`` the time from a process failure to the worker back at full strength;
+    ``rejoin_warm_s`` / ``rejoin_cold_s`` the time from a process failure to the worker back at full
+    strength, ``rejoin_stall_s`` the whole job's stall when it is admitted;
     ``restart_memory_s`` / ``restart_disk_s`` the time from a whole-job failure to the next step.
     """
 
@@ -75,6 +76,7 @@ class SimCosts:
     detect_hang_s: Figure
     rejoin_warm_s: Figure
     rejoin_cold_s: Figure
+    rejoin_stall_s: Figure
     restart_memory_s: Figure
     restart_disk_s: Figure
     approx_ratio: Figure
@@ -123,6 +125,8 @@ def scale_costs(m: MeasuredCosts, *, model: str, workers: int, workers_per_node:
     rejoin_warm = Figure(warm.value + extra, "s", f"{warm.source} + {extra:.3g} s transfer of the extra "
                          f"state at parameter --net-gbs {hw.net_gbs:g}")
     rejoin_cold = Figure(cold.value + extra, "s", f"{cold.source} + {extra:.3g} s transfer (--net-gbs)")
+    adm = m.get("failover.rejoin_stall_s")
+    rejoin_stall = Figure(max(0.0, adm.value) + extra, "s", f"{adm.source} + {extra:.3g} s transfer (--net-gbs)")
     mem, disk, job = (m.get("snapshot.restore_memory_s"), m.get("snapshot.restore_disk_s"),
                       m.get("snapshot.job_restart_s"))
     startup = hw.startup_s if hw.startup_s is not None else job.value - mem.value
@@ -139,6 +143,6 @@ def scale_costs(m: MeasuredCosts, *, model: str, workers: int, workers_per_node:
                     snapshot_s=snap, ckpt_save_s=ckpt,
                     detect_crash_s=Figure(crash.value, "s", crash.source + " (size independent)"),
                     detect_hang_s=Figure(hang.value, "s", hang.source + " (size independent)"),
-                    rejoin_warm_s=rejoin_warm, rejoin_cold_s=rejoin_cold,
+                    rejoin_warm_s=rejoin_warm, rejoin_cold_s=rejoin_cold, rejoin_stall_s=rejoin_stall,
                     restart_memory_s=restart_memory, restart_disk_s=restart_disk,
                     approx_ratio=m.get("mecefo.approx_ratio"), svd_share=m.get("mecefo.svd_share"))

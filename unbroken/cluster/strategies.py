@@ -20,7 +20,9 @@ failure (model assumptions, stated):
 * ``neighbor`` / ``spread`` / ``spread-approx`` (unbroken): the job stalls for
   detection and the view change, the step in flight is completed by the
   survivors, and later steps are degraded (:mod:`unbroken.cluster.degraded`)
-  until the dead worker rejoins; no row is lost. Every step pays the
+  until the dead worker rejoins; no row is lost. Admitting a rejoining
+  worker (or a node's workers, together) stalls the job by ``rejoin_stall_s``
+  (the same for ``step-discard``: the joiner gets the state from a peer). Every step pays the
   protocol's overhead and its share of a snapshot (one every ``snapshot_every``
   steps). A whole-job failure restores every worker from snapshot memory and
   redoes the steps since the newest snapshot (with one per step: only the
@@ -114,6 +116,7 @@ class _Run:
         self.blocked_until = 0.0
         self.down: dict[int, float] = {}  # worker -> time back
         self.node_down: set[int] = set()  # the workers of ``down`` lost with their node
+        self.last_admission = -1.0  # workers back at the same moment are admitted in one view change
         self.spares = [0.0] * spec.spare_nodes  # time each spare node is free again
         self.out = Outcome()
         self.batch = spec.workers * c.rows
@@ -220,8 +223,11 @@ class _Run:
             self.down[w] = back
 
     def on_back(self, worker: int) -> None:
-        """Worker ``worker`` is back at full strength."""
-        self.down.pop(worker, None)
+        """Worker ``worker`` is back at full strength: admitting it stalls the job (once per admission)."""
+        back = self.down.pop(worker, None)
+        if back is not None and back != self.last_admission:
+            self.last_admission = back
+            self._block(back, self.c.rejoin_stall_s.value)
         self.node_down.discard(worker)
 
 
