@@ -21,8 +21,8 @@ RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 
 def _costs(**kw: float) -> SimCosts:
     base = dict(step_s=1.0, protocol_s=0.0, snapshot_s=0.0, ckpt_save_s=0.0, detect_crash_s=0.5, detect_hang_s=2.0,
-                rejoin_warm_s=2.0, rejoin_cold_s=5.0, rejoin_stall_s=0.0, restart_memory_s=4.0, restart_disk_s=10.0, approx_ratio=0.75,
-                svd_share=0.0)
+                rejoin_warm_s=2.0, rejoin_cold_s=5.0, rejoin_stall_s=0.0, restart_memory_s=4.0, restart_disk_s=10.0,
+                approx_ratio=0.75, svd_share=0.0)
     base.update(kw)
     return SimCosts(rows=1, **{k: Figure(v, "s", "test") for k, v in base.items()})
 

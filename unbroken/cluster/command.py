@@ -129,7 +129,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print("\n".join(costs_lines(costs)))
     est = run_monte_carlo(spec, costs, opts)
     print("\n".join(table_lines(est, batch_rows=a.workers * costs.rows, hours=a.hours)))
-    result: dict[str, Any] = {"projection": True, "command": "unbroken simulate-cluster " + " ".join(argv or sys.argv[2:]),
+    command = "unbroken simulate-cluster " + " ".join(argv if argv is not None else sys.argv[2:])
+    result: dict[str, Any] = {"projection": True, "command": command,
                               "model": a.model, "spec": {**spec.__dict__, "job_mtbf_h": spec.job_mtbf_h},
                               "options": opts.__dict__, "hardware": hw.__dict__,
                               "costs": {k: {"value": f.value, "unit": f.unit, "source": f.source}

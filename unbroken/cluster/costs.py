@@ -249,13 +249,15 @@ def _read_snapshot(rows: list[tuple[str, Path, dict[str, Any]]], out: MeasuredCo
                                     f"{src} overhead.snapshot.median_step_s_without")
     fig["snapshot.dcp_added_s"] = Figure(ov["dcp_async_save"]["added_s"], "s/save",
                                          f"{src} overhead.dcp_async_save.added_s")
-    fig["snapshot.restore_memory_s"] = Figure(ip["restore_s"]["own_memory"], "s", f"{src} in_process.restore_s.own_memory")
+    fig["snapshot.restore_memory_s"] = Figure(ip["restore_s"]["own_memory"], "s",
+                                              f"{src} in_process.restore_s.own_memory")
     fig["snapshot.restore_disk_s"] = Figure(ip["restore_s"]["dcp_disk"], "s", f"{src} in_process.restore_s.dcp_disk")
     fig["snapshot.job_restart_s"] = Figure(kill["snapshot_memory"]["seconds_to_next_step"], "s",
                                            f"{src} kill.snapshot_memory.seconds_to_next_step")
     fig["snapshot.ckpt_restart_s"] = Figure(kill["checkpoint_restart"]["seconds_to_next_step"], "s",
                                             f"{src} kill.checkpoint_restart.seconds_to_next_step")
-    fig["snapshot.workers"] = Figure(float(d["nodes"] * d["workers_per_node"]), "workers", f"{src} nodes * workers_per_node")
+    fig["snapshot.workers"] = Figure(float(d["nodes"] * d["workers_per_node"]), "workers",
+                                     f"{src} nodes * workers_per_node")
     fig["snapshot.nodes"] = Figure(float(d["nodes"]), "nodes", f"{src} nodes")
 
 

@@ -56,7 +56,10 @@ def young_interval_s(save_s: float, mtbf_s: float) -> float:
 
 
 def daly_interval_s(save_s: float, mtbf_s: float) -> float:
-    """Daly's (2006) higher-order optimum: ``sqrt(2CM) (1 + sqrt(C/2M)/3 + (C/2M)/9) - C`` for ``C < 2M``, else ``M``."""
+    """Daly's (2006) higher-order optimum interval.
+
+    ``sqrt(2CM) (1 + sqrt(C/2M)/3 + (C/2M)/9) - C`` for ``C < 2M``, else ``M``.
+    """
     _check_interval_args(save_s, mtbf_s)
     if save_s >= 2.0 * mtbf_s:
         return mtbf_s
@@ -121,7 +124,8 @@ class _Run:
         self.out = Outcome()
         self.batch = spec.workers * c.rows
         takeover = st.kind == "takeover"
-        self.overhead = ((c.protocol_s.value if takeover else 0.0) + (c.snapshot_s.value / st.snapshot_every if st.memory else 0.0)
+        self.overhead = ((c.protocol_s.value if takeover else 0.0)
+                         + (c.snapshot_s.value / st.snapshot_every if st.memory else 0.0)
                          + (c.ckpt_save_s.value / st.ckpt_every if st.ckpt_every else 0.0))
 
     def _load(self) -> tuple[float, int, int]:
