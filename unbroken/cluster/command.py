@@ -17,7 +17,7 @@ from typing import Any
 
 from unbroken.cluster.costs import default_cost_files, load_costs
 from unbroken.cluster.failures import DEFAULT_MIX, KINDS, FailureSpec
-from unbroken.cluster.montecarlo import SimOptions, run_monte_carlo
+from unbroken.cluster.montecarlo import SimOptions, build_strategies, run_monte_carlo
 from unbroken.cluster.report import costs_lines, estimates_json, plot_sweep, table_lines
 from unbroken.cluster.scaling import TargetHardware, scale_costs
 from unbroken.cluster.strategies import STRATEGIES
@@ -122,6 +122,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                          "or pass --costs FILE ...")
     measured = load_costs(files, a.model)
     costs = scale_costs(measured, model=a.model, workers=a.workers, workers_per_node=a.workers_per_node, hw=hw)
+    build_strategies(spec, costs, opts)  # bad input (G < 2 for a takeover strategy) before anything is printed
     print(f"PROJECTION (simulated, not measured): {a.model}, {a.workers} workers ({a.workers_per_node} per node, "
           f"{a.spare_nodes} spare nodes), job MTBF {spec.job_mtbf_h:.3g} h, mix {spec.mix}, {a.hours:g} h, "
           f"{a.seeds} seeds")

@@ -86,12 +86,13 @@ class FailureSpec:
             raise ValueError("; ".join(problems))
         # Workers down at once on average (Little's law), node losses with no spare dominating: a job
         # whose failures outrun its repairs has no survivor to take over and no steady state.
-        down = self.workers / self.worker_mtbf_h * self.mix.get("node", 0.0) * self.repair_h * self.workers_per_node
+        per_node = min(self.workers_per_node, self.workers)
+        down = self.workers / self.worker_mtbf_h * self.mix.get("node", 0.0) * self.repair_h * per_node
         if down >= self.workers:
             raise ValueError(
                 f"more failures than workers: {down:.3g} workers down at once on average (node losses at "
                 f"{self.workers / self.worker_mtbf_h * self.mix.get('node', 0.0):.3g}/h, repaired in "
-                f"{self.repair_h} h, {self.workers_per_node} workers each) of {self.workers}; raise the MTBF, "
+                f"{self.repair_h} h, {per_node} workers each) of {self.workers}; raise the MTBF, "
                 f"shorten --repair-h or lower the node fraction of --mix")
 
     @property
