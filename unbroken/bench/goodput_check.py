@@ -128,6 +128,28 @@ def _measured(run_dir: Path, none_step_s: float) -> dict[str, Any]:
             "failure_free_step_in_run_s": own, "ratio_in_run": (last - first) * own / span}
 
 
+def _per_state(run_dir: Path, rec: dict[str, Any], policy: str, workers: int, rows: int, cores: int,
+               fig: dict[str, Any], fixed: float, own_step_s: float) -> list[dict[str, Any]]:
+    """Median step time per set of workers down (steps without a failure or admission), over the run's
+    failure-free step, against the model's factor: the degraded-step model alone, robust to the spikes
+    other jobs' load puts into single steps."""
+    train = _train(run_dir)
+    by_state: dict[tuple[int, ...], list[float]] = {}
+    for prev, cur in zip(train, train[1:]):
+        st = cur["step"]
+        if st in rec["stalls"]:
+            continue
+        down = tuple(sorted(w for w, a, b in rec["outages"] if a <= st < b))
+        by_state.setdefault(down, []).append(cur["time"] - prev["time"])
+    out = []
+    for down, xs in sorted(by_state.items()):
+        f = step_load(policy, workers=workers, rows=rows, down=list(down), approx=fig["approx"], svd=fig["svd"],
+                      cores=cores, fixed=fixed).factor
+        out.append({"down": list(down), "steps": len(xs), "measured_factor": statistics.median(xs) / own_step_s,
+                    "predicted_factor": f})
+    return out
+
+
 def _figures(m: MeasuredCosts) -> dict[str, Any]:
     snap_step = m.get("snapshot.step_s").value
     kill = json.loads(Path(m.get("snapshot.ckpt_restart_s").source.split(" [")[0]).read_text())["kill"]
@@ -200,6 +222,9 @@ def _check(a: argparse.Namespace, runs: Path) -> dict[str, Any]:
                                    step_s=step_s, restarts=restarts, restart_s=fig["restart_s"])
                 for key, step_s in (("vs_failure_free_run", none_step),
                                     ("in_run", meas["failure_free_step_in_run_s"]))}
+        if policy is not None:
+            meas["per_state"] = _per_state(runs / run, rec, policy, workers, cfg.data.micro_batch, cores, fig,
+                                           a.fixed_share, meas["failure_free_step_in_run_s"])
         err = pred["in_run"] / meas["ratio_in_run"] - 1.0
         rows[name] = {"measured": meas, "predicted": pred, "relative_error_in_run": err,
                       "relative_error_vs_failure_free_run": pred["vs_failure_free_run"]
@@ -226,3 +251,9 @@ def _print(r: dict[str, Any]) -> None:
               f"{mm['ratio_in_run']:>18.3f} {p['in_run']:>10.3f} {row['relative_error_in_run']:>+10.1%} "
               f"{'ok' if row['ok'] else 'MISS'}")
     print(f"within {r['tolerance']:.0%}: {'yes' if r['ok'] else 'no'}")
+    print("degraded steps alone: median step per set of workers down / failure-free step (measured vs model)")
+    for name, row in r["rows"].items():
+        cells = [f"{x['down']}: {x['measured_factor']:.2f} vs {x['predicted_factor']:.2f} ({x['steps']} steps)"
+                 for x in row["measured"].get("per_state", [])]
+        if cells:
+            print(f"  {name:<14} " + "; ".join(cells))
