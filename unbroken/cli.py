@@ -393,6 +393,15 @@ def cmd_report(args: argparse.Namespace, overrides: list[str]) -> int:
     return 1 if result["ledger_ok"] is False else 0
 
 
+def cmd_simulate_cluster(args: argparse.Namespace, overrides: list[str]) -> int:
+    from unbroken.cluster.command import main as simulate_cluster_main
+
+    if overrides:
+        raise ValueError(f"unbroken simulate-cluster takes no config overrides ({', '.join(overrides)})")
+    simulate_cluster_main(list(args.rest))
+    return 0
+
+
 # ---------------------------------------------------------------------------
 
 
@@ -402,6 +411,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace, list[str]], int]] = {
     "chaos": cmd_chaos,
     "report": cmd_report,
     "demo": cmd_demo,
+    "simulate-cluster": cmd_simulate_cluster,
 }
 
 
@@ -468,6 +478,9 @@ def build_parser() -> argparse.ArgumentParser:
                         description="Benchmarks; each prints ratios measured side by side and writes JSON.")
     be.add_argument("name", help="benchmark name, e.g. throughput")
     be.add_argument("rest", nargs=argparse.REMAINDER, help="arguments of the benchmark (see unbroken bench NAME --help)")
+    sc = sub.add_parser("simulate-cluster", add_help=False,
+                        help="project goodput at cluster scale from measured costs (Monte Carlo; see --help)")
+    sc.add_argument("rest", nargs=argparse.REMAINDER, help="arguments (see unbroken simulate-cluster --help)")
     return ap
 
 
@@ -507,7 +520,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ap = build_parser()
     overrides, rest = _split_overrides(argv)
-    args = ap.parse_args(rest)
+    if rest[:1] == ["simulate-cluster"]:  # argparse's REMAINDER does not take leading options: its own parser does
+        args = argparse.Namespace(command=rest[0], verbose=False, rest=rest[1:])
+    else:
+        args = ap.parse_args(rest)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:

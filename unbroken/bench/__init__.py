@@ -25,6 +25,7 @@ BENCHMARKS: dict[str, Callable[[list[str] | None], dict[str, Any]]] = {
     "snapshot": _lazy("snapshot"),
     "store": _lazy("store"),
     "sharded": _lazy("sharded"),
+    "goodput-check": _lazy("goodput_check"),
 }
 
 __all__ = ["BENCHMARKS"]

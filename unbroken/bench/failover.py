@@ -15,7 +15,8 @@ runs, side by side in one invocation, on one machine (nodes on loopback):
    (``unbroken report``); targets <= 0.5 s and <= heartbeat timeout + 0.5 s;
 3. **lost steps and samples**: from the ledger; target 0;
 4. **back to full strength**: from a worker's kill to its re-admission, with and
-   without a warm standby;
+   without a warm standby, and the members' stall when it is admitted (the gap
+   ending at its rejoin step minus a normal step);
 5. **throughput under a failure trace** (default ``high``) relative to
    failure-free, for each takeover policy, and for checkpoint-restart (plain data
    parallelism; any failure restarts every worker from the last checkpoint) with
@@ -99,6 +100,12 @@ def _failures(a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     def back(r: dict[str, Any]) -> list[float]:
         return [x["down_to_back_s"] for x in r["report"]["rejoins"] if x["down_to_back_s"] is not None]
 
+    def admission(r: dict[str, Any]) -> list[float]:
+        """The members' stall when a worker is admitted: the gap ending at its rejoin step minus a normal step."""
+        at = {x["step"]: x["time"] for x in read_jsonl(Path(r["run_dir"]) / "metrics.jsonl") if x["kind"] == "train"}
+        steps = [x["step"] for x in r["report"]["rejoins"]]
+        return [at[s] - at[s - 1] - r["report"]["normal_step_s"] for s in steps if s in at and s - 1 in at]
+
     return {
         "crash_stall_s": stalls(crash), "crash_target_s": 0.5,
         "hang_stall_s": stalls(hang), "hang_target_s": hb + 0.5, "heartbeat_timeout_s": hb,
@@ -106,6 +113,7 @@ def _failures(a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         "rows_never_or_twice": sum(r["report"]["rows_trained_never"] + r["report"]["rows_trained_twice"]
                                    for r in (crash, hang, cold)),
         "back_to_full_strength_s": {"warm_standby": back(crash) + back(hang), "cold_start": back(cold)},
+        "rejoin_stall_s": {"warm_standby": admission(crash) + admission(hang), "cold_start": admission(cold)},
     }
 
 
@@ -183,6 +191,10 @@ def _print(r: dict[str, Any]) -> None:
         b = f["back_to_full_strength_s"]
         print(f"kill -> back at full strength (s): warm standby {[round(x, 2) for x in b['warm_standby']]}, "
               f"cold start {[round(x, 2) for x in b['cold_start']]}")
+        if "rejoin_stall_s" in f:
+            j = f["rejoin_stall_s"]
+            print(f"members' stall at a rejoin (s): warm standby {[round(x, 3) for x in j['warm_standby']]}, "
+                  f"cold start {[round(x, 3) for x in j['cold_start']]}")
     if "trace" in r:
         t = r["trace"]
         print(f"throughput under trace {t['trace']!r} ({t['steps']} steps standing for {t['job_hours']} h):")

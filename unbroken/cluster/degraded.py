@@ -1,0 +1,102 @@
+"""How much longer a step takes while workers are down, per takeover policy (as the runtime assigns work).
+
+Loads are in units of one exact micro-batch of ``rows`` rows; an approximated
+micro-batch costs ``approx`` of an exact one (MeCeFO's FLOPs ratio, measured),
+and a worker that approximates anything also runs the low-rank gradient's
+amortised SVD (``svd``). The rules follow :mod:`unbroken.mecefo.takeover`
+exactly:
+
+* ``neighbor``: a dead slot is covered by the first live worker after it in
+  ring order, approximated, and that worker approximates its own slot too. A
+  run of ``r`` consecutive dead slots lands on one worker: load ``(r + 1)
+  approx + svd``.
+* ``spread`` / ``spread-approx``: each dead slot's ``rows`` are cut with
+  ``split_rows`` over the ``L`` live workers in ascending id order, the first
+  ``rows % L`` ranges one row longer. Every dead slot starts at the same
+  (lowest) live worker, so with ``k`` dead slots that worker computes ``k *
+  ceil(rows / L)`` extra rows. ``balanced=True`` instead models an even split
+  of all ``k * rows`` missing rows (``ceil(k * rows / L)`` per worker): what a
+  rotating start would give; it is not what the runtime does today.
+
+A worker's time in a step is ``fixed + (1 - fixed) * load``: ``fixed`` is the
+share of a failure-free step that does not grow with the rows computed (the
+optimizer step, the reduction, the snapshot copy; 0 by default, so that the
+whole step scales, the conservative choice). The step time is the slowest
+worker's (GPUs: a worker has its device to itself). With ``cores`` given (a
+CPU machine where ``G`` workers share ``cores`` cores, one intra-op thread
+each) it is ``max(slowest worker, sum over workers / cores)``, relative to
+the failure-free ``max(1, G / cores)``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = ["POLICY_NAMES", "StepLoad", "dead_runs", "step_load"]
+
+POLICY_NAMES = ("neighbor", "spread", "spread-approx")
+
+
+@dataclass(frozen=True)
+class StepLoad:
+    """A degraded step: its time relative to a failure-free step, and the rows computed approximately."""
+
+    factor: float
+    approx_rows: int
+
+
+def dead_runs(down: Sequence[int], workers: int) -> list[int]:
+    """Lengths of the runs of consecutive dead slots in ring order (``down``: distinct ids)."""
+    if not down:
+        return []
+    ids = sorted(down)
+    if len(ids) >= workers:
+        return [workers]
+    runs, run = [], 1
+    for a, b in zip(ids, ids[1:]):
+        if b == a + 1:
+            run += 1
+        else:
+            runs.append(run)
+            run = 1
+    runs.append(run)
+    if len(runs) > 1 and ids[0] == 0 and ids[-1] == workers - 1:  # the ring closes: first and last run are one
+        runs[0] += runs.pop()
+    return runs
+
+
+def step_load(policy: str, *, workers: int, rows: int, down: Sequence[int], approx: float, svd: float,
+              cores: int | None = None, balanced: bool = False, fixed: float = 0.0) -> StepLoad:
+    """The degraded step of ``policy`` with the workers ``down`` dead.
+
+    Raises:
+        ValueError: unknown policy, or no live worker left (nobody to take over).
+    """
+    if policy not in POLICY_NAMES:
+        raise ValueError(f"policy={policy!r}; valid: {', '.join(POLICY_NAMES)}")
+    if not 0.0 <= fixed < 1.0:
+        raise ValueError(f"fixed={fixed!r} must be in [0, 1): the share of a step that does not scale with rows")
+    k = len(down)
+    live = workers - k
+    if live < 1:
+        raise ValueError(f"{k} of {workers} workers down: no live worker to take over")
+    if k == 0:
+        return StepLoad(1.0, 0)
+    if policy == "neighbor":
+        runs = dead_runs(down, workers)
+        peak = (max(runs) + 1) * approx + svd
+        total = (live - len(runs)) + sum((r + 1) * approx + svd for r in runs)
+        approx_rows = sum(r + 1 for r in runs) * rows
+    else:
+        per = math.ceil(k * rows / live) if balanced else k * math.ceil(rows / live)
+        cost = 1.0 if policy == "spread" else approx
+        peak = 1.0 + per / rows * cost + (svd if policy == "spread-approx" else 0.0)
+        total = live + k * cost + (min(live, k * rows) * svd if policy == "spread-approx" else 0.0)
+        approx_rows = k * rows if policy == "spread-approx" else 0
+    peak = fixed + (1.0 - fixed) * peak
+    total = live * fixed + (1.0 - fixed) * total
+    if cores is None:
+        return StepLoad(peak, approx_rows)
+    return StepLoad(max(peak, total / cores) / max(1.0, workers / cores), approx_rows)
