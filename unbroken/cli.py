@@ -10,7 +10,6 @@ accepted, exit code 2, never a traceback; config errors are reported all at once
 from __future__ import annotations
 
 import argparse
-import textwrap
 import contextlib
 import logging
 import os
@@ -19,34 +18,12 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
-from unbroken.config import PRESETS, SECTIONS, Config, load_config
-from unbroken.mecefo.takeover import POLICIES
+from unbroken.cli_parser import DEFAULT_PRESET, build_parser
+from unbroken.config import SECTIONS, Config, load_config
 from unbroken.runtime.checkpoint import CheckpointError
 from unbroken.runtime.store_backend import StoreAccessDenied
 
 logger = logging.getLogger("unbroken")
-
-DEFAULT_PRESET = "debug"
-
-EPILOG_OVERRIDES = (
-    "Any config field can be set with --SECTION.FIELD=VALUE, sections: "
-    + ", ".join(SECTIONS)
-    + ". Example: --optim.lr=1e-3 --data.seq_len=128."
-)
-
-SHARDING_HELP = """
-
-Sharded optimizer state (--train.shard_optimizer=true, ZeRO-1): each live worker
-keeps AdamW's moments for 1/m of the parameters (m live workers) instead of all
-of them: optimizer memory per worker falls from 8 bytes per parameter to 8/m,
-plus a copy of one peer's slice in its node's host (snapshot) memory, which is
-what rebuilds a failed worker's slice with no rollback. Costs one all-gather of
-the parameters per step and one copy of the slice to the next node, overlapped
-with the next step. Use it when the moments do not fit beside the model (a
-replicated worker holds 16 bytes per parameter before activations); a no-op
-with one worker. Whole-job restores of a sharded run come from the persistent
-checkpoint (every worker writes its slice); --resume may switch it on or off."""
-
 
 def _split_overrides(extra: list[str]) -> tuple[list[str], list[str]]:
     """Separate ``--section.field=value`` (or ``--section.field value``) from the rest."""
@@ -69,14 +46,6 @@ def _split_overrides(extra: list[str]) -> tuple[list[str], list[str]]:
     return overrides, rest
 
 
-def _add_config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--preset", default=None, help=f"named config preset: {', '.join(PRESETS)} (default: "
-                   f"{DEFAULT_PRESET})")
-    p.add_argument("--config", type=Path, default=None, help="TOML file mapping onto the config sections")
-    p.add_argument("--workers", type=int, default=None, help="data-parallel workers/slots (train.workers)")
-    p.add_argument("--steps", type=int, default=None, help="optimizer steps (train.steps)")
-
-
 FLAG_FIELDS = {
     "workers": "train.workers",
     "steps": "train.steps",
@@ -87,10 +56,6 @@ FLAG_FIELDS = {
     "cluster_workers": "fault.cluster_workers",
 }
 """Shorthand flags and the config field each one sets (a subcommand has some of them)."""
-
-CLUSTER_WORKERS_HELP = ("the trace's failure rate is that of a cluster of N workers, of which the job's are a part "
-                        "(fault.cluster_workers; default: the job's own)")
-
 
 def _preset(args: argparse.Namespace) -> str:
     return args.preset or DEFAULT_PRESET
@@ -413,107 +378,6 @@ COMMANDS: dict[str, Callable[[argparse.Namespace, list[str]], int]] = {
     "demo": cmd_demo,
     "simulate-cluster": cmd_simulate_cluster,
 }
-
-
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
-        prog="unbroken",
-        description="Data-parallel LLM pre-training on PyTorch that keeps running through failures.",
-        epilog=EPILOG_OVERRIDES,
-    )
-    ap.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
-    sub = ap.add_subparsers(dest="command", metavar="COMMAND")
-    sub.required = True
-
-    tr = sub.add_parser(
-        "train", help="train with local workers (spawned here; no torchrun needed)",
-        description="Train a LLaMA-style model data-parallel with local worker processes.",
-        epilog=textwrap.fill(EPILOG_OVERRIDES, 80) + SHARDING_HELP, formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    _add_config_args(tr)
-    tr.add_argument("--out", type=Path, default=None, help="run directory (default runs/PRESET-wN)")
-    tr.add_argument("--overwrite", action="store_true", help="replace a run already in --out")
-    tr.add_argument("--resume", type=Path, default=None, metavar="RUN_DIR",
-                    help="continue RUN_DIR from its newest committed checkpoint")
-    _add_cluster_args(tr)
-
-    si = sub.add_parser(
-        "simulate", help="simulate data-parallel workers under a failure trace in one process",
-        description="One process plays every worker of a data-parallel job under a failure trace, "
-        "with the MeCeFO takeover policies and the runtime's gradient code.", epilog=EPILOG_OVERRIDES,
-    )
-    _add_config_args(si)
-    si.add_argument("--slots", dest="workers", type=int, default=None,
-                    help="data-parallel slots = simulated workers (train.workers; same as --workers)")
-    si.add_argument("--trace", default=None, help="failure trace: none, low, mid, high, extreme (fault.trace)")
-    si.add_argument("--policy", default=None,
-                    help=f"takeover policy: {', '.join(POLICIES)} (mecefo.policy)")
-    si.add_argument("--cluster-workers", type=int, default=None, metavar="N", help=CLUSTER_WORKERS_HELP)
-    si.add_argument("--out", type=Path, default=None, help="run directory (default runs/sim-PRESET-wN-TRACE-POLICY)")
-    si.add_argument("--overwrite", action="store_true", help="replace a run already in --out")
-
-    _add_agent_parser(sub)
-    _add_chaos_parser(sub)
-    de = sub.add_parser(
-        "demo", help="the main job: train through a worker kill, a hang and a node loss, then check nothing was lost",
-        description="Train the debug model with 4 workers on 2 nodes and a warm standby per node, inject a worker "
-        "SIGKILL, a SIGSTOP hang and a whole-node loss from outside (each followed by a return to full strength), "
-        "then check from the ledgers that every (step, slot, row) was trained exactly once and compare the "
-        "validation perplexity with a failure-free run of the same job.", epilog=EPILOG_OVERRIDES,
-    )
-    de.add_argument("--out", type=Path, default=Path("runs/default"), help="run directory (default runs/default)")
-    de.add_argument("--steps", type=int, default=400, help="steps to train (default 400)")
-    de.add_argument("--no-faults", action="store_true", help="the same job without any fault")
-    de.add_argument("--overwrite", action="store_true", help="replace a run already in --out")
-
-    rp = sub.add_parser("report", help="summarise a run: failures, stall per failure, lost steps, ledger check",
-                        description="Failures, stall per failure, rejoins and the exactly-once ledger check of a run "
-                        "(exit code 1 if any (step, slot, row) was lost or trained twice), drawn to RUN/report.png "
-                        "with the data in RUN/report.json; with two runs, both overlaid in "
-                        "RUN_A/report-vs-<name of RUN_B>.png.")
-    rp.add_argument("run_dirs", type=Path, nargs="+", metavar="RUN_DIR", help="run directory; a second to compare")
-    rp.add_argument("--json", action="store_true", help="print JSON")
-
-    be = sub.add_parser("bench", help="run a benchmark (prints a table, writes JSON)",
-                        description="Benchmarks; each prints ratios measured side by side and writes JSON.")
-    be.add_argument("name", help="benchmark name, e.g. throughput")
-    be.add_argument("rest", nargs=argparse.REMAINDER, help="arguments of the benchmark (see unbroken bench NAME --help)")
-    sc = sub.add_parser("simulate-cluster", add_help=False,
-                        help="project goodput at cluster scale from measured costs (Monte Carlo; see --help)")
-    sc.add_argument("rest", nargs=argparse.REMAINDER, help="arguments (see unbroken simulate-cluster --help)")
-    return ap
-
-
-def _add_cluster_args(tr: argparse.ArgumentParser) -> None:
-    tr.add_argument("--nodes", type=int, default=None, help="agents (simulated nodes) on this machine (default 1)")
-    tr.add_argument("--workers-per-node", type=int, default=None,
-                    help="workers per node (default train.workers / nodes)")
-    tr.add_argument("--fail-at", default=None, metavar="SPEC",
-                    help="faults, e.g. step=40:worker=2:kill:back=60,step=90:node=1:kill (fault.fail_at)")
-    tr.add_argument("--faults", default=None, metavar="TRACE",
-                    help="failure trace: none, low, mid, high, extreme (fault.trace)")
-    tr.add_argument("--cluster-workers", type=int, default=None, metavar="N", help=CLUSTER_WORKERS_HELP)
-    tr.add_argument("--standby", action="store_true", help="keep a warm standby worker on every node")
-    tr.add_argument("--restart", choices=("on-failure", "never"), default="on-failure",
-                    help="restart dead workers as joiners (default on-failure)")
-    tr.add_argument("--store", default=None, metavar="etcd://HOST:PORT[,...]",
-                    help="the job's store on an etcd cluster (default: embedded in this process)")
-
-
-def _add_agent_parser(sub: Any) -> None:
-    from unbroken.agent.options import add_agent_args
-
-    ag = sub.add_parser("agent", help="run one node's agent (a cluster: one per machine)",
-                        description="Supervise this node's workers of a job whose store runs elsewhere.")
-    add_agent_args(ag)
-
-
-def _add_chaos_parser(sub: Any) -> None:
-    ch = sub.add_parser("chaos", help="inject faults into a running job from outside (real signals)",
-                        description="Send real signals to a running job's processes at given steps.")
-    ch.add_argument("--run-dir", type=Path, required=True, help="the running job's run directory")
-    ch.add_argument("--fail-at", required=True, metavar="SPEC", help="e.g. step=40:worker=2:kill,step=90:node=1:kill")
-    ch.add_argument("--timeout-s", type=float, default=3600.0, help="give up after this long (default 3600)")
 
 
 def main(argv: list[str] | None = None) -> int:
