@@ -64,6 +64,8 @@ logger = logging.getLogger(__name__)
 DEFAULT_PREFIX = "/unbroken"
 REQUEST_TIMEOUT_S = 1.0
 """One HTTP request to one member; past it the next member is tried (a member without quorum answers late)."""
+WAIT_LOG_S = 5.0
+"""While no member answers, a client says so at once and then every this many seconds."""
 WAIT_POLL_S = (0.002, 0.05)
 """A ``get`` of a missing key reads again after this delay, doubling from the first to the second value."""
 COUNTER_CACHE = 256
@@ -118,33 +120,53 @@ def _range_end(prefix: str) -> str:
 
 
 class _Cluster:
-    """HTTP clients of the cluster's members; sends a request to one member, moving on when it fails."""
+    """HTTP clients of the cluster's members; sends a request to one member, moving on when it fails.
 
-    def __init__(self, endpoints: list[tuple[str, int]]) -> None:
+    While no member answers (no quorum, or all down) it keeps trying for ``store_timeout_s`` and says so:
+    a warning at once, then every ``WAIT_LOG_S``. Once it gave up, the store counts as lost: later calls
+    try for ``REQUEST_TIMEOUT_S`` only (the clean stop that follows must not wait the whole timeout again),
+    until a call succeeds.
+    """
+
+    def __init__(self, endpoints: list[tuple[str, int]], store_timeout_s: float) -> None:
         if Etcd3Client is None:
             raise ValueError("an etcd:// store needs the etcd client: pip install 'unbroken[etcd]' (etcd3gw)")
         self.addrs = [f"{h}:{p}" for h, p in endpoints]
         self.clients = [Etcd3Client(host=h, port=p, timeout=REQUEST_TIMEOUT_S, api_path="/v3/") for h, p in endpoints]
         self.current = os.getpid() % len(self.clients)
         self.round_trips = 0
+        self.store_timeout_s = store_timeout_s
+        self.lost = False
 
-    def call(self, path: str, payload: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+    def call(self, path: str, payload: dict[str, Any]) -> dict[str, Any]:
         """POST ``payload`` to ``/v3/<path>`` of a live member; raises :class:`StoreUnavailable` at the deadline."""
-        deadline, last, tries = time.monotonic() + timeout_s, "", 0
+        t0 = time.monotonic()
+        limit = REQUEST_TIMEOUT_S if self.lost else self.store_timeout_s
+        last, tries, next_log = "", 0, 0.0
         while True:
             client = self.clients[self.current]
             try:
                 self.round_trips += 1
-                return client.post(client.get_url(path), json=payload)
+                out = client.post(client.get_url(path), json=payload)
+                if next_log and not self.lost:
+                    logger.warning("etcd: %s answers again after %.1f s", self.addrs[self.current],
+                                   time.monotonic() - t0)
+                self.lost = False
+                return out
             except etcd_exceptions.Etcd3Exception as exc:
                 last = f"{self.addrs[self.current]}: {exc.__class__.__name__} {str(exc)[:200]}"
             tries += 1
-            if time.monotonic() > deadline:
-                raise StoreUnavailable(f"etcd did not answer within {timeout_s:.0f} s (last: {last})")
+            waited = time.monotonic() - t0
+            if waited > limit:
+                self.lost = True
+                raise StoreUnavailable(f"no etcd member answered with quorum for {waited:.0f} s (last: {last})")
             self.current = (self.current + 1) % len(self.clients)
             if tries % len(self.clients) == 0:  # every member failed once: no quorum, or all are down
-                logger.warning("etcd: no member answers (last: %s); retrying", last)
-                time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+                if waited >= next_log and not self.lost:
+                    logger.warning("etcd: no member answers with quorum for %.0f s (last: %s); still trying, the "
+                                   "job stops after %.0f s (fault.store_timeout_s)", waited, last, limit)
+                    next_log = waited + WAIT_LOG_S
+                time.sleep(min(0.2, max(0.0, limit - waited)))
 
 
 class EtcdBackend(StoreBackend):
@@ -155,10 +177,10 @@ class EtcdBackend(StoreBackend):
     that poll every few milliseconds (agents, launcher, a worker's detector during a collective) would keep
     the cluster busy for nothing, so they poll at most this often (hangs are judged over seconds anyway)."""
 
-    def __init__(self, addr: str, secret: str, *, timeout_s: float) -> None:
+    def __init__(self, addr: str, secret: str, *, timeout_s: float, store_timeout_s: float | None = None) -> None:
         endpoints, prefix = parse_etcd(addr)
         self.addr, self.timeout_s = addr, timeout_s
-        self.cluster = _Cluster(endpoints)
+        self.cluster = _Cluster(endpoints, timeout_s if store_timeout_s is None else store_timeout_s)
         self.ns = f"{prefix}/{_namespace(secret)}"
         self._me = uuid.uuid4().hex[:12]
         self._seq = itertools.count(1)
@@ -172,7 +194,11 @@ class EtcdBackend(StoreBackend):
         return self.cluster.round_trips
 
     def _call(self, path: str, payload: dict[str, Any]) -> dict[str, Any]:
-        return self.cluster.call(path, payload, self.timeout_s)
+        return self.cluster.call(path, payload)
+
+    def set_store_timeout(self, seconds: float) -> None:
+        """Wait up to ``seconds`` for a quorum before an operation fails (``fault.store_timeout_s``)."""
+        self.cluster.store_timeout_s = seconds
 
     def _k(self, key: str) -> str:
         return _b64(self.ns + key)
@@ -312,7 +338,7 @@ class EtcdBackend(StoreBackend):
         return int(out.get("deleted", 0))
 
     @classmethod
-    def connect(cls, addr: str, *, timeout_s: float, secret: str) -> EtcdBackend:
+    def connect(cls, addr: str, *, timeout_s: float, secret: str, store_timeout_s: float | None = None) -> EtcdBackend:
         """A client of the job of ``secret`` on the etcd cluster at ``addr``.
 
         Raises:
@@ -320,7 +346,7 @@ class EtcdBackend(StoreBackend):
             ConnectionError: no member answered within ``timeout_s`` (says what to check).
             StoreAccessDenied: the cluster holds no job under this secret.
         """
-        backend = cls(addr, secret, timeout_s=timeout_s)
+        backend = cls(addr, secret, timeout_s=timeout_s, store_timeout_s=store_timeout_s)
         try:
             present = backend.check(["job"])
         except StoreUnavailable as exc:

@@ -83,13 +83,14 @@ class JobStore:
         self.backend = backend
 
     @classmethod
-    def connect(cls, addr: str, *, timeout_s: float, secret: str) -> JobStore:
+    def connect(cls, addr: str, *, timeout_s: float, secret: str, store_timeout_s: float | None = None) -> JobStore:
         """Connect to the job's store at ``HOST:PORT`` (see :meth:`TCPStoreBackend.connect`) or on the etcd
-        cluster of an ``etcd://`` address (see :meth:`~unbroken.runtime.etcd_backend.EtcdBackend.connect`)."""
+        cluster of an ``etcd://`` address (see :meth:`~unbroken.runtime.etcd_backend.EtcdBackend.connect`);
+        ``store_timeout_s``: see :meth:`set_store_timeout` (None: ``timeout_s``)."""
         if addr.startswith(ETCD_SCHEME):
             from unbroken.runtime.etcd_backend import EtcdBackend  # optional dependency, imported on use
 
-            return cls(EtcdBackend.connect(addr, timeout_s=timeout_s, secret=secret))
+            return cls(EtcdBackend.connect(addr, timeout_s=timeout_s, secret=secret, store_timeout_s=store_timeout_s))
         return cls(TCPStoreBackend.connect(addr, timeout_s=timeout_s, secret=secret))
 
     @classmethod
@@ -111,6 +112,11 @@ class JobStore:
 
     def num_keys(self) -> int:
         return self.backend.num_keys()
+
+    def set_store_timeout(self, seconds: float) -> None:
+        """Let an operation wait up to ``seconds`` for an unanswering store (etcd without quorum) before it
+        raises a ``torch.distributed.DistStoreError`` (``fault.store_timeout_s``)."""
+        self.backend.set_store_timeout(seconds)
 
     @property
     def poll_s(self) -> float:

@@ -86,6 +86,10 @@ class StoreBackend(ABC):
     poll_s: float = 0.0
     """The shortest sensible interval between two polls of the same keys by a supervising loop (0: no floor)."""
 
+    def set_store_timeout(self, seconds: float) -> None:
+        """How long an operation waits for an unanswering store before it fails (``fault.store_timeout_s``).
+        Only a replicated store waits (etcd, for a quorum); the embedded store's loss is seen at once."""
+
     @abstractmethod
     def get(self, key: str) -> bytes: ...
     @abstractmethod
