@@ -40,6 +40,7 @@ import base64
 import itertools
 import json
 import logging
+import math
 import os
 import time
 import uuid
@@ -70,12 +71,18 @@ WAIT_POLL_S = (0.002, 0.05)
 """A ``get`` of a missing key reads again after this delay, doubling from the first to the second value."""
 COUNTER_CACHE = 256
 """At most this many counters' last written revisions are remembered by a client."""
+LEASE_REFRESH = 1 / 3
+"""A client's lease is refreshed once this fraction of its TTL has passed since the last refresh."""
 MARKER = "\x00add\x00"
 """An adder's marker key is the counter's key + this + the adder's id (sorted right after the counter)."""
 
 
 class StoreUnavailable(dist.DistStoreError):
     """No member of the etcd cluster answered (with quorum) within the operation's timeout."""
+
+
+class RequestRefused(dist.DistStoreError):
+    """A member answered that the request itself is wrong (HTTP 4xx, e.g. a lease that expired)."""
 
 
 def is_etcd(addr: str) -> bool:
@@ -154,6 +161,8 @@ class _Cluster:
                 self.lost = False
                 return out
             except etcd_exceptions.Etcd3Exception as exc:
+                if type(exc) is etcd_exceptions.Etcd3Exception:  # an HTTP 4xx: every member would refuse it
+                    raise RequestRefused(f"etcd refused {path}: {exc} {str(exc.detail_text)[:200]}") from None
                 last = f"{self.addrs[self.current]}: {exc.__class__.__name__} {str(exc)[:200]}"
             tries += 1
             waited = time.monotonic() - t0
@@ -185,6 +194,9 @@ class EtcdBackend(StoreBackend):
         self._me = uuid.uuid4().hex[:12]
         self._seq = itertools.count(1)
         self._counters: dict[str, dict[str, Any]] = {}  # key -> the kv this client last wrote (add)
+        self._leased: set[str] = set()  # keys written under this client's lease (lease_keys)
+        self._lease_ttl, self._lease_id, self._lease_refreshed = 0, "", 0.0
+        self.lease_round_trips = 0  # requests that granted or refreshed the lease (the benchmark counts them)
 
     # -- plumbing ---------------------------------------------------------------
 
@@ -217,8 +229,9 @@ class EtcdBackend(StoreBackend):
     def _read(self, key: str) -> dict[str, Any]:
         return {"request_range": {"key": self._k(key)}}
 
-    def _put(self, key: str, value: str | bytes) -> dict[str, Any]:
-        return {"request_put": {"key": self._k(key), "value": _b64(value)}}
+    def _put(self, key: str, value: str | bytes, lease: str = "") -> dict[str, Any]:
+        put = {"key": self._k(key), "value": _b64(value)}
+        return {"request_put": {**put, "lease": lease} if lease else put}
 
     @staticmethod
     def _kv(response: dict[str, Any]) -> dict[str, Any] | None:
@@ -292,8 +305,15 @@ class EtcdBackend(StoreBackend):
             guard = ({"key": self._k(key), "target": "CREATE", "result": "EQUAL", "create_revision": "0"}
                      if kv is None else
                      {"key": self._k(key), "target": "MOD", "result": "EQUAL", "mod_revision": kv["mod_revision"]})
-            puts = [self._put(key, str(base + amount))] + ([self._put(marker, token)] if amount else [])
-            ok, responses, revision = self._txn_rev([guard], puts, [self._read(key)])
+            lease = self._lease() if key in self._leased else ""
+            puts = [self._put(key, str(base + amount), lease)] + ([self._put(marker, token, lease)] if amount else [])
+            try:
+                ok, responses, revision = self._txn_rev([guard], puts, [self._read(key)])
+            except RequestRefused:
+                if not lease:
+                    raise
+                self._lease_id = ""  # it expired after its refresh (this process stood still): a new one
+                continue
             if ok:
                 if amount:
                     if len(self._counters) >= COUNTER_CACHE:
@@ -303,6 +323,33 @@ class EtcdBackend(StoreBackend):
             kv = self._kv(responses[0])
             if amount and self._landed(marker, token):
                 return int(_unb64(kv.get("value")) or b"0") if kv else base + amount
+
+    def lease_keys(self, keys: list[str], ttl_s: float) -> None:
+        """Write ``keys`` (counters this client adds to) under a lease of ``ttl_s`` seconds (whole, at least
+        2), refreshed by this client's adds: once it stops, etcd deletes them ``ttl_s`` later by itself."""
+        self._leased = set(keys)
+        self._lease_ttl, self._lease_id = max(2, math.ceil(ttl_s)), ""
+
+    def _lease(self) -> str:
+        """This client's live lease: granted on first use, refreshed once ``LEASE_REFRESH`` of it has passed,
+        granted anew if it expired (one round trip when due, none otherwise)."""
+        now = time.monotonic()
+        if self._lease_id and now - self._lease_refreshed > LEASE_REFRESH * self._lease_ttl:
+            self.lease_round_trips += 1
+            out = self._call("lease/keepalive", {"ID": self._lease_id}).get("result", {})
+            self._lease_id = self._lease_id if int(out.get("TTL", 0)) > 0 else ""
+            self._lease_refreshed = now
+        if not self._lease_id:
+            self.lease_round_trips += 1
+            self._lease_id = str(self._call("lease/grant", {"TTL": self._lease_ttl})["ID"])
+            self._lease_refreshed = now
+            for key in self._leased:
+                self._counters.pop(key, None)  # gone with the old lease, if it expired: read them again
+        return self._lease_id
+
+    def get_present(self, keys: list[str]) -> list[bytes | None]:
+        kvs = self._read_many(keys)
+        return [None if kv is None else _unb64(kv.get("value")) for kv in kvs]
 
     def _landed(self, marker: str, token: str) -> bool:
         """An earlier try of this add committed although its answer was lost (the retry found our marker)."""
