@@ -7,11 +7,14 @@ and measures, alternating the two stores so that drift cancels:
 
 1. **operation latency**: median of each job-store operation (set, get,
    compare-and-set, add, check, multi_get of 4 keys) from a client process;
-2. **failure-free step time**: median step time after warm-up of the same job on
-   each store, interleaved ``--repeats`` times; ratio etcd / TCPStore (target <= 1.02);
+2. **failure-free step time**: median step time after warm-up of the same short job
+   on each store, ``--repeats`` pairs in ABBA order (TCP, etcd, etcd, TCP, ...): the
+   ratio etcd / TCPStore of each pair, their median (target <= 1.02) and spread;
+   and, exact counts, the requests one worker's heartbeat thread sends per second
+   (and how many keep its lease alive);
 3. **store operations per step**: the step protocol's own requests per step
    (counted exactly, in-process, over 100 and 400 steps); and requests the etcd members served (their
-   ``grpc_server_handled_total`` for the KV service), per committed step and
+   ``grpc_server_handled_total`` for the KV and lease services), per committed step and
    per worker, over the first and the second half of the steady steps of a run
    (equal halves: O(1) per step, independent of the step count); also per second;
 4. **stall per crash and per hang** on each store (``unbroken report``'s stall:
@@ -58,8 +61,8 @@ def _cfg(a: argparse.Namespace, *extra: str) -> Config:
         f"train.steps={a.steps}", "train.val_every=0", "train.val_batches=1", *extra])
 
 
-def _kv_requests(url: str) -> int:
-    """KV requests served so far by the cluster's live members (their Prometheus counters)."""
+def _etcd_requests(url: str) -> int:
+    """KV and lease requests served so far by the cluster's live members (their Prometheus counters)."""
     total = 0
     for host, port in parse_etcd(url)[0]:
         try:
@@ -67,7 +70,8 @@ def _kv_requests(url: str) -> int:
         except requests.RequestException:
             continue  # a member killed by the benchmark
         total += sum(int(float(line.rsplit(" ", 1)[1])) for line in text.splitlines()
-                     if line.startswith("grpc_server_handled_total{") and 'grpc_service="etcdserverpb.KV"' in line)
+                     if line.startswith("grpc_server_handled_total{")
+                     and any(f'grpc_service="etcdserverpb.{svc}"' in line for svc in ("KV", "Lease")))
     return total
 
 
@@ -128,6 +132,24 @@ def _protocol_requests(url: str, tmp: Path) -> dict[str, float]:
     return out
 
 
+def _heartbeat_requests(url: str, seconds: float = 4.0) -> dict[str, float]:
+    """etcd requests per second of one worker's heartbeat thread (exact count, in-process), and how many of
+    them keep its lease alive (the requests the lease adds to plain counters)."""
+    store = JobStore.create_on_etcd(url, timeout_s=10, secret="bench-heartbeat", job={"bench": "store"})
+    m = Membership(store, 0, heartbeat_timeout_s=2.0)
+    store.publish_initial(View(gen=0, members=(0,), step=0))
+    m.start_heartbeat()
+    backend = store.backend
+    time.sleep(0.5)
+    before, leases, t0 = backend.round_trips, backend.lease_round_trips, time.monotonic()  # type: ignore[attr-defined]
+    time.sleep(seconds)
+    n, n_lease, dt = (backend.round_trips - before, backend.lease_round_trips - leases,  # type: ignore[attr-defined]
+                      time.monotonic() - t0)
+    m.stop()
+    backend.clear()  # type: ignore[attr-defined]
+    return {"per_s": n / dt, "lease_per_s": n_lease / dt, "seconds": dt}
+
+
 def _run(a: argparse.Namespace, tmp: Path, name: str, cfg: Config, store: str | None,
          probe: Callable[[int], None] | None = None, **kw: Any) -> dict[str, Any]:
     run_dir = tmp / name
@@ -141,26 +163,34 @@ def _run(a: argparse.Namespace, tmp: Path, name: str, cfg: Config, store: str | 
 
 
 def _steady(a: argparse.Namespace, tmp: Path, url: str) -> dict[str, Any]:
-    """Failure-free step time on each store, interleaved; etcd requests per step over two halves."""
-    medians: dict[str, list[float]] = {"tcp": [], "etcd": []}
+    """Failure-free step time: ``--repeats`` pairs of short jobs, TCPStore and etcd alternating in ABBA order
+    (drift cancels); per-pair ratios, their median and spread; etcd requests per step over two halves."""
+    pairs: list[dict[str, Any]] = []
     halves: list[dict[str, float]] = []
+    workers = a.nodes * a.workers_per_node
     for rep in range(a.repeats):
-        medians["tcp"].append(_run(a, tmp, f"steady_tcp{rep}", _cfg(a), None)["median_step_s"])
-        marks = {a.steps // 4: 0.0, a.steps // 2 + a.steps // 8: 0.0, a.steps: 0.0}
-        seen: dict[int, tuple[int, float]] = {}
+        medians: dict[str, float] = {}
+        for name in ("tcp", "etcd") if rep % 2 == 0 else ("etcd", "tcp"):
+            if name == "tcp":
+                medians["tcp"] = _run(a, tmp, f"steady_tcp{rep}", _cfg(a), None)["median_step_s"]
+                continue
+            marks = {a.steps // 4: 0.0, a.steps // 2 + a.steps // 8: 0.0, a.steps: 0.0}
+            seen: dict[int, tuple[int, float]] = {}
 
-        def probe(step: int) -> None:
-            if step in marks and step not in seen:
-                seen[step] = (_kv_requests(url), time.monotonic())
+            def probe(step: int) -> None:
+                if step in marks and step not in seen:
+                    seen[step] = (_etcd_requests(url), time.monotonic())
 
-        medians["etcd"].append(_run(a, tmp, f"steady_etcd{rep}", _cfg(a), url, probe=probe)["median_step_s"])
-        (s0, (r0, t0)), (s1, (r1, t1)), (s2, (r2, t2)) = sorted(seen.items())
-        workers = a.nodes * a.workers_per_node
-        halves.append({"first_half": (r1 - r0) / (s1 - s0) / workers, "second_half": (r2 - r1) / (s2 - s1) / workers,
-                       "per_worker_per_s": (r2 - r0) / (t2 - t0) / workers,
-                       "steps": [s0, s1, s2]})
-    return {"median_step_s": medians, "protocol_requests": _protocol_requests(url, tmp),
-            "ratio_etcd_vs_tcp": statistics.median(medians["etcd"]) / statistics.median(medians["tcp"]),
+            medians["etcd"] = _run(a, tmp, f"steady_etcd{rep}", _cfg(a), url, probe=probe)["median_step_s"]
+            (s0, (r0, t0)), (s1, (r1, t1)), (s2, (r2, t2)) = sorted(seen.items())
+            halves.append({"first_half": (r1 - r0) / (s1 - s0) / workers,
+                           "second_half": (r2 - r1) / (s2 - s1) / workers,
+                           "per_worker_per_s": (r2 - r0) / (t2 - t0) / workers, "steps": [s0, s1, s2]})
+        pairs.append({**medians, "ratio": medians["etcd"] / medians["tcp"]})
+    ratios = sorted(p["ratio"] for p in pairs)
+    return {"pairs": pairs, "ratio_etcd_vs_tcp": statistics.median(ratios), "ratio_min_max": [ratios[0], ratios[-1]],
+            "median_step_s": {n: [p[n] for p in pairs] for n in ("tcp", "etcd")},
+            "protocol_requests": _protocol_requests(url, tmp), "heartbeat_requests": _heartbeat_requests(url),
             "target": 1.02, "etcd_requests_per_worker_per_step": halves}
 
 
@@ -200,7 +230,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--nodes", type=int, default=1)
     ap.add_argument("--workers-per-node", type=int, default=2)
     ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--repeats", type=int, default=2, help="interleaved failure-free runs on each store")
+    ap.add_argument("--repeats", type=int, default=6,
+                    help="pairs of failure-free runs, one on each store, alternating in ABBA order")
     ap.add_argument("--ops", type=int, default=300, help="samples per operation for the latencies")
     ap.add_argument("--store", default=None, help="an etcd cluster to use (default: start 3 members on loopback)")
     ap.add_argument("--parts", default="latency,steady,faults", help="which measurements to run")
@@ -238,8 +269,13 @@ def _print(r: dict[str, Any]) -> None:
                                                    for op in lat["tcp"]) + "  (TCPStore/etcd)")
     if "steady" in r:
         s = r["steady"]
-        print(f"failure-free step time etcd / TCPStore: {s['ratio_etcd_vs_tcp']:.3f} (target <= {s['target']}); "
-              f"medians {s['median_step_s']}")
+        print(f"failure-free step time etcd / TCPStore: {s['ratio_etcd_vs_tcp']:.3f} (median of "
+              f"{len(s['pairs'])} pairs; target <= {s['target']}); medians {s['median_step_s']}")
+        print(f"  per-pair ratios (ABBA order): {[round(p['ratio'], 3) for p in s['pairs']]}; "
+              f"min {s['ratio_min_max'][0]:.3f}, max {s['ratio_min_max'][1]:.3f}")
+        hb = s["heartbeat_requests"]
+        print(f"  one worker's heartbeat thread: {hb['per_s']:.1f} etcd requests per second, {hb['lease_per_s']:.2f} "
+              f"of them for its lease (exact count)")
         pr = s["protocol_requests"]
         print("  the step protocol's own etcd requests per step (exact count, one member): "
               + ", ".join(f"{v:.2f} {k.replace('_', ' ')}" for k, v in pr.items()))
