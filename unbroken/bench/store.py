@@ -17,9 +17,11 @@ and measures, alternating the two stores so that drift cancels:
    ``grpc_server_handled_total`` for the KV and lease services), per committed step and
    per worker, over the first and the second half of the steady steps of a run
    (equal halves: O(1) per step, independent of the step count); also per second;
-4. **stall per crash and per hang** on each store (``unbroken report``'s stall:
+4. **watch or poll** (``--parts watch``, not run by default): from a put to the
+   wake-up of a client waiting for the key, an etcd watch against the polling ``get``;
+5. **stall per crash and per hang** on each store (``unbroken report``'s stall:
    the survivors' gap between applied steps minus a normal step);
-5. **etcd leader loss**: the leader is SIGKILLed mid-run (``store=I:kill``); its
+6. **etcd leader loss**: the leader is SIGKILLed mid-run (``store=I:kill``); its
    stall (the longest step around the kill minus the median step) and the steps
    lost (target: <= 1 s, 0).
 """
@@ -31,6 +33,7 @@ import json
 import os
 import statistics
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -150,6 +153,45 @@ def _heartbeat_requests(url: str, seconds: float = 4.0) -> dict[str, float]:
     return {"per_s": n / dt, "lease_per_s": n_lease / dt, "seconds": dt}
 
 
+def _watch_vs_poll(url: str, rounds: int = 20) -> dict[str, Any]:
+    """Milliseconds from a put to the wake-up of a client waiting for that key: an etcd watch (etcd3gw, through
+    the gateway) against the backend's polling ``get``; and whether a watch's timeout fires."""
+    from etcd3gw.client import Etcd3Client
+    from etcd3gw.exceptions import WatchTimedOut
+
+    backend = JobStore.create_on_etcd(url, timeout_s=10, secret="bench-watch", job={"bench": "store"}).backend
+    host, port = parse_etcd(url)[0][backend.cluster.current]  # type: ignore[attr-defined]
+    client = Etcd3Client(host=host, port=port, timeout=5, api_path="/v3/")
+    t0 = time.monotonic()
+    try:
+        client.watch_once(backend.ns + "never", timeout=0.5)  # type: ignore[attr-defined]
+        timeout_fires = None
+    except WatchTimedOut:
+        timeout_fires = time.monotonic() - t0
+    wake: dict[str, list[float]] = {"watch": [], "poll": []}
+    for i in range(rounds):
+        for how in wake:
+            key, put_at = f"{how}{i}", [0.0]
+
+            def writer(key: str = key, put_at: list[float] = put_at) -> None:
+                time.sleep(0.1)
+                put_at[0] = time.monotonic()
+                backend.set(key, "1")
+
+            thread = threading.Thread(target=writer)
+            thread.start()
+            if how == "watch":
+                client.watch_once(backend.ns + key, timeout=5)  # type: ignore[attr-defined]
+            else:
+                backend.get(key)
+            woke = time.monotonic()
+            thread.join()
+            wake[how].append(1e3 * (woke - put_at[0]))
+    backend.clear()  # type: ignore[attr-defined]
+    return {"wake_ms_median": {k: statistics.median(v) for k, v in wake.items()},
+            "wake_ms_max": {k: max(v) for k, v in wake.items()}, "watch_timeout_0.5s_fired_after_s": timeout_fires}
+
+
 def _run(a: argparse.Namespace, tmp: Path, name: str, cfg: Config, store: str | None,
          probe: Callable[[int], None] | None = None, **kw: Any) -> dict[str, Any]:
     run_dir = tmp / name
@@ -237,9 +279,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--parts", default="latency,steady,faults", help="which measurements to run")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/store.json"))
     a, a.overrides = parse_with_overrides(ap, argv)
-    unknown = set(a.parts.split(",")) - {"latency", "steady", "faults"}
+    unknown = set(a.parts.split(",")) - {"latency", "steady", "faults", "watch"}
     if unknown:
-        raise ValueError(f"--parts: unknown {', '.join(sorted(unknown))}; valid: latency, steady, faults")
+        raise ValueError(f"--parts: unknown {', '.join(sorted(unknown))}; valid: latency, steady, faults, watch")
     cluster = None if a.store else LocalEtcd(3)
     url = a.store or cluster.url  # type: ignore[union-attr]
     result: dict[str, Any] = {"benchmark": "store", "preset": a.preset, "nodes": a.nodes, "steps": a.steps,
@@ -250,6 +292,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 result["latency_us"] = _latency(url, a.ops)
             if "steady" in a.parts:
                 result["steady"] = _steady(a, Path(tmp), url)
+            if "watch" in a.parts:
+                result["watch"] = _watch_vs_poll(url)
             if "faults" in a.parts:
                 result["faults"] = _faults(a, Path(tmp), url, cluster)
     finally:
@@ -283,6 +327,12 @@ def _print(r: dict[str, Any]) -> None:
             print(f"  etcd requests per worker per step: {h['first_half']:.1f} (steps {h['steps'][0]}-{h['steps'][1]})"
                   f", {h['second_half']:.1f} (steps {h['steps'][1]}-{h['steps'][2]}); "
                   f"{h['per_worker_per_s']:.1f} per worker per second")
+    if "watch" in r:
+        w = r["watch"]
+        print(f"waiting for a key, put to wake-up (ms, median/max): watch {w['wake_ms_median']['watch']:.1f}/"
+              f"{w['wake_ms_max']['watch']:.1f}, polling get {w['wake_ms_median']['poll']:.1f}/"
+              f"{w['wake_ms_max']['poll']:.1f}; a 0.5 s watch timeout fired after "
+              f"{w['watch_timeout_0.5s_fired_after_s']} s")
     if "faults" in r:
         f = r["faults"]
         for name in ("tcp", "etcd"):
