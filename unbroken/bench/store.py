@@ -16,7 +16,8 @@ and measures, alternating the two stores so that drift cancels:
    (counted exactly, in-process, over 100 and 400 steps); and requests the etcd members served (their
    ``grpc_server_handled_total`` for the KV and lease services), per committed step and
    per worker, over the first and the second half of the steady steps of a run
-   (equal halves: O(1) per step, independent of the step count); also per second;
+   (equal halves: O(1) per step, independent of the step count); also per second,
+   with the CPU time the members used per second (they share the machine's cores);
 4. **watch or poll** (``--parts watch``, not run by default): from a put to the
    wake-up of a client waiting for the key, an etcd watch against the polling ``get``;
 5. **stall per crash and per hang** on each store (``unbroken report``'s stall:
@@ -76,6 +77,25 @@ def _etcd_requests(url: str) -> int:
                      if line.startswith("grpc_server_handled_total{")
                      and any(f'grpc_service="etcdserverpb.{svc}"' in line for svc in ("KV", "Lease")))
     return total
+
+
+def _cpu_s(pids: list[int]) -> float:
+    """CPU seconds (user + system) the processes ``pids`` used so far (0 for one that is gone)."""
+    total = 0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])
+        except (OSError, IndexError, ValueError):
+            continue
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def _member_pids(cluster: LocalEtcd | None) -> list[int]:
+    if cluster is not None:
+        return [p.pid for p in cluster.procs if p is not None]
+    path = os.environ.get(STORE_PIDS_ENV)
+    return [int(v) for v in json.loads(Path(path).read_text()).values()] if path else []
 
 
 def _latency(url: str, ops: int) -> dict[str, dict[str, float]]:
@@ -204,7 +224,7 @@ def _run(a: argparse.Namespace, tmp: Path, name: str, cfg: Config, store: str | 
             "summary": summary, "report": summarize_run(run_dir)}
 
 
-def _steady(a: argparse.Namespace, tmp: Path, url: str) -> dict[str, Any]:
+def _steady(a: argparse.Namespace, tmp: Path, url: str, pids: list[int]) -> dict[str, Any]:
     """Failure-free step time: ``--repeats`` pairs of short jobs, TCPStore and etcd alternating in ABBA order
     (drift cancels); per-pair ratios, their median and spread; etcd requests per step over two halves."""
     pairs: list[dict[str, Any]] = []
@@ -217,17 +237,18 @@ def _steady(a: argparse.Namespace, tmp: Path, url: str) -> dict[str, Any]:
                 medians["tcp"] = _run(a, tmp, f"steady_tcp{rep}", _cfg(a), None)["median_step_s"]
                 continue
             marks = {a.steps // 4: 0.0, a.steps // 2 + a.steps // 8: 0.0, a.steps: 0.0}
-            seen: dict[int, tuple[int, float]] = {}
+            seen: dict[int, tuple[int, float, float]] = {}
 
             def probe(step: int) -> None:
                 if step in marks and step not in seen:
-                    seen[step] = (_etcd_requests(url), time.monotonic())
+                    seen[step] = (_etcd_requests(url), time.monotonic(), _cpu_s(pids))
 
             medians["etcd"] = _run(a, tmp, f"steady_etcd{rep}", _cfg(a), url, probe=probe)["median_step_s"]
-            (s0, (r0, t0)), (s1, (r1, t1)), (s2, (r2, t2)) = sorted(seen.items())
+            (s0, (r0, t0, c0)), (s1, (r1, _, _)), (s2, (r2, t2, c2)) = sorted(seen.items())
             halves.append({"first_half": (r1 - r0) / (s1 - s0) / workers,
                            "second_half": (r2 - r1) / (s2 - s1) / workers,
-                           "per_worker_per_s": (r2 - r0) / (t2 - t0) / workers, "steps": [s0, s1, s2]})
+                           "per_worker_per_s": (r2 - r0) / (t2 - t0) / workers, "steps": [s0, s1, s2],
+                           "members_cpu_s_per_s": (c2 - c0) / (t2 - t0) if pids else None})
         pairs.append({**medians, "ratio": medians["etcd"] / medians["tcp"]})
     ratios = sorted(p["ratio"] for p in pairs)
     return {"pairs": pairs, "ratio_etcd_vs_tcp": statistics.median(ratios), "ratio_min_max": [ratios[0], ratios[-1]],
@@ -291,7 +312,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             if "latency" in a.parts:
                 result["latency_us"] = _latency(url, a.ops)
             if "steady" in a.parts:
-                result["steady"] = _steady(a, Path(tmp), url)
+                result["steady"] = _steady(a, Path(tmp), url, _member_pids(cluster))
             if "watch" in a.parts:
                 result["watch"] = _watch_vs_poll(url)
             if "faults" in a.parts:
@@ -326,7 +347,8 @@ def _print(r: dict[str, Any]) -> None:
         for h in s["etcd_requests_per_worker_per_step"]:
             print(f"  etcd requests per worker per step: {h['first_half']:.1f} (steps {h['steps'][0]}-{h['steps'][1]})"
                   f", {h['second_half']:.1f} (steps {h['steps'][1]}-{h['steps'][2]}); "
-                  f"{h['per_worker_per_s']:.1f} per worker per second")
+                  f"{h['per_worker_per_s']:.1f} per worker per second; the members used "
+                  f"{h['members_cpu_s_per_s'] or 0:.2f} CPU-s per s")
     if "watch" in r:
         w = r["watch"]
         print(f"waiting for a key, put to wake-up (ms, median/max): watch {w['wake_ms_median']['watch']:.1f}/"
