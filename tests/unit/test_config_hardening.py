@@ -19,7 +19,7 @@ from unbroken.config import Config, config_diff, config_hash, load_config, valid
 pytestmark = pytest.mark.timeout(60)
 
 REPO = Path(__file__).resolve().parents[2]
-FLOAT_FIELDS = ("train.timeout_s", "fault.heartbeat_timeout_s", "fault.job_hours", "optim.lr")
+FLOAT_FIELDS = ("train.timeout_s", "fault.heartbeat_timeout_s", "fault.store_timeout_s", "fault.job_hours", "optim.lr")
 
 
 # -- 2. inf / nan ----------------------------------------------------------------
@@ -56,6 +56,13 @@ def test_validate_catches_non_finite_values_set_in_code() -> None:
     assert "fault.heartbeat_timeout_s=nan: must be a finite number > 0" in errors
     assert "fault.job_hours=inf: must be a finite number > 0" in errors
 
+
+
+def test_store_timeout_is_checked_and_changes_nothing_trained() -> None:
+    cfg = Config()
+    cfg.fault.store_timeout_s = 0.0
+    assert "fault.store_timeout_s=0.0: must be a finite number > 0" in "\n".join(validate(cfg))
+    assert config_hash(load_config(overrides=["fault.store_timeout_s=5"])) == config_hash(load_config())
 
 # -- 3. train.backend is gone, old files still load ------------------------------
 

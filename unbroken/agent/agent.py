@@ -147,11 +147,15 @@ class Agent:
             cfg = self.rdv.check_config(self.run_dir)
             self.total_steps = int(cfg["train"]["steps"])
             self._hb_timeout = float(cfg["fault"]["heartbeat_timeout_s"])
+            job_cfg = Config.from_dict(cfg)
+            for store in (self.store, self._server):  # from now on the job's own patience with its store
+                if store is not None:
+                    store.set_store_timeout(job_cfg.fault.store_timeout_s)
             limits = self.opts.startup_limits(heartbeat_timeout_s=self._hb_timeout)
             self.watch = StartupWatch(self.store, limits, node=self.node)
             self.restorer = JobRestore(self.store, node=self.node, nnodes=self.opts.nnodes,
                                        workers_per_node=self.opts.workers_per_node, run_dir=self.run_dir,
-                                       config_hash=config_hash(Config.from_dict(cfg)), event=self._event)
+                                       config_hash=config_hash(job_cfg), event=self._event)
             if self.opts.resume_memory and not self.store.has_view():
                 self.restorer.first_view(lambda: self.rdv.heartbeat(time.monotonic()), LOOP_S)
             view = self.rdv.initial_view(self.opts.n_workers, self.opts.start_step)

@@ -46,7 +46,7 @@ from unbroken.agent.options import RESTART_POLICIES
 from unbroken.config import Config, config_hash
 from unbroken.faults.fail_at import FaultSpec, parse_fail_at, trace_to_faults, write_fault_plan
 from unbroken.faults.injector import check_faults
-from unbroken.faults.store_loss import StoreFaults
+from unbroken.faults.store_loss import StoreFaults, store_lost_message
 from unbroken.faults.traces import FailureTrace, generate_trace, step_time_for
 from unbroken.jsonl import JsonlTail, read_jsonl
 from unbroken.runtime.checkpoint import latest_checkpoint, read_commit
@@ -74,6 +74,10 @@ POLL_S = 0.05
 
 class JobFailed(RuntimeError):
     """No live worker is left: the job cannot go on by itself (the message says how to continue)."""
+
+
+class StoreLost(JobFailed):
+    """The job store did not answer for ``fault.store_timeout_s``: every agent and worker was stopped."""
 
 
 class AgentFailed(RuntimeError):
@@ -197,8 +201,10 @@ class _StoreHost:
 
     def _host(self) -> JobStore:
         if self.url:
-            return JobStore.create_on_etcd(self.url, timeout_s=self.cfg.train.timeout_s, secret=self.secret,
-                                           job=self.job)
+            store = JobStore.create_on_etcd(self.url, timeout_s=self.cfg.train.timeout_s, secret=self.secret,
+                                            job=self.job)
+            store.set_store_timeout(self.cfg.fault.store_timeout_s)
+            return store
         return JobStore.host(self.cfg.train.host, self.cfg.train.port, clients=self.clients, secret=self.secret)
 
     def close(self) -> None:
@@ -207,7 +213,8 @@ class _StoreHost:
             try:
                 self.store.backend.clear()  # type: ignore[attr-defined]
             except dist.DistError as exc:
-                logger.warning("could not delete the job's keys on %s: %s", self.url, exc)
+                logger.warning("could not delete the job's keys on %s (%s); once it answers: etcdctl del --prefix %s",
+                               self.url, str(exc).splitlines()[0], self.store.backend.ns)  # type: ignore[attr-defined]
 
     def replace(self, config_text: str) -> JobStore:
         """Close the store (every agent of the attempt is stopped) and host an empty one; returns it.
@@ -276,6 +283,8 @@ def _attempt(store: JobStore, addr: str, cfg: Config, run_dir: Path,
                 agents.append(_spawn_agent(r, cfg, run_dir, addr, **agent_args))
             return _supervise(agents, store, run_dir, cfg, on_record, events=events, on_event=on_event,
                               replacer=replacer, store_faults=store_faults)
+        except dist.DistStoreError as exc:
+            raise StoreLost(store_lost_message(str(exc).splitlines()[0], addr, run_dir)) from None
         finally:
             _stop_agents(agents)
             for e in events.poll():  # the exits of the agents' shutdown, for events.jsonl

@@ -119,7 +119,7 @@ def _snapshot_memory(run_dir: Path, cfg: Config) -> bool:
 
 
 _VOLATILE = {"train.host", "train.port", "train.log_every", "train.threads_per_worker", "train.timeout_s",
-             "train.keep_checkpoints", "train.shard_optimizer", "data.cache_dir"}
+             "train.keep_checkpoints", "train.shard_optimizer", "data.cache_dir", "fault.store_timeout_s"}
 
 
 def _truncate_metrics(path: Path, step: int) -> None:

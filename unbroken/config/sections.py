@@ -171,6 +171,11 @@ class FaultConfig:
     all-reduce, vote) for this long while its peers wait for it is declared hung, even though its
     heartbeat thread still beats (a main thread stuck outside Python). Longer than the slowest
     phase of a step: a forward or backward pass of the largest micro-batch a worker computes."""
+    store_timeout_s: float = 60.0
+    """How long the job waits for its store to answer before it stops (on etcd: for a quorum of the
+    cluster's members). Meanwhile every process keeps retrying and says so; past it every worker and
+    agent exits, the committed checkpoints and the snapshot memory are kept, and
+    ``unbroken train --resume RUN_DIR`` continues once the store answers again. Changes nothing trained."""
     recovery: str = "takeover"
     """One of :data:`unbroken.runtime.recovery.RECOVERIES`: ``takeover``: survivors finish the step and carry on (unbroken);
     ``restart``: plain data parallelism, any failure restarts every worker from

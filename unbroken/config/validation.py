@@ -61,6 +61,9 @@ def validate(cfg: Config) -> list[str]:
     )
     need(math.isfinite(f.heartbeat_timeout_s) and f.heartbeat_timeout_s > 0,
          f"fault.heartbeat_timeout_s={f.heartbeat_timeout_s}: must be a finite number > 0")
+    need(math.isfinite(f.store_timeout_s) and f.store_timeout_s > 0,
+         f"fault.store_timeout_s={f.store_timeout_s}: must be a finite number > 0 (seconds the job waits for "
+         "its store before it stops)")
     need(f.progress_timeout_s >= f.heartbeat_timeout_s,
          f"fault.progress_timeout_s={f.progress_timeout_s}: must be >= fault.heartbeat_timeout_s="
          f"{f.heartbeat_timeout_s} (a phase of a step takes longer than a heartbeat)")
@@ -91,6 +94,7 @@ def config_hash(cfg: Config) -> str:
                      "shard_optimizer"):
         d["train"].pop(volatile, None)
     d["data"].pop("cache_dir", None)
+    d["fault"].pop("store_timeout_s", None)  # how long to wait for the store, not what is trained
     d.pop("snapshot", None)  # how the state is protected, not what is trained
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 

@@ -13,6 +13,10 @@ count, kills from outside:
   store, stop their workers and exit with a message saying so; the persistent
   checkpoint stays, and ``unbroken train --resume RUN_DIR`` continues from it.
 
+The same end, not injected: an etcd cluster without quorum for
+``fault.store_timeout_s`` (every client gives up; the launcher says so with
+:func:`store_lost_message`).
+
 Each firing is recorded first in ``RUN/events/store.jsonl`` (event
 ``store_fault``: step, member, pid, time), so that what follows can be measured
 from it.
@@ -30,8 +34,10 @@ from pathlib import Path
 
 from unbroken.faults.fail_at import FaultSpec, format_fail_at
 from unbroken.jsonl import JsonlWriter, read_jsonl
+from unbroken.runtime.checkpoint import latest_checkpoint, read_commit
+from unbroken.runtime.store_backend import ETCD_SCHEME
 
-__all__ = ["STORE_PIDS_ENV", "StoreFaults"]
+__all__ = ["STORE_PIDS_ENV", "StoreFaults", "store_lost_message"]
 
 logger = logging.getLogger(__name__)
 
@@ -88,3 +94,14 @@ class StoreFaults:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             logger.warning("%s (pid %d) was already gone", what, pid)
+
+
+def store_lost_message(detail: str, addr: str, run_dir: Path) -> str:
+    """What the launcher says when the job stopped because its store at ``addr`` stopped answering."""
+    ckpt = latest_checkpoint(run_dir)
+    kept = "no committed checkpoint exists" if ckpt is None else \
+        f"the newest committed checkpoint is {ckpt} (step {read_commit(ckpt)['step']})"
+    again = f" --store {addr}" if addr.startswith(ETCD_SCHEME) else ""
+    return (f"lost the job store {addr} ({detail}); every agent and worker stopped, {kept} and the nodes' "
+            f"snapshot memory is kept; once the store answers again (or with another one), continue with: "
+            f"unbroken train --resume {run_dir}{again}")

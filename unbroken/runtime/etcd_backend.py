@@ -19,10 +19,16 @@ Operations, each one HTTP round trip in the common case:
 - ``get`` / ``multi_get`` of a missing key wait for it (like ``TCPStore``) up
   to the operation timeout.
 
+Leases: counters a client declares with :meth:`EtcdBackend.lease_keys` (a
+worker's heartbeat and progress) are written under its lease, refreshed by its
+own adds once a third of the TTL has passed (one ``lease/keepalive`` request):
+when it stops, etcd deletes them by itself a TTL later.
+
 Failover: a client talks to one member (chosen by its pid, so the job's
 clients are spread over the cluster); a member that refuses, resets or does not
 answer within ``REQUEST_TIMEOUT_S`` is left for the next one, until the
-operation's timeout, after which :class:`StoreUnavailable` (a
+store timeout (``fault.store_timeout_s``: no quorum), saying so every
+``WAIT_LOG_S``, after which :class:`StoreUnavailable` (a
 ``torch.distributed.DistStoreError``, like a lost ``TCPStore``) is raised. Every
 operation is safe to send again: puts, deletes and compare-and-sets are
 idempotent in their result, adds carry their marker.
@@ -40,6 +46,7 @@ import base64
 import itertools
 import json
 import logging
+import math
 import os
 import time
 import uuid
@@ -64,16 +71,28 @@ logger = logging.getLogger(__name__)
 DEFAULT_PREFIX = "/unbroken"
 REQUEST_TIMEOUT_S = 1.0
 """One HTTP request to one member; past it the next member is tried (a member without quorum answers late)."""
+WAIT_LOG_S = 5.0
+"""While no member answers, a client says so at once and then every this many seconds."""
 WAIT_POLL_S = (0.002, 0.05)
-"""A ``get`` of a missing key reads again after this delay, doubling from the first to the second value."""
+"""A ``get`` of a missing key reads again after this delay, doubling from the first to the second value.
+Not a watch: etcd3gw's watches work through etcd 3.4's gateway (timeouts too) and wake ~5 ms after the put
+against ~45 ms for this backoff (``unbroken bench store --parts watch``), but a job waits for a missing key
+only in a new group's rendezvous (a few per view change, ~10 ms each), and each watch costs a streaming
+connection and two threads, or 100 ms when the key changed before the watch began (etcd's catch-up loop)."""
 COUNTER_CACHE = 256
 """At most this many counters' last written revisions are remembered by a client."""
+LEASE_REFRESH = 1 / 3
+"""A client's lease is refreshed once this fraction of its TTL has passed since the last refresh."""
 MARKER = "\x00add\x00"
 """An adder's marker key is the counter's key + this + the adder's id (sorted right after the counter)."""
 
 
 class StoreUnavailable(dist.DistStoreError):
     """No member of the etcd cluster answered (with quorum) within the operation's timeout."""
+
+
+class RequestRefused(dist.DistStoreError):
+    """A member answered that the request names a lease that expired (no other member would take it)."""
 
 
 def is_etcd(addr: str) -> bool:
@@ -118,33 +137,55 @@ def _range_end(prefix: str) -> str:
 
 
 class _Cluster:
-    """HTTP clients of the cluster's members; sends a request to one member, moving on when it fails."""
+    """HTTP clients of the cluster's members; sends a request to one member, moving on when it fails.
 
-    def __init__(self, endpoints: list[tuple[str, int]]) -> None:
+    While no member answers (no quorum, or all down) it keeps trying for ``store_timeout_s`` and says so:
+    a warning at once, then every ``WAIT_LOG_S``. Once it gave up, the store counts as lost: later calls
+    try for ``REQUEST_TIMEOUT_S`` only (the clean stop that follows must not wait the whole timeout again),
+    until a call succeeds.
+    """
+
+    def __init__(self, endpoints: list[tuple[str, int]], store_timeout_s: float) -> None:
         if Etcd3Client is None:
             raise ValueError("an etcd:// store needs the etcd client: pip install 'unbroken[etcd]' (etcd3gw)")
         self.addrs = [f"{h}:{p}" for h, p in endpoints]
         self.clients = [Etcd3Client(host=h, port=p, timeout=REQUEST_TIMEOUT_S, api_path="/v3/") for h, p in endpoints]
         self.current = os.getpid() % len(self.clients)
         self.round_trips = 0
+        self.store_timeout_s = store_timeout_s
+        self.lost = False
 
-    def call(self, path: str, payload: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+    def call(self, path: str, payload: dict[str, Any]) -> dict[str, Any]:
         """POST ``payload`` to ``/v3/<path>`` of a live member; raises :class:`StoreUnavailable` at the deadline."""
-        deadline, last, tries = time.monotonic() + timeout_s, "", 0
+        t0 = time.monotonic()
+        limit = REQUEST_TIMEOUT_S if self.lost else self.store_timeout_s
+        last, tries, next_log = "", 0, 0.0
         while True:
             client = self.clients[self.current]
             try:
                 self.round_trips += 1
-                return client.post(client.get_url(path), json=payload)
+                out = client.post(client.get_url(path), json=payload)
+                if next_log and not self.lost:
+                    logger.warning("etcd: %s answers again after %.1f s", self.addrs[self.current],
+                                   time.monotonic() - t0)
+                self.lost = False
+                return out
             except etcd_exceptions.Etcd3Exception as exc:
+                if "lease not found" in str(exc.detail_text):  # every member would refuse it alike
+                    raise RequestRefused(f"etcd refused {path}: {str(exc.detail_text)[:200]}") from None
                 last = f"{self.addrs[self.current]}: {exc.__class__.__name__} {str(exc)[:200]}"
             tries += 1
-            if time.monotonic() > deadline:
-                raise StoreUnavailable(f"etcd did not answer within {timeout_s:.0f} s (last: {last})")
+            waited = time.monotonic() - t0
+            if waited > limit:
+                self.lost = True
+                raise StoreUnavailable(f"no etcd member answered with quorum for {waited:.0f} s (last: {last})")
             self.current = (self.current + 1) % len(self.clients)
             if tries % len(self.clients) == 0:  # every member failed once: no quorum, or all are down
-                logger.warning("etcd: no member answers (last: %s); retrying", last)
-                time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+                if waited >= next_log and not self.lost:
+                    logger.warning("etcd: no member answers with quorum for %.0f s (last: %s); still trying, the "
+                                   "job stops after %.0f s (fault.store_timeout_s)", waited, last, limit)
+                    next_log = waited + WAIT_LOG_S
+                time.sleep(min(0.2, max(0.0, limit - waited)))
 
 
 class EtcdBackend(StoreBackend):
@@ -155,14 +196,17 @@ class EtcdBackend(StoreBackend):
     that poll every few milliseconds (agents, launcher, a worker's detector during a collective) would keep
     the cluster busy for nothing, so they poll at most this often (hangs are judged over seconds anyway)."""
 
-    def __init__(self, addr: str, secret: str, *, timeout_s: float) -> None:
+    def __init__(self, addr: str, secret: str, *, timeout_s: float, store_timeout_s: float | None = None) -> None:
         endpoints, prefix = parse_etcd(addr)
         self.addr, self.timeout_s = addr, timeout_s
-        self.cluster = _Cluster(endpoints)
+        self.cluster = _Cluster(endpoints, timeout_s if store_timeout_s is None else store_timeout_s)
         self.ns = f"{prefix}/{_namespace(secret)}"
         self._me = uuid.uuid4().hex[:12]
         self._seq = itertools.count(1)
         self._counters: dict[str, dict[str, Any]] = {}  # key -> the kv this client last wrote (add)
+        self._leased: set[str] = set()  # keys written under this client's lease (lease_keys)
+        self._lease_ttl, self._lease_id, self._lease_refreshed = 0, "", 0.0
+        self.lease_round_trips = 0  # requests that granted or refreshed the lease (the benchmark counts them)
 
     # -- plumbing ---------------------------------------------------------------
 
@@ -172,7 +216,11 @@ class EtcdBackend(StoreBackend):
         return self.cluster.round_trips
 
     def _call(self, path: str, payload: dict[str, Any]) -> dict[str, Any]:
-        return self.cluster.call(path, payload, self.timeout_s)
+        return self.cluster.call(path, payload)
+
+    def set_store_timeout(self, seconds: float) -> None:
+        """Wait up to ``seconds`` for a quorum before an operation fails (``fault.store_timeout_s``)."""
+        self.cluster.store_timeout_s = seconds
 
     def _k(self, key: str) -> str:
         return _b64(self.ns + key)
@@ -191,8 +239,9 @@ class EtcdBackend(StoreBackend):
     def _read(self, key: str) -> dict[str, Any]:
         return {"request_range": {"key": self._k(key)}}
 
-    def _put(self, key: str, value: str | bytes) -> dict[str, Any]:
-        return {"request_put": {"key": self._k(key), "value": _b64(value)}}
+    def _put(self, key: str, value: str | bytes, lease: str = "") -> dict[str, Any]:
+        put = {"key": self._k(key), "value": _b64(value)}
+        return {"request_put": {**put, "lease": lease} if lease else put}
 
     @staticmethod
     def _kv(response: dict[str, Any]) -> dict[str, Any] | None:
@@ -266,8 +315,15 @@ class EtcdBackend(StoreBackend):
             guard = ({"key": self._k(key), "target": "CREATE", "result": "EQUAL", "create_revision": "0"}
                      if kv is None else
                      {"key": self._k(key), "target": "MOD", "result": "EQUAL", "mod_revision": kv["mod_revision"]})
-            puts = [self._put(key, str(base + amount))] + ([self._put(marker, token)] if amount else [])
-            ok, responses, revision = self._txn_rev([guard], puts, [self._read(key)])
+            lease = self._lease() if key in self._leased else ""
+            puts = [self._put(key, str(base + amount), lease)] + ([self._put(marker, token, lease)] if amount else [])
+            try:
+                ok, responses, revision = self._txn_rev([guard], puts, [self._read(key)])
+            except RequestRefused:
+                if not lease:
+                    raise
+                self._lease_id = ""  # it expired after its refresh (this process stood still): a new one
+                continue
             if ok:
                 if amount:
                     if len(self._counters) >= COUNTER_CACHE:
@@ -277,6 +333,33 @@ class EtcdBackend(StoreBackend):
             kv = self._kv(responses[0])
             if amount and self._landed(marker, token):
                 return int(_unb64(kv.get("value")) or b"0") if kv else base + amount
+
+    def lease_keys(self, keys: list[str], ttl_s: float) -> None:
+        """Write ``keys`` (counters this client adds to) under a lease of ``ttl_s`` seconds (whole, at least
+        2), refreshed by this client's adds: once it stops, etcd deletes them ``ttl_s`` later by itself."""
+        self._leased = set(keys)
+        self._lease_ttl, self._lease_id = max(2, math.ceil(ttl_s)), ""
+
+    def _lease(self) -> str:
+        """This client's live lease: granted on first use, refreshed once ``LEASE_REFRESH`` of it has passed,
+        granted anew if it expired (one round trip when due, none otherwise)."""
+        now = time.monotonic()
+        if self._lease_id and now - self._lease_refreshed > LEASE_REFRESH * self._lease_ttl:
+            self.lease_round_trips += 1
+            out = self._call("lease/keepalive", {"ID": self._lease_id}).get("result", {})
+            self._lease_id = self._lease_id if int(out.get("TTL", 0)) > 0 else ""
+            self._lease_refreshed = now
+        if not self._lease_id:
+            self.lease_round_trips += 1
+            self._lease_id = str(self._call("lease/grant", {"TTL": self._lease_ttl})["ID"])
+            self._lease_refreshed = now
+            for key in self._leased:
+                self._counters.pop(key, None)  # gone with the old lease, if it expired: read them again
+        return self._lease_id
+
+    def get_present(self, keys: list[str]) -> list[bytes | None]:
+        kvs = self._read_many(keys)
+        return [None if kv is None else _unb64(kv.get("value")) for kv in kvs]
 
     def _landed(self, marker: str, token: str) -> bool:
         """An earlier try of this add committed although its answer was lost (the retry found our marker)."""
@@ -312,7 +395,7 @@ class EtcdBackend(StoreBackend):
         return int(out.get("deleted", 0))
 
     @classmethod
-    def connect(cls, addr: str, *, timeout_s: float, secret: str) -> EtcdBackend:
+    def connect(cls, addr: str, *, timeout_s: float, secret: str, store_timeout_s: float | None = None) -> EtcdBackend:
         """A client of the job of ``secret`` on the etcd cluster at ``addr``.
 
         Raises:
@@ -320,7 +403,7 @@ class EtcdBackend(StoreBackend):
             ConnectionError: no member answered within ``timeout_s`` (says what to check).
             StoreAccessDenied: the cluster holds no job under this secret.
         """
-        backend = cls(addr, secret, timeout_s=timeout_s)
+        backend = cls(addr, secret, timeout_s=timeout_s, store_timeout_s=store_timeout_s)
         try:
             present = backend.check(["job"])
         except StoreUnavailable as exc:

@@ -27,7 +27,7 @@ key                           written by                      holds
 ``items/<g>/<w>``             members                         ``[step, items]`` computed before joining ``g``
 ``pg/<g>/0/<rank>``           gloo's rendezvous               the rank's transport addresses
 ``pruned``                    view leaders                    every generation below this one is deleted
-``hb/<w>``                    worker's heartbeat thread       liveness counter
+``hb/<w>``                    worker's heartbeat thread       liveness counter (etcd: under the worker's lease)
 ``prog/<w>``                  worker's heartbeat thread       progress counter of its main thread (phases entered)
 ``dead/<w>`` + ``deaths``     agents, observing peers         why ``w`` was declared dead; how many marks so far
 ``join/<w>`` + ``joins``      restarted workers               a join request; how many so far
@@ -83,13 +83,14 @@ class JobStore:
         self.backend = backend
 
     @classmethod
-    def connect(cls, addr: str, *, timeout_s: float, secret: str) -> JobStore:
+    def connect(cls, addr: str, *, timeout_s: float, secret: str, store_timeout_s: float | None = None) -> JobStore:
         """Connect to the job's store at ``HOST:PORT`` (see :meth:`TCPStoreBackend.connect`) or on the etcd
-        cluster of an ``etcd://`` address (see :meth:`~unbroken.runtime.etcd_backend.EtcdBackend.connect`)."""
+        cluster of an ``etcd://`` address (see :meth:`~unbroken.runtime.etcd_backend.EtcdBackend.connect`);
+        ``store_timeout_s``: see :meth:`set_store_timeout` (None: ``timeout_s``)."""
         if addr.startswith(ETCD_SCHEME):
             from unbroken.runtime.etcd_backend import EtcdBackend  # optional dependency, imported on use
 
-            return cls(EtcdBackend.connect(addr, timeout_s=timeout_s, secret=secret))
+            return cls(EtcdBackend.connect(addr, timeout_s=timeout_s, secret=secret, store_timeout_s=store_timeout_s))
         return cls(TCPStoreBackend.connect(addr, timeout_s=timeout_s, secret=secret))
 
     @classmethod
@@ -111,6 +112,11 @@ class JobStore:
 
     def num_keys(self) -> int:
         return self.backend.num_keys()
+
+    def set_store_timeout(self, seconds: float) -> None:
+        """Let an operation wait up to ``seconds`` for an unanswering store (etcd without quorum) before it
+        raises a ``torch.distributed.DistStoreError`` (``fault.store_timeout_s``)."""
+        self.backend.set_store_timeout(seconds)
 
     @property
     def poll_s(self) -> float:
@@ -254,17 +260,24 @@ class JobStore:
         return self.backend.add(f"hb/{worker}", 1)
 
     def heartbeats(self, workers: list[int]) -> list[int]:
-        """Heartbeat counters (0 for a worker that never beat; never waits for a key)."""
-        return [self.backend.add(f"hb/{w}", 0) for w in workers]
+        """Heartbeat counters (0 for a worker that never beat or whose lease expired; never waits for a key)."""
+        return [int(raw or 0) for raw in self.backend.get_present([f"hb/{w}" for w in workers])]
+
+    def lease_liveness(self, worker: int, ttl_s: float) -> None:
+        """``worker``'s liveness counters vanish by themselves ``ttl_s`` after its last beat (a store with
+        leases; see :meth:`StoreBackend.lease_keys`); call on the connection that beats."""
+        self.backend.lease_keys([f"hb/{worker}", f"prog/{worker}"], ttl_s)
 
     def advance(self, worker: int, phases: int) -> int:
         """Count ``phases`` more phases entered by ``worker``'s main thread."""
         return self.backend.add(f"prog/{worker}", phases)
 
-    def liveness(self, members: tuple[int, ...] | list[int]) -> list[tuple[int, int]]:
-        """(heartbeat, progress) counters of members of a published view, in one round trip."""
-        raw = self.backend.multi_get([f"{k}/{w}" for w in members for k in ("hb", "prog")])
-        return [(int(raw[2 * i]), int(raw[2 * i + 1])) for i in range(len(members))]
+    def liveness(self, members: tuple[int, ...] | list[int]) -> list[tuple[int, int] | None]:
+        """(heartbeat, progress) counters of members of a published view, in one round trip; None for a
+        member whose counters are gone: its lease expired (it stopped beating long ago)."""
+        raw = self.backend.get_present([f"{k}/{w}" for w in members for k in ("hb", "prog")])
+        return [None if raw[2 * i] is None or raw[2 * i + 1] is None else (int(raw[2 * i]), int(raw[2 * i + 1]))
+                for i in range(len(members))]
 
     def mark_dead(self, worker: int, reason: str) -> bool:
         """Declare ``worker`` dead (first mark wins); True if this call made the mark."""

@@ -18,6 +18,11 @@ observer's own clock (counter changes), so no clock agreement is needed, and
 only over time the observer itself kept watching: after a gap in its own
 observations (it was not scheduled, or the store stalled) the clocks restart,
 so a stall of the observer or of the store never gets peers declared dead.
+On etcd the counters also live under the worker's lease (TTL
+``LEASE_TTL_FACTOR`` heartbeat timeouts, refreshed by the beats): a dead
+worker's keys expire by themselves, and a member whose counters are gone is
+dead whatever the observer's own clock says (etcd extends leases across a
+leader change and cannot expire them without quorum: no store stall expires one).
 """
 
 from __future__ import annotations
@@ -38,6 +43,9 @@ __all__ = ["Fenced", "Membership", "NoLiveWorker", "View", "ViewChanged"]
 logger = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL_S = 0.1
+LEASE_TTL_FACTOR = 2.0
+"""On a store with leases (etcd) a worker's counters expire this many heartbeat timeouts after its last
+beat: later than any observer's own judgement, so an expiry is proof of death, never a hasty verdict."""
 EXIT_FENCED = 3
 """Exit code of a worker that left because it was fenced (not a member, or behind the committed step)."""
 
@@ -82,6 +90,7 @@ class Membership:
         The same thread reads the ``joins`` counter, so that checking for join
         requests at every step boundary costs no store round trip.
         """
+        self.heartbeat_store.lease_liveness(self.worker, LEASE_TTL_FACTOR * self.heartbeat_timeout_s)
         self.heartbeat_store.beat(self.worker)
         self._joins_seen = self.heartbeat_store.joins()
         self._hb_thread = threading.Thread(target=self._beat, name=f"heartbeat-w{self.worker}", daemon=True)
@@ -144,7 +153,11 @@ class Membership:
             blind = (before - self._last_watch > self.heartbeat_timeout_s / 2
                      or now - before > self.heartbeat_timeout_s / 2)
             self._last_watch = now
-            for w, (beat, progress) in zip(others, counters):
+            for w, counted in zip(others, counters):
+                if counted is None:  # its lease expired: the store itself saw it silent for long
+                    self.mark_dead(w, json.dumps({"by": self.worker, "how": "lease expired"}))
+                    continue
+                beat, progress = counted
                 for seen, value, limit, how in ((self._hb_seen, beat, self.heartbeat_timeout_s, "heartbeat"),
                                                 (self._prog_seen, progress, self.progress_timeout_s, "no progress")):
                     last = seen.get(w)

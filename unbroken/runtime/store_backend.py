@@ -86,6 +86,19 @@ class StoreBackend(ABC):
     poll_s: float = 0.0
     """The shortest sensible interval between two polls of the same keys by a supervising loop (0: no floor)."""
 
+    def set_store_timeout(self, seconds: float) -> None:
+        """How long an operation waits for an unanswering store before it fails (``fault.store_timeout_s``).
+        Only a replicated store waits (etcd, for a quorum); the embedded store's loss is seen at once."""
+
+    def lease_keys(self, keys: list[str], ttl_s: float) -> None:
+        """Keep ``keys`` (counters this client adds to) only while this client keeps adding: they vanish
+        about ``ttl_s`` after its last add. Only a store with leases does (etcd); others keep them."""
+
+    def get_present(self, keys: list[str]) -> list[bytes | None]:
+        """The keys' values, None for a missing one, without waiting (a store without leases: keys that
+        exist by the job's invariants, read with :meth:`multi_get`)."""
+        return list(self.multi_get(keys))
+
     @abstractmethod
     def get(self, key: str) -> bytes: ...
     @abstractmethod

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 
 from unbroken.config import Config, config_hash
 from unbroken.job import MetricsWriter, Prepared, build_job, prepare, train_record
@@ -55,6 +56,8 @@ logger = logging.getLogger(__name__)
 
 EXIT_NO_LIVE_WORKER = 4
 EXIT_REFUSED = 5
+EXIT_STORE_LOST = 6
+"""The job store did not answer for ``fault.store_timeout_s``."""
 JOIN_POLL_S = 0.01
 
 
@@ -324,10 +327,12 @@ def run(spec: WorkerSpec, *, store: JobStore | None = None, prepared: Prepared |
     """
     cfg = load_run_config(spec.run_dir, spec.world)
     secret = job_secret(spec.run_dir)
-    store = store or JobStore.connect(spec.store, timeout_s=cfg.train.timeout_s, secret=secret)
+    patience = {"timeout_s": cfg.train.timeout_s, "secret": secret, "store_timeout_s": cfg.fault.store_timeout_s}
+    store = store or JobStore.connect(spec.store, **patience)
+    store.set_store_timeout(cfg.fault.store_timeout_s)  # a standby's connection too
     membership = Membership(store, spec.worker, heartbeat_timeout_s=cfg.fault.heartbeat_timeout_s,
                             progress_timeout_s=cfg.fault.progress_timeout_s,
-                            heartbeat_store=JobStore.connect(spec.store, timeout_s=cfg.train.timeout_s, secret=secret))
+                            heartbeat_store=JobStore.connect(spec.store, **patience))
     membership.start_heartbeat()
     trainer = Trainer(cfg, spec, membership, prepared)
     if setup is not None:
@@ -351,6 +356,9 @@ def run(spec: WorkerSpec, *, store: JobStore | None = None, prepared: Prepared |
         logger.error("%s", exc)
         store.fail(str(exc))
         return EXIT_REFUSED
+    except dist.DistStoreError as exc:  # no answer for fault.store_timeout_s: the job stops (its agent says so)
+        logger.error("lost the job store %s: %s", spec.store, str(exc).splitlines()[0])
+        return EXIT_STORE_LOST
     finally:
         membership.stop()
     report = {"worker": spec.worker, "steps": cfg.train.steps, "param_digest": trainer.param_digest(),
@@ -388,7 +396,8 @@ def standby(run_dir: Path, world: int, store_addr: str, node: int) -> Assignment
     from unbroken.runtime.membership import HEARTBEAT_INTERVAL_S
 
     cfg = load_run_config(run_dir, world)
-    store = JobStore.connect(store_addr, timeout_s=cfg.train.timeout_s, secret=job_secret(run_dir))
+    store = JobStore.connect(store_addr, timeout_s=cfg.train.timeout_s, secret=job_secret(run_dir),
+                             store_timeout_s=cfg.fault.store_timeout_s)
     prepared = prepare(cfg, bind_device(cfg.train.device, node))
     store.standby_beat(node)  # before the announcement: the agent judges a ready standby by its beats
     store.standby_announce(node, os.getpid())
