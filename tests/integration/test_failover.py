@@ -304,8 +304,10 @@ def test_spread_policies_under_a_kill(tmp_path, corpus_overrides, policy):
     split = [(w, i.slot, *i.rows, i.mode) for w, items in extra.items() for i in items]
     assert {i[0] for i in split} == {0, 2, 3} and {(i[1], i[4]) for i in split} == {(1, mode)}
     assert job.committed_items(4) == sorted(exact(0, 2, 3) + split, key=lambda i: (i[1], i[2]))
-    # From step 5 on, the policy's assignment: split_rows over the survivors in ascending order.
-    split = [(w, 1, a, b, mode) for w, (a, b) in zip([0, 2, 3], BatchSampler.split_rows(MB, 3))]
+    # From step 5 on, the policy's assignment: split_rows over the survivors, from position 1 * MB % 3 on.
+    start = MB % 3
+    split = [(w, 1, a, b, mode) for w, (a, b) in zip([0, 2, 3][start:] + [0, 2, 3][:start],
+                                                      BatchSampler.split_rows(MB, 3))]
     for step in range(5, 10):
         assert job.committed_items(step) == sorted(exact(0, 2, 3) + split, key=lambda i: (i[1], i[2]))
     report = summarize_run(job.run_dir)

@@ -30,9 +30,9 @@ def test_neighbor_wraps_around_and_skips_dead_successor():
 
 
 def test_spread_splits_rows_evenly_exact():
-    # split_rows(8, 3): the first ranges get the spare rows, as in assign
+    # split_rows(8, 3): the first ranges get the spare rows, as in assign, from position 2 * 8 % 3 = 1
     extra = POLICIES["spread"].complete(n_slots=4, micro_batch=MB, live=[0, 1, 3], done=own(0, 1, 3))
-    assert extra == {0: [SlotWork(2, (0, 3))], 1: [SlotWork(2, (3, 6))], 3: [SlotWork(2, (6, 8))]}
+    assert extra == {0: [SlotWork(2, (6, 8))], 1: [SlotWork(2, (0, 3))], 3: [SlotWork(2, (3, 6))]}
 
 
 def test_spread_approx_marks_extra_rows_approx():

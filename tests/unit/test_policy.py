@@ -53,8 +53,8 @@ def test_neighbor_single_survivor_covers_all():
 
 
 @pytest.mark.parametrize("live, want", [
-    # one failure: split_rows(8, 3) = (0,3) (3,6) (6,8) in ascending worker order
-    ({0, 1, 3}, {0: [W(0), W(2, 0, 3)], 1: [W(1), W(2, 3, 6)], 3: [W(3), W(2, 6, 8)]}),
+    # one failure: split_rows(8, 3) = (0,3) (3,6) (6,8) from position 2 * 8 % 3 = 1 of [0, 1, 3], around the ring
+    ({0, 1, 3}, {0: [W(0), W(2, 6, 8)], 1: [W(1), W(2, 0, 3)], 3: [W(3), W(2, 3, 6)]}),
     # two adjacent failures: each dead slot halved between 0 and 3
     ({0, 3}, {0: [W(0), W(1, 0, 4), W(2, 0, 4)], 3: [W(3), W(1, 4, 8), W(2, 4, 8)]}),
     # two non-adjacent failures
@@ -81,7 +81,7 @@ def test_degraded_slots_describe_covered_slots():
         {"slot": 2, "workers": [3], "mode": "approx", "rows": [[0, 8]]},
     ]
     assert degraded_slots(POLICIES["spread"].assign(n_slots=4, live={0, 1, 3}, micro_batch=MB), 4) == [
-        {"slot": 2, "workers": [0, 1, 3], "mode": "exact", "rows": [[0, 3], [3, 6], [6, 8]]},
+        {"slot": 2, "workers": [1, 3, 0], "mode": "exact", "rows": [[0, 3], [3, 6], [6, 8]]},
     ]
     assert degraded_slots(POLICIES["spread"].assign(n_slots=4, live=range(4), micro_batch=MB), 4) == []
     mixed = {0: [W(0), W(1, 0, 4)], 2: [W(2), A(1, 4, 8)]}

@@ -66,16 +66,25 @@ def test_neighbor_complete_keeps_a_missing_range_whole():
 # --- spread ----------------------------------------------------------------------
 
 
-def test_spread_assign_first_worker_gets_the_spare_row():
+def test_spread_assign_starts_each_slot_at_its_own_worker():
+    # slot 2's 7 rows: split_rows(7, 3) = (0, 3) (3, 5) (5, 7), the first range to position 2 * 7 % 3 = 2 of
+    # the live workers [0, 1, 3], i.e. worker 3, then on around the ring
     got = SpreadPolicy().assign(n_slots=4, live={0, 1, 3}, micro_batch=MB)
-    assert got == {0: [E(0), E(2, 0, 3)], 1: [E(1), E(2, 3, 5)], 3: [E(3), E(2, 5, 7)]}
+    assert got == {0: [E(0), E(2, 3, 5)], 1: [E(1), E(2, 5, 7)], 3: [E(3), E(2, 0, 3)]}
 
 
 def test_spread_complete_splits_the_missing_range_the_same_way():
-    # rows 3..8 of slot 2 missing: split_rows(5, 3) = (0, 2) (2, 4) (4, 5), shifted by 3
+    # rows 3..8 of slot 2 missing: split_rows(5, 3) = (0, 2) (2, 4) (4, 5), shifted by 3, from position 2 * 5 % 3 = 1
     done = {0: [E(0, 0, 8), E(2, 0, 3)], 1: [E(1, 0, 8)], 3: [E(3, 0, 8)]}
     got = SpreadPolicy().complete(n_slots=4, micro_batch=8, live=[0, 1, 3], done=done)
-    assert got == {0: [E(2, 3, 5)], 1: [E(2, 5, 7)], 3: [E(2, 7, 8)]}
+    assert got == {0: [E(2, 7, 8)], 1: [E(2, 3, 5)], 3: [E(2, 5, 7)]}
+
+
+def test_spread_puts_a_lost_nodes_slots_on_different_survivors():
+    # 8 consecutive slots of 4 rows dead among 1,000: each survivor computes at most one extra row
+    got = SpreadPolicy().assign(n_slots=1000, live=set(range(8, 1000)), micro_batch=4)
+    extra = [sum(i.rows[1] - i.rows[0] for i in items if i.slot != w) for w, items in got.items()]
+    assert max(extra) == 1 and sum(extra) == 32
 
 
 # --- spread-approx ---------------------------------------------------------------
@@ -94,7 +103,7 @@ def test_spread_approx_complete_home_worker_exact():
     # worker 1 joined before computing: its slot is split over all three, its own share exact
     done = {0: [E(0)], 1: [], 2: [E(2)]}
     got = SpreadApproxPolicy().complete(n_slots=3, micro_batch=MB, live=[0, 1, 2], done=done)
-    assert got == {0: [A(1, 0, 3)], 1: [E(1, 3, 5)], 2: [A(1, 5, 7)]}
+    assert got == {0: [A(1, 5, 7)], 1: [E(1, 0, 3)], 2: [A(1, 3, 5)]}
 
 
 # --- one mechanism ---------------------------------------------------------------

@@ -50,9 +50,6 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--ckpt-every", type=int, default=None,
                     help="also checkpoint-restart with this checkpoint interval in steps (Young/Daly always shown)")
     ap.add_argument("--snapshot-every", type=int, default=1, help="unbroken: a snapshot every N steps (default 1)")
-    ap.add_argument("--spread-balanced", action="store_true",
-                    help="what-if: spread all missing rows evenly (the runtime starts every slot's split at the "
-                    "lowest live worker)")
     hw = ap.add_argument_group("target hardware (parameters, not measured here)")
     for name, default, text in (("gpu-tflops", 989.0, "peak TFLOP/s per worker"), ("mfu", 0.4, "MFU"),
                                 ("seq-len", 4096, "tokens per row"), ("rows", 4, "rows per worker per step"),
@@ -105,7 +102,7 @@ def _hardware(a: argparse.Namespace) -> TargetHardware:
 def _options(a: argparse.Namespace) -> SimOptions:
     return SimOptions(strategies=tuple(s.strip() for s in a.strategies.split(",") if s.strip()), seeds=a.seeds,
                       seed=a.seed, ckpt_every=a.ckpt_every, snapshot_every=a.snapshot_every,
-                      standby=not a.no_standby, balanced=a.spread_balanced)
+                      standby=not a.no_standby)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

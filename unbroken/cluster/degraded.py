@@ -11,12 +11,11 @@ exactly:
   run of ``r`` consecutive dead slots lands on one worker: load ``(r + 1)
   approx + svd``.
 * ``spread`` / ``spread-approx``: each dead slot's ``rows`` are cut with
-  ``split_rows`` over the ``L`` live workers in ascending id order, the first
-  ``rows % L`` ranges one row longer. Every dead slot starts at the same
-  (lowest) live worker, so with ``k`` dead slots that worker computes ``k *
-  ceil(rows / L)`` extra rows. ``balanced=True`` instead models an even split
-  of all ``k * rows`` missing rows (``ceil(k * rows / L)`` per worker): what a
-  rotating start would give; it is not what the runtime does today.
+  ``split_rows`` over the ``L`` live workers, starting at position
+  ``slot * rows mod L`` (:meth:`unbroken.mecefo.takeover.SpreadPolicy.cover`),
+  so consecutive dead slots land on disjoint workers: ``k`` dead slots add
+  ``ceil(k * rows / L)`` rows to the most loaded survivor (exact for a run of
+  consecutive slots, such as a lost node; close to it otherwise).
 
 A worker's time in a step is ``fixed + (1 - fixed) * load``: ``fixed`` is the
 share of a failure-free step that does not grow with the rows computed (the
@@ -68,7 +67,7 @@ def dead_runs(down: Sequence[int], workers: int) -> list[int]:
 
 
 def step_load(policy: str, *, workers: int, rows: int, down: Sequence[int], approx: float, svd: float,
-              cores: int | None = None, balanced: bool = False, fixed: float = 0.0) -> StepLoad:
+              cores: int | None = None, fixed: float = 0.0) -> StepLoad:
     """The degraded step of ``policy`` with the workers ``down`` dead.
 
     Raises:
@@ -90,7 +89,7 @@ def step_load(policy: str, *, workers: int, rows: int, down: Sequence[int], appr
         total = (live - len(runs)) + sum((r + 1) * approx + svd for r in runs)
         approx_rows = sum(r + 1 for r in runs) * rows
     else:
-        per = math.ceil(k * rows / live) if balanced else k * math.ceil(rows / live)
+        per = math.ceil(k * rows / live)
         cost = 1.0 if policy == "spread" else approx
         peak = 1.0 + per / rows * cost + (svd if policy == "spread-approx" else 0.0)
         total = live + k * cost + (min(live, k * rows) * svd if policy == "spread-approx" else 0.0)

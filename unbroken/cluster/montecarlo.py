@@ -38,7 +38,6 @@ class SimOptions:
     ckpt_every: int | None = None
     snapshot_every: int = 1
     standby: bool = True
-    balanced: bool = False
     cores: int | None = None
 
     def __post_init__(self) -> None:
@@ -102,7 +101,7 @@ def run_monte_carlo(spec: FailureSpec, costs: SimCosts, opts: SimOptions,
     for i in range(opts.seeds):
         events = generate_events(spec, opts.seed + i)
         for st in strategies:
-            o = simulate_strategy(st, spec, costs, events, cores=opts.cores, balanced=opts.balanced,
+            o = simulate_strategy(st, spec, costs, events, cores=opts.cores,
                                   standby=opts.standby)
             rows[st.name].append(o.as_dict())
         if progress is not None:

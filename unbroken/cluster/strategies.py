@@ -111,9 +111,9 @@ class Outcome:
 class _Run:
     """The state of one strategy's pass over one realisation."""
 
-    def __init__(self, st: Strategy, spec: FailureSpec, c: SimCosts, cores: int | None, balanced: bool,
+    def __init__(self, st: Strategy, spec: FailureSpec, c: SimCosts, cores: int | None,
                  standby: bool) -> None:
-        self.st, self.spec, self.c, self.cores, self.balanced, self.standby = st, spec, c, cores, balanced, standby
+        self.st, self.spec, self.c, self.cores, self.standby = st, spec, c, cores, standby
         self.t = 0.0
         self.steps = 0.0
         self.blocked_until = 0.0
@@ -135,8 +135,7 @@ class _Run:
             return math.inf, 0, 0
         if self.st.kind == "takeover" and k:
             ld = step_load(self.st.policy or "spread", workers=g, rows=self.c.rows, down=list(self.down),
-                           approx=self.c.approx_ratio.value, svd=self.c.svd_share.value, cores=self.cores,
-                           balanced=self.balanced)
+                           approx=self.c.approx_ratio.value, svd=self.c.svd_share.value, cores=self.cores)
             return self.c.step_s.value * ld.factor + self.overhead, self.batch, ld.approx_rows
         trained = self.batch if self.st.kind != "discard" else (g - k) * self.c.rows
         return self.c.step_s.value + self.overhead, trained, 0
@@ -236,7 +235,7 @@ class _Run:
 
 
 def simulate_strategy(st: Strategy, spec: FailureSpec, costs: SimCosts, events: list[Event], *,
-                      cores: int | None = None, balanced: bool = False, standby: bool = True) -> Outcome:
+                      cores: int | None = None, standby: bool = True) -> Outcome:
     """One strategy's outcome over ``events`` (sorted), for ``spec.duration_h`` hours.
 
     Goodput = rows trained / rows a failure-free plain data-parallel job trains in the same time on
@@ -248,7 +247,7 @@ def simulate_strategy(st: Strategy, spec: FailureSpec, costs: SimCosts, events: 
     if st.kind == "takeover" and spec.workers < 2:
         raise ValueError(f"strategy {st.name!r} needs at least 2 workers to take over a dead one's rows "
                          f"(workers={spec.workers}); use --workers >= 2 or checkpoint-restart")
-    run = _Run(st, spec, costs, cores, balanced, standby)
+    run = _Run(st, spec, costs, cores, standby)
     end = spec.duration_h * 3600.0
     for e in events:
         _returns_until(run, e.t)

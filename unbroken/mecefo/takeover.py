@@ -172,13 +172,19 @@ class SpreadPolicy(TakeoverPolicy):
         return "exact"
 
     def cover(self, slot: int, rows: tuple[int, int], live: Sequence[int], n_slots: int) -> list[tuple[int, SlotWork]]:
+        """Split ``rows`` over the live workers, starting at position ``slot * rows % L`` of the ascending
+        list (wrapping): consecutive dead slots (a lost node) land on disjoint workers instead of all on the
+        lowest ones, so k dead slots add about ``k * rows / L`` rows to each survivor, not ``k * rows / L``
+        rounded up per slot to the same few workers."""
         a, b = rows
         parts = BatchSampler.split_rows(b - a, len(live))
-        return [
-            (w, SlotWork(slot=slot, rows=(a + lo, a + hi), mode=self.covered_mode(w, slot)))
-            for w, (lo, hi) in zip(live, parts)
-            if lo < hi  # more workers than rows: the trailing ranges are empty
-        ]
+        start = slot * (b - a) % len(live)
+        order = list(live[start:]) + list(live[:start])
+        return sorted(
+            ((w, SlotWork(slot=slot, rows=(a + lo, a + hi), mode=self.covered_mode(w, slot)))
+             for w, (lo, hi) in zip(order, parts)
+             if lo < hi),  # more workers than rows: the trailing ranges are empty
+            key=lambda t: t[1].rows)
 
 
 class SpreadApproxPolicy(SpreadPolicy):
