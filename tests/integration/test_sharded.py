@@ -3,12 +3,13 @@
 Two jobs of 2 nodes x 2 workers (real processes, SIGKILL, gloo):
 
 - failures at the sharded step's own phases: worker 1 dies with its all-gather
-  in flight, worker 2 (later, for good) just before its update; each time the
-  survivors re-shard, the dead worker's range comes from the copy its ring
-  buddy on the other node keeps, the interrupted step completes, every
-  ``(step, slot)`` is trained once, and worker 1, restarted, gets a range back
-  when it rejoins; a checkpoint written while a worker was down holds the three
-  ranges of that view;
+  in flight, worker 3 right after voting to commit (its copy of that step was
+  never sent: the holder brings the older copy forward one step), worker 2
+  just before its update (both for good); each time the survivors re-shard,
+  the dead worker's range comes from the copy its ring buddy keeps, the
+  interrupted step completes, every ``(step, slot)`` is trained once, and
+  worker 1, restarted, gets a range back when it rejoins; a checkpoint written
+  while a worker was down holds the three ranges of that view;
 - two workers that hold each other's copies die at once: the job stops and
   says why; ``--resume`` continues from the checkpoint, as a replicated run;
   that checkpoint, written by the four workers before the failure, holds the
@@ -32,6 +33,8 @@ from unbroken.sharding.checkpoint import load_moments
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 STEPS = 240
+CONFIRMED = 40
+"""Worker 3 dies right after its commit vote of this step, for good."""
 SECOND = 170
 """Worker 2 dies here (worker 1 has usually rejoined by then; the test holds either way) and stays dead."""
 
@@ -41,16 +44,22 @@ def test_failures_at_the_sharded_phases_rebuild_the_range_from_its_copy(tmp_path
                           "train.checkpoint_every=20", "train.keep_checkpoints=20")
     job = run_job(cfg, tmp_path / "run", nodes=2, workers_per_node=2, restart="on-failure",
                   fail_at=f"step=3:worker=1:kill:phase=allgather:back=5,"
+                          f"step={CONFIRMED}:worker=3:kill:phase=confirm:back={STEPS},"
                           f"step={SECOND}:worker=2:kill:phase=update:back={STEPS}")
-    check_invariants(job, live=[0, 1, 3])
+    check_invariants(job, live=[0, 1])
     first = [e for e in job.events("resharded") if e["step"] == 3]
     assert sorted(e["worker"] for e in first) == [0, 2, 3] and all(e["members"] == [0, 2, 3] for e in first)
     assert all(e["from_copies"] == [1] for e in first), "worker 1's range came from its buddy's copy"
+    # Killed right after voting to commit: its step counts, but its copy of that step was never sent, so the
+    # holder brings the copy of the step before forward with the reduced gradient every member kept.
+    confirmed = [e for e in job.events("resharded") if e["step"] == CONFIRMED + 1]
+    assert confirmed and all(e["from_copies"] == [3] for e in confirmed)
+    assert [w for e in confirmed for w in e["replayed"]] == [3], confirmed
     second = [e for e in job.events("resharded") if e["step"] == SECOND]
     assert second and all(e["from_copies"] == [2] for e in second)
     assert {e["worker"] for e in job.events("rejoined")} == {1}
     ranges = {w: json.loads((job.run_dir / "workers" / f"w{w}.json").read_text())["sharded"]["range"]
-              for w in (0, 1, 3)}
+              for w in (0, 1)}
     assert sorted(ranges.values())[0][0] == 0 and all(
         a[1] == b[0] for a, b in zip(sorted(ranges.values()), sorted(ranges.values())[1:])), ranges
     kept = {len(read_commit(p)["shards"]) for p in committed_checkpoints(job.run_dir / "checkpoints")}

@@ -448,6 +448,10 @@ def _stop_agents(agents: list[subprocess.Popen[bytes]]) -> None:
             a.wait(timeout=10.0)
 
 
+STOPPED = "stopped: "
+"""Prefix of a failure a worker records when it stops the job on purpose (e.g. optimizer shards lost)."""
+
+
 def _failure_message(failure: str, run_dir: Path) -> str:
     ckpt = latest_checkpoint(run_dir)
     if ckpt is None:
@@ -456,9 +460,10 @@ def _failure_message(failure: str, run_dir: Path) -> str:
     else:
         how = (f"the newest committed checkpoint is {ckpt} (step {read_commit(ckpt)['step']}); "
                f"continue with: unbroken train --resume {run_dir}")
-    if failure.startswith("no live worker left"):  # the workers' and agents' wording
-        return f"no live worker is left: {failure.removeprefix('no live worker left').lstrip(': ')}; {how}"
-    return f"the job stopped: {failure}; {how}"
+    if failure.startswith(STOPPED):  # a worker stopped the job on purpose and says why
+        return f"the job stopped: {failure.removeprefix(STOPPED)}; {how}"
+    detail = failure.removeprefix("no live worker left").lstrip(": ")  # the workers' and agents' wording
+    return f"no live worker is left: {detail}; {how}"
 
 
 def _log_tail(path: Path, lines: int = 15) -> str:

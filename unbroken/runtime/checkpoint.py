@@ -33,8 +33,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import CheckpointException, HuggingFaceStorageReader, HuggingFaceStorageWriter
 
 from unbroken.runtime.checkpoint_files import (
     COMMIT_FILE,
@@ -65,6 +63,19 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _ADAM_KEYS = ("exp_avg", "exp_avg_sq", "step")
+
+
+def dcp() -> Any:
+    """``torch.distributed.checkpoint``, imported on first use: it is a third of a worker's import time,
+    and most processes (agents, standbys, a worker until its first save) never need it."""
+    import torch.distributed.checkpoint as module
+
+    return module
+
+
+def _save_errors() -> tuple[type[BaseException], ...]:
+    """What a failed save raises: any error, or DCP's ``CheckpointException`` (a ``BaseException``)."""
+    return (Exception, dcp().CheckpointException)
 DEFAULT_KEEP = 3
 """Committed checkpoints kept when the caller does not say (``train.keep_checkpoints``)."""
 SAVE_TIMEOUT_S = 600.0
@@ -166,8 +177,8 @@ class AsyncCheckpointer:
             path.mkdir(parents=True)
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-                fut = dcp.async_save(state, storage_writer=HuggingFaceStorageWriter(str(path)), no_dist=True)
-        except (Exception, CheckpointException) as exc:
+                fut = dcp().async_save(state, storage_writer=dcp().HuggingFaceStorageWriter(str(path)), no_dist=True)
+        except _save_errors() as exc:
             self._failed(step, path, exc)
             return
         if self._pool is None:
@@ -214,7 +225,7 @@ class AsyncCheckpointer:
                 commit["shards"] = [list(r) for r in shards[1]]
             commit["files"] = seal_files(path)
             write_commit(path, commit)
-        except (Exception, CheckpointException) as exc:
+        except _save_errors() as exc:
             self._failed(step, path, exc)
             return False
         logger.info("checkpoint step %d committed at %s", step, path)
@@ -250,7 +261,7 @@ def _storage_error(exc: BaseException) -> OSError | None:
     """The OS error behind a failed save (disk full, file too large, I/O, timeout), or None."""
     if isinstance(exc, OSError):
         return exc
-    if isinstance(exc, CheckpointException):
+    if isinstance(exc, dcp().CheckpointException):
         causes = [e for e, _ in exc.failures.values()]
         if causes and all(isinstance(e, OSError) for e in causes):
             return causes[0]  # type: ignore[return-value]
@@ -321,7 +332,7 @@ def load_checkpoint(
     state = {k: v.detach().clone() for k, v in state.items()}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        dcp.load(state, storage_reader=HuggingFaceStorageReader(str(path)), no_dist=True)
+        dcp().load(state, storage_reader=dcp().HuggingFaceStorageReader(str(path)), no_dist=True)
     if sharded:
         from unbroken.sharding.checkpoint import load_moments
 

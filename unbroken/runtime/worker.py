@@ -347,7 +347,7 @@ def run(spec: WorkerSpec, *, store: JobStore | None = None, prepared: Prepared |
         return EXIT_NO_LIVE_WORKER
     except ShardLost as exc:
         logger.error("%s", exc)
-        store.fail(str(exc))
+        store.fail(f"stopped: {exc}")  # the launcher's JobFailed says "the job stopped: ..."
         return EXIT_NO_LIVE_WORKER
     except JoinRefused as exc:
         logger.error("join refused: %s", exc)

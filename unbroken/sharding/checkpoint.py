@@ -28,8 +28,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
+
+from unbroken.runtime.checkpoint import dcp
 
 __all__ = ["SHARD_WAIT_S", "ShardCheckpointer", "collect_shards", "load_moments", "staging_dir"]
 
@@ -61,7 +61,7 @@ class ShardCheckpointer:
         state = {"exp_avg": exp_avg.detach().cpu(), "exp_avg_sq": exp_avg_sq.detach().cpu()}
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-            fut = dcp.async_save(state, storage_writer=HuggingFaceStorageWriter(str(out)), no_dist=True)
+            fut = dcp().async_save(state, storage_writer=dcp().HuggingFaceStorageWriter(str(out)), no_dist=True)
         self._pending = self._pool.submit(self._finish, out, fut, {"step": step, "gen": gen, "lo": lo, "hi": hi})
 
     @staticmethod
@@ -130,6 +130,6 @@ def load_moments(path: str | Path, ranges: list[list[int]], total: int) -> tuple
         part = {"exp_avg": m[lo:hi], "exp_avg_sq": v[lo:hi]}
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-            dcp.load(part, storage_reader=HuggingFaceStorageReader(str(Path(path) / "shards" / f"{lo}-{hi}")),
+            dcp().load(part, storage_reader=dcp().HuggingFaceStorageReader(str(Path(path) / "shards" / f"{lo}-{hi}")),
                      no_dist=True)
     return m, v

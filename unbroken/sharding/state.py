@@ -75,6 +75,7 @@ class ShardedState:
         self.last_reduced: tuple[int, torch.Tensor] | None = None
         self._pending: tuple[int, Proposal, torch.Tensor, float, float, torch.Tensor] | None = None
         self._outgoing: dict[str, Any] | None = None
+        self._replayed: list[int] = []
         self.rebuilt = 0
 
     # -- a step -----------------------------------------------------------------------
@@ -198,7 +199,7 @@ class ShardedState:
                 return
             old = Sharding((source,), self.opt.total)
         holders = self._holders(old, view, joiners)
-        mine, problems = {}, []
+        mine, problems, self._replayed = {}, [], []
         for owner, a, z in old.ranges():
             if holders[owner] == self.me:
                 try:
@@ -225,7 +226,7 @@ class ShardedState:
         rebuilt = sorted(o for o, h in holders.items() if h != o)
         self.rebuilt += len(rebuilt)
         self.on_event("resharded", gen=view.gen, step=view.step, members=list(new.members), range=[lo, hi],
-                      from_copies=rebuilt)
+                      from_copies=rebuilt, replayed=self._replayed)
 
     def _agree_old(self, view: Any, source: int, broadcast: Callable[[torch.Tensor, int], object]) -> Sharding | None:
         """The sharding of the last committed step, as the view's first non-joiner holds it (joiners know none)."""
@@ -271,6 +272,7 @@ class ShardedState:
             data = got[1].to(self.opt.exp_avg.device).clone()
             self._gradients(self.last_reduced[1])
             self.opt.replay_moments(lo, hi, data[:hi - lo], data[hi - lo:])
+            self._replayed.append(owner)
             return data
         raise ShardLost(f"worker {self.me} holds no usable copy of worker {owner}'s optimizer shard after "
                         f"{view.step} steps (newest copy: {done})")
