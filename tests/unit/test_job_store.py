@@ -122,7 +122,7 @@ class _Job:
         return torch.ones(4)
 
 
-def test_the_key_count_stays_bounded_over_1000_steps_and_view_changes(store, tmp_path: Path, request):
+def test_the_key_count_stays_bounded_over_steps_and_view_changes(store, tmp_path: Path, request):
     m = Membership(store, 0, heartbeat_timeout_s=0.05)
     store.beat(0)
     p = StepProtocol(m, _Job(), policy=takeover_policy("spread"), events=JsonlWriter(tmp_path / "w0.jsonl"),
@@ -130,8 +130,9 @@ def test_the_key_count_stays_bounded_over_1000_steps_and_view_changes(store, tmp
     store.publish_initial(View(gen=0, members=(0,), step=0))
     p.adopt(store.current_view())
     counts = []
-    for step in range(1000):
-        if step % 200 == 100:
+    n = 1000 if "tcp" in request.node.name else 250  # etcd: the same view changes in fewer steps (its round trips)
+    for step in range(n):
+        if step % (n // 5) == n // 10:
             p.reconfigure_at_start(step, "test: a new view")  # a membership change mid-run
         reduced, _ = p.run_step(step)
         assert torch.equal(reduced, torch.ones(4))
@@ -139,7 +140,7 @@ def test_the_key_count_stays_bounded_over_1000_steps_and_view_changes(store, tmp
     assert p.view.gen == 5
     # After the first view change the count never moves again: each new view's keys replace the old ones
     # (they are pruned at the new view's first commit), and no key is per step.
-    assert set(counts[100:]) == {counts[-1]}
+    assert set(counts[n // 10:]) == {counts[-1]}
     if "tcp" in request.node.name:
         assert counts[-1] == counts[0] + 3, "the deaths counter, the prune marker and one view's item key"
     else:  # etcd: step 0 may still count a key of the group's rendezvous that goes soon after
