@@ -37,7 +37,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedP
            "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run(
         [sys.executable, str(EXAMPLE), "--run-dir", str(run_dir), "--steps", str(STEPS), "--hf-path", str(hf_dir),
-         "--fail-at", f"step={KILL_STEP}:worker=1:kill"],
+         "--fail-at", f"step={KILL_STEP}:worker=1:kill:phase=forward"],  # dies inside that step: taken over in it
         capture_output=True, text=True, timeout=220, env=env, cwd=tmp)
     return proc, run_dir, hf_dir
 
@@ -55,7 +55,7 @@ def test_the_example_trains_the_hf_model_through_a_kill(run: tuple[subprocess.Co
     ledger = check_ledger(run_dir, n_slots=4, micro_batch=MB, steps=STEPS)
     assert ledger.ok and ledger.degraded_steps >= 1
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
-    assert any(e.get("event") == "fault_injected" and e.get("worker") == 1 for e in events)
+    assert any(e.get("event") == "fault_self" and e.get("worker") == 1 for e in events)  # it killed itself
     takeovers = [e for e in events if e.get("event") == "takeover" and e["step"] == KILL_STEP]
     assert sorted(i[0] for e in takeovers for i in e["items"]) == [1, 1, 1]  # spread over the 3 survivors
     logs = "".join(p.read_text() for p in (run_dir / "logs").glob("*.log"))
