@@ -27,10 +27,8 @@ every wait is bounded.
 from __future__ import annotations
 
 import copy
-import gc
 import json
 import signal
-import socket
 import os
 import logging
 import subprocess
@@ -52,6 +50,7 @@ from unbroken.jsonl import JsonlTail, read_jsonl
 from unbroken.runtime.checkpoint import latest_checkpoint, read_commit
 from unbroken.snapshot.capacity import check_snapshot_config
 from unbroken.agent.preflight import _truncate_metrics, preflight, prepare_run_dir
+from unbroken.agent._store_host import StoreHost
 from unbroken.runtime.etcd_backend import parse_etcd
 from unbroken.runtime.job_store import JobStore
 from unbroken.runtime.store_backend import SECRET_ENV, new_secret, save_secret
@@ -65,8 +64,6 @@ PROGRESS_TIMEOUT_S = 300.0
 """Longest the job may then go without committing a step before we give up. Progress is the store's
 committed-step counter (``progress``), whatever ``train.log_every`` says about metrics lines. Both
 limits are at least ``train.timeout_s`` (a blocking wait that long may precede a reconfiguration)."""
-REHOST_S = 10.0
-"""Checkpoint-restart: how long the next attempt's store may wait for the previous one's port to be free."""
 AGENT_GRACE_S = 30.0
 """How long agents may take to stop their workers after ``done`` or ``failed``."""
 POLL_S = 0.05
@@ -137,7 +134,7 @@ def launch(
         logger.warning("train.shard_optimizer with one worker: nothing to shard, the run is the same without it")
     store_faults = StoreFaults(specs, members=len(parse_etcd(store)[0]) if store else None, run_dir=run_dir)
     secret = new_secret()
-    host = _StoreHost(cfg, nodes, secret, store, run_dir)  # before anything is written: a port in use fails early
+    host = StoreHost(cfg, nodes, secret, store, run_dir)  # before anything is written: a port in use fails early
     try:
         return _launch(host, cfg, run_dir, overwrite=overwrite, resume=resume, on_record=on_record,
                        on_event=on_event, specs=specs, trace=trace, info=info, nodes=nodes,
@@ -147,7 +144,7 @@ def launch(
         host.close()
 
 
-def _launch(host: _StoreHost, cfg: Config, run_dir: Path, *, overwrite: bool, resume: bool,
+def _launch(host: StoreHost, cfg: Config, run_dir: Path, *, overwrite: bool, resume: bool,
             on_record: Callable[[dict[str, Any]], None] | None, on_event: Callable[[dict[str, Any]], None] | None,
             specs: tuple[FaultSpec, ...], trace: FailureTrace | None, info: Any, nodes: int, workers_per_node: int,
             restart: str, standby: bool, replace_lost_nodes_s: float | None,
@@ -178,68 +175,7 @@ def _launch(host: _StoreHost, cfg: Config, run_dir: Path, *, overwrite: bool, re
 _DEATH = "a worker died"
 
 
-class _StoreHost:
-    """The launcher's store, the one reference to it: checkpoint-restart replaces it by a fresh one.
-
-    A new attempt needs an empty store (no views, dead marks or progress of the last one) at the same
-    address (``train.port`` may be fixed), so the old store is closed before the new one is hosted.
-    On etcd (``url``) the job's keys are opened on the cluster instead, deleted between attempts and
-    at the end.
-    """
-
-    def __init__(self, cfg: Config, nodes: int, secret: str, url: str | None = None,
-                 run_dir: Path | None = None) -> None:
-        self.cfg, self.clients, self.secret, self.url = cfg, cfg.train.workers + nodes, secret, url
-        self.job = {"run_dir": str(Path(run_dir or ".").resolve()), "host": socket.gethostname(),
-                    "pid": os.getpid(), "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
-        self.store: JobStore = self._host()
-
-    @property
-    def addr(self) -> str:
-        """The ``--store`` address agents and workers connect to."""
-        return self.url or f"{self.cfg.train.host}:{self.store.port}"
-
-    def _host(self) -> JobStore:
-        if self.url:
-            store = JobStore.create_on_etcd(self.url, timeout_s=self.cfg.train.timeout_s, secret=self.secret,
-                                            job=self.job)
-            store.set_store_timeout(self.cfg.fault.store_timeout_s)
-            return store
-        return JobStore.host(self.cfg.train.host, self.cfg.train.port, clients=self.clients, secret=self.secret)
-
-    def close(self) -> None:
-        """On etcd: delete the job's keys (the embedded store goes with this process)."""
-        if self.url and getattr(self, "store", None) is not None:
-            try:
-                self.store.backend.clear()  # type: ignore[attr-defined]
-            except dist.DistError as exc:
-                logger.warning("could not delete the job's keys on %s (%s); once it answers: etcdctl del --prefix %s",
-                               self.url, str(exc).splitlines()[0], self.store.backend.ns)  # type: ignore[attr-defined]
-
-    def replace(self, config_text: str) -> JobStore:
-        """Close the store (every agent of the attempt is stopped) and host an empty one; returns it.
-
-        Raises:
-            ValueError: the port did not become free within ``REHOST_S`` (someone else took it).
-        """
-        if self.url:
-            self.store.backend.clear()  # type: ignore[attr-defined]
-        del self.store  # the only reference: the TCPStore server stops and its listening socket closes
-        gc.collect()  # in case a reference cycle (a traceback) still held it
-        deadline = time.monotonic() + REHOST_S
-        while True:
-            try:
-                self.store = self._host()
-                break
-            except ValueError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.1)
-        self.store.publish_config(config_text)
-        return self.store
-
-
-def _run_attempts(host: _StoreHost, cfg: Config, run_dir: Path, on_record: Callable[[dict[str, Any]], None] | None,
+def _run_attempts(host: StoreHost, cfg: Config, run_dir: Path, on_record: Callable[[dict[str, Any]], None] | None,
                   resume_from: Path | None, *, on_event: Callable[[dict[str, Any]], None] | None = None,
                   **agent_args: Any) -> list[dict[str, int]]:
     """Run the job to its end; under checkpoint-restart, again from the last checkpoint after each death.
