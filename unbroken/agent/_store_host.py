@@ -16,7 +16,7 @@ from unbroken.runtime.job_store import JobStore
 
 __all__ = ["REHOST_S", "StoreHost"]
 
-logger = logging.getLogger("unbroken.agent.launcher")
+logger = logging.getLogger(__name__)
 
 REHOST_S = 10.0
 """Checkpoint-restart: how long the next attempt's store may wait for the previous one's port to be free."""

@@ -89,7 +89,7 @@ class ShardedState:
         norm = self._gradients(reduced)
         set_lr(self.opt, lr)
         proposal = self.opt.propose()
-        sharding = self.active or Sharding((self.me,), self.opt.total)
+        sharding = self._sharding
         gathered = group.allgather(proposal.params, sharding.padded, check, lambda: on_phase("allgather"))
         flat = torch.cat([gathered[r * sharding.padded:r * sharding.padded + hi - lo]
                           for r, (_, lo, hi) in enumerate(sharding.ranges())])
@@ -175,8 +175,12 @@ class ShardedState:
 
     def checkpoint_ranges(self) -> list[tuple[int, int]]:
         """The ranges of the current sharding (a checkpoint's commit waits for each)."""
-        sharding = self.active or Sharding((self.me,), self.opt.total)
-        return [(lo, hi) for _, lo, hi in sharding.ranges()]
+        return [(lo, hi) for _, lo, hi in self._sharding.ranges()]
+
+    @property
+    def _sharding(self) -> Sharding:
+        """The sharding steps are proposed under (before any view: this worker alone holds everything)."""
+        return self.active or Sharding((self.me,), self.opt.total)
 
     def discard(self) -> None:
         """Forget a proposal of an attempt that did not commit (a new attempt of the step begins)."""
@@ -190,8 +194,7 @@ class ShardedState:
         old = self._agree_old(view, source, broadcast)
         new = Sharding(tuple(view.members), self.opt.total)
         if old == new and not view.joiners:
-            if self.active != new:
-                self.active = new
+            self.active = new
             return
         if old is None:  # every non-joiner holds every range (a fresh or restored job): slice locally
             if not view.joiners:
