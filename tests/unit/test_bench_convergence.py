@@ -66,3 +66,14 @@ def test_convergence_seeds_and_reuse_of_finished_runs(tmp_path, corpus_overrides
     second = main(args)
     assert marker.stat().st_mtime_ns == mtime, "a finished run of the same config is read back, not trained again"
     assert [r["val_ppl"] for r in second["runs"]] == [r["val_ppl"] for r in first["runs"]]
+    # A run written before a field existed (its config.json lacks it) matches that field at its default;
+    # a run of another config does not.
+    from unbroken.bench.mecefo_convergence import _finished_run
+
+    run = tmp_path / "runs" / "debug-high-neighbor-s1"
+    current = json.loads((run / "config.json").read_text())
+    stored = json.loads((run / "config.json").read_text())
+    del stored["model"]["factory"], stored["train"]["shard_optimizer"]
+    (run / "config.json").write_text(json.dumps(stored))
+    assert _finished_run(run, current)
+    assert not _finished_run(run, {**current, "train": {**current["train"], "seed": 7}})

@@ -211,8 +211,15 @@ def run_one(cfg_dict: dict[str, Any], out_dir: str, threads: int, reuse: bool = 
 
 
 def _finished_run(out: Path, cfg_dict: dict[str, Any]) -> bool:
+    """A finished run of the same config is in ``out``.
+
+    The stored config is read through the loader, so a run written before a
+    field existed matches a config holding that field at its default.
+    """
     try:
-        return (out / "summary.json").is_file() and json.loads((out / "config.json").read_text()) == cfg_dict
+        if not (out / "summary.json").is_file():
+            return False
+        return Config.from_dict(json.loads((out / "config.json").read_text())).to_dict() == cfg_dict
     except (OSError, ValueError):
         return False
 
