@@ -45,7 +45,7 @@ from unbroken.runtime.job_store import JobStore
 logger = logging.getLogger(__name__)
 
 CLAIM_TIMEOUT_S = 2.0
-"""A ready standby polls every few ms; one that has not claimed in this long is hung."""
+"""A ready standby polls every ``STANDBY_POLL_S`` (20 ms); one that has not claimed in this long is hung."""
 RESPAWN_INTERVAL_S = 5.0
 """Least time between two standby starts (a crashing standby must not spin)."""
 MAX_FAILURES = 3
