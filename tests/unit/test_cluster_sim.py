@@ -171,3 +171,14 @@ def test_cli_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert "failover.json" in text and "snapshot_tiny.json" in text  # every figure names its file
     assert main(["simulate-cluster", "--job-mtbf-h", "-1"]) == 2
     assert "--job-mtbf-h=-1.0 must be > 0" in capsys.readouterr().err
+
+
+def test_fixed_share_from_steps_at_one_and_two_micro_batches() -> None:
+    from unbroken.bench.goodput_check import fixed_share_of
+
+    assert fixed_share_of(1.0, 2.0) == 0.0  # the whole step scales with its rows
+    assert fixed_share_of(1.0, 1.5) == pytest.approx(0.5)  # F = 0.5, C = 0.5 per micro-batch
+    assert fixed_share_of(0.4, 0.66) == pytest.approx(0.35)
+    assert fixed_share_of(1.0, 2.3) == 0.0 and fixed_share_of(1.0, 1.0) == 0.95  # noise clamped
+    with pytest.raises(ValueError, match="positive"):
+        fixed_share_of(0.0, 1.0)

@@ -15,9 +15,13 @@ predicts each job's throughput relative to failure-free from:
   crash (``failover``), MeCeFO's FLOPs ratio (``mecefo-cost``) and a
   checkpoint-restart's cost (``snapshot``: seconds from a kill to the next
   step minus the steps redone);
-* the share of a step that does not grow with its rows, ``--fixed-share``
-  (default 0, as in the projections: the whole step scales with the rows a
-  worker computes).
+* the share of a step that does not grow with its rows (the optimizer step,
+  the reduction, the snapshot copy), measured by the check itself: two short
+  failure-free jobs of as many workers as the machine has cores (so no two
+  share a core), at the micro-batch and at twice it; a step of ``T1`` and
+  ``T2`` seconds gives ``fixed = 2 - T2 / T1``, since ``T = F + C * rows``.
+  ``--fixed-share`` gives it instead (the projections default to 0: the whole
+  step scales with the rows a worker computes, the conservative choice).
 
 The prediction replays the steps the throughput is measured over (first to
 last committed step in ``metrics.jsonl``): a checkpoint-restart that goes back
@@ -150,6 +154,47 @@ def _per_state(run_dir: Path, rec: dict[str, Any], policy: str, workers: int, ro
     return out
 
 
+def fixed_share_of(t1: float, t2: float) -> float:
+    """The share of a step that does not grow with its rows, from steps of ``t1`` s at ``rows`` and ``t2`` s
+    at ``2 * rows`` (``T = F + C * rows``: ``F / t1 = 2 - t2 / t1``), clamped to ``[0, 0.95]``.
+
+    Raises:
+        ValueError: a step time that is not a positive number.
+    """
+    if not (t1 > 0 and t2 > 0 and math.isfinite(t1) and math.isfinite(t2)):
+        raise ValueError(f"step times {t1!r} and {t2!r} s: need two positive, finite times")
+    return min(0.95, max(0.0, 2.0 - t2 / t1))
+
+
+def _median_step(run_dir: Path) -> float:
+    """Median interval between committed steps, past the first fifth (at least 3 steps) of warm-up."""
+    train = _train(run_dir)
+    steps = [b["time"] - a["time"] for a, b in zip(train, train[1:])]
+    return statistics.median(steps[max(3, len(steps) // 5):] or steps)
+
+
+def _fixed_share(a: argparse.Namespace, runs: Path, cores: int, micro_batch: int) -> dict[str, Any]:
+    """Measure the fixed share (see the module docstring), or read the runs back with ``--reuse``."""
+    from unbroken.bench.failover import _cfg, _run
+
+    workers = max(1, min(cores, a.nodes * a.workers_per_node))
+    one_node = argparse.Namespace(**{**vars(a), "nodes": 1, "workers_per_node": workers})
+    steps = max(20, a.steps // 2)
+    times: dict[int, list[float]] = {1: [], 2: []}
+    for rep in range(2):  # interleaved, so that a drift of the machine's load moves both alike
+        for k in (1, 2):
+            name = f"fixed_rows{k}_{rep}"
+            if not a.reuse:
+                _run(one_node, runs, name, _cfg(one_node, f"data.micro_batch={k * micro_batch}",
+                                                f"train.steps={steps}"))
+            times[k].append(_median_step(runs / name))
+    t1, t2 = statistics.fmean(times[1]), statistics.fmean(times[2])
+    return {"fixed_share": fixed_share_of(t1, t2), "step_s_rows": times[1], "step_s_2rows": times[2],
+            "workers": workers, "rows": micro_batch, "steps": steps,
+            "source": f"measured: {workers} failure-free worker(s) on one node, median step {t1:.3f} s at "
+                      f"{micro_batch} rows and {t2:.3f} s at {2 * micro_batch} (mean of 2 runs each)"}
+
+
 def _figures(m: MeasuredCosts) -> dict[str, Any]:
     snap_step = m.get("snapshot.step_s").value
     kill = json.loads(Path(m.get("snapshot.ckpt_restart_s").source.split(" [")[0]).read_text())["kill"]
@@ -174,10 +219,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--runs-dir", type=Path, default=None, help="keep the runs here (default: a temporary folder)")
     ap.add_argument("--reuse", action="store_true", help="read the runs already in --runs-dir instead of running")
     ap.add_argument("--tolerance", type=float, default=0.10)
-    ap.add_argument("--fixed-share", type=float, default=0.0,
-                    help="share of a failure-free step that does not grow with the rows computed (default 0)")
+    ap.add_argument("--fixed-share", type=float, default=None,
+                    help="share of a failure-free step that does not grow with the rows computed (default: "
+                    "measured by two short failure-free jobs, see above)")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/goodput_check.json"))
     a = ap.parse_args(argv)
+    if a.fixed_share is not None and not 0.0 <= a.fixed_share < 1.0:
+        raise ValueError(f"--fixed-share={a.fixed_share}: need a share in [0, 1)")
     if a.reuse and a.runs_dir is None:
         raise ValueError("--reuse needs --runs-dir DIR (the folder of an earlier goodput-check)")
     a.store, a.overrides = None, []
@@ -204,6 +252,11 @@ def _check(a: argparse.Namespace, runs: Path) -> dict[str, Any]:
     none = _train(runs / "trace_none")
     none_step = (none[-1]["time"] - none[0]["time"]) / (none[-1]["step"] - none[0]["step"])
     cores = int(m.get("failover.cpu_count").value)
+    if a.fixed_share is None:
+        fixed = _fixed_share(a, runs, cores, cfg.data.micro_batch)
+    else:
+        fixed = {"fixed_share": a.fixed_share, "source": "given (--fixed-share)"}
+    share = fixed["fixed_share"]
     rows = {}
     for name, run in [(p, f"trace_{p}") for p in a.policies.split(",")] + [("checkpoint-restart", "trace_restart")]:
         meas = _measured(runs / run, none_step)
@@ -218,13 +271,13 @@ def _check(a: argparse.Namespace, runs: Path) -> dict[str, Any]:
         meas["planned_outages"] = _outages(runs / run)
         pred = {key: predict_ratio(policy=policy, outages=rec["outages"], first=meas["first_step"],
                                    last=meas["last_step"], workers=workers, rows=cfg.data.micro_batch, cores=cores,
-                                   fixed=a.fixed_share, approx=fig["approx"], svd=fig["svd"], stalls=rec["stalls"],
+                                   fixed=share, approx=fig["approx"], svd=fig["svd"], stalls=rec["stalls"],
                                    step_s=step_s, restarts=restarts, restart_s=fig["restart_s"])
                 for key, step_s in (("vs_failure_free_run", none_step),
                                     ("in_run", meas["failure_free_step_in_run_s"]))}
         if policy is not None:
             meas["per_state"] = _per_state(runs / run, rec, policy, workers, cfg.data.micro_batch, cores, fig,
-                                           a.fixed_share, meas["failure_free_step_in_run_s"])
+                                           share, meas["failure_free_step_in_run_s"])
         err = pred["in_run"] / meas["ratio_in_run"] - 1.0
         rows[name] = {"measured": meas, "predicted": pred, "relative_error_in_run": err,
                       "relative_error_vs_failure_free_run": pred["vs_failure_free_run"]
@@ -232,7 +285,7 @@ def _check(a: argparse.Namespace, runs: Path) -> dict[str, Any]:
     return {"benchmark": "goodput-check", "preset": a.preset, "nodes": a.nodes,
             "workers_per_node": a.workers_per_node, "steps": a.steps, "trace": a.trace, "job_hours": a.job_hours,
             "checkpoint_every": a.checkpoint_every, "cores": cores, "tolerance": a.tolerance, "figures": fig,
-            "fixed_share": a.fixed_share,
+            "fixed_share": share, "fixed_share_measurement": fixed,
             "figure_sources": {k: m.get(k).source for k in ("mecefo.approx_ratio", "mecefo.svd_share",
                                                              "failover.crash_stall_s", "failover.hang_stall_s",
                                                              "failover.rejoin_stall_s", "snapshot.ckpt_restart_s",
@@ -250,7 +303,8 @@ def _print(r: dict[str, Any]) -> None:
         print(f"{name:<20} {mm['ratio_vs_failure_free_run']:>21.3f} {p['vs_failure_free_run']:>10.3f} "
               f"{mm['ratio_in_run']:>18.3f} {p['in_run']:>10.3f} {row['relative_error_in_run']:>+10.1%} "
               f"{'ok' if row['ok'] else 'MISS'}")
-    print(f"within {r['tolerance']:.0%}: {'yes' if r['ok'] else 'no'}")
+    print(f"within {r['tolerance']:.0%}: {'yes' if r['ok'] else 'no'}; fixed share of a step "
+          f"{r['fixed_share']:.3f} ({r['fixed_share_measurement']['source']})")
     print("degraded steps alone: median step per set of workers down / failure-free step (measured vs model)")
     for name, row in r["rows"].items():
         cells = [f"{x['down']}: {x['measured_factor']:.2f} vs {x['predicted_factor']:.2f} ({x['steps']} steps)"
