@@ -39,7 +39,9 @@ IGNORE_SIGTERM_ENV = "STANDIN_STANDBY_IGNORES_SIGTERM"
 def record(run_dir: Path, worker: int, argv: list[str], **extra: object) -> None:
     out = run_dir / "standin" / f"w{worker}.{os.getpid()}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"pid": os.getpid(), "argv": argv, **extra}))
+    tmp = out.with_suffix(".tmp")  # renamed into place: a test never reads half a record
+    tmp.write_text(json.dumps({"pid": os.getpid(), "argv": argv, **extra}))
+    os.replace(tmp, out)
 
 
 def wait_assignment(store: JobStore, node: int, t0: float) -> tuple[int, str] | None:
