@@ -77,3 +77,13 @@ def test_convergence_seeds_and_reuse_of_finished_runs(tmp_path, corpus_overrides
     (run / "config.json").write_text(json.dumps(stored))
     assert _finished_run(run, current)
     assert not _finished_run(run, {**current, "train": {**current["train"], "seed": 7}})
+    # The final parameters on the whole validation split: the same windows for every seed, cached per run.
+    third = main(args + ["--full-val"])
+    full = [r["val_ppl_full"] for r in third["runs"]]
+    assert all(1.0 < v < 1e4 for v in full) and full[0] != full[1]  # two seeds, two models
+    assert full[4] == pytest.approx(full[0], rel=1e-4)  # spread, seed 0: the failure-free model
+    assert (run / "final_val_full.json").is_file()
+    stats = third["rel_val_ppl_full_stats"]["debug"]["high"]
+    assert stats["neighbor"]["n"] == 2 and abs(stats["spread"]["mean"]) < 1e-4
+    assert third["targets_full_split"]["debug/high/spread_equals_failure_free"]
+    assert third["runs"][2]["full_rel_ppl"] == pytest.approx(full[2] / full[0] - 1)

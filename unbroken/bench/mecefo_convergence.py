@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from unbroken.bench._args import parse_with_overrides
+from unbroken.bench._final_eval import full_split_validation
 from unbroken.bench.throughput import machine_description
 from unbroken.config import Config, load_config
 from unbroken.mecefo.takeover import POLICIES
@@ -81,6 +82,9 @@ def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/mecefo_convergence.json"))
     ap.add_argument("--plot", type=Path, default=Path("docs/mecefo_convergence.png"))
     ap.add_argument("--runs-dir", type=Path, default=None, help="keep every run directory here (default: temporary)")
+    ap.add_argument("--full-val", action="store_true",
+                    help="also evaluate every run's final parameters on the whole validation split, in order (the "
+                    "same windows for every seed), and report the changes and targets on it too")
     ap.add_argument("--reuse", action="store_true",
                     help="with --runs-dir: read back runs of the same config finished there instead of training "
                     "them again (a study grown or resumed piece by piece)")
@@ -185,11 +189,14 @@ def _config(a: argparse.Namespace, overrides: list[str], preset: str, trace: str
     ])
 
 
-def run_one(cfg_dict: dict[str, Any], out_dir: str, threads: int, reuse: bool = False) -> dict[str, Any]:
+def run_one(cfg_dict: dict[str, Any], out_dir: str, threads: int, reuse: bool = False,
+            full_val: bool = False) -> dict[str, Any]:
     """Simulate one config (in this process or a pool worker) and return its row with loss curves.
 
     With ``reuse``, a finished run of the same config already in ``out_dir`` (its ``summary.json``
-    written, its ``config.json`` equal to ``cfg_dict``) is read back instead of trained again.
+    written, its ``config.json`` equal to ``cfg_dict``) is read back instead of trained again. With
+    ``full_val``, its final parameters are also evaluated on the whole validation split
+    (:mod:`unbroken.bench._final_eval`).
     """
     import torch
 
@@ -204,7 +211,7 @@ def run_one(cfg_dict: dict[str, Any], out_dir: str, threads: int, reuse: bool = 
         summary = simulate(Config.from_dict(cfg_dict), out, overwrite=True)
     records = read_jsonl(out / "metrics.jsonl")
     return {
-        "summary": summary,
+        "summary": summary, "full_val": full_split_validation(out, cfg_dict) if full_val else None,
         "train_curve": [[r["step"], r["loss"]] for r in records if r["kind"] == "train"],
         "val_curve": [[r["step"], r["val_loss"]] for r in records if r["kind"] == "val"],
     }
@@ -230,8 +237,8 @@ Job = tuple[str, str, "str | None", int, Config]
 
 def _run_all(jobs: list[Job], a: argparse.Namespace, runs_dir: Path) -> list[dict[str, Any]]:
     """Train every (preset, trace, policy, seed) config; rows in the order of ``jobs``."""
-    args = [(cfg.to_dict(), str(runs_dir / f"{p}-{t}-{pol or 'baseline'}-s{seed}"), a.threads, a.reuse)
-            for p, t, pol, seed, cfg in jobs]
+    args = [(cfg.to_dict(), str(runs_dir / f"{p}-{t}-{pol or 'baseline'}-s{seed}"), a.threads, a.reuse,
+             a.full_val) for p, t, pol, seed, cfg in jobs]
     if a.jobs == 1:
         results = []
         for (preset, trace, policy, seed, _), arg in zip(jobs, args):
@@ -252,20 +259,24 @@ def _run_all(jobs: list[Job], a: argparse.Namespace, runs_dir: Path) -> list[dic
             "down_fraction": s["down_fraction"], "approx_row_fraction": s["approx_row_fraction"],
             "outages": s["outages"], "deferred_failures": s.get("deferred_failures", 0),
             "most_down": s.get("most_down"), "wall_s": s["wall_s"],
+            "val_ppl_full": res["full_val"]["val_ppl"] if res["full_val"] else None,
+            "val_full_tokens": res["full_val"]["tokens"] if res["full_val"] else None,
             "train_curve": res["train_curve"], "val_curve": res["val_curve"],
         })
     return rows
 
 
-def _relative(rows: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, dict[str, Any]]]]:
-    """Adds ``rel_ppl`` (val ppl / failure-free val ppl of the same preset and seed - 1) and
-    ``ppl_per_row`` (rel_ppl / rows approximated, both in %) to each row; returns preset -> trace ->
-    policy -> {mean, min, max, n, seeds, approx_row_fraction, ppl_per_row}."""
-    base = {(r["preset"], r["seed"]): r["val_ppl"] for r in rows if r["trace"] == "none"}
+def _relative(rows: list[dict[str, Any]], key: str = "val_ppl",
+              prefix: str = "") -> dict[str, dict[str, dict[str, dict[str, Any]]]]:
+    """Adds ``rel_ppl`` (``key`` / failure-free ``key`` of the same preset and seed - 1) and
+    ``ppl_per_row`` (rel_ppl / rows approximated, both in %) to each row, names prefixed with ``prefix``;
+    returns preset -> trace -> policy -> {mean, min, max, n, seeds, approx_row_fraction, ppl_per_row}."""
+    base = {(r["preset"], r["seed"]): r[key] for r in rows if r["trace"] == "none"}
     table: dict[str, dict[str, dict[str, dict[str, Any]]]] = {}
+    rel_key, per_key = f"{prefix}rel_ppl", f"{prefix}ppl_per_row"
     for r in rows:
-        r["rel_ppl"] = r["val_ppl"] / base[(r["preset"], r["seed"])] - 1.0
-        r["ppl_per_row"] = r["rel_ppl"] / r["approx_row_fraction"] if r["approx_row_fraction"] > 0 else None
+        r[rel_key] = r[key] / base[(r["preset"], r["seed"])] - 1.0
+        r[per_key] = r[rel_key] / r["approx_row_fraction"] if r["approx_row_fraction"] > 0 else None
         if r["trace"] != "none":
             cell = table.setdefault(r["preset"], {}).setdefault(r["trace"], {}).setdefault(r["policy"], {"runs": []})
             cell["runs"].append(r)
@@ -273,8 +284,8 @@ def _relative(rows: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, dict[
         for by_policy in by_trace.values():
             for policy, cell in by_policy.items():
                 runs = cell.pop("runs")
-                rel = [r["rel_ppl"] for r in runs]
-                per_row = [r["ppl_per_row"] for r in runs if r["ppl_per_row"] is not None]
+                rel = [r[rel_key] for r in runs]
+                per_row = [r[per_key] for r in runs if r[per_key] is not None]
                 by_policy[policy] = {
                     "mean": statistics.fmean(rel), "min": min(rel), "max": max(rel), "n": len(rel),
                     "seeds": [r["seed"] for r in runs],
@@ -374,11 +385,11 @@ def _by_fraction(ax: Any, rows: list[dict[str, Any]], policies: list[str]) -> No
 
 
 def _print_table(rows: list[dict[str, Any]], table: dict[str, dict[str, dict[str, dict[str, Any]]]],
-                 policies: list[str]) -> None:
+                 policies: list[str], key: str = "val_ppl", what: str = "val ppl") -> None:
     for preset, by_trace in table.items():
-        base = [r["val_ppl"] for r in rows if r["preset"] == preset and r["trace"] == "none"]
-        print(f"\n{preset}: failure-free val ppl {statistics.fmean(base):.3f} (mean of {len(base)} seed(s)); "
-              "change of final val ppl, seed mean [min, max] (rows approximated):")
+        base = [r[key] for r in rows if r["preset"] == preset and r["trace"] == "none"]
+        print(f"\n{preset}: failure-free {what} {statistics.fmean(base):.3f} (mean of {len(base)} seed(s)); "
+              f"change of final {what}, seed mean [min, max] (rows approximated):")
         print(f"{'trace':>12} {'degraded':>9} " + " ".join(f"{p:>30}" for p in policies))
         for trace, by_policy in by_trace.items():
             degraded = statistics.fmean(c["degraded_fraction"] for c in by_policy.values())
@@ -423,7 +434,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "machine": machine_description(),
     }
     _print_table(rows, table, policies)
-    print(f"\ntargets: {result['targets']}\nwall time {wall_s:.0f} s")
+    print(f"\ntargets: {result['targets']}")
+    if a.full_val:
+        full = _relative(rows, "val_ppl_full", "full_")
+        result.update(rel_val_ppl_full_stats=full, targets_full_split=_targets(full))
+        _print_table(rows, full, policies, "val_ppl_full", "val ppl on the whole validation split")
+        print(f"\ntargets on the whole validation split: {result['targets_full_split']}")
+    print(f"wall time {wall_s:.0f} s")
     _plot(rows, presets, policies, a.plot, table)
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(result, indent=1))
