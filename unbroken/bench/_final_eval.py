@@ -39,7 +39,7 @@ def full_split_validation(run_dir: Path, cfg_dict: dict[str, Any]) -> dict[str, 
 
     from unbroken.config import Config
     from unbroken.data.sampler import ValidationSampler
-    from unbroken.job.builder import build_job
+    from unbroken.job.builder import prepare
     from unbroken.job.simulator import FINAL_PARAMS
     from unbroken.models import resolve_device
     from unbroken.models.factory import validation_loss
@@ -49,13 +49,13 @@ def full_split_validation(run_dir: Path, cfg_dict: dict[str, Any]) -> dict[str, 
         raise FileNotFoundError(f"{params}: the run saved no final parameters to evaluate")
     cfg = Config.from_dict(cfg_dict)
     device = resolve_device(cfg.train.device)
-    job = build_job(cfg, device)
-    if not hasattr(job.data, "val"):
+    prepared = prepare(cfg, device)  # the data and the model only: nothing here trains
+    if not hasattr(prepared.data, "val"):
         raise ValueError(f"{run_dir}: the run's data has no validation split to evaluate on")
-    job.model.load_state_dict({k: v.to(device) for k, v in load_file(str(params)).items()})
-    sampler = ValidationSampler(job.data.val, seq_len=cfg.data.seq_len, batch_size=BATCH_ROWS)
+    prepared.model.load_state_dict({k: v.to(device) for k, v in load_file(str(params)).items()})
+    sampler = ValidationSampler(prepared.data.val, seq_len=cfg.data.seq_len, batch_size=BATCH_ROWS)
     with torch.no_grad():
-        loss = validation_loss(job.model, lambda i, _slot: sampler.batch(i), len(sampler), device,
+        loss = validation_loss(prepared.model, lambda i, _slot: sampler.batch(i), len(sampler), device,
                                cfg.train.precision)
     windows = len(sampler) * BATCH_ROWS
     out = {"windows": windows, "tokens": windows * cfg.data.seq_len, "val_loss": loss, "val_ppl": math.exp(loss)}
