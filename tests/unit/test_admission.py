@@ -73,3 +73,19 @@ def test_views_of_the_same_members_are_retried_a_bounded_number_of_times(tmp_pat
     assert p.view.gen == MAX_SAME_VIEW_RETRIES
     with pytest.raises(RetriesExhausted, match="nobody found dead"):
         p.reconfigure_at_start(3, "collective failed again")
+
+
+def test_joiners_of_an_admission_a_member_died_in_get_the_state_by_transfer(tmp_path: Path):
+    """View 0 admits worker 1 at step 10 from its node's snapshot memory; worker 2, which was to seal its part
+    of that snapshot there, hangs before it does. The view without worker 2 still admits worker 1, by transfer
+    (its memory holds no complete snapshot of step 10)."""
+    store = JobStore.host("127.0.0.1", 0, clients=3, secret="test")
+    v0 = View(gen=0, members=(0, 1, 2), step=10, joiners=(1,), reason="rejoin [1]", from_memory=(1,))
+    store.publish_initial(v0)
+    for w in (0, 1, 2):
+        store.beat(w)
+    p = StepProtocol(Membership(store, 0, heartbeat_timeout_s=5.0), _Job(), policy=takeover_policy("spread"),
+                     events=JsonlWriter(tmp_path / "w0.jsonl"), timeout_s=10)
+    store.mark_dead(2, "hung")
+    v1 = p._next_view(v0, 10)
+    assert (v1.gen, v1.members, v1.joiners, v1.from_memory) == (1, (0, 1), (1,), ())

@@ -418,9 +418,13 @@ class StepProtocol:
             raise NoLiveWorker("only workers still waiting for the state are left")
         # A restore interrupted before its first step committed is done again by the survivors.
         restore = old.restore if old.step == step else None
+        # A joiner reads its node's memory only if every member that was to seal the step's snapshot there is
+        # still a member: one that died (a hung one never seals) leaves the snapshot incomplete, so the
+        # joiners of the new view get the state by transfer from a survivor.
+        local = tuple(j for j in old.from_memory if j in joiners) if not dead else ()
         return self._propose(old, View(gen=old.gen + 1, members=members, step=step, joiners=joiners,
                                        reason=f"dead {sorted(dead)}" if dead else "collective failed",
-                                       restore=restore, from_memory=tuple(j for j in old.from_memory if j in joiners)))
+                                       restore=restore, from_memory=local))
 
     def _wait_for_dead(self, view: View) -> set[int]:
         """Who died? The agent says so at once; a silent node after the heartbeat timeout."""
