@@ -198,6 +198,7 @@ _DESCRIBE: dict[str, Callable[[Record, RunState], str | None]] = {
     "fault_resumed": lambda ev, st: f"SIGCONT to pids {_ids(ev.get('pids', []))}",
     "fault_deferred": lambda ev, st: f"fault {ev.get('spec')} waits: fault.max_down={ev.get('max_down')} "
                                      f"workers are down",
+    "standby_ready": lambda ev, st: None,  # routine: a warm standby started (its start's CPU, for the check)
 }
 
 

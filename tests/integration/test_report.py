@@ -26,6 +26,7 @@ from unbroken.bench.report import build_report, summarize_run
 from unbroken.cli import main as cli_main
 from unbroken.config import Config
 from unbroken.job.simulator import simulate
+from unbroken.jsonl import read_jsonl
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -171,3 +172,15 @@ def test_bad_input(job, tmp_path, capsys):
     assert "not a run directory" in capsys.readouterr().err
     assert cli_main(["report", str(job.run_dir), str(job.run_dir), str(job.run_dir)]) == 2
     assert "at most 2 run directories" in capsys.readouterr().err
+
+
+def test_a_warm_standby_records_what_its_start_cost(job):
+    (start,) = job.events("worker_start", worker=1, join=True)
+    assert start["standby"] is True
+    mine = job.events("standby_ready", pid=start["pid"])  # the standby that became worker 1
+    assert len(mine) == 1 and mine[0]["node"] == 0
+    assert 0.5 < mine[0]["cpu_s"] < 120.0  # imports, data, model: seconds of CPU
+    merged = read_jsonl(job.run_dir / "events.jsonl")
+    assert [e["pid"] for e in merged if e.get("event") == "standby_ready"] == [
+        e["pid"] for e in job.events("standby_ready")]
+    assert all(e["source"] == "events/standby0.jsonl" for e in merged if e.get("event") == "standby_ready")

@@ -173,12 +173,67 @@ def test_cli_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert "--job-mtbf-h=-1.0 must be > 0" in capsys.readouterr().err
 
 
-def test_fixed_share_from_steps_at_one_and_two_micro_batches() -> None:
-    from unbroken.bench.goodput_check import fixed_share_of
+def test_worker_loads_are_the_step_loads_peak_and_sum() -> None:
+    from unbroken.cluster.degraded import worker_loads
 
-    assert fixed_share_of(1.0, 2.0) == 0.0  # the whole step scales with its rows
-    assert fixed_share_of(1.0, 1.5) == pytest.approx(0.5)  # F = 0.5, C = 0.5 per micro-batch
-    assert fixed_share_of(0.4, 0.66) == pytest.approx(0.35)
-    assert fixed_share_of(1.0, 2.3) == 0.0 and fixed_share_of(1.0, 1.0) == 0.95  # noise clamped
-    with pytest.raises(ValueError, match="positive"):
-        fixed_share_of(0.0, 1.0)
+    assert worker_loads("neighbor", workers=4, rows=16, down=[2, 3], approx=0.75, svd=0.0) == [1.0, 2.25]
+    assert worker_loads("spread", workers=4, rows=16, down=[3], approx=0.75, svd=0.0) == pytest.approx(
+        [1 + 6 / 16, 1 + 5 / 16, 1 + 5 / 16])
+    assert worker_loads("spread-approx", workers=4, rows=2, down=[3], approx=0.5, svd=0.25) == [1.5, 1.5, 1.0]
+    assert worker_loads("spread", workers=3, rows=4, down=[], approx=0.5, svd=0.0) == [1.0, 1.0, 1.0]
+    for policy in ("neighbor", "spread", "spread-approx"):
+        for down in ([1], [0, 1], [0, 2, 5], [3, 4, 5, 6, 7]):
+            loads = worker_loads(policy, workers=8, rows=3, down=down, approx=0.8, svd=0.05)
+            assert len(loads) == 8 - len(down)
+            assert step_load(policy, workers=8, rows=3, down=down, approx=0.8, svd=0.05).factor == pytest.approx(
+                max(loads))
+            assert step_load(policy, workers=8, rows=3, down=down, approx=0.8, svd=0.05, cores=4).factor == (
+                pytest.approx(max(max(loads), sum(loads) / 4) / 2))
+    with pytest.raises(ValueError, match="no live worker"):
+        worker_loads("spread", workers=2, rows=4, down=[0, 1], approx=0.5, svd=0.0)
+
+
+def test_shared_makespan_is_fair_sharing_of_the_cores() -> None:
+    from unbroken.bench.goodput_check import shared_makespan
+
+    assert shared_makespan([2.0, 2.0], 2) == 2.0  # a core each
+    assert shared_makespan([1.0, 1.0, 1.0, 1.0], 2) == 2.0  # two to a core
+    # 1, 1 and 2.5 on 2 cores: all three at 2/3 until the small ones finish (1.5), then 1.5 alone at full speed.
+    assert shared_makespan([2.5, 1.0, 1.0], 2) == pytest.approx(3.0)
+    assert shared_makespan([3.0], 4) == 3.0
+
+
+def test_host_model_fits_each_worker_count_and_maps_uneven_loads() -> None:
+    from unbroken.bench.goodput_check import HostModel
+
+    h = HostModel(cores=2, steps={2: (0.4, 0.66), 4: (0.8, 1.5)})
+    assert h.line(2) == pytest.approx((0.14, 0.26)) and h.line(4) == pytest.approx((0.1, 0.7))
+    assert h.step_s([1.0] * 4) == pytest.approx(0.8)
+    assert h.step_s([2.0, 2.0]) == pytest.approx(0.66)  # two workers at two micro-batches: measured
+    assert h.step_s([1.0, 3.0]) == pytest.approx(0.14 + 0.26 * 3)  # a core each: the slowest sets it
+    # three on two cores at 1, 1 and 2.5: busy as long as all three at 2 (shared_makespan 3.0 over 1.5)
+    assert HostModel(cores=2, steps={3: (0.5, 0.9)}).step_s([2.5, 1.0, 1.0]) == pytest.approx(0.1 + 0.4 * 2)
+    assert HostModel(cores=2, steps={1: (1.0, 2.5)}).line(1) == pytest.approx((0.0, 1.2))  # F < 0: through 0
+    with pytest.raises(ValueError, match="no host measurement for 3 live worker"):
+        h.step_s([1.0, 1.0, 1.0])
+    with pytest.raises(ValueError, match="positive, finite"):
+        HostModel(cores=2, steps={2: (0.0, 1.0)})
+    # The check's prediction with the host model: two of four down from step 11, spread, 0.5 s stall at 11;
+    # failure-free steps take the reference's 0.9 s, degraded ones the host's measured 0.66 s.
+    got = predict_ratio(policy="spread", outages=[(2, 11, 41), (3, 11, 41)], stalls={11: 0.5}, first=1, last=40,
+                        workers=4, rows=16, approx=0.85, svd=0.0, step_s=0.9, host=h)
+    assert got == pytest.approx(39 * 0.9 / (9 * 0.9 + 30 * 0.66 + 0.5))
+
+
+def test_goodput_check_refuses_bad_arguments(tmp_path: Path) -> None:
+    from unbroken.bench.goodput_check import main as check
+
+    with pytest.raises(ValueError, match="--reuse needs --runs-dir"):
+        check(["--reuse"])
+    with pytest.raises(ValueError, match="--repeats=0: need at least 1"):
+        check(["--repeats", "0"])
+    with pytest.raises(ValueError, match="one folder when running"):
+        check(["--runs-dir", str(tmp_path / "a"), str(tmp_path / "b")])
+    with pytest.raises(ValueError, match="1 x 1 workers: a takeover needs at least 2"):
+        check(["--nodes", "1", "--workers-per-node", "1"])
+    assert not (tmp_path / "a").exists()  # refused before running anything

@@ -3,7 +3,8 @@
 Each worker appends its own ``events/w<id>.jsonl`` (view changes, aborted
 attempts, takeovers, rejoins, late results, refused joins; next to its ledger
 records) and each agent its ``events/agent<R>.jsonl`` (worker starts and
-exits, injected faults, fences, standby handovers); ``unbroken chaos`` writes
+exits, injected faults, fences, standby handovers), a warm standby once warm
+its ``events/standby<R>.jsonl``; ``unbroken chaos`` writes
 ``events/chaos.jsonl``. :class:`EventMerger` follows all of them (files are
 found as they appear) and appends every ``kind: event`` record to
 ``events.jsonl`` with ``source``, the file it came from (relative to the run
@@ -31,7 +32,7 @@ logger = logging.getLogger(__name__)
 
 EVENTS_FILE = "events.jsonl"
 """The merged events, in the run directory."""
-SOURCES = ("w*.jsonl", "agent*.jsonl", "chaos.jsonl")
+SOURCES = ("w*.jsonl", "agent*.jsonl", "standby*.jsonl", "chaos.jsonl")
 """The per-process event files under ``RUN/events/`` that are merged."""
 PER_VIEW = frozenset({"view_adopted", "reconfigured", "attempt_aborted"})
 """Events every member of a view records: kept once per ``(event, gen)``."""

@@ -17,7 +17,9 @@ exactly:
   ``ceil(k * rows / L)`` rows to the most loaded survivor (exact for a run of
   consecutive slots, such as a lost node; close to it otherwise).
 
-A worker's time in a step is ``fixed + (1 - fixed) * load``: ``fixed`` is the
+:func:`worker_loads` gives each live worker's load; :func:`step_load` its
+maximum and sum in closed form. A worker's time in a step is
+``fixed + (1 - fixed) * load``: ``fixed`` is the
 share of a failure-free step that does not grow with the rows computed (the
 optimizer step, the reduction, the snapshot copy; 0 by default, so that the
 whole step scales, the conservative choice). The step time is the slowest
@@ -33,7 +35,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["POLICY_NAMES", "StepLoad", "dead_runs", "step_load"]
+__all__ = ["POLICY_NAMES", "StepLoad", "dead_runs", "step_load", "worker_loads"]
 
 POLICY_NAMES = ("neighbor", "spread", "spread-approx")
 
@@ -66,6 +68,33 @@ def dead_runs(down: Sequence[int], workers: int) -> list[int]:
     return runs
 
 
+def worker_loads(policy: str, *, workers: int, rows: int, down: Sequence[int], approx: float,
+                 svd: float) -> list[float]:
+    """Each live worker's load in a step with the workers ``down`` dead, in exact micro-batches.
+
+    Raises:
+        ValueError: unknown policy, or no live worker left (nobody to take over).
+    """
+    if policy not in POLICY_NAMES:
+        raise ValueError(f"policy={policy!r}; valid: {', '.join(POLICY_NAMES)}")
+    k = len(down)
+    live = workers - k
+    if live < 1:
+        raise ValueError(f"{k} of {workers} workers down: no live worker to take over")
+    if k == 0:
+        return [1.0] * workers
+    if policy == "neighbor":
+        runs = dead_runs(down, workers)
+        return [1.0] * (live - len(runs)) + [(r + 1) * approx + svd for r in runs]
+    cost = 1.0 if policy == "spread" else approx
+    base, more = divmod(k * rows, live)  # the dead slots' rows, as evenly as the runtime cuts them
+    loads = []
+    for i in range(live):
+        extra = base + (1 if i < more else 0)
+        loads.append(1.0 + extra / rows * cost + (svd if policy == "spread-approx" and extra else 0.0))
+    return loads
+
+
 def step_load(policy: str, *, workers: int, rows: int, down: Sequence[int], approx: float, svd: float,
               cores: int | None = None, fixed: float = 0.0) -> StepLoad:
     """The degraded step of ``policy`` with the workers ``down`` dead.
@@ -83,6 +112,7 @@ def step_load(policy: str, *, workers: int, rows: int, down: Sequence[int], appr
         raise ValueError(f"{k} of {workers} workers down: no live worker to take over")
     if k == 0:
         return StepLoad(1.0, 0)
+    # max and sum of worker_loads, in closed form (the simulator calls this with up to 10^5 workers)
     if policy == "neighbor":
         runs = dead_runs(down, workers)
         peak = (max(runs) + 1) * approx + svd

@@ -397,7 +397,8 @@ def standby(run_dir: Path, world: int, store_addr: str, node: int) -> Assignment
     beat the node's standby counter every heartbeat interval while waiting (a
     standby that stops is replaced by its agent), claim an offer by
     compare-and-set, read the fault indices handed with it. Returns None when
-    the job ends first.
+    the job ends first. Once warm it records ``standby_ready`` with the CPU
+    seconds its start took (``events/standby<node>.jsonl``).
     """
     from unbroken.runtime.membership import HEARTBEAT_INTERVAL_S
 
@@ -407,6 +408,11 @@ def standby(run_dir: Path, world: int, store_addr: str, node: int) -> Assignment
     prepared = prepare(cfg, bind_device(cfg.train.device, node))
     store.standby_beat(node)  # before the announcement: the agent judges a ready standby by its beats
     store.standby_announce(node, os.getpid())
+    # What its start cost the machine (the goodput check charges it to the job when the cores are shared).
+    events = JsonlWriter(run_dir / "events" / f"standby{node}.jsonl")
+    events.write({"kind": "event", "event": "standby_ready", "node": node, "pid": os.getpid(),
+                  "cpu_s": round(time.process_time(), 3)})
+    events.close()
     next_beat = time.monotonic() + HEARTBEAT_INTERVAL_S
     while True:
         if (now := time.monotonic()) >= next_beat:
