@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import signal
 
 import pytest
@@ -124,3 +125,20 @@ def test_specs_fired_in_an_earlier_attempt_do_not_fire_again() -> None:
     p0 = NodeFaults(SPECS, node=0, workers_per_node=2, start_step=0,
                     fired={"step=5:worker=1:kill:back=8", "step=4:node=0:stop"})
     assert [i.spec for i in p0.due(10)] == [fail_at(step=4, worker=0, how="term")]
+
+
+def test_a_self_injected_fault_is_read_back_from_the_end_of_the_workers_event_file(tmp_path) -> None:
+    from unbroken.agent._run_files import last_self_fault_step
+
+    assert last_self_fault_step(tmp_path, 2) is None  # no file
+    events = tmp_path / "events" / "w2.jsonl"
+    events.parent.mkdir()
+    lines = [{"kind": "commit", "step": s, "pad": "x" * 300} for s in range(40)]  # longer than the tail read
+    events.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    assert last_self_fault_step(tmp_path, 2) is None  # last record is not a fault
+    with events.open("a") as fh:
+        fh.write(json.dumps({"kind": "event", "event": "fault_self", "worker": 2, "step": 6}) + "\n")
+    assert last_self_fault_step(tmp_path, 2) == 6  # the worker was in step 6, whatever the progress says
+    with events.open("a") as fh:
+        fh.write('{"kind": "event", "event": "view_ad')  # a torn line is skipped
+    assert last_self_fault_step(tmp_path, 2) == 6

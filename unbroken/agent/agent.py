@@ -41,7 +41,7 @@ from typing import Any, Sequence
 import torch.distributed as dist
 
 from unbroken.agent._restore import JobRestore
-from unbroken.agent._run_files import fired_before, write_layout
+from unbroken.agent._run_files import fired_before, last_self_fault_step, write_layout
 from unbroken.agent._process import describe_exit, exit_status, log_line, remove_pid, send, spawn, stop_all, write_pid
 from unbroken.agent._standby import Standby
 from unbroken.agent._supervision import Incarnation, Restart, StartupWatch, decode_mark
@@ -298,7 +298,8 @@ class Agent:
         reason = json.dumps({"by": "agent", "node": self.node, "how": "exit", "code": code, "signal": sig,
                              "t": time.time()})
         self.store.mark_dead(w, reason)
-        progress = self._read_progress()
+        # A worker that killed itself at its fault's step may be a step ahead of the committed progress.
+        progress = max(self._read_progress(), last_self_fault_step(self.run_dir, w) or 0)
         cause = self.plan.on_death(w, progress) if self.plan else DeathCause(injected=False)
         restart = self._schedule_restart(w, inc, cause, now)
         self._event("worker_exit", w, clean=False, injected=cause.injected, progress=progress,
