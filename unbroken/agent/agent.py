@@ -298,7 +298,6 @@ class Agent:
         reason = json.dumps({"by": "agent", "node": self.node, "how": "exit", "code": code, "signal": sig,
                              "t": time.time()})
         self.store.mark_dead(w, reason)
-        # A worker that killed itself at its fault's step may be a step ahead of the committed progress.
         progress = max(self._read_progress(), last_self_fault_step(self.run_dir, w) or 0)
         cause = self.plan.on_death(w, progress) if self.plan else DeathCause(injected=False)
         restart = self._schedule_restart(w, inc, cause, now)

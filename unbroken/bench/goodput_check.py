@@ -386,7 +386,7 @@ def _check(a: argparse.Namespace, dirs: list[Path]) -> dict[str, Any]:
     cfg = load_config(preset_name=a.preset)
     m = load_costs(a.costs if a.costs is not None else default_cost_files(), a.preset)
     fig = _figures(m)
-    cores = _cores(a)
+    cores = int(m.get("failover.cpu_count").value)
     repeats = [_check_one(a, runs, cfg.data.micro_batch, fig, cores) for runs in dirs]
     rows = {}
     for name in repeats[0]["rows"]:

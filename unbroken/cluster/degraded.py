@@ -68,6 +68,16 @@ def dead_runs(down: Sequence[int], workers: int) -> list[int]:
     return runs
 
 
+def _live(policy: str, workers: int, down: Sequence[int]) -> int:
+    """The live workers' count, after checking the policy and that someone is left to take over."""
+    if policy not in POLICY_NAMES:
+        raise ValueError(f"policy={policy!r}; valid: {', '.join(POLICY_NAMES)}")
+    live = workers - len(down)
+    if live < 1:
+        raise ValueError(f"{len(down)} of {workers} workers down: no live worker to take over")
+    return live
+
+
 def worker_loads(policy: str, *, workers: int, rows: int, down: Sequence[int], approx: float,
                  svd: float) -> list[float]:
     """Each live worker's load in a step with the workers ``down`` dead, in exact micro-batches.
@@ -75,12 +85,8 @@ def worker_loads(policy: str, *, workers: int, rows: int, down: Sequence[int], a
     Raises:
         ValueError: unknown policy, or no live worker left (nobody to take over).
     """
-    if policy not in POLICY_NAMES:
-        raise ValueError(f"policy={policy!r}; valid: {', '.join(POLICY_NAMES)}")
-    k = len(down)
-    live = workers - k
-    if live < 1:
-        raise ValueError(f"{k} of {workers} workers down: no live worker to take over")
+    live = _live(policy, workers, down)
+    k = workers - live
     if k == 0:
         return [1.0] * workers
     if policy == "neighbor":
@@ -102,14 +108,10 @@ def step_load(policy: str, *, workers: int, rows: int, down: Sequence[int], appr
     Raises:
         ValueError: unknown policy, or no live worker left (nobody to take over).
     """
-    if policy not in POLICY_NAMES:
-        raise ValueError(f"policy={policy!r}; valid: {', '.join(POLICY_NAMES)}")
     if not 0.0 <= fixed < 1.0:
         raise ValueError(f"fixed={fixed!r} must be in [0, 1): the share of a step that does not scale with rows")
-    k = len(down)
-    live = workers - k
-    if live < 1:
-        raise ValueError(f"{k} of {workers} workers down: no live worker to take over")
+    live = _live(policy, workers, down)
+    k = workers - live
     if k == 0:
         return StepLoad(1.0, 0)
     # max and sum of worker_loads, in closed form (the simulator calls this with up to 10^5 workers)
