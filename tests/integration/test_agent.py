@@ -210,6 +210,7 @@ def test_stopped_worker_marked_dead_by_a_peer_is_fenced(job: Job) -> None:
     fence = job.events(event="fence")[0]
     assert fence["worker"] == 1 and fence["pid"] == pids[1] and fence["reason"]["by"] == 0
     assert job.store.dead_mark(1) == peer_mark and job.store.deaths() == 1, "one death, one mark"
+    until(lambda: job.events(event="worker_exit"), 2.0)  # written by the agent just after it reaps the process
     exit_ev = job.events(event="worker_exit")[0]
     assert exit_ev["fenced"] and exit_ev["signal"] == signal.SIGKILL
     time.sleep(0.3)
