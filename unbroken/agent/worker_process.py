@@ -41,7 +41,8 @@ NCCL_ENVIRONMENT: dict[str, str] = {
     # The heartbeat monitor kills a process whose watchdog is stuck (in the abort of a communicator
     # whose peer died, say): that process is a survivor; our failure detector handles hangs.
     "TORCH_NCCL_ENABLE_MONITORING": "0",
-    # wait() must not block: the protocol polls the work's future and runs its checks meanwhile.
+    # wait() must not block: the protocol polls work.is_completed() (never the future, which NCCL
+    # completes at enqueue) and runs its checks meanwhile.
     "TORCH_NCCL_BLOCKING_WAIT": "0",
     # Who died is decided by the job's failure detector, not by NCCL writing errors to the store.
     "TORCH_NCCL_PROPAGATE_ERROR": "0",

@@ -5,14 +5,18 @@ hands out for it (:meth:`~unbroken.runtime.job_store.JobStore.group_store`,
 keys ``pg/<g>/...``; gloo on CPU, NCCL on CUDA), built directly rather than through
 the global default group so that groups can come and go.
 
-Collectives are started asynchronously and polled. Between polls the caller's
-``check`` runs (failure detector, view watcher) and may raise to abandon the
+Collectives are started asynchronously and polled for completion on the
+device (``work.is_completed()``, never the work's future, which NCCL completes
+at enqueue: :meth:`ViewGroup._poll`). Between polls the caller's ``check``
+runs (failure detector, view watcher) and may raise to abandon the
 collective. Building a group is watched the same way (a member that dies
 while the others connect does not hold them for the whole timeout). An
 abandoned group is never used again: with no operation pending it is
 destroyed at once (its sockets, threads and buffer released); gloo with an
 operation still blocked on a silent peer is parked until that peer is fenced
-(killed), which unblocks it, and destroyed then; NCCL is aborted. Every
+(killed), which unblocks it, and destroyed then; NCCL is aborted, from a
+thread given :data:`ABORT_DEADLINE_S` (an abort that hangs makes the worker
+leave and rejoin, :class:`AbortHung`). Every
 collective works on a buffer owned by the group, never on the caller's tensor,
 so a late write by an abandoned operation can never corrupt state: the buffer
 is reused from one step to the next (no allocation, no page faults on the hot
@@ -30,14 +34,27 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from unbroken.runtime.membership import Fenced
+
 logger = logging.getLogger(__name__)
 
 CHECK_S = 0.02
 """How often a waiting collective lets the caller's check run."""
 
+POLL_S = 0.002
+"""How often a collective on a device (NCCL) is asked whether it has finished: a query costs microseconds."""
+
+ABORT_DEADLINE_S = 10.0
+"""The longest an abort of an NCCL group may take (``ncclCommAbort`` can itself hang)."""
+
 
 class CollectiveFailed(RuntimeError):
     """A collective errored (typically: a peer's connection closed because it died)."""
+
+
+class AbortHung(Fenced):
+    """Aborting an NCCL group outlived :data:`ABORT_DEADLINE_S`: the worker leaves (its agent brings it
+    back as a joiner, with the state), as on any failure that leaves it unable to go on."""
 
 
 class ViewGroup:
@@ -55,6 +72,7 @@ class ViewGroup:
         self._buf: torch.Tensor | None = None
         self._pending: dist.Work | None = None
         self._side: list[dist.Work] = []
+        self._aborted = False
         t0 = time.perf_counter()
         self.pg: dist.ProcessGroup = self._connect(rendezvous, check)
         self.build_s = time.perf_counter() - t0
@@ -167,36 +185,66 @@ class ViewGroup:
         self._side = [w for w in self._side if not w.is_completed()]
 
     def _poll(self, work: dist.Work, check: Callable[[], None], what: str) -> None:
-        """Wait for ``work``, running ``check`` every ``CHECK_S`` until it completes.
+        """Wait until ``work`` has finished on its device, running ``check`` every ``CHECK_S``.
 
-        gloo: a timed ``work.wait`` blocks in C++ and returns the moment the
-        collective completes (its "timed out" error leaves the operation running);
-        CUDA: woken by the work's future.
+        One rule for every backend and every collective: a collective is done
+        when ``work.is_completed()`` says so, never when its future does. NCCL
+        completes ``work.get_future()`` when the collective is *enqueued* (the
+        ``Work.get_future`` docstring: ``fut.done()`` only means enqueued for GPU
+        work), so a vote cast on it could commit a reduction that a peer's
+        death later leaves half done. ``is_completed()`` queries the event NCCL
+        records after the collective on its stream (and the communicator's
+        errors); gloo's is true once the operation ran. Between queries this
+        thread sleeps: in gloo's timed ``wait`` (it returns the moment the
+        collective finishes; its "timed out" error leaves the operation
+        running), on NCCL ``POLL_S`` (a timed NCCL wait aborts the communicator
+        when it expires). Once completed, an error the work recorded fails it.
+
+        Raises:
+            CollectiveFailed: the work failed, the group was aborted, or it outlived the timeout.
+            Whatever ``check`` raises.
         """
         self._pending = work  # until it completes: an abandoned group with pending work is parked, not destroyed
-        deadline = time.monotonic() + self.timeout.total_seconds()
-        if self.device.type == "cuda":
-            done = threading.Event()
-            work.get_future().add_done_callback(lambda _: done.set())
-            while not done.wait(CHECK_S):
+        now = time.monotonic()
+        deadline, next_check = now + self.timeout.total_seconds(), now + CHECK_S
+        while not work.is_completed():
+            if time.monotonic() >= next_check:
                 self._tick(check, deadline, what)
-        else:
-            step = timedelta(seconds=CHECK_S)
-            while True:
-                try:
-                    work.wait(step)
-                    return
-                except RuntimeError:
-                    # Timed out, failed, or completed just after timing out: once it is
-                    # completed, the untimed wait below tells success from failure.
-                    if work.is_completed():
-                        break
-                self._tick(check, deadline, what)
+                next_check = time.monotonic() + CHECK_S
+            self._nap(work)
         self._pending = None
+        self._raise_if_failed(work, what)
+
+    def _nap(self, work: dist.Work) -> None:
+        """Sleep a little while ``work`` runs (see :meth:`_poll`)."""
+        if self.device.type == "cpu":
+            try:
+                work.wait(timedelta(seconds=CHECK_S))
+            except RuntimeError:
+                pass  # timed out, failed, or completed just after timing out: is_completed() decides
+        else:
+            time.sleep(POLL_S)
+
+    def _raise_if_failed(self, work: dist.Work, what: str) -> None:
+        """A completed ``work`` that errored, or that belongs to an aborted group, failed.
+
+        After an abort NCCL skips its error check, so an aborted work whose end
+        event fires reads as completed without error: the group's own flag,
+        set before the abort, decides then.
+        """
+        if self._aborted:
+            raise CollectiveFailed(f"{what} of view {self.gen} was aborted")
         try:
-            work.wait()
+            # NCCL's untimed wait() only makes the current stream wait (it raises nothing): the error
+            # its completion check recorded is read here. gloo's wait() raises a failure itself (and
+            # its exception() would print a deprecation warning).
+            error = work.exception() if self.device.type != "cpu" else None
+            if error is None:
+                work.wait()
         except RuntimeError as exc:
-            raise CollectiveFailed(f"{what} of view {self.gen} failed: {str(exc).splitlines()[0]}") from None
+            error = exc
+        if error is not None:
+            raise CollectiveFailed(f"{what} of view {self.gen} failed: {str(error).splitlines()[0]}") from None
 
     def _post(self, start: Callable[[], dist.Work], what: str) -> dist.Work:
         """Start a collective; an error raised at once (NCCL checks synchronously) is a failed collective."""
@@ -214,15 +262,15 @@ class ViewGroup:
         as everybody's. None if it failed or is still pending.
         """
         work, deadline = self._pending, time.monotonic() + timeout_s
-        if work is None or self._buf is None:
+        if work is None or self._buf is None or self._aborted:
             return None
         while not work.is_completed() and time.monotonic() < deadline:
-            time.sleep(0.002)
+            time.sleep(POLL_S)
+        if not work.is_completed():
+            return None
         try:
-            if not work.is_completed():
-                return None
-            work.wait()
-        except RuntimeError:
+            self._raise_if_failed(work, "all-reduce")
+        except CollectiveFailed:
             return None
         self._pending = None
         return self._buf
@@ -235,17 +283,18 @@ class ViewGroup:
     def abandon(self) -> None:
         """Stop using this group: destroyed now unless an operation is still pending (module docstring).
 
-        NCCL is aborted first. A group whose last operation is still running
-        (blocked on a silent peer) is parked until that operation ends (the
-        peer is fenced, its connections close), then destroyed by a later
-        :meth:`abandon`; so a worker holds at most the groups whose peers are
-        still being fenced, not one per view it ever saw.
+        NCCL is aborted first, from a watched thread (:meth:`_abort`). A group
+        whose last operation is still running (blocked on a silent peer) is
+        parked until that operation ends (the peer is fenced, its connections
+        close), then destroyed by a later :meth:`abandon`; so a worker holds at
+        most the groups whose peers are still being fenced, not one per view it
+        ever saw.
+
+        Raises:
+            AbortHung: the NCCL abort did not return within :data:`ABORT_DEADLINE_S`.
         """
-        if self.device.type == "cuda":
-            try:
-                self.pg.abort()
-            except Exception as exc:  # best effort: the group is never used again
-                logger.warning("abort of view %d group failed: %s", self.gen, exc)
+        if self.device.type == "cuda" and self.pg is not None:
+            self._abort()
         for parked in [g for g in _PARKED if not g._busy()]:
             _PARKED.remove(parked)
             parked._release()
@@ -253,6 +302,31 @@ class ViewGroup:
             self._release()
         else:
             _PARKED.append(self)
+
+    def _abort(self, deadline_s: float | None = None) -> None:
+        """``pg.abort()`` in a thread of its own, waited for at most ``deadline_s`` (default
+        :data:`ABORT_DEADLINE_S`); the group counts as aborted from before the call on.
+
+        Raises:
+            AbortHung: the abort is still running at the deadline (the thread is left to it: the
+                worker is about to leave, and ``os._exit`` does not wait for it).
+        """
+        self._aborted = True
+        pg, returned = self.pg, threading.Event()
+
+        def abort() -> None:
+            try:
+                pg.abort()
+            except Exception as exc:  # best effort: the group is never used again
+                logger.warning("abort of view %d group failed: %s", self.gen, exc)
+            finally:
+                returned.set()
+
+        threading.Thread(target=abort, name=f"abort-g{self.gen}", daemon=True).start()
+        limit = ABORT_DEADLINE_S if deadline_s is None else deadline_s
+        if not returned.wait(limit):
+            raise AbortHung(f"the abort of view {self.gen}'s NCCL group did not return within {limit} s; "
+                            f"this worker leaves and rejoins")
 
     def _busy(self) -> bool:
         """An operation of this group is still running (a collective or a point-to-point transfer)."""
