@@ -47,6 +47,7 @@ from unbroken.agent._standby import Standby
 from unbroken.agent._supervision import Incarnation, Restart, StartupWatch, decode_mark
 from unbroken.agent.rendezvous import NodeRegistration, StartRefused
 from unbroken.agent.options import AgentOptions
+from unbroken.models.factory import check_placement
 from unbroken.faults.fail_at import format_fail_at, write_fault_plan
 from unbroken.faults.injector import DeathCause, Injection, NodeFaults, workers_of
 from unbroken.jsonl import JsonlWriter
@@ -148,6 +149,10 @@ class Agent:
             self.total_steps = int(cfg["train"]["steps"])
             self._hb_timeout = float(cfg["fault"]["heartbeat_timeout_s"])
             job_cfg = Config.from_dict(cfg)
+            try:
+                check_placement(job_cfg.train.device, workers_of(self.node, self.opts.workers_per_node))
+            except ValueError as exc:
+                raise AgentError(f"node {self.node}: {exc}", 2) from None
             for store in (self.store, self._server):  # from now on the job's own patience with its store
                 if store is not None:
                     store.set_store_timeout(job_cfg.fault.store_timeout_s)

@@ -50,6 +50,7 @@ from unbroken.jsonl import JsonlTail, read_jsonl
 from unbroken.runtime.checkpoint import latest_checkpoint, read_commit
 from unbroken.snapshot.capacity import check_snapshot_config
 from unbroken.agent.preflight import _truncate_metrics, preflight, prepare_run_dir
+from unbroken.models.factory import check_placement
 from unbroken.agent._store_host import StoreHost
 from unbroken.runtime.etcd_backend import parse_etcd
 from unbroken.runtime.job_store import JobStore
@@ -129,6 +130,7 @@ def launch(
         restart = "never"  # checkpoint-restart: the launcher restarts the whole job instead
     specs, trace = _job_faults(cfg, fail_at, nodes, workers_per_node)
     info = preflight(cfg)
+    check_placement(cfg.train.device, range(cfg.train.workers))  # every node of a launch runs on this machine
     check_snapshot_config(cfg, nodes, workers_per_node, info.get("vocab_size"))
     if cfg.train.shard_optimizer and cfg.train.workers == 1:
         logger.warning("train.shard_optimizer with one worker: nothing to shard, the run is the same without it")

@@ -23,7 +23,12 @@
    time to adopt the admitting view;
 7. the projection for ``llama-1b`` / ``llama-7b``: bytes per node and seconds
    per snapshot at the measured write throughput (a projection, not a
-   measurement).
+   measurement);
+8. **pinned** (deterministic counts, ``--parts pinned``): on a GPU, the pinned
+   host bytes one worker stages per snapshot for ``llama-1b`` and ``llama-7b``
+   at 8 workers per node (the whole state before, only the bytes it writes
+   now), and the host bytes a restore holds at once (the whole state twice
+   before, one stripe now).
 """
 
 from __future__ import annotations
@@ -47,6 +52,8 @@ from unbroken.jsonl import read_jsonl
 from unbroken.runtime.ledger import read_events
 from unbroken.snapshot.capacity import node_bytes, state_bytes
 from unbroken.snapshot.erasure import Coding
+from unbroken.snapshot.plan import plan_for
+from unbroken.snapshot.snapshotter import byte_ranges
 
 _GB = 1e9
 
@@ -215,6 +222,29 @@ def _rejoin(a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     return out
 
 
+def _pinned(nodes: tuple[int, ...] = (2, 4, 16), per_node: int = 8) -> dict[str, Any]:
+    """Pinned bytes per worker and restore host bytes, before and after staging only what is written."""
+    out: dict[str, Any] = {}
+    for name in ("llama-1b", "llama-7b"):
+        cfg = preset(name)
+        size = state_bytes(cfg)
+        for n in nodes:
+            node_of = {w: w // per_node for w in range(n * per_node)}
+            plan = plan_for(node_of, node_of, redundancy=cfg.snapshot.redundancy, parity=cfg.snapshot.parity,
+                            state_bytes=size)
+            staged = [sum(b - a for a, b in byte_ranges(plan, m)) for m in plan.assignment(node_of, node_of).values()]
+            stripe = -(-size // plan.stripes)
+            out[f"{name} {n}x{per_node}"] = {
+                "state_gb": size / _GB, "pinned_gb_per_worker_before": size / _GB,
+                "pinned_gb_per_worker_after_max": max(staged) / _GB,
+                "pinned_gb_per_worker_after_mean": statistics.mean(staged) / _GB,
+                "pinned_gb_per_node_before": per_node * size / _GB,
+                "pinned_gb_per_node_after": sum(staged[:per_node]) / _GB,
+                "restore_host_gb_per_worker_before": 2 * size / _GB, "restore_host_gb_per_worker_after": stripe / _GB,
+                "stripes": plan.stripes, "k": plan.k, "m": plan.m}
+    return out
+
+
 def _projection(write_mb_s: float, nodes: int, per_node: int) -> dict[str, Any]:
     out = {}
     for name in ("llama-1b", "llama-7b"):
@@ -232,19 +262,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--workers-per-node", type=int, default=2)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--checkpoint-every", type=int, default=5, help="DCP checkpoints of the checkpoint-restart run")
-    ap.add_argument("--parts", default="bytes,in_process,overhead,kill,rejoin", help="which measurements to run")
+    ap.add_argument("--parts", default="bytes,pinned,in_process,overhead,kill,rejoin",
+                    help="which measurements to run")
     ap.add_argument("--out", type=Path, default=None, help="default benchmarks/results/snapshot_PRESET.json")
     a, a.overrides = parse_with_overrides(ap, argv)
     parts = a.parts.split(",")
-    unknown = set(parts) - {"bytes", "in_process", "overhead", "kill", "rejoin"}
+    unknown = set(parts) - {"bytes", "pinned", "in_process", "overhead", "kill", "rejoin"}
     if unknown:
-        raise ValueError(f"--parts: unknown {', '.join(sorted(unknown))}; valid: bytes, in_process, overhead, kill, rejoin")
+        raise ValueError(f"--parts: unknown {', '.join(sorted(unknown))}; "
+                         f"valid: bytes, pinned, in_process, overhead, kill, rejoin")
     result: dict[str, Any] = {"benchmark": "snapshot", "preset": a.preset, "nodes": a.nodes,
                               "workers_per_node": a.workers_per_node, "steps": a.steps,
                               "machine": machine_description()}
     with tempfile.TemporaryDirectory(prefix="unbroken-snapshot-") as tmp:
         if "bytes" in parts:
             result["bytes"] = _bytes(a)
+        if "pinned" in parts:
+            result["pinned"] = _pinned()
         if "in_process" in parts:
             result["in_process"] = _in_process(a, Path(tmp))
             result["projection"] = _projection(result["in_process"]["write_mb_s_per_worker"], a.nodes,

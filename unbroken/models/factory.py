@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Callable
+import os
+
+from typing import Callable, Iterable
 
 import torch
 
@@ -58,6 +60,42 @@ def resolve_device(choice: str, rank: int = 0) -> torch.device:
     if not torch.cuda.is_available():
         raise ValueError("train.device='cuda' but CUDA is not available; use 'cpu' or 'auto'")
     return torch.device("cuda", rank % torch.cuda.device_count())
+
+
+def check_placement(choice: str, workers: Iterable[int]) -> None:
+    """Refuse, before anything starts, a CUDA job whose NCCL groups cannot form on this machine.
+
+    ``workers``: the worker ids this machine runs. Each gets ``cuda:(w % G)``
+    (:func:`resolve_device`); NCCL refuses two ranks of one communicator on one
+    GPU (``Duplicate GPU detected``), which would otherwise surface only as a
+    failed first view after the job's timeout.
+
+    Raises:
+        ValueError: no GPU is visible to ``train.device='cuda'``, or two workers would share a GPU
+            (names both workers and the device).
+    """
+    if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
+        return
+    if not torch.cuda.is_available():
+        raise ValueError(f"train.device='cuda' but no GPU is visible to the workers (CUDA_VISIBLE_DEVICES="
+                         f"{os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')!r}); use 'cpu' or 'auto'")
+    problem = placement_problem(list(workers), torch.cuda.device_count())
+    if problem:
+        raise ValueError(problem)
+
+
+def placement_problem(workers: list[int], gpus: int) -> str | None:
+    """Why ``workers`` cannot each have a GPU of their own among ``gpus`` (None if they can)."""
+    seen: dict[int, int] = {}
+    for w in sorted(workers):
+        index = w % gpus
+        if index in seen:
+            return (f"workers {seen[index]} and {w} would both run on cuda:{index}: NCCL cannot hold two ranks of "
+                    f"one group on one GPU, and this machine has {gpus} visible "
+                    f"(cuda:0..cuda:{gpus - 1}) for {len(workers)} workers; run at most {gpus} workers on it "
+                    f"(--workers / --workers-per-node), or set train.device=cpu")
+        seen[index] = w
+    return None
 
 
 def bind_device(choice: str, rank: int = 0) -> torch.device:

@@ -62,7 +62,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_ADAM_KEYS = ("exp_avg", "exp_avg_sq", "step")
+ADAM_KEYS = ("exp_avg", "exp_avg_sq", "step")
 
 
 def dcp() -> Any:
@@ -91,7 +91,7 @@ def training_state(
     for name, p in model.named_parameters():
         state[f"model.{name}"] = p.detach()
     for p, st in optimizer.state.items():
-        for key in _ADAM_KEYS:
+        for key in ADAM_KEYS:
             if key in st:
                 t = st[key]
                 state[f"optim.{names[p]}.{key}"] = t if torch.is_tensor(t) else torch.tensor(float(t))
@@ -113,7 +113,7 @@ def load_training_state(
         torch.set_rng_state(state["rng.cpu"].clone())
         return
     for name, p in params.items():
-        keys = {k: state.get(f"optim.{name}.{k}") for k in _ADAM_KEYS}
+        keys = {k: state.get(f"optim.{name}.{k}") for k in ADAM_KEYS}
         if all(v is None for v in keys.values()):
             continue
         optimizer.state[p] = {

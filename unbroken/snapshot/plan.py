@@ -18,7 +18,10 @@ With too few nodes for the parity asked (``N <= p``), the snapshot is taken
 unprotected (``k = N``, ``m = 0``) and says so (``protected`` is False).
 Within a node, stripe ``i`` is written by its ``i mod L``-th live worker (L
 live workers on it), so each live worker writes about ``1/m`` of the
-protected state, m the live workers.
+protected state, m the live workers. A stripe is at most
+:data:`MAX_STRIPE_BYTES` (the coder takes at most 2 GiB at once, and a parity
+holder stages a whole stripe in host memory to encode it): a large state is
+cut into a multiple of ``L`` stripes, each worker writing every ``L``-th.
 """
 
 from __future__ import annotations
@@ -28,7 +31,11 @@ import json
 from collections import defaultdict
 from typing import Any, Iterable
 
-__all__ = ["SnapshotPlan", "complete_steps", "plan_for"]
+__all__ = ["MAX_STRIPE_BYTES", "SnapshotPlan", "complete_steps", "plan_for"]
+
+MAX_STRIPE_BYTES = 256 << 20
+"""The largest stripe: bounds what a parity holder encodes (and stages) at once; liberasurecode refuses
+stripes from 2 GiB on."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +94,9 @@ def plan_for(members: Iterable[int], node_of: dict[int, int], *, redundancy: str
     else:
         k, m = n, 0
         protected = redundancy == "replica" and n > 1
-    return SnapshotPlan(scheme=redundancy, k=k, m=m, nodes=nodes, stripes=max(per_node.values()),
+    per = max(per_node.values())
+    stripes = per * max(1, -(-state_bytes // (per * MAX_STRIPE_BYTES)))
+    return SnapshotPlan(scheme=redundancy, k=k, m=m, nodes=nodes, stripes=stripes,
                         state_bytes=state_bytes, protected=protected)
 
 

@@ -14,7 +14,9 @@ fragments and parity), then the newest committed persistent checkpoint.
    fragments are read from the worker's own node where it holds ``k`` of them;
    otherwise the first member on a node that can decode sends the stripe over
    the view's group; if no node can alone, each needed fragment is sent by a
-   member on its node and every worker decodes. The state is loaded exactly.
+   member on its node and every worker decodes. The state is loaded exactly,
+   stripe by stripe, each written straight into the live tensors: host memory
+   holds one stripe at a time, never the whole state.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import torch
 from unbroken.snapshot.erasure import HEADER, Coding
 from unbroken.snapshot.plan import SnapshotPlan, complete_steps
 from unbroken.snapshot.segment import SHM_DIR, SealedBuffer, SnapshotCorrupt, job_segments
-from unbroken.snapshot.state_bytes import load_into
+from unbroken.snapshot.state_bytes import StateLoader
 
 __all__ = ["decide", "inventory", "restore_from_memory"]
 
@@ -105,8 +107,10 @@ def restore_from_memory(spec: dict[str, Any], *, job: str, node: int, node_of: d
     t0 = time.perf_counter()
     loader = _Loader(spec, job=job, node=node, node_of=node_of, members=members, me=me, broadcast=broadcast,
                      device=device)
-    data = b"".join(loader.stripe(st) for st in range(loader.plan.stripes))
-    load_into(data, spec["layout"], model, optimizer, device)
+    state = StateLoader(spec["layout"], model, optimizer, device)  # checks the fit before anything is read
+    for st in range(loader.plan.stripes):  # one stripe in host memory at a time, written straight into the state
+        state.write(loader.plan.stripe_range(st)[0], loader.stripe(st))
+    state.finish()
     return {**loader.stats, "seconds": time.perf_counter() - t0, "step": spec["step"]}
 
 
@@ -180,8 +184,21 @@ class _Loader:
         return t.cpu().numpy().tobytes()
 
     def _gather(self, st: int, frags: dict[int, tuple[int, str]], length: int) -> bytes:
-        """No node can decode alone: each chosen fragment (and a parity holder's headers) is broadcast."""
-        chosen = _prefer_data(set(frags), self.plan.k)
+        """No node can decode alone: each chosen fragment (and a parity holder's headers) is broadcast.
+
+        Only fragments on nodes with a live member are chosen: a member that died during the restore
+        leaves its node's memory with nobody to read it (the next view keeps the same holders).
+
+        Raises:
+            SnapshotCorrupt: the nodes with live members hold fewer than ``k`` fragments of the stripe.
+        """
+        live = {fr: held for fr, held in frags.items() if held[0] in self.first_on}
+        if len(live) < self.plan.k:
+            raise SnapshotCorrupt(
+                f"stripe {st} of the snapshot of step {self.spec['step']} can no longer be decoded: it needs "
+                f"{self.plan.k} fragments, the nodes with live members {self.nodes} hold {len(live)} "
+                f"({sorted(live)}); its fragments are on nodes {sorted({nd for nd, _ in frags.values()})}")
+        chosen = _prefer_data(set(live), self.plan.k)
         hdrs = None
         parity = next((fr for fr in chosen if fr >= self.plan.k), None)
         if parity is not None:  # the headers kept with that parity fragment travel with it

@@ -12,8 +12,14 @@ state of exactly one step, and (2) when step ``s + 1`` commits, every member
 has sealed its share of step ``s``: the newest complete snapshot is at most
 one step behind the newest committed step.
 
-On a CUDA device the tensors are first copied to the host (pinned staging,
-on a side stream) by the same thread.
+On a CUDA device the same thread first copies to pinned host memory only
+the bytes this worker writes (:func:`byte_ranges`: its data fragments'
+ranges, and the whole stripe where it holds parity), on a side stream of the
+tensors' own device made current in the thread, after an event recorded on
+the compute stream when the optimizer step was queued; the copies are done
+when an event recorded after them on that stream has completed. The pinned
+buffer is sized to those bytes: about ``1/L`` of the state (``L`` live
+workers on the node) instead of all of it.
 """
 
 from __future__ import annotations
@@ -30,9 +36,12 @@ from unbroken.runtime.view import View
 from unbroken.snapshot.erasure import HEADER, Coding
 from unbroken.snapshot.plan import SnapshotPlan, plan_for
 from unbroken.snapshot.segment import Buffer, crc32
-from unbroken.snapshot.state_bytes import capture, describe, layout_hash
+from unbroken.snapshot.state_bytes import capture, copy_range, describe, layout_hash
 
-__all__ = ["Snapshotter"]
+__all__ = ["Snapshotter", "byte_ranges"]
+
+ReadBytes = Callable[[memoryview, int, int], None]
+"""``read(out, start, stop)``: bytes ``[start, stop)`` of the flat state into ``out``."""
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +72,9 @@ class Snapshotter:
         """What the last completed snapshot wrote (step, bytes, seconds)."""
         self.taken = 0
         self._stream: Any = None  # CUDA: the side stream of device-to-host copies
-        self._pinned: dict[str, torch.Tensor] = {}
+        self._pinned: torch.Tensor | None = None  # CUDA: the staging buffer, sized to the bytes written
+        self.pinned_bytes = 0
+        """Bytes of pinned host memory this worker holds for its copies (0 off CUDA)."""
 
     def take(self, done: int, view: View) -> None:
         """Start the snapshot of the state after ``done`` steps (a no-op off the ``every`` grid)."""
@@ -81,9 +92,10 @@ class Snapshotter:
         mine = plan.assignment(view.members, self.node_of).get(self.worker, [])
         buffer = self.buffers[(done // self.every) % 2]
         ready = None
-        if any(t.is_cuda for t in tensors.values()):  # the optimizer step was queued on the compute stream
+        device = next((t.device for t in tensors.values() if t.is_cuda), None)
+        if device is not None:  # the optimizer step was queued on the compute stream: copy after it
             ready = torch.cuda.Event()
-            ready.record()
+            ready.record(torch.cuda.current_stream(device))
         self._pending = self._pool.submit(self._write_from_device, buffer, tensors, ready, layout.entries, plan,
                                           mine, done, view.gen)
 
@@ -110,28 +122,52 @@ class Snapshotter:
             b.close()
 
     def _write_from_device(self, buffer: Buffer, tensors: dict[str, torch.Tensor], ready: Any,
-                           *args: Any) -> dict[str, Any]:
-        """On CUDA: copy the state to pinned host buffers on a side stream first (compute goes on), then write."""
-        if ready is not None:
-            if self._stream is None:
-                self._stream = torch.cuda.Stream()
-            with torch.cuda.stream(self._stream):
-                self._stream.wait_event(ready)
-                host = {}
-                for name, t in tensors.items():
-                    if not t.is_cuda:
-                        host[name] = t
-                        continue
-                    pinned = self._pinned.get(name)
-                    if pinned is None or pinned.shape != t.shape or pinned.dtype != t.dtype:
-                        pinned = self._pinned[name] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-                    pinned.copy_(t, non_blocking=True)
-                    host[name] = pinned
-            self._stream.synchronize()
-            tensors = host
-        return self._write(buffer, tensors, *args)
+                           layout: list[list], plan: SnapshotPlan, mine: list[tuple[int, int]], done: int,
+                           gen: int) -> dict[str, Any]:
+        """Write the snapshot; on CUDA, stage the bytes this worker writes in pinned memory first."""
+        if ready is None:
+            read: ReadBytes = lambda out, a, b: capture(tensors, out, a, b)  # noqa: E731
+        else:
+            read = self._stage(tensors, ready, byte_ranges(plan, mine))
+        return self._write(buffer, read, layout, plan, mine, done, gen)
 
-    def _write(self, buffer: Buffer, tensors: dict[str, torch.Tensor], layout: list[list], plan: SnapshotPlan,
+    def _stage(self, tensors: dict[str, torch.Tensor], ready: Any, ranges: list[tuple[int, int]]) -> ReadBytes:
+        """Copy ``ranges`` of the flat state into the pinned buffer on a side stream of the tensors' device.
+
+        Returns the reader of the staged bytes. The copies start after ``ready``
+        (the optimizer step) and are complete when this returns (an event
+        recorded after them on the side stream, synchronized).
+        """
+        device = next(t.device for t in tensors.values() if t.is_cuda)
+        torch.cuda.set_device(device)  # this thread's current device: no context or stream on another GPU
+        if self._stream is None or self._stream.device != device:
+            self._stream = torch.cuda.Stream(device=device)
+        total = sum(hi - lo for lo, hi in ranges)
+        if self._pinned is None or self._pinned.numel() != total:
+            self._pinned = None
+            self._pinned = torch.empty(total, dtype=torch.uint8, pin_memory=True)
+            self.pinned_bytes = total
+        pinned, index, pos = self._pinned, [], 0
+        with torch.cuda.stream(self._stream):
+            self._stream.wait_event(ready)
+            for lo, hi in ranges:
+                copy_range(tensors, pinned[pos:pos + hi - lo], lo, hi, non_blocking=True)
+                index.append((lo, hi, pos))
+                pos += hi - lo
+            copied = torch.cuda.Event()
+            copied.record(self._stream)
+        copied.synchronize()
+        host = pinned.numpy()
+
+        def read(out: memoryview, a: int, b: int) -> None:
+            if a >= b:
+                return
+            lo, _, at = next(r for r in index if r[0] <= a and b <= r[1])
+            out[:] = host[at + a - lo:at + b - lo].data
+
+        return read
+
+    def _write(self, buffer: Buffer, read: ReadBytes, layout: list[list], plan: SnapshotPlan,
                mine: list[tuple[int, int]], done: int, gen: int) -> dict[str, Any]:
         t0 = time.perf_counter()
         coding = Coding(plan.k, plan.m)
@@ -161,12 +197,12 @@ class Snapshotter:
             out = area[at:at + size]
             if 0 <= frag < plan.k:  # a data fragment is the stripe's own bytes: straight from the state
                 a, b = lo + frag * chunk, min(lo + (frag + 1) * chunk, hi)
-                capture(tensors, out[:max(0, b - a)], a, b)
+                read(out[:max(0, b - a)], a, b)
                 out[max(0, b - a):] = bytes(size - max(0, b - a))
             else:
                 if stripe not in encoded:
                     staging = bytearray(hi - lo)
-                    capture(tensors, memoryview(staging), lo, hi)
+                    read(memoryview(staging), lo, hi)
                     encoded[stripe] = coding.parity(staging, [f for f in by_stripe[stripe] if f >= plan.k])
                 parity, hdrs = encoded[stripe]
                 out[:] = hdrs if frag < 0 else parity[frag]
@@ -178,4 +214,30 @@ class Snapshotter:
             "layout_offset": 0, "layout_len": len(layout_raw), "layout_crc": crc32(layout_raw),
             "fragments": fragments, "headers": headers, "t": time.time(),
         })
-        return {"step": done, "bytes": offset, "seconds": time.perf_counter() - t0}
+        return {"step": done, "bytes": offset, "seconds": time.perf_counter() - t0, "pinned_bytes": self.pinned_bytes}
+
+
+def byte_ranges(plan: SnapshotPlan, mine: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The byte ranges of the flat state a worker writing fragments ``mine`` reads, merged and sorted.
+
+    A data fragment is its own bytes of the stripe; a parity fragment needs the
+    whole stripe.
+    """
+    coding = Coding(plan.k, plan.m)
+    spans = []
+    for stripe, frag in mine:
+        lo, hi = plan.stripe_range(stripe)
+        if frag >= plan.k:
+            spans.append((lo, hi))
+        else:
+            chunk = coding.chunk(hi - lo)
+            a, b = lo + frag * chunk, min(lo + (frag + 1) * chunk, hi)
+            if a < b:
+                spans.append((a, b))
+    merged: list[tuple[int, int]] = []
+    for a, b in sorted(spans):
+        if merged and a <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+        else:
+            merged.append((a, b))
+    return merged

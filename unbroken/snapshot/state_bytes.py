@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import warnings
 
 import torch
 
-from unbroken.runtime.checkpoint import load_training_state, training_state
+from unbroken.runtime.checkpoint import ADAM_KEYS, training_state
 
-__all__ = ["StateLayout", "capture", "layout_hash", "load_into", "tensors_of"]
+__all__ = ["StateLayout", "StateLoader", "capture", "copy_range", "layout_hash", "tensors_of"]
 
 _DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.uint8, torch.int8,
@@ -68,45 +69,112 @@ def describe(tensors: dict[str, torch.Tensor]) -> StateLayout:
 
 
 def capture(tensors: dict[str, torch.Tensor], out: memoryview, start: int, stop: int) -> None:
-    """Copy bytes ``[start, stop)`` of the flat state of ``tensors`` into ``out`` (len ``stop - start``).
+    """Copy bytes ``[start, stop)`` of the flat state of ``tensors`` into ``out`` (len ``stop - start``)."""
+    dst = torch.frombuffer(out, dtype=torch.uint8) if len(out) else torch.empty(0, dtype=torch.uint8)
+    copy_range(tensors, dst, start, stop)
 
-    Reads each tensor once, on the host (a device tensor is copied to the host first).
+
+def copy_range(tensors: dict[str, torch.Tensor], dst: torch.Tensor, start: int, stop: int, *,
+               non_blocking: bool = False) -> None:
+    """Copy bytes ``[start, stop)`` of the flat state of ``tensors`` into the ``uint8`` tensor ``dst``.
+
+    Only the overlapping slice of each tensor is read (a device tensor's slice
+    is copied straight off the device; ``non_blocking`` queues that copy on the
+    current stream, for a pinned ``dst``).
     """
     offset = 0
-    dst = torch.frombuffer(out, dtype=torch.uint8) if len(out) else torch.empty(0, dtype=torch.uint8)
     for t in tensors.values():
         n = t.numel() * t.element_size()
         lo, hi = max(start, offset), min(stop, offset + n)
         if lo < hi:
-            src = t.detach()
-            if src.device.type != "cpu":
-                src = src.cpu()
-            flat = src.contiguous().reshape(-1).view(torch.uint8)
-            dst[lo - start:hi - start].copy_(flat[lo - offset:hi - offset])
+            flat = t.detach().reshape(-1).view(torch.uint8)
+            dst[lo - start:hi - start].copy_(flat[lo - offset:hi - offset],
+                                             non_blocking=non_blocking and t.device.type != "cpu")
         offset += n
         if offset >= stop:
             break
 
 
-def load_into(data: bytes | memoryview, layout: list[list], model: torch.nn.Module,
-              optimizer: torch.optim.Optimizer, device: torch.device) -> None:
-    """Load a whole flat state (bytes of ``layout``) into ``model``, ``optimizer`` and the RNGs.
+class StateLoader:
+    """Loads a flat state (bytes of ``layout``) into a live model and optimizer as its bytes arrive.
+
+    Each range handed to :meth:`write` goes straight into the tensors it
+    covers (parameters and AdamW moments on their device, created where the
+    optimizer has none yet), so no copy of the whole state is ever built in
+    host memory; the RNG states are set by :meth:`finish`. A sharded
+    optimizer (one with ``load_full``) takes its moments whole, at the end.
 
     Raises:
-        ValueError: the layout does not fit the model (a parameter missing or of another shape).
+        ValueError: the layout does not fit the model (a parameter missing or of
+            another shape, or a tensor of another dtype).
     """
-    raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    state: dict[str, torch.Tensor] = {}
-    for name, dtype, shape, offset, n in layout:
-        if dtype not in _DTYPES:
-            raise ValueError(f"snapshot tensor {name!r} has unsupported dtype {dtype!r}")
-        state[name] = raw[offset:offset + n].view(_DTYPES[dtype]).reshape(shape)
-    params = dict(model.named_parameters())
-    for name, p in params.items():
-        got = state.get(f"model.{name}")
-        if got is None or tuple(got.shape) != tuple(p.shape):
-            raise ValueError(f"snapshot does not fit the model: parameter {name!r} "
-                             f"{'missing' if got is None else f'has shape {tuple(got.shape)}, model {tuple(p.shape)}'}")
-    load_training_state(state, model, optimizer)
-    if "rng.cuda" in state and device.type == "cuda":
-        torch.cuda.set_rng_state(state["rng.cuda"].clone(), device)
+
+    def __init__(self, layout: list[list], model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 device: torch.device) -> None:
+        self.model, self.optimizer, self.device = model, optimizer, device
+        live = self._live(layout, model, optimizer)
+        self.targets: list[tuple[int, int, torch.Tensor]] = []
+        self.host: dict[str, torch.Tensor] = {}
+        for name, dtype, shape, offset, n in layout:
+            if dtype not in _DTYPES:
+                raise ValueError(f"snapshot tensor {name!r} has unsupported dtype {dtype!r}")
+            t = live.get(name)
+            if t is None:  # an RNG state, a sharded optimizer's moments: on the host, applied by finish()
+                t = self.host[name] = torch.empty(shape, dtype=_DTYPES[dtype])
+            elif t.dtype != _DTYPES[dtype] or tuple(t.shape) != tuple(shape):
+                raise ValueError(f"snapshot does not fit the model: {name!r} is {dtype} {tuple(shape)}, "
+                                 f"the live tensor {str(t.dtype).removeprefix('torch.')} {tuple(t.shape)}")
+            self.targets.append((int(offset), int(n), t.detach().view(-1).view(torch.uint8)))
+
+    @staticmethod
+    def _live(layout: list[list], model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+        """The live tensors the layout's parameters and moments load into (moments created if absent)."""
+        names = {name for name, *_ in layout}
+        params = dict(model.named_parameters())
+        for name, p in params.items():
+            if f"model.{name}" not in names:
+                raise ValueError(f"snapshot does not fit the model: parameter {name!r} missing")
+        live = {f"model.{name}": p for name, p in params.items()}
+        if hasattr(optimizer, "load_full"):
+            return live
+        shapes = {name: (dtype, shape) for name, dtype, shape, *_ in layout}
+        for name, p in params.items():
+            keys = [k for k in ADAM_KEYS if f"optim.{name}.{k}" in names]
+            if not keys:
+                continue
+            st = optimizer.state[p]
+            for k in keys:
+                dtype, shape = shapes[f"optim.{name}.{k}"]
+                have = st.get(k)
+                if not torch.is_tensor(have) or have.dtype != _DTYPES.get(dtype) or tuple(have.shape) != tuple(shape):
+                    where = torch.device("cpu") if k == "step" else p.device  # AdamW keeps its step count on the host
+                    st[k] = torch.zeros(shape, dtype=_DTYPES[dtype], device=where)
+                live[f"optim.{name}.{k}"] = st[k]
+        return live
+
+    def write(self, start: int, data: bytes | bytearray | memoryview) -> None:
+        """Bytes ``[start, start + len(data))`` of the flat state into the tensors they belong to."""
+        stop = start + len(data)
+        if start >= stop:
+            return
+        with warnings.catch_warnings():  # read only: the buffer is never written through the tensor
+            warnings.simplefilter("ignore", UserWarning)
+            src = torch.frombuffer(data, dtype=torch.uint8)
+        with torch.no_grad():
+            for offset, n, flat in self.targets:
+                lo, hi = max(start, offset), min(stop, offset + n)
+                if lo < hi:
+                    flat[lo - offset:hi - offset].copy_(src[lo - start:hi - start])
+
+    def finish(self) -> None:
+        """Set what is not written in place: the RNG states (and a sharded optimizer's moments)."""
+        params = dict(self.model.named_parameters())
+        if hasattr(self.optimizer, "load_full"):
+            self.optimizer.load_full({name: (self.host.get(f"optim.{name}.exp_avg"),
+                                             self.host.get(f"optim.{name}.exp_avg_sq"),
+                                             self.host.get(f"optim.{name}.step")) for name in params})
+        torch.set_rng_state(self.host["rng.cpu"].clone())
+        if "rng.cuda" in self.host and self.device.type == "cuda":
+            torch.cuda.set_rng_state(self.host["rng.cuda"].clone(), self.device)
+
+
