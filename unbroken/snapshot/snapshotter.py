@@ -125,11 +125,13 @@ class Snapshotter:
                            layout: list[list], plan: SnapshotPlan, mine: list[tuple[int, int]], done: int,
                            gen: int) -> dict[str, Any]:
         """Write the snapshot; on CUDA, stage the bytes this worker writes in pinned memory first."""
+        t0 = time.perf_counter()
         if ready is None:
             read: ReadBytes = lambda out, a, b: capture(tensors, out, a, b)  # noqa: E731
         else:
             read = self._stage(tensors, ready, byte_ranges(plan, mine))
-        return self._write(buffer, read, layout, plan, mine, done, gen)
+        staged_s = time.perf_counter() - t0
+        return {**self._write(buffer, read, layout, plan, mine, done, gen), "stage_seconds": staged_s}
 
     def _stage(self, tensors: dict[str, torch.Tensor], ready: Any, ranges: list[tuple[int, int]]) -> ReadBytes:
         """Copy ``ranges`` of the flat state into the pinned buffer on a side stream of the tensors' device.
