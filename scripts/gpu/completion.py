@@ -51,9 +51,13 @@ def _raw(pg: dist.ProcessGroup, dev: torch.device, buf: torch.Tensor) -> dict[st
     while not work.is_completed():
         time.sleep(0.001)
     done = time.perf_counter() - t0
+    result = work.get_future_result()  # c10d's WorkResult: SUCCESS comes from the watchdog, a little later
+    at_completion = result.done()
+    result.wait()
     work.wait()
     torch.cuda.synchronize()
-    return {"future_s": fired.get("future_s", float("nan")), "is_completed_s": done}
+    return {"future_s": fired.get("future_s", float("nan")), "is_completed_s": done,
+            "work_result_set_at_completion": at_completion, "work_result": int(result.value())}
 
 
 def _protocol(g: ViewGroup, dev: torch.device, buf: torch.Tensor) -> dict[str, float]:

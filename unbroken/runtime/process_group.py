@@ -44,6 +44,10 @@ CHECK_S = 0.02
 POLL_S = 0.002
 """How often a collective on a device (NCCL) is asked whether it has finished: a query costs microseconds."""
 
+_WORK_SUCCESS = 0
+_WORK_RESULTS = {0: "SUCCESS", 1: "TIMEOUT", 2: "COMM_ERROR", 100: "UNKNOWN"}
+"""``c10d::WorkResult`` (``Work.hpp``), the value of ``work.get_future_result()``."""
+
 ABORT_DEADLINE_S = 10.0
 """The longest an abort of an NCCL group may take (``ncclCommAbort`` can itself hang)."""
 
@@ -234,17 +238,31 @@ class ViewGroup:
         """
         if self._aborted:
             raise CollectiveFailed(f"{what} of view {self.gen} was aborted")
-        try:
-            # NCCL's untimed wait() only makes the current stream wait (it raises nothing): the error
-            # its completion check recorded is read here. gloo's wait() raises a failure itself (and
-            # its exception() would print a deprecation warning).
-            error = work.exception() if self.device.type != "cpu" else None
-            if error is None:
-                work.wait()
-        except RuntimeError as exc:
-            error = exc
+        error = self._device_error(work) if self.device.type != "cpu" else None
+        if error is None:
+            try:
+                work.wait()  # gloo: raises the collective's failure; NCCL: the current stream waits on it
+            except RuntimeError as exc:
+                error = str(exc)
         if error is not None:
-            raise CollectiveFailed(f"{what} of view {self.gen} failed: {str(error).splitlines()[0]}") from None
+            raise CollectiveFailed(f"{what} of view {self.gen} failed: {error.splitlines()[0]}") from None
+
+    @staticmethod
+    def _device_error(work: dist.Work) -> str | None:
+        """The error a completed NCCL work recorded, if any.
+
+        NCCL's untimed ``wait()`` raises nothing (it only makes the current
+        stream wait), and ``work.exception()`` cannot cross into Python (torch
+        2.11: "Unable to convert function return value"): the work's result
+        future tells instead. Its completion check completes it with
+        ``COMM_ERROR`` at once; ``SUCCESS`` comes later, from the watchdog,
+        so a result not yet set after completion means no error.
+        """
+        result = work.get_future_result()
+        if not result.done():
+            return None
+        value = int(result.value())
+        return None if value == _WORK_SUCCESS else f"NCCL reported {_WORK_RESULTS.get(value, value)}"
 
     def _post(self, start: Callable[[], dist.Work], what: str) -> dist.Work:
         """Start a collective; an error raised at once (NCCL checks synchronously) is a failed collective."""
