@@ -41,7 +41,7 @@ logger = logging.getLogger(__name__)
 CHECK_S = 0.02
 """How often a waiting collective lets the caller's check run."""
 
-POLL_S = 0.002
+POLL_S = 0.001
 """How often a collective on a device (NCCL) is asked whether it has finished: a query costs microseconds."""
 
 _WORK_SUCCESS = 0
