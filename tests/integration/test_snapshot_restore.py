@@ -149,3 +149,21 @@ def test_a_node_lost_with_every_worker_is_rebuilt_from_parity_by_the_surviving_a
     assert (restore["restored_from"], restore["step"], restore["lost_nodes"], restore["parity_stripes"]) == \
         ("memory", 8, [0], [0])
     assert sorted(e["worker"] for e in job.events("restored")) == [2, 3]
+
+
+def test_a_member_killed_in_a_restore_admission_is_left_out_and_the_others_restore(tmp_path, corpus_overrides):
+    """Every worker of a 3-node x 1-worker job is SIGKILLed in step 8, the agents restore the job from snapshot
+    memory, and worker 0 kills itself as it enters the restored view. The others' admission fails (every member
+    of a restored view is a joiner): one of them proposes the next view of step 8, the restore kept, and they
+    load the state without node 0. No node holds two of a stripe's three fragments, so node 0's fragment is
+    replaced by the parity fragment from the nodes that still have a live member."""
+    cfg = load_config(preset_name="debug", overrides=_overrides(corpus_overrides)[:-1] + ["train.steps=16"])
+    kills = ",".join(f"step=8:worker={w}:kill:phase=allreduce" for w in range(3)) + ",step=8:worker=0:kill:phase=restore"
+    job = run_job(cfg, tmp_path / "run", nodes=3, workers_per_node=1, fail_at=kills)
+    check_invariants(job, live=[1, 2])
+    [restore] = job.events("job_restore")
+    assert (restore["restored_from"], restore["step"], restore["members"]) == ("memory", 8, [0, 1, 2])
+    assert [e["step"] for e in job.events("fault_self", worker=0, phase="restore")] == [8]
+    restored = job.events("restored")
+    assert sorted(e["worker"] for e in restored) == [1, 2]
+    assert all(e["gen"] > restore["gen"] and e["rebuilt"] == 1 and e["received"] == 1 for e in restored)

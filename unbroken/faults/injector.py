@@ -22,8 +22,8 @@ Who fires what:
   ``node`` + kill -> SIGKILL to every worker of the node and then to the agent
   itself (a lost node); ``node`` + stop/term -> that signal to every worker of
   the node (the agent lives on and supervises).
-* specs with a phase (forward, backward, allreduce, confirm) target one
-  worker, which signals *itself* at that point of the step: the worker's
+* specs with a phase (forward, backward, allreduce, confirm, restore...) target
+  one worker, which signals *itself* at that point of the step: the worker's
   entry point installs :class:`PhaseFaults` on the step protocol's hook
   points; the agent tells it which specs of the job's fault plan
   (:func:`~unbroken.faults.fail_at.write_fault_plan`) are its own, by index

@@ -64,11 +64,12 @@ MAX_SAME_VIEW_RETRIES = 3
 before this worker gives up and leaves: its agent restarts it as a joiner, so a fault nobody can name
 costs one restart instead of an endless loop of new groups."""
 
-Phase = Literal["forward", "backward", "allreduce", "update", "allgather", "confirm"]
-PHASES: tuple[Phase, ...] = ("forward", "backward", "allreduce", "update", "allgather", "confirm")
+Phase = Literal["forward", "backward", "allreduce", "update", "allgather", "confirm", "restore"]
+PHASES: tuple[Phase, ...] = ("forward", "backward", "allreduce", "update", "allgather", "confirm", "restore")
 """Hook points of a step: before the forward pass, after the backward pass, with the
 all-reduce in flight, before a sharded run's optimizer update, with its all-gather of the
-parameters in flight, right after the commit vote."""
+parameters in flight, right after the commit vote; ``restore``: on entering a restored view
+(its step), before arriving in the view's group."""
 
 
 class MemberDied(Exception):
@@ -158,6 +159,8 @@ class StepProtocol:
         t0 = time.perf_counter()
         self._abandon()  # a group from a failed earlier attempt is parked, never dropped
         self.view, self._voted = view, view.step - 1
+        if view.restore is not None:
+            self._phase("restore", view.step)
         if view.from_memory and self.me not in view.joiners and self.before_admission is not None:
             self.before_admission()  # sealed before arriving: a joiner reads only once everyone has arrived
         self._arrive(view)
@@ -444,6 +447,8 @@ class StepProtocol:
         self._wait_for(lambda: self.store.items_ready(g, members), f"item exchange of step {step} in view {g}")
         done = {w: [SlotWork(s, (a, b), mode) for s, a, b, mode in rows]
                 for w, rows in self.store.items(g, step, members).items()}
+        if not any(done.values()):  # nobody computed anything yet (a first or restored view): the plain assignment
+            return self._assigned()
         extra = self.policy.complete(n_slots=self.job.n_slots, micro_batch=self.job.micro_batch,
                                      live=members, done=done)[self.me]
         if extra:

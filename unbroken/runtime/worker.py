@@ -188,6 +188,7 @@ class Trainer:
                 # A member died (or was judged dead) before the first step: go on without it, as in
                 # any step; its agent restarts it and it rejoins.
                 self.protocol.reconfigure_at_start(view.step, f"{type(exc).__name__}: {exc}")
+            self.protocol.need_exchange |= view.restore is not None  # as in the joiner's restore below
             return view.step
         self.m.request_join({"pid": os.getpid(), "config_hash": self.hash, "t": time.time(),
                              "memory": self.snapshots is not None and memory_rejoin_allowed(self.spec.run_dir,
@@ -198,17 +199,39 @@ class Trainer:
                 self.spec.worker in v.joiners or (v.restore is not None and self.spec.worker in v.members)))
             try:
                 self.protocol.adopt(view)
-                if view.restore is not None:
-                    return view.step  # the job came back from a snapshot: a member like any other
-                break
             except (CollectiveFailed, ViewChanged, MemberDied) as exc:
-                # Someone died during the admission: the next view of that step admits us again.
-                logger.warning("admission in view %d failed (%s); waiting for the next", view.gen, exc)
-                gen = view.gen
+                if view.restore is None or not self._restore_failed(view, exc):
+                    # Someone died during the admission: the next view of that step admits us again.
+                    logger.warning("admission in view %d failed (%s); waiting for the next", view.gen, exc)
+                    gen = view.gen
+                    continue
+            if view.restore is not None:
+                # The job came back from a snapshot: a member like any other. It exchanges first, as a member
+                # that reached this step's view through a failed attempt does (every member must, or one
+                # waits in the exchange while another waits in the all-reduce).
+                self.protocol.need_exchange = True
+                return view.step
+            break
         self.protocol.need_exchange = True
         self.events.write({"kind": "event", "event": "rejoined", "worker": self.spec.worker, "gen": view.gen,
                            "step": view.step, "wait_s": time.perf_counter() - t0})
         return view.step
+
+    def _restore_failed(self, view: View, exc: Exception) -> bool:
+        """The admission of restored ``view`` failed: move to the next view of its step, as in any step.
+
+        Every member of a restored view is a joiner, so nobody else would propose it. True: this worker
+        is a member of the next view (its state loaded there); False: a newer view leaves it out, and it
+        waits to be admitted as a joiner (its join request stands).
+        """
+        if self.store.gen() > view.gen:
+            return False  # already replaced: follow the newer views as a joiner
+        try:
+            self.protocol.reconfigure_at_start(view.step, f"restore admission failed: {type(exc).__name__}: {exc}")
+        except Fenced as fenced:
+            logger.warning("admission in restored view %d failed (%s), and %s", view.gen, exc, fenced)
+            return False
+        return True
 
     def _check_consistency(self) -> None:
         """Same parameter layout and data rows as the job's (:mod:`unbroken.job.consistency`); a joiner
