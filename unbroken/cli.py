@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import logging
 import os
 import sys
@@ -137,11 +138,13 @@ def _resume_config(args: argparse.Namespace, overrides: list[str]) -> Config:
     """The saved config of the run ``--resume`` names, once it is known to be resumable.
 
     Raises:
-        ValueError: other config options were given; the directory holds no run; the run has no committed
-            checkpoint. Each message names the option or directory and what to do.
+        ValueError: other config options were given; the directory holds no run; the run has neither a
+            complete snapshot in shared memory nor a committed checkpoint. Each message names the option or
+            directory and what to do.
+        CheckpointError: committed checkpoints exist but none is intact, and memory holds no snapshot.
     """
+    from unbroken.agent.resume_point import resume_point
     from unbroken.job.run_dir import RUN_CONFIG, saved_config
-    from unbroken.runtime.checkpoint_files import committed_checkpoints
 
     run = args.resume
     allowed = [o for o in overrides if o.lstrip("-").partition("=")[0] in RESUME_OVERRIDES]
@@ -167,11 +170,7 @@ def _resume_config(args: argparse.Namespace, overrides: list[str]) -> Config:
         from unbroken.config.loading import apply_overrides
 
         cfg = apply_overrides(cfg, allowed)
-    if not committed_checkpoints(run / "checkpoints"):
-        raise ValueError(f"--resume {run}: the run has no committed checkpoint under {run / 'checkpoints'} "
-                         f"(it ran with train.checkpoint_every={cfg.train.checkpoint_every}); nothing to continue "
-                         f"from: start it again with --out {run} --overwrite, with --train.checkpoint_every=N > 0 "
-                         f"to be able to resume")
+    resume_point(run, cfg)  # snapshot memory or a committed checkpoint, else NothingToResume naming both
     return cfg
 
 
@@ -214,7 +213,14 @@ def _train_config(args: argparse.Namespace, overrides: list[str]) -> Config:
 
 
 def _train_layout(args: argparse.Namespace, cfg: Config) -> tuple[int, int]:
-    """``(nodes, workers per node)`` with ``nodes * per_node == train.workers``."""
+    """``(nodes, workers per node)`` with ``nodes * per_node == train.workers``; ``--resume`` keeps the run's
+    own layout (its ``layout.json``) unless told otherwise: its snapshot memory is kept per node."""
+    if args.resume is not None and args.nodes is None and args.workers_per_node is None:
+        layout = args.resume / "layout.json"
+        if layout.is_file():
+            saved = json.loads(layout.read_text())
+            if saved.get("nodes", 0) * saved.get("workers_per_node", 0) == cfg.train.workers:
+                return int(saved["nodes"]), int(saved["workers_per_node"])
     nodes = args.nodes or 1
     if nodes < 1:
         raise ValueError(f"--nodes {nodes}: need at least 1")

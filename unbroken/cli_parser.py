@@ -65,7 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--out", type=Path, default=None, help="run directory (default runs/PRESET-wN)")
     tr.add_argument("--overwrite", action="store_true", help="replace a run already in --out")
     tr.add_argument("--resume", type=Path, default=None, metavar="RUN_DIR",
-                    help="continue RUN_DIR from its newest committed checkpoint")
+                    help="continue RUN_DIR from its job's snapshot memory or its newest committed checkpoint, "
+                         "whichever is newer")
     _add_cluster_args(tr)
 
     si = sub.add_parser(

@@ -123,12 +123,13 @@ def test_resume_of_a_directory_holding_no_run(tmp_path, capsys):
            "directory", "give the directory of a run")
 
 
-def test_resume_of_a_run_without_checkpoint(tmp_path, capsys):
+def test_resume_of_a_run_without_checkpoint_or_snapshot_memory(tmp_path, capsys):
     run = tmp_path / "run"
     run.mkdir()
     (run / "config.json").write_text(json.dumps(load_config(preset_name="debug").to_dict()))
-    _fails(capsys, ["train", "--resume", str(run)], f"--resume {run}: the run has no committed checkpoint",
-           "train.checkpoint_every=0", f"--out {run} --overwrite", "--train.checkpoint_every=N")
+    _fails(capsys, ["train", "--resume", str(run)], f"--resume {run}: nothing to continue from",
+           f"no committed checkpoint under {run / 'checkpoints'}", "train.checkpoint_every=0",
+           "no complete snapshot of its job in shared memory", f"--out {run} --overwrite")
     assert sorted(p.name for p in run.iterdir()) == ["config.json"]
 
 

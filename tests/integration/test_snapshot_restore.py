@@ -6,9 +6,9 @@
    uninterrupted run, bit for bit; the ledger's final history is exactly-once; the
    segments are gone at the end.
 2. The launcher, both agents and every worker are SIGKILLed, and node 0's
-   memory is lost with them: ``--resume`` rebuilds node 0's share from node
-   1's parity, sends it to node 0's workers, and finishes with the same
-   parameters.
+   memory is lost with them: ``unbroken train --resume`` (the run has no
+   checkpoint) rebuilds node 0's share from node 1's parity, sends it to node
+   0's workers, and finishes with the same parameters.
 """
 
 from __future__ import annotations
@@ -120,9 +120,13 @@ def test_launcher_and_agents_killed_then_resume_rebuilds_a_lost_node_from_parity
     reached = max(r["step"] for r in read_jsonl(run / "metrics.jsonl"))
     assert job_segments(job, node=0) and job_segments(job, node=1)
     remove_segments(job, node=0)  # node 0 was a lost machine: its memory is gone
+    assert not (run / "checkpoints").exists(), "no checkpoint: only snapshot memory can continue the run"
+    resumed = subprocess.run([sys.executable, "-m", "unbroken.cli", "train", "--resume", str(run)],  # its own 2 x 2
+                             capture_output=True, text=True, timeout=240)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == STEPS and summary["workers_agree"] and summary["resumed_from"] is None
     cfg = load_config(preset_name="debug", overrides=overrides)
-    summary = launch(cfg, run, nodes=2, workers_per_node=2, resume=True)
-    assert summary["steps"] == STEPS and summary["workers_agree"]
     events = read_events(run)
     restore = [e for e in events if e.get("event") == "job_restore"]
     assert len(restore) == 1 and restore[0]["restored_from"] == "memory"
@@ -132,7 +136,9 @@ def test_launcher_and_agents_killed_then_resume_rebuilds_a_lost_node_from_parity
     assert sorted(restored) == [0, 1, 2, 3]
     assert restored[0]["received"] == 2 and restored[2]["rebuilt"] == 1 and restored[2]["sent"] == 2
     ledger = check_ledger(run, n_slots=4, micro_batch=cfg.data.micro_batch, steps=STEPS)
-    assert ledger.ok, ledger.to_json()
+    assert ledger.ok and ledger.committed == STEPS and not ledger.lost_steps, ledger.to_json()
+    steps = [r["step"] for r in read_jsonl(run / "metrics.jsonl") if r["kind"] == "train"]
+    assert steps == list(range(1, STEPS + 1)), "metrics hold each step once after a resume from memory"
     _assert_identical(summary["checkpoint"], uninterrupted)
     assert job_segments(job) == []
 

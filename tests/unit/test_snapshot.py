@@ -254,7 +254,7 @@ def test_resume_refuses_snapshot_memory_of_another_config(tmp_path):
     assert prepare_run_dir(run, cfg, overwrite=False, resume=False) is None
     ident = run_job_id(run)
     try:
-        with pytest.raises(ValueError, match="no committed checkpoint .* and no snapshot of this job"):
+        with pytest.raises(ValueError, match="no committed checkpoint .* and no complete snapshot of its job"):
             prepare_run_dir(run, cfg, overwrite=False, resume=True)
         _snapshot(ident, _trained(), done=1)  # sealed under config hash "cfg", not this run's
         with pytest.raises(ValueError, match=f"shared memory holds snapshots of job {ident} written under config cfg"):

@@ -47,9 +47,10 @@ from unbroken.faults.injector import check_faults
 from unbroken.faults.store_loss import StoreFaults, store_lost_message
 from unbroken.faults.traces import FailureTrace, generate_trace, step_time_for
 from unbroken.jsonl import JsonlTail, read_jsonl
-from unbroken.runtime.checkpoint import latest_checkpoint, read_commit
+from unbroken.runtime.checkpoint import CheckpointError, latest_checkpoint, read_commit
 from unbroken.snapshot.capacity import check_snapshot_config
 from unbroken.agent.preflight import _truncate_metrics, preflight, prepare_run_dir
+from unbroken.agent.resume_point import resume_point
 from unbroken.models.factory import check_placement
 from unbroken.agent._store_host import StoreHost
 from unbroken.runtime.etcd_backend import parse_etcd
@@ -190,12 +191,15 @@ def _run_attempts(host: StoreHost, cfg: Config, run_dir: Path, on_record: Callab
     restarts: list[dict[str, int]] = []
     while True:
         start_step = int(read_commit(resume_from)["step"]) if resume_from else 0
-        outcome = _attempt(host.store, host.addr, cfg, run_dir, on_record, on_event=on_event,
-                           start_step=start_step, resume_from=resume_from, **agent_args)
+        try:
+            outcome = _attempt(host.store, host.addr, cfg, run_dir, on_record, on_event=on_event,
+                               start_step=start_step, resume_from=resume_from, **agent_args)
+        except TimeoutError as exc:  # the stall check: the agents are stopped now, their memory kept
+            raise TimeoutError(f"{exc}; {_resume_hint(run_dir, cfg)}") from None
         if outcome is None:
             return restarts
         if outcome != _DEATH:
-            raise JobFailed(_failure_message(outcome, run_dir))
+            raise JobFailed(_failure_message(outcome, run_dir, cfg))
         # Checkpoint-restart: everyone starts again from the last checkpoint.
         reached = host.store.progress() or start_step
         resume_from = latest_checkpoint(run_dir)
@@ -390,14 +394,17 @@ STOPPED = "stopped: "
 """Prefix of a failure a worker records when it stops the job on purpose (e.g. optimizer shards lost)."""
 
 
-def _failure_message(failure: str, run_dir: Path) -> str:
-    ckpt = latest_checkpoint(run_dir)
-    if ckpt is None:
-        how = ("no committed checkpoint exists (set train.checkpoint_every to keep one); "
-               "the run must start again")
-    else:
-        how = (f"the newest committed checkpoint is {ckpt} (step {read_commit(ckpt)['step']}); "
-               f"continue with: unbroken train --resume {run_dir}")
+def _resume_hint(run_dir: Path, cfg: Config) -> str:
+    """What ``--resume`` would continue from once the agents stopped (they keep a failed job's memory)."""
+    try:
+        point = resume_point(run_dir, cfg)
+    except (ValueError, CheckpointError) as exc:
+        return str(exc).removeprefix(f"--resume {run_dir}: ")
+    return f"{point.describe()}; continue with: unbroken train --resume {run_dir}"
+
+
+def _failure_message(failure: str, run_dir: Path, cfg: Config) -> str:
+    how = _resume_hint(run_dir, cfg)
     if failure.startswith(STOPPED):  # a worker stopped the job on purpose and says why
         return f"the job stopped: {failure.removeprefix(STOPPED)}; {how}"
     detail = failure.removeprefix("no live worker left").lstrip(": ")  # the workers' and agents' wording

@@ -8,7 +8,7 @@ Processes are started by :mod:`unbroken.agent.launcher` (one agent per node).
 
 Invariants: a run that fails validation leaves nothing on disk; a resumed run
 keeps its saved config (only fields in ``_VOLATILE`` may differ) and its
-metrics stop at the checkpoint it resumes from.
+metrics stop at the step it resumes from (snapshot memory or checkpoint).
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ import os
 from pathlib import Path
 from typing import Any
 
-from unbroken.config import Config, config_diff, config_hash
+from unbroken.agent.resume_point import resume_point
+from unbroken.config import Config, config_diff
 from unbroken.job.builder import build_data, build_samplers, check_model_fits, check_model_parts, data_info
 from unbroken.job.run_dir import prepare_out_dir
-from unbroken.runtime.checkpoint import CheckpointError, latest_checkpoint, read_commit
 from unbroken.jsonl import read_jsonl
-from unbroken.snapshot.segment import SHM_DIR, SealedBuffer, SnapshotCorrupt, job_segments, remove_segments
+from unbroken.snapshot.segment import remove_segments
 from unbroken.snapshot.trainer_hooks import JOB_ID_FILE, job_id
 
 
@@ -44,17 +44,19 @@ def preflight(cfg: Config) -> dict[str, Any]:
 
 
 def prepare_run_dir(run_dir: Path, cfg: Config, *, overwrite: bool, resume: bool) -> Path | None:
-    """Create or check the run directory; returns the checkpoint to resume from.
+    """Create or check the run directory; returns the newest committed checkpoint of a resumed run (None:
+    a new run, or none); its agents restore the newer of it and the job's snapshot memory.
 
     A new run goes through :func:`unbroken.job.run_dir.prepare_out_dir`: only a
     directory holding a run is ever replaced (with ``overwrite``).
 
     Raises:
         ValueError: the directory holds a run (without ``overwrite``) or is not
-            empty and holds no run, or ``resume`` finds no committed checkpoint
-            or a different config.
+            empty and holds no run, or ``resume`` finds a different config, or neither
+            a complete snapshot in memory nor a committed checkpoint
+            (:class:`~unbroken.agent.resume_point.NothingToResume`).
         CheckpointError: ``resume`` finds committed checkpoints but none intact
-            (each damaged one is logged and the previous one tried).
+            (each damaged one is logged and the previous one tried), and no snapshot in memory.
     """
     cfg_file = run_dir / "config.json"
     if resume:
@@ -68,19 +70,9 @@ def prepare_run_dir(run_dir: Path, cfg: Config, *, overwrite: bool, resume: bool
             tmp = cfg_file.with_suffix(".tmp")
             tmp.write_text(json.dumps(cfg.to_dict(), indent=1))
             os.replace(tmp, cfg_file)
-        memory = _snapshot_memory(run_dir, cfg)
-        try:
-            ckpt = latest_checkpoint(run_dir)  # the newest whose files match their checksums
-        except CheckpointError as exc:
-            if not memory:
-                raise CheckpointError(f"--resume {run_dir}: {exc}") from exc
-            ckpt = None
-        if ckpt is None and not memory:
-            raise ValueError(f"--resume {run_dir}: no committed checkpoint under {run_dir / 'checkpoints'} "
-                             f"and no snapshot of this job in shared memory")
-        if ckpt is not None:
-            _truncate_metrics(run_dir / "metrics.jsonl", int(read_commit(ckpt)["step"]))
-        return ckpt
+        point = resume_point(run_dir, cfg)  # refuses when neither memory nor a checkpoint holds the run
+        _truncate_metrics(run_dir / "metrics.jsonl", point.step)
+        return point.checkpoint  # the agents restore the newer of it and memory (node 0 decides)
     old_job = job_id(run_dir) if (run_dir / JOB_ID_FILE).is_file() else None
     prepare_out_dir(run_dir, cfg, overwrite=overwrite, continue_hint=", --resume to continue it")
     if old_job is not None:  # an overwritten run: its snapshot memory goes with it
@@ -93,37 +85,12 @@ def prepare_run_dir(run_dir: Path, cfg: Config, *, overwrite: bool, resume: bool
     return None
 
 
-def _snapshot_memory(run_dir: Path, cfg: Config) -> bool:
-    """Does shared memory hold sealed snapshot buffers of this run's job? Refuses another config's.
-
-    Raises:
-        ValueError: the job's segments were written under another config (names both hashes).
-    """
-    if not (run_dir / JOB_ID_FILE).is_file():
-        return False
-    job, want = job_id(run_dir), config_hash(cfg)
-    found = False
-    for path in job_segments(job):
-        try:
-            buf = SealedBuffer.open(path, job)
-        except SnapshotCorrupt:
-            continue  # reported and skipped by the agents' inventories
-        if buf is None:
-            continue
-        if buf.seal.get("config_hash") != want:
-            raise ValueError(f"--resume {run_dir}: shared memory holds snapshots of job {job} written under "
-                             f"config {buf.seal.get('config_hash')} ({path.name}), not this run's {want}: "
-                             f"resume with the run's own config, or remove them (rm {SHM_DIR}/unbroken-{job}-*)")
-        found = True
-    return found
-
-
 _VOLATILE = {"train.host", "train.port", "train.log_every", "train.threads_per_worker", "train.timeout_s",
              "train.keep_checkpoints", "train.shard_optimizer", "data.cache_dir", "fault.store_timeout_s"}
 
 
 def _truncate_metrics(path: Path, step: int) -> None:
-    """Drop metrics written after the checkpoint we resume from."""
+    """Drop metrics written after the step we resume from."""
     if path.is_file():
         kept = [r for r in read_jsonl(path) if int(r.get("step", 0)) <= step]
         path.write_text("".join(json.dumps(r, separators=(",", ":")) + "\n" for r in kept))
