@@ -26,7 +26,8 @@ import torch
 from _faults import MICRO_BATCH as MB
 from _faults import check_invariants, run_job
 from _reference import checkpoint_params
-from unbroken.agent.launcher import launch
+from unbroken.agent._restore import MAX_RESTORES_PER_STEP
+from unbroken.agent.launcher import JobFailed, launch
 from unbroken.config import load_config
 from unbroken.jsonl import read_jsonl
 from unbroken.runtime.ledger import check_ledger, read_events
@@ -62,12 +63,20 @@ def _assert_identical(ckpt, want: dict[str, torch.Tensor]) -> None:
 
 
 def test_every_worker_killed_mid_step_resumes_from_memory(tmp_path, corpus_overrides, uninterrupted):
+    """... and killed again, from outside, as they start in the restored view, three times over: more restores
+    of step 6 than MAX_RESTORES_PER_STEP, which stops only a fault of the job's own that recurs; each restore
+    after a failed one waits longer (1, 2, 4 s)."""
     cfg = load_config(preset_name="debug", overrides=_overrides(corpus_overrides))
-    kills = ",".join(f"step=6:worker={w}:kill:phase=allreduce" for w in range(4))
-    job = run_job(cfg, tmp_path / "run", nodes=2, workers_per_node=2, fail_at=kills)
+    kills = [f"step=6:worker={w}:kill:phase=allreduce" for w in range(4)]
+    kills += [f"step=6:worker={w}:kill:phase=restore" for _ in range(MAX_RESTORES_PER_STEP) for w in range(4)]
+    job = run_job(cfg, tmp_path / "run", nodes=2, workers_per_node=2, fail_at=",".join(kills))
     check_invariants(job, live=[0, 1, 2, 3])
     restores = job.events("job_restore")
-    assert [(e["restored_from"], e["step"], e["lost_nodes"]) for e in restores] == [("memory", 6, [])]
+    assert [(e["restored_from"], e["step"], e["lost_nodes"]) for e in restores] == \
+        [("memory", 6, [])] * (MAX_RESTORES_PER_STEP + 1)
+    assert [(len(e["failed_restores"]), e["backoff_s"]) for e in restores] == [(0, 0), (1, 1), (2, 2), (3, 4)]
+    assert all(f == [] for e in restores for f in e["failed_restores"]), "deaths by SIGKILL are no error of the job"
+    assert len(job.events("fault_self", phase="restore")) == 4 * MAX_RESTORES_PER_STEP
     restored = job.events("restored")
     assert sorted(e["worker"] for e in restored) == [0, 1, 2, 3]
     assert all(e["restored_from"] == "memory" and e["step"] == 6 and e["received"] == 0 for e in restored)
@@ -173,3 +182,65 @@ def test_a_member_killed_in_a_restore_admission_is_left_out_and_the_others_resto
     restored = job.events("restored")
     assert sorted(e["worker"] for e in restored) == [1, 2]
     assert all(e["gen"] > restore["gen"] and e["rebuilt"] == 1 and e["received"] == 1 for e in restored)
+
+
+BUGGY_OPTIMIZER = '''
+from pathlib import Path
+
+import torch
+
+BUG_ON = Path({marker!r})
+
+
+class BuggyAdamW(torch.optim.AdamW):
+    """AdamW with a bug that shows once a file exists: the same error at the same place, in every worker."""
+
+    def step(self, closure=None):
+        if BUG_ON.exists():
+            raise RuntimeError("a bug in the optimizer")
+        return super().step(closure)
+
+
+def build_optimizer(model, ctx):
+    return BuggyAdamW(model.parameters(), lr=ctx.cfg.optim.lr, eps=ctx.cfg.optim.eps)
+'''
+
+
+def test_a_fault_of_the_job_that_recurs_after_each_restore_stops_it_and_resume_continues(tmp_path,
+                                                                                     corpus_overrides):
+    """Both workers of a job raise the same error in their optimizer step from step 5 on (a bug). The agents
+    restore the job from snapshot memory, it raises again: after MAX_RESTORES_PER_STEP restores that died of
+    the same error the restores stop, the snapshot memory is kept, the message says so and names the error;
+    with the bug fixed, --resume continues from memory to the end, every step trained exactly once."""
+    marker, script, run = tmp_path / "bug_on", tmp_path / "buggy_optimizer.py", tmp_path / "run"
+    script.write_text(BUGGY_OPTIMIZER.format(marker=str(marker)))
+    line = BUGGY_OPTIMIZER.splitlines().index('            raise RuntimeError("a bug in the optimizer")') + 1
+    steps = 16
+    cfg = load_config(preset_name="debug", overrides=_overrides(corpus_overrides)[:-1] + [
+        "train.workers=2", f"train.steps={steps}", f"optim.factory={script}:build_optimizer"])
+
+    def bug_from_step_5(record: dict) -> None:
+        if record.get("kind") == "train" and record["step"] >= 5:
+            marker.touch()
+
+    with pytest.raises(JobFailed) as failed:
+        launch(cfg, run, nodes=1, workers_per_node=2, on_record=bug_from_step_5)
+    restores = [e for e in read_events(run) if e.get("event") == "job_restore"]
+    step = restores[0]["step"]
+    assert [(e["restored_from"], e["step"]) for e in restores] == [("memory", step)] * MAX_RESTORES_PER_STEP
+    bug = f"RuntimeError at {script}:{line} in step"
+    assert [e["failed_restores"] for e in restores] == [[[bug]] * n for n in range(MAX_RESTORES_PER_STEP)]
+    message = str(failed.value)
+    assert (f"every worker died {MAX_RESTORES_PER_STEP} times in a row after being restored at step {step}, each "
+            f"time with the same error ({bug})") in message, message
+    assert (f"snapshot memory holds a complete snapshot of step {step}; continue with: unbroken train --resume "
+            f"{run}") in message, message
+    assert job_segments(job_id(run)), "a job stopped by the breaker keeps its snapshot memory for --resume"
+
+    marker.unlink()  # the bug is fixed
+    summary = launch(cfg, run, nodes=1, workers_per_node=2, resume=True)
+    assert summary["steps"] == steps and summary["workers_agree"]
+    resumed = [e for e in read_events(run) if e.get("event") == "job_restore"][-1]
+    assert (resumed["restored_from"], resumed["step"]) == ("memory", step)
+    ledger = check_ledger(run, n_slots=2, micro_batch=MB, steps=steps)
+    assert ledger.ok and ledger.committed == steps and not ledger.lost_steps, ledger.to_json()

@@ -14,6 +14,17 @@ its workers of that view at once; they load the state in the view's group.
 At ``--resume`` the same happens before the first view: node 0 decides, with
 the checkpoint the launcher found (if any) as the fallback.
 
+The circuit breaker. A restored view carries, in its spec, the errors of
+every whole-job death since the job was last restored at that step without
+committing a step after it (``failures``: per death, the job's own errors
+of its members, :mod:`unbroken.agent._job_error`; none for deaths by a
+signal from outside). The job stops only when the last
+``MAX_RESTORES_PER_STEP`` of them share an error: a fault that recurs. Deaths
+from outside never stop it: each further restore of the step waits longer
+(:func:`restore_backoff`). When it stops, the agents exit without removing
+the snapshot memory, and the launcher's message says what ``--resume`` will
+continue from.
+
 Invariant: one agent decides per dead view (compare-and-set); nothing is
 deleted or overwritten on the way, so a failed restore leaves every source as
 it was.
@@ -21,6 +32,7 @@ it was.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -32,15 +44,21 @@ from unbroken.runtime.checkpoint import latest_checkpoint, read_commit
 from unbroken.runtime.job_store import JobStore
 from unbroken.runtime.view import View
 from unbroken.snapshot.restore import decide, inventory
+from unbroken.agent._supervision import decode_mark
 from unbroken.agent.rendezvous import StartRefused
 from unbroken.snapshot.trainer_hooks import job_id
 
-__all__ = ["INVENTORY_WAIT_S", "JobRestore"]
+__all__ = ["INVENTORY_WAIT_S", "JobRestore", "recurring_error", "restore_backoff"]
 
 logger = logging.getLogger(__name__)
 
 MAX_RESTORES_PER_STEP = 3
-"""A job that dies this many times restored at the same step stops (a fault that recurs at once)."""
+"""A job whose every worker died this many times in a row after being restored, each time with the same error
+of its own (:mod:`unbroken.agent._job_error`), stops: a fault that recurs. Deaths by signal from outside do not
+count: restores go on, each after :func:`restore_backoff`."""
+RESTORE_BACKOFF_S = 1.0
+"""The pause before the second restore of a step; it doubles with each further one, up to ``MAX_BACKOFF_S``."""
+MAX_BACKOFF_S = 30.0
 INVENTORY_WAIT_S = 3.0
 """How long the restoring agent waits for every node's inventory before going on without the silent ones."""
 WATCH_S = 0.1
@@ -58,8 +76,7 @@ class JobRestore:
         self.run_dir, self.config_hash, self.event = run_dir, config_hash, event
         self.job = job_id(run_dir, create=True)  # the launcher wrote it; an agent started alone may not have
         self._published: set[int] = set()
-        self._deciding: tuple[View | None, float] | None = None
-        self._restores: dict[int, int] = {}
+        self._deciding: _Pending | None = None
         self._beats: dict[int, tuple[int, float]] = {}
         self._next_watch = 0.0
 
@@ -69,18 +86,24 @@ class JobRestore:
         """Every member of ``view`` is dead: publish this node's inventory; maybe claim the restore."""
         self._publish(view.gen)
         if self._deciding is None and self.store.claim_restore(view.gen, self.node):
-            self._deciding = (view, time.monotonic() + INVENTORY_WAIT_S)
+            now, failures = time.monotonic(), self._failed_restores(view)
+            self._deciding = _Pending(view=view, inventories_by=now + INVENTORY_WAIT_S,
+                                      not_before=now + restore_backoff(len(failures)), failures=failures)
 
     def tick(self, now: float) -> str | None:
         """Decide once the inventories are in; returns a failure message if nothing can be restored."""
-        if self._deciding is None:
+        pending = self._deciding
+        if pending is None or now < pending.not_before:
             return None
-        view, deadline = self._deciding
-        gen = view.gen if view is not None else START_GEN
-        invs = self.store.inventories(gen, self.nnodes)
-        if len(invs) < self.nnodes and now < deadline:
+        view = pending.view
+        invs = self.store.inventories(view.gen if view is not None else START_GEN, self.nnodes)
+        if len(invs) < self.nnodes and now < pending.inventories_by:
             return None
         self._deciding = None
+        if (recurring := recurring_error(pending.failures)) is not None:
+            return (f"every worker died {len(pending.failures)} times in a row after being restored at step "
+                    f"{view.step}, each time with the same error ({recurring}): a fault that recurs, so the "
+                    f"restores stop; see the workers' logs under {self.run_dir / 'logs'} and fix its cause first")
         inventories = [json.loads(t) for t in invs.values()]
         spec = decide(inventories, checkpoint=self._checkpoint(),
                       members_of=lambda nodes: [w for n in nodes for w in workers_of(n, self.per_node)])
@@ -88,10 +111,7 @@ class JobRestore:
             who = f"every member of view {view.gen} {list(view.members)} is dead" if view else "--resume"
             return (f"no live worker left: {who}, and nothing to restore from: no complete snapshot in the "
                     f"memory of nodes {sorted(invs)} and no committed checkpoint under {self.run_dir / 'checkpoints'}")
-        self._restores[spec["step"]] = n = self._restores.get(spec["step"], 0) + 1
-        if n > MAX_RESTORES_PER_STEP:
-            return (f"every worker died {n} times after being restored at step {spec['step']}: a fault that "
-                    f"recurs at once; see the workers' logs")
+        spec["failures"] = pending.failures  # carried by the views of this step: the next restore counts on
         members = tuple(spec.get("members") or [w for n in sorted(invs) for w in workers_of(n, self.per_node)])
         for w in members:
             self.store.clear_dead(w)
@@ -107,7 +127,8 @@ class JobRestore:
         else:
             self.store.propose(view, new)
         self.event("job_restore", None, restored_from=spec["source"], step=spec["step"], gen=new.gen,
-                   members=list(members), lost_nodes=lost, parity_stripes=spec.get("parity_stripes", []))
+                   members=list(members), lost_nodes=lost, parity_stripes=spec.get("parity_stripes", []),
+                   failed_restores=pending.failures, backoff_s=restore_backoff(len(pending.failures)))
         logger.warning("node %d: %s (view %d, members %s)", self.node, reason, new.gen, list(members))
         return None
 
@@ -167,7 +188,8 @@ class JobRestore:
         """``--resume``: publish this node's inventory; node 0 decides the first view."""
         self._publish(START_GEN)
         if self.node == 0 and self.store.claim_restore(START_GEN, self.node):
-            self._deciding = (None, time.monotonic() + INVENTORY_WAIT_S)
+            now = time.monotonic()
+            self._deciding = _Pending(view=None, inventories_by=now + INVENTORY_WAIT_S, not_before=now, failures=[])
 
     # -- helpers ----------------------------------------------------------------
 
@@ -181,6 +203,15 @@ class JobRestore:
             self.event("snapshot_fallback", None, problem=problem)
         self.store.publish_inventory(gen, self.node, self.nnodes, json.dumps(inv, separators=(",", ":")))
 
+    def _failed_restores(self, view: View) -> list[list[str]]:
+        """The job's own errors of each whole-job death since its last restore committed nothing, oldest
+        first, this death of ``view`` last (``[]`` for a death by signal); empty when ``view`` trained on."""
+        if view.restore is None:  # a view of a step after the restore (or no restore at all): a new story
+            return []
+        marks = [decode_mark(self.store.dead_mark(w) or "") for w in view.members]
+        errors = sorted({m["error"] for m in marks if isinstance(m, dict) and m.get("error")})
+        return [*view.restore.get("failures", []), errors]
+
     def _checkpoint(self) -> tuple[int, str] | None:
         try:
             path = latest_checkpoint(self.run_dir)
@@ -188,6 +219,33 @@ class JobRestore:
             logger.warning("no usable checkpoint: %s", exc)
             return None
         return (int(read_commit(path)["step"]), str(path)) if path is not None else None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Pending:
+    """A restore this agent claimed and will decide once the inventories are in and the backoff is over."""
+
+    view: View | None
+    """The view whose members all died; None at ``--resume``."""
+    inventories_by: float
+    not_before: float
+    failures: list[list[str]]
+    """See :meth:`JobRestore._failed_restores`."""
+
+
+def restore_backoff(failed: int) -> float:
+    """Seconds to wait before a restore that follows ``failed`` failed restores of the same step: 0, then
+    1, 2, 4 ... up to ``MAX_BACKOFF_S``, so that faults from outside that land on workers while they start
+    (a scheduler, an operator) meet fewer, later starts."""
+    return 0.0 if failed == 0 else min(RESTORE_BACKOFF_S * 2 ** (failed - 1), MAX_BACKOFF_S)
+
+
+def recurring_error(failures: list[list[str]]) -> str | None:
+    """The error common to the last ``MAX_RESTORES_PER_STEP`` failed restores, if every one of them had it."""
+    if len(failures) < MAX_RESTORES_PER_STEP:
+        return None
+    common = set.intersection(*(set(f) for f in failures[-MAX_RESTORES_PER_STEP:]))
+    return min(common) if common else None
 
 
 def _next_generation(run_dir: Path) -> int:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from unbroken.jsonl import read_jsonl
 
-__all__ = ["fired_before", "last_self_fault_step", "write_layout"]
+__all__ = ["fired_before", "last_self_fault_step", "last_worker_record", "write_layout"]
 
 
 def fired_before(run_dir: Path, node: int) -> set[str]:
@@ -21,21 +21,27 @@ def last_self_fault_step(run_dir: Path, worker: int) -> int | None:
     """The step of the fault ``worker`` injected into itself, when that is the last record of its event file.
 
     The worker writes ``fault_self`` just before the signal, so a worker found dead with it last was in that
-    step, although the job's progress (steps committed) may still read the step before: only the tail of
-    the file is read, and a torn last line is skipped.
+    step, although the job's progress (steps committed) may still read the step before.
     """
+    last = last_worker_record(run_dir, worker)
+    return int(last["step"]) if last.get("event") == "fault_self" else None
+
+
+def last_worker_record(run_dir: Path, worker: int) -> dict:
+    """The last complete record of ``worker``'s event file ({} if none): only the tail of the file is read,
+    and a torn last line is skipped."""
     try:
         with (Path(run_dir) / "events" / f"w{worker}.jsonl").open("rb") as fh:
             size = fh.seek(0, os.SEEK_END)
-            fh.seek(max(0, size - 4096))
+            fh.seek(max(0, size - 16384))
             complete = fh.read().split(b"\n")[:-1]  # what follows the last newline is torn (or empty)
     except FileNotFoundError:
-        return None
+        return {}
     try:
         last = json.loads(complete[-1]) if complete else {}
     except ValueError:
-        return None
-    return int(last["step"]) if last.get("event") == "fault_self" else None
+        return {}
+    return last if isinstance(last, dict) else {}
 
 
 def write_layout(run_dir: Path, node: int, nnodes: int, workers_per_node: int) -> None:

@@ -40,6 +40,7 @@ from typing import Any, Sequence
 
 import torch.distributed as dist
 
+from unbroken.agent._job_error import death_error
 from unbroken.agent._restore import JobRestore
 from unbroken.agent._run_files import fired_before, last_self_fault_step, write_layout
 from unbroken.agent._process import describe_exit, exit_status, log_line, remove_pid, send, spawn, stop_all, write_pid
@@ -300,8 +301,10 @@ class Agent:
             self._event("worker_exit", w, clean=True, **rec)
             self.log.info("worker %d finished", w)
             return
+        error = death_error(self.run_dir, w, code, sig)  # the job's own error (None: killed from outside...)
+        rec["error"] = error
         reason = json.dumps({"by": "agent", "node": self.node, "how": "exit", "code": code, "signal": sig,
-                             "t": time.time()})
+                             "error": error, "t": time.time()})
         self.store.mark_dead(w, reason)
         progress = max(self._read_progress(), last_self_fault_step(self.run_dir, w) or 0)
         cause = self.plan.on_death(w, progress) if self.plan else DeathCause(injected=False)

@@ -10,7 +10,9 @@ on the step protocol's hook points.
 
 Command line: ``--run-dir DIR --worker ID --world N --store HOST:PORT [--join]
 [--resume CKPT] [--faults-file F --faults I,J]``, or ``--standby --node-rank R``
-instead of ``--worker``. Exit 0 = finished; 3 = fenced; anything else is a death.
+instead of ``--worker``. Exit 0 = finished; 3 = fenced; anything else is a death. An exception that
+ends the worker is logged with its traceback and recorded as the last line of its event file
+(:func:`unbroken.agent._job_error.record_error`), then the process exits with code 1.
 
 Before anything can create an NCCL group, :func:`survive_nccl_failures` sets
 :data:`NCCL_ENVIRONMENT`, so that a peer's death makes the pending collective
@@ -27,6 +29,7 @@ import sys
 from pathlib import Path
 from typing import Callable
 
+from unbroken.agent._job_error import record_error
 from unbroken.faults.fail_at import FaultSpec, read_fault_plan
 from unbroken.faults.injector import PhaseFaults
 from unbroken.runtime.worker import StepLogContext, Trainer, WorkerSpec, run, standby
@@ -109,18 +112,25 @@ def main(argv: list[str] | None = None) -> None:
                                            f"%(name)s: %(message)s"))
     logging.basicConfig(level=logging.INFO, handlers=[handler])
     survive_nccl_failures()
-    if a.standby:
-        got = standby(a.run_dir, a.world, a.store, a.node_rank)
-        if got is None:
-            code = 0
+    worker = a.worker
+    try:
+        if a.standby:
+            got = standby(a.run_dir, a.world, a.store, a.node_rank)
+            if got is None:
+                code = 0
+            else:
+                context.who, worker = f"w{got.spec.worker}", got.spec.worker
+                faults = fault_selection(a.faults_file, got.faults)
+                code = run(got.spec, store=got.store, prepared=got.prepared, setup=_setup(context, faults))
         else:
-            context.who = f"w{got.spec.worker}"
-            faults = fault_selection(a.faults_file, got.faults)
-            code = run(got.spec, store=got.store, prepared=got.prepared, setup=_setup(context, faults))
-    else:
-        spec = WorkerSpec(run_dir=a.run_dir, worker=a.worker, world=a.world, store=a.store, join=a.join,
-                          resume=a.resume)
-        code = run(spec, setup=_setup(context, fault_selection(a.faults_file, a.faults)))
+            spec = WorkerSpec(run_dir=a.run_dir, worker=a.worker, world=a.world, store=a.store, join=a.join,
+                              resume=a.resume)
+            code = run(spec, setup=_setup(context, fault_selection(a.faults_file, a.faults)))
+    except Exception as exc:
+        logger.exception("the worker failed: %s: %s", type(exc).__name__, exc)
+        if worker is not None:  # what and where, for its agent (a fault that recurs stops whole-job restores)
+            record_error(a.run_dir, worker, exc)
+        code = 1
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
