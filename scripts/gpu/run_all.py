@@ -25,6 +25,7 @@ CHECKS: list[tuple[str, list[str], int]] = [
     ("snapshot_tiny", ["snapshot_cuda.py"], 90),
     ("kill_restore", ["kill_restore.py", "--job"], 200),
     ("snapshot_llama1b", ["snapshot_llama1b.py"], 150),
+    ("fused_adamw", ["fused_adamw.py"], 60),
 ]
 TESTS = ["tests/unit/test_cuda_placement.py", "tests/unit/test_snapshot_staging.py",
          "tests/unit/test_collective_completion.py"]

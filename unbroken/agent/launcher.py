@@ -462,4 +462,6 @@ def _summarise(run_dir: Path, cfg: Config, info: dict[str, Any], wall_s: float, 
         "tokens_per_s": sorted(steady)[len(steady) // 2], "wall_s": wall_s,
         "workers_agree": len(digests) == 1, "param_digest": digests[0] if len(digests) == 1 else digests,
         "checkpoint": str(ckpt) if ckpt else None, **_agent_counts(run_dir, t0, cfg.train.workers // nodes), **info,
+        "peak_memory_bytes": max((r.get("peak_memory_bytes") or 0 for r in reports), default=0) or None,
+        "compiled_frames": max((r.get("compiled_frames", 0) for r in reports), default=0),
     }

@@ -21,7 +21,9 @@ from typing import Any
 from unbroken.agent.resume_point import resume_point
 from unbroken.config import Config, config_diff
 from unbroken.job.builder import build_data, build_samplers, check_model_fits, check_model_parts, data_info
+from unbroken.job.parallelize import check_compile_toolchain, resolve_compile
 from unbroken.job.run_dir import prepare_out_dir
+from unbroken.models.factory import resolve_device
 from unbroken.jsonl import read_jsonl
 from unbroken.snapshot.segment import remove_segments
 from unbroken.snapshot.trainer_hooks import JOB_ID_FILE, job_id
@@ -36,6 +38,9 @@ def preflight(cfg: Config) -> dict[str, Any]:
         ValueError: with the offending value and the fix.
     """
     check_model_fits(cfg)
+    device = resolve_device(cfg.train.device)
+    if resolve_compile(cfg.train.compile, device):
+        check_compile_toolchain(device.type)
     data = build_data(cfg)
     # Constructing the samplers validates that both splits hold enough windows.
     build_samplers(cfg, data)
@@ -86,7 +91,8 @@ def prepare_run_dir(run_dir: Path, cfg: Config, *, overwrite: bool, resume: bool
 
 
 _VOLATILE = {"train.host", "train.port", "train.log_every", "train.threads_per_worker", "train.timeout_s",
-             "train.keep_checkpoints", "train.shard_optimizer", "data.cache_dir", "fault.store_timeout_s"}
+             "train.keep_checkpoints", "train.checkpoint_every_s", "train.shard_optimizer", "data.cache_dir",
+             "fault.store_timeout_s"}
 
 
 def _truncate_metrics(path: Path, step: int) -> None:

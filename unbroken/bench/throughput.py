@@ -7,6 +7,17 @@ steps is warm-up and dropped) and the scaling ratio against the smallest count.
 With ``--precision fp32,bf16`` each worker count runs in both precisions, one
 right after the other, and each bf16 row carries its ratio to the fp32 row of
 the same count (``bf16_vs_fp32``).
+
+``--reference`` compares unbroken with what a user would run instead, in the
+same invocation, on the same model and batch shape (:mod:`unbroken.bench.plain_loop`):
+a plain PyTorch loop, eager and (on a GPU, or with ``train.compile=true``)
+``torch.compile``d, then unbroken with one worker and with the ``--workers``
+counts (default on a GPU: one worker and one per visible GPU). Each unbroken
+row carries ``ratio_vs_plain``: its tokens/s over the plain loop's of the same
+compile setting times the devices it uses (one per worker on GPUs, the whole
+machine on a CPU). On a GPU: MFU (bf16 dense peak) and peak memory; ``--ac
+none,selective,full`` adds the plain loop's peak memory per activation
+checkpointing mode.
 """
 
 from __future__ import annotations
@@ -36,11 +47,19 @@ def machine_description() -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(prog="unbroken bench throughput", description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="debug")
-    ap.add_argument("--workers", default="1,2,4", help="comma-separated worker counts")
+    ap.add_argument("--workers", default=None, help="comma-separated worker counts (default 1,2,4)")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--precision", default="fp32", help="comma-separated: fp32, bf16 (train.precision)")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/throughput.json"))
+    ap.add_argument("--reference", action="store_true", help="plain PyTorch loops, then unbroken, side by side")
+    ap.add_argument("--ac", default="", help="with --reference: activation checkpointing modes to measure "
+                                             "the plain loop's peak memory for (none,selective,full)")
     a, a.overrides = parse_with_overrides(ap, argv)
+    a.workers_given, a.workers = a.workers is not None, a.workers or "1,2,4"
+    if a.reference:
+        from unbroken.bench.throughput_reference import reference
+
+        return reference(a)
     counts = [int(w) for w in a.workers.split(",") if w.strip()]
     if not counts or min(counts) < 1:
         raise ValueError(f"--workers {a.workers!r}: need positive comma-separated counts, e.g. 1,2,4")

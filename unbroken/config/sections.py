@@ -98,7 +98,13 @@ class TrainConfig:
     val_batches: int = 4
     """Validation micro-batches per evaluation."""
     checkpoint_every: int = 0
-    """Persistent checkpoint every this many steps (0 disables)."""
+    """Persistent checkpoint every this many steps (0: not by steps)."""
+    checkpoint_every_s: float = 1800.0
+    """Persistent checkpoint once this many seconds passed since the last one (0: not by time), written
+    asynchronously by the view's leader (put off while the previous save is still being written), so
+    that a job whose every node loses its snapshot memory still keeps something. Sharded runs
+    (``train.shard_optimizer``) checkpoint by steps only. With both this and ``checkpoint_every`` at 0,
+    only the final checkpoint is written."""
     keep_checkpoints: int = 3
     """Committed checkpoints kept on disk (>= 1): after each commit, older
     committed ones beyond the newest this many are deleted, and so are
@@ -108,6 +114,14 @@ class TrainConfig:
     precision: Literal["fp32", "bf16"] = "fp32"
     """``bf16``: forward and backward under bfloat16 autocast (CPU or CUDA) with float32 master
     weights, optimizer moments, loss and gradient reduction; ``fp32``: float32 throughout."""
+    compile: bool | None = None
+    """``torch.compile`` each transformer block's exact forward (and the loss), as torchtitan does;
+    MeCeFO's approximate mode runs eager. None: on for CUDA, off on CPU (where compile time would
+    dominate short jobs). Needs a working compiler toolchain (Triton on CUDA, a C++ compiler on CPU),
+    checked before training."""
+    activation_checkpointing: Literal["none", "selective", "full"] = "none"
+    """Recompute activations in the backward pass, per transformer block: ``full`` every block,
+    ``selective`` every second block (torchtitan's per-layer selective), ``none`` keeps them all."""
     host: str = "127.0.0.1"
     """Address the coordination store listens on."""
     port: int = 0

@@ -34,7 +34,8 @@ from unbroken.config import Config, OptimConfig
 from unbroken.data import BatchSampler, PreparedData, prepare_data
 from unbroken.job.user_parts import BuildContext, CheckedSource, user_data, user_model, user_optimizer
 from unbroken.mecefo.adapter import ExactOnlyAdapter, LlamaAdapter, adapter_for
-from unbroken.mecefo.gradients import GradLayout, SlotWork, apply_step, compute_gradient_sums
+from unbroken.job.parallelize import parallelize, resolve_compile
+from unbroken.mecefo.gradients import GradLayout, LossFn, SlotWork, apply_step, compute_gradient_sums, token_loss_sum
 from unbroken.mecefo.takeover import takeover_policy
 from unbroken.models import build_model, model_args, validation_loss
 from unbroken.models.optim import build_optimizer, lr_at
@@ -214,6 +215,8 @@ class Job:
     layout: GradLayout
     optimizer: torch.optim.Optimizer
     schedule: Schedule
+    loss_fn: LossFn = token_loss_sum
+    """The summed token cross-entropy (compiled with the blocks under ``train.compile``)."""
 
     @property
     def info(self) -> dict[str, int]:
@@ -232,7 +235,7 @@ class Job:
         """One worker's gradient sums of ``items`` of ``step`` (:func:`~unbroken.mecefo.gradients.compute_gradient_sums`)."""
         return compute_gradient_sums(self.model, self.adapter, self.layout, items, step=step,
                                      micro_batch=self.micro_batch, batch_fn=self.sampler.batch, device=self.device,
-                                     precision=self.cfg.train.precision)
+                                     precision=self.cfg.train.precision, loss_fn=self.loss_fn)
 
     def apply(self, step: int, reduced: torch.Tensor) -> tuple[float, float]:
         """Apply the reduced buffer of ``step`` (schedule's lr, clipping, AdamW); returns (lr, grad norm)."""
@@ -264,6 +267,8 @@ def build_job(cfg: Config, device: torch.device, prepared: Prepared | None = Non
     # Samplers before the model: a too-small split fails before the slow part.
     sampler, val_sampler = build_samplers(cfg, data)
     model = prepared.model if prepared is not None else _build_model(cfg, data, device)
+    compiled = resolve_compile(cfg.train.compile, device)
+    parallelize(model, compile=compiled, activation_checkpointing=cfg.train.activation_checkpointing)
     m = cfg.mecefo
     adapter = adapter_for(model, rank=m.rank, tau=m.tau, approximates=takeover_policy(m.policy).approximates,
                           policy=m.policy)
@@ -278,6 +283,7 @@ def build_job(cfg: Config, device: torch.device, prepared: Prepared | None = Non
         optimizer = ShardedAdamW(model, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
     else:
         optimizer = build_optimizer(model, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
-                                    weight_decay=o.weight_decay)
+                                    weight_decay=o.weight_decay, fused=device.type == "cuda")
     return Job(cfg=cfg, device=device, data=data, sampler=sampler, val_sampler=val_sampler, model=model,
-               adapter=adapter, layout=layout, optimizer=optimizer, schedule=schedule_for(cfg))
+               adapter=adapter, layout=layout, optimizer=optimizer, schedule=schedule_for(cfg),
+               loss_fn=torch.compile(token_loss_sum) if compiled else token_loss_sum)

@@ -44,7 +44,7 @@ from unbroken.mecefo.lowrank import LowRankBasis, lowrank_linear
 from unbroken.models.llama import TransformerBlock
 
 __all__ = ["GROUP_NAMES", "BlockKind", "BlockParts", "ExactOnlyAdapter", "LlamaAdapter", "ModelAdapter",
-           "NoAdapter", "adapter_for", "component_of", "has_blocks"]
+           "NoAdapter", "adapter_for", "component_of", "has_blocks", "transformer_blocks"]
 
 GROUP_NAMES = ("rest", "attention")
 MODES = ("exact", "approx")
@@ -278,6 +278,11 @@ def component_of(param_name: str) -> str:
     if parts & _FFN_NAMES:
         return "ffn"
     return "rest"
+
+
+def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's transformer blocks of a known kind (ours or Hugging Face's Llama), in order."""
+    return [m for m in model.modules() if _kind_of(m) is not None]
 
 
 def has_blocks(model: torch.nn.Module) -> bool:

@@ -29,6 +29,8 @@ from unbroken.models.precision import autocast
 
 Mode = Literal["exact", "approx"]
 BatchFn = Callable[[int, int, tuple[int, int]], tuple[torch.Tensor, torch.Tensor]]
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""``loss_fn(logits_BTV, y_BT)``: the summed token cross-entropy (a float32 scalar)."""
 """``batch_fn(step, slot, (a, b)) -> (x_BT, y_BT)``."""
 
 
@@ -103,6 +105,7 @@ def compute_gradient_sums(
     batch_fn: BatchFn,
     device: torch.device | str = "cpu",
     precision: str = "fp32",
+    loss_fn: LossFn | None = None,
 ) -> torch.Tensor:
     """Compute the gradient sums of ``work`` for ``step`` into a fresh flat buffer.
 
@@ -111,13 +114,16 @@ def compute_gradient_sums(
     ``rows / micro_batch`` of one slot. Parameter ``.grad`` is used as scratch.
     With ``precision="bf16"`` the forward runs under bfloat16 autocast; the
     loss, the gradients and the buffer stay float32
-    (:mod:`unbroken.models.precision`).
+    (:mod:`unbroken.models.precision`). ``loss_fn`` (default
+    :func:`token_loss_sum`) may be a compiled version of it. Nothing here waits
+    for the device: the loss is summed on it.
     """
     buf = layout.new_buffer(device)
     weights = layout.weights(buf)
     for p in layout.params:
         p.grad = None
-    loss_sum = 0.0
+    loss_fn = loss_fn or token_loss_sum
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)  # as a Python float would sum
     tokens = 0
     for item in work:
         if not 0 <= item.rows[0] < item.rows[1] <= micro_batch:
@@ -126,12 +132,9 @@ def compute_gradient_sums(
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         with adapter.mode(item.mode, step=step):
             with autocast(torch.device(device), precision):
-                logits = logits_of(model(x))
-                loss_tok = F.cross_entropy(
-                    logits.float().reshape(-1, logits.size(-1)), y.reshape(-1), reduction="sum"
-                )
+                loss_tok = loss_fn(logits_of(model(x)), y)
             (loss_tok / (micro_batch * y.size(1))).backward()
-        loss_sum += float(loss_tok.detach())
+        loss_sum += loss_tok.detach()
         tokens += y.numel()
         share = item.n_rows / micro_batch
         for g, name in enumerate(layout.group_names):
@@ -146,6 +149,11 @@ def compute_gradient_sums(
     return buf
 
 
+def token_loss_sum(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Summed float32 cross-entropy of ``logits`` (B, T, V) against ``y`` (B, T)."""
+    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1), reduction="sum")
+
+
 def apply_step(
     layout: GradLayout, buf: torch.Tensor, optimizer: torch.optim.Optimizer, *, lr: float, grad_clip: float
 ) -> float:
@@ -157,7 +165,10 @@ def apply_step(
     apply_reduced(layout, buf)
     params = [p for p in layout.params if p.grad is not None]
     max_norm = grad_clip if grad_clip > 0 else float("inf")
-    norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=False))
+    # foreach on a GPU (one kernel launch per tensor list, not per tensor); on CPU the per-tensor order
+    # stays the one every worker and the single-process reference use
+    foreach = bool(params) and params[0].device.type == "cuda"
+    norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=foreach))
     for group in optimizer.param_groups:
         group["lr"] = lr
     optimizer.step()
@@ -170,7 +181,7 @@ def apply_reduced(layout: GradLayout, buf: torch.Tensor) -> None:
     A group with zero weight (no slot computed it) gets ``grad = None`` so the
     optimizer leaves it untouched this step.
     """
-    weights = layout.weights(buf)
+    weights = layout.weights(buf).tolist()  # one read of the device, not one per parameter
     for i, p in enumerate(layout.params):
-        w = float(weights[layout.groups[i]])
+        w = weights[layout.groups[i]]
         p.grad = layout.grad_view(buf, i) / w if w > 0 else None  # the division already makes a new tensor

@@ -34,9 +34,16 @@ def lr_at(step: int, *, lr: float, warmup_steps: int, min_lr_ratio: float, total
 
 
 def build_optimizer(
-    model: torch.nn.Module, *, lr: float, betas: tuple[float, float], eps: float, weight_decay: float
+    model: torch.nn.Module, *, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
+    fused: bool = False,
 ) -> torch.optim.AdamW:
-    """AdamW; matrices and embeddings decay (by ``weight_decay``), norm gains do not."""
+    """AdamW; matrices and embeddings decay (by ``weight_decay``), norm gains do not.
+
+    ``fused``: one fused kernel for every parameter (CUDA). Each element's update
+    is computed alone, in a fixed order of operations, so workers given the same
+    reduced gradient stay bit-identical; otherwise ``foreach=False`` keeps the
+    arithmetic order identical across processes and runs (the CPU default).
+    """
     decay, no_decay = [], []
     for _, p in model.named_parameters():
         if not p.requires_grad:
@@ -46,7 +53,8 @@ def build_optimizer(
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-    # foreach=False keeps the arithmetic order identical across processes and runs.
+    if fused:
+        return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=True)
     return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, foreach=False)
 
 

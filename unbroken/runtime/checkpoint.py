@@ -65,6 +65,12 @@ logger = logging.getLogger(__name__)
 ADAM_KEYS = ("exp_avg", "exp_avg_sq", "step")
 
 
+def step_device(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> torch.device:
+    """Where AdamW keeps ``p``'s step count: on the parameter's device when fused or capturable, else the host."""
+    on_device = any(g.get("fused") or g.get("capturable") for g in optimizer.param_groups)
+    return p.device if on_device else torch.device("cpu")
+
+
 def dcp() -> Any:
     """``torch.distributed.checkpoint``, imported on first use: it is a third of a worker's import time,
     and most processes (agents, standbys, a worker until its first save) never need it."""
@@ -117,7 +123,7 @@ def load_training_state(
         if all(v is None for v in keys.values()):
             continue
         optimizer.state[p] = {
-            "step": keys["step"].clone().float().cpu(),
+            "step": keys["step"].clone().float().to(step_device(optimizer, p)),
             "exp_avg": keys["exp_avg"].clone().to(p.device),
             "exp_avg_sq": keys["exp_avg_sq"].clone().to(p.device),
         }

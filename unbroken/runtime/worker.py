@@ -34,6 +34,7 @@ import torch.distributed as dist
 from unbroken.config import Config, config_hash
 from unbroken.job import MetricsWriter, Prepared, build_job, prepare, train_record
 from unbroken.job.consistency import InconsistentJob, LayoutMismatch, check_consistency
+from unbroken.job.parallelize import compile_stats
 from unbroken.jsonl import JsonlWriter
 from unbroken.mecefo.takeover import takeover_policy
 from unbroken.models.factory import bind_device, place_model
@@ -326,9 +327,11 @@ class Trainer:
         return bool(t.checkpoint_every and done % t.checkpoint_every == 0) or done == t.steps
 
     def param_digest(self) -> str:
+        """sha256 of every trainable parameter's bytes, in order (one host copy per tensor, hashed in place:
+        a large model's digest must fit in the agent's grace after the job is done)."""
         h = hashlib.sha256()
         for p in self.job.layout.params:
-            h.update(p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+            h.update(memoryview(p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()))
         return h.hexdigest()
 
 
@@ -387,7 +390,9 @@ def run(spec: WorkerSpec, *, store: JobStore | None = None, prepared: Prepared |
     report = {"worker": spec.worker, "steps": cfg.train.steps, "param_digest": trainer.param_digest(),
               "last": last, "gen": trainer.protocol.view.gen,
               "snapshots": trainer.snapshots.summary() if trainer.snapshots is not None else {},
-              "sharded": trainer.protocol.sharded.summary() if trainer.protocol.sharded is not None else None}
+              "sharded": trainer.protocol.sharded.summary() if trainer.protocol.sharded is not None else None,
+              "peak_memory_bytes": torch.cuda.max_memory_allocated(trainer.job.device)
+              if trainer.job.device.type == "cuda" else None, **compile_stats()}
     out = spec.run_dir / "workers" / f"w{spec.worker}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".tmp")

@@ -20,7 +20,7 @@ import warnings
 
 import torch
 
-from unbroken.runtime.checkpoint import ADAM_KEYS, training_state
+from unbroken.runtime.checkpoint import ADAM_KEYS, step_device, training_state
 
 __all__ = ["StateLayout", "StateLoader", "capture", "copy_range", "layout_hash", "tensors_of"]
 
@@ -147,7 +147,7 @@ class StateLoader:
                 dtype, shape = shapes[f"optim.{name}.{k}"]
                 have = st.get(k)
                 if not torch.is_tensor(have) or have.dtype != _DTYPES.get(dtype) or tuple(have.shape) != tuple(shape):
-                    where = torch.device("cpu") if k == "step" else p.device  # AdamW keeps its step count on the host
+                    where = step_device(optimizer, p) if k == "step" else p.device
                     st[k] = torch.zeros(shape, dtype=_DTYPES[dtype], device=where)
                 live[f"optim.{name}.{k}"] = st[k]
         return live

@@ -1,0 +1,92 @@
+"""``unbroken bench throughput --reference``: unbroken against the plain loop a user would write.
+
+See :mod:`unbroken.bench.throughput` for what is measured; this module runs the rows
+(plain eager, plain compiled, unbroken at each worker count) back to back and prints
+and writes them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from unbroken.agent.launcher import launch_local
+from unbroken.bench.plain_loop import flops_per_token, peak_flops, plain_loop
+from unbroken.config import Config, load_config
+from unbroken.job.parallelize import resolve_compile
+from unbroken.models.factory import resolve_device
+
+__all__ = ["reference"]
+
+
+def _cfg(a: argparse.Namespace, *extra: str) -> Config:
+    return load_config(preset_name=a.preset, overrides=a.overrides + [
+        f"train.steps={a.steps}", "train.val_every=0", "train.val_batches=1", f"train.precision={a.precision}",
+        *extra])
+
+
+def reference(a: argparse.Namespace) -> dict[str, Any]:
+    """Run the reference rows; returns the JSON written to ``a.out``."""
+    from unbroken.bench.throughput import machine_description
+
+    if a.precision not in ("fp32", "bf16"):
+        raise ValueError(f"--precision {a.precision!r}: --reference takes one precision, fp32 or bf16")
+    cfg = _cfg(a)
+    device = resolve_device(cfg.train.device)
+    compiled = resolve_compile(cfg.train.compile, device)
+    gpus = torch.cuda.device_count() if device.type == "cuda" else 0
+    counts = sorted({int(w) for w in a.workers.split(",") if w.strip()} if a.workers_given else
+                    ({1, gpus} if gpus else {1}))
+    fpt, peak = flops_per_token(cfg), peak_flops(device)
+    rows: list[dict[str, Any]] = []
+    for mode in ([False, True] if compiled else [False]):
+        rows.append({"loop": "plain", "compile": mode, "workers": 1,
+                     **plain_loop(cfg, device, compile=mode, steps=a.steps)})
+        print(f"plain loop, compile={mode}: {rows[-1]['tokens_per_s']:,.0f} tokens/s", flush=True)
+    with tempfile.TemporaryDirectory(prefix="unbroken-bench-ref-") as tmp:
+        for n in counts:
+            run_cfg = _cfg(a, f"train.workers={n}")
+            s = launch_local(run_cfg, Path(tmp) / f"w{n}")
+            rows.append({"loop": "unbroken", "compile": compiled, "workers": n, "tokens_per_s": s["tokens_per_s"],
+                         "peak_memory_bytes": s.get("peak_memory_bytes"), "compiled_frames": s.get("compiled_frames"),
+                         "snapshot_every": run_cfg.snapshot.every, "wall_s": s["wall_s"]})
+            print(f"unbroken, {n} worker(s): {s['tokens_per_s']:,.0f} tokens/s", flush=True)
+    plain = {r["compile"]: r["tokens_per_s"] for r in rows if r["loop"] == "plain"}
+    for r in rows:
+        devices = r["workers"] if gpus else 1
+        if r["loop"] == "unbroken":
+            r["ratio_vs_plain"] = r["tokens_per_s"] / (plain[r["compile"]] * devices)
+        r["mfu"] = r["tokens_per_s"] * fpt / (peak * (r["workers"] if gpus else 1)) if peak else None
+    ac = [{"activation_checkpointing": m, **plain_loop(_cfg(a, f"train.activation_checkpointing={m}"), device,
+                                                        compile=False, steps=max(5, a.steps // 3),
+                                                        activation_checkpointing=m)}
+          for m in (x.strip() for x in a.ac.split(",")) if m]
+    result = {"benchmark": "throughput_reference", "preset": a.preset, "steps": a.steps, "precision": a.precision,
+              "device": str(device), "micro_batch": cfg.data.micro_batch, "seq_len": cfg.data.seq_len,
+              "flops_per_token": fpt, "peak_flops": peak, "rows": rows, "activation_checkpointing": ac,
+              "machine": machine_description()}
+    _print(result)
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(result, indent=1))
+    print(f"wrote {a.out}")
+    return result
+
+
+def _print(result: dict[str, Any]) -> None:
+    gb = 2 ** 30
+    print(f"{'loop':>9} {'compile':>7} {'workers':>7} {'tokens/s':>10} {'MFU':>6} {'vs plain':>8} {'peak GiB':>8}")
+    for r in result["rows"]:
+        mfu = f"{r['mfu']:.3f}" if r.get("mfu") else "-"
+        ratio = f"{r['ratio_vs_plain']:.3f}" if "ratio_vs_plain" in r else "-"
+        mem = f"{r['peak_memory_bytes'] / gb:.1f}" if r.get("peak_memory_bytes") else "-"
+        print(f"{r['loop']:>9} {str(r['compile']):>7} {r['workers']:>7} {r['tokens_per_s']:>10,.0f} {mfu:>6} "
+              f"{ratio:>8} {mem:>8}")
+    for r in result["activation_checkpointing"]:
+        mem = f"{r['peak_memory_bytes'] / gb:.1f} GiB" if r.get("peak_memory_bytes") else "-"
+        print(f"activation checkpointing {r['activation_checkpointing']:>9}: peak {mem}, "
+              f"{r['tokens_per_s']:,.0f} tokens/s (plain eager loop)")
