@@ -173,8 +173,8 @@ def test_a_member_killed_in_a_restore_admission_is_left_out_and_the_others_resto
     load the state without node 0. No node holds two of a stripe's three fragments, so node 0's fragment is
     replaced by the parity fragment from the nodes that still have a live member."""
     cfg = load_config(preset_name="debug", overrides=_overrides(corpus_overrides)[:-1] + ["train.steps=16"])
-    kills = ",".join(f"step=8:worker={w}:kill:phase=allreduce" for w in range(3)) + ",step=8:worker=0:kill:phase=restore"
-    job = run_job(cfg, tmp_path / "run", nodes=3, workers_per_node=1, fail_at=kills)
+    kills = [f"step=8:worker={w}:kill:phase=allreduce" for w in range(3)] + ["step=8:worker=0:kill:phase=restore"]
+    job = run_job(cfg, tmp_path / "run", nodes=3, workers_per_node=1, fail_at=",".join(kills))
     check_invariants(job, live=[1, 2])
     [restore] = job.events("job_restore")
     assert (restore["restored_from"], restore["step"], restore["members"]) == ("memory", 8, [0, 1, 2])

@@ -77,10 +77,10 @@ def resume_point(run_dir: Path, cfg: Config) -> ResumePoint:
     if ckpt is None and memory is None:
         t = cfg.train
         raise NothingToResume(
-            f"--resume {run_dir}: nothing to continue from: no committed checkpoint under {run_dir / 'checkpoints'} (the run had "
-            f"train.checkpoint_every={t.checkpoint_every}) and no "
-            f"complete snapshot of its job in shared memory ({_memory_place(run_dir)}); start it again with "
-            f"--out {run_dir} --overwrite")
+            f"--resume {run_dir}: nothing to continue from: no committed checkpoint under "
+            f"{run_dir / 'checkpoints'} (the run had train.checkpoint_every={t.checkpoint_every}, "
+            f"train.checkpoint_every_s={t.checkpoint_every_s:g}) and no complete snapshot of its job in shared "
+            f"memory ({_memory_place(run_dir)}); start it again with --out {run_dir} --overwrite")
     ckpt_step = int(read_commit(ckpt)["step"]) if ckpt is not None else None
     return ResumePoint(checkpoint=ckpt, checkpoint_step=ckpt_step, memory_step=memory)
 

@@ -27,6 +27,8 @@ def validate(cfg: Config) -> list[str]:
     need(t.val_every >= 0, f"train.val_every={t.val_every}: must be >= 0 (0 disables)")
     need(t.val_batches >= 1, f"train.val_batches={t.val_batches}: must be >= 1")
     need(t.checkpoint_every >= 0, f"train.checkpoint_every={t.checkpoint_every}: must be >= 0")
+    need(t.checkpoint_every_s >= 0, f"train.checkpoint_every_s={t.checkpoint_every_s}: must be >= 0 seconds "
+         f"(0: no checkpoint by time)")
     need(t.keep_checkpoints >= 1,
          f"train.keep_checkpoints={t.keep_checkpoints}: must be >= 1 (the newest committed checkpoints to keep)")
     need(0 <= t.port <= 65535, f"train.port={t.port}: must be in 0..65535 (0 picks a free port)")
@@ -91,7 +93,7 @@ def config_hash(cfg: Config) -> str:
     d = cfg.to_dict()
     # shard_optimizer: where the moments live, not what is trained (the update is the same, element for element)
     for volatile in ("host", "port", "log_every", "threads_per_worker", "timeout_s", "keep_checkpoints",
-                     "shard_optimizer"):
+                     "checkpoint_every_s", "shard_optimizer"):
         d["train"].pop(volatile, None)
     d["data"].pop("cache_dir", None)
     d["fault"].pop("store_timeout_s", None)  # how long to wait for the store, not what is trained

@@ -39,6 +39,7 @@ from unbroken.jsonl import JsonlWriter
 from unbroken.mecefo.takeover import takeover_policy
 from unbroken.models.factory import bind_device, place_model
 from unbroken.runtime.checkpoint import AsyncCheckpointer, load_checkpoint, training_state
+from unbroken.runtime.checkpoint_schedule import CheckpointSchedule, Due, newest_checkpoint_age_s
 from unbroken.runtime.job_store import JobStore
 from unbroken.runtime.store_backend import job_secret
 from unbroken.runtime.membership import EXIT_FENCED, Fenced, Membership, NoLiveWorker, View, ViewChanged
@@ -132,6 +133,10 @@ class Trainer:
                 self.job, worker=spec.worker, node_of=node_of, on_event=self._event,
                 replicas=ReplicaStore(job_id(spec.run_dir), node_of[spec.worker], spec.worker))
         self.shard_checkpoints = ShardCheckpointer(spec.run_dir) if cfg.train.shard_optimizer else None
+        t = cfg.train  # a sharded run checkpoints by steps only: its members must agree on the step
+        self.schedule = CheckpointSchedule(every=t.checkpoint_every, steps=t.steps,
+                                           every_s=0.0 if t.shard_optimizer else t.checkpoint_every_s,
+                                           age_s=newest_checkpoint_age_s(spec.run_dir) if spec.join else 0.0)
         if self.snapshots is not None:
             self.protocol.memory_rejoin = self._memory_rejoin_ok
             self.protocol.memory_loader = self._load_from_memory
@@ -271,9 +276,10 @@ class Trainer:
         for step in range(start, steps):
             reduced, _ = self.protocol.run_step(step)
             view, done = self.protocol.view, step + 1
+            due = self.schedule.due(done)  # every member runs the schedule: a new leader goes on in step
             if self.protocol.sharded is not None:
                 lr, grad_norm = self.protocol.sharded.commit(step, view, self.protocol.group, replicate=done < steps)
-                if self._checkpoint_step(done):  # every member writes its range of the moments
+                if due:  # every member writes its range of the moments
                     opt = self.job.optimizer
                     self.shard_checkpoints.save(done, view.gen, opt.lo, opt.hi, opt.exp_avg, opt.exp_avg_sq)
             else:
@@ -288,9 +294,12 @@ class Trainer:
                                 degraded=sorted(set(range(self.job.n_slots)) - set(view.members)))
             t_prev = now
             if view.leader == self.spec.worker:
-                self._lead(done, last)
-            elif self.checkpointer is not None:
-                self.checkpointer.handover()  # stopped leading: commit the save begun while leading
+                self._lead(done, last, due)
+            else:
+                if due:
+                    self.schedule.taken()  # the leader checkpoints this step
+                if self.checkpointer is not None:
+                    self.checkpointer.handover()  # stopped leading: commit the save begun while leading
             if done < steps:
                 self.protocol.admit_joiners(done)
         if self.shard_checkpoints is not None:
@@ -305,8 +314,9 @@ class Trainer:
             self.store.set_done()
         return last
 
-    def _lead(self, done: int, last: dict[str, Any]) -> None:
-        """Duties of the view's first member: metrics, validation, checkpoints, progress."""
+    def _lead(self, done: int, last: dict[str, Any], due: Due | None) -> None:
+        """Duties of the view's first member: metrics, validation, checkpoints (``due``: see
+        :class:`~unbroken.runtime.checkpoint_schedule.CheckpointSchedule`), progress."""
         t = self.cfg.train
         if self.metrics is None:
             self.metrics = MetricsWriter.for_run(self.spec.run_dir / "metrics.jsonl", self.cfg)
@@ -314,17 +324,14 @@ class Trainer:
         # Validation on the leader only: it must not depend on who else is alive.
         self.metrics.step_done(last, self.job.validation_loss if self.job.val_sampler is not None else None)
         self.checkpointer.poll()
-        if self._checkpoint_step(done):
+        if due == "step" or (due == "time" and self.checkpointer.pending_step is None):  # never waits for time
+            self.schedule.taken()
             shards = None
             if self.protocol.sharded is not None:
                 shards = (self.protocol.view.gen, self.protocol.sharded.checkpoint_ranges())
             self.checkpointer.save(done, training_state(self.job.model, self.job.optimizer), {"loss": last["loss"]},
                                    shards=shards)
         self.store.set_progress(done)
-
-    def _checkpoint_step(self, done: int) -> bool:
-        t = self.cfg.train
-        return bool(t.checkpoint_every and done % t.checkpoint_every == 0) or done == t.steps
 
     def param_digest(self) -> str:
         """sha256 of every trainable parameter's bytes, in order (one host copy per tensor, hashed in place:
