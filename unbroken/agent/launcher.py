@@ -51,6 +51,7 @@ from unbroken.runtime.checkpoint import CheckpointError, latest_checkpoint, read
 from unbroken.snapshot.capacity import check_snapshot_config
 from unbroken.agent.preflight import _truncate_metrics, preflight, prepare_run_dir
 from unbroken.agent.resume_point import resume_point
+from unbroken.job.references import anchor_references
 from unbroken.models.factory import check_placement
 from unbroken.agent._store_host import StoreHost
 from unbroken.runtime.etcd_backend import parse_etcd
@@ -126,6 +127,7 @@ def launch(
     """
     run_dir = Path(run_dir)
     cfg = _job_config(cfg, nodes, workers_per_node, restart)
+    anchor_references(cfg)  # a relative '/path/file.py:function' means the launching directory's, in every worker
     mode = recovery(cfg.fault.recovery)
     if mode.restarts_job:
         restart = "never"  # checkpoint-restart: the launcher restarts the whole job instead

@@ -12,6 +12,14 @@ script's file instead, and a worker loads that file as a module of its own
 name (not ``__main__``), so the script's ``if __name__ == "__main__":`` block,
 which starts the job, does not run again in the worker.
 
+A file reference is made absolute where the job is launched
+(:func:`anchor_references`, against the launching directory), so every
+worker loads the same file whatever its own working directory. Loading it
+never puts the script's folder ahead of installed packages on ``sys.path``
+(a script in a shared folder such as ``/tmp`` would otherwise let anyone who
+can write there shadow a module every worker imports later): the folder is
+appended, so the script's own sibling modules still import.
+
 Invariants: resolving a reference twice in one process gives the same object
 (files are loaded once); a reference names a module-level attribute, so every
 process resolves it to the same code.
@@ -26,7 +34,10 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-__all__ = ["reference_of", "resolve"]
+__all__ = ["anchor_references", "reference_of", "resolve"]
+
+FACTORY_FIELDS = (("model", "factory"), ("data", "factory"), ("optim", "factory"))
+"""The config fields that hold references to user code."""
 
 _FILE_MODULE_PREFIX = "unbroken_user_"
 
@@ -77,6 +88,18 @@ def resolve(reference: str, *, field: str) -> Any:
         raise ValueError(f"{field}={reference!r}: {where} has no attribute {name!r}") from None
 
 
+def anchor_references(cfg: Any, base: Path | None = None) -> None:
+    """Make every file reference of ``cfg`` (its factory fields) absolute against ``base`` (default: the
+    current directory, the launching one), in place."""
+    for section, name in FACTORY_FIELDS:
+        ref = getattr(getattr(cfg, section), name)
+        if not ref:
+            continue
+        where, name_ = _split(ref, f"{section}.{name}")
+        if where.endswith(".py") and not Path(where).is_absolute():
+            setattr(getattr(cfg, section), name, f"{((base or Path.cwd()) / where).resolve()}:{name_}")
+
+
 def _split(reference: str, field: str) -> tuple[str, str]:
     where, sep, name = reference.rpartition(":")
     if not sep or not where or not name.isidentifier():
@@ -85,6 +108,9 @@ def _split(reference: str, field: str) -> tuple[str, str]:
 
 
 def _load_file(path: Path, field: str) -> Any:
+    if not path.is_absolute():
+        raise ValueError(f"{field}: file {str(path)!r} is a relative path; the job makes it absolute where it is "
+                         "launched, so give an absolute one here")
     if not path.is_file():
         raise ValueError(f"{field}: file {str(path)!r} does not exist (give an absolute path to the script)")
     path = path.resolve()
@@ -95,9 +121,9 @@ def _load_file(path: Path, field: str) -> Any:
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
-    # The script's folder first on the path, as when it runs itself: its own imports resolve alike.
+    # The script's folder last on the path: its sibling modules import, but never ahead of installed ones.
     if str(path.parent) not in sys.path:
-        sys.path.insert(0, str(path.parent))
+        sys.path.append(str(path.parent))
     try:
         spec.loader.exec_module(module)
     except BaseException:

@@ -18,6 +18,7 @@ and the filesystem root are never cleared.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,10 @@ def saved_config(directory: Path) -> dict[str, Any] | None:
     if not all(k in SECTIONS and isinstance(v, dict) for k, v in data.items()):
         return None
     return data
+
+
+RUN_DIR_MODE = 0o700
+"""A run directory is readable by its owner only: it holds the job's secret, config and state."""
 
 
 def prepare_out_dir(out: Path, cfg: Config, *, overwrite: bool, continue_hint: str = "") -> None:
@@ -69,7 +74,10 @@ def prepare_out_dir(out: Path, cfg: Config, *, overwrite: bool, continue_hint: s
                              f"{continue_hint}, or choose another --out")
         _refuse_protected(out)
         _clear(out)
-    out.mkdir(parents=True, exist_ok=True)
+    out.mkdir(mode=RUN_DIR_MODE, parents=True, exist_ok=True)
+    # The config, job id, secret, logs and checkpoints inside are the owner's alone (mkdir's mode is cut by
+    # the umask and does not apply to a directory that already existed).
+    os.chmod(out, RUN_DIR_MODE)
 
 
 def _hash_of(saved: dict[str, Any]) -> str | None:

@@ -67,9 +67,14 @@ def new_secret() -> str:
 def save_secret(run_dir: Path, secret: str) -> None:
     """Write ``run_dir/secret``, readable by its owner only (0600 from creation, replaced atomically)."""
     path = Path(run_dir) / SECRET_FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{SECRET_FILE}.{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    tmp = path.with_name(f".{SECRET_FILE}.{os.getpid()}.{secrets.token_hex(4)}")
+    # A new file of ours or nothing: never through a link, never into a file someone else put there.
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    except FileExistsError:
+        raise StoreAccessDenied(f"{tmp} exists (planted?); the job secret is not written through it: "
+                                f"remove it and start again") from None
     with os.fdopen(fd, "w") as fh:
         fh.write(secret + "\n")
     os.replace(tmp, path)
