@@ -25,11 +25,11 @@ def corpus_overrides() -> list[str]:
 def _snapshot_memory_is_released():
     """Remove the snapshot segments a test left behind (a job that failed keeps its memory for --resume
     by design; a test that checks for leaks asserts on them itself before this runs)."""
-    from unbroken.snapshot.segment import SHM_DIR
+    from unbroken.snapshot.segment import segment_dir
 
-    before = set(SHM_DIR.glob("unbroken-*"))
+    before = set(segment_dir().glob("unbroken-*"))
     yield
-    for path in set(SHM_DIR.glob("unbroken-*")) - before:
+    for path in set(segment_dir().glob("unbroken-*")) - before:
         path.unlink(missing_ok=True)
 
 

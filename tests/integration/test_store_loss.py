@@ -30,7 +30,7 @@ from unbroken.config import load_config
 from unbroken.faults.store_loss import STORE_PIDS_ENV
 from unbroken.jsonl import read_jsonl
 from unbroken.runtime.checkpoint import latest_checkpoint, read_commit
-from unbroken.snapshot.segment import SHM_DIR
+from unbroken.snapshot.segment import segment_dir
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -98,7 +98,7 @@ def test_etcd_without_quorum_stops_cleanly_after_the_store_timeout(tmp_path, cor
         cluster = LocalEtcd(3)
     except EtcdNotFound as exc:
         pytest.skip(str(exc))
-    run, shm_before = tmp_path / "run", set(SHM_DIR.glob("unbroken-*"))
+    run, shm_before = tmp_path / "run", set(segment_dir().glob("unbroken-*"))
     cfg = load_config(preset_name="debug", overrides=corpus_overrides + [
         "train.workers=2", "train.steps=12", "train.checkpoint_every=3", "train.val_every=0",
         f"fault.store_timeout_s={STORE_TIMEOUT_S}"])
@@ -123,7 +123,7 @@ def test_etcd_without_quorum_stops_cleanly_after_the_store_timeout(tmp_path, cor
         kept = latest_checkpoint(run)
         assert kept is not None and 3 <= int(read_commit(kept)["step"]) <= fired[0]["committed"]
         assert f"(step {read_commit(kept)['step']})" in message
-        assert set(SHM_DIR.glob("unbroken-*")) - shm_before, "the snapshot memory was kept for --resume"
+        assert set(segment_dir().glob("unbroken-*")) - shm_before, "the snapshot memory was kept for --resume"
 
         # --resume is not run here (a second start-up; the embedded store's test runs one): what it
         # needs is asserted above, and preflight accepts the run.

@@ -14,7 +14,7 @@ from unbroken.runtime.checkpoint import AsyncCheckpointer, load_checkpoint, trai
 from unbroken.sharding import ShardedAdamW, Sharding, ring_buddies, shard_range
 from unbroken.sharding.checkpoint import ShardCheckpointer, load_moments
 from unbroken.sharding.replicas import ReplicaStore
-from unbroken.snapshot.segment import SHM_DIR, remove_segments, segment_name
+from unbroken.snapshot.segment import remove_segments, segment_name, segment_path
 
 HYPER = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 
@@ -101,11 +101,11 @@ def test_replica_store_keeps_the_newest_intact_copy() -> None:
         a, b = torch.arange(8, dtype=torch.float32), torch.arange(8, 16, dtype=torch.float32)
         store.write(4, 0, (0, 3), {0: (0, 4, a)})
         store.write(5, 0, (0, 3), {0: (0, 4, b)})
-        assert (SHM_DIR / segment_name(job, 1, 3, 1, "r")).stat().st_mode & 0o777 == 0o600
+        assert (segment_path(segment_name(job, 1, 3, 1, "r"))).stat().st_mode & 0o777 == 0o600
         done, got = store.read(0, 0, 4, (0, 3))
         assert done == 5 and torch.equal(got, b)
         assert store.read(0, 0, 4, (0, 1, 3)) is None, "a copy made under another sharding is not used"
-        with open(SHM_DIR / segment_name(job, 1, 3, 1, "r"), "r+b") as fh:  # one byte of step 5's copy flips
+        with open(segment_path(segment_name(job, 1, 3, 1, "r")), "r+b") as fh:  # one byte of step 5's copy flips
             fh.seek(64 << 10)
             byte = fh.read(1)
             fh.seek(64 << 10)

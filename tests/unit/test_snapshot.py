@@ -21,7 +21,7 @@ from unbroken.snapshot.capacity import check_snapshot_config, node_bytes, state_
 from unbroken.snapshot.erasure import Coding, ErasureError
 from unbroken.snapshot.plan import plan_for
 from unbroken.snapshot.restore import decide, inventory, restore_from_memory
-from unbroken.snapshot.segment import SHM_DIR, SealedBuffer, SnapshotCorrupt, job_segments, remove_segments
+from unbroken.snapshot.segment import SealedBuffer, SnapshotCorrupt, job_segments, remove_segments, segment_dir
 from unbroken.snapshot.snapshotter import Snapshotter
 from unbroken.snapshot.state_bytes import tensors_of
 
@@ -147,7 +147,7 @@ def test_corrupt_buffer_falls_back_to_the_other_buffer_and_says_so(job_id):
         p.grad = torch.ones_like(p)
     job.optimizer.step()
     _snapshot(job_id, job, done=2)
-    victim = SHM_DIR / f"unbroken-{job_id}-n0-w0-b0"  # step 2 lives in buffer 0
+    victim = segment_dir() / f"unbroken-{job_id}-n0-w0-b0"  # step 2 lives in buffer 0
     with open(victim, "r+b") as fh:
         fh.seek(-100, os.SEEK_END)
         byte = fh.read(1)
@@ -160,7 +160,7 @@ def test_corrupt_buffer_falls_back_to_the_other_buffer_and_says_so(job_id):
     restored, _ = _restore_into(job_id, spec, node=1, members=[2, 3], me=2)
     assert _same_state(job, restored)
     for w in (2, 3):
-        (SHM_DIR / f"unbroken-{job_id}-n1-w{w}-b0").unlink()
+        (segment_dir() / f"unbroken-{job_id}-n1-w{w}-b0").unlink()
     spec, _ = _spec(job_id)
     assert spec["step"] == 1
     restored, _ = _restore_into(job_id, spec, node=0, members=[0, 1], me=0)

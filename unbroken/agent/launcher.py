@@ -56,7 +56,7 @@ from unbroken.models.factory import check_placement
 from unbroken.agent._store_host import StoreHost
 from unbroken.runtime.etcd_backend import parse_etcd
 from unbroken.runtime.job_store import JobStore
-from unbroken.runtime.store_backend import SECRET_ENV, new_secret, save_secret
+from unbroken.runtime.store_backend import SECRET_ENV, SECRET_FILE, job_secret, new_secret, save_secret
 from unbroken.runtime.recovery import recovery
 
 logger = logging.getLogger(__name__)
@@ -138,7 +138,8 @@ def launch(
     if cfg.train.shard_optimizer and cfg.train.workers == 1:
         logger.warning("train.shard_optimizer with one worker: nothing to shard, the run is the same without it")
     store_faults = StoreFaults(specs, members=len(parse_etcd(store)[0]) if store else None, run_dir=run_dir)
-    secret = new_secret()
+    # A resumed run keeps its secret: it keys the seals of the snapshot memory it may continue from.
+    secret = job_secret(run_dir) if resume and (Path(run_dir) / SECRET_FILE).is_file() else new_secret()
     host = StoreHost(cfg, nodes, secret, store, run_dir)  # before anything is written: a port in use fails early
     try:
         return _launch(host, cfg, run_dir, overwrite=overwrite, resume=resume, on_record=on_record,

@@ -21,7 +21,7 @@ from unbroken.config import Config, config_hash
 from unbroken.runtime.checkpoint import CheckpointError, latest_checkpoint, read_commit
 from unbroken.runtime.recovery import recovery
 from unbroken.snapshot.plan import complete_steps
-from unbroken.snapshot.segment import SHM_DIR, SealedBuffer, SnapshotCorrupt, job_segments
+from unbroken.snapshot.segment import SealedBuffer, SnapshotCorrupt, job_segments, segment_dir
 from unbroken.snapshot.trainer_hooks import JOB_ID_FILE, job_id
 
 __all__ = ["NothingToResume", "ResumePoint", "memory_snapshot_step", "resume_point"]
@@ -108,7 +108,7 @@ def memory_snapshot_step(run_dir: Path, cfg: Config) -> int | None:
         if buf.seal.get("config_hash") != want:
             raise ValueError(f"--resume {run_dir}: shared memory holds snapshots of job {job} written under "
                              f"config {buf.seal.get('config_hash')} ({path.name}), not this run's {want}: "
-                             f"resume with the run's own config, or remove them (rm {SHM_DIR}/unbroken-{job}-*)")
+                             f"resume with the run's own config, or remove them (rm {segment_dir()}/unbroken-{job}-*)")
         seals.append(buf.seal)
     complete = complete_steps(seals)
     return complete[0][0] if complete else None
@@ -117,4 +117,4 @@ def memory_snapshot_step(run_dir: Path, cfg: Config) -> int | None:
 def _memory_place(run_dir: Path) -> str:
     if not (run_dir / JOB_ID_FILE).is_file():
         return f"the run has no {JOB_ID_FILE}"
-    return f"{SHM_DIR}/unbroken-{job_id(run_dir)}-*"
+    return f"{segment_dir()}/unbroken-{job_id(run_dir)}-*"

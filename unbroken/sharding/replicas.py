@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from unbroken.snapshot.segment import SHM_DIR, Buffer, SealedBuffer, SnapshotCorrupt, crc32, segment_name
+from unbroken.snapshot.segment import Buffer, SealedBuffer, SnapshotCorrupt, crc32, segment_name, segment_path
 
 __all__ = ["ReplicaStore"]
 
@@ -63,7 +63,7 @@ class ReplicaStore:
         """The newest intact copy of ``owner``'s range ``[lo, hi)`` under ``members``: (steps applied, moments)."""
         best: tuple[int, torch.Tensor] | None = None
         for b in (0, 1):
-            path = SHM_DIR / segment_name(self.job, self.node, self.worker, b, "r")
+            path = segment_path(segment_name(self.job, self.node, self.worker, b, "r"))
             if not path.exists():
                 continue
             try:

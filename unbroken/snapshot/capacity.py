@@ -15,7 +15,7 @@ from unbroken.config import Config
 from unbroken.models.llama import count_parameters, model_args
 from unbroken.snapshot.erasure import HEADER
 from unbroken.snapshot.plan import plan_for
-from unbroken.snapshot.segment import HEADER_BYTES, SHM_DIR
+from unbroken.snapshot.segment import HEADER_BYTES, SHM_DIR, segment_dir
 
 __all__ = ["check_snapshot_config", "node_bytes", "state_bytes"]
 
@@ -64,6 +64,10 @@ def check_snapshot_config(cfg: Config, nodes: int, workers_per_node: int, vocab_
     if s.redundancy == "parity" and nodes > 1 and s.parity >= nodes:
         raise ValueError(f"snapshot.parity={s.parity} needs more than {s.parity} nodes, the job has {nodes}: "
                          f"lower snapshot.parity, add nodes, or set snapshot.redundancy=replica or none")
+    try:
+        segment_dir()  # private, or refused now rather than by the first snapshot
+    except PermissionError as exc:
+        raise ValueError(f"snapshot memory: {exc}") from None
     need = node_bytes(cfg, nodes, workers_per_node, vocab_size)
     st = os.statvfs(SHM_DIR)
     free = st.f_bavail * st.f_frsize

@@ -29,7 +29,7 @@ import torch
 
 from unbroken.snapshot.erasure import HEADER, Coding
 from unbroken.snapshot.plan import SnapshotPlan, complete_steps
-from unbroken.snapshot.segment import SHM_DIR, SealedBuffer, SnapshotCorrupt, job_segments
+from unbroken.snapshot.segment import SealedBuffer, SnapshotCorrupt, job_segments, segment_path
 from unbroken.snapshot.state_bytes import StateLoader
 
 __all__ = ["decide", "inventory", "restore_from_memory"]
@@ -133,7 +133,7 @@ class _Loader:
 
     def segment(self, seg: str) -> SealedBuffer:
         if seg not in self.opened:
-            buf = SealedBuffer.open(SHM_DIR / seg, self.job)
+            buf = SealedBuffer.open(segment_path(seg), self.job)
             if buf is None or buf.seal["step"] != self.spec["step"]:
                 raise SnapshotCorrupt(f"{seg}: no longer holds the snapshot of step {self.spec['step']}")
             self.opened[seg] = buf

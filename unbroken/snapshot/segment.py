@@ -1,6 +1,8 @@
 """Snapshot memory: POSIX shared-memory segments, two buffers per worker, each sealed last.
 
 A segment is a file of the node's POSIX shared memory (``/dev/shm`` on Linux),
+in the user's private folder there (:func:`segment_dir`: ``unbroken-u<uid>``,
+0700, created exclusively, its type, owner and mode checked before use),
 mode 0600, named ``unbroken-<job>-n<node>-w<worker>-b<buffer>``: the job id,
 the node, the worker that wrote it and which of its two buffers it is
 (``-r<buffer>``: the copies of other workers' optimizer shards it holds,
@@ -14,6 +16,7 @@ Layout of a buffer::
     [0, 8)        magic  b"UBSNAP1\\0"
     [8, 12)       seal length L (uint32 little endian; 0: not sealed)
     [12, 16)      crc32 of the seal
+    [16, 48)      HMAC-SHA256 of the seal under the job's secret (zeros: written without one)
     [64, 64+L)    seal: JSON (step, generation, layout and config hashes, the
                   coding, the fragments held with their offsets and crc32)
     [HEADER, ...) payload: the state layout (JSON) then the fragments
@@ -24,24 +27,31 @@ the old sealed content or an unsealed buffer, never a seal over torn bytes.
 Every byte read back is checked against the crc32 the seal records.
 
 Invariant: a reader never trusts a buffer whose seal is missing, torn, of
-another job, or whose bytes do not match their checksums
-(:class:`SnapshotCorrupt` says which).
+another job, not keyed with the job's secret (when the reader has it,
+``$UNBROKEN_JOB_SECRET``, as every agent, worker and standby of a job does),
+or whose bytes do not match their checksums; nor a file that is a link, not a
+regular file, or not its user's (opened ``O_NOFOLLOW``, checked with
+``fstat``); any of these is :class:`SnapshotCorrupt`, which the restore treats
+as absent and reports. Writers create new segments ``O_EXCL|O_NOFOLLOW``.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import mmap
 import os
 import re
+import stat
 import struct
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["HEADER_BYTES", "SHM_DIR", "Buffer", "SealedBuffer", "SnapshotCorrupt", "crc32", "job_segments",
-           "remove_segments", "segment_name"]
+__all__ = ["HEADER_BYTES", "SHM_DIR", "Buffer", "SealedBuffer", "SnapshotCorrupt", "SnapshotMemoryUnsafe", "crc32",
+           "job_segments", "remove_segments", "segment_dir", "segment_name", "segment_path"]
 
 SHM_DIR = Path(os.environ.get("UNBROKEN_SHM_DIR", "/dev/shm"))
 """Where POSIX shared memory lives (``/dev/shm`` on Linux)."""
@@ -52,8 +62,67 @@ _SEAL_AT = 64
 _NAME = re.compile(r"^unbroken-(?P<job>[0-9a-f]{4,32})-n(?P<node>\d+)-w(?P<worker>\d+)-(?P<kind>[br])(?P<buffer>[01])$")
 
 
+_MAC_AT, _MAC_LEN = 16, 32
+SECRET_ENV = "UNBROKEN_JOB_SECRET"  # the same variable as unbroken.runtime.store_backend.SECRET_ENV
+"""The job's secret (set by each agent for the processes it starts): the key of the seals."""
+
+
 class SnapshotCorrupt(RuntimeError):
-    """A sealed buffer's bytes do not match what its seal records (or the seal itself is torn)."""
+    """A sealed buffer's bytes do not match what its seal records (or the seal itself is torn, not keyed with
+    the job's secret, or the file is not a regular file of this user's)."""
+
+
+class SnapshotMemoryUnsafe(PermissionError):
+    """The user's folder of snapshot memory is not private (a link, another owner, open to others)."""
+
+
+def segment_dir() -> Path:
+    """This user's private folder of snapshot memory, created (0700) if missing.
+
+    Raises:
+        SnapshotMemoryUnsafe: the name is taken by a link, a file, or a folder of another user or open to others.
+    """
+    uid = os.getuid()
+    path = SHM_DIR / f"unbroken-u{uid}"
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid or st.st_mode & 0o077:
+        raise SnapshotMemoryUnsafe(
+            f"{path} is not a private folder of user {uid} (a link, another owner's, or open to others: mode "
+            f"{stat.S_IMODE(st.st_mode):o}); snapshot memory is not kept there: remove it (or set UNBROKEN_SHM_DIR)")
+    return path
+
+
+def segment_path(name: str) -> Path:
+    """Where the segment ``name`` lives (see :func:`segment_dir`)."""
+    return segment_dir() / name
+
+
+def _seal_key() -> bytes | None:
+    secret = os.environ.get(SECRET_ENV)
+    return hashlib.sha256(b"unbroken-snapshot-seal\0" + secret.encode()).digest() if secret else None
+
+
+def _open_own(path: Path, flags: int) -> int:
+    """``os.open`` that never follows a link and accepts only a regular file of this user's.
+
+    Raises:
+        SnapshotCorrupt: a link, not a regular file, another user's, or unreadable.
+    """
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:  # ELOOP (a link), EACCES (mode 000 by someone else), ...
+        raise SnapshotCorrupt(f"{path.name}: cannot be opened safely ({exc.strerror})") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+        os.close(fd)
+        raise SnapshotCorrupt(f"{path.name}: not a regular file of user {os.getuid()} (owner {st.st_uid})")
+    return fd
 
 
 def segment_name(job: str, node: int, worker: int, buffer: int, kind: str = "b") -> str:
@@ -64,7 +133,7 @@ def segment_name(job: str, node: int, worker: int, buffer: int, kind: str = "b")
 def job_segments(job: str, node: int | None = None, kind: str | None = "b") -> list[Path]:
     """The segments of ``job`` (of one node, if given; of one kind, None: all) in shared memory, sorted by name."""
     out = []
-    for path in SHM_DIR.glob(f"unbroken-{job}-n*"):
+    for path in segment_dir().glob(f"unbroken-{job}-n*"):
         m = _NAME.match(path.name)
         if m and m["job"] == job and (node is None or int(m["node"]) == node) and kind in (None, m["kind"]):
             out.append(path)
@@ -78,7 +147,7 @@ def remove_segments(job: str, node: int | None = None) -> int:
         try:
             path.unlink()
             n += 1
-        except FileNotFoundError:
+        except OSError:  # gone already, or not removable: never fails the end of a job
             pass
     return n
 
@@ -92,7 +161,7 @@ class Buffer:
     """One buffer of one worker, opened for writing (created or grown as needed)."""
 
     def __init__(self, job: str, node: int, worker: int, buffer: int, kind: str = "b") -> None:
-        self.path = SHM_DIR / segment_name(job, node, worker, buffer, kind)
+        self.path = segment_path(segment_name(job, node, worker, buffer, kind))
         self._fd: int | None = None
         self._map: mmap.mmap | None = None
 
@@ -102,9 +171,15 @@ class Buffer:
         if self._map is not None and len(self._map) >= total:
             return self._map
         self.close()
-        if self.path.exists() and self.path.stat().st_size < total:
-            self.path.unlink()  # growing: this buffer is being rewritten anyway (the other holds the last snapshot)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fd = _open_own(self.path, os.O_RDWR)
+            if os.fstat(fd).st_size < total:  # growing: rewritten anyway (the other buffer holds the last snapshot)
+                os.close(fd)
+                self.path.unlink()
+                raise FileNotFoundError
+        except (FileNotFoundError, SnapshotCorrupt):
+            self.path.unlink(missing_ok=True)  # not ours or not a file: replaced by a new one (the folder is private)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:
             if os.fstat(fd).st_size < total:
                 os.posix_fallocate(fd, 0, total)  # reserve now: a full /dev/shm fails here, not on a page fault
@@ -129,6 +204,8 @@ class Buffer:
         if _SEAL_AT + len(raw) > HEADER_BYTES:
             raise ValueError(f"snapshot seal of {len(raw)} bytes does not fit the {HEADER_BYTES}-byte header")
         mem[_SEAL_AT:_SEAL_AT + len(raw)] = raw
+        key = _seal_key()
+        mem[_MAC_AT:_MAC_AT + _MAC_LEN] = hmac.digest(key, raw, "sha256") if key else bytes(_MAC_LEN)
         mem[8:16] = struct.pack("<II", len(raw), crc32(raw))
 
     def close(self) -> None:
@@ -154,17 +231,26 @@ class SealedBuffer:
         Raises:
             SnapshotCorrupt: a seal that is torn or names another job.
         """
-        with path.open("rb") as fh:
+        with os.fdopen(_open_own(path, os.O_RDONLY), "rb") as fh:
             head = fh.read(_SEAL_AT)
-            if len(head) < 16 or head[0:8] != MAGIC:
+            if len(head) < _SEAL_AT or head[0:8] != MAGIC:
                 return None
             length, crc = struct.unpack("<II", head[8:16])
             if length == 0:
                 return None
-            raw = fh.read(length)
+            raw = fh.read(min(length, HEADER_BYTES))
         if length > HEADER_BYTES - _SEAL_AT or len(raw) != length or crc32(raw) != crc:
             raise SnapshotCorrupt(f"{path.name}: the seal is torn (length {length}, checksum mismatch)")
-        seal = json.loads(raw)
+        key = _seal_key()
+        if key is not None and not hmac.compare_digest(head[_MAC_AT:_MAC_AT + _MAC_LEN],
+                                                       hmac.digest(key, raw, "sha256")):
+            raise SnapshotCorrupt(f"{path.name}: not sealed with this job's secret")
+        try:
+            seal = json.loads(raw)
+        except ValueError:
+            raise SnapshotCorrupt(f"{path.name}: the seal is not JSON") from None
+        if not isinstance(seal, dict):
+            raise SnapshotCorrupt(f"{path.name}: the seal is not a JSON object")
         if seal.get("job") != job:
             raise SnapshotCorrupt(f"{path.name}: sealed by job {seal.get('job')!r}, not {job!r}")
         return cls(path, seal)
@@ -176,7 +262,7 @@ class SealedBuffer:
             SnapshotCorrupt: the bytes changed since they were sealed (or the segment is gone or short).
         """
         try:
-            with self.path.open("rb") as fh:
+            with os.fdopen(_open_own(self.path, os.O_RDONLY), "rb") as fh:
                 fh.seek(HEADER_BYTES + offset)
                 data = fh.read(length)
         except FileNotFoundError:
