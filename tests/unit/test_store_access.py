@@ -60,3 +60,32 @@ def test_the_secret_file_is_the_owners_alone(tmp_path, monkeypatch):
     assert stat.S_IMODE(os.stat(tmp_path / "run" / "secret").st_mode) == 0o600
     monkeypatch.setenv(SECRET_ENV, "from the environment")
     assert job_secret(tmp_path / "run") == "from the environment"
+
+
+def test_a_group_rendezvous_never_holds_the_failure_detectors_reads(store):
+    """A rendezvous blocked on a member that never arrives (a TCPStore client holds its lock for a whole wait)
+    must not stall the main connection's reads: each group's rendezvous has a connection of its own."""
+    import threading
+    import time
+
+    client = JobStore.connect(f"127.0.0.1:{store.port}", timeout_s=10, secret="the job's secret")
+    rendezvous = client.group_store(7)
+    waiting = threading.Event()
+
+    def wait_for_a_dead_member() -> None:
+        waiting.set()
+        try:
+            rendezvous.wait(["addr/1"], timedelta(seconds=3))
+        except (RuntimeError, dist.DistStoreError):
+            pass  # timed out, as it should
+
+    thread = threading.Thread(target=wait_for_a_dead_member, daemon=True)
+    thread.start()
+    waiting.wait(5)
+    slowest, t_end = 0.0, time.monotonic() + 0.5
+    while time.monotonic() < t_end:  # the detector reads the store all along
+        t0 = time.monotonic()
+        client.gen()
+        slowest = max(slowest, time.monotonic() - t0)
+    thread.join(10)
+    assert slowest < 0.5, f"a read of the store waited {slowest:.2f} s behind the rendezvous"

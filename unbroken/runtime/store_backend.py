@@ -129,8 +129,8 @@ class StoreBackend(ABC):
 class TCPStoreBackend(StoreBackend):
     """torch's ``TCPStore``, every key under the job's namespace (module docstring)."""
 
-    def __init__(self, store: dist.TCPStore, namespace: str) -> None:
-        self.store, self.ns = store, namespace
+    def __init__(self, store: dist.TCPStore, namespace: str, timeout_s: float = 30.0) -> None:
+        self.store, self.ns, self.timeout_s = store, namespace, timeout_s
 
     def get(self, key: str) -> bytes:
         return self.store.get(self.ns + key)
@@ -161,7 +161,17 @@ class TCPStoreBackend(StoreBackend):
         return self.store.port
 
     def group_store(self, prefix: str) -> dist.Store:
-        return dist.PrefixStore(self.ns + prefix, self.store)
+        """A rendezvous store on a connection of its own.
+
+        A ``TCPStore`` client holds one lock for a whole blocking ``wait`` or
+        ``get``: a group's rendezvous on the main client would stall the
+        failure detector's reads behind a member that never arrives (and a new
+        view's rendezvous behind an abandoned one's). Each group gets its own
+        connection, closed with the group.
+        """
+        client = dist.TCPStore(self.store.host, self.store.port, None, is_master=False,
+                               timeout=timedelta(seconds=self.timeout_s))
+        return dist.PrefixStore(self.ns + prefix, client)
 
     @classmethod
     def connect(cls, addr: str, *, timeout_s: float, secret: str) -> TCPStoreBackend:
@@ -182,7 +192,7 @@ class TCPStoreBackend(StoreBackend):
                 f"store {addr} did not answer within {timeout_s:.0f} s ({str(exc).splitlines()[0]}); "
                 f"is the launcher running and the address right?"
             ) from None
-        backend = cls(store, _namespace(secret))
+        backend = cls(store, _namespace(secret), timeout_s)
         if not backend.check(["job"]):
             raise StoreAccessDenied(f"store {addr} holds no job under this secret; use the run's {SECRET_FILE} "
                                     f"file or {SECRET_ENV} of the job you mean")
