@@ -9,7 +9,9 @@ import signal
 import pytest
 
 from unbroken.agent._job_error import death_error, record_error
-from unbroken.agent._restore import MAX_BACKOFF_S, MAX_RESTORES_PER_STEP, recurring_error, restore_backoff
+from unbroken.agent._restore import (MAX_BACKOFF_S, MAX_RESTORES_PER_STEP, JobRestore, recurring_error,
+                                     restore_backoff)
+from unbroken.runtime.view import View
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -59,3 +61,29 @@ def test_restores_back_off_and_stop_only_on_the_same_error_of_the_job():
     assert recurring_error([[bug], [], [bug]]) is None  # a kill from outside in between: not a fault that recurs
     assert recurring_error([[]] * 20) is None  # workers killed by signal while they start: restores go on
     assert recurring_error([[bug], ["signal SIGSEGV"], [bug]]) is None
+
+
+class _Store:
+    """The two reads the breaker makes: dead marks and the committed steps."""
+
+    def __init__(self, marks: dict[int, str], progress: int) -> None:
+        self.marks, self.committed = marks, progress
+
+    def dead_mark(self, worker: int) -> str | None:
+        return self.marks.get(worker)
+
+    def progress(self) -> int:
+        return self.committed
+
+
+def test_the_history_of_failed_restores_travels_in_the_restored_view(tmp_path):
+    bug = "RuntimeError at /job/opt.py:9 in step"
+    store = _Store({0: json.dumps({"by": "agent", "how": "exit", "code": 1, "signal": None, "error": bug}),
+                    1: json.dumps({"by": 0, "how": "heartbeat", "silent_s": 3.1})}, progress=7)
+    restorer = JobRestore(store, node=0, nnodes=1, workers_per_node=2, run_dir=tmp_path, config_hash="h",
+                          event=lambda *args, **fields: None)
+    assert restorer._failed_restores(View(gen=3, members=(0, 1), step=7)) == []  # a death in training: none yet
+    restored = View(gen=4, members=(0, 1), step=7, restore={"step": 7, "failures": [["signal SIGSEGV"]]})
+    assert restorer._failed_restores(restored) == [["signal SIGSEGV"], [bug]]
+    store.committed = 8  # the restored view committed a step before every member died: a new story
+    assert restorer._failed_restores(restored) == []

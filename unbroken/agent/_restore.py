@@ -116,6 +116,9 @@ class JobRestore:
         for w in members:
             self.store.clear_dead(w)
             self.store.clear_join(w)
+        # The job's committed history is now the restored step's: steps past it count only once trained again
+        # (so a death before any of them is one "right after the restore" for the circuit breaker).
+        self.store.set_progress(spec["step"])
         lost = sorted(set(range(self.nnodes)) - set(invs))
         reason = (f"restored from {'snapshot memory' if spec['source'] == 'memory' else 'the checkpoint'} "
                   f"at step {spec['step']}" + (f" without lost nodes {lost}" if lost else ""))
@@ -206,8 +209,8 @@ class JobRestore:
     def _failed_restores(self, view: View) -> list[list[str]]:
         """The job's own errors of each whole-job death since its last restore committed nothing, oldest
         first, this death of ``view`` last (``[]`` for a death by signal); empty when ``view`` trained on."""
-        if view.restore is None:  # a view of a step after the restore (or no restore at all): a new story
-            return []
+        if view.restore is None or (self.store.progress() or 0) > view.step:
+            return []  # no restore, or the restored view committed a step before it died: a new story
         marks = [decode_mark(self.store.dead_mark(w) or "") for w in view.members]
         errors = sorted({m["error"] for m in marks if isinstance(m, dict) and m.get("error")})
         return [*view.restore.get("failures", []), errors]
