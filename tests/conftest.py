@@ -11,6 +11,18 @@ import pytest
 # Set before any test imports unbroken.data, and inherited by spawned workers.
 _SESSION_CACHE = Path(tempfile.mkdtemp(prefix="unbroken-test-cache-"))
 os.environ.setdefault("UNBROKEN_CACHE_DIR", str(_SESSION_CACHE))
+# Snapshot memory of this test session apart from any other's (a second pytest session on the machine, a job):
+# the cleanup below removes what this session's tests left, never another's segments.
+_SESSION_SHM = Path(tempfile.mkdtemp(prefix="unbroken-test-shm-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
+os.environ.setdefault("UNBROKEN_SHM_DIR", str(_SESSION_SHM))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _session_shared_memory():
+    yield
+    import shutil
+
+    shutil.rmtree(_SESSION_SHM, ignore_errors=True)
 
 CORPUS_BYTES = 1_500_000
 """Slice of the stdlib corpus used by multi-process tests (BPE trains in ~2 s)."""
