@@ -62,3 +62,11 @@ def test_a_relative_script_reference_means_the_launching_directory(tmp_path: Pat
     assert cfg.model.factory == f"{(tmp_path / 'lib' / 'model.py').resolve()}:build"
     with pytest.raises(ValueError, match="is a relative path; the job makes it absolute where it is launched"):
         resolve("lib/model.py:build", field="model.factory")
+
+
+def test_a_user_script_that_does_not_load_is_refused_once_naming_the_error_and_line(tmp_path: Path):
+    script = tmp_path / "model.py"
+    script.write_text("x = 1\nimport not_a_module_anywhere\ndef build(ctx):\n    return None\n")
+    with pytest.raises(ValueError, match=r"model.factory: loading .*model.py \(line 2\) failed: ModuleNotFoundError: "
+                                         r"No module named 'not_a_module_anywhere'"):
+        resolve(f"{script}:build", field="model.factory")

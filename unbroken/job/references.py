@@ -31,6 +31,7 @@ import hashlib
 import importlib
 import importlib.util
 import sys
+import traceback
 from pathlib import Path
 from typing import Any, Callable
 
@@ -126,6 +127,12 @@ def _load_file(path: Path, field: str) -> Any:
         sys.path.append(str(path.parent))
     try:
         spec.loader.exec_module(module)
+    except Exception as exc:  # the user's file does not load: said once, where it is checked (before any start)
+        del sys.modules[name]
+        line = next((f.lineno for f in reversed(traceback.extract_tb(exc.__traceback__))
+                     if f.filename == str(path)), None)
+        raise ValueError(f"{field}: loading {path}{f' (line {line})' if line else ''} failed: "
+                         f"{type(exc).__name__}: {exc}") from exc
     except BaseException:
         del sys.modules[name]
         raise
