@@ -32,6 +32,7 @@ from typing import Callable
 from unbroken.agent._job_error import record_error
 from unbroken.faults.fail_at import FaultSpec, read_fault_plan
 from unbroken.faults.injector import PhaseFaults
+from unbroken.runtime.start_phases import StartClock
 from unbroken.runtime.worker import StepLogContext, Trainer, WorkerSpec, run, standby
 
 logger = logging.getLogger(__name__)
@@ -101,6 +102,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
+    clock = StartClock()  # the interpreter and the imports took the process's age so far
     ap = _parser()
     a = ap.parse_args(argv)
     if a.worker is None and not a.standby:
@@ -125,7 +127,7 @@ def main(argv: list[str] | None = None) -> None:
         else:
             spec = WorkerSpec(run_dir=a.run_dir, worker=a.worker, world=a.world, store=a.store, join=a.join,
                               resume=a.resume)
-            code = run(spec, setup=_setup(context, fault_selection(a.faults_file, a.faults)))
+            code = run(spec, setup=_setup(context, fault_selection(a.faults_file, a.faults)), clock=clock)
     except Exception as exc:
         logger.exception("the worker failed: %s: %s", type(exc).__name__, exc)
         if worker is not None:  # what and where, for its agent (a fault that recurs stops whole-job restores)

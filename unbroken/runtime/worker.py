@@ -44,6 +44,7 @@ from unbroken.runtime.job_store import JobStore
 from unbroken.runtime.store_backend import job_secret
 from unbroken.runtime.membership import EXIT_FENCED, Fenced, Membership, NoLiveWorker, View, ViewChanged
 from unbroken.runtime.process_group import CollectiveFailed
+from unbroken.runtime.start_phases import StartClock
 from unbroken.runtime.protocol import MemberDied
 from unbroken.runtime.recovery import recovery
 from unbroken.sharding.checkpoint import ShardCheckpointer
@@ -349,7 +350,7 @@ def load_run_config(run_dir: Path, world: int) -> Config:
 
 
 def run(spec: WorkerSpec, *, store: JobStore | None = None, prepared: Prepared | None = None,
-        setup: Callable[[Trainer], None] | None = None) -> int:
+        setup: Callable[[Trainer], None] | None = None, clock: StartClock | None = None) -> int:
     """Run one worker to completion; returns the process exit code.
 
     Args:
@@ -357,8 +358,12 @@ def run(spec: WorkerSpec, *, store: JobStore | None = None, prepared: Prepared |
         prepared: data and model a warm standby built before it knew its worker id.
         setup: called with the trainer before it starts (the entry point installs
             fault hooks and the log context there).
+        clock: the start's phase clock (a cold start's; :mod:`unbroken.runtime.start_phases`), written
+            as a ``start_phases`` event once the worker is admitted.
     """
     cfg = load_run_config(spec.run_dir, spec.world)
+    mark = clock.mark if clock is not None else (lambda phase: None)
+    mark("config")
     secret = job_secret(spec.run_dir)
     patience = {"timeout_s": cfg.train.timeout_s, "secret": secret, "store_timeout_s": cfg.fault.store_timeout_s}
     store = store or JobStore.connect(spec.store, **patience)
@@ -367,11 +372,17 @@ def run(spec: WorkerSpec, *, store: JobStore | None = None, prepared: Prepared |
                             progress_timeout_s=cfg.fault.progress_timeout_s,
                             heartbeat_store=JobStore.connect(spec.store, **patience))
     membership.start_heartbeat()
+    mark("store")
     trainer = Trainer(cfg, spec, membership, prepared)
+    mark("job")
     if setup is not None:
         setup(trainer)
     try:
-        last = trainer.train(trainer.start())
+        first = trainer.start()
+        if clock is not None:
+            mark("admission")
+            trainer._event("start_phases", join=spec.join, step=first, **clock.summary())
+        last = trainer.train(first)
     except Fenced as exc:
         logger.error("fenced: %s", exc)
         return EXIT_FENCED
