@@ -135,7 +135,10 @@ def _failures(events: list[dict[str, Any]], steps: dict[int, dict[str, Any]], no
 
 
 def _rejoins(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each rejoin with the time since the first record of the death it ends (after the previous rejoin)."""
+    """Each rejoin with the time since the first record of the death it ends (after the previous rejoin), and
+    where the joiner's start went (its ``start_phases`` event; a standby's handover has none)."""
+    phases = {(e["worker"], e["step"]): e["phases"] for e in events
+              if e.get("event") == "start_phases" and e.get("join")}
     down_since: dict[int, float] = {}
     out = []
     for e in sorted((e for e in events if "time" in e), key=lambda e: e.get("t", e["time"])):
@@ -146,7 +149,8 @@ def _rejoins(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
         elif e.get("event") == "rejoined":
             since = down_since.pop(e["worker"], None)
             out.append({"worker": e["worker"], "step": e["step"], "gen": e["gen"],
-                        "down_to_back_s": e["time"] - since if since is not None else None})
+                        "down_to_back_s": e["time"] - since if since is not None else None,
+                        "start_phases": phases.get((e["worker"], e["step"]))})
     return out
 
 
@@ -253,7 +257,9 @@ def _run_text(s: dict[str, Any]) -> str:
         lines.append(f"  step {f['step']:>6}  view {f['gen']:>3}  stall {_fmt(f['stall_s'])}  "
                      f"reconfigure {_fmt(f['reconfigure_s'])}  {f['reason'][:70]}")
     for r in s["rejoins"]:
-        lines.append(f"  worker {r['worker']} back at step {r['step']} after {_fmt(r['down_to_back_s'])}")
+        start = r.get("start_phases")
+        where = f" (start: {', '.join(f'{k} {v:.2f} s' for k, v in start.items())})" if start else ""
+        lines.append(f"  worker {r['worker']} back at step {r['step']} after {_fmt(r['down_to_back_s'])}{where}")
     lines += _snapshot_lines(s["snapshots"])
     if s["ledger_ok"] is None:
         lines.append("ledger: none (a simulated run writes no event files)")
