@@ -198,6 +198,22 @@ def test_killed_worker_is_marked_dead_at_once_and_rejoins(job: Job) -> None:
     assert agent.wait(timeout=15) == 0
 
 
+def test_a_dead_joiners_request_goes_when_its_agent_reaps_it(job: Job) -> None:
+    """A joiner killed before its admission: its request is withdrawn at once, so no leader admits a process
+    that is gone (and a restore finds no stale request); the next incarnation asks again."""
+    agent = job.agent("--restart", "on-failure")
+    pids = job.started(0, 1)
+    os.kill(pids[1], signal.SIGKILL)
+    until(lambda: len(job.incarnations(1)) == 2 and job.store.join_requests([1]) == [1], 20.0)
+    joiner = job.incarnations(1)[1]["pid"]
+    os.kill(joiner, signal.SIGKILL)
+    until(lambda: len([e for e in job.events(event="worker_exit") if e["worker"] == 1]) == 2, 10.0, poll_s=0.001)
+    assert job.store.join_requests([1]) == [], "the dead joiner's request is withdrawn"
+    until(lambda: len(job.incarnations(1)) == 3 and job.store.join_requests([1]) == [1], 20.0)
+    job.store.set_done()
+    assert agent.wait(timeout=15) == 0
+
+
 def test_stopped_worker_marked_dead_by_a_peer_is_fenced(job: Job) -> None:
     agent = job.agent("--restart", "never")
     pids = job.started(0, 1)

@@ -39,7 +39,7 @@ def test_a_joiner_outrun_by_a_concurrent_reconfiguration_keeps_its_request(tmp_p
     assert p.admit_joiners(5)
     assert p.view.gen == 1 and p.view.joiners == (), "the winner is the other view"
     assert store.join_requests([1]) == [1], "the request stands: the next boundary admits it"
-    assert store.is_marked_dead(1), "and its predecessor's mark stays until it is admitted"
+    assert not store.is_marked_dead(1), "its predecessor's mark went before the proposal (nobody needs it)"
 
 
 def test_a_joiner_with_another_config_is_refused_and_told_why(tmp_path: Path):
@@ -89,3 +89,60 @@ def test_joiners_of_an_admission_a_member_died_in_get_the_state_by_transfer(tmp_
     store.mark_dead(2, "hung")
     v1 = p._next_view(v0, 10)
     assert (v1.gen, v1.members, v1.joiners, v1.from_memory) == (1, (0, 1), (1,), ())
+
+
+def test_a_member_that_reads_the_marks_again_during_an_admission_keeps_the_joiner(tmp_path: Path):
+    """Worker 1's predecessor died; the leader admits worker 1 at step 5. Worker 3 dies as view 1 is
+    published, so member 2, which adopts it at once, reads the death marks again: the predecessor's mark must
+    be gone by then, or member 2 takes the joiner for dead, the next view leaves it out, and it waits for ever
+    with its request cleared."""
+    store = JobStore.host("127.0.0.1", 0, clients=4, secret="test")
+    v0 = View(gen=0, members=(0, 2, 3), step=4)
+    store.publish_initial(v0)
+    for w in (0, 1, 2, 3):
+        store.beat(w)
+    store.mark_dead(1, "its previous incarnation died")
+    m2 = Membership(store, 2, heartbeat_timeout_s=5.0)
+    assert m2.dead_members(v0) == set()
+    store.request_join(1, {"pid": 1})
+    p = StepProtocol(Membership(store, 0, heartbeat_timeout_s=5.0), _Job(), policy=takeover_policy("spread"),
+                     events=JsonlWriter(tmp_path / "w0.jsonl"), timeout_s=10)
+    p.view, p._voted = v0, v0.step - 1
+    seen: dict[str, object] = {}
+    propose = store.propose
+
+    def propose_then_member_2_adopts(current: View, new: View) -> View:
+        winner = propose(current, new)
+        store.mark_dead(3, "another death")
+        m2.forget_dead(1)  # as StepProtocol.adopt does for the view's joiners
+        seen["dead"] = m2.dead_members(winner)
+        return winner
+
+    store.propose = propose_then_member_2_adopts  # type: ignore[method-assign]
+    p.adopt = lambda view: seen.setdefault("adopted", view)  # type: ignore[method-assign]
+    assert p.admit_joiners(5)
+    assert seen["adopted"].joiners == (1,)
+    assert seen["dead"] == {3}, "the joiner is judged by its own incarnation, not its predecessor's mark"
+    store.propose = propose  # type: ignore[method-assign]
+    p2 = StepProtocol(m2, _Job(), policy=takeover_policy("spread"), events=JsonlWriter(tmp_path / "w2.jsonl"),
+                      timeout_s=10)
+    v2 = p2._next_view(seen["adopted"], 5)
+    assert (v2.members, v2.joiners) == ((0, 1, 2), (1,)), "the next view of the step admits it again"
+
+
+def test_a_joiner_marked_dead_after_it_asked_is_not_admitted(tmp_path: Path):
+    """The incarnation that asked died before the boundary (its mark is newer than its request): admitting it
+    would cost a view whose members wait for a process that is gone."""
+    store = JobStore.host("127.0.0.1", 0, clients=3, secret="test")
+    v0 = View(gen=0, members=(0,), step=4)
+    store.publish_initial(v0)
+    store.beat(0)
+    store.mark_dead(1, "its previous incarnation died")
+    store.request_join(1, {"pid": 1})
+    store.clear_dead(1)
+    store.mark_dead(1, "the joiner died too")
+    p = StepProtocol(Membership(store, 0, heartbeat_timeout_s=5.0), _Job(), policy=takeover_policy("spread"),
+                     events=JsonlWriter(tmp_path / "w0.jsonl"), timeout_s=10)
+    p.adopt(v0)
+    assert not p.admit_joiners(5)
+    assert p.view.gen == 0 and store.dead_mark(1) == "the joiner died too"

@@ -301,6 +301,9 @@ class Agent:
             self._event("worker_exit", w, clean=True, **rec)
             self.log.info("worker %d finished", w)
             return
+        # A dead joiner's request goes with it: no leader admits an incarnation that is gone (its successor
+        # asks again), and a restore does not find a stale request to admit.
+        self.store.clear_join(w)
         error = death_error(self.run_dir, w, code, sig)  # the job's own error (None: killed from outside...)
         rec["error"] = error
         reason = json.dumps({"by": "agent", "node": self.node, "how": "exit", "code": code, "signal": sig,

@@ -319,8 +319,11 @@ class JobStore:
     # -- joins ------------------------------------------------------------------
 
     def request_join(self, worker: int, info: dict[str, Any]) -> None:
-        """Ask to join (``info``: pid, config hash, time); clears an earlier refusal."""
+        """Ask to join (``info``: pid, config hash, time); clears an earlier refusal. The request records the
+        death mark present now (``predecessor_mark``): the predecessor's, so that a later one tells that the
+        incarnation which asked died too."""
         self.backend.delete_key(f"refused/{worker}")
+        info = {**info, "predecessor_mark": self.dead_mark(worker)}
         self.backend.set(f"join/{worker}", json.dumps(info))
         self.backend.add("joins", 1)
 

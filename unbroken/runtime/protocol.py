@@ -208,7 +208,8 @@ class StepProtocol:
         assert self.view is not None
         if self.view.leader != self.me:
             return False
-        joiners = [j for j in self.m.pending_joins(self.view, self.job.n_slots) if self._acceptable(j)]
+        joiners = [j for j in self.m.pending_joins(self.view, self.job.n_slots)
+                   if self._acceptable(j) and self._alive_since_request(j)]
         if not joiners:
             return False
         if self.store.vote(self.view, next_step, "abort", after=self._voted) == "commit":  # pragma: no cover
@@ -217,12 +218,16 @@ class StepProtocol:
         new = View(gen=self.view.gen + 1, members=tuple(sorted(set(self.view.members) | set(joiners))),
                    step=next_step, joiners=tuple(joiners), reason=f"rejoin {joiners}", from_memory=local)
         self._abandon()
+        # The predecessors' death marks go before the view is published: a member that adopts it and reads the
+        # marks again (another death moved the counter) must not take a joiner for dead by its predecessor's.
+        # A joiner the view does not win for keeps its request; nobody needs the mark of a worker outside
+        # every view.
+        for j in joiners:
+            self.store.clear_dead(j)
         winner = self._propose(self.view, new)
         # Only a joiner the winning view admits is done asking (a concurrent reconfiguration may have won
-        # without it: then its request stands for the next boundary); its predecessor's death mark goes
-        # now, so that nobody judges the new incarnation by it.
+        # without it: then its request stands for the next boundary).
         for j in winner.joiners:
-            self.store.clear_dead(j)
             self.store.clear_join(j)
         self.need_exchange = True
         try:
@@ -242,6 +247,12 @@ class StepProtocol:
         self._event("join_refused", worker_refused=joiner, reason=reason)
         logger.error("refused the join request of worker %d: %s", joiner, reason)
         return False
+
+    def _alive_since_request(self, joiner: int) -> bool:
+        """The incarnation that asked was not marked dead since: a mark present now is the one its request
+        recorded (its predecessor's) or none (the joiner's agent also withdraws the request when it reaps it)."""
+        mark = self.store.dead_mark(joiner)
+        return mark is None or mark == (self.store.join_request(joiner) or {}).get("predecessor_mark")
 
     def _propose(self, current: View, new: View) -> View:
         winner = self.store.propose(current, new)
