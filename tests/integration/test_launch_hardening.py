@@ -270,3 +270,28 @@ def test_a_takeover_is_refused_while_the_previous_workers_run(agents: Agents) ->
         reg.register()
     assert not reg.registered and not reg.took_over
     assert store.claim_node(0, "someone", expected="nobody") == "previous-holder", "the rank is given back"
+
+
+@pytest.mark.slow
+def test_a_takeover_from_a_holder_known_dead_waits_out_no_silence(agents: Agents) -> None:
+    """The previous holder ran on this machine and its agent and worker are dead (pids gone): the rank is taken
+    at once, not after TAKEOVER_SILENCE_S of the agent's and then of its workers' silence."""
+    import socket
+
+    store = agents.store
+    old_agent = subprocess.Popen(["sleep", "120"])  # a real process playing the lost node's agent
+    old_worker = agents.standin(0)
+    until(lambda: store.heartbeats([0])[0] > 0, 30.0)
+    assert store.claim_node(0, f"{socket.gethostname()}:{old_agent.pid}:0123abcd") != ""
+    (agents.run_dir / "pids").mkdir(exist_ok=True)
+    (agents.run_dir / "pids" / "w0").write_text(f"{old_worker.pid}\n")
+    slow = NodeRegistration(store, 0, timeout_s=20.0, workers=[0], silence_s=30.0, pid_dir=agents.run_dir / "pids")
+    assert not slow._known_dead(store.claim_node(0, "probe", expected="nobody")), "both still run"
+    for p in (old_agent, old_worker):
+        p.kill()
+        p.wait(10)
+    t0 = time.monotonic()
+    slow.register()
+    assert slow.took_over and slow.registered
+    assert time.monotonic() - t0 < 5.0, "no 30 s silence was waited out"
+    slow.release()

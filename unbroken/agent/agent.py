@@ -141,7 +141,8 @@ class Agent:
             raise AgentError(f"node {self.node}: {exc}", 2) from None
         self.rdv = NodeRegistration(self.store, self.node, timeout_s=self.opts.timeout_s,
                                     interrupted=lambda: self.interrupted is not None,
-                                    workers=workers_of(self.node, self.opts.workers_per_node))
+                                    workers=workers_of(self.node, self.opts.workers_per_node),
+                                    pid_dir=self.run_dir / "pids")
         try:
             self.rdv.register()
             self.events = JsonlWriter(self.run_dir / "events" / f"agent{self.node}.jsonl")

@@ -51,15 +51,17 @@ class NodeRegistration:
 
     def __init__(self, store: JobStore, node: int, *, timeout_s: float,
                  interrupted: Callable[[], bool] = lambda: False, workers: Sequence[int] = (),
-                 silence_s: float = TAKEOVER_SILENCE_S) -> None:
+                 silence_s: float = TAKEOVER_SILENCE_S, pid_dir: Path | None = None) -> None:
         """
         Args:
             timeout_s: the start-up timeout (every wait here is bounded by it).
             workers: this node's worker ids; a takeover waits until the previous holder's are silent.
             silence_s: ``TAKEOVER_SILENCE_S`` (tests may shorten it).
+            pid_dir: where agents keep their workers' pid files (``RUN/pids``): a previous holder that ran
+                on this machine is known dead, without waiting for silence, once none of its processes lives.
         """
         self.store, self.node, self.timeout_s, self.interrupted = store, node, timeout_s, interrupted
-        self.workers, self.silence_s = list(workers), silence_s
+        self.workers, self.silence_s, self.pid_dir = list(workers), silence_s, pid_dir
         self.token = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.took_over = False
         self.registered = False
@@ -75,19 +77,40 @@ class NodeRegistration:
         holder = self.store.claim_node(self.node, self.token)
         if holder != self.token:
             pid = self.store.node_pid(self.node) or "unknown"
-            logger.info("[node %d] the node rank is held (pid %s): watching its heartbeat for %.1f s",
-                        self.node, pid, self.silence_s)
-            if self._beats_within(lambda: [self.store.agent_beat(self.node, 0)]):
-                raise StartRefused(f"an agent with node rank {self.node} is already running (pid {pid}); "
-                                   f"stop it or pick another --node-rank")
+            gone = self._known_dead(holder)
+            if not gone:
+                logger.info("[node %d] the node rank is held (pid %s): watching its heartbeat for %.1f s",
+                            self.node, pid, self.silence_s)
+                if self._beats_within(lambda: [self.store.agent_beat(self.node, 0)]):
+                    raise StartRefused(f"an agent with node rank {self.node} is already running (pid {pid}); "
+                                       f"stop it or pick another --node-rank")
             if self.store.claim_node(self.node, self.token, expected=holder) != self.token:
                 raise StartRefused(f"an agent with node rank {self.node} registered at the same time; retry")
-            logger.warning("[node %d] took over the node rank from a silent agent (pid %s)", self.node, pid)
+            logger.warning("[node %d] took over the node rank from a %s agent (pid %s)", self.node,
+                           "dead" if gone else "silent", pid)
             self.took_over = self.registered = True
-            self._wait_workers_silent(holder, pid)
+            if not gone:
+                self._wait_workers_silent(holder, pid)
         self.registered = True
         self.store.set_node_pid(self.node, f"{os.getpid()} on {socket.gethostname()}")
         self.heartbeat(time.monotonic())
+
+    def _known_dead(self, holder: str) -> bool:
+        """The previous holder (token ``host:pid:...``) ran on this machine, and neither its agent nor any of
+        its workers (their pid files) is alive: no silence need be waited out. Anything unknown: False."""
+        host, _, rest = holder.partition(":")
+        agent_pid = rest.partition(":")[0]
+        if host != socket.gethostname() or not agent_pid.isdigit() or self.pid_dir is None:
+            return False
+        pids = [int(agent_pid)]
+        for w in self.workers:
+            try:
+                pids.append(int((self.pid_dir / f"w{w}").read_text().split()[0]))
+            except FileNotFoundError:
+                continue  # never started, or reaped and removed by its agent
+            except (OSError, ValueError, IndexError):
+                return False
+        return all(_process_gone(p) for p in pids)
 
     def _beats_within(self, read: Callable[[], list[int]], *, beat: bool = False) -> bool:
         """Whether the counters ``read`` returns change within ``silence_s`` (``beat``: keep ours going)."""
@@ -199,3 +222,18 @@ class NodeRegistration:
 def _field(d: dict[str, Any], dotted: str) -> Any:
     section, _, name = dotted.partition(".")
     return d.get(section, {}).get(name)
+
+
+def _process_gone(pid: int) -> bool:
+    """No process ``pid`` runs on this machine (a zombie, dead but not yet reaped, counts as gone)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False  # alive, another user's: the pid was reused
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rpartition(")")[2].split()[0] in ("Z", "X")
+    except (OSError, IndexError):
+        return True
