@@ -117,6 +117,31 @@ def test_replica_store_keeps_the_newest_intact_copy() -> None:
         remove_segments(job)
 
 
+def test_ring_copies_of_the_timeline_a_restore_abandoned_are_ignored() -> None:
+    """Before a whole-job restore at step 4 (view 5) the job reached step 6 under view 2: buffer 0 still holds
+    that copy when the restored job seals its copy of step 5 in buffer 1. A failure in step 5 must find the
+    copy of step 5 (the abandoned step 6 is newer, and no use: ShardLost)."""
+    from types import SimpleNamespace
+
+    from unbroken.sharding.state import ShardedState
+
+    job = secrets.token_hex(6)
+    store = ReplicaStore(job, 1, 3)
+    try:
+        abandoned, restored = torch.full((8,), 6.0), torch.full((8,), 5.0)
+        store.write(6, 2, (0, 3), {0: (0, 4, abandoned)})
+        model = _model()
+        state = ShardedState(SimpleNamespace(optimizer=ShardedAdamW(model, **HYPER)), worker=3,
+                             node_of={0: 0, 3: 1}, replicas=store, on_event=lambda *a, **k: None)
+        state.reset_full(restored_gen=5)  # what the trainer does on loading the restored state
+        store.write(5, 5, (0, 3), {0: (0, 4, restored)})
+        done, got = store.read(0, 0, 4, (0, 3))
+        assert done == 5 and torch.equal(got, restored)
+    finally:
+        store.close()
+        remove_segments(job)
+
+
 def _trained(optimizer_cls: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     model = _model()
     opt = build_optimizer(model, **HYPER) if optimizer_cls == "adamw" else ShardedAdamW(model, **HYPER)

@@ -61,12 +61,13 @@ def _trained(seed: int = 0, steps: int = 1) -> _State:
     return job
 
 
-def _snapshot(job_id: str, job, done: int, *, redundancy: str = "parity", members=(0, 1, 2, 3)) -> list[dict]:
+def _snapshot(job_id: str, job, done: int, *, redundancy: str = "parity", members=(0, 1, 2, 3),
+              gen: int = 2) -> list[dict]:
     events: list[dict] = []
     snaps = [Snapshotter(job_id=job_id, node=NODE_OF[w], worker=w, node_of=NODE_OF, every=1, redundancy=redundancy,
                          parity=1, config_hash="cfg", state=lambda: tensors_of(job.model, job.optimizer),
                          on_event=lambda name, **f: events.append({"event": name, **f})) for w in members]
-    view = View(gen=2, members=tuple(members), step=done)
+    view = View(gen=gen, members=tuple(members), step=done)
     for s in snaps:
         s.take(done, view)
     for s in snaps:
@@ -293,3 +294,21 @@ def test_a_joiner_loads_the_boundary_from_its_own_node_when_the_node_can_decode_
     assert th.memory_rejoin_allowed(run, 1)
     th.memory_rejoin_failed(run, 1, "test")
     assert not th.memory_rejoin_allowed(run, 1) and th.memory_rejoin_allowed(run, 2)
+
+
+def test_a_joiner_loads_the_restored_timelines_snapshot_not_the_abandoned_one(job_id, tmp_path):
+    """Step 7 was sealed under view 2 (worker 0 the node's writer), then the job was restored at an earlier
+    step and trained step 7 again, differently, under view 9 (worker 1 the writer; worker 0 down). Both are
+    complete on node 0: worker 0, rejoining at step 7 from its node's memory, loads view 9's."""
+    from unbroken.snapshot import trainer_hooks as th
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "job_id").write_text(job_id + "\n")
+    (run / "layout.json").write_text('{"nodes": 2, "workers_per_node": 2}')
+    abandoned, restored = _trained(seed=1), _trained(seed=2)
+    _snapshot(job_id, abandoned, done=7, members=(0, 2, 3), gen=2)
+    _snapshot(job_id, restored, done=7, members=(1, 2, 3), gen=9)
+    fresh = _trained(seed=5)
+    th.load_from_node_memory(run, 0, 4, 7, fresh.model, fresh.optimizer, torch.device("cpu"), "cfg")
+    assert _same_state(restored, fresh) and not _same_state(abandoned, fresh)

@@ -175,7 +175,7 @@ class Trainer:
                              model=self.job.model, optimizer=self.job.optimizer, device=self.job.device,
                              config_hash=self.hash)
         if self.protocol.sharded is not None:
-            self.protocol.sharded.reset_full()
+            self.protocol.sharded.reset_full(restored_gen=view.gen)
         self.events.write({"kind": "restore", "step": view.step, "gen": view.gen, "worker": self.spec.worker})
         self._event("restored", **{**done, "gen": view.gen, "step": view.step, "seconds": time.perf_counter() - t0})
         logger.info("restored the state of step %d from %s in %.2f s", view.step, done["restored_from"],

@@ -13,6 +13,12 @@ Seal: ``{"kind": "replica", "job", "node", "worker", "step", "gen",
 "members", "owners": [[owner, lo, hi, offset, nbytes, crc32], ...]}``; ``step``
 counts the steps applied (the moments after ``step`` steps), ``members`` is
 the sharding the ranges belong to. Nothing is pickled.
+
+After a restore (or ``--resume``) the buffers may still hold copies of the
+abandoned timeline, sealed under older generations and possibly of a higher
+step than any the restored job has reached: :meth:`ReplicaStore.forget_before`
+makes :meth:`ReplicaStore.read` ignore every seal from before the restored
+view's generation (every later copy is sealed under it or a newer one).
 """
 
 from __future__ import annotations
@@ -36,6 +42,12 @@ class ReplicaStore:
         self.job, self.node, self.worker = job, node, worker
         self.buffers = [Buffer(job, node, worker, b, kind="r") for b in (0, 1)]
         self.written = 0
+        self.since_gen = 0
+        """Seals of older generations are ignored (the job was restored in this one)."""
+
+    def forget_before(self, gen: int) -> None:
+        """The job was restored in view ``gen``: copies sealed before it belong to an abandoned timeline."""
+        self.since_gen = max(self.since_gen, gen)
 
     def write(self, done: int, gen: int, members: tuple[int, ...],
               copies: dict[int, tuple[int, int, torch.Tensor]]) -> None:
@@ -69,6 +81,10 @@ class ReplicaStore:
             try:
                 buf = SealedBuffer.open(path, self.job)
                 if buf is None or tuple(buf.seal.get("members", ())) != tuple(members):
+                    continue
+                if int(buf.seal.get("gen", -1)) < self.since_gen:
+                    logger.info("replica buffer %s: a copy of step %s from view %s, before the restore in view "
+                                "%d: ignored", path.name, buf.seal.get("step"), buf.seal.get("gen"), self.since_gen)
                     continue
                 for o, a, z, offset, n, crc in buf.seal["owners"]:
                     if (o, a, z) == (owner, lo, hi) and (best is None or buf.seal["step"] > best[0]):

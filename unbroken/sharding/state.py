@@ -168,8 +168,11 @@ class ShardedState:
 
     # -- views --------------------------------------------------------------------------
 
-    def reset_full(self) -> None:
-        """The optimizer was just loaded whole (a checkpoint): every range is held here, nothing is pending."""
+    def reset_full(self, *, restored_gen: int | None = None) -> None:
+        """The optimizer was just loaded whole (a checkpoint): every range is held here, nothing is pending.
+        ``restored_gen``: the restored view's generation; ring copies sealed before it are never read."""
+        if restored_gen is not None:
+            self.replicas.forget_before(restored_gen)
         self.held = (None, 0, self.opt.total, self.opt.exp_avg, self.opt.exp_avg_sq)
         self.active, self.last_reduced, self._pending, self._outgoing = None, None, None, None
 

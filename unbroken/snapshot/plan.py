@@ -119,6 +119,9 @@ def complete_steps(seals: Iterable[dict[str, Any]]) -> list[tuple[int, dict[tupl
         for stripe, frag in held:
             per_stripe[stripe].add(frag)
         if all(len(per_stripe[i]) >= plan.k for i in range(plan.stripes)):
-            out.append((key[0], held))
-    out.sort(key=lambda t: -t[0])
+            out.append((key, held))
+    # Newest step first; of one step, the newest generation first (a restored job trains a step again under
+    # a higher generation than the abandoned timeline that sealed it before).
+    out.sort(key=lambda t: (-t[0][0], -t[0][1]))
+    out = [(key[0], held) for key, held in out]
     return out

@@ -124,7 +124,11 @@ def load_from_node_memory(run_dir: Path, worker: int, world: int, step: int, mod
     node_of = node_map(run_dir, world)
     job, node = job_id(run_dir), node_of[worker]
     inv = inventory(job, node, config_hash=config_hash)
-    inv["seals"] = [seal for seal in inv["seals"] if seal["step"] == step]
+    # Only the newest generation's seals of the step: after a restore, seals of the same step from the abandoned
+    # timeline (older generations, written by other workers of the node) may still be intact, and complete.
+    seals = [seal for seal in inv["seals"] if seal["step"] == step]
+    newest = max((int(seal["gen"]) for seal in seals), default=None)
+    inv["seals"] = [seal for seal in seals if int(seal["gen"]) == newest]
     spec = decide([inv], checkpoint=None, members_of=lambda nodes: [worker])
     if spec is None or spec["step"] != step:
         raise SnapshotCorrupt(f"node {node}'s snapshot memory holds no complete snapshot of step {step}"
