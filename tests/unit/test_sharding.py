@@ -142,6 +142,57 @@ def test_ring_copies_of_the_timeline_a_restore_abandoned_are_ignored() -> None:
         remove_segments(job)
 
 
+@pytest.fixture
+def full_shared_memory(tmp_path, monkeypatch):
+    """Snapshot memory on a 64 KiB tmpfs (where this test may mount one), else a ``posix_fallocate`` that
+    fails with ENOSPC as a full /dev/shm does."""
+    import errno
+    import os
+    import subprocess
+
+    from unbroken.snapshot import segment
+
+    tiny = tmp_path / "tiny-shm"
+    tiny.mkdir()
+    mounted = os.geteuid() == 0 and subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(tiny)],
+                                                   capture_output=True).returncode == 0
+    if mounted:
+        monkeypatch.setattr(segment, "SHM_DIR", tiny)
+    else:
+        def no_space(fd: int, offset: int, length: int) -> None:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        monkeypatch.setattr(os, "posix_fallocate", no_space)
+    yield "tmpfs" if mounted else "injected"
+    if mounted:
+        subprocess.run(["umount", str(tiny)], check=True)
+
+
+def test_a_full_shared_memory_leaves_the_ring_copy_unsealed_and_training_goes_on(full_shared_memory) -> None:
+    """ENOSPC while sealing the copies received (1 MiB, more than the memory holds): reported as an event,
+    never raised into the step (the worker would crash, restart and crash again)."""
+    from types import SimpleNamespace
+
+    from unbroken.sharding.state import ShardedState
+
+    job, events = secrets.token_hex(6), []
+    store = ReplicaStore(job, 1, 3)
+    state = ShardedState(SimpleNamespace(optimizer=ShardedAdamW(_model(), **HYPER)), worker=3, node_of={0: 0, 3: 1},
+                         replicas=store, on_event=lambda name, **f: events.append({"event": name, **f}))
+    group = SimpleNamespace(wait_side=lambda works, check, what: None)
+    state._outgoing = {"works": [], "copies": {0: (0, 1 << 17, torch.zeros(1 << 18))}, "done": 5, "gen": 1,
+                       "members": (0, 3), "group": group, "keep": None}
+    try:
+        state.seal_replicas(lambda: None)
+        assert [e["event"] for e in events] == ["replica_failed"], full_shared_memory
+        assert "No space left on device" in events[0]["error"] and events[0]["step"] == 5
+        assert state.summary()["replicas_failed"] == 1 and store.written == 0
+        assert store.read(0, 0, 1 << 17, (0, 3)) is None
+    finally:
+        store.close()
+        remove_segments(job)
+
+
 def _trained(optimizer_cls: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     model = _model()
     opt = build_optimizer(model, **HYPER) if optimizer_cls == "adamw" else ShardedAdamW(model, **HYPER)

@@ -77,6 +77,8 @@ class ShardedState:
         self._outgoing: dict[str, Any] | None = None
         self._replayed: list[int] = []
         self.rebuilt = 0
+        self.replica_failures = 0
+        """Ring copies received but not sealed (shared memory full)."""
 
     # -- a step -----------------------------------------------------------------------
 
@@ -157,7 +159,15 @@ class ShardedState:
         if out is None:
             return
         out["group"].wait_side(out["works"], check, "shard copy")
-        self.replicas.write(out["done"], out["gen"], out["members"], out["copies"])
+        try:
+            self.replicas.write(out["done"], out["gen"], out["members"], out["copies"])
+        except OSError as exc:  # a full /dev/shm: as for snapshots, reported and training goes on less protected
+            self.replica_failures += 1
+            logger.error("copies of %s's shards after step %d not sealed: %s (training goes on; a failure of "
+                         "their owner now stops the job unless the copy one step behind serves)",
+                         sorted(out["copies"]), out["done"], exc)
+            self.on_event("replica_failed", step=out["done"], owners=sorted(out["copies"]),
+                          error=f"{type(exc).__name__}: {exc}")
 
     def settle(self, check: Check) -> None:
         """Before the group is abandoned: seal what the last ring transfers delivered; drop them if a peer died."""
@@ -295,4 +305,5 @@ class ShardedState:
 
     def summary(self) -> dict[str, Any]:
         return {"range": [self.opt.lo, self.opt.hi], "members": list(self.active.members) if self.active else None,
-                "replicas_written": self.replicas.written, "ranges_from_copies": self.rebuilt}
+                "replicas_written": self.replicas.written, "replicas_failed": self.replica_failures,
+                "ranges_from_copies": self.rebuilt}
