@@ -7,6 +7,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from unbroken.runtime.job_store import JobStore
 from unbroken.runtime.membership import Membership, View
@@ -153,3 +154,50 @@ def test_a_beating_member_whose_main_thread_stands_still_is_dead_after_the_progr
         time.sleep(0.02)
     assert dead == {1}
     assert json.loads(store.dead_mark(1))["how"] == "no progress"
+
+
+def test_the_leaders_duties_keep_its_progress_ticking_and_a_real_stall_still_counts(tmp_path):
+    """The leader validates and waits for the previous checkpoint save (a slow filesystem) for longer than the
+    progress timeout: work, not a hang; its peers waiting for it must not judge it stuck. Once its main thread
+    really stands still outside those duties, they do."""
+    from types import SimpleNamespace
+
+    from unbroken.runtime.worker import Trainer
+
+    store = JobStore.host("127.0.0.1", 0, clients=3, secret="test")
+    view = View(gen=0, members=(0, 1), step=0)
+    store.publish_initial(view)
+    leader = Membership(store, 0, heartbeat_timeout_s=TIMEOUT_S, progress_timeout_s=2 * TIMEOUT_S,
+                        heartbeat_store=JobStore.connect(f"127.0.0.1:{store.port}", timeout_s=5, secret="test"))
+    leader.start_heartbeat()
+    peer = Membership(store, 1, heartbeat_timeout_s=TIMEOUT_S, progress_timeout_s=2 * TIMEOUT_S)
+    judged: list[set[int]] = []
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.wait(0.02):
+            store.beat(1)
+            judged.append(peer.dead_members(view))
+
+    def slow(*args, **kwargs) -> None:
+        time.sleep(4 * TIMEOUT_S)
+
+    duties = SimpleNamespace(validation_loss=None, val_sampler=None)
+    trainer = SimpleNamespace(
+        cfg=SimpleNamespace(train=SimpleNamespace(keep_checkpoints=1)), m=leader, store=store,
+        metrics=SimpleNamespace(step_done=slow), checkpointer=SimpleNamespace(poll=lambda: None, save=slow,
+                                                                               pending_step=None),
+        schedule=SimpleNamespace(taken=lambda: None), protocol=SimpleNamespace(sharded=None, view=view),
+        job=SimpleNamespace(val_sampler=None, model=torch.nn.Linear(1, 1), optimizer=None), hash="h")
+    trainer.job.optimizer = torch.optim.AdamW(trainer.job.model.parameters())
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    try:
+        Trainer._lead(trainer, 1, {"loss": 1.0}, "step")  # 8 progress timeouts of validation and save
+        assert not any(judged), f"the leader was judged stuck during its duties: {judged}"
+        time.sleep(4 * TIMEOUT_S)  # a main thread that really stands still
+        assert judged[-1] == {0} and json.loads(store.dead_mark(0))["how"] == "no progress"
+    finally:
+        stop.set()
+        thread.join(timeout=5)
+        leader.stop()

@@ -9,7 +9,10 @@ a step entered, :meth:`Membership.advance`). A member is dead to an observer
 when its beat stands still for ``heartbeat_timeout_s`` (a crash, SIGSTOP, a
 lost node) or its progress stands still for ``progress_timeout_s`` (a main
 thread stuck outside Python while the heartbeat thread beats on), judged only
-while the observer waits for it. A store error does not stop the heartbeat:
+while the observer waits for it. Bounded work of the main thread that enters
+no phase (the leader's validation and checkpoint saves, which may wait for the
+previous save) runs inside :meth:`Membership.busy`: the heartbeat thread counts
+progress for it meanwhile. A store error does not stop the heartbeat:
 it retries with backoff until the hang timeout has passed.
 
 Invariants: a worker marked dead never becomes a member again under the same
@@ -32,7 +35,8 @@ import logging
 import math
 import threading
 import time
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 from unbroken.mecefo.takeover import NoLiveWorker  # one notion of "nobody is alive", re-exported
 from unbroken.runtime.job_store import JobStore
@@ -74,6 +78,8 @@ class Membership:
         self._prog_seen: dict[int, tuple[int, float]] = {}
         self._progress = 0  # phases the main thread entered (written by it, published by the heartbeat thread)
         self._published = 0
+        self._busy = 0  # nesting depth of busy() blocks of the main thread
+        self._busy_ticks = 0  # progress the heartbeat thread counted for them
         self._last_watch = -math.inf
         self._deaths_seen = -1
         self._dead: set[int] = set()
@@ -114,7 +120,9 @@ class Membership:
 
     def _publish(self) -> None:
         self.heartbeat_store.beat(self.worker)
-        progress = self._progress
+        if self._busy:
+            self._busy_ticks += 1
+        progress = self._progress + self._busy_ticks
         if progress != self._published:
             self.heartbeat_store.advance(self.worker, progress - self._published)
             self._published = progress
@@ -123,6 +131,17 @@ class Membership:
     def advance(self) -> None:
         """The main thread entered a new phase of its work (the heartbeat thread publishes it)."""
         self._progress += 1
+
+    @contextmanager
+    def busy(self) -> Iterator[None]:
+        """The main thread does bounded work that enters no phase (validation, a checkpoint save that waits
+        for the previous one): the heartbeat thread advances its progress every beat until the block ends,
+        so peers waiting for it never judge it stuck (every such wait has a timeout of its own)."""
+        self._busy += 1
+        try:
+            yield
+        finally:
+            self._busy -= 1
 
     def stop(self) -> None:
         self._stop.set()

@@ -282,7 +282,8 @@ class Trainer:
                 lr, grad_norm = self.protocol.sharded.commit(step, view, self.protocol.group, replicate=done < steps)
                 if due:  # every member writes its range of the moments
                     opt = self.job.optimizer
-                    self.shard_checkpoints.save(done, view.gen, opt.lo, opt.hi, opt.exp_avg, opt.exp_avg_sq)
+                    with self.m.busy():
+                        self.shard_checkpoints.save(done, view.gen, opt.lo, opt.hi, opt.exp_avg, opt.exp_avg_sq)
             else:
                 lr, grad_norm = self.job.apply(step, reduced)
             if self.snapshots is not None:
@@ -300,13 +301,15 @@ class Trainer:
                 if due:
                     self.schedule.taken()  # the leader checkpoints this step
                 if self.checkpointer is not None:
-                    self.checkpointer.handover()  # stopped leading: commit the save begun while leading
+                    with self.m.busy():
+                        self.checkpointer.handover()  # stopped leading: commit the save begun while leading
             if done < steps:
                 self.protocol.admit_joiners(done)
-        if self.shard_checkpoints is not None:
-            self.shard_checkpoints.close()
-        if self.checkpointer:
-            self.checkpointer.wait()
+        with self.m.busy():
+            if self.shard_checkpoints is not None:
+                self.shard_checkpoints.close()
+            if self.checkpointer:
+                self.checkpointer.wait()
         if self.snapshots is not None:
             self.snapshots.close()
         if self.metrics:
@@ -317,22 +320,28 @@ class Trainer:
 
     def _lead(self, done: int, last: dict[str, Any], due: Due | None) -> None:
         """Duties of the view's first member: metrics, validation, checkpoints (``due``: see
-        :class:`~unbroken.runtime.checkpoint_schedule.CheckpointSchedule`), progress."""
-        t = self.cfg.train
-        if self.metrics is None:
-            self.metrics = MetricsWriter.for_run(self.spec.run_dir / "metrics.jsonl", self.cfg)
-            self.checkpointer = AsyncCheckpointer(self.spec.run_dir, config_hash=self.hash, keep=t.keep_checkpoints)
-        # Validation on the leader only: it must not depend on who else is alive.
-        self.metrics.step_done(last, self.job.validation_loss if self.job.val_sampler is not None else None)
-        self.checkpointer.poll()
-        if due == "step" or (due == "time" and self.checkpointer.pending_step is None):  # never waits for time
-            self.schedule.taken()
-            shards = None
-            if self.protocol.sharded is not None:
-                shards = (self.protocol.view.gen, self.protocol.sharded.checkpoint_ranges())
-            self.checkpointer.save(done, training_state(self.job.model, self.job.optimizer), {"loss": last["loss"]},
-                                   shards=shards)
-        self.store.set_progress(done)
+        :class:`~unbroken.runtime.checkpoint_schedule.CheckpointSchedule`), progress.
+
+        They may take long (a validation pass, a save that first waits for the previous one on a slow
+        filesystem) and enter no phase of a step: they run inside :meth:`Membership.busy`, so the members
+        waiting for the leader in the next step never judge it stuck."""
+        with self.m.busy():
+            t = self.cfg.train
+            if self.metrics is None:
+                self.metrics = MetricsWriter.for_run(self.spec.run_dir / "metrics.jsonl", self.cfg)
+                self.checkpointer = AsyncCheckpointer(self.spec.run_dir, config_hash=self.hash,
+                                                      keep=t.keep_checkpoints)
+            # Validation on the leader only: it must not depend on who else is alive.
+            self.metrics.step_done(last, self.job.validation_loss if self.job.val_sampler is not None else None)
+            self.checkpointer.poll()
+            if due == "step" or (due == "time" and self.checkpointer.pending_step is None):  # never waits for time
+                self.schedule.taken()
+                shards = None
+                if self.protocol.sharded is not None:
+                    shards = (self.protocol.view.gen, self.protocol.sharded.checkpoint_ranges())
+                self.checkpointer.save(done, training_state(self.job.model, self.job.optimizer),
+                                       {"loss": last["loss"]}, shards=shards)
+            self.store.set_progress(done)
 
     def param_digest(self) -> str:
         """sha256 of every trainable parameter's bytes, in order (one host copy per tensor, hashed in place:
