@@ -4,9 +4,13 @@ When every member of the current view is dead (a job-wide fault: an OOM, a
 bug, a hung collective that forced a kill), each live agent publishes its
 node's snapshot inventory (:func:`unbroken.snapshot.restore.inventory`: the
 sealed, intact buffers; a torn or corrupt one is reported and left out). The
-first agent to claim the restore waits until every node's inventory is in, or
-``INVENTORY_WAIT_S`` (a node whose agent is gone is lost with its memory),
-then publishes the next view: the workers of the nodes that answered, from
+inventory checks every byte of the node's snapshot memory, and the newest
+checkpoint is verified file by file: both run in a thread of the agent, never
+in its loop, so the agent keeps beating however large the state. The first
+agent to claim the restore waits until every node's inventory is in, except
+those of nodes whose agent stopped beating for ``AGENT_SILENT_S`` (a node
+whose agent is gone is lost with its memory; a beating one is still checking
+its memory), at most ``INVENTORY_DEADLINE_S``, then publishes the next view: the workers of the nodes that answered, from
 the newest complete snapshot (rebuilt from parity where a node is missing) or
 the newest committed checkpoint, whichever is newer. Every agent then starts
 its workers of that view at once; they load the state in the view's group.
@@ -36,6 +40,7 @@ import dataclasses
 import json
 import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
@@ -48,7 +53,7 @@ from unbroken.agent._supervision import decode_mark
 from unbroken.agent.rendezvous import StartRefused
 from unbroken.snapshot.trainer_hooks import job_id
 
-__all__ = ["INVENTORY_WAIT_S", "JobRestore", "recurring_error", "restore_backoff"]
+__all__ = ["AGENT_SILENT_S", "INVENTORY_DEADLINE_S", "JobRestore", "recurring_error", "restore_backoff"]
 
 logger = logging.getLogger(__name__)
 
@@ -59,8 +64,11 @@ count: restores go on, each after :func:`restore_backoff`."""
 RESTORE_BACKOFF_S = 1.0
 """The pause before the second restore of a step; it doubles with each further one, up to ``MAX_BACKOFF_S``."""
 MAX_BACKOFF_S = 30.0
-INVENTORY_WAIT_S = 3.0
-"""How long the restoring agent waits for every node's inventory before going on without the silent ones."""
+AGENT_SILENT_S = 3.0
+"""The restoring agent goes on without the inventory of a node whose agent has not beaten for this long."""
+INVENTORY_DEADLINE_S = 600.0
+"""The longest the restoring agent waits for the inventories of agents that still beat (a node that checks
+terabytes of memory); past it, the restore goes on without them."""
 WATCH_S = 0.1
 """How often an agent whose node's members are all dead looks at the other members' heartbeats."""
 START_GEN = -1
@@ -76,6 +84,10 @@ class JobRestore:
         self.run_dir, self.config_hash, self.event = run_dir, config_hash, event
         self.job = job_id(run_dir, create=True)  # the launcher wrote it; an agent started alone may not have
         self._published: set[int] = set()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"restore-n{node}")
+        self._inventories: dict[int, Future[str]] = {}  # gen -> this node's inventory JSON, being computed
+        self._checkpoint_found: Future[tuple[int, str] | None] | None = None
+        self._agent_beats: dict[int, tuple[int, float]] = {}
         self._deciding: _Pending | None = None
         self._beats: dict[int, tuple[int, float]] = {}
         self._next_watch = 0.0
@@ -87,17 +99,18 @@ class JobRestore:
         self._publish(view.gen)
         if self._deciding is None and self.store.claim_restore(view.gen, self.node):
             now, failures = time.monotonic(), self._failed_restores(view)
-            self._deciding = _Pending(view=view, inventories_by=now + INVENTORY_WAIT_S,
-                                      not_before=now + restore_backoff(len(failures)), failures=failures)
+            self._claimed(_Pending(view=view, inventories_by=now + INVENTORY_DEADLINE_S,
+                                   not_before=now + restore_backoff(len(failures)), failures=failures))
 
     def tick(self, now: float) -> str | None:
         """Decide once the inventories are in; returns a failure message if nothing can be restored."""
+        self._publish_ready()
         pending = self._deciding
-        if pending is None or now < pending.not_before:
+        if pending is None or now < pending.not_before or not self._checkpoint_found.done():
             return None
         view = pending.view
         invs = self.store.inventories(view.gen if view is not None else START_GEN, self.nnodes)
-        if len(invs) < self.nnodes and now < pending.inventories_by:
+        if self._waiting_for(invs, now) and now < pending.inventories_by:
             return None
         self._deciding = None
         if (recurring := recurring_error(pending.failures)) is not None:
@@ -105,7 +118,7 @@ class JobRestore:
                     f"{view.step}, each time with the same error ({recurring}): a fault that recurs, so the "
                     f"restores stop; see the workers' logs under {self.run_dir / 'logs'} and fix its cause first")
         inventories = [json.loads(t) for t in invs.values()]
-        spec = decide(inventories, checkpoint=self._checkpoint(),
+        spec = decide(inventories, checkpoint=self._checkpoint_found.result(),
                       members_of=lambda nodes: [w for n in nodes for w in workers_of(n, self.per_node)])
         if spec is None:
             who = f"every member of view {view.gen} {list(view.members)} is dead" if view else "--resume"
@@ -181,7 +194,8 @@ class JobRestore:
             StartRefused: nothing to resume from (the message says what was looked for).
         """
         self.at_start()
-        while self.node == 0 and not self.store.has_view():
+        # Every node waits (beating) until its own inventory is out; node 0 then until it has decided.
+        while START_GEN in self._inventories or (self.node == 0 and not self.store.has_view()):
             heartbeat()
             if (failure := self.tick(time.monotonic())) is not None:
                 raise StartRefused(f"--resume: {failure}")
@@ -192,19 +206,48 @@ class JobRestore:
         self._publish(START_GEN)
         if self.node == 0 and self.store.claim_restore(START_GEN, self.node):
             now = time.monotonic()
-            self._deciding = _Pending(view=None, inventories_by=now + INVENTORY_WAIT_S, not_before=now, failures=[])
+            self._claimed(_Pending(view=None, inventories_by=now + INVENTORY_DEADLINE_S, not_before=now, failures=[]))
 
     # -- helpers ----------------------------------------------------------------
 
     def _publish(self, gen: int) -> None:
+        """Start checking this node's memory for view ``gen``'s restore (published by :meth:`tick` when done)."""
         if gen in self._published:
             return
         self._published.add(gen)
-        inv = inventory(self.job, self.node, config_hash=self.config_hash)
-        for problem in inv["problems"]:
-            logger.warning("node %d snapshot memory: %s (not used)", self.node, problem)
-            self.event("snapshot_fallback", None, problem=problem)
-        self.store.publish_inventory(gen, self.node, self.nnodes, json.dumps(inv, separators=(",", ":")))
+        self._inventories[gen] = self._pool.submit(inventory, self.job, self.node, config_hash=self.config_hash)
+
+    def _publish_ready(self) -> None:
+        """Publish the inventories the thread finished (the store is written from the agent's loop only)."""
+        for gen, fut in [(g, f) for g, f in self._inventories.items() if f.done()]:
+            del self._inventories[gen]
+            try:
+                inv = fut.result()
+            except Exception as exc:  # unreadable memory: published empty, the others may still serve
+                logger.error("node %d snapshot memory could not be checked: %s", self.node, exc)
+                inv = {"node": self.node, "seals": [], "layouts": {}, "problems": [f"{type(exc).__name__}: {exc}"]}
+            for problem in inv["problems"]:
+                logger.warning("node %d snapshot memory: %s (not used)", self.node, problem)
+                self.event("snapshot_fallback", None, problem=problem)
+            self.store.publish_inventory(gen, self.node, self.nnodes, json.dumps(inv, separators=(",", ":")))
+
+    def _claimed(self, pending: _Pending) -> None:
+        """This agent decides the restore: find the newest intact checkpoint meanwhile (in the thread)."""
+        self._deciding, self._agent_beats = pending, {}
+        self._checkpoint_found = self._pool.submit(self._checkpoint)
+
+    def _waiting_for(self, invs: dict[int, str], now: float) -> list[int]:
+        """The nodes without an inventory yet whose agent still beats (judged on this agent's clock)."""
+        missing = [r for r in range(self.nnodes) if r not in invs]
+        waiting = []
+        for r in missing:
+            beat = self.store.agent_beat(r, 0)
+            seen = self._agent_beats.get(r)
+            if seen is None or seen[0] != beat:
+                self._agent_beats[r] = seen = (beat, now)
+            if now - seen[1] < AGENT_SILENT_S:
+                waiting.append(r)
+        return waiting
 
     def _failed_restores(self, view: View) -> list[list[str]]:
         """The job's own errors of each whole-job death since its last restore committed nothing, oldest

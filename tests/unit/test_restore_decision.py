@@ -1,0 +1,90 @@
+"""The restore decision of the agents (:mod:`unbroken.agent._restore`): it never stops an agent's loop, and it
+waits for the inventory of every agent that still beats."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from unbroken.agent import _restore
+from unbroken.agent._restore import AGENT_SILENT_S, JobRestore
+from unbroken.runtime.job_store import JobStore
+from unbroken.runtime.view import View
+from unbroken.snapshot.trainer_hooks import job_id
+
+pytestmark = pytest.mark.timeout(60)
+
+SLOW_S = 1.5 * AGENT_SILENT_S
+"""Node 1 checks its (large) snapshot memory for longer than an agent may be silent."""
+
+
+def test_a_node_that_checks_its_memory_for_long_keeps_beating_and_is_waited_for(tmp_path, monkeypatch):
+    def slow_inventory(job: str, node: int, *, config_hash: str | None = None) -> dict:
+        if node == 1:
+            time.sleep(SLOW_S)
+        return {"node": node, "seals": [], "layouts": {}, "problems": []}
+
+    monkeypatch.setattr(_restore, "inventory", slow_inventory)
+    job_id(tmp_path, create=True)
+    host = JobStore.host("127.0.0.1", 0, clients=3, secret="test")
+    view = View(gen=3, members=(0, 1), step=7)
+    host.publish_initial(view)
+    stores = [JobStore.connect(f"127.0.0.1:{host.port}", timeout_s=5, secret="test") for _ in (0, 1)]
+    restorers = [JobRestore(stores[r], node=r, nnodes=2, workers_per_node=1, run_dir=tmp_path, config_hash="h",
+                            event=lambda *args, **fields: None) for r in (0, 1)]
+    failures: dict[int, str] = {}
+    gaps: list[float] = []
+    done = threading.Event()
+
+    def agent_loop(r: int) -> None:
+        """What the agent's loop does: beat, and tick the restore."""
+        last = time.monotonic()
+        restorers[r].all_dead(view)
+        if r == 1:
+            gaps.append(time.monotonic() - last)
+        while not done.is_set() and time.monotonic() - last < 30:
+            now = time.monotonic()
+            if r == 1:
+                gaps.append(now - last)
+            last = now
+            stores[r].agent_beat(r)
+            if (failure := restorers[r].tick(now)) is not None:
+                failures[r] = failure
+                done.set()
+            time.sleep(0.02)
+
+    agent_loop_0 = threading.Thread(target=agent_loop, args=(0,), daemon=True)
+    t0 = time.monotonic()
+    agent_loop_0.start()
+    time.sleep(0.2)  # node 0 claims the restore
+    agent_loop_1 = threading.Thread(target=agent_loop, args=(1,), daemon=True)
+    agent_loop_1.start()
+    agent_loop_0.join(timeout=40)
+    done.set()
+    agent_loop_1.join(timeout=40)
+    assert max(gaps) < 1.0, f"node 1's agent stopped beating for {max(gaps):.1f} s while it checked its memory"
+    assert list(failures) == [0], "node 0 decided"
+    assert "in the memory of nodes [0, 1]" in failures[0], f"node 1's inventory was not waited for: {failures[0]}"
+    assert time.monotonic() - t0 >= SLOW_S
+
+
+def test_a_node_whose_agent_is_gone_is_not_waited_for(tmp_path, monkeypatch):
+    monkeypatch.setattr(_restore, "inventory", lambda job, node, config_hash=None: {
+        "node": node, "seals": [], "layouts": {}, "problems": []})
+    job_id(tmp_path, create=True)
+    store = JobStore.host("127.0.0.1", 0, clients=1, secret="test")
+    view = View(gen=3, members=(0, 1), step=7)
+    store.publish_initial(view)
+    restorer = JobRestore(store, node=0, nnodes=2, workers_per_node=1, run_dir=tmp_path, config_hash="h",
+                          event=lambda *args, **fields: None)
+    store.agent_beat(1)  # node 1's agent beat once, then was lost with its node
+    restorer.all_dead(view)
+    t0 = time.monotonic()
+    while (failure := restorer.tick(time.monotonic())) is None:
+        store.agent_beat(0)
+        assert time.monotonic() - t0 < 2 * AGENT_SILENT_S, "still waiting for a silent agent"
+        time.sleep(0.02)
+    assert "in the memory of nodes [0]" in failure
+    assert AGENT_SILENT_S - 0.1 <= time.monotonic() - t0
