@@ -26,8 +26,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 def test_failover_scenarios_on_etcd(tmp_path, corpus_overrides, etcd_cluster, monkeypatch):
     leader = etcd_cluster.leader()
     monkeypatch.setenv(STORE_PIDS_ENV, str(etcd_cluster.pids_file))
-    # A progress timeout well above a loaded start-up's silences (six workers starting on two cores).
-    cfg = failover_config(corpus_overrides, 30, "fault.heartbeat_timeout_s=1.0", "fault.progress_timeout_s=6.0",
+    # A heartbeat and a progress timeout well above a loaded start-up's silences (six workers starting on two
+    # cores in a full test run: a starting worker's heartbeat thread was once silent for 1.02 s, and two workers
+    # were judged dead before their faults could fire).
+    cfg = failover_config(corpus_overrides, 30, "fault.heartbeat_timeout_s=2.5", "fault.progress_timeout_s=6.0",
                           "train.timeout_s=30")
     faults = ("step=4:worker=1:kill:phase=allreduce,step=8:worker=2:stop:phase=forward,"
               "step=12:worker=4:kill:phase=confirm,step=16:worker=5:block:phase=allreduce,"
