@@ -80,3 +80,17 @@ def test_a_missing_toolchain_is_named_with_the_fix(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(shutil, "which", lambda name: None)
     with pytest.raises(ValueError, match=r"train.compile=true on CPU needs a C\+\+ compiler .* set train.compile=false"):
         check_compile_toolchain("cpu")
+
+
+def test_hugging_face_llama_blocks_compile_and_checkpoint_to_the_same_gradients():
+    pytest.importorskip("transformers")
+    from unbroken.models.hf_llama import build_hf_llama
+    from unbroken.models.llama import model_args
+
+    args = model_args("debug", vocab_size=V, max_seq_len=T)
+    items = [SlotWork(0, (0, MB)), SlotWork(1, (1, 3), "approx")]
+    plain = _sums(build_hf_llama(args, seed=0), items)
+    model = parallelize(build_hf_llama(args, seed=0), compile=True, activation_checkpointing="full",
+                        backend="aot_eager")
+    assert len(transformer_blocks(model)) == args.n_layers
+    torch.testing.assert_close(_sums(model, items), plain, rtol=1e-5, atol=1e-6)
