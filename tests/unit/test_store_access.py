@@ -89,3 +89,29 @@ def test_a_group_rendezvous_never_holds_the_failure_detectors_reads(store):
         slowest = max(slowest, time.monotonic() - t0)
     thread.join(10)
     assert slowest < 0.5, f"a read of the store waited {slowest:.2f} s behind the rendezvous"
+
+
+def test_a_client_connecting_before_the_host_wrote_the_jobs_marker_waits_for_it():
+    """Node 0 hosting the store without a launcher: node 1 may connect between the store's listening and the
+    job's marker; it must wait, not be told its secret is wrong."""
+    import threading
+
+    from unbroken.runtime.store_backend import READY_KEY, TCPStoreBackend, _namespace
+
+    master = dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False)
+    got: list[object] = []
+
+    def connect() -> None:
+        try:
+            got.append(TCPStoreBackend.connect(f"127.0.0.1:{master.port}", timeout_s=20, secret="late"))
+        except Exception as exc:  # noqa: BLE001 - the assertion below shows it
+            got.append(exc)
+
+    thread = threading.Thread(target=connect, daemon=True)
+    thread.start()
+    thread.join(0.5)
+    assert thread.is_alive() and not got, "the client waits for the host to be ready"
+    master.set(_namespace("late") + "job", "1")  # what the host does next
+    master.set(READY_KEY, "1")
+    thread.join(20)
+    assert isinstance(got[0], TCPStoreBackend), got

@@ -80,6 +80,11 @@ def save_secret(run_dir: Path, secret: str) -> None:
     os.replace(tmp, path)
 
 
+READY_KEY = "unbroken/ready"
+"""Set by the host (outside any namespace) once the job's marker is written: a client waits for it before it
+judges its secret, so one that connects in between is not refused."""
+
+
 def _namespace(secret: str) -> str:
     return hashlib.sha256(b"unbroken-job-store\0" + secret.encode()).hexdigest()[:32] + "/"
 
@@ -192,6 +197,11 @@ class TCPStoreBackend(StoreBackend):
                 f"store {addr} did not answer within {timeout_s:.0f} s ({str(exc).splitlines()[0]}); "
                 f"is the launcher running and the address right?"
             ) from None
+        try:  # the host may be between listening and writing the job's marker
+            store.wait([READY_KEY], timedelta(seconds=timeout_s))
+        except (RuntimeError, dist.DistStoreError):
+            raise ConnectionError(f"store {addr} answered but never became ready within {timeout_s:.0f} s; "
+                                  f"is it this job's store?") from None
         backend = cls(store, _namespace(secret), timeout_s)
         if not backend.check(["job"]):
             raise StoreAccessDenied(f"store {addr} holds no job under this secret; use the run's {SECRET_FILE} "
@@ -222,4 +232,5 @@ class TCPStoreBackend(StoreBackend):
         listener.detach()  # the store owns the socket now (it closes it when it goes), Python must not
         backend = cls(store, _namespace(secret))
         backend.set("job", "1")
+        store.set(READY_KEY, "1")  # last: a client that connected meanwhile now tells a wrong secret from early
         return backend
