@@ -17,7 +17,7 @@ import re
 import socket
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from unbroken.agent.launcher import launch
 from unbroken.config import Config, load_config
@@ -90,16 +90,24 @@ class Job:
 
 
 def run_job(cfg: Config, run_dir: Path, *, nodes: int, workers_per_node: int, fail_at: str = "",
-            restart: str = "never", store: str | None = None) -> Job:
-    """Launch the job (on the etcd cluster ``store``, if given); records every pid the run directory names."""
+            restart: str = "never", store: str | None = None,
+            on_record: Callable[[dict[str, Any]], None] | None = None,
+            on_event: Callable[[dict[str, Any]], None] | None = None) -> Job:
+    """Launch the job (on the etcd cluster ``store``, if given); records every pid the run directory names.
+
+    ``on_record`` and ``on_event``: a scenario's own reactions to the run's records and events (as the launcher
+    merges them), for faults that follow what the job does rather than its steps.
+    """
     pids: set[int] = set()
 
-    def seen(_record: dict[str, Any]) -> None:
+    def seen(record: dict[str, Any]) -> None:
         pids.update(_pid_files(run_dir))
+        if on_record is not None:
+            on_record(record)
 
     t0 = time.monotonic()
     summary = launch(cfg, run_dir, nodes=nodes, workers_per_node=workers_per_node, fail_at=fail_at,
-                     restart=restart, on_record=seen, store=store)
+                     restart=restart, on_record=seen, on_event=on_event, store=store)
     wall = time.monotonic() - t0
     pids.update(_pid_files(run_dir))
     for path in (run_dir / "events").glob("agent*.jsonl"):

@@ -50,10 +50,14 @@ def test_fifty_view_changes_leave_no_group_behind():
             seen.append(_resources())
         # Each group's rendezvous has a connection of its own; the store's server runs in this process too
         # and closes its side of a finished connection as it notices: let it settle (a bounded poll).
+        # The count after view 1 may still hold such a closing connection: the bound is no more than then.
+        def bounded() -> bool:
+            return all(now <= first for now, first in zip(_resources(), seen[0]))
+
         deadline = time.monotonic() + 10
-        while _resources() != seen[0] and time.monotonic() < deadline:
+        while not bounded() and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert _resources() == seen[0], f"fds and threads after view 1 {seen[0]}, after view {ROUNDS} {_resources()}"
+        assert bounded(), f"fds and threads after view 1 {seen[0]}, after view {ROUNDS} {_resources()}"
         assert not any(g in process_group._PARKED or g.pg is not None for g in groups), "nothing was pending"
     finally:
         assert child.wait(60) == 0

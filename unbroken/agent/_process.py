@@ -3,9 +3,12 @@
 Invariants: every child runs in its own session (process group id == pid), so
 a signal to the group reaches the child and whatever it started, and a
 terminal's Ctrl-C reaches only the agent, which then stops its children; on
-Linux every child receives SIGKILL when the agent dies (``PR_SET_PDEATHSIG``),
-so even a SIGKILLed agent (a lost node) leaves nothing behind; :func:`stop_all`
-returns only once every child is reaped.
+Linux every child receives SIGKILL when the agent dies (``PR_SET_PDEATHSIG``,
+armed by the child itself: :func:`die_with_parent`), so even a SIGKILLed agent
+(a lost node) leaves nothing behind; :func:`stop_all` returns only once every
+child is reaped. A child is either spawned (``exec`` of a fresh interpreter, no
+Python between fork and exec) or forked from the node's template process
+(:mod:`unbroken.agent.template`) and adopted (:class:`ForkedChild`).
 """
 
 from __future__ import annotations
@@ -23,40 +26,95 @@ from typing import Callable, Iterable, Sequence
 logger = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
+PARENT_ENV = "UNBROKEN_PARENT_PID"
+"""The pid of the agent a child must die with (set by :func:`spawn` and the template; read by
+:func:`die_with_parent` in the child itself)."""
 
 
-def _die_with_parent() -> Callable[[], None] | None:
-    """A ``preexec_fn`` that makes the child die with this process (Linux only)."""
+def _prctl() -> Callable[..., int] | None:
     if not sys.platform.startswith("linux"):
         return None
     try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
+        return ctypes.CDLL(None, use_errno=True).prctl
     except (OSError, AttributeError):
         return None
-    parent = os.getpid()
-    sigkill = int(signal.SIGKILL)
 
-    def setup() -> None:
-        prctl(_PR_SET_PDEATHSIG, sigkill, 0, 0, 0)
-        # The parent may have died between fork and prctl: then nobody would kill us.
-        if os.getppid() != parent:
-            os._exit(1)
 
-    return setup
+def die_with_parent(parent: int | None = None) -> None:
+    """Make this process die (SIGKILL) with its agent: the first thing a child of an agent does.
+
+    ``parent`` defaults to :data:`PARENT_ENV`; without either this does nothing
+    (a process not started by an agent). The agent may have died before the
+    call: then its pid is no longer this process's parent, and it exits at once.
+    The child arms this itself, after ``exec``: an agent runs threads (the
+    store it hosts, heartbeats), and a fork from a threaded process must run no
+    Python before ``exec`` (no ``preexec_fn``), or the child can deadlock on a
+    lock another thread held at the fork.
+    """
+    if parent is None:
+        value = os.environ.get(PARENT_ENV, "")
+        if not value.isdigit():
+            return
+        parent = int(value)
+    prctl = _prctl()
+    if prctl is not None:
+        prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+def become_subreaper() -> bool:
+    """Adopt this process's orphaned descendants (Linux): a worker forked from the template (a child of a
+    child of the template) is reparented to its agent, which then reaps it and reads its exit status."""
+    prctl = _prctl()
+    return prctl is not None and prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+
+
+def child_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """``env`` (default: this process's) with :data:`PARENT_ENV` naming this process."""
+    return {**(os.environ if env is None else env), PARENT_ENV: str(os.getpid())}
 
 
 def spawn(cmd: Sequence[str], *, log: Path, header: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     """Start ``cmd`` in a new session, output appended to ``log`` after a ``header`` line.
 
-    The agent must be single-threaded when it calls this: the child runs a
-    ``preexec_fn`` between fork and exec.
+    No Python runs in the child between fork and exec (the agent has threads);
+    the child arms :func:`die_with_parent` itself from :data:`PARENT_ENV`.
     """
     log_line(log, header)
     with log.open("ab") as fh:
-        return subprocess.Popen(
-            list(cmd), stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            start_new_session=True, preexec_fn=_die_with_parent(), env=env,
-        )
+        return subprocess.Popen(list(cmd), stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True, env=child_env(env))
+
+
+class ForkedChild:
+    """A child this agent adopted (a worker forked from the template), with :class:`subprocess.Popen`'s
+    ``pid``, ``returncode``, ``poll`` and ``wait``: the agent is its subreaper, so it reaps it like its own."""
+
+    def __init__(self, pid: int, args: Sequence[str]) -> None:
+        self.pid, self.args = pid, list(args)
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:  # reaped elsewhere, or never adopted: its status is lost
+                self.returncode = -int(signal.SIGKILL)
+                return self.returncode
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+            time.sleep(0.005)
+        assert self.returncode is not None
+        return self.returncode
 
 
 def log_line(path: Path, line: str) -> None:

@@ -37,6 +37,7 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable
 
 from unbroken.agent._process import describe_exit, remove_pid, send, spawn, write_pid
 from unbroken.agent._supervision import CHECK_S, Limits, ObserverClock, Pulse
@@ -68,8 +69,11 @@ class Handover:
 class Standby:
     """The agent's side of one node's warm standby."""
 
-    def __init__(self, store: JobStore, *, node: int, cmd: list[str], run_dir: Path, limits: Limits) -> None:
+    def __init__(self, store: JobStore, *, node: int, cmd: list[str], run_dir: Path, limits: Limits,
+                 launch: Callable[..., Any] = spawn) -> None:
+        """``launch(cmd, log=, header=)`` starts its process (the agent's: forked from the node's template)."""
         self.store, self.node, self.cmd, self.run_dir, self.limits = store, node, cmd, run_dir, limits
+        self._launch = launch
         self.proc: subprocess.Popen[bytes] | None = None
         self._pulse: Pulse | None = None
         self._clock = ObserverClock(limits.liveness_s)
@@ -124,8 +128,8 @@ class Standby:
         self._last_start = now
         self.store.standby_clear_ready(self.node)
         self._pulse = Pulse.start(self.store.standby_beat(self.node, 0), now)
-        self.proc = spawn(self.cmd, log=self.run_dir / "logs" / f"standby{self.node}.log",
-                          header=f"node {self.node} standby: " + " ".join(self.cmd))
+        self.proc = self._launch(self.cmd, log=self.run_dir / "logs" / f"standby{self.node}.log",
+                                 header=f"node {self.node} standby: " + " ".join(self.cmd))
         write_pid(self._pid_file, self.proc.pid)
         logger.info("[node %d] standby started (pid %d)", self.node, self.proc.pid)
 

@@ -36,6 +36,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any, Sequence
 
 import torch.distributed as dist
@@ -43,9 +44,11 @@ import torch.distributed as dist
 from unbroken.agent._job_error import death_error
 from unbroken.agent._restore import JobRestore
 from unbroken.agent._run_files import fired_before, last_self_fault_step, write_layout
-from unbroken.agent._process import describe_exit, exit_status, log_line, remove_pid, send, spawn, stop_all, write_pid
+from unbroken.agent._process import (ForkedChild, become_subreaper, describe_exit, exit_status, log_line, remove_pid, send, spawn,
+                                     stop_all, write_pid)
 from unbroken.agent._standby import Standby
-from unbroken.agent._supervision import Incarnation, Restart, StartupWatch, decode_mark
+from unbroken.agent._supervision import Incarnation, Limits, Restart, StartupWatch, decode_mark
+from unbroken.agent._template import Child, Template, TemplateFailed
 from unbroken.agent.rendezvous import NodeRegistration, StartRefused
 from unbroken.agent.options import AgentOptions
 from unbroken.models.factory import check_placement
@@ -90,9 +93,12 @@ class Agent:
         opts: the command line.
         worker_cmd: tests only: the command that replaces ``python -m
             unbroken.agent.worker_process`` (a stand-in worker script).
+        template: the node's template process, started with the agent's process (None: the agent starts
+            one itself, where the job wants one).
     """
 
-    def __init__(self, opts: AgentOptions, *, worker_cmd: Sequence[str] | None = None) -> None:
+    def __init__(self, opts: AgentOptions, *, worker_cmd: Sequence[str] | None = None,
+                 template: Template | None = None) -> None:
         self.opts = opts
         self.node = opts.node_rank
         self.gen = 0  # the newest view generation seen (for log lines)
@@ -111,6 +117,7 @@ class Agent:
         self.finished: set[int] = set()
         self.stopped: list[tuple[float, int, subprocess.Popen[bytes]]] = []  # SIGCONT timers
         self.standby: Standby | None = None
+        self.template = template
         self.plan: NodeFaults | None = None
         self.interrupted: int | None = None  # set by the signal handler of run_agent
         self.rdv: NodeRegistration | None = None
@@ -175,15 +182,24 @@ class Agent:
                                    start_step=self._progress, fired=fired_before(self.run_dir, self.node),
                                    max_down=cfg["fault"].get("max_down"))
             self._write_fault_plan()
+            if job_cfg.fault.template:
+                self._start_template(limits)
+            elif self.template is not None:  # started early from an older config
+                self.template.close()
+                self.template = None
             self._start_workers(view)
             if self.opts.standby:
                 cmd = self.base_cmd + ["--run-dir", str(self.run_dir), "--world", str(self.opts.n_workers),
                                        "--store", self.opts.store, "--standby", "--node-rank", str(self.node)]
                 cmd += ["--faults-file", str(self.fault_plan)] if self.fault_plan else []
-                self.standby = Standby(self.store, node=self.node, cmd=cmd, run_dir=self.run_dir, limits=limits)
+                self.standby = Standby(self.store, node=self.node, cmd=cmd, run_dir=self.run_dir, limits=limits,
+                                       launch=self._launch)
             return self._loop()
         except StartRefused as exc:
             raise AgentError(str(exc), 2) from None
+        except TemplateFailed as exc:
+            self.store.fail(f"stopped: node {self.node} cannot start its workers: {exc}")  # said once, not per worker
+            raise AgentError(f"node {self.node}: the workers cannot start: {exc}", 2) from None
         except dist.DistError as exc:
             if self._done_at is not None:
                 return 0  # the store's host closed it after the end: nothing was lost
@@ -207,6 +223,26 @@ class Agent:
         if self.fault_plan is None and self.specs:
             self.fault_plan = self.run_dir / "faults" / f"node{self.node}.json"
             write_fault_plan(self.fault_plan, self.specs)
+
+    def _start_template(self, limits: Limits) -> None:
+        """Start the node's template (:mod:`unbroken.agent.template`), unless it started with the agent's
+        process (:func:`unbroken.agent.command.prestart_template`), and wait for it: workers fork from it."""
+        if self.template is None:
+            if self.base_cmd[1:] != ["-m", "unbroken.agent.worker_process"]:  # a test's stand-in worker
+                return
+            if not become_subreaper():
+                self.log.warning("cannot adopt forked workers here (no PR_SET_CHILD_SUBREAPER): no template")
+                return
+            self.template = Template(run_dir=self.run_dir, node=self.node, world=self.opts.n_workers)
+            self.template.start(time.monotonic())
+        self.template.attach(event=self._event, ready_timeout_s=limits.deadline_s)
+        self.template.wait_ready(limits.deadline_s, lambda: self.rdv.heartbeat(time.monotonic()))
+
+    def _launch(self, cmd: Sequence[str], *, log: Path, header: str) -> Child:
+        """Start a worker's or standby's process: forked from the template when it is ready."""
+        if self.template is None:
+            return spawn(cmd, log=log, header=header)
+        return self.template.launch(cmd, log=log, header=header, env={SECRET_ENV: os.environ[SECRET_ENV]})
 
     def _start_workers(self, view: View) -> None:
         if view.restore is not None:  # a restored first view: its members load the state themselves
@@ -241,6 +277,8 @@ class Agent:
                 self.restorer.mark_silent(lambda: self.store.current_view() if self.store.has_view() else None,
                                           now, self._hb_timeout)
                 self._follow_restore()
+            if self.template is not None and self._done_at is None:
+                self.template.tick(now)
             if self.standby is not None:
                 self._standby_tick(now)  # after done: reaps a standby let go
             if now >= next_status:
@@ -473,9 +511,9 @@ class Agent:
         cmd += ["--faults-file", str(self.fault_plan), "--faults", faults] if faults else []
         if self.opts.resume is not None and not join and resume:
             cmd += ["--resume", str(self.opts.resume)]
-        proc = spawn(cmd, log=self.run_dir / "logs" / f"w{w}.log",
-                     header=f"node {self.node} worker {w} incarnation {k} ({'join' if join else 'start'}): "
-                     + " ".join(cmd))
+        proc = self._launch(cmd, log=self.run_dir / "logs" / f"w{w}.log",
+                                            header=f"node {self.node} worker {w} incarnation {k} ({'join' if join else 'start'}): "
+                            + " ".join(cmd))
         self._adopt(w, proc, join=join, incarnation=k, standby=False, faults=faults)
 
     def _adopt(self, w: int, proc: subprocess.Popen[bytes], *, join: bool, incarnation: int, standby: bool,
@@ -488,7 +526,7 @@ class Agent:
         self._idle_since = None
         write_pid(self.run_dir / "pids" / f"w{w}", proc.pid)
         self._event("worker_start", w, pid=proc.pid, incarnation=incarnation, join=join, standby=standby,
-                    faults=faults, progress=self._progress)
+                    forked=isinstance(proc, ForkedChild), faults=faults, progress=self._progress)
         self.log.info("worker %d %s (pid %d, incarnation %d)", w, "joining" if join else "started", proc.pid,
                       incarnation)
 
@@ -530,6 +568,8 @@ class Agent:
         """Stop every child (SIGTERM, grace, SIGKILL) and release the node rank."""
         if self.standby is not None:
             self.standby.close()  # it holds no state: SIGKILL
+        if self.template is not None:
+            self.template.close()
         stop_all([inc.proc for inc in self.workers.values()], grace_s=self.opts.grace_s)
         for w, inc in self.workers.items():
             remove_pid(self.run_dir / "pids" / f"w{w}", inc.proc.pid)

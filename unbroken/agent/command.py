@@ -8,16 +8,47 @@ agent and its workers.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import signal
 import sys
-from typing import Any, Sequence
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Sequence
 
-from unbroken.agent.agent import Agent, AgentError
-from unbroken.agent.options import AgentOptions, add_agent_args, options_from
+# Nothing here imports torch before the template has started: it imports in parallel with the agent.
+from unbroken.agent._process import become_subreaper
+from unbroken.agent._template import Template
+
+if TYPE_CHECKING:
+    from unbroken.agent.options import AgentOptions
 
 
-def run_agent(opts: AgentOptions, *, worker_cmd: Sequence[str] | None = None) -> int:
+def prestart_template(argv: Sequence[str] | None) -> Template | None:
+    """Start the node's template process before this agent imports torch, so that both import at once.
+
+    Only where the run directory already holds the job's config and it wants a template (a node whose
+    run directory is filled from the store later starts its template once it has the config).
+    """
+    ap = argparse.ArgumentParser(add_help=False)
+    ap.add_argument("--run-dir", type=Path)
+    ap.add_argument("--node-rank", type=int, default=0)
+    ap.add_argument("--nnodes", type=int, default=1)
+    ap.add_argument("--workers-per-node", type=int, default=1)
+    try:
+        a, _ = ap.parse_known_args(argv)
+        cfg = json.loads((a.run_dir / "config.json").read_text()) if a.run_dir is not None else None
+    except (OSError, ValueError, SystemExit):
+        return None  # the real parser says what is wrong
+    if not isinstance(cfg, dict) or not cfg.get("fault", {}).get("template", True) or not become_subreaper():
+        return None
+    template = Template(run_dir=a.run_dir, node=a.node_rank, world=a.nnodes * a.workers_per_node)
+    template.start(time.monotonic())
+    return template
+
+
+def run_agent(opts: AgentOptions, *, worker_cmd: Sequence[str] | None = None,
+              template: Template | None = None) -> int:
     """Run an agent in this process (main thread): SIGTERM/SIGINT stop it and its workers.
 
     Returns:
@@ -25,7 +56,9 @@ def run_agent(opts: AgentOptions, *, worker_cmd: Sequence[str] | None = None) ->
     Raises:
         AgentError: with the exit code and the reason; ValueError: bad options.
     """
-    agent = Agent(opts, worker_cmd=worker_cmd)
+    from unbroken.agent.agent import Agent
+
+    agent = Agent(opts, worker_cmd=worker_cmd, template=template)
 
     def on_signal(signum: int, frame: Any) -> None:
         agent.interrupted = signum
@@ -40,13 +73,17 @@ def run_agent(opts: AgentOptions, *, worker_cmd: Sequence[str] | None = None) ->
 
 def main(argv: list[str] | None = None, *, worker_cmd: Sequence[str] | None = None) -> int:
     """Entry point of ``python -m unbroken.agent.command``; returns the exit code."""
+    template = None if worker_cmd else prestart_template(sys.argv[1:] if argv is None else argv)
+    from unbroken.agent.agent import AgentError
+    from unbroken.agent.options import add_agent_args, options_from
+
     ap = argparse.ArgumentParser(prog="python -m unbroken.agent.command", description=__doc__.splitlines()[0])
     add_agent_args(ap)
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        return run_agent(options_from(a), worker_cmd=worker_cmd)
+        return run_agent(options_from(a), worker_cmd=worker_cmd, template=template)
     except AgentError as exc:
         print(f"unbroken agent: {exc}", file=sys.stderr)
         return exc.code

@@ -30,8 +30,10 @@ from pathlib import Path
 from typing import Callable
 
 from unbroken.agent._job_error import record_error
+from unbroken.agent._process import die_with_parent
 from unbroken.faults.fail_at import FaultSpec, read_fault_plan
 from unbroken.faults.injector import PhaseFaults
+from unbroken.job.builder import Prepared
 from unbroken.runtime.start_phases import StartClock
 from unbroken.runtime.worker import StepLogContext, Trainer, WorkerSpec, run, standby
 
@@ -101,8 +103,11 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
-def main(argv: list[str] | None = None) -> None:
-    clock = StartClock()  # the interpreter and the imports took the process's age so far
+def main(argv: list[str] | None = None, *, forked: bool = False, prepared: Prepared | None = None) -> None:
+    """Run a worker (or standby); ends the process. ``forked``: from the node's template
+    (:mod:`unbroken.agent.template`), with the data and model it ``prepared`` (None: it could not)."""
+    clock = StartClock()  # the interpreter and the imports took the process's age so far (a fork's: none)
+    die_with_parent()
     ap = _parser()
     a = ap.parse_args(argv)
     if a.worker is None and not a.standby:
@@ -114,10 +119,13 @@ def main(argv: list[str] | None = None) -> None:
                                            f"%(name)s: %(message)s"))
     logging.basicConfig(level=logging.INFO, handlers=[handler])
     survive_nccl_failures()
+    if forked:
+        logger.info("forked from the node's template (%s)",
+                    "its data and model" if prepared is not None else "imports only")
     worker = a.worker
     try:
         if a.standby:
-            got = standby(a.run_dir, a.world, a.store, a.node_rank)
+            got = standby(a.run_dir, a.world, a.store, a.node_rank, prepared=prepared)
             if got is None:
                 code = 0
             else:
@@ -127,7 +135,8 @@ def main(argv: list[str] | None = None) -> None:
         else:
             spec = WorkerSpec(run_dir=a.run_dir, worker=a.worker, world=a.world, store=a.store, join=a.join,
                               resume=a.resume)
-            code = run(spec, setup=_setup(context, fault_selection(a.faults_file, a.faults)), clock=clock)
+            code = run(spec, setup=_setup(context, fault_selection(a.faults_file, a.faults)), clock=clock,
+                       prepared=prepared)
     except Exception as exc:
         logger.exception("the worker failed: %s: %s", type(exc).__name__, exc)
         if worker is not None:  # what and where, for its agent (a fault that recurs stops whole-job restores)

@@ -14,9 +14,11 @@ runs, side by side in one invocation, on one machine (nodes on loopback):
    the survivors' gap between consecutive applied steps minus a normal step
    (``unbroken report``); targets <= 0.5 s and <= heartbeat timeout + 0.5 s;
 3. **lost steps and samples**: from the ledger; target 0;
-4. **back to full strength**: from a worker's kill to its re-admission, with and
-   without a warm standby, and the members' stall when it is admitted (the gap
-   ending at its rejoin step minus a normal step);
+4. **back to full strength**: from a worker's kill to its re-admission, with a
+   warm standby, started cold from the node's template process (target <= 2 s)
+   and started cold as a fresh process (``fault.template=false``), and the
+   members' stall when it is admitted (the gap ending at its rejoin step minus a
+   normal step);
 5. **throughput under a failure trace** (default ``high``) relative to
    failure-free, for each takeover policy, and for checkpoint-restart (plain data
    parallelism; any failure restarts every worker from the last checkpoint) with
@@ -92,6 +94,9 @@ def _failures(a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     # A cold start imports torch and rebuilds everything: give it enough steps to get back in.
     cold = _run(a, tmp, "rejoin_cold", _cfg(a, f"train.steps={max(a.steps, 200)}"), standby=False,
                 fail_at=f"step={s0}:worker=1:kill:back={s0 + 1}")
+    # The same, every worker a fresh interpreter (no template process): what the template saves.
+    fresh = _run(a, tmp, "rejoin_fresh", _cfg(a, f"train.steps={max(a.steps, 200)}", "fault.template=false"),
+                 standby=False, fail_at=f"step={s0}:worker=1:kill:back={s0 + 1}")
     hb = _cfg(a).fault.heartbeat_timeout_s
 
     def stalls(r: dict[str, Any]) -> list[float]:
@@ -109,11 +114,14 @@ def _failures(a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     return {
         "crash_stall_s": stalls(crash), "crash_target_s": 0.5,
         "hang_stall_s": stalls(hang), "hang_target_s": hb + 0.5, "heartbeat_timeout_s": hb,
-        "lost_steps": sum(r["report"]["lost_steps"] for r in (crash, hang, cold)),
+        "lost_steps": sum(r["report"]["lost_steps"] for r in (crash, hang, cold, fresh)),
         "rows_never_or_twice": sum(r["report"]["rows_trained_never"] + r["report"]["rows_trained_twice"]
-                                   for r in (crash, hang, cold)),
-        "back_to_full_strength_s": {"warm_standby": back(crash) + back(hang), "cold_start": back(cold)},
-        "rejoin_stall_s": {"warm_standby": admission(crash) + admission(hang), "cold_start": admission(cold)},
+                                   for r in (crash, hang, cold, fresh)),
+        "back_to_full_strength_s": {"warm_standby": back(crash) + back(hang), "cold_start": back(cold),
+                                    "cold_start_fresh_process": back(fresh)},
+        "cold_start_target_s": 2.0,
+        "rejoin_stall_s": {"warm_standby": admission(crash) + admission(hang), "cold_start": admission(cold),
+                           "cold_start_fresh_process": admission(fresh)},
     }
 
 
@@ -190,7 +198,9 @@ def _print(r: dict[str, Any]) -> None:
         print(f"lost steps: {f['lost_steps']}  rows never/twice: {f['rows_never_or_twice']}")
         b = f["back_to_full_strength_s"]
         print(f"kill -> back at full strength (s): warm standby {[round(x, 2) for x in b['warm_standby']]}, "
-              f"cold start {[round(x, 2) for x in b['cold_start']]}")
+              f"cold start forked from the template {[round(x, 2) for x in b['cold_start']]} "
+              f"(target <= {f.get('cold_start_target_s', 2.0)}), "
+              f"cold start as a fresh process {[round(x, 2) for x in b.get('cold_start_fresh_process', [])]}")
         if "rejoin_stall_s" in f:
             j = f["rejoin_stall_s"]
             print(f"members' stall at a rejoin (s): warm standby {[round(x, 3) for x in j['warm_standby']]}, "

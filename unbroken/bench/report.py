@@ -140,16 +140,29 @@ def _rejoins(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     phases = {(e["worker"], e["step"]): e["phases"] for e in events
               if e.get("event") == "start_phases" and e.get("join")}
     down_since: dict[int, float] = {}
+    started: dict[int, dict[str, Any]] = {}  # each worker's last worker_start event
+    templates: dict[int, dict[str, Any]] = {}  # each node's last template_ready event
     out = []
     for e in sorted((e for e in events if "time" in e), key=lambda e: e.get("t", e["time"])):
         if e.get("event") in ("fault_self", "worker_exit", "fault_injected"):
             hit = e.get("targets") if e.get("worker") is None else [e["worker"]]  # a node loss names targets
             for w in hit or []:
                 down_since.setdefault(w, e.get("t", e["time"]))
+        elif e.get("event") == "worker_start":
+            started[e["worker"]] = e
+        elif e.get("event") == "template_ready":
+            templates[e["node"]] = e
         elif e.get("event") == "rejoined":
             since = down_since.pop(e["worker"], None)
+            start = started.get(e["worker"], {})
+            how = "standby" if start.get("standby") else "forked" if start.get("forked") else "fresh process"
+            template = templates.get(start.get("node", -1))
+            # A template that became ready while the worker was down started for it (a replacement node's).
+            template_phases = template["phases"] if template and since is not None and template["t"] >= since \
+                else None
             out.append({"worker": e["worker"], "step": e["step"], "gen": e["gen"],
                         "down_to_back_s": e["time"] - since if since is not None else None,
+                        "started_as": how if start else None, "template_phases": template_phases,
                         "start_phases": phases.get((e["worker"], e["step"]))})
     return out
 
@@ -257,8 +270,12 @@ def _run_text(s: dict[str, Any]) -> str:
         lines.append(f"  step {f['step']:>6}  view {f['gen']:>3}  stall {_fmt(f['stall_s'])}  "
                      f"reconfigure {_fmt(f['reconfigure_s'])}  {f['reason'][:70]}")
     for r in s["rejoins"]:
-        start = r.get("start_phases")
-        where = f" (start: {', '.join(f'{k} {v:.2f} s' for k, v in start.items())})" if start else ""
+        parts = [r["started_as"]] if r.get("started_as") else []
+        if r.get("template_phases"):
+            parts.append("template " + ", ".join(f"{k} {v:.2f} s" for k, v in r["template_phases"].items()))
+        if r.get("start_phases"):
+            parts.append("start " + ", ".join(f"{k} {v:.2f} s" for k, v in r["start_phases"].items()))
+        where = f" ({'; '.join(parts)})" if parts else ""
         lines.append(f"  worker {r['worker']} back at step {r['step']} after {_fmt(r['down_to_back_s'])}{where}")
     lines += _snapshot_lines(s["snapshots"])
     if s["ledger_ok"] is None:

@@ -190,6 +190,11 @@ class FaultConfig:
     cluster's members). Meanwhile every process keeps retrying and says so; past it every worker and
     agent exits, the committed checkpoints and the snapshot memory are kept, and
     ``unbroken train --resume RUN_DIR`` continues once the store answers again. Changes nothing trained."""
+    template: bool = True
+    """Every node keeps a template process that has imported torch, unbroken and the user's factory modules
+    (and, on a CPU job with the built-in data and model, prepared both): workers, joiners and standbys are
+    forked from it, so a cold start costs a fork, not an interpreter (:mod:`unbroken.agent.template`).
+    ``false``: every worker starts as a fresh process. Changes nothing trained."""
     recovery: str = "takeover"
     """One of :data:`unbroken.runtime.recovery.RECOVERIES`: ``takeover``: survivors finish the step and carry on (unbroken);
     ``restart``: plain data parallelism, any failure restarts every worker from

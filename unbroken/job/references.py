@@ -35,7 +35,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable
 
-__all__ = ["anchor_references", "reference_of", "resolve"]
+__all__ = ["anchor_references", "reference_of", "resolve", "resolve_all"]
 
 FACTORY_FIELDS = (("model", "factory"), ("data", "factory"), ("optim", "factory"))
 """The config fields that hold references to user code."""
@@ -87,6 +87,17 @@ def resolve(reference: str, *, field: str) -> Any:
         return getattr(module, name)
     except AttributeError:
         raise ValueError(f"{field}={reference!r}: {where} has no attribute {name!r}") from None
+
+
+def resolve_all(cfg: Any) -> None:
+    """Resolve every reference of ``cfg`` (its factory fields), loading their modules in this process.
+
+    Raises:
+        ValueError: a reference that does not resolve, with the file's line where loading it failed.
+    """
+    for section, name in FACTORY_FIELDS:
+        if ref := getattr(getattr(cfg, section), name):
+            resolve(ref, field=f"{section}.{name}")
 
 
 def anchor_references(cfg: Any, base: Path | None = None) -> None:

@@ -39,7 +39,9 @@ def build_model(
         )
     with torch.device("meta"):
         model = Transformer(args)
-    model.to_empty(device=device)
+    # Module.to_empty's empty_like on meta tensors goes through torch._refs, whose first use imports sympy
+    # (~0.7 s of every process's start); torch.empty of the same shape is the same storage, uninitialised.
+    model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
     model.init_weights(seed=seed)
     return model
 

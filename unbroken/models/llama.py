@@ -321,16 +321,25 @@ class Transformer(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.args = args
-        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        # Built under torch.device("meta") (build_model), nothing is drawn: init_weights runs once the
+        # parameters have storage. (An embedding's default init on meta imports sympy: ~1 s of every start.)
+        meta = torch.empty(0).device.type == "meta"
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim,
+                                           _weight=torch.empty(args.vocab_size, args.dim) if meta else None)
         self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
         self.norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         # Non-persistent: derived from args, so state_dict keeps Meta's keys only.
         # Note: `.to(dtype)` casts these too; prefer autocast for mixed precision.
-        cos_TP, sin_TP = precompute_rope(args.head_dim, args.max_seq_len, args.rope_theta)
+        if meta:  # shapes only (arange on meta imports sympy too)
+            cos_TP = torch.empty(args.max_seq_len, args.head_dim // 2)
+            sin_TP = torch.empty(args.max_seq_len, args.head_dim // 2)
+        else:
+            cos_TP, sin_TP = precompute_rope(args.head_dim, args.max_seq_len, args.rope_theta)
         self.register_buffer("rope_cos", cos_TP, persistent=False)
         self.register_buffer("rope_sin", sin_TP, persistent=False)
-        self.init_weights()
+        if not meta:
+            self.init_weights()
 
     @torch.no_grad()
     def init_weights(self, seed: int | None = None) -> None:

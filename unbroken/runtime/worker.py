@@ -445,7 +445,8 @@ job's end is checked once per heartbeat, so a waiting standby sends the store ab
 (at a 5 ms poll with the end checked every time, about 700: an HTTP request each on an etcd store)."""
 
 
-def standby(run_dir: Path, world: int, store_addr: str, node: int) -> Assignment | None:
+def standby(run_dir: Path, world: int, store_addr: str, node: int,
+            prepared: Prepared | None = None) -> Assignment | None:
     """Be a warm standby of ``node``: prepare, announce, wait to be handed a worker id.
 
     Contract (see :mod:`unbroken.agent._standby`): announce the pid once warm,
@@ -460,7 +461,7 @@ def standby(run_dir: Path, world: int, store_addr: str, node: int) -> Assignment
     cfg = load_run_config(run_dir, world)
     store = JobStore.connect(store_addr, timeout_s=cfg.train.timeout_s, secret=job_secret(run_dir),
                              store_timeout_s=cfg.fault.store_timeout_s)
-    prepared = prepare(cfg, bind_device(cfg.train.device, node))
+    prepared = prepared or prepare(cfg, bind_device(cfg.train.device, node))  # or the template's
     store.standby_beat(node)  # before the announcement: the agent judges a ready standby by its beats
     store.standby_announce(node, os.getpid())
     # What its start cost the machine (the goodput check charges it to the job when the cores are shared).

@@ -1,0 +1,122 @@
+"""The node's template process (:mod:`unbroken.agent.template`) in a real job: workers forked from it, its loss.
+
+One job (2 nodes x 2 workers, restarts on), driven by what it reports:
+
+1. at step 4 the test SIGKILLs node 0's template; the agent reports it lost;
+2. then the test SIGKILLs worker 1: its agent restarts it at once, as a fresh
+   process (no template is ready: a replacement starts only after
+   ``RESPAWN_INTERVAL_S``);
+3. once node 0's replacement template is ready, the test SIGKILLs worker 0: it is
+   restarted by a fork of the new template;
+4. once both have rejoined, the test SIGKILLs node 1's agent alone (not its
+   workers): its template and its forked workers die with it (they arm
+   ``PR_SET_PDEATHSIG`` themselves), and the survivors finish the job.
+
+The end state is every scenario's (:func:`_faults.check_invariants`: every step
+once, parameters equal, no process left, the template's included).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from typing import Any
+
+import pytest
+from _faults import check_invariants, failover_config, run_job
+
+from unbroken.agent.launcher import JobFailed, launch
+from unbroken.jsonl import read_jsonl
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+STEPS = 400
+"""Long enough (tens of seconds) for a template to be replaced and two workers to rejoin mid-run."""
+
+
+def _pid(run_dir: Any, name: str) -> int:
+    return int((run_dir / "pids" / name).read_text().split()[0])
+
+
+def test_template_loss_fallback_and_agent_loss(tmp_path, corpus_overrides):
+    run_dir = tmp_path / "run"
+    cfg = failover_config(corpus_overrides, STEPS, "train.timeout_s=30")
+    lock = threading.Lock()
+    seen: dict[str, Any] = {"ready0": [], "killed": []}
+
+    def kill(what: str, pid: int) -> None:
+        os.kill(pid, signal.SIGKILL)
+        seen["killed"].append(what)
+
+    def on_record(record: dict[str, Any]) -> None:
+        with lock:
+            if record.get("kind") == "train" and record["step"] >= 4 and not seen["killed"] and seen["ready0"]:
+                kill("template0", seen["ready0"][0])
+
+    def on_event(e: dict[str, Any]) -> None:
+        with lock:
+            event, node = e.get("event"), e.get("node")
+            if event == "template_ready" and node == 0:
+                seen["ready0"].append(e["pid"])
+                if seen["killed"] == ["template0", "w1"]:
+                    kill("w0", _pid(run_dir, "w0"))
+            elif event == "template_lost" and node == 0 and seen["killed"] == ["template0"]:
+                kill("w1", _pid(run_dir, "w1"))
+            elif event == "start_phases" and e["join"]:
+                seen["rejoined"] = seen.get("rejoined", set()) | {e["worker"]}
+                if seen["rejoined"] == {0, 1} and seen["killed"] == ["template0", "w1", "w0"]:
+                    seen["node1"] = [_pid(run_dir, "w2"), _pid(run_dir, "w3")]
+                    kill("agent1", _pid(run_dir, "agent1"))
+
+    job = run_job(cfg, run_dir, nodes=2, workers_per_node=2, restart="on-failure", on_record=on_record,
+                  on_event=on_event)
+    assert seen["killed"] == ["template0", "w1", "w0", "agent1"], seen
+    check_invariants(job, live=[0, 1])
+
+    first = [(e["worker"], e["forked"]) for e in job.events("worker_start") if e["incarnation"] == 1]
+    assert sorted(first) == [(0, True), (1, True), (2, True), (3, True)], "every first worker is forked"
+    (w1,) = job.events("worker_start", worker=1, incarnation=2)
+    assert not w1["forked"] and w1["join"], "no template was ready: a fresh process"
+    (w0,) = job.events("worker_start", worker=0, incarnation=2)
+    assert w0["forked"] and w0["join"], "forked from the replacement template"
+    assert len(job.events("template_ready", node=0)) == 2 and len(job.events("template_lost", node=0)) == 1
+    # The lost node's processes died with its agent (its template's pid is among job.pids: none left).
+    assert all(p in job.pids for p in seen["node1"])
+    # A start's "process" phase is the process's age at its first line: a fresh one's holds the interpreter and
+    # every import, a forked one's only the fork.
+    (forked,) = [e["phases"]["process"] for e in job.events("start_phases", worker=0) if e["join"]]
+    (fresh,) = [e["phases"]["process"] for e in job.events("start_phases", worker=1) if e["join"]]
+    assert forked < fresh, (forked, fresh)
+
+
+FACTORY = '''"""A model factory whose module loads where the job is launched but not on its nodes (a broken install)."""
+
+import os
+
+from unbroken.models import build_model
+
+if "UNBROKEN_PARENT_PID" in os.environ:  # set in every process an agent starts
+    raise ImportError("libbroken.so: cannot open shared object file")
+
+
+def make(ctx):
+    return build_model("debug", vocab_size=ctx.vocab_size, seq_len=ctx.cfg.data.seq_len, seed=ctx.seed,
+                       device=ctx.device)
+'''
+
+
+def test_a_template_that_cannot_load_the_job_fails_it_once(tmp_path, corpus_overrides):
+    """The import error is the job's error, said once; no worker is started (no crash loop)."""
+    factory = tmp_path / "factory.py"
+    factory.write_text(FACTORY)
+    cfg = failover_config(corpus_overrides, 5, "model.family=custom", f"model.factory={factory}:make")
+    with pytest.raises(JobFailed) as failed:
+        launch(cfg, tmp_path / "run", nodes=2, workers_per_node=1)
+    message = str(failed.value)
+    assert message.startswith("the job stopped: node ")
+    assert message.count(f"loading {factory} (line 8) failed: ImportError: libbroken.so") == 1, message
+    events = [e for p in (tmp_path / "run" / "events").glob("*.jsonl") for e in read_jsonl(p)]
+    assert {e["event"] for e in events if e.get("kind") == "event"} <= {"template_failed", "template_ready"}
+    assert any(e.get("event") == "template_failed" for e in events)
+    assert not list((tmp_path / "run" / "logs").glob("w*.log")), "no worker was started"

@@ -1,0 +1,239 @@
+"""The agent's side of its node's template process (:mod:`unbroken.agent.template`).
+
+The agent starts the template once its job's config is known, waits for it to
+be ready before it starts its first workers (a start-up error there, such as
+an import error in a user's factory module, fails the job once, with that
+error), then starts every worker and standby by asking the template to fork
+one (:meth:`Template.launch`): a cold start costs a fork instead of an
+interpreter, the imports, the data and the model.
+
+Supervision: a template that dies, hangs on a request or is not ready within
+the start-up deadline is SIGKILLed and replaced after ``RESPAWN_INTERVAL_S``;
+after ``MAX_FAILURES`` the node starts its workers as fresh processes for the
+rest of its life. Whenever no ready template is there, a start falls back to a
+fresh process (:func:`unbroken.agent._process.spawn`): no start ever waits for
+a template, except the node's first.
+
+Invariants: the agent reads the template's replies only with a deadline (a
+template that hangs costs at most ``REPLY_TIMEOUT_S`` once); a worker forked
+from the template is the agent's child (the agent is a subreaper), so it is
+reaped, signalled and judged exactly as a spawned one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from unbroken.agent._process import ForkedChild, child_env, describe_exit, log_line, send, spawn
+
+logger = logging.getLogger(__name__)
+
+REPLY_TIMEOUT_S = 5.0
+"""A fork request not answered in this long: the template is hung (it is replaced)."""
+RESPAWN_INTERVAL_S = 2.0
+"""Least time between two template starts."""
+MAX_FAILURES = 3
+"""Templates that died or hung before the node gives up on them (fresh processes from then on)."""
+
+Child = subprocess.Popen[bytes] | ForkedChild
+
+
+class TemplateFailed(RuntimeError):
+    """The template says the job cannot start on this node (its message is the reason)."""
+
+
+class Template:
+    """One node's template process, as its agent sees it."""
+
+    def __init__(self, *, run_dir: Path, node: int, world: int) -> None:
+        self.run_dir, self.node, self.world = run_dir, node, world
+        self._event: Callable[..., None] = lambda *args, **fields: None
+        self.ready_timeout_s = 300.0
+        self.cmd = [sys.executable, "-m", "unbroken.agent.template", "--run-dir", str(run_dir),
+                    "--world", str(world), "--node-rank", str(node)]
+        self.log = run_dir / "logs" / f"template{node}.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.ready = False
+        self.enabled = True
+        self.failures = 0
+        self.forks = 0
+        self._started = 0.0
+        self._lost_at = 0.0
+        self._buf = b""
+
+    # -- lifecycle ------------------------------------------------------------------
+
+    def attach(self, *, event: Callable[..., None], ready_timeout_s: float) -> None:
+        """The agent's event writer and start-up deadline (a template may start before the agent has them)."""
+        self._event, self.ready_timeout_s = event, ready_timeout_s
+        if self.proc is not None:
+            logger.info("[node %d] template started with the agent (pid %d)", self.node, self.proc.pid)
+
+    def start(self, now: float) -> None:
+        log_line(self.log, f"node {self.node} template: " + " ".join(self.cmd))
+        self._buf, self.ready, self._started = b"", False, now
+        with self.log.open("ab") as fh:
+            self.proc = subprocess.Popen(self.cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=fh,
+                                         start_new_session=True,
+                                         env=child_env({**os.environ, "OPENBLAS_NUM_THREADS": "1"}))
+        logger.info("[node %d] template started (pid %d)", self.node, self.proc.pid)
+
+    def wait_ready(self, timeout_s: float, beat: Callable[[], None]) -> None:
+        """The node's first start: wait (beating) until the template is ready, dead or late.
+
+        Raises:
+            TemplateFailed: the template could not import or load the job (its error).
+        """
+        deadline = time.monotonic() + timeout_s
+        while self.proc is not None and not self.ready and time.monotonic() < deadline:
+            beat()
+            self._check(time.monotonic(), wait_s=0.05)
+        if self.proc is not None and not self.ready:
+            self._lost(f"not ready within {timeout_s:.0f} s")
+
+    def tick(self, now: float) -> None:
+        """Notice readiness or death; replace a dead template. Never waits."""
+        if self.proc is not None:
+            self._check(now, wait_s=0.0)
+            if self.proc is not None and not self.ready and now - self._started > self.ready_timeout_s:
+                self._lost(f"not ready within {self.ready_timeout_s:.0f} s")
+        elif self.enabled and now - self._lost_at >= RESPAWN_INTERVAL_S:
+            self.start(now)
+
+    def close(self) -> None:
+        """Stop the template (it holds nothing: SIGKILL) and reap it."""
+        self.enabled = False
+        if self.proc is not None:
+            send(self.proc, signal.SIGKILL)
+            try:
+                self.proc.wait(timeout=10.0)
+            except subprocess.TimeoutExpired:
+                pass
+            self._close_pipes()
+            self.proc = None
+
+    # -- starting a worker ----------------------------------------------------------------
+
+    def launch(self, cmd: Sequence[str], *, log: Path, header: str, env: dict[str, str]) -> Child:
+        """Start ``cmd`` (a worker's or standby's command): forked from the template when it is ready,
+        else a fresh process. ``env``: what the child's environment must hold beyond the template's (which
+        is the agent's when the template started)."""
+        child = self._fork(list(cmd), log, header, env) if self.ready else None
+        return child if child is not None else spawn(cmd, log=log, header=header)
+
+    def _fork(self, cmd: list[str], log: Path, header: str, env: dict[str, str]) -> ForkedChild | None:
+        assert self.proc is not None and self.proc.stdin is not None
+        args = _worker_args(cmd)
+        if args is None:
+            return None
+        log_line(log, header + " (forked from the template)")
+        try:
+            self.proc.stdin.write((json.dumps({"argv": args, "log": str(log), "env": env}) + "\n").encode())
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError) as exc:
+            self._lost(f"did not take a request ({exc})")
+            return None
+        reply = self._read(REPLY_TIMEOUT_S)
+        if reply is None:
+            self._lost(f"did not answer a fork request within {REPLY_TIMEOUT_S:.0f} s" if self.proc.poll() is None
+                       else f"died ({describe_exit(self.proc.returncode or 0)})")
+            return None
+        if "pid" not in reply:
+            logger.warning("[node %d] the template could not fork (%s): starting a fresh process", self.node,
+                           reply.get("error"))
+            return None
+        self.forks += 1
+        return ForkedChild(int(reply["pid"]), cmd)
+
+    # -- internals ----------------------------------------------------------------------
+
+    def _check(self, now: float, *, wait_s: float) -> None:
+        assert self.proc is not None
+        if not self.ready:
+            reply = self._read(wait_s)
+            if reply is not None:
+                self._on_start(reply)
+                return
+        if self.proc is not None and self.proc.poll() is not None:
+            self._lost(f"died ({describe_exit(self.proc.returncode or 0)})")
+
+    def _on_start(self, reply: dict[str, Any]) -> None:
+        assert self.proc is not None
+        if "error" in reply:
+            message = str(reply["error"])
+            self._event("template_failed", None, pid=self.proc.pid, error=message)
+            self.close()
+            raise TemplateFailed(message)
+        if not reply.get("ready"):
+            self._lost(f"not fork-safe ({reply.get('threads')} threads after its start)")
+            self.enabled = False  # it would be the same next time
+            return
+        self.ready = True
+        self._event("template_ready", None, pid=self.proc.pid, prepared=bool(reply.get("prepared")),
+                    phases=reply.get("phases", {}))
+        logger.info("[node %d] template ready (pid %d, %s)", self.node, self.proc.pid,
+                    ", ".join(f"{k} {v:.2f} s" for k, v in reply.get("phases", {}).items()))
+
+    def _lost(self, what: str) -> None:
+        assert self.proc is not None
+        self.failures += 1
+        self.ready = False
+        logger.warning("[node %d] template pid %d %s: workers start as fresh processes until it is replaced",
+                       self.node, self.proc.pid, what)
+        self._event("template_lost", None, pid=self.proc.pid, why=what)
+        send(self.proc, signal.SIGKILL)
+        try:
+            self.proc.wait(timeout=10.0)
+        except subprocess.TimeoutExpired:
+            pass
+        self._close_pipes()
+        self.proc = None
+        self._lost_at = time.monotonic()
+        if self.failures >= MAX_FAILURES and self.enabled:
+            self.enabled = False
+            logger.error("[node %d] %d templates lost: workers start as fresh processes from now on (see "
+                         "logs/template%d.log)", self.node, self.failures, self.node)
+
+    def _close_pipes(self) -> None:
+        assert self.proc is not None
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            try:
+                if pipe is not None:
+                    pipe.close()
+            except OSError:
+                pass
+
+    def _read(self, timeout_s: float) -> dict[str, Any] | None:
+        """One reply line, or None when none came within ``timeout_s`` (or the template closed its end)."""
+        assert self.proc is not None and self.proc.stdout is not None
+        fd = self.proc.stdout.fileno()
+        deadline = time.monotonic() + timeout_s
+        while b"\n" not in self._buf:
+            ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+            if not ready:
+                return None
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                return None
+            self._buf += chunk
+        line, _, self._buf = self._buf.partition(b"\n")
+        try:
+            reply = json.loads(line)
+        except ValueError:
+            return {"error": f"unreadable reply {line[:200]!r}"}
+        return reply if isinstance(reply, dict) else {"error": f"unreadable reply {line[:200]!r}"}
+
+
+def _worker_args(cmd: list[str]) -> list[str] | None:
+    """The arguments after ``python -m unbroken.agent.worker_process`` (None: not that command)."""
+    prefix = [sys.executable, "-m", "unbroken.agent.worker_process"]
+    return cmd[len(prefix):] if cmd[:len(prefix)] == prefix else None
