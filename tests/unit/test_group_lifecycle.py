@@ -13,6 +13,7 @@ import torch
 from unbroken.runtime import process_group
 from unbroken.runtime.job_store import JobStore
 from unbroken.runtime.process_group import ViewGroup
+from unbroken.runtime.view import View
 
 ROUNDS = 50
 
@@ -39,6 +40,7 @@ def _resources() -> tuple[int, int]:
 
 def test_fifty_view_changes_leave_no_group_behind():
     store = JobStore.host("127.0.0.1", 0, clients=2, secret="test")
+    base = store.num_keys()
     child = subprocess.Popen([sys.executable, "-c", CHILD, str(store.port), str(ROUNDS), "0"])
     try:
         seen, groups = [], []
@@ -61,7 +63,15 @@ def test_fifty_view_changes_leave_no_group_behind():
         assert not any(g in process_group._PARKED or g.pg is not None for g in groups), "nothing was pending"
     finally:
         assert child.wait(60) == 0
-    assert store.num_keys() < 2 * ROUNDS + 10, "the test's rendezvous keys only (pruning is the protocol's)"
+    # Pruning deletes every key a view's group left (gloo's per-rank addresses, NCCL's unique id): only the
+    # views this test publishes and the "pruned" mark were added.
+    for gen in range(ROUNDS):
+        store.backend.set(f"view/{gen}", View(gen=gen, members=(0, 1), step=0, reason="test").to_json())
+        # What an NCCL group adds (no GPU here): ProcessGroupNCCL's rank 0 stores its ncclUniqueId under its
+        # communicator counter, "0" for the first, in the group's store.
+        store.group_store(gen).set("0", b"\0" * 128)
+    assert store.prune(ROUNDS) == ROUNDS
+    assert store.num_keys() == base + 1
 
 
 def test_a_group_with_a_pending_operation_is_parked_then_released():

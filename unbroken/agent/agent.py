@@ -155,6 +155,7 @@ class Agent:
             self.events = JsonlWriter(self.run_dir / "events" / f"agent{self.node}.jsonl")
             write_pid(self.run_dir / "pids" / f"agent{self.node}", os.getpid())
             cfg = self.rdv.check_config(self.run_dir)
+            self.rdv.check_shared_run_dir(self.run_dir)
             self.total_steps = int(cfg["train"]["steps"])
             self._hb_timeout = float(cfg["fault"]["heartbeat_timeout_s"])
             job_cfg = Config.from_dict(cfg)

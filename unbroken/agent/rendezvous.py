@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import secrets
 import socket
 import time
 import uuid
@@ -38,6 +39,10 @@ TAKEOVER_SILENCE_S = 3.0
 over: first its agent's heartbeat, then each of its workers' (``hb/<w>``). That is 30 beats of either
 (every 100 ms), so a holder stopped or descheduled for a second or two (SIGSTOP, swapping, a loaded
 machine) keeps its node and no worker id runs twice; a lost node costs its successor these seconds once."""
+RUN_DIR_TOKEN_FILE = "run_dir_token"
+"""Node 0's token in the run directory: the other nodes find it there when they share the directory."""
+RUN_DIR_VISIBLE_S = 10.0
+"""How long a node looks for node 0's token in its run directory (a shared filesystem may show it late)."""
 PER_MACHINE_FIELDS = frozenset({"data.cache_dir", "train.threads_per_worker"})
 """Config fields that may differ between nodes (paths and core counts of each machine)."""
 
@@ -209,6 +214,50 @@ class NodeRegistration:
             raise StartRefused(f"node {self.node}: {path} differs from the job's config in {', '.join(diff)} "
                                f"({values}); use the same config on every node")
         return mine
+
+    def check_shared_run_dir(self, run_dir: Path) -> None:
+        """Refuse a run directory that is not the one node 0 uses (a copy on another machine).
+
+        The run directory must be one directory every node sees (a shared filesystem on a multi-machine job):
+        a restore names the deciding agent's checkpoint path, a sharded checkpoint gathers every machine's
+        shards in the leader's folder, the final checkpoint and the reports are read from it. Node 0 writes a
+        fresh token into ``run_dir/RUN_DIR_TOKEN_FILE`` and publishes it; every other node (and a node 0 that
+        finds one published) reads the file and compares.
+
+        Raises:
+            StartRefused: the file is missing or holds another token; the message says why it matters.
+        """
+        path = run_dir / RUN_DIR_TOKEN_FILE
+        if self.node == 0 and self.store.run_dir_token() is None:
+            token = secrets.token_hex(16)
+            tmp = path.with_name(f".{path.name}.{os.getpid()}")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            with os.fdopen(fd, "w") as fh:
+                fh.write(token)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, path)
+            job = self.store.agree_run_dir_token(token)
+        else:
+            self.wait_for(lambda: self.store.run_dir_token() is not None,
+                          "node 0 has not published its run directory's token")
+            job = self.store.run_dir_token()
+        deadline = time.monotonic() + RUN_DIR_VISIBLE_S  # a shared filesystem may show a new file late
+        while True:
+            try:
+                here = path.read_text().strip()
+            except OSError:
+                here = None
+            if here == job or time.monotonic() >= deadline:
+                break
+            self.heartbeat(time.monotonic())
+            time.sleep(0.1)
+        if here != job:
+            raise StartRefused(
+                f"node {self.node}: {run_dir} is not the run directory node 0 uses ({path.name} "
+                f"{'is missing' if here is None else 'holds another token'}): every node of a job must use one "
+                f"shared run directory (the same folder on a shared filesystem, at the same path), because "
+                f"checkpoints, restores and the final state are read from it by any node")
 
     def initial_view(self, n_workers: int, start_step: int) -> View:
         """The current view; node 0 first publishes generation 0 (all workers, from ``start_step``) if absent."""

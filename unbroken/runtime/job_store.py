@@ -135,6 +135,13 @@ class JobStore:
     def config(self) -> str | None:
         return _opt(self.backend, "config")
 
+    def agree_run_dir_token(self, token: str) -> str:
+        """Publish the token node 0 wrote into its run directory unless one is there; returns the job's."""
+        return self.backend.compare_set("run_dir_token", "", token).decode()
+
+    def run_dir_token(self) -> str | None:
+        return _opt(self.backend, "run_dir_token")
+
     def agree_fingerprint(self, config_hash: str, name: str, text: str) -> str:
         """Publish ``text`` as fingerprint ``name`` of the job unless one is there; returns the job's."""
         return self.backend.compare_set(f"fingerprint/{config_hash}/{name}", "", text).decode()
@@ -248,6 +255,7 @@ class JobStore:
             keys = [f"view/{g}", f"outcome/{g}", f"arrive/{g}", f"restore/{g}", f"restore/{g}/nodes"]
             keys += [f"snapinv/{g}/{r}" for r in range(int(_opt(self.backend, f"restore/{g}/nodes") or 0))]
             keys += [f"items/{g}/{w}" for w in members] + [f"pg/{g}/0/{r}" for r in range(len(members))]
+            keys.append(f"pg/{g}/0")  # NCCL's unique id (its first communicator's counter)
             for key in keys:
                 self.backend.delete_key(key)
         if below > first:
