@@ -19,6 +19,7 @@ ask to join.
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 import pytest
@@ -31,6 +32,7 @@ from unbroken.bench.report import summarize_run
 from unbroken.data import BatchSampler
 from unbroken.faults.store_loss import STORE_PIDS_ENV
 from unbroken.jsonl import read_jsonl
+from unbroken.runtime.ledger import check_ledger
 from unbroken.mecefo.takeover import POLICIES
 from unbroken.mecefo.gradients import SlotWork
 
@@ -171,6 +173,33 @@ def test_hang_and_blocked_main_thread_are_detected_and_fenced(tmp_path, corpus_o
     assert failure_steps(job) == [4, 9]
     assert all(job.slot_items(s, 1) == [(2, 1, 0, MB, "approx")] for s in range(4, 12))
     assert all(job.slot_items(s, 3) == [(0, 3, 0, MB, "approx")] for s in range(9, 12))
+
+
+def test_leader_dies_before_the_final_checkpoint_is_committed(tmp_path, corpus_overrides):
+    """Worker 0 (the leader) is SIGKILLed after the last step with its final checkpoint begun: the others stay
+    until ``done``; worker 1, the first live member, writes the final checkpoint and sets ``done``."""
+    steps = 8
+    cfg = failover_config(corpus_overrides, steps)
+    job = run_job(cfg, tmp_path / "run", nodes=2, workers_per_node=2, fail_at=f"step={steps}:worker=0:kill:phase=finish")
+    (fired,) = job.events("fault_self", worker=0)
+    assert fired["phase"] == "finish" and fired["step"] == steps
+    (takeover,) = job.events("final_checkpoint_takeover")
+    assert takeover["worker"] == 1 and takeover["leader"] == 0 and takeover["step"] == steps
+    assert job.summary["steps"] == steps and job.summary["checkpoint"].endswith(f"step_{steps:07d}")
+    ledger = check_ledger(job.run_dir, n_slots=4, micro_batch=MB, steps=steps)
+    assert ledger.ok and ledger.committed == steps
+    reports = sorted(int(p.stem[1:]) for p in (job.run_dir / "workers").glob("w*.json"))
+    assert reports == [1, 2, 3] and job.summary["workers_agree"]
+    # Nothing failed before the last step was applied: the final checkpoint is the failure-free run's (to
+    # float tolerance: 8 steps of differently ordered sums), and bit for bit the survivors' parameters.
+    got, want = checkpoint_params(job.summary["checkpoint"]), reference_train(job.cfg)
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-3, atol=1e-4, msg=name)
+    digest = hashlib.sha256()
+    for name in want:  # the model's parameter order, as the workers hash them
+        digest.update(got[name].contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    assert digest.hexdigest() == json.loads((job.run_dir / "workers" / "w1.json").read_text())["param_digest"]
 
 
 def test_node_loss(tmp_path, corpus_overrides):

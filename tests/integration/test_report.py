@@ -179,7 +179,10 @@ def test_a_warm_standby_records_what_its_start_cost(job):
     assert start["standby"] is True
     mine = job.events("standby_ready", pid=start["pid"])  # the standby that became worker 1
     assert len(mine) == 1 and mine[0]["node"] == 0
-    assert 0.5 < mine[0]["cpu_s"] < 120.0  # imports, data, model: seconds of CPU
+    # Forked from the node's template: the imports, data and model (seconds of CPU) were the template's.
+    assert mine[0]["forked"] is True and 0.0 <= mine[0]["cpu_s"] < 0.5
+    (template,) = job.events("template_ready", node=0)
+    assert 0.5 < template["cpu_s"] < 120.0
     merged = read_jsonl(job.run_dir / "events.jsonl")
     assert [e["pid"] for e in merged if e.get("event") == "standby_ready"] == [
         e["pid"] for e in job.events("standby_ready")]

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from unbroken.runtime.job_store import JobStore
-from unbroken.runtime.membership import Membership, View
+from unbroken.runtime.membership import FIRST_BEAT_FACTOR, Membership, View
 from unbroken.runtime.store_backend import TCPStoreBackend
 
 TIMEOUT_S = 0.3
@@ -130,15 +130,24 @@ def test_the_heartbeat_stops_once_the_store_is_gone_for_longer_than_the_timeout(
     assert flaky.errors > 2
 
 
-def test_a_member_that_never_beat_is_dead_after_the_heartbeat_timeout(store):
-    """Its counters exist from the view's publication: no read waits for the store's timeout."""
-    view = View(gen=0, members=(0, 1), step=0)
+def test_a_member_that_never_beat_is_dead_after_a_starts_grace_one_that_stopped_after_the_timeout(store):
+    """Counters exist from the view's publication (no read waits for the store's timeout); a counter still at 0
+    is a start not finished: FIRST_BEAT_FACTOR heartbeat timeouts; one that moved and stopped: one timeout."""
+    view = View(gen=0, members=(0, 1, 2), step=0)
     store.publish_initial(view)
+    store.beat(2)  # worker 2 started, then stopped beating
     m = Membership(store, 0, heartbeat_timeout_s=TIMEOUT_S)
+    assert m.first_beat_timeout_s == FIRST_BEAT_FACTOR * TIMEOUT_S
     t0 = time.monotonic()
-    while not (dead := m.dead_members(view)) and time.monotonic() - t0 < 5.0:
+    dead: set[int] = set()
+    found: dict[int, float] = {}
+    while len(found) < 2 and time.monotonic() - t0 < 10.0:
+        dead = m.dead_members(view)
+        found.update({w: time.monotonic() - t0 for w in dead if w not in found})
         time.sleep(0.02)
-    assert dead == {1} and TIMEOUT_S <= time.monotonic() - t0 < TIMEOUT_S + 2.0
+    assert dead == {1, 2}
+    assert TIMEOUT_S <= found[2] < TIMEOUT_S + 2.0
+    assert FIRST_BEAT_FACTOR * TIMEOUT_S <= found[1] < FIRST_BEAT_FACTOR * TIMEOUT_S + 2.0
 
 
 def test_a_beating_member_whose_main_thread_stands_still_is_dead_after_the_progress_timeout(store):
@@ -190,6 +199,7 @@ def test_the_leaders_duties_keep_its_progress_ticking_and_a_real_stall_still_cou
         schedule=SimpleNamespace(taken=lambda: None), protocol=SimpleNamespace(sharded=None, view=view),
         job=SimpleNamespace(val_sampler=None, model=torch.nn.Linear(1, 1), optimizer=None), hash="h")
     trainer.job.optimizer = torch.optim.AdamW(trainer.job.model.parameters())
+    trainer._save = lambda done, last: Trainer._save(trainer, done, last)
     thread = threading.Thread(target=watch, daemon=True)
     thread.start()
     try:

@@ -179,7 +179,7 @@ class Template:
             return
         self.ready = True
         self._event("template_ready", None, pid=self.proc.pid, prepared=bool(reply.get("prepared")),
-                    phases=reply.get("phases", {}))
+                    phases=reply.get("phases", {}), cpu_s=reply.get("cpu_s"))
         logger.info("[node %d] template ready (pid %d, %s)", self.node, self.proc.pid,
                     ", ".join(f"{k} {v:.2f} s" for k, v in reply.get("phases", {}).items()))
 

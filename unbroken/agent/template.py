@@ -7,7 +7,8 @@ that is safe, prepares the data and the model (built-in data and model on a
 CPU job: the same objects a warm standby prepares); then it answers, one JSON
 line per request on its stdin, with one JSON line on its stdout:
 
-- at start: ``{"ready": true, "pid": P, "prepared": bool, "phases": {...}}``,
+- at start: ``{"ready": true, "pid": P, "prepared": bool, "phases": {...}, "cpu_s": C}``
+  (``C``: the CPU seconds its start took, which its forks no longer spend),
   or ``{"error": "..."}`` and exit 2 when the job cannot start here (an import
   error in a factory module, a broken install): the agent fails the job once
   with that message instead of starting workers that would all die of it;
@@ -174,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     threads = thread_count()
     _reply(out, {"ready": threads == 1, "pid": os.getpid(), "threads": threads, "prepared": prepared is not None,
-                 "phases": phases})
+                 "phases": phases, "cpu_s": round(time.process_time(), 3)})
     if threads != 1:
         print(f"template: {threads} threads after start-up: it will not fork", file=sys.stderr, flush=True)
         return 2

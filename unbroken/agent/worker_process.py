@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None, *, forked: bool = False, prepared: Prepa
     worker = a.worker
     try:
         if a.standby:
-            got = standby(a.run_dir, a.world, a.store, a.node_rank, prepared=prepared)
+            got = standby(a.run_dir, a.world, a.store, a.node_rank, prepared=prepared, forked=forked)
             if got is None:
                 code = 0
             else:

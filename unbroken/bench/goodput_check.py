@@ -178,7 +178,8 @@ def _recorded(run_dir: Path, fig: dict[str, Any], workers: int, cores: int) -> d
     return; each failure stalls the job by the measured crash or hang stall (by how it was detected),
     each admission of a joiner (``view_adopted`` with joiners) by the measured rejoin stall, each warm
     standby started during the measured steps by its own start's CPU seconds over the ``cores`` (when
-    the live workers are at least as many as the cores; ``standby_ready`` events).
+    the live workers are at least as many as the cores; ``standby_ready`` events), and each node template
+    started then (``template_ready``: the imports a forked standby or worker no longer pays).
     """
     from unbroken.bench.report import summarize_run
 
@@ -204,9 +205,12 @@ def _recorded(run_dir: Path, fig: dict[str, Any], workers: int, cores: int) -> d
     # every core busy: sharing fairly, the job loses its CPU seconds over the cores.
     train = _train(run_dir)
     startups = []
-    ready = [e for f in sorted((run_dir / "events").glob("standby*.jsonl")) for e in read_jsonl(f)]
+    # Node templates started while it trains (a replacement node's, a lost template's) are such starts too.
+    ready = [e for pattern in ("standby*.jsonl", "agent*.jsonl") for f in sorted((run_dir / "events").glob(pattern))
+             for e in read_jsonl(f)]
     for e in ready:
-        if e.get("event") != "standby_ready" or not train[0]["time"] < e["time"] <= train[-1]["time"]:
+        if e.get("event") not in ("standby_ready", "template_ready") or e.get("cpu_s") is None \
+                or not train[0]["time"] < e["time"] <= train[-1]["time"]:
             continue
         step = next(r["step"] for r in train if r["time"] >= e["time"])
         live = workers - sum(1 for w, a, b in outages if a <= step < b)

@@ -18,14 +18,16 @@ Fields of an item, in any order:
   worker's main thread blocks for good (a read on a pipe nobody writes) while
   its heartbeat thread beats on, a hang only progress detection finds (worker
   targets only; with ``phase=any`` it blocks at ``forward``);
-* ``phase=forward|backward|allreduce|update|allgather|confirm|restore|any`` (default ``any``):
+* ``phase=forward|backward|allreduce|update|allgather|confirm|restore|finish|any`` (default ``any``):
   where in the step (``update``: before a sharded run's optimizer update of the
   worker's range, ``allgather``: with the all-gather of the new parameters in
   flight, both with ``train.shard_optimizer`` only; ``confirm``: right after the
   worker voted to commit the step, which it does once every member holds the
   reduced gradient, or, sharded, the gathered parameters; ``restore``: when the
   worker enters a view that restores the job at ``step`` (after every worker
-  died, or at ``--resume``), before it arrives in the view's group);
+  died, or at ``--resume``), before it arrives in the view's group); ``finish``:
+  after the last step (``step`` = the run's step count), the leader's final
+  checkpoint begun and not committed yet);
 * ``for=SECONDS`` (only with ``stop``): send SIGCONT after that long; absent
   means the process stays stopped.
 * ``back=STEP`` (optional, > ``step``): the failed worker(s) come back once the
@@ -56,7 +58,7 @@ __all__ = ["FaultSpec", "fail_at", "format_fail_at", "parse_fail_at", "read_faul
 
 Target = Literal["worker", "node", "store"]
 How = Literal["kill", "stop", "term", "block"]
-Phase = Literal["forward", "backward", "allreduce", "update", "allgather", "confirm", "restore", "any"]
+Phase = Literal["forward", "backward", "allreduce", "update", "allgather", "confirm", "restore", "finish", "any"]
 
 _TARGETS: tuple[str, ...] = get_args(Target)
 _HOWS: tuple[str, ...] = get_args(How)

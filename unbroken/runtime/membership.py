@@ -58,6 +58,11 @@ class ViewChanged(Exception):
     """The current view was replaced; the caller must adopt the new one."""
 
 
+FIRST_BEAT_FACTOR = 5.0
+"""A member that has never beaten is declared dead after this many heartbeat timeouts (a start's grace: on a
+loaded machine a process forked a moment after its peers may not beat for a few seconds)."""
+
+
 class Fenced(Exception):
     """This worker is not a member of the current view: it must stop at once."""
 
@@ -73,6 +78,10 @@ class Membership:
         self.heartbeat_store = heartbeat_store or store
         self.worker = worker
         self.heartbeat_timeout_s = heartbeat_timeout_s
+        # A member whose counter is still 0 has not started yet (its first beat comes after its process, store
+        # connection and heartbeat thread start): judged with a start's grace. Its agent marks it dead at once
+        # if its process dies, and fences it if it hangs before the start-up deadline.
+        self.first_beat_timeout_s = FIRST_BEAT_FACTOR * heartbeat_timeout_s
         self.progress_timeout_s = progress_timeout_s if progress_timeout_s is not None else math.inf
         self._hb_seen: dict[int, tuple[int, float]] = {}
         self._prog_seen: dict[int, tuple[int, float]] = {}
@@ -177,7 +186,8 @@ class Membership:
                     self.mark_dead(w, json.dumps({"by": self.worker, "how": "lease expired"}))
                     continue
                 beat, progress = counted
-                for seen, value, limit, how in ((self._hb_seen, beat, self.heartbeat_timeout_s, "heartbeat"),
+                hb_limit = self.heartbeat_timeout_s if beat else self.first_beat_timeout_s
+                for seen, value, limit, how in ((self._hb_seen, beat, hb_limit, "heartbeat"),
                                                 (self._prog_seen, progress, self.progress_timeout_s, "no progress")):
                     last = seen.get(w)
                     if last is None or last[0] != value or blind:

@@ -64,12 +64,14 @@ MAX_SAME_VIEW_RETRIES = 3
 before this worker gives up and leaves: its agent restarts it as a joiner, so a fault nobody can name
 costs one restart instead of an endless loop of new groups."""
 
-Phase = Literal["forward", "backward", "allreduce", "update", "allgather", "confirm", "restore"]
-PHASES: tuple[Phase, ...] = ("forward", "backward", "allreduce", "update", "allgather", "confirm", "restore")
+Phase = Literal["forward", "backward", "allreduce", "update", "allgather", "confirm", "restore", "finish"]
+PHASES: tuple[Phase, ...] = ("forward", "backward", "allreduce", "update", "allgather", "confirm", "restore",
+                             "finish")
 """Hook points of a step: before the forward pass, after the backward pass, with the
 all-reduce in flight, before a sharded run's optimizer update, with its all-gather of the
 parameters in flight, right after the commit vote; ``restore``: on entering a restored view
-(its step), before arriving in the view's group."""
+(its step), before arriving in the view's group; ``finish``: after the last step (the run's
+step count), the leader's final checkpoint begun and not yet committed."""
 
 
 class MemberDied(Exception):

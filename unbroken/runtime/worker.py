@@ -39,6 +39,7 @@ from unbroken.jsonl import JsonlWriter
 from unbroken.mecefo.takeover import takeover_policy
 from unbroken.models.factory import bind_device, place_model
 from unbroken.runtime.checkpoint import AsyncCheckpointer, load_checkpoint, training_state
+from unbroken.runtime.checkpoint_files import COMMIT_FILE, checkpoint_dir
 from unbroken.runtime.checkpoint_schedule import CheckpointSchedule, Due, newest_checkpoint_age_s
 from unbroken.runtime.job_store import JobStore
 from unbroken.runtime.store_backend import job_secret
@@ -308,15 +309,43 @@ class Trainer:
         with self.m.busy():
             if self.shard_checkpoints is not None:
                 self.shard_checkpoints.close()
-            if self.checkpointer:
-                self.checkpointer.wait()
+            self.protocol._phase("finish", steps)
+            self._finish(steps, last)
         if self.snapshots is not None:
             self.snapshots.close()
         if self.metrics:
             self.metrics.close()
-        if self.protocol.view.leader == self.spec.worker:
-            self.store.set_done()
         return last
+
+    def _finish(self, steps: int, last: dict[str, Any]) -> None:
+        """After the last step: the final checkpoint is committed, then ``done`` is set.
+
+        Every member stays until ``done``: the leader waits for its final save and sets it; if the leader
+        dies first, the first member of the view not found dead writes the final checkpoint itself (every
+        member applied the last step: its state is the leader's) and sets ``done``, so the final state never
+        lives in shared memory only. Each member watches the others through the failure detector meanwhile.
+        """
+        view = self.protocol.view
+        while not self.store.is_done():
+            dead = self.m.dead_members(view)
+            writer = next((w for w in view.members if w not in dead), self.spec.worker)
+            if writer == self.spec.worker:
+                if view.leader != self.spec.worker:
+                    logger.warning("the leader (worker %d) died before the final checkpoint was committed: "
+                                   "writing it", view.leader)
+                    self._event("final_checkpoint_takeover", step=steps, leader=view.leader)
+                    if self._final_committed(steps) is None:
+                        self._save(steps, last)  # the metrics keep what the leader wrote
+                if self.checkpointer is not None:
+                    self.checkpointer.wait()
+                self.store.set_done()
+                return
+            time.sleep(FINISH_POLL_S)
+
+    def _final_committed(self, steps: int) -> Path | None:
+        """The committed checkpoint of step ``steps``, if one is on disk."""
+        path = checkpoint_dir(self.spec.run_dir, steps)
+        return path if (path / COMMIT_FILE).is_file() else None
 
     def _lead(self, done: int, last: dict[str, Any], due: Due | None) -> None:
         """Duties of the view's first member: metrics, validation, checkpoints (``due``: see
@@ -335,13 +364,19 @@ class Trainer:
             self.metrics.step_done(last, self.job.validation_loss if self.job.val_sampler is not None else None)
             self.checkpointer.poll()
             if due == "step" or (due == "time" and self.checkpointer.pending_step is None):  # never waits for time
-                self.schedule.taken()
-                shards = None
-                if self.protocol.sharded is not None:
-                    shards = (self.protocol.view.gen, self.protocol.sharded.checkpoint_ranges())
-                self.checkpointer.save(done, training_state(self.job.model, self.job.optimizer),
-                                       {"loss": last["loss"]}, shards=shards)
+                self._save(done, last)
             self.store.set_progress(done)
+
+    def _save(self, done: int, last: dict[str, Any]) -> None:
+        if self.checkpointer is None:
+            self.checkpointer = AsyncCheckpointer(self.spec.run_dir, config_hash=self.hash,
+                                                  keep=self.cfg.train.keep_checkpoints)
+        self.schedule.taken()
+        shards = None
+        if self.protocol.sharded is not None:
+            shards = (self.protocol.view.gen, self.protocol.sharded.checkpoint_ranges())
+        self.checkpointer.save(done, training_state(self.job.model, self.job.optimizer), {"loss": last["loss"]},
+                               shards=shards)
 
     def param_digest(self) -> str:
         """sha256 of every trainable parameter's bytes, in order (one host copy per tensor, hashed in place:
@@ -350,6 +385,10 @@ class Trainer:
         for p in self.job.layout.params:
             h.update(memoryview(p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()))
         return h.hexdigest()
+
+
+FINISH_POLL_S = 0.1
+"""How often a member waiting for the final checkpoint looks at ``done`` and the others' liveness."""
 
 
 def load_run_config(run_dir: Path, world: int) -> Config:
@@ -445,8 +484,8 @@ job's end is checked once per heartbeat, so a waiting standby sends the store ab
 (at a 5 ms poll with the end checked every time, about 700: an HTTP request each on an etcd store)."""
 
 
-def standby(run_dir: Path, world: int, store_addr: str, node: int,
-            prepared: Prepared | None = None) -> Assignment | None:
+def standby(run_dir: Path, world: int, store_addr: str, node: int, prepared: Prepared | None = None,
+            forked: bool = False) -> Assignment | None:
     """Be a warm standby of ``node``: prepare, announce, wait to be handed a worker id.
 
     Contract (see :mod:`unbroken.agent._standby`): announce the pid once warm,
@@ -454,7 +493,8 @@ def standby(run_dir: Path, world: int, store_addr: str, node: int,
     standby that stops is replaced by its agent), claim an offer by
     compare-and-set, read the fault indices handed with it. Returns None when
     the job ends first. Once warm it records ``standby_ready`` with the CPU
-    seconds its start took (``events/standby<node>.jsonl``).
+    seconds its start took (``events/standby<node>.jsonl``; a standby ``forked`` from the node's template
+    spent little: the template's ``template_ready`` holds the CPU seconds of the imports).
     """
     from unbroken.runtime.membership import HEARTBEAT_INTERVAL_S
 
@@ -467,7 +507,7 @@ def standby(run_dir: Path, world: int, store_addr: str, node: int,
     # What its start cost the machine (the goodput check charges it to the job when the cores are shared).
     events = JsonlWriter(run_dir / "events" / f"standby{node}.jsonl")
     events.write({"kind": "event", "event": "standby_ready", "node": node, "pid": os.getpid(),
-                  "cpu_s": round(time.process_time(), 3)})
+                  "cpu_s": round(time.process_time(), 3), "forked": forked})
     events.close()
     next_beat = time.monotonic() + HEARTBEAT_INTERVAL_S
     while True:
