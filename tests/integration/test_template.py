@@ -78,15 +78,17 @@ def test_template_loss_fallback_and_agent_loss(tmp_path, corpus_overrides):
     assert sorted(first) == [(0, True), (1, True), (2, True), (3, True)], "every first worker is forked"
     (w1,) = job.events("worker_start", worker=1, incarnation=2)
     assert not w1["forked"] and w1["join"], "no template was ready: a fresh process"
-    (w0,) = job.events("worker_start", worker=0, incarnation=2)
+    w0 = job.events("worker_start", worker=0, incarnation=2)[0]
     assert w0["forked"] and w0["join"], "forked from the replacement template"
     assert len(job.events("template_ready", node=0)) == 2 and len(job.events("template_lost", node=0)) == 1
     # The lost node's processes died with its agent (its template's pid is among job.pids: none left).
     assert all(p in job.pids for p in seen["node1"])
     # A start's "process" phase is the process's age at its first line: a fresh one's holds the interpreter and
     # every import, a forked one's only the fork.
-    (forked,) = [e["phases"]["process"] for e in job.events("start_phases", worker=0) if e["join"]]
-    (fresh,) = [e["phases"]["process"] for e in job.events("start_phases", worker=1) if e["join"]]
+    # (Worker 0 may rejoin once more: a member whose all-reduce failed when node 1 was lost, after its peers
+    # committed the step, leaves and rejoins.)
+    forked = [e["phases"]["process"] for e in job.events("start_phases", worker=0) if e["join"]][0]
+    fresh = [e["phases"]["process"] for e in job.events("start_phases", worker=1) if e["join"]][0]
     assert forked < fresh, (forked, fresh)
 
 

@@ -74,7 +74,7 @@ def test_all_errors_at_once() -> None:
         "worker='-1' is negative; expected an integer >= 0",
         "'explode' is neither key=value nor one of kill, stop, term",
         "how='melt'; expected one of kill, stop, term",
-        "phase='lunch'; expected one of forward, backward, allreduce, update, allgather, confirm, restore, any",
+        "phase='lunch'; expected one of forward, backward, allreduce, update, allgather, confirm, restore, finish, any",
         "for='2' only applies to stop",
         "step='x' is not an integer",
         "for='-1'; expected a finite number of seconds > 0",

@@ -94,7 +94,7 @@ class _Hiccup(TCPStoreBackend):
     """The real store, whose answers fail for a while (a store restarting, a network blip)."""
 
     def __init__(self, real: TCPStoreBackend, failing_s: float) -> None:
-        super().__init__(real.store, real.ns)
+        super().__init__(real.store, real.ns, secret="test")
         self.until = time.monotonic() + failing_s
         self.errors = 0
 

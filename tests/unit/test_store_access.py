@@ -13,6 +13,7 @@ import torch.distributed as dist
 from unbroken.runtime.job_store import JobStore
 from unbroken.runtime.store_backend import SECRET_ENV, StoreAccessDenied, job_secret, save_secret
 from unbroken.runtime.view import View
+from unbroken.runtime.store_seal import Sealer
 
 
 @pytest.fixture()
@@ -111,7 +112,7 @@ def test_a_client_connecting_before_the_host_wrote_the_jobs_marker_waits_for_it(
     thread.start()
     thread.join(0.5)
     assert thread.is_alive() and not got, "the client waits for the host to be ready"
-    master.set(_namespace("late") + "job", "1")  # what the host does next
+    master.set(_namespace("late") + "job", Sealer("late").seal("job", "1"))  # what the host does next
     master.set(READY_KEY, "1")
     thread.join(20)
     assert isinstance(got[0], TCPStoreBackend), got

@@ -20,11 +20,15 @@ import hashlib
 import os
 import secrets
 import socket
+import time
 from abc import ABC, abstractmethod
 from datetime import timedelta
 from pathlib import Path
 
 import torch.distributed as dist
+
+from unbroken.runtime.store_seal import NONCE_LEN, TAG_LEN, Sealer, SealedStore, add_sealed, compare_set_sealed
+from unbroken.runtime.store_seal import POLL_S as SEAL_POLL_S
 
 __all__ = ["ETCD_SCHEME", "SECRET_ENV", "SECRET_FILE", "StoreAccessDenied", "StoreBackend", "TCPStoreBackend", "job_secret",
            "new_secret", "save_secret"]
@@ -132,30 +136,78 @@ class StoreBackend(ABC):
 
 
 class TCPStoreBackend(StoreBackend):
-    """torch's ``TCPStore``, every key under the job's namespace (module docstring)."""
+    """torch's ``TCPStore``, every key under the job's namespace and every value sealed with the job's secret
+    (module docstring; :mod:`unbroken.runtime.store_seal`)."""
 
-    def __init__(self, store: dist.TCPStore, namespace: str, timeout_s: float = 30.0) -> None:
+    SEEN_LIMIT = 100_000
+    """Authentic values remembered per client (for reads that find a forged value); cleared when exceeded."""
+
+    def __init__(self, store: dist.TCPStore, namespace: str, timeout_s: float = 30.0, *, secret: str) -> None:
         self.store, self.ns, self.timeout_s = store, namespace, timeout_s
+        self.sealer = Sealer(secret)
+        # The last authentic payload this client read or wrote, per key: what a forged counter reads as (a
+        # counter only grows, so an old value only means "no beat seen"); never used for other keys, whose
+        # value may have been deleted or replaced since.
+        self._seen: dict[str, bytes] = {}
+
+    def _remember(self, key: str, value: bytes) -> bytes:
+        if len(self._seen) >= self.SEEN_LIMIT:
+            self._seen.clear()
+        self._seen[key] = value
+        return value
+
+    def _open(self, key: str, raw: bytes | None) -> bytes | None:
+        """The authentic payload of ``raw``; a forged value is tombstoned (only if still in place)."""
+        value = self.sealer.open(key, raw)
+        if value is not None:
+            return self._remember(key, value)
+        if raw:
+            self.store.compare_set(self.ns + key, raw, b"")
+        return None
 
     def get(self, key: str) -> bytes:
-        return self.store.get(self.ns + key)
+        deadline = time.monotonic() + self.timeout_s
+        while (value := self._open(key, self.store.get(self.ns + key))) is None:
+            if time.monotonic() > deadline:
+                raise dist.DistStoreError(f"no value written by this job for store key {key!r} within "
+                                          f"{self.timeout_s:.0f} s")
+            time.sleep(SEAL_POLL_S)
+        return value
 
     def set(self, key: str, value: str) -> None:
-        self.store.set(self.ns + key, value)
+        sealed = self.sealer.seal(key, value)
+        self.store.set(self.ns + key, sealed)
+        self._remember(key, sealed[:-NONCE_LEN - TAG_LEN])
 
     def compare_set(self, key: str, expected: str, desired: str) -> bytes:
-        return self.store.compare_set(self.ns + key, expected, desired)
+        return self._remember(key, compare_set_sealed(self.store, key, self.ns + key, expected, desired,
+                                                      self.sealer))
 
     def add(self, key: str, amount: int) -> int:
-        return self.store.add(self.ns + key, amount)
+        known = int(self._seen.get(key) or 0)
+        value = add_sealed(self.store, key, self.ns + key, amount, self.sealer, known)
+        self._remember(key, str(value).encode())
+        return value
 
     def check(self, keys: list[str]) -> bool:
-        return self.store.check([self.ns + k for k in keys])
+        """Every key holds an authentic value (a forged or tombstoned one is absent)."""
+        if not self.store.check([self.ns + k for k in keys]):
+            return False
+        return all(self._open(k, self.store.get(self.ns + k)) is not None for k in keys)
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
-        return self.store.multi_get([self.ns + k for k in keys])
+        raws = self.store.multi_get([self.ns + k for k in keys])
+        return [value if (value := self._open(k, raw)) is not None else self.get(k) for k, raw in zip(keys, raws)]
+
+    def get_present(self, keys: list[str]) -> list[bytes | None]:
+        """Counters (which exist from a view's publication on): a forged one reads as the last authentic value
+        this client saw, or 0 (a first observation), never as gone (which would read as a lease expired)."""
+        raws = self.store.multi_get([self.ns + k for k in keys])
+        return [value if (value := self._open(k, raw)) is not None else self._seen.get(k, b"0")
+                for k, raw in zip(keys, raws)]
 
     def delete_key(self, key: str) -> bool:
+        self._seen.pop(key, None)
         return self.store.delete_key(self.ns + key)
 
     def num_keys(self) -> int:
@@ -176,7 +228,8 @@ class TCPStoreBackend(StoreBackend):
         """
         client = dist.TCPStore(self.store.host, self.store.port, None, is_master=False,
                                timeout=timedelta(seconds=self.timeout_s))
-        return dist.PrefixStore(self.ns + prefix, client)
+        return SealedStore(dist.PrefixStore(self.ns + prefix, client), prefix + "/", self.sealer,
+                           self.timeout_s)
 
     @classmethod
     def connect(cls, addr: str, *, timeout_s: float, secret: str) -> TCPStoreBackend:
@@ -202,7 +255,7 @@ class TCPStoreBackend(StoreBackend):
         except (RuntimeError, dist.DistStoreError):
             raise ConnectionError(f"store {addr} answered but never became ready within {timeout_s:.0f} s; "
                                   f"is it this job's store?") from None
-        backend = cls(store, _namespace(secret), timeout_s)
+        backend = cls(store, _namespace(secret), timeout_s, secret=secret)
         if not backend.check(["job"]):
             raise StoreAccessDenied(f"store {addr} holds no job under this secret; use the run's {SECRET_FILE} "
                                     f"file or {SECRET_ENV} of the job you mean")
@@ -230,7 +283,7 @@ class TCPStoreBackend(StoreBackend):
                 f"the port is probably in use: pick another with --train.port=N or 0 for a free one"
             ) from None
         listener.detach()  # the store owns the socket now (it closes it when it goes), Python must not
-        backend = cls(store, _namespace(secret))
+        backend = cls(store, _namespace(secret), secret=secret)
         backend.set("job", "1")
         store.set(READY_KEY, "1")  # last: a client that connected meanwhile now tells a wrong secret from early
         return backend

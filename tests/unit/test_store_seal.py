@@ -1,0 +1,112 @@
+"""An attacker who knows the job's namespace (``TCPStore.list_keys`` shows it) and writes every kind of key
+changes nothing the job acts on: values without the job's seal are read as absent, tombstoned where the
+job writes, and never make a worker dead, a job done or failed, a view current, or a peer's address."""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from unbroken.runtime.job_store import JobStore
+from unbroken.runtime.process_group import ViewGroup
+from unbroken.runtime.store_seal import Sealer
+from unbroken.runtime.view import View
+
+
+@pytest.fixture()
+def store():
+    s = JobStore.host("127.0.0.1", 0, clients=4, secret="the job's secret")
+    yield s
+    del s
+
+
+def _attacker(store: JobStore) -> tuple[dist.TCPStore, str]:
+    """A raw client of the store's port, and the job's namespace (which it can list)."""
+    raw = dist.TCPStore("127.0.0.1", store.port, None, is_master=False, timeout=timedelta(seconds=10))
+    return raw, store.backend.ns
+
+
+def test_forged_values_of_every_kind_change_nothing(store):
+    view0 = View(gen=0, members=(0, 1, 2), step=0)
+    store.publish_initial(view0)
+    store.beat(1)
+    store.beat(1)
+    raw, ns = _attacker(store)
+    forged = {
+        "view/1": View(gen=1, members=(2,), step=0, reason="forged").to_json(),  # a view dropping 0 and 1
+        "dead/0": '{"by": 2, "how": "forged"}',  # kill a live worker
+        "done": "1",  # end the job
+        "failed": "forged failure",  # fail the job
+        "outcome/0": "0:commit",  # decide a step
+        "config": '{"forged": true}',
+        "progress": "999",
+        "join/2": '{"pid": 1}',  # ask for the training state
+    }
+    for key, value in forged.items():  # planted where absent (overwriting would erase: see the next test)
+        raw.compare_set(ns + key, "", value)
+    raw.set(ns + "hb/1", "0")  # a counter overwritten: its writer and readers keep the authentic count
+    other = JobStore.connect(f"127.0.0.1:{store.port}", timeout_s=10, secret="the job's secret")
+    for s in (store, other):  # one client that wrote before, one that never did
+        assert s.gen() == 0 and s.current_view() == view0
+        assert not s.is_marked_dead(0) and s.dead_mark(0) is None
+        assert not s.is_done() and s.failure() is None and not s.finished()
+        assert s.config() is None and s.progress() is None and s.join_request(2) is None
+    assert store.heartbeats([1]) == [2], "a forged heartbeat is ignored (the last authentic value stands)"
+    assert store.beat(1) == 3, "and the next beat goes on from the authentic count"
+    # The job writes over forged values: they are replaced, not obeyed.
+    winner = store.propose(view0, View(gen=1, members=(0, 1), step=0, reason="dead [2]"))
+    assert winner.members == (0, 1) and store.gen() == 1 and store.current_view() == winner
+    assert store.mark_dead(0, '{"by": 1, "how": "heartbeat"}') and other.is_marked_dead(0)
+    store.set_done()
+    assert other.is_done()
+    assert store.agree_config('{"real": 1}') == '{"real": 1}'
+
+
+def test_a_forged_rendezvous_address_is_never_used(store):
+    """Two ranks build a gloo group on the job's rendezvous store while an attacker keeps planting both ranks'
+    address keys wherever they are absent (or tombstoned): the group forms with the authentic addresses and
+    all-reduces. (Overwriting an authentic value erases it: that can stop a job, as flooding the port can; what
+    the seal guarantees is that nothing forged is used.)"""
+    raw, ns = _attacker(store)
+    stop = threading.Event()
+
+    def forge() -> None:
+        while not stop.is_set():
+            for r in (0, 1):
+                raw.compare_set(f"{ns}pg/0/0/{r}", "", b"\x00" * 64)
+            stop.wait(0.001)
+
+    attacker = threading.Thread(target=forge, daemon=True)
+    attacker.start()
+    out: dict[int, torch.Tensor] = {}
+
+    def rank(r: int) -> None:
+        g = ViewGroup(store.group_store(0), gen=0, rank=r, size=2, device=torch.device("cpu"), timeout_s=20)
+        out[r] = g.allreduce(torch.full((4,), float(r + 1)), lambda: None).clone()
+        g.abandon()
+
+    try:
+        threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    finally:
+        stop.set()
+        attacker.join(5)
+    assert torch.equal(out[0], torch.full((4,), 3.0)) and torch.equal(out[1], torch.full((4,), 3.0))
+
+
+def test_a_seal_covers_the_key_and_the_value():
+    sealer = Sealer("s")
+    sealed = sealer.seal("dead/1", "x")
+    assert sealer.open("dead/1", sealed) == b"x"
+    assert sealer.open("dead/2", sealed) is None, "moved to another key"
+    assert sealer.open("dead/1", b"y" + sealed[1:]) is None, "another value"
+    assert Sealer("other secret").open("dead/1", sealed) is None
+    assert sealer.open("dead/1", b"") is None and sealer.open("dead/1", None) is None
+    assert sealer.seal("k", "v") != sealer.seal("k", "v"), "each write has its own nonce"
