@@ -303,15 +303,16 @@ def _store_url(addr: str | None) -> str | None:
     """``unbroken train --store``: an etcd cluster's address, checked (the embedded store needs none)."""
     if addr is None:
         return None
-    if not addr.startswith("etcd://"):
-        raise ValueError(f"--store {addr!r}: expected etcd://HOST:PORT[,HOST:PORT...][/PREFIX] (leave it out for "
-                         f"the store embedded in this process, on train.host:train.port)")
+    if not addr.startswith(("etcd://", "etcds://")):
+        raise ValueError(f"--store {addr!r}: expected etcd://HOST:PORT[,HOST:PORT...][/PREFIX], or etcds://... for "
+                         f"TLS with a client certificate (leave it out for the store embedded in this process, on "
+                         f"train.host:train.port)")
     _check_store_address(addr)
     return addr
 
 
 def _check_store_address(addr: str) -> None:
-    if addr.startswith("etcd://"):
+    if addr.startswith(("etcd://", "etcds://")):
         from unbroken.runtime.etcd_backend import parse_etcd
 
         try:

@@ -128,8 +128,10 @@ def _add_cluster_args(tr: argparse.ArgumentParser) -> None:
     tr.add_argument("--standby", action="store_true", help="keep a warm standby worker on every node")
     tr.add_argument("--restart", choices=("on-failure", "never"), default="on-failure",
                     help="restart dead workers as joiners (default on-failure)")
-    tr.add_argument("--store", default=None, metavar="etcd://HOST:PORT[,...]",
-                    help="the job's store on an etcd cluster (default: embedded in this process)")
+    tr.add_argument("--store", default=None, metavar="etcd[s]://HOST:PORT[,...]",
+                    help="the job's store on an etcd cluster; etcds:// over TLS with the client certificate named by "
+                         "UNBROKEN_ETCD_CA, UNBROKEN_ETCD_CERT and UNBROKEN_ETCD_KEY (default: embedded in this "
+                         "process)")
 
 
 def _add_agent_parser(sub: Any) -> None:

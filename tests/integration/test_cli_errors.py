@@ -193,13 +193,15 @@ def test_agent_store_unreachable(tmp_path, capsys, monkeypatch):
 
 def test_etcd_store_malformed_or_unreachable(tmp_path, capsys, monkeypatch):
     _fails(capsys, _agent(tmp_path, "etcd://h1:2379,h2"), "--store: store address 'etcd://h1:2379,h2'",
-           "expected etcd://HOST:PORT[,HOST:PORT...][/PREFIX]")
+           "expected etcd[s]://HOST:PORT[,HOST:PORT...][/PREFIX]")
     _fails(capsys, ["train", "--store", "10.0.0.1:2379", "--out", str(tmp_path / "run")],
            "--store '10.0.0.1:2379': expected etcd://HOST:PORT", "leave it out for the store embedded")
     monkeypatch.setenv(SECRET_ENV, "some job")
     addr = f"etcd://127.0.0.1:{_free_port()}"
     _fails(capsys, _agent(tmp_path, addr), f"--store {addr}: store {addr}: no etcd member answered within 1 s",
            "is etcd running there, with quorum, and the address right?")
+    _fails(capsys, _agent(tmp_path, addr.replace("etcd://", "etcds://")),  # TLS without its files
+           "TLS needs the CA, this client's certificate and its key as PEM files: UNBROKEN_ETCD_CA is not set")
 
 
 def test_agent_store_wrong_secret(tmp_path, capsys, monkeypatch):

@@ -62,7 +62,8 @@ except ImportError:  # pragma: no cover - reported by EtcdBackend.connect
     Etcd3Client = None  # type: ignore[assignment,misc]
     etcd_exceptions = None  # type: ignore[assignment]
 
-from unbroken.runtime.store_backend import ETCD_SCHEME, SECRET_ENV, StoreAccessDenied, StoreBackend, _namespace
+from unbroken.runtime.store_backend import (ETCD_SCHEME, ETCD_TLS_ENV, ETCDS_SCHEME, SECRET_ENV, StoreAccessDenied,
+                                            StoreBackend, _namespace, is_etcd_address)
 
 __all__ = ["ETCD_SCHEME", "EtcdBackend", "EtcdGroupStore", "StoreUnavailable", "is_etcd", "parse_etcd"]
 
@@ -96,7 +97,41 @@ class RequestRefused(dist.DistStoreError):
 
 
 def is_etcd(addr: str) -> bool:
-    return addr.startswith(ETCD_SCHEME)
+    return is_etcd_address(addr)
+
+
+def _tls_session(tls: dict[str, str]) -> Any:
+    """An HTTP session that trusts only the job's CA and shows the client's certificate. Not from the
+    environment: requests lets ``REQUESTS_CA_BUNDLE`` (set on many machines) override a session's CA."""
+    import requests
+
+    session = requests.Session()
+    session.trust_env = False
+    session.verify = tls["ca"]
+    session.cert = (tls["cert"], tls["key"])
+    return session
+
+
+def tls_files(addr: str) -> dict[str, str] | None:
+    """The CA, certificate and key files of an ``etcds://`` address (None for ``etcd://``).
+
+    Raises:
+        ValueError: a variable of :data:`ETCD_TLS_ENV` is unset or names no readable file (says which).
+    """
+    if not addr.startswith(ETCDS_SCHEME):
+        return None
+    files, problems = {}, []
+    for what, var in ETCD_TLS_ENV.items():
+        path = os.environ.get(var, "")
+        if not path:
+            problems.append(f"{var} is not set")
+        elif not os.path.isfile(path) or not os.access(path, os.R_OK):
+            problems.append(f"{var}={path!r} is not a readable file")
+        files[what] = path
+    if problems:
+        raise ValueError(f"store {addr}: TLS needs the CA, this client's certificate and its key as PEM files: "
+                         f"{'; '.join(problems)}")
+    return files
 
 
 def parse_etcd(addr: str) -> tuple[list[tuple[str, int]], str]:
@@ -105,7 +140,8 @@ def parse_etcd(addr: str) -> tuple[list[tuple[str, int]], str]:
     Raises:
         ValueError: the address is malformed (names it and the expected form).
     """
-    body = addr[len(ETCD_SCHEME):] if is_etcd(addr) else ""
+    scheme = ETCDS_SCHEME if addr.startswith(ETCDS_SCHEME) else ETCD_SCHEME
+    body = addr[len(scheme):] if is_etcd(addr) else ""
     hosts, slash, prefix = body.partition("/")
     endpoints = []
     for part in hosts.split(",") if hosts else []:
@@ -116,7 +152,7 @@ def parse_etcd(addr: str) -> tuple[list[tuple[str, int]], str]:
             break
         endpoints.append((host, int(port)))
     if not endpoints:
-        raise ValueError(f"store address {addr!r}: expected etcd://HOST:PORT[,HOST:PORT...][/PREFIX] with each "
+        raise ValueError(f"store address {addr!r}: expected etcd[s]://HOST:PORT[,HOST:PORT...][/PREFIX] with each "
                          f"PORT in 1..65535, e.g. etcd://10.0.0.1:2379,10.0.0.2:2379,10.0.0.3:2379")
     prefix = "/" + prefix.strip("/") if slash and prefix.strip("/") else DEFAULT_PREFIX
     return endpoints, prefix
@@ -145,11 +181,15 @@ class _Cluster:
     until a call succeeds.
     """
 
-    def __init__(self, endpoints: list[tuple[str, int]], store_timeout_s: float) -> None:
+    def __init__(self, endpoints: list[tuple[str, int]], store_timeout_s: float,
+                 tls: dict[str, str] | None = None) -> None:
         if Etcd3Client is None:
             raise ValueError("an etcd:// store needs the etcd client: pip install 'unbroken[etcd]' (etcd3gw)")
         self.addrs = [f"{h}:{p}" for h, p in endpoints]
-        self.clients = [Etcd3Client(host=h, port=p, timeout=REQUEST_TIMEOUT_S, api_path="/v3/") for h, p in endpoints]
+        # TLS: the members' certificates are checked against the job's CA, and this client shows its own.
+        self.clients = [Etcd3Client(host=h, port=p, timeout=REQUEST_TIMEOUT_S, api_path="/v3/",
+                                    **({} if tls is None else {"protocol": "https", "session": _tls_session(tls)}))
+                        for h, p in endpoints]
         self.current = os.getpid() % len(self.clients)
         self.round_trips = 0
         self.store_timeout_s = store_timeout_s
@@ -199,7 +239,8 @@ class EtcdBackend(StoreBackend):
     def __init__(self, addr: str, secret: str, *, timeout_s: float, store_timeout_s: float | None = None) -> None:
         endpoints, prefix = parse_etcd(addr)
         self.addr, self.timeout_s = addr, timeout_s
-        self.cluster = _Cluster(endpoints, timeout_s if store_timeout_s is None else store_timeout_s)
+        self.cluster = _Cluster(endpoints, timeout_s if store_timeout_s is None else store_timeout_s,
+                                tls_files(addr))
         self.ns = f"{prefix}/{_namespace(secret)}"
         self._me = uuid.uuid4().hex[:12]
         self._seq = itertools.count(1)

@@ -30,11 +30,21 @@ import torch.distributed as dist
 from unbroken.runtime.store_seal import NONCE_LEN, TAG_LEN, Sealer, SealedStore, add_sealed, compare_set_sealed
 from unbroken.runtime.store_seal import POLL_S as SEAL_POLL_S
 
-__all__ = ["ETCD_SCHEME", "SECRET_ENV", "SECRET_FILE", "StoreAccessDenied", "StoreBackend", "TCPStoreBackend", "job_secret",
+__all__ = ["ETCD_SCHEME", "ETCDS_SCHEME", "ETCD_TLS_ENV", "is_etcd_address", "SECRET_ENV", "SECRET_FILE", "StoreAccessDenied", "StoreBackend", "TCPStoreBackend", "job_secret",
            "new_secret", "save_secret"]
 
 ETCD_SCHEME = "etcd://"
 """A store address starting so names an etcd cluster (:mod:`unbroken.runtime.etcd_backend`)."""
+ETCDS_SCHEME = "etcds://"
+"""The same over TLS with a client certificate (CA, certificate and key: :data:`ETCD_TLS_ENV`)."""
+ETCD_TLS_ENV = {"ca": "UNBROKEN_ETCD_CA", "cert": "UNBROKEN_ETCD_CERT", "key": "UNBROKEN_ETCD_KEY"}
+"""Environment variables naming the PEM files of an ``etcds://`` store: the CA that signed the members'
+certificates, and this client's certificate and key (etcd run with ``--client-cert-auth``)."""
+
+
+def is_etcd_address(addr: str) -> bool:
+    """``addr`` names an etcd cluster (``etcd://`` or ``etcds://``)."""
+    return addr.startswith((ETCD_SCHEME, ETCDS_SCHEME))
 SECRET_ENV = "UNBROKEN_JOB_SECRET"
 """Environment variable holding the job's secret (agents pass it to their workers this way, never on argv)."""
 SECRET_FILE = "secret"
