@@ -25,8 +25,9 @@ pytestmark = pytest.mark.timeout(120)
 def test_addresses_parse_and_bad_ones_name_the_form():
     assert parse_etcd("etcd://a:1,b:2/jobs/x") == ([("a", 1), ("b", 2)], "/jobs/x")
     assert parse_etcd("etcd://[::1]:2379") == ([("::1", 2379)], "/unbroken")
-    for bad in ("etcd://", "etcd://host", "etcd://h:0", "etcd://h:1,,h:2", "h:2379"):
-        with pytest.raises(ValueError, match=r"etcd://HOST:PORT\[,HOST:PORT\.\.\.\]"):
+    assert parse_etcd("etcds://a:1/p") == ([("a", 1)], "/p")
+    for bad in ("etcd://", "etcd://host", "etcd://h:0", "etcd://h:1,,h:2", "h:2379", "etcds://h"):
+        with pytest.raises(ValueError, match=r"etcd\[s\]://HOST:PORT\[,HOST:PORT\.\.\.\]"):
             parse_etcd(bad)
 
 
