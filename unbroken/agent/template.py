@@ -37,6 +37,7 @@ connection; it exits when its agent closes its stdin or dies.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import sys
@@ -52,6 +53,8 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 # torch.cuda.is_available() through NVML: it never initialises the CUDA driver, which a fork cannot inherit.
 os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
 
+STALL_DUMP_S = 1.5
+"""A forked worker that has not logged its first line this long after the fork dumps its stacks to its log."""
 REPARENT_TIMEOUT_S = 5.0
 """A forked worker waits at most this long for its intermediate parent to exit."""
 
@@ -112,6 +115,8 @@ def _become_worker(argv: list[str], log: str, agent: int, intermediate: int, pre
         os.dup2(out, 2)
         os.close(null)
         os.close(out)
+        # Where a start that stalls stands (its log gets every thread's stack; cancelled once the worker logs).
+        faulthandler.dump_traceback_later(STALL_DUMP_S, exit=False)
         deadline = time.monotonic() + REPARENT_TIMEOUT_S
         while os.getppid() == intermediate and time.monotonic() < deadline:
             time.sleep(0.0005)

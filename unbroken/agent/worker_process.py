@@ -23,6 +23,7 @@ watchdog or its heartbeat monitor tearing the surviving process down.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
 import os
 import sys
@@ -122,6 +123,7 @@ def main(argv: list[str] | None = None, *, forked: bool = False, prepared: Prepa
     if forked:
         logger.info("forked from the node's template (%s)",
                     "its data and model" if prepared is not None else "imports only")
+        faulthandler.cancel_dump_traceback_later()  # armed by the template: the start did not stall
     worker = a.worker
     try:
         if a.standby:
