@@ -113,13 +113,7 @@ class Template:
         """Stop the template (it holds nothing: SIGKILL) and reap it."""
         self.enabled = False
         if self.proc is not None:
-            send(self.proc, signal.SIGKILL)
-            try:
-                self.proc.wait(timeout=10.0)
-            except subprocess.TimeoutExpired:
-                pass
-            self._close_pipes()
-            self.proc = None
+            self._stop()
 
     # -- starting a worker ----------------------------------------------------------------
 
@@ -190,27 +184,28 @@ class Template:
         logger.warning("[node %d] template pid %d %s: workers start as fresh processes until it is replaced",
                        self.node, self.proc.pid, what)
         self._event("template_lost", None, pid=self.proc.pid, why=what)
-        send(self.proc, signal.SIGKILL)
-        try:
-            self.proc.wait(timeout=10.0)
-        except subprocess.TimeoutExpired:
-            pass
-        self._close_pipes()
-        self.proc = None
+        self._stop()
         self._lost_at = time.monotonic()
         if self.failures >= MAX_FAILURES and self.enabled:
             self.enabled = False
             logger.error("[node %d] %d templates lost: workers start as fresh processes from now on (see "
                          "logs/template%d.log)", self.node, self.failures, self.node)
 
-    def _close_pipes(self) -> None:
+    def _stop(self) -> None:
+        """SIGKILL the template (it holds nothing), reap it, close its pipes."""
         assert self.proc is not None
+        send(self.proc, signal.SIGKILL)
+        try:
+            self.proc.wait(timeout=10.0)
+        except subprocess.TimeoutExpired:
+            pass
         for pipe in (self.proc.stdin, self.proc.stdout):
             try:
                 if pipe is not None:
                     pipe.close()
             except OSError:
                 pass
+        self.proc = None
 
     def _read(self, timeout_s: float) -> dict[str, Any] | None:
         """One reply line, or None when none came within ``timeout_s`` (or the template closed its end)."""

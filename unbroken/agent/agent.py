@@ -56,7 +56,7 @@ from unbroken.faults.fail_at import format_fail_at, write_fault_plan
 from unbroken.faults.injector import DeathCause, Injection, NodeFaults, workers_of
 from unbroken.jsonl import JsonlWriter
 from unbroken.runtime.job_store import JobStore
-from unbroken.runtime.store_backend import ETCD_SCHEME, ETCDS_SCHEME, SECRET_ENV, StoreAccessDenied, job_secret
+from unbroken.runtime.store_backend import SECRET_ENV, StoreAccessDenied, is_etcd_address, job_secret
 from unbroken.runtime.membership import EXIT_FENCED
 from unbroken.runtime.view import View
 from unbroken.config import Config, config_hash
@@ -211,7 +211,7 @@ class Agent:
             self._shutdown()
 
     def _host_store(self, secret: str) -> JobStore:
-        if self.opts.store.startswith((ETCD_SCHEME, ETCDS_SCHEME)):  # open the job's keys on the cluster; nothing to host
+        if is_etcd_address(self.opts.store):  # open the job's keys on the cluster; nothing to host
             job = {"run_dir": str(self.run_dir.resolve()), "host": socket.gethostname(), "pid": os.getpid()}
             return JobStore.create_on_etcd(self.opts.store, timeout_s=self.opts.timeout_s, secret=secret, job=job)
         host, _, port = self.opts.store.rpartition(":")
@@ -512,9 +512,9 @@ class Agent:
         cmd += ["--faults-file", str(self.fault_plan), "--faults", faults] if faults else []
         if self.opts.resume is not None and not join and resume:
             cmd += ["--resume", str(self.opts.resume)]
+        how = "join" if join else "start"
         proc = self._launch(cmd, log=self.run_dir / "logs" / f"w{w}.log",
-                                            header=f"node {self.node} worker {w} incarnation {k} ({'join' if join else 'start'}): "
-                            + " ".join(cmd))
+                            header=f"node {self.node} worker {w} incarnation {k} ({how}): " + " ".join(cmd))
         self._adopt(w, proc, join=join, incarnation=k, standby=False, faults=faults)
 
     def _adopt(self, w: int, proc: subprocess.Popen[bytes], *, join: bool, incarnation: int, standby: bool,

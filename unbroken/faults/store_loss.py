@@ -35,7 +35,7 @@ from pathlib import Path
 from unbroken.faults.fail_at import FaultSpec, format_fail_at
 from unbroken.jsonl import JsonlWriter, read_jsonl
 from unbroken.runtime.checkpoint import latest_checkpoint, read_commit
-from unbroken.runtime.store_backend import ETCD_SCHEME, ETCDS_SCHEME
+from unbroken.runtime.store_backend import is_etcd_address
 
 __all__ = ["STORE_PIDS_ENV", "StoreFaults", "store_lost_message"]
 
@@ -101,7 +101,7 @@ def store_lost_message(detail: str, addr: str, run_dir: Path) -> str:
     ckpt = latest_checkpoint(run_dir)
     kept = "no committed checkpoint exists" if ckpt is None else \
         f"the newest committed checkpoint is {ckpt} (step {read_commit(ckpt)['step']})"
-    again = f" --store {addr}" if addr.startswith((ETCD_SCHEME, ETCDS_SCHEME)) else ""
+    again = f" --store {addr}" if is_etcd_address(addr) else ""
     return (f"lost the job store {addr} ({detail}); every agent and worker stopped, {kept} and the nodes' "
             f"snapshot memory is kept; once the store answers again (or with another one), continue with: "
             f"unbroken train --resume {run_dir}{again}")

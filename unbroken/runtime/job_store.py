@@ -59,7 +59,7 @@ from typing import Any, Literal
 
 import torch.distributed as dist
 
-from unbroken.runtime.store_backend import ETCD_SCHEME, ETCDS_SCHEME, StoreBackend, TCPStoreBackend
+from unbroken.runtime.store_backend import StoreBackend, TCPStoreBackend, is_etcd_address
 from unbroken.runtime.view import View
 
 __all__ = ["JobStore", "Outcome"]
@@ -87,7 +87,7 @@ class JobStore:
         """Connect to the job's store at ``HOST:PORT`` (see :meth:`TCPStoreBackend.connect`) or on the etcd
         cluster of an ``etcd://`` address (see :meth:`~unbroken.runtime.etcd_backend.EtcdBackend.connect`);
         ``store_timeout_s``: see :meth:`set_store_timeout` (None: ``timeout_s``)."""
-        if addr.startswith((ETCD_SCHEME, ETCDS_SCHEME)):
+        if is_etcd_address(addr):
             from unbroken.runtime.etcd_backend import EtcdBackend  # optional dependency, imported on use
 
             return cls(EtcdBackend.connect(addr, timeout_s=timeout_s, secret=secret, store_timeout_s=store_timeout_s))
