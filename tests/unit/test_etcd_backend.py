@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import socket
 import threading
 import time
@@ -13,6 +14,7 @@ import torch.distributed as dist
 
 from unbroken.faults.fail_at import parse_fail_at
 from unbroken.faults.store_loss import StoreFaults
+from unbroken.runtime import etcd_backend
 from unbroken.runtime.etcd_backend import EtcdBackend, StoreUnavailable, parse_etcd
 from unbroken.runtime.job_store import JobStore
 from unbroken.runtime.membership import Membership
@@ -158,5 +160,36 @@ def test_a_silent_workers_liveness_keys_expire_by_themselves(etcd_cluster):
         assert Membership(store, 1, heartbeat_timeout_s=30.0).dead_members(view) == {0}
         assert "lease expired" in store.dead_mark(0)
         assert beater.beat(0) == 1 and store.heartbeats([0]) == [1], "a new lease once it beats again"
+    finally:
+        store.backend.clear()
+
+
+def _markers(backend: EtcdBackend) -> list[str]:
+    """The adders' markers under the job's namespace (keys the job itself never lists)."""
+    out = backend._call("kv/range", {"key": backend._k(""), "range_end": backend._k("\xff"), "keys_only": True})
+    keys = [base64.b64decode(kv["key"]).decode()[len(backend.ns):] for kv in out.get("kvs", [])]
+    return [k for k in keys if "\x00" in k]
+
+
+def test_a_gone_clients_markers_vanish_and_its_counts_stay(etcd_cluster, monkeypatch):
+    """Each adder's marker lives under its lease: once the client is gone (a killed worker, a standby that
+    took over), etcd deletes its markers by itself; the counts it made stay, and its own later adds
+    still count once."""
+    monkeypatch.setattr(etcd_backend, "MARKER_TTL_S", 2)
+    store = JobStore.create_on_etcd(etcd_cluster.url, timeout_s=10, secret="markers", job={"t": 1})
+    try:
+        gone = [JobStore.connect(etcd_cluster.url, timeout_s=10, secret="markers") for _ in range(3)]
+        for i, client in enumerate(gone):
+            assert client.mark_dead(i, f"worker {i} was killed")
+            client.backend.add("joins", 1)
+            client.standby_beat(0)
+        assert store.deaths() == 3 and len(_markers(store.backend)) == 9
+        t0 = time.monotonic()
+        while _markers(store.backend) and time.monotonic() - t0 < 15:
+            time.sleep(0.2)
+        assert _markers(store.backend) == [], "the markers of clients gone for their lease's TTL are deleted"
+        assert 1.5 < time.monotonic() - t0 < 10
+        assert store.deaths() == 3 and store.backend.add("joins", 0) == 3 and store.standby_beat(0, 0) == 3
+        assert gone[0].mark_dead(7, "again") and store.deaths() == 4, "an idle client's next add takes a new lease"
     finally:
         store.backend.clear()

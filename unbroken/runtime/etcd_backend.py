@@ -22,7 +22,12 @@ Operations, each one HTTP round trip in the common case:
 Leases: counters a client declares with :meth:`EtcdBackend.lease_keys` (a
 worker's heartbeat and progress) are written under its lease, refreshed by its
 own adds once a third of the TTL has passed (one ``lease/keepalive`` request):
-when it stops, etcd deletes them by itself a TTL later.
+when it stops, etcd deletes them by itself a TTL later. Every adder's markers
+go under its lease too (a client that declared no counters takes one of
+``MARKER_TTL_S``): a marker matters only while its add is being retried, so
+the markers of the thousands of clients a long job sees come and go (one per
+worker, joiner or standby incarnation on ``deaths``, ``joins`` and the beats)
+are deleted by etcd once their client is gone instead of piling up.
 
 Failover: a client talks to one member (chosen by its pid, so the job's
 clients are spread over the cluster); a member that refuses, resets or does not
@@ -86,6 +91,9 @@ LEASE_REFRESH = 1 / 3
 """A client's lease is refreshed once this fraction of its TTL has passed since the last refresh."""
 MARKER = "\x00add\x00"
 """An adder's marker key is the counter's key + this + the adder's id (sorted right after the counter)."""
+MARKER_TTL_S = 30
+"""The TTL of the lease a client that declared no leased counters takes for its markers: they vanish this
+long after its last add (the lease is refreshed by its adds, like a worker's liveness lease)."""
 
 
 class StoreUnavailable(dist.DistStoreError):
@@ -246,7 +254,7 @@ class EtcdBackend(StoreBackend):
         self._seq = itertools.count(1)
         self._counters: dict[str, dict[str, Any]] = {}  # key -> the kv this client last wrote (add)
         self._leased: set[str] = set()  # keys written under this client's lease (lease_keys)
-        self._lease_ttl, self._lease_id, self._lease_refreshed = 0, "", 0.0
+        self._lease_ttl, self._lease_id, self._lease_refreshed = MARKER_TTL_S, "", 0.0
         self.lease_round_trips = 0  # requests that granted or refreshed the lease (the benchmark counts them)
 
     # -- plumbing ---------------------------------------------------------------
@@ -356,8 +364,9 @@ class EtcdBackend(StoreBackend):
             guard = ({"key": self._k(key), "target": "CREATE", "result": "EQUAL", "create_revision": "0"}
                      if kv is None else
                      {"key": self._k(key), "target": "MOD", "result": "EQUAL", "mod_revision": kv["mod_revision"]})
-            lease = self._lease() if key in self._leased else ""
-            puts = [self._put(key, str(base + amount), lease)] + ([self._put(marker, token, lease)] if amount else [])
+            lease = self._lease() if amount else ""  # the marker's, and the counter's if it is leased
+            puts = [self._put(key, str(base + amount), lease if key in self._leased else "")]
+            puts += [self._put(marker, token, lease)] if amount else []
             try:
                 ok, responses, revision = self._txn_rev([guard], puts, [self._read(key)])
             except RequestRefused:
