@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -91,5 +92,39 @@ def test_a_group_with_a_pending_operation_is_parked_then_released():
     finally:
         child.kill()
     other = ViewGroup(store.group_store(1), gen=1, rank=0, size=1, device=torch.device("cpu"), timeout_s=5)
-    other.abandon()  # sweeps the parked group whose operation has ended
-    assert g not in process_group._PARKED and g.pg is None
+    other.allreduce(torch.ones(3), lambda: None)  # the next step's all-reduce, no view change needed
+    assert g not in process_group._PARKED and g.pg is None, "released once its operation ended"
+    other.abandon()
+
+
+def test_a_construction_given_up_on_releases_what_it_built():
+    """A member gives up building view 0's group (its check fires: the view changed); the peer it was
+    waiting for arrives later and the construction completes in the abandoned thread: that group is
+    released at once, so the peer's first collective fails fast instead of running into the timeout."""
+    store = JobStore.host("127.0.0.1", 0, clients=2, secret="test")
+    arrived = threading.Event()
+
+    def peer(result: dict) -> None:
+        arrived.wait(30)
+        g = ViewGroup(store.group_store(0), gen=0, rank=1, size=2, device=torch.device("cpu"), timeout_s=60)
+        t0 = time.monotonic()
+        try:
+            g.allreduce(torch.ones(4), lambda: None)
+        except process_group.CollectiveFailed as exc:
+            result["failed"] = str(exc)
+        result["s"] = time.monotonic() - t0
+
+    result: dict = {}
+    thread = threading.Thread(target=peer, args=(result,), daemon=True)
+    thread.start()
+
+    def check() -> None:
+        arrived.set()
+        raise RuntimeError("view 1 was published")
+
+    with pytest.raises(RuntimeError, match="view 1 was published") as given_up:
+        ViewGroup(store.group_store(0), gen=0, rank=0, size=2, device=torch.device("cpu"), timeout_s=60,
+                  check=check)
+    thread.join(60)
+    assert "failed" in result and result["s"] < 30, f"the peer's collective failed fast: {result}"
+    assert given_up.value is not None  # the abandoned frame is still referenced: release did not rely on it

@@ -84,9 +84,12 @@ class ViewGroup:
     def _connect(self, rendezvous: dist.Store, check: Callable[[], None]) -> dist.ProcessGroup:
         """Rendezvous in a side thread, watched: a member that dies meanwhile must not hold us for the timeout.
 
-        A construction given up on finishes (or times out) in its thread and is dropped.
+        A construction given up on is not left behind: whatever it built is
+        released (NCCL: aborted, which also ends a connection stuck on a dead
+        peer), now if it exists, else by the thread itself when it returns.
         """
-        built: dict[str, object] = {}
+        built: dict[str, object] = {}  # "pg" from the moment it exists; "given_up" once the caller left
+        lock = threading.Lock()
 
         def build() -> None:
             try:
@@ -94,23 +97,41 @@ class ViewGroup:
                     opts = dist.ProcessGroupNCCL.Options()
                     opts._timeout = self.timeout
                     pg = dist.ProcessGroupNCCL(rendezvous, self.rank, self.size, opts)
+                    with lock:
+                        built["pg"] = pg
+                        if "given_up" in built:
+                            return
                     # NCCL connects lazily, inside the first collective, which would block the caller
                     # beyond any check if a peer died meanwhile: connect here, in the watched thread.
                     pg.eager_connect_single_device(self.device)
-                    built["pg"] = pg
                 else:
-                    built["pg"] = dist.ProcessGroupGloo(rendezvous, self.rank, self.size, self.timeout)
+                    pg = dist.ProcessGroupGloo(rendezvous, self.rank, self.size, self.timeout)
+                    with lock:
+                        built["pg"] = pg
             except Exception as exc:  # handed to the caller below
                 built["error"] = exc
+            finally:
+                with lock:
+                    late = built.pop("pg", None) if "given_up" in built else None
+                if late is not None:
+                    _dispose(late, self.device, self.gen)  # type: ignore[arg-type]
 
         thread = threading.Thread(target=build, name=f"group-g{self.gen}", daemon=True)
         thread.start()
         deadline = time.monotonic() + self.timeout.total_seconds()
-        while True:
-            thread.join(CHECK_S)
-            if not thread.is_alive():
-                break
-            self._tick(check, deadline, "group construction")
+        try:
+            while True:
+                thread.join(CHECK_S)
+                if not thread.is_alive():
+                    break
+                self._tick(check, deadline, "group construction")
+        except BaseException:
+            with lock:
+                built["given_up"] = True
+                stuck = built.pop("pg", None)
+            if stuck is not None:
+                _dispose(stuck, self.device, self.gen)  # type: ignore[arg-type]
+            raise
         if "error" in built:
             raise CollectiveFailed(f"group of view {self.gen} could not be built: "
                                    f"{str(built['error']).splitlines()[0]}")
@@ -124,6 +145,8 @@ class ViewGroup:
         group; ``tensor`` itself is left untouched. ``after_post`` runs once the
         collective is in flight (fault injection hook).
         """
+        if _PARKED:
+            release_parked()  # every step all-reduces: a parked group goes as soon as its operation ended
         src = tensor.detach()
         if self._buf is None or self._buf.shape != src.shape or self._buf.dtype != src.dtype:
             self._buf = torch.empty_like(src, device=self.device)
@@ -304,18 +327,16 @@ class ViewGroup:
         NCCL is aborted first, from a watched thread (:meth:`_abort`). A group
         whose last operation is still running (blocked on a silent peer) is
         parked until that operation ends (the peer is fenced, its connections
-        close), then destroyed by a later :meth:`abandon`; so a worker holds at
-        most the groups whose peers are still being fenced, not one per view it
-        ever saw.
+        close), then destroyed by the next all-reduce of any group (every step
+        has one) or the next :meth:`abandon` (:func:`release_parked`); so a worker holds at most the
+        groups whose peers are still being fenced, not one per view it ever saw.
 
         Raises:
             AbortHung: the NCCL abort did not return within :data:`ABORT_DEADLINE_S`.
         """
         if self.device.type == "cuda" and self.pg is not None:
             self._abort()
-        for parked in [g for g in _PARKED if not g._busy()]:
-            _PARKED.remove(parked)
-            parked._release()
+        release_parked()
         if not self._busy():
             self._release()
         else:
@@ -381,3 +402,37 @@ class ViewGroup:
 _PARKED: list[ViewGroup] = []
 """Abandoned groups whose last operation is still pending: referenced until it ends, so no destructor
 blocks on a stuck operation."""
+
+
+def release_parked() -> int:
+    """Destroy the parked groups whose operation has ended; returns how many are still parked.
+
+    Called at every all-reduce's start and every abandon, so a parked group
+    goes as soon as its peer is fenced, not one view change later.
+    """
+    for parked in [g for g in _PARKED if not g._busy()]:
+        _PARKED.remove(parked)
+        parked._release()
+    return len(_PARKED)
+
+
+def _dispose(pg: dist.ProcessGroup, device: torch.device, gen: int) -> None:
+    """Release a group whose construction was given up on: NCCL is aborted (from a thread given
+    :data:`ABORT_DEADLINE_S`, which ends a connection blocked on a dead peer); gloo is dropped (its
+    sockets close, its threads end)."""
+    if device.type != "cuda":
+        return
+    returned = threading.Event()
+
+    def abort() -> None:
+        try:
+            pg.abort()
+        except Exception as exc:  # best effort: the group was never used
+            logger.warning("abort of view %d's half-built group failed: %s", gen, exc)
+        finally:
+            returned.set()
+
+    threading.Thread(target=abort, name=f"abort-setup-g{gen}", daemon=True).start()
+    if not returned.wait(ABORT_DEADLINE_S):
+        logger.warning("the abort of view %d's half-built NCCL group did not return within %s s", gen,
+                       ABORT_DEADLINE_S)
