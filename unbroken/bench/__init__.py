@@ -26,6 +26,7 @@ BENCHMARKS: dict[str, Callable[[list[str] | None], dict[str, Any]]] = {
     "store": _lazy("store"),
     "sharded": _lazy("sharded"),
     "goodput-check": _lazy("goodput_check"),
+    "soak": _lazy("soak"),
 }
 
 __all__ = ["BENCHMARKS"]
