@@ -27,6 +27,7 @@ BENCHMARKS: dict[str, Callable[[list[str] | None], dict[str, Any]]] = {
     "sharded": _lazy("sharded"),
     "goodput-check": _lazy("goodput_check"),
     "soak": _lazy("soak"),
+    "hsdp": _lazy("hsdp"),
 }
 
 __all__ = ["BENCHMARKS"]

@@ -1,0 +1,42 @@
+"""The HSDP layout: replicas, shard indices, the shapes refused, and FSDP2's chunk rule."""
+
+from __future__ import annotations
+
+import pytest
+
+from unbroken.sharding.hsdp import ReplicaLayout, check_layout, local_rows, shard_bytes
+
+
+def test_replicas_are_consecutive_workers_and_a_death_takes_its_replica():
+    layout = ReplicaLayout(workers=8, shard_degree=4)
+    assert layout.replicas == 2
+    assert [layout.replica_of(w) for w in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert [layout.index_of(w) for w in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert layout.replica_members(1) == (4, 5, 6, 7)
+    assert layout.shard_peers(2, [7, 6, 2, 0]) == (2, 6)
+    assert layout.whole_replicas([5]) == {4, 5, 6, 7}
+    assert layout.whole_replicas([0, 6]) == set(range(8))
+
+
+@pytest.mark.parametrize("workers, per_node, k, message", [
+    (8, 4, 0, "need at least 1"),
+    (8, 4, 3, "does not divide train.workers=8"),
+    (8, 2, 4, "does not divide the 2 workers per node: a replica's ranks must be on one node"),
+])
+def test_layouts_that_cut_a_replica_are_refused_with_the_fix(workers, per_node, k, message):
+    with pytest.raises(ValueError, match=message):
+        check_layout(workers, per_node, k)
+
+
+def test_accepted_layouts():
+    for workers, per_node, k in [(8, 4, 4), (8, 4, 2), (8, 4, 1), (4, 4, 4)]:
+        check_layout(workers, per_node, k)
+
+
+def test_fsdp2_chunks_dim_0_with_the_last_shards_shorter_or_empty():
+    assert [local_rows(10, 4, i) for i in range(4)] == [3, 3, 3, 1]
+    assert [local_rows(2, 4, i) for i in range(4)] == [1, 1, 0, 0]
+    assert [local_rows(8, 1, 0)] == [8]
+    # The most any index holds: index 0 of (10, 3) holds 3 rows x 3, of (5,) 2 elements.
+    assert shard_bytes([(10, 3), (5,)], 4) == (9 + 2) * 4
+    assert shard_bytes([(10, 3)], 4, element_bytes=2) == 18

@@ -1,0 +1,196 @@
+"""HSDP: bytes per rank, and unbroken's cross-replica reduction against torch's own HSDP.
+
+``unbroken bench hsdp`` (JSON to ``--out``):
+
+* **bytes** (deterministic): per rank, the parameters, gradients and AdamW
+  moments (fp32) that FSDP2 shards over ``k`` ranks (its ``torch.chunk``
+  rule, :func:`unbroken.sharding.hsdp.shard_bytes`), the largest block
+  all-gathered for compute (two at once: FSDP prefetches the next), and the
+  snapshot memory each of a shard's ``R`` holders keeps (1/R of the shard's
+  parameters and moments); for ``tiny``, ``llama-7b`` and a 70 B shape
+  (LLaMA-2 70B: D 8192, 80 layers, 8 KV heads, F 28672) at ``k = 8`` across
+  8, 64 and 1,024 replicas (and ``k = 32`` for 70 B, which does not fit at 8),
+  against an 80 GB card;
+* **step** (measured): failure-free step time, 2 replicas x 2 ranks on this
+  machine (gloo), of unbroken's layer (FSDP2 inside the replica's own world,
+  gradient shards summed across replicas on a view group per shard index:
+  :mod:`unbroken.sharding.hsdp`) over torch's plain HSDP (``fully_shard``
+  over a ``(replicate, shard)`` mesh, one world), jobs in the order ABBA on
+  the same batches, the median step of each job after warm-up.
+
+The same ranks (:func:`run_job`) back the test that both give the same
+parameters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from unbroken.bench._args import parse_with_overrides
+
+REPLICAS, SHARDS = 2, 2
+SEQ, BATCH, VOCAB = 64, 4, 4096
+CARD_BYTES = 80 * 10**9
+SHAPE_70B = {"dim": 8192, "n_layers": 80, "n_heads": 64, "n_kv_heads": 8, "ffn_hidden_dim": 28672,
+             "vocab_size": 32000}
+
+
+def _rank(argv: list[str]) -> None:
+    """One rank of a job: ``MODE RANK PORT OUT PRESET STEPS`` (see :func:`run_job`)."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from unbroken.models.factory import build_model
+    from unbroken.runtime.process_group import ViewGroup
+    from unbroken.sharding.hsdp import GradientShards, fsdp_llama, join_replica, shard_model
+
+    mode, rank, port, out, preset, steps = argv[0], int(argv[1]), int(argv[2]), Path(argv[3]), argv[4], int(argv[5])
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=120))
+    model = build_model(preset, vocab_size=VOCAB, seq_len=SEQ, seed=0)
+    replica, index = divmod(rank, SHARDS)
+    cpu = torch.device("cpu")
+    if mode == "unbroken":
+        mesh = join_replica(store, replica=replica, incarnation=0, index=index, shard_degree=SHARDS, device=cpu,
+                            timeout_s=120)
+        shard_model(model, mesh)
+        cross = ViewGroup(dist.PrefixStore(f"cross/{index}", store), gen=0, rank=replica, size=REPLICAS,
+                          device=cpu, timeout_s=120)
+        shards = GradientShards(model)
+        buf = torch.empty(shards.numel)
+    else:
+        dist.init_process_group("gloo", store=dist.PrefixStore("reference", store), rank=rank,
+                                world_size=REPLICAS * SHARDS)
+        fsdp_llama(model, dist.device_mesh.init_device_mesh("cpu", (REPLICAS, SHARDS),
+                                                            mesh_dim_names=("replicate", "shard")))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    times = []
+    for step in range(steps):
+        g = torch.Generator().manual_seed(1000 * step + rank)  # rank g's batch of step s: the same in both modes
+        tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
+        x, y = tokens[:, :-1], tokens[:, 1:]
+        t0 = time.perf_counter()
+        logits = model(x)
+        if mode == "unbroken":  # token sums; the step divides by every replica's tokens
+            F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1), reduction="sum").backward()
+            reduced = cross.allreduce(shards.flatten(buf), lambda: None)
+            shards.install(reduced, 1.0 / (REPLICAS * SHARDS * BATCH * SEQ))
+        else:  # a mean per rank; FSDP averages over the 4 ranks
+            F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1)).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - t0)
+    full = torch.cat([p.detach().full_tensor().reshape(-1) for p in model.parameters()])
+    (out.with_suffix(".bin")).write_bytes(full.numpy().tobytes())
+    out.with_suffix(".json").write_text(json.dumps({"step_s": times,
+                                                    "local_numel": GradientShards(model).numel}))
+    dist.destroy_process_group()
+
+
+def run_job(mode: str, out_dir: Path, *, preset: str = "debug", steps: int = 3) -> list[dict[str, Any]]:
+    """Train 2 replicas x 2 ranks with ``mode`` (``unbroken`` or ``torch``); per rank: its full parameters
+    after the last step (``params``, float32 numpy), its step times and its local gradient elements.
+
+    Raises:
+        RuntimeError: a rank failed (its stderr's tail).
+    """
+    import numpy as np
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=120))
+    outs = [out_dir / f"{mode}{r}" for r in range(REPLICAS * SHARDS)]
+    code = "import sys; from unbroken.bench.hsdp import _rank; _rank(sys.argv[1:])"
+    procs = [subprocess.Popen([sys.executable, "-c", code, mode, str(r), str(store.port), str(o), preset,
+                               str(steps)], stderr=subprocess.PIPE, text=True) for r, o in enumerate(outs)]
+    errors = [p.communicate(timeout=600)[1] for p in procs]
+    if any(p.returncode for p in procs):
+        raise RuntimeError(f"{mode} job failed:\n" + "\n".join(e[-1500:] for e in errors if e))
+    return [{"params": np.fromfile(o.with_suffix(".bin"), dtype=np.float32),
+             **json.loads(o.with_suffix(".json").read_text())} for o in outs]
+
+
+def bytes_table() -> list[dict[str, Any]]:
+    """Bytes per rank for ``tiny``, ``llama-7b`` and the 70 B shape at k = 8 (and k = 1, today's layout)."""
+    import torch
+
+    from unbroken.models.llama import Transformer, count_parameters, model_args
+    from unbroken.sharding.hsdp import shard_bytes
+
+    rows = []
+    for name, args in [("tiny", model_args("tiny")), ("llama-7b", model_args("llama-7b")),
+                       ("70b", model_args("llama-7b", **SHAPE_70B))]:
+        with torch.device("meta"):
+            model = Transformer(args)
+        shapes = [tuple(p.shape) for p in model.parameters()]
+        block = max(sum(p.numel() for p in b.parameters()) for b in model.layers) * 4
+        for k in (1, 8, 32) if name == "70b" else (1, 8):
+            one = shard_bytes(shapes, k)
+            for replicas in (8, 64, 1024):
+                snapshot = -(-3 * one // replicas)  # 1/R of the shard's parameters and both moments
+                static = 4 * one + (2 * block if k > 1 else 0)  # params, grads, 2 moments; 2 gathered blocks
+                rows.append({"model": name, "parameters": count_parameters(args), "shard_degree": k,
+                             "replicas": replicas, "params_bytes": one, "grads_bytes": one,
+                             "moments_bytes": 2 * one, "gathered_blocks_bytes": 2 * block if k > 1 else 0,
+                             "static_bytes": static, "snapshot_bytes": snapshot,
+                             "left_for_activations_80GB": CARD_BYTES - static})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(prog="unbroken bench hsdp", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--parts", default="bytes,step", help="bytes, step (default both)")
+    ap.add_argument("--preset", default="tiny", help="model of the step-time part (default tiny)")
+    ap.add_argument("--steps", type=int, default=15, help="steps per job (default 15; the first 3 are warm-up)")
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/hsdp.json"))
+    a, overrides = parse_with_overrides(ap, argv)
+    if overrides:
+        ap.error("unbroken bench hsdp takes no config overrides")
+    parts = set(a.parts.split(","))
+    if not parts <= {"bytes", "step"} or a.steps < 5:
+        ap.error("--parts is bytes, step or both; --steps at least 5")
+    result: dict[str, Any] = {"benchmark": "hsdp", "replicas": REPLICAS, "shard_degree": SHARDS}
+    if "bytes" in parts:
+        result["bytes"] = bytes_table()
+        _print_bytes(result["bytes"])
+    if "step" in parts:
+        result["step"] = _step_ratio(a.preset, a.steps)
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {a.out}")
+    return result
+
+
+def _step_ratio(preset: str, steps: int) -> dict[str, Any]:
+    medians: dict[str, list[float]] = {"torch": [], "unbroken": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for mode in ("torch", "unbroken", "unbroken", "torch"):
+            ranks = run_job(mode, Path(tmp), preset=preset, steps=steps)
+            medians[mode].append(statistics.median(max(r["step_s"][i] for r in ranks) for i in range(3, steps)))
+    ratio = statistics.mean(medians["unbroken"]) / statistics.mean(medians["torch"])
+    print(f"failure-free step, {REPLICAS} replicas x {SHARDS} ranks, {preset}, gloo on this machine (ABBA): "
+          f"torch HSDP {statistics.mean(medians['torch']) * 1e3:.1f} ms, unbroken "
+          f"{statistics.mean(medians['unbroken']) * 1e3:.1f} ms, ratio {ratio:.3f}")
+    return {"preset": preset, "steps": steps, "warmup": 3, "median_step_s": medians, "ratio": ratio}
+
+
+def _print_bytes(rows: list[dict[str, Any]]) -> None:
+    gb = 1e9
+    print("bytes per rank (fp32 parameters, gradients, AdamW moments; 2 blocks all-gathered; snapshot memory)")
+    print(f"{'model':>9} {'k':>2} {'R':>5} {'params':>8} {'grads':>8} {'moments':>8} {'blocks':>7} "
+          f"{'static':>8} {'80GB left':>9} {'snapshot':>9}")
+    for r in rows:
+        print(f"{r['model']:>9} {r['shard_degree']:>2} {r['replicas']:>5} {r['params_bytes'] / gb:>7.3f}G "
+              f"{r['grads_bytes'] / gb:>7.3f}G {r['moments_bytes'] / gb:>7.3f}G "
+              f"{r['gathered_blocks_bytes'] / gb:>6.3f}G {r['static_bytes'] / gb:>7.2f}G "
+              f"{r['left_for_activations_80GB'] / gb:>8.1f}G {r['snapshot_bytes'] / gb:>8.4f}G")

@@ -1,0 +1,197 @@
+"""HSDP: FSDP2 shards the model inside each replica; unbroken's data parallelism runs across replicas.
+
+Layout, for a shard degree ``k`` (:class:`ReplicaLayout`): ``workers = R x k``;
+replica ``r`` is the ``k`` consecutive workers ``r*k .. r*k + k - 1``, all on
+one node (``k`` divides the workers per node: the replica is the fault unit,
+and one agent fences and restarts all of it); worker ``w``'s shard index is
+``w % k``. Replicas spanning nodes are refused (:func:`check_layout`).
+
+Inside a replica (:func:`join_replica`): its ``k`` ranks form a
+``torch.distributed`` world of their own, on a store prefix per replica
+incarnation (the way torchft gives each replica group its own world), with a
+1-D device mesh over it; :func:`shard_model` applies the user's
+``parallelize(model, mesh)`` (default :func:`fsdp_llama`: ``fully_shard`` per
+transformer block, then the root, torchtitan's recipe) and makes every FSDP
+unit reduce-scatter **sums** (no division: the step divides by the tokens it
+trained, as unbroken's data parallelism does). A dead rank takes its replica
+down: FSDP's collectives inside it cannot be finished without it.
+
+Across replicas: after the backward passes of a step (one per micro-batch,
+the ranks of a replica in lockstep: FSDP accumulates the reduce-scattered
+sums in the sharded gradients), :class:`GradientShards` lays a rank's local
+gradient shards out in one flat buffer; the step protocol sums the buffers of
+the workers with the same shard index on the view's group of that index,
+under its two-phase commit (no FSDP all-reduce hook: a collective inside the
+backward pass could not be abandoned), and installs the sum back before the
+optimizer's step. Every rank of every live replica applies step ``s`` or none
+does, as in plain data parallelism.
+
+Invariants: a rank's flat buffer has the same length and order on every
+replica (FSDP shards each parameter the same way for the same mesh size);
+nothing here copies a parameter (the optimizer and a state transfer see the
+model's own DTensors).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from datetime import timedelta
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
+
+from unbroken.mecefo.adapter import transformer_blocks
+
+__all__ = ["GradientShards", "Parallelize", "ReplicaLayout", "check_layout", "fsdp_llama", "join_replica",
+           "shard_model"]
+
+Parallelize = Callable[[torch.nn.Module, DeviceMesh], object]
+"""A user's recipe (torchtitan's ``parallelize_llama``): shards ``model`` in place over ``mesh``."""
+
+
+def check_layout(workers: int, workers_per_node: int, shard_degree: int) -> None:
+    """Refuse a shard degree that does not cut the job into whole replicas on single nodes.
+
+    Raises:
+        ValueError: naming the values and the layouts accepted.
+    """
+    if shard_degree < 1:
+        raise ValueError(f"train.shard_degree={shard_degree}: need at least 1 (1 = no sharding inside a replica)")
+    if workers % shard_degree:
+        raise ValueError(f"train.shard_degree={shard_degree} does not divide train.workers={workers}: a replica "
+                         f"is shard_degree workers; pick a divisor of {workers}")
+    if workers_per_node % shard_degree:
+        raise ValueError(f"train.shard_degree={shard_degree} does not divide the {workers_per_node} workers per "
+                         f"node: a replica's ranks must be on one node (its agent fences and restarts them "
+                         f"together); replicas spanning nodes are not supported")
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicaLayout:
+    """Which replica and shard index each worker has."""
+
+    workers: int
+    shard_degree: int
+
+    def __post_init__(self) -> None:
+        if self.shard_degree < 1 or self.workers % self.shard_degree:
+            raise ValueError(f"shard degree {self.shard_degree} does not divide {self.workers} workers")
+
+    @property
+    def replicas(self) -> int:
+        return self.workers // self.shard_degree
+
+    def replica_of(self, worker: int) -> int:
+        return worker // self.shard_degree
+
+    def index_of(self, worker: int) -> int:
+        return worker % self.shard_degree
+
+    def replica_members(self, replica: int) -> tuple[int, ...]:
+        return tuple(range(replica * self.shard_degree, (replica + 1) * self.shard_degree))
+
+    def shard_peers(self, index: int, members: Sequence[int]) -> tuple[int, ...]:
+        """The workers among ``members`` with shard index ``index``, in order: one per live replica."""
+        return tuple(w for w in sorted(members) if self.index_of(w) == index)
+
+    def whole_replicas(self, dead: Sequence[int]) -> set[int]:
+        """Every worker of a replica with a dead worker (the fault unit is the replica)."""
+        return {w for d in dead for w in self.replica_members(self.replica_of(d))}
+
+
+def join_replica(store: dist.Store, *, replica: int, incarnation: int, index: int, shard_degree: int,
+                 device: torch.device, timeout_s: float) -> DeviceMesh:
+    """Form this rank's replica world (the default process group) and return its 1-D mesh.
+
+    ``incarnation`` names the replica's start (a restarted replica rendezvouses on fresh keys).
+    """
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    prefix = dist.PrefixStore(f"replica/{replica}/{incarnation}", store)
+    dist.init_process_group(backend, store=prefix, rank=index, world_size=shard_degree,
+                            timeout=timedelta(seconds=timeout_s))
+    return DeviceMesh.from_group(dist.group.WORLD, device.type)
+
+
+def fsdp_llama(model: torch.nn.Module, mesh: DeviceMesh) -> None:
+    """The default recipe: ``fully_shard`` each transformer block (our LLaMA, Hugging Face's), then the root."""
+    for block in transformer_blocks(model):
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+def shard_model(model: torch.nn.Module, mesh: DeviceMesh, parallelize: Parallelize | None = None) -> torch.nn.Module:
+    """Shard ``model`` over ``mesh`` with ``parallelize`` (default :func:`fsdp_llama`); every FSDP unit then
+    reduce-scatters sums (FSDP's own division off). Returns ``model``.
+
+    Raises:
+        ValueError: the recipe left no FSDP unit, or a parameter outside every unit.
+    """
+    (parallelize or fsdp_llama)(model, mesh)
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if not units:
+        raise ValueError("parallelize(model, mesh) applied no fully_shard: nothing would be sharded")
+    for unit in units:
+        unit.set_force_sum_reduction_for_comms(True)
+        unit.set_gradient_divide_factor(1.0)
+    loose = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
+    if loose:
+        raise ValueError(f"parallelize(model, mesh) left parameters outside every FSDP unit: {', '.join(loose[:4])}"
+                         f"{' ...' if len(loose) > 4 else ''}; fully_shard the root too")
+    return model
+
+
+class GradientShards:
+    """A rank's local gradient shards as one flat buffer, in parameter order (the protocol reduces it)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.sizes = [p.to_local().numel() for p in self.params]  # type: ignore[attr-defined]
+        self.numel = sum(self.sizes)
+
+    def flatten(self, out: torch.Tensor) -> torch.Tensor:
+        """Copy the local gradient shards into ``out[:numel]`` (zeros for a parameter without one)."""
+        offset = 0
+        for p, n in zip(self.params, self.sizes):
+            dst = out[offset:offset + n]
+            if p.grad is None:
+                dst.zero_()
+            else:
+                dst.copy_(p.grad.to_local().reshape(-1))  # type: ignore[attr-defined]
+            offset += n
+        return out
+
+    def install(self, flat: torch.Tensor, scale: float = 1.0) -> None:
+        """Set every parameter's gradient shard to its slice of ``flat`` times ``scale``."""
+        offset = 0
+        for p, n in zip(self.params, self.sizes):
+            local = flat[offset:offset + n].view(p.to_local().shape) * scale  # type: ignore[attr-defined]
+            if p.grad is None:
+                p.grad = DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape,  # type: ignore[attr-defined]
+                                            stride=p.stride(), run_check=False)
+            else:
+                p.grad.to_local().copy_(local)  # type: ignore[attr-defined]
+            offset += n
+
+
+def local_rows(rows: int, shard_degree: int, index: int) -> int:
+    """Rows of a parameter's dim 0 that shard ``index`` holds (FSDP2's ``torch.chunk`` rule: chunks of
+    ``ceil(rows / k)``, the last ones shorter or empty)."""
+    chunk = -(-rows // shard_degree)
+    return max(0, min(rows, (index + 1) * chunk) - index * chunk)
+
+
+def shard_bytes(shapes: Sequence[tuple[int, ...]], shard_degree: int, *, element_bytes: int = 4) -> int:
+    """The most bytes any shard index holds of parameters of ``shapes`` (one copy: parameters, or gradients,
+    or one AdamW moment)."""
+    per_index = [0] * shard_degree
+    for shape in shapes:
+        rest = 1
+        for d in shape[1:]:
+            rest *= d
+        for i in range(shard_degree):
+            per_index[i] += local_rows(shape[0], shard_degree, i) * rest
+    return max(per_index) * element_bytes
