@@ -90,7 +90,7 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
         summary = launch(cfg, out, nodes=nodes, workers_per_node=per_node, overwrite=args.overwrite,
                          resume=args.resume is not None, on_record=console.record, on_event=console.event,
                          fail_at=extra_faults, standby=args.standby, restart=args.restart,
-                         store=_store_url(args.store))
+                         spare_nodes=args.spare_nodes, store=_store_url(args.store))
     except (JobFailed, AgentFailed, TimeoutError) as exc:  # the run failed; the input was fine
         failure: Exception | None = exc
     else:
@@ -114,7 +114,8 @@ def cmd_demo(args: argparse.Namespace, overrides: list[str]) -> int:
     console = Console(total=cfg.train.steps, workers=cfg.train.workers, log_every=cfg.train.log_every)
     try:
         verdict = run_demo(args.out, steps=args.steps, faults=not args.no_faults, overrides=overrides,
-                           overwrite=args.overwrite, on_record=console.record, on_event=console.event)
+                           overwrite=args.overwrite, on_record=console.record, on_event=console.event,
+                           spare_nodes=args.spare_nodes)
     except (JobFailed, AgentFailed, TimeoutError) as exc:
         console.close()
         print(f"unbroken demo: {exc}", file=sys.stderr)
@@ -155,7 +156,7 @@ def _resume_config(args: argparse.Namespace, overrides: list[str]) -> Config:
     if given:
         raise ValueError(f"--resume {run} continues the run with its saved config ({run / RUN_CONFIG}) in its own "
                          f"directory, so it takes none of: {', '.join(given)}; drop them (--fail-at, --nodes, "
-                         f"--workers-per-node, --standby, --restart and --{'/--'.join(RESUME_OVERRIDES)} are "
+                         f"--workers-per-node, --standby, --spare-nodes, --restart and --{'/--'.join(RESUME_OVERRIDES)} are "
                          f"accepted), or start a new run with --out")
     saved = saved_config(run) if run.is_dir() else None
     if saved is None:

@@ -89,13 +89,17 @@ def build_parser() -> argparse.ArgumentParser:
     de = sub.add_parser(
         "demo", help="the main job: train through a worker kill, a hang and a node loss, then check nothing was lost",
         description="Train the debug model with 4 workers on 2 nodes and a warm standby per node, inject a worker "
-        "SIGKILL, a SIGSTOP hang and a whole-node loss from outside (each followed by a return to full strength), "
+        "SIGKILL, a SIGSTOP hang and a whole-node loss from outside (each followed by a return to full strength; a "
+        "spare node takes the lost node's rank), "
         "then check from the ledgers that every (step, slot, row) was trained exactly once and compare the "
         "validation perplexity with a failure-free run of the same job.", epilog=EPILOG_OVERRIDES,
     )
     de.add_argument("--out", type=Path, default=Path("runs/default"), help="run directory (default runs/default)")
     de.add_argument("--steps", type=int, default=400, help="steps to train (default 400)")
     de.add_argument("--no-faults", action="store_true", help="the same job without any fault")
+    de.add_argument("--spare-nodes", type=int, default=1, metavar="N",
+                    help="spare nodes that take a lost node's rank at once (default 1; 0: the launcher brings up "
+                         "a replacement node a second after the loss)")
     de.add_argument("--overwrite", action="store_true", help="replace a run already in --out")
 
     rp = sub.add_parser("report", help="summarise a run: failures, stall per failure, lost steps, ledger check",
@@ -126,6 +130,9 @@ def _add_cluster_args(tr: argparse.ArgumentParser) -> None:
                     help="failure trace: none, low, mid, high, extreme (fault.trace)")
     tr.add_argument("--cluster-workers", type=int, default=None, metavar="N", help=CLUSTER_WORKERS_HELP)
     tr.add_argument("--standby", action="store_true", help="keep a warm standby worker on every node")
+    tr.add_argument("--spare-nodes", type=int, default=0, metavar="N",
+                    help="N spare nodes (agents on this machine, imported and prepared): a lost node's rank is "
+                         "taken over by one at once (default 0)")
     tr.add_argument("--restart", choices=("on-failure", "never"), default="on-failure",
                     help="restart dead workers as joiners (default on-failure)")
     tr.add_argument("--store", default=None, metavar="etcd[s]://HOST:PORT[,...]",

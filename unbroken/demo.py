@@ -8,8 +8,12 @@ run, each followed by a return to full strength:
 - a worker SIGKILLed (its agent hands its slot to the node's standby);
 - a worker SIGSTOPped (a hang: peers find its heartbeat silent, its agent
   fences it, the standby takes over);
-- a whole node lost (its agent, workers and standby SIGKILLed together; the
-  launcher brings up a replacement node, whose workers rejoin).
+- a whole node lost (its agent, workers and standby SIGKILLed together): a
+  spare node (an agent with its template, started with the job, imported and
+  prepared, as clusters keep hot spares) takes its rank as soon as its agent
+  and workers are known dead, and its workers, forked from its template,
+  rejoin; the launcher, playing the scheduler, brings a new spare a second
+  later. With ``--spare-nodes 0`` it brings up a replacement node instead.
 
 It then checks, from the ledgers and the workers' reports, not from log text:
 steps done, failures survived, the stall of each, lost steps (0), every
@@ -39,7 +43,9 @@ logger = logging.getLogger(__name__)
 
 NODES, WORKERS_PER_NODE = 2, 2
 NODE_REPLACEMENT_S = 1.0
-"""How long the launcher waits before it brings up a replacement for a lost node."""
+"""How long the launcher (the scheduler) takes to bring up a new machine: a new spare after one is used, or,
+without spares, the lost node's replacement."""
+SPARE_NODES = 1
 DEMO_STEPS = 400
 DEMO_FAULTS = (
     (0.10, "worker=1:kill", "a worker killed"),
@@ -75,7 +81,7 @@ def demo_faults(steps: int) -> str:
 
 def run_demo(out: Path, *, steps: int = DEMO_STEPS, faults: bool = True, overrides: list[str] | None = None,
              overwrite: bool = False, on_record: Callable[[dict[str, Any]], None] | None = None,
-             on_event: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+             on_event: Callable[[dict[str, Any]], None] | None = None, spare_nodes: int = SPARE_NODES) -> dict[str, Any]:
     """Run the demo job (and, once, its failure-free reference); returns the verdict.
 
     Raises:
@@ -86,9 +92,9 @@ def run_demo(out: Path, *, steps: int = DEMO_STEPS, faults: bool = True, overrid
     fail_at = demo_faults(steps) if faults else ""
     summary = launch(cfg, out, nodes=NODES, workers_per_node=WORKERS_PER_NODE, overwrite=overwrite,
                      fail_at=fail_at, standby=True, on_record=on_record, on_event=on_event,
-                     replace_lost_nodes_s=NODE_REPLACEMENT_S)
+                     replace_lost_nodes_s=NODE_REPLACEMENT_S, spare_nodes=spare_nodes if faults else 0)
     reference = _reference_ppl(cfg, out, faults) if faults else summary["val_ppl"]
-    verdict = _verdict(cfg, out, summary, reference, fail_at)
+    verdict = {**_verdict(cfg, out, summary, reference, fail_at), "spare_nodes": spare_nodes if faults else 0}
     (out / "demo.json").write_text(json.dumps(verdict, indent=1))
     return verdict
 

@@ -184,6 +184,13 @@ def test_agent_store_malformed(tmp_path, capsys):
     _fails(capsys, _agent(tmp_path, "localhost:99999"), "--store 'localhost:99999'", "PORT in 1..65535")
 
 
+def test_agent_rank_or_spare(tmp_path, capsys):
+    rest = ["--nnodes", "2", "--workers-per-node", "1", "--store", "127.0.0.1:1", "--run-dir", str(tmp_path)]
+    _fails(capsys, ["agent", *rest], "--node-rank is required (or --spare)")
+    _fails(capsys, ["agent", "--spare", "--node-rank", "1", *rest], "--spare takes no --node-rank")
+    _fails(capsys, ["train", "--spare-nodes", "-1", "--out", str(tmp_path / "run")], "--spare-nodes -1: expected >= 0")
+
+
 def test_agent_store_unreachable(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv(SECRET_ENV, "some job")
     addr = f"127.0.0.1:{_free_port()}"

@@ -25,6 +25,11 @@ def test_the_demo_survives_a_kill_a_hang_and_a_node_loss(tmp_path, corpus_overri
     assert verdict["rows_trained_never"] == ledger.rows_never == 0 and verdict["rows_trained_twice"] == 0
     assert verdict["steps"] == ledger.committed == steps
     assert verdict["workers_agree"]
+    # The lost node's rank was taken by the spare node that started with the job (no new agent first).
+    events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
+    (took,) = [e for e in events if e.get("event") == "spare_took_over"]
+    assert took["node"] == 1 and took["took_over"]
+    assert verdict["spare_nodes"] == 1
     reference = json.loads((tmp_path / "default-failure-free" / "summary.json").read_text())
     assert verdict["failure_free_val_ppl"] == reference["val_ppl"]
     # spread (the default policy) computes everything exactly: the same model as without failures, up to

@@ -3,6 +3,7 @@ waits for the inventory of every agent that still beats."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -88,3 +89,25 @@ def test_a_node_whose_agent_is_gone_is_not_waited_for(tmp_path, monkeypatch):
         time.sleep(0.02)
     assert "in the memory of nodes [0]" in failure
     assert AGENT_SILENT_S - 0.1 <= time.monotonic() - t0
+
+
+def test_a_silence_mark_made_for_a_view_a_restore_replaced_is_withdrawn(tmp_path):
+    """Node 0's members are dead; it watches worker 1 (node 1) fall silent and marks it dead, but a restore
+    published a newer view (a new incarnation of worker 1) meanwhile: the mark was for the dead incarnation,
+    and a mark left behind would fail the restored view's admission. It is withdrawn; another's mark stays."""
+    job_id(tmp_path, create=True)
+    store = JobStore.host("127.0.0.1", 0, clients=1, secret="test")
+    old = View(gen=3, members=(0, 1), step=7)
+    store.publish_initial(old)
+    store.mark_dead(0, "killed")
+    restorer = JobRestore(store, node=0, nnodes=2, workers_per_node=1, run_dir=tmp_path, config_hash="h",
+                          event=lambda *args, **fields: None)
+    restored = View(gen=4, members=(0, 1), step=7, reason="restored", restore={"source": "memory"})
+    views = iter([old, restored])  # the restore lands between the watch's look and its mark
+    assert restorer.mark_silent(lambda: old, time.monotonic(), 0.05) == []  # first look at worker 1's beat
+    time.sleep(0.1)
+    assert restorer.mark_silent(lambda: next(views), time.monotonic() + 1, 0.05) == [1]
+    assert store.dead_mark(1) is None and not store.is_marked_dead(1), "withdrawn: made for view 3"
+    store.mark_dead(1, "someone else's")
+    store.unmark_dead(1, json.dumps({"not": "mine"}))
+    assert store.dead_mark(1) == "someone else's"

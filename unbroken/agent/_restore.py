@@ -142,6 +142,8 @@ class JobRestore:
             self.store.publish_initial(new)
         else:
             self.store.propose(view, new)
+        for w in members:  # a mark that landed after the first clear, made for the view this one replaces
+            self.store.clear_dead(w)
         self.event("job_restore", None, restored_from=spec["source"], step=spec["step"], gen=new.gen,
                    members=list(members), lost_nodes=lost, parity_stripes=spec.get("parity_stripes", []),
                    failed_restores=pending.failures, backoff_s=restore_backoff(len(pending.failures)))
@@ -179,8 +181,16 @@ class JobRestore:
             elif now - seen[1] > timeout_s and not self.store.is_marked_dead(w):
                 silent.append(w)
         for w in silent:
-            self.store.mark_dead(w, json.dumps({"by": "agent", "node": self.node, "how": "heartbeat",
-                                                "silent_s": round(now - self._beats[w][1], 3), "t": time.time()}))
+            reason = json.dumps({"by": "agent", "node": self.node, "how": "heartbeat", "gen": view.gen,
+                                 "silent_s": round(now - self._beats[w][1], 3), "t": time.time()})
+            if not self.store.mark_dead(w, reason):
+                continue
+            newer = current_view()
+            if newer is not None and newer.gen > view.gen and w in newer.members:
+                # A restore published a new view (a new incarnation of w) while this agent watched the old
+                # one: the mark was for the dead incarnation; withdrawn unless someone else's replaced it.
+                self.store.unmark_dead(w, reason)
+                continue
             logger.warning("node %d: worker %d silent for %.1f s with every worker of this node dead: marked dead",
                            self.node, w, now - self._beats[w][1])
         return silent

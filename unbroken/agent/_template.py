@@ -60,7 +60,8 @@ class Template:
         self.ready_timeout_s = 300.0
         self.cmd = [sys.executable, "-m", "unbroken.agent.template", "--run-dir", str(run_dir),
                     "--world", str(world), "--node-rank", str(node)]
-        self.log = run_dir / "logs" / f"template{node}.log"
+        # A spare node's template is named by its agent until the spare takes a node's rank.
+        self.log = run_dir / "logs" / (f"template{node}.log" if node >= 0 else f"template-spare{os.getpid()}.log")
         self.proc: subprocess.Popen[bytes] | None = None
         self.ready = False
         self.enabled = True

@@ -28,6 +28,7 @@ every blocking call has a timeout, and no wait in the loop exceeds a poll.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -49,7 +50,7 @@ from unbroken.agent._process import (ForkedChild, become_subreaper, describe_exi
 from unbroken.agent._standby import Standby
 from unbroken.agent._supervision import Incarnation, Limits, Restart, StartupWatch, decode_mark
 from unbroken.agent._template import Child, Template, TemplateFailed
-from unbroken.agent.rendezvous import NodeRegistration, StartRefused
+from unbroken.agent.rendezvous import NodeRegistration, StartRefused, wait_for_lost_node
 from unbroken.agent.options import AgentOptions
 from unbroken.models.factory import check_placement
 from unbroken.faults.fail_at import format_fail_at, write_fault_plan
@@ -130,6 +131,7 @@ class Agent:
         self._hb_timeout = 2.0
         self.restorer: JobRestore | None = None
         self._idle_since: float | None = None
+        self._spare_since: float | None = None  # a spare: when it began to wait for a lost node
 
     # -- start-up ---------------------------------------------------------------
 
@@ -146,6 +148,8 @@ class Agent:
             self.store = JobStore.connect(self.opts.store, timeout_s=self.opts.timeout_s, secret=secret)
         except (ConnectionError, ValueError, StoreAccessDenied) as exc:
             raise AgentError(f"node {self.node}: {exc}", 2) from None
+        if self.opts.spare and not self._take_a_lost_node():
+            return 0
         self.rdv = NodeRegistration(self.store, self.node, timeout_s=self.opts.timeout_s,
                                     interrupted=lambda: self.interrupted is not None,
                                     workers=workers_of(self.node, self.opts.workers_per_node),
@@ -154,6 +158,9 @@ class Agent:
             self.rdv.register()
             self.events = JsonlWriter(self.run_dir / "events" / f"agent{self.node}.jsonl")
             write_pid(self.run_dir / "pids" / f"agent{self.node}", os.getpid())
+            if self._spare_since is not None:
+                self._event("spare_took_over", None, waited_s=round(time.monotonic() - self._spare_since, 3),
+                            took_over=self.rdv.took_over)
             cfg = self.rdv.check_config(self.run_dir)
             self.rdv.check_shared_run_dir(self.run_dir)
             self.total_steps = int(cfg["train"]["steps"])
@@ -225,6 +232,29 @@ class Agent:
             self.fault_plan = self.run_dir / "faults" / f"node{self.node}.json"
             write_fault_plan(self.fault_plan, self.specs)
 
+    def _take_a_lost_node(self) -> bool:
+        """A spare node: wait (its template importing and preparing meanwhile) for a node whose agent and
+        workers are known dead, then become that node; False if the job finished first."""
+        self.log.info("spare node: waiting for a lost node (template %s)",
+                      "starting" if self.template is not None else "off")
+        self._spare_since = time.monotonic()
+        try:
+            node = wait_for_lost_node(self.store, nnodes=self.opts.nnodes, workers_per_node=self.opts.workers_per_node,
+                                      pid_dir=self.run_dir / "pids", interrupted=lambda: self.interrupted is not None)
+        except StartRefused as exc:
+            raise AgentError(str(exc), 128 + (self.interrupted or 0)) from None
+        if node is None:
+            self.log.info("the job finished before any node was lost: the spare leaves")
+            if self.template is not None:
+                self.template.close()
+            return False
+        self.opts = dataclasses.replace(self.opts, node_rank=node, spare=False)
+        self.node = node
+        if self.template is not None:
+            self.template.node = node
+        self.log.warning("spare node: taking over node %d (its agent and workers are gone)", node)
+        return True
+
     def _start_template(self, limits: Limits) -> None:
         """Start the node's template (:mod:`unbroken.agent.template`), unless it started with the agent's
         process (:func:`unbroken.agent.command.prestart_template`), and wait for it: workers fork from it."""
@@ -246,6 +276,8 @@ class Agent:
         return self.template.launch(cmd, log=log, header=header, env={SECRET_ENV: os.environ[SECRET_ENV]})
 
     def _start_workers(self, view: View) -> None:
+        if self.rdv.took_over:
+            self._mark_predecessors_dead()
         if view.restore is not None:  # a restored first view: its members load the state themselves
             for w in workers_of(self.node, self.opts.workers_per_node):
                 if w in view.members:
@@ -256,6 +288,21 @@ class Agent:
             # view that starts now; otherwise it must join and receive the state.
             join = self.rdv.took_over or w not in view.members or self._mark(w) is not None or self._progress > view.step
             self._start(w, join=join)
+
+    def _mark_predecessors_dead(self) -> None:
+        """This agent took the node rank over: the previous holder's workers are gone with it (known dead,
+        or silent as long as ``TAKEOVER_SILENCE_S``). Mark the ones the current view still names dead now,
+        before their successors start beating under the same ids: otherwise the members would take the new
+        incarnations' heartbeats for theirs and wait on them until the progress timeout."""
+        if not self.store.has_view():
+            return
+        view = self.store.current_view()
+        for w in workers_of(self.node, self.opts.workers_per_node):
+            if w not in view.members or self.store.is_marked_dead(w):
+                continue
+            reason = json.dumps({"by": "agent", "node": self.node, "how": "node lost", "t": time.time()})
+            if self.store.mark_dead(w, reason):
+                self.log.warning("worker %d of the node's previous agent is gone with it: marked dead", w)
 
     # -- the loop ---------------------------------------------------------------
 

@@ -33,6 +33,7 @@ def prestart_template(argv: Sequence[str] | None) -> Template | None:
     ap = argparse.ArgumentParser(add_help=False)
     ap.add_argument("--run-dir", type=Path)
     ap.add_argument("--node-rank", type=int, default=0)
+    ap.add_argument("--spare", action="store_true")
     ap.add_argument("--nnodes", type=int, default=1)
     ap.add_argument("--workers-per-node", type=int, default=1)
     try:
@@ -42,7 +43,7 @@ def prestart_template(argv: Sequence[str] | None) -> Template | None:
         return None  # the real parser says what is wrong
     if not isinstance(cfg, dict) or not cfg.get("fault", {}).get("template", True) or not become_subreaper():
         return None
-    template = Template(run_dir=a.run_dir, node=a.node_rank, world=a.nnodes * a.workers_per_node)
+    template = Template(run_dir=a.run_dir, node=-1 if a.spare else a.node_rank, world=a.nnodes * a.workers_per_node)
     template.start(time.monotonic())
     return template
 

@@ -102,6 +102,7 @@ def launch(
     standby: bool = False,
     restart: str = "on-failure",
     replace_lost_nodes_s: float | None = None,
+    spare_nodes: int = 0,
     store: str | None = None,
 ) -> dict[str, Any]:
     """Train ``cfg`` with ``nodes`` local agents of ``workers_per_node`` workers each.
@@ -117,6 +118,10 @@ def launch(
         replace_lost_nodes_s: play a cluster scheduler that replaces lost machines: an agent that
             dies by SIGKILL (a lost node) is started again this many seconds later, as a new machine
             for that node rank, whose workers rejoin; None: a lost node stays lost.
+        spare_nodes: agents started as spares (``unbroken agent --spare``): each imports and prepares
+            (its template too), then takes the rank of the first node lost, at once; with
+            ``replace_lost_nodes_s`` the scheduler brings a new spare that many seconds after one is used
+            (without spares, it brings the lost node's replacement).
         store: ``etcd://HOST:PORT[,...][/PREFIX]``: the job's keys on that etcd cluster (they are deleted
             at the end); None: a ``TCPStore`` embedded in this process, on ``train.host:train.port``.
     Returns:
@@ -140,12 +145,14 @@ def launch(
     store_faults = StoreFaults(specs, members=len(parse_etcd(store)[0]) if store else None, run_dir=run_dir)
     # A resumed run keeps its secret: it keys the seals of the snapshot memory it may continue from.
     secret = job_secret(run_dir) if resume and (Path(run_dir) / SECRET_FILE).is_file() else new_secret()
+    if spare_nodes < 0:
+        raise ValueError(f"--spare-nodes {spare_nodes}: expected >= 0")
     host = StoreHost(cfg, nodes, secret, store, run_dir)  # before anything is written: a port in use fails early
     try:
         return _launch(host, cfg, run_dir, overwrite=overwrite, resume=resume, on_record=on_record,
                        on_event=on_event, specs=specs, trace=trace, info=info, nodes=nodes,
                        workers_per_node=workers_per_node, restart=restart, standby=standby,
-                       replace_lost_nodes_s=replace_lost_nodes_s, store_faults=store_faults)
+                       replace_lost_nodes_s=replace_lost_nodes_s, spare_nodes=spare_nodes, store_faults=store_faults)
     finally:
         host.close()
 
@@ -153,7 +160,7 @@ def launch(
 def _launch(host: StoreHost, cfg: Config, run_dir: Path, *, overwrite: bool, resume: bool,
             on_record: Callable[[dict[str, Any]], None] | None, on_event: Callable[[dict[str, Any]], None] | None,
             specs: tuple[FaultSpec, ...], trace: FailureTrace | None, info: Any, nodes: int, workers_per_node: int,
-            restart: str, standby: bool, replace_lost_nodes_s: float | None,
+            restart: str, standby: bool, replace_lost_nodes_s: float | None, spare_nodes: int,
             store_faults: StoreFaults) -> dict[str, Any]:
     """:func:`launch` once its store is open: prepare the run directory, run every attempt, summarise."""
     mode, secret = recovery(cfg.fault.recovery), host.secret
@@ -168,7 +175,8 @@ def _launch(host: StoreHost, cfg: Config, run_dir: Path, *, overwrite: bool, res
     t0 = time.time()
     restarts = _run_attempts(host, cfg, run_dir, on_record, resume_from, on_event=on_event, nodes=nodes,
                              workers_per_node=workers_per_node, restart=restart, fault_plan=plan, standby=standby,
-                             secret=secret, replace_lost_nodes_s=replace_lost_nodes_s, store_faults=store_faults,
+                             secret=secret, replace_lost_nodes_s=replace_lost_nodes_s, spare_nodes=spare_nodes,
+                             store_faults=store_faults,
                              resume_memory=resume and not mode.restarts_job)
     summary = _summarise(run_dir, cfg, info, time.time() - t0, resume_from, nodes=nodes, t0=t0)
     if mode.restarts_job:
@@ -216,22 +224,26 @@ def _run_attempts(host: StoreHost, cfg: Config, run_dir: Path, on_record: Callab
 def _attempt(store: JobStore, addr: str, cfg: Config, run_dir: Path,
              on_record: Callable[[dict[str, Any]], None] | None, *,
              on_event: Callable[[dict[str, Any]], None] | None = None, replace_lost_nodes_s: float | None = None,
-             store_faults: StoreFaults | None = None, **agent_args: Any) -> str | None:
+             spare_nodes: int = 0, store_faults: StoreFaults | None = None, **agent_args: Any) -> str | None:
     """Run the agents until done (None), failed (message) or, under checkpoint-restart, a death."""
     agents: list[subprocess.Popen[bytes]] = []
     replacer = None
-    if replace_lost_nodes_s is not None:
-        replacer = _NodeReplacer(replace_lost_nodes_s, lambda r: _spawn_agent(r, cfg, run_dir, addr, **agent_args))
+    if replace_lost_nodes_s is not None or spare_nodes:
+        replacer = _NodeReplacer(replace_lost_nodes_s, lambda r: _spawn_agent(r, cfg, run_dir, addr, **agent_args),
+                                 run_dir=run_dir)
     with EventMerger(run_dir, since=time.time()) as events:  # this attempt's events: those written from now on
         try:
             for r in range(agent_args["nodes"]):
                 agents.append(_spawn_agent(r, cfg, run_dir, addr, **agent_args))
+            if replacer is not None:
+                for _ in range(spare_nodes):
+                    replacer.spares.append(replacer.spawn(-1))
             return _supervise(agents, store, run_dir, cfg, on_record, events=events, on_event=on_event,
                               replacer=replacer, store_faults=store_faults)
         except dist.DistStoreError as exc:
             raise StoreLost(store_lost_message(str(exc).splitlines()[0], addr, run_dir)) from None
         finally:
-            _stop_agents(agents)
+            _stop_agents(agents + (replacer.spares if replacer is not None else []))
             for e in events.poll():  # the exits of the agents' shutdown, for events.jsonl
                 if on_event is not None:
                     on_event(e)
@@ -276,14 +288,16 @@ def _job_faults(cfg: Config, fail_at: str, nodes: int,
 def _spawn_agent(node: int, cfg: Config, run_dir: Path, store_addr: str, *, nodes: int, workers_per_node: int,
                  restart: str, fault_plan: Path | None, standby: bool, start_step: int,
                  resume_from: Path | None, secret: str, resume_memory: bool = False) -> subprocess.Popen[bytes]:
-    cmd = [sys.executable, "-m", "unbroken.agent.command", "--node-rank", str(node), "--nnodes", str(nodes),
+    """Start node ``node``'s agent (``-1``: a spare node's)."""
+    rank = ["--spare"] if node < 0 else ["--node-rank", str(node)]
+    cmd = [sys.executable, "-m", "unbroken.agent.command", *rank, "--nnodes", str(nodes),
            "--workers-per-node", str(workers_per_node), "--store", store_addr, "--run-dir", str(run_dir),
            "--restart", restart, "--start-step", str(start_step), "--timeout-s", str(cfg.train.timeout_s)]
     cmd += ["--faults-file", str(fault_plan)] if fault_plan else []
     cmd += ["--standby"] if standby else []
     cmd += ["--resume", str(resume_from)] if resume_from else []
     cmd += ["--resume-memory"] if resume_memory else []
-    log = run_dir / "logs" / f"agent{node}.log"
+    log = run_dir / "logs" / (f"agent{node}.log" if node >= 0 else f"agent-spare{_spare_count(run_dir)}.log")
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("ab") as fh:
         # Same process group as the launcher: a terminal's Ctrl-C reaches the agents, which stop their workers.
@@ -346,24 +360,64 @@ def _supervise(agents: list[subprocess.Popen[bytes]], store: JobStore, run_dir: 
 class _NodeReplacer:
     """Brings up a replacement for a lost node (its agent killed by SIGKILL), as a scheduler would.
 
-    The new agent takes the node rank over from the silent one and starts that
-    node's workers as joiners; the survivors admit them at a step boundary.
+    With spare nodes (agents started with ``--spare``, already imported and prepared), a spare takes the
+    lost node's rank by itself as soon as the node's agent and workers are known dead, and the scheduler
+    brings a new spare ``delay_s`` later; without one, a new agent for that rank comes up ``delay_s``
+    after the loss. Either way its workers start as joiners and the survivors admit them at a step
+    boundary.
     """
 
-    def __init__(self, delay_s: float, spawn: Callable[[int], subprocess.Popen[bytes]]) -> None:
-        self.delay_s, self.spawn = delay_s, spawn
+    def __init__(self, delay_s: float | None, spawn: Callable[[int], subprocess.Popen[bytes]], *,
+                 run_dir: Path) -> None:
+        self.delay_s, self.spawn, self.run_dir = delay_s, spawn, run_dir
         self.lost: dict[int, float] = {}  # node -> when its agent was seen dead
+        self.spares: list[subprocess.Popen[bytes]] = []
+        self._spares_due: list[float] = []  # when the scheduler brings a new spare
 
     def tick(self, agents: list[subprocess.Popen[bytes]], now: float) -> None:
         for node, agent in enumerate(agents):
             if agent.poll() == -signal.SIGKILL and node not in self.lost:
                 self.lost[node] = now
-                logger.warning("node %d lost: a replacement comes up in %.1f s", node, self.delay_s)
+                if self._live_spares():
+                    logger.warning("node %d lost: a spare node takes it over", node)
+                elif self.delay_s is not None:
+                    logger.warning("node %d lost: a replacement comes up in %.1f s", node, self.delay_s)
+        for node in range(len(agents)):
+            taker = self._spare_holding(node)
+            if taker is not None:
+                agents[node] = taker
+                self.spares.remove(taker)
+                self.lost.pop(node, None)
+                logger.warning("node %d taken over by a spare (agent pid %d)", node, taker.pid)
+                if self.delay_s is not None:
+                    self._spares_due.append(now + self.delay_s)
         for node, since in list(self.lost.items()):
-            if now - since >= self.delay_s:
+            if not self._live_spares() and self.delay_s is not None and now - since >= self.delay_s:
                 del self.lost[node]
                 agents[node] = self.spawn(node)
                 logger.warning("node %d replaced (agent pid %d)", node, agents[node].pid)
+        for due in [d for d in self._spares_due if d <= now]:
+            self._spares_due.remove(due)
+            self.spares.append(self.spawn(-1))
+            logger.info("a new spare node is up (agent pid %d)", self.spares[-1].pid)
+
+    def _live_spares(self) -> list[subprocess.Popen[bytes]]:
+        return [s for s in self.spares if s.poll() is None]
+
+    def _spare_holding(self, node: int) -> subprocess.Popen[bytes] | None:
+        """The spare whose pid node ``node``'s agent pid file names (it took that rank)."""
+        if not self.spares:
+            return None
+        try:
+            pid = int((self.run_dir / "pids" / f"agent{node}").read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            return None
+        return next((s for s in self.spares if s.pid == pid), None)
+
+
+def _spare_count(run_dir: Path) -> int:
+    """The next spare agent's number (its log file's)."""
+    return len(list((run_dir / "logs").glob("agent-spare*.log"))) if (run_dir / "logs").is_dir() else 0
 
 
 def _emit(tail: JsonlTail, on_record: Callable[[dict[str, Any]], None] | None, events: EventMerger | None = None,

@@ -51,6 +51,9 @@ class AgentOptions:
     startup_deadline_s: float | None = None
     """A worker (or standby) that has not beaten (or is not ready) this long after it started is fenced and
     replaced; None: ``timeout_s``."""
+    spare: bool = False
+    """A spare node: start, import and prepare (its template too), then take the rank of the first node whose
+    agent and workers are known dead (``node_rank`` is -1 until then)."""
 
     @property
     def n_workers(self) -> int:
@@ -68,7 +71,10 @@ class AgentOptions:
             ValueError: every problem of the options, at once.
         """
         problems = []
-        if not 0 <= self.node_rank < self.nnodes:
+        if self.spare:
+            if self.node_rank != -1 or self.host_store:
+                problems.append("--spare takes no --node-rank (it takes a lost node's) and no --host-store")
+        elif not 0 <= self.node_rank < self.nnodes:
             problems.append(f"--node-rank {self.node_rank}: expected 0..{self.nnodes - 1} (--nnodes {self.nnodes})")
         if self.workers_per_node < 1:
             problems.append(f"--workers-per-node {self.workers_per_node}: expected >= 1")
@@ -103,7 +109,9 @@ class AgentOptions:
 
 def add_agent_args(ap: argparse.ArgumentParser) -> None:
     """The agent's options (shared by this module's entry point and ``unbroken agent``)."""
-    ap.add_argument("--node-rank", type=int, required=True, help="this node's rank R (0..N-1)")
+    ap.add_argument("--node-rank", type=int, default=-1, help="this node's rank R (0..N-1); required unless --spare")
+    ap.add_argument("--spare", action="store_true",
+                    help="a spare node: start and prepare now, take the rank of the first node lost")
     ap.add_argument("--nnodes", type=int, required=True, help="number of nodes N")
     ap.add_argument("--workers-per-node", type=int, required=True, help="workers per node W")
     ap.add_argument("--store", required=True, help="HOST:PORT of the job's store, or etcd://HOST:PORT[,HOST:PORT...] of its etcd cluster")
@@ -133,7 +141,9 @@ def add_agent_args(ap: argparse.ArgumentParser) -> None:
 
 
 def options_from(a: argparse.Namespace) -> AgentOptions:
-    return AgentOptions(node_rank=a.node_rank, nnodes=a.nnodes, workers_per_node=a.workers_per_node, store=a.store,
+    if a.node_rank == -1 and not a.spare:
+        raise ValueError("--node-rank is required (or --spare)")
+    return AgentOptions(spare=a.spare, node_rank=a.node_rank, nnodes=a.nnodes, workers_per_node=a.workers_per_node, store=a.store,
                         run_dir=a.run_dir, restart=a.restart, restart_delay_s=a.restart_delay_s, fail_at=a.fail_at,
                         faults_trace=a.faults_trace, faults_file=a.faults_file, standby=a.standby, start_step=a.start_step, resume=a.resume,
                         resume_memory=a.resume_memory,

@@ -51,6 +51,61 @@ class StartRefused(RuntimeError):
     """The agent must not start; the message says why and what to do."""
 
 
+SPARE_POLL_S = 0.05
+"""How often a spare node looks for a lost node."""
+
+
+def holder_known_dead(holder: str, workers: Sequence[int], pid_dir: Path | None) -> bool:
+    """The holder of a node rank (token ``host:pid:...``) ran on this machine, and neither its agent nor any
+    of ``workers`` (their pid files in ``pid_dir``) is alive: no silence need be waited out. Anything
+    unknown: False."""
+    host, _, rest = holder.partition(":")
+    agent_pid = rest.partition(":")[0]
+    if host != socket.gethostname() or not agent_pid.isdigit() or pid_dir is None:
+        return False
+    pids = [int(agent_pid)]
+    for w in workers:
+        try:
+            pids.append(int((pid_dir / f"w{w}").read_text().split()[0]))
+        except FileNotFoundError:
+            continue  # never started, or reaped and removed by its agent
+        except (OSError, ValueError, IndexError):
+            return False
+    return all(_process_gone(p) for p in pids)
+
+
+def wait_for_lost_node(store: JobStore, *, nnodes: int, workers_per_node: int, pid_dir: Path | None,
+                       interrupted: Callable[[], bool], silence_s: float = TAKEOVER_SILENCE_S) -> int | None:
+    """A spare node's wait: the rank of the first node whose agent and workers are known dead (this
+    machine's pid files), or whose agent gave its rank back or stood silent for ``silence_s`` (another
+    machine's); None once the job is done.
+
+    Raises:
+        StartRefused: interrupted.
+    """
+    silent: dict[int, tuple[int, float]] = {}  # node -> (its agent's beat count, since when unchanged)
+    while True:
+        if interrupted():
+            raise StartRefused("the spare node was interrupted while waiting for a lost node")
+        if store.is_done():
+            return None
+        now = time.monotonic()
+        for node in range(nnodes):
+            holder = store.node_holder(node)
+            if holder is None:
+                continue  # not taken yet: its own agent is starting
+            workers = range(node * workers_per_node, (node + 1) * workers_per_node)
+            if holder == "" or holder_known_dead(holder, workers, pid_dir):
+                return node
+            beats = store.agent_beat(node, 0)
+            if silent.get(node, (None, 0.0))[0] != beats:
+                silent[node] = (beats, now)
+            elif now - silent[node][1] >= silence_s:
+                return node
+        time.sleep(SPARE_POLL_S)
+
+
+
 class NodeRegistration:
     """One agent's hold on its node rank, and its start-up checks."""
 
@@ -101,21 +156,7 @@ class NodeRegistration:
         self.heartbeat(time.monotonic())
 
     def _known_dead(self, holder: str) -> bool:
-        """The previous holder (token ``host:pid:...``) ran on this machine, and neither its agent nor any of
-        its workers (their pid files) is alive: no silence need be waited out. Anything unknown: False."""
-        host, _, rest = holder.partition(":")
-        agent_pid = rest.partition(":")[0]
-        if host != socket.gethostname() or not agent_pid.isdigit() or self.pid_dir is None:
-            return False
-        pids = [int(agent_pid)]
-        for w in self.workers:
-            try:
-                pids.append(int((self.pid_dir / f"w{w}").read_text().split()[0]))
-            except FileNotFoundError:
-                continue  # never started, or reaped and removed by its agent
-            except (OSError, ValueError, IndexError):
-                return False
-        return all(_process_gone(p) for p in pids)
+        return holder_known_dead(holder, self.workers, self.pid_dir)
 
     def _beats_within(self, read: Callable[[], list[int]], *, beat: bool = False) -> bool:
         """Whether the counters ``read`` returns change within ``silence_s`` (``beat``: keep ours going)."""

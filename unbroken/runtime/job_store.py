@@ -298,7 +298,7 @@ class JobStore:
         return self.backend.add("deaths", 0)
 
     def dead_mark(self, worker: int) -> str | None:
-        return _opt(self.backend, f"dead/{worker}")
+        return _opt(self.backend, f"dead/{worker}") or None
 
     def is_marked_dead(self, worker: int) -> bool:
         return self.backend.check([f"dead/{worker}"])
@@ -308,6 +308,13 @@ class JobStore:
 
     def clear_dead(self, worker: int) -> None:
         self.backend.delete_key(f"dead/{worker}")
+
+    def unmark_dead(self, worker: int, reason: str) -> None:
+        """Withdraw this caller's own mark (``reason``, as written); another's stays. (Emptied by
+        compare-and-set, then deleted: a mark another observer slips in between is lost, and its detector
+        marks that worker again a heartbeat timeout later.)"""
+        if self.backend.compare_set(f"dead/{worker}", reason, "").decode() == "":
+            self.backend.delete_key(f"dead/{worker}")
 
     # -- whole-job restore ------------------------------------------------------
 
@@ -397,6 +404,10 @@ class JobStore:
 
     def release_node(self, node: int, token: str) -> None:
         self.backend.compare_set(f"agent/{node}", token, "")
+
+    def node_holder(self, node: int) -> str | None:
+        """The token of node ``node``'s agent; "" once given back; None if never taken."""
+        return _opt(self.backend, f"agent/{node}")
 
     def node_released(self, node: int) -> bool:
         """Never taken, or given back."""
