@@ -52,6 +52,7 @@ def _rank(argv: list[str]) -> None:
 
     from unbroken.models.factory import build_model
     from unbroken.runtime.process_group import ViewGroup
+    from unbroken.runtime.state_transfer import transfer_state
     from unbroken.sharding.hsdp import GradientShards, fsdp_llama, join_replica, shard_model
 
     mode, rank, port, out, preset, steps = argv[0], int(argv[1]), int(argv[2]), Path(argv[3]), argv[4], int(argv[5])
@@ -60,7 +61,7 @@ def _rank(argv: list[str]) -> None:
     model = build_model(preset, vocab_size=VOCAB, seq_len=SEQ, seed=0)
     replica, index = divmod(rank, SHARDS)
     cpu = torch.device("cpu")
-    if mode == "unbroken":
+    if mode.startswith("unbroken"):
         mesh = join_replica(store, replica=replica, incarnation=0, index=index, shard_degree=SHARDS, device=cpu,
                             timeout_s=120)
         shard_model(model, mesh)
@@ -76,12 +77,22 @@ def _rank(argv: list[str]) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     times = []
     for step in range(steps):
+        if mode == "unbroken-rejoin" and step == steps // 2:
+            # Replica 1 comes back: new processes would build the model from scratch and an empty optimizer;
+            # here its ranks do so in place (another seed: nothing of the old state survives), then rank i
+            # receives shard i's parameters and moments from rank i of replica 0 over index i's group.
+            if replica == 1:
+                model = shard_model(build_model(preset, vocab_size=VOCAB, seq_len=SEQ, seed=99), mesh)
+                opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+                shards = GradientShards(model)
+            transfer_state(lambda t, src: cross.broadcast_into(t, src, lambda: None), model, opt, src=0,
+                           rank=replica, receive=replica == 1, device=cpu, chunk_bytes=1 << 16)
         g = torch.Generator().manual_seed(1000 * step + rank)  # rank g's batch of step s: the same in both modes
         tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
         x, y = tokens[:, :-1], tokens[:, 1:]
         t0 = time.perf_counter()
         logits = model(x)
-        if mode == "unbroken":  # token sums; the step divides by every replica's tokens
+        if mode.startswith("unbroken"):  # token sums; the step divides by every replica's tokens
             F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1), reduction="sum").backward()
             reduced = cross.allreduce(shards.flatten(buf), lambda: None)
             shards.install(reduced, 1.0 / (REPLICAS * SHARDS * BATCH * SEQ))
@@ -99,7 +110,8 @@ def _rank(argv: list[str]) -> None:
 
 
 def run_job(mode: str, out_dir: Path, *, preset: str = "debug", steps: int = 3) -> list[dict[str, Any]]:
-    """Train 2 replicas x 2 ranks with ``mode`` (``unbroken`` or ``torch``); per rank: its full parameters
+    """Train 2 replicas x 2 ranks with ``mode`` (``unbroken``, ``torch``, or ``unbroken-rejoin``: replica 1
+    rebuilt from scratch halfway and given its shards by replica 0); per rank: its full parameters
     after the last step (``params``, float32 numpy), its step times and its local gradient elements.
 
     Raises:

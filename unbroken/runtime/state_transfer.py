@@ -19,6 +19,12 @@ own dtype, on the group's device:
   host while the group is on a GPU) is packed into one staging buffer of at
   most ``chunk_bytes`` on the group's device.
 
+Sharded parameters (FSDP2's DTensors, inside an HSDP replica) cross as their
+local shards, and so does their optimizer state: rank ``i`` of a live replica
+sends shard ``i`` to rank ``i`` of a joining one, over the group of shard
+index ``i``; a receiver without optimizer state yet gets DTensors laid out as
+its parameters.
+
 Roles: the source sends; receivers (joiners) write into their own tensors; the
 other members take part in each broadcast (a group broadcast needs every rank)
 through a scratch chunk and keep their state untouched.
@@ -37,6 +43,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+from torch.distributed.tensor import DTensor
 
 __all__ = ["CHUNK_BYTES", "DIRECT_MIN_BYTES", "Broadcast", "TransferStats", "transfer_state"]
 
@@ -105,6 +112,11 @@ def transfer_state(broadcast: Broadcast, model: torch.nn.Module, optimizer: torc
 # -- header ---------------------------------------------------------------------
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """What of ``t`` this rank holds: a DTensor's local shard, else ``t`` itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def _describe(params: list[torch.Tensor], optimizer: torch.optim.Optimizer,
               device: torch.device) -> dict[str, list]:
     """The source's header: what every rank needs to plan the stream and a receiver to hold it."""
@@ -112,7 +124,8 @@ def _describe(params: list[torch.Tensor], optimizer: torch.optim.Optimizer,
     for i, p in enumerate(params):
         for key, value in sorted(optimizer.state.get(p, {}).items()):
             if isinstance(value, torch.Tensor):
-                state.append([i, key, _dtype_name(value.dtype), list(value.shape), value.device == p.device])
+                local = _local(value)
+                state.append([i, key, _dtype_name(local.dtype), list(local.shape), local.device == _local(p).device])
             elif isinstance(value, (bool, int, float)):
                 scalars.append([i, key, value])
             else:
@@ -121,7 +134,7 @@ def _describe(params: list[torch.Tensor], optimizer: torch.optim.Optimizer,
     rng = [torch.get_rng_state().numel()]
     if device.type == "cuda":
         rng.append(torch.cuda.get_rng_state(device).numel())
-    return {"params": [[_dtype_name(p.dtype), list(p.shape)] for p in params],
+    return {"params": [[_dtype_name(p.dtype), list(_local(p).shape)] for p in params],
             "state": state, "scalars": scalars, "rng": rng}
 
 
@@ -140,11 +153,12 @@ def _header(broadcast: Broadcast, src: int, device: torch.device, header: dict |
 
 
 def _check_model(header: dict, params: list[torch.Tensor], device: torch.device) -> None:
-    mine = [[_dtype_name(p.dtype), list(p.shape)] for p in params]
+    mine = [[_dtype_name(p.dtype), list(_local(p).shape)] for p in params]
     if mine != header["params"]:
         raise ValueError(f"state of {len(header['params'])} parameters does not match this model "
-                         f"({len(mine)} parameters, or different shapes or dtypes)")
-    off = [i for i, p in enumerate(params) if p.device.type != device.type or not p.is_contiguous()]
+                         f"({len(mine)} parameters, or different shapes or dtypes, or another shard)")
+    off = [i for i, p in enumerate(params)
+           if _local(p).device.type != device.type or not _local(p).is_contiguous()]
     if off:
         raise ValueError(f"parameters {off[:5]} are not contiguous on the group's device {device}")
 
@@ -173,8 +187,8 @@ def _plan(header: dict, device: torch.device) -> list[tuple[int, bool]]:
 
 def _sources(params: list[torch.Tensor], optimizer: torch.optim.Optimizer, header: dict,
              device: torch.device) -> list[torch.Tensor]:
-    tensors = list(params)
-    tensors += [optimizer.state[params[i]][key] for i, key, *_ in header["state"]]
+    tensors = [_local(p) for p in params]
+    tensors += [_local(optimizer.state[params[i]][key]) for i, key, *_ in header["state"]]
     tensors.append(torch.get_rng_state())
     if device.type == "cuda":
         tensors.append(torch.cuda.get_rng_state(device))
@@ -185,16 +199,21 @@ def _destinations(params: list[torch.Tensor], optimizer: torch.optim.Optimizer, 
                   device: torch.device) -> list[torch.Tensor]:
     """The receiver's own tensors, optimizer state created (or reused) as the source holds it."""
     wanted: dict[int, dict[str, object]] = {}
-    tensors = list(params)
+    tensors = [_local(p) for p in params]
     for i, key, dtype, shape, on_param in header["state"]:
         p = params[i]
-        where = p.device if on_param else torch.device("cpu")
+        where = _local(p).device if on_param else torch.device("cpu")
         have = optimizer.state.get(p, {}).get(key)
-        if not (isinstance(have, torch.Tensor) and have.dtype == getattr(torch, dtype)
-                and list(have.shape) == shape and have.device == where and have.is_contiguous()):
+        sharded = isinstance(p, DTensor) and shape == list(p.to_local().shape) and on_param
+        if not (isinstance(have, torch.Tensor) and isinstance(have, DTensor) == sharded
+                and have.dtype == getattr(torch, dtype) and list(_local(have).shape) == shape
+                and _local(have).device == where and _local(have).is_contiguous()):
             have = torch.empty(shape, dtype=getattr(torch, dtype), device=where)
+            if sharded:  # the moments of a sharded parameter: laid out as the parameter
+                have = DTensor.from_local(have, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(),
+                                          run_check=False)
         wanted.setdefault(i, {})[key] = have
-        tensors.append(have)
+        tensors.append(_local(have))
     for i, key, value in header["scalars"]:
         wanted.setdefault(i, {})[key] = value
     for i, p in enumerate(params):
