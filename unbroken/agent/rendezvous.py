@@ -105,7 +105,6 @@ def wait_for_lost_node(store: JobStore, *, nnodes: int, workers_per_node: int, p
         time.sleep(SPARE_POLL_S)
 
 
-
 class NodeRegistration:
     """One agent's hold on its node rank, and its start-up checks."""
 
