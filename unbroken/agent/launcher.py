@@ -302,8 +302,10 @@ def _spawn_agent(node: int, cfg: Config, run_dir: Path, store_addr: str, *, node
     with log.open("ab") as fh:
         # Same process group as the launcher: a terminal's Ctrl-C reaches the agents, which stop their workers.
         # The secret travels in the environment (never on argv, which any local user can read).
-        return subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 env={**os.environ, SECRET_ENV: secret})
+    proc.log_path = log  # type: ignore[attr-defined]  # a spare keeps its own log after taking a rank
+    return proc
 
 
 def _supervise(agents: list[subprocess.Popen[bytes]], store: JobStore, run_dir: Path, cfg: Config,
@@ -336,7 +338,8 @@ def _supervise(agents: list[subprocess.Popen[bytes]], store: JobStore, run_dir: 
         codes = [a.poll() for a in agents]
         for node, code in enumerate(codes):
             if code == 2:  # refused to start (config, rank, store): the job cannot run as asked
-                raise AgentFailed(node, code, _log_tail(run_dir / "logs" / f"agent{node}.log"))
+                raise AgentFailed(node, code, _log_tail(getattr(agents[node], "log_path",
+                                                                run_dir / "logs" / f"agent{node}.log")))
         done = store.is_done()
         if all(c is not None for c in codes) and not (replacer is not None and replacer.lost):
             _emit(tail, on_record, events, on_event)

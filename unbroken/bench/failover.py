@@ -19,7 +19,12 @@ runs, side by side in one invocation, on one machine (nodes on loopback):
    and started cold as a fresh process (``fault.template=false``), and the
    members' stall when it is admitted (the gap ending at its rejoin step minus a
    normal step);
-5. **throughput under a failure trace** (default ``high``) relative to
+5. **node loss** (``--parts node``): node 1's agent, workers and standby
+   SIGKILLed together; loss → both its workers back at full strength, with a
+   spare node (``spare_nodes=1``: it takes the rank once the node's agent and
+   workers are known dead) and without (a replacement agent 1 s later, as the
+   demo's scheduler plays it); target <= 5 s;
+6. **throughput under a failure trace** (default ``high``) relative to
    failure-free, for each takeover policy, and for checkpoint-restart (plain data
    parallelism; any failure restarts every worker from the last checkpoint) with
    the steps it had to redo. Throughput = committed tokens / wall-clock from the
@@ -125,6 +130,34 @@ def _failures(a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     }
 
 
+NODE_REPLACEMENT_S = 1.0
+"""Without a spare, the scheduler brings the lost node's replacement this long after the loss (as the demo)."""
+
+
+def _node(a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    if a.nodes < 2:
+        raise ValueError("--parts node needs --nodes 2 or more (node 1 is lost)")
+    s0 = a.steps // 4
+    # Enough steps for a replacement that imports everything cold to get back in before the end.
+    cfg = _cfg(a, f"train.steps={max(a.steps, 200)}")
+    runs = {name: _run(a, tmp, f"node_{name}", cfg, standby=True, fail_at=f"step={s0}:node=1:kill",
+                       replace_lost_nodes_s=NODE_REPLACEMENT_S, spare_nodes=spares)
+            for name, spares in (("spare", 1), ("replacement", 0))}
+
+    def back(r: dict[str, Any]) -> list[float]:
+        lost = set(range(a.workers_per_node, 2 * a.workers_per_node))
+        return [x["down_to_back_s"] for x in r["report"]["rejoins"]
+                if x["down_to_back_s"] is not None and x["worker"] in lost]
+
+    return {"target_s": 5.0, "replacement_delay_s": NODE_REPLACEMENT_S,
+            "back_to_full_strength_s": {name: back(r) for name, r in runs.items()},
+            "stall_s": {name: [f["stall_s"] for f in r["report"]["failure_details"] if f["stall_s"] is not None]
+                        for name, r in runs.items()},
+            "lost_steps": sum(r["report"]["lost_steps"] for r in runs.values()),
+            "rows_never_or_twice": sum(r["report"]["rows_trained_never"] + r["report"]["rows_trained_twice"]
+                                       for r in runs.values())}
+
+
 def _trace(a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     extra = [f"fault.job_hours={a.job_hours}", f"train.checkpoint_every={a.checkpoint_every}"]
     base = _run(a, tmp, "trace_none", _cfg(a, *extra))
@@ -159,12 +192,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     help="wall-clock hours the trace runs stand for (scales the trace to --steps)")
     ap.add_argument("--checkpoint-every", type=int, default=10, help="persistent checkpoints (checkpoint-restart)")
     ap.add_argument("--policies", default="neighbor,spread,spread-approx")
-    ap.add_argument("--parts", default="overhead,failures,trace", help="which measurements to run")
+    ap.add_argument("--parts", default="overhead,failures,trace",
+                    help="which measurements to run: overhead, failures, node, trace")
     ap.add_argument("--store", default=None, metavar="etcd://HOST:PORT[,...]",
                     help="every job's store on this etcd cluster (default: embedded); see also unbroken bench store")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/failover.json"))
     a, a.overrides = parse_with_overrides(ap, argv)
-    parts = {"overhead": _overhead, "failures": _failures, "trace": _trace}
+    parts = {"overhead": _overhead, "failures": _failures, "node": _node, "trace": _trace}
     unknown = set(a.parts.split(",")) - set(parts)
     if unknown:
         raise ValueError(f"--parts: unknown {', '.join(sorted(unknown))}; valid: {', '.join(parts)}")
@@ -205,6 +239,14 @@ def _print(r: dict[str, Any]) -> None:
             j = f["rejoin_stall_s"]
             print(f"members' stall at a rejoin (s): warm standby {[round(x, 3) for x in j['warm_standby']]}, "
                   f"cold start {[round(x, 3) for x in j['cold_start']]}")
+    if "node" in r:
+        n = r["node"]
+        b, st = n["back_to_full_strength_s"], n["stall_s"]
+        print(f"node lost -> both its workers back (s): with a spare node {[round(x, 2) for x in b['spare']]}, "
+              f"a replacement {n['replacement_delay_s']} s later {[round(x, 2) for x in b['replacement']]} "
+              f"(target <= {n['target_s']}); stall {[round(x, 3) for x in st['spare']]} / "
+              f"{[round(x, 3) for x in st['replacement']]}; lost steps {n['lost_steps']}, rows never/twice "
+              f"{n['rows_never_or_twice']}")
     if "trace" in r:
         t = r["trace"]
         print(f"throughput under trace {t['trace']!r} ({t['steps']} steps standing for {t['job_hours']} h):")
