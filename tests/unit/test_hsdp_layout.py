@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from unbroken.sharding.hsdp import ReplicaLayout, check_layout, local_rows, shard_bytes
+from unbroken.mecefo.takeover import takeover_policy
+from unbroken.sharding.hsdp import ReplicaLayout, check_layout, local_rows, replica_assignment, shard_bytes
 
 
 def test_replicas_are_consecutive_workers_and_a_death_takes_its_replica():
@@ -40,3 +41,32 @@ def test_fsdp2_chunks_dim_0_with_the_last_shards_shorter_or_empty():
     # The most any index holds: index 0 of (10, 3) holds 3 rows x 3, of (5,) 2 elements.
     assert shard_bytes([(10, 3), (5,)], 4) == (9 + 2) * 4
     assert shard_bytes([(10, 3)], 4, element_bytes=2) == 18
+
+
+@pytest.mark.parametrize("policy", ["spread", "neighbor", "spread-approx"])
+def test_a_dead_replicas_slots_are_covered_per_shard_index_in_lockstep(policy):
+    """3 replicas x 2 ranks, micro-batch 8; replica 1 is down (its rank 3 died: rank 2 goes with it)."""
+    layout, mb = ReplicaLayout(workers=6, shard_degree=2), 8
+    out = replica_assignment(takeover_policy(policy), layout, live=[0, 1, 2, 4, 5], micro_batch=mb)
+    assert sorted(out) == [0, 1, 4, 5], "the replica of a dead rank computes nothing"
+    rows = {s: [0] * mb for s in range(6)}
+    for worker, items in out.items():
+        assert items[0].slot == worker, "a worker's own slot first"
+        for item in items:
+            assert layout.index_of(item.slot) == layout.index_of(worker), "only slots of its own shard index"
+            for row in range(*item.rows):
+                rows[item.slot][row] += 1
+    assert all(count == [1] * mb for count in rows.values()), "every (slot, row) exactly once"
+    for r in (0, 2):  # the ranks of a replica: the same rows and modes, item by item
+        a, b = out[2 * r], out[2 * r + 1]
+        assert [(i.rows, i.mode) for i in a] == [(i.rows, i.mode) for i in b]
+    # The same as the policy over replicas, slot by slot: nothing is invented.
+    over = takeover_policy(policy).assign(n_slots=3, live=[0, 2], micro_batch=mb)
+    assert [(i.slot * 2 + 1, i.rows, i.mode) for i in over[2]] == [(i.slot, i.rows, i.mode) for i in out[5]]
+
+
+def test_with_every_replica_whole_each_worker_trains_its_own_slot():
+    layout = ReplicaLayout(workers=4, shard_degree=2)
+    out = replica_assignment(takeover_policy("spread"), layout, live=[0, 1, 2, 3], micro_batch=4)
+    assert {w: [(i.slot, i.rows, i.mode) for i in items] for w, items in out.items()} == \
+        {w: [(w, (0, 4), "exact")] for w in range(4)}

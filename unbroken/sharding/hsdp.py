@@ -45,9 +45,11 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 from unbroken.mecefo.adapter import transformer_blocks
+from unbroken.mecefo.gradients import SlotWork
+from unbroken.mecefo.takeover import TakeoverPolicy
 
 __all__ = ["GradientShards", "Parallelize", "ReplicaLayout", "check_layout", "fsdp_llama", "join_replica",
-           "shard_model"]
+           "replica_assignment", "shard_model"]
 
 Parallelize = Callable[[torch.nn.Module, DeviceMesh], object]
 """A user's recipe (torchtitan's ``parallelize_llama``): shards ``model`` in place over ``mesh``."""
@@ -101,6 +103,24 @@ class ReplicaLayout:
     def whole_replicas(self, dead: Sequence[int]) -> set[int]:
         """Every worker of a replica with a dead worker (the fault unit is the replica)."""
         return {w for d in dead for w in self.replica_members(self.replica_of(d))}
+
+
+def replica_assignment(policy: TakeoverPolicy, layout: ReplicaLayout, live: Sequence[int],
+                       micro_batch: int) -> dict[int, list[SlotWork]]:
+    """Each live worker's work for one step under HSDP.
+
+    The takeover policy runs over replicas (a replica with any rank not in ``live`` is down as a whole:
+    the fault unit); rank ``i`` of a live replica then takes, of every slot the policy gives its replica,
+    that replica's rank ``i`` slot, with the same rows and mode. So the ranks of a replica compute the
+    same rows of their own shard index's slots, and FSDP's collectives inside it stay in lockstep; each
+    worker's slot id is as without sharding (the ledger checks every ``(step, slot, row)`` as before).
+    """
+    k = layout.shard_degree
+    up = sorted({layout.replica_of(w) for w in live
+                 if set(layout.replica_members(layout.replica_of(w))) <= set(live)})
+    per_replica = policy.assign(n_slots=layout.replicas, live=up, micro_batch=micro_batch)
+    return {r * k + i: [SlotWork(slot=item.slot * k + i, rows=item.rows, mode=item.mode) for item in items]
+            for r, items in per_replica.items() for i in range(k)}
 
 
 def join_replica(store: dist.Store, *, replica: int, incarnation: int, index: int, shard_degree: int,
