@@ -5,6 +5,7 @@ job writes, and never make a worker dead, a job done or failed, a view current, 
 from __future__ import annotations
 
 import threading
+import time
 from datetime import timedelta
 
 import pytest
@@ -12,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from unbroken.runtime.job_store import JobStore
+from unbroken.runtime.membership import Membership
 from unbroken.runtime.process_group import ViewGroup
 from unbroken.runtime.store_seal import Sealer
 from unbroken.runtime.view import View
@@ -55,8 +57,9 @@ def test_forged_values_of_every_kind_change_nothing(store):
         assert not s.is_marked_dead(0) and s.dead_mark(0) is None
         assert not s.is_done() and s.failure() is None and not s.finished()
         assert s.config() is None and s.progress() is None and s.join_request(2) is None
-    assert store.heartbeats([1]) == [2], "a forged heartbeat is ignored (the last authentic value stands)"
+    assert store.heartbeats([1]) == [-1], "a forged heartbeat is no observation (neither a value nor gone)"
     assert store.beat(1) == 3, "and the next beat goes on from the authentic count"
+    assert store.heartbeats([1]) == [3]
     # The job writes over forged values: they are replaced, not obeyed.
     winner = store.propose(view0, View(gen=1, members=(0, 1), step=0, reason="dead [2]"))
     assert winner.members == (0, 1) and store.gen() == 1 and store.current_view() == winner
@@ -64,6 +67,45 @@ def test_forged_values_of_every_kind_change_nothing(store):
     store.set_done()
     assert other.is_done()
     assert store.agree_config('{"real": 1}') == '{"real": 1}'
+
+
+def test_a_live_workers_counters_rewritten_faster_than_it_beats_never_make_it_look_silent(store):
+    """Worker 1 beats and advances every 100 ms; an attacker rewrites both counters every 5 ms, so a reader
+    mostly finds forged values. Forged reads are no observation: the reader (heartbeat timeout 0.3 s, no
+    progress limit 0.3 s) never judges the live worker silent. (Taking a forged read for the last authentic
+    value made it look still between its beats, and the attack fenced a live worker.)"""
+    view = View(gen=0, members=(0, 1), step=0)
+    store.publish_initial(view)
+    raw, ns = _attacker(store)
+    writer = JobStore.connect(f"127.0.0.1:{store.port}", timeout_s=10, secret="the job's secret")
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.is_set():
+            writer.beat(1)
+            writer.advance(1, 1)
+            stop.wait(0.1)
+
+    def forge() -> None:
+        while not stop.is_set():
+            raw.set(ns + "hb/1", "0")
+            raw.set(ns + "prog/1", "0")
+            stop.wait(0.005)
+
+    threads = [threading.Thread(target=beat), threading.Thread(target=forge)]
+    for t in threads:
+        t.start()
+    try:
+        reader = Membership(store, 0, heartbeat_timeout_s=0.3, progress_timeout_s=0.3)
+        deadline = time.monotonic() + 1.5
+        while time.monotonic() < deadline:
+            assert reader.dead_members(view) == set(), "a live worker judged dead on forged counters"
+            time.sleep(0.02)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(5)
+    assert not store.is_marked_dead(1)
 
 
 def test_a_forged_rendezvous_address_is_never_used(store):

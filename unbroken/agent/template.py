@@ -124,6 +124,10 @@ def _become_worker(argv: list[str], log: str, agent: int, intermediate: int, pre
         from unbroken.agent import worker_process
 
         worker_process.main(argv, forked=True, prepared=prepared)  # ends with os._exit
+    except SystemExit as exc:  # as a fresh process would exit (a joiner that finds the job finished: 0)
+        code = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
+        sys.stdout.flush()
+        sys.stderr.flush()
     except BaseException:
         traceback.print_exc()
     finally:

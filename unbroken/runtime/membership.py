@@ -190,6 +190,10 @@ class Membership:
                 for seen, value, limit, how in ((self._hb_seen, beat, hb_limit, "heartbeat"),
                                                 (self._prog_seen, progress, self.progress_timeout_s, "no progress")):
                     last = seen.get(w)
+                    if value < 0:  # a value not the job's (store_backend.UNSEEN): nothing seen, nothing judged
+                        if last is not None:
+                            seen[w] = (last[0], now)
+                        continue
                     if last is None or last[0] != value or blind:
                         seen[w] = (value, now)
                     elif before - last[1] > limit and w not in self._dead:

@@ -51,6 +51,11 @@ SECRET_FILE = "secret"
 """The secret's file in the run directory (mode 0600)."""
 
 
+UNSEEN = b"-1"
+"""What :meth:`TCPStoreBackend.get_present` reads for a counter whose value is not the job's: no observation
+(a liveness reader treats it as a moment it could not see, never as the counter standing still)."""
+
+
 class StoreAccessDenied(PermissionError):
     """The store does not hold this job under the given secret."""
 
@@ -155,9 +160,9 @@ class TCPStoreBackend(StoreBackend):
     def __init__(self, store: dist.TCPStore, namespace: str, timeout_s: float = 30.0, *, secret: str) -> None:
         self.store, self.ns, self.timeout_s = store, namespace, timeout_s
         self.sealer = Sealer(secret)
-        # The last authentic payload this client read or wrote, per key: what a forged counter reads as (a
-        # counter only grows, so an old value only means "no beat seen"); never used for other keys, whose
-        # value may have been deleted or replaced since.
+        # The last authentic payload this client read or wrote, per key: where its own add of a forged
+        # counter goes on from (a counter only grows); never used for other keys, whose value may have been
+        # deleted or replaced since.
         self._seen: dict[str, bytes] = {}
 
     def _remember(self, key: str, value: bytes) -> bytes:
@@ -210,11 +215,12 @@ class TCPStoreBackend(StoreBackend):
         return [value if (value := self._open(k, raw)) is not None else self.get(k) for k, raw in zip(keys, raws)]
 
     def get_present(self, keys: list[str]) -> list[bytes | None]:
-        """Counters (which exist from a view's publication on): a forged one reads as the last authentic value
-        this client saw, or 0 (a first observation), never as gone (which would read as a lease expired)."""
+        """Counters (which exist from a view's publication on): a forged or tombstoned one reads as
+        :data:`UNSEEN` (-1), no observation: not as gone (which would read as a lease expired), and not
+        as the last authentic value (an attacker rewriting a live worker's counter faster than it beats
+        would make it look silent to every reader, and fenced)."""
         raws = self.store.multi_get([self.ns + k for k in keys])
-        return [value if (value := self._open(k, raw)) is not None else self._seen.get(k, b"0")
-                for k, raw in zip(keys, raws)]
+        return [value if (value := self._open(k, raw)) is not None else UNSEEN for k, raw in zip(keys, raws)]
 
     def delete_key(self, key: str) -> bool:
         self._seen.pop(key, None)
