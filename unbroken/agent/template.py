@@ -146,11 +146,12 @@ def fork_worker(argv: list[str], log: str, agent: int, prepared: Any, closing: l
     if intermediate == 0:
         try:
             os.close(r)
-            pid = os.fork()
+            me = os.getpid()  # not the worker's getppid(): by the time it asks, this process may have exited
+            pid = os.fork()   # and the worker been reparented to the agent, which it would then wait to leave
             if pid == 0:
                 os.close(w)
                 os.environ.update(env or {})
-                _become_worker(argv, log, agent, os.getppid(), prepared, closing)
+                _become_worker(argv, log, agent, me, prepared, closing)
             os.write(w, f"{pid}\n".encode())
         finally:
             os._exit(0)
