@@ -351,19 +351,8 @@ class ViewGroup:
                 worker is about to leave, and ``os._exit`` does not wait for it).
         """
         self._aborted = True
-        pg, returned = self.pg, threading.Event()
-
-        def abort() -> None:
-            try:
-                pg.abort()
-            except Exception as exc:  # best effort: the group is never used again
-                logger.warning("abort of view %d group failed: %s", self.gen, exc)
-            finally:
-                returned.set()
-
-        threading.Thread(target=abort, name=f"abort-g{self.gen}", daemon=True).start()
         limit = ABORT_DEADLINE_S if deadline_s is None else deadline_s
-        if not returned.wait(limit):
+        if not _abort_watched(self.pg, self.gen, limit):
             raise AbortHung(f"the abort of view {self.gen}'s NCCL group did not return within {limit} s; "
                             f"this worker leaves and rejoins")
 
@@ -416,23 +405,26 @@ def release_parked() -> int:
     return len(_PARKED)
 
 
-def _dispose(pg: dist.ProcessGroup, device: torch.device, gen: int) -> None:
-    """Release a group whose construction was given up on: NCCL is aborted (from a thread given
-    :data:`ABORT_DEADLINE_S`, which ends a connection blocked on a dead peer); gloo is dropped (its
-    sockets close, its threads end)."""
-    if device.type != "cuda":
-        return
+def _abort_watched(pg: dist.ProcessGroup, gen: int, limit_s: float) -> bool:
+    """``pg.abort()`` in a thread of its own; whether it returned within ``limit_s`` (if not, the thread is
+    left to it: ``ncclCommAbort`` can itself hang, and ``os._exit`` does not wait for it)."""
     returned = threading.Event()
 
     def abort() -> None:
         try:
             pg.abort()
-        except Exception as exc:  # best effort: the group was never used
-            logger.warning("abort of view %d's half-built group failed: %s", gen, exc)
+        except Exception as exc:  # best effort: the group is never used again
+            logger.warning("abort of view %d's group failed: %s", gen, exc)
         finally:
             returned.set()
 
-    threading.Thread(target=abort, name=f"abort-setup-g{gen}", daemon=True).start()
-    if not returned.wait(ABORT_DEADLINE_S):
+    threading.Thread(target=abort, name=f"abort-g{gen}", daemon=True).start()
+    return returned.wait(limit_s)
+
+
+def _dispose(pg: dist.ProcessGroup, device: torch.device, gen: int) -> None:
+    """Release a group whose construction was given up on: NCCL is aborted (watched, which ends a
+    connection blocked on a dead peer); gloo is dropped (its sockets close, its threads end)."""
+    if device.type == "cuda" and not _abort_watched(pg, gen, ABORT_DEADLINE_S):
         logger.warning("the abort of view %d's half-built NCCL group did not return within %s s", gen,
                        ABORT_DEADLINE_S)
