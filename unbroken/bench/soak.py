@@ -38,17 +38,10 @@ from pathlib import Path
 from typing import Any
 
 from unbroken.bench._args import parse_with_overrides
+from unbroken.faults.chaos import alive, read_pid, send
+from unbroken.jsonl import JsonlTail
 
 KILL, STOP = "SIGKILL", "SIGSTOP"
-
-
-def _alive(pid: int) -> bool:
-    """Running or stopped, not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
 
 
 def _targets(run: Path) -> list[tuple[str, int]]:
@@ -56,35 +49,28 @@ def _targets(run: Path) -> list[tuple[str, int]]:
     out = []
     for path in sorted((run / "pids").glob("*")):
         role = "worker" if path.name.startswith("w") else "standby" if path.name.startswith("standby") else None
-        if role is None:
-            continue
-        try:
-            pid = int(path.read_text().split()[0])
-        except (OSError, ValueError, IndexError):
-            continue  # being rewritten: the next pick sees it
-        if _alive(pid):
+        pid = read_pid(path) if role is not None else None
+        if pid is not None and alive(pid):
             out.append((f"{role}:{path.name}", pid))
     return out
 
 
-def _committed(run: Path) -> int:
-    """The newest committed step in the run's metrics (0 before the first)."""
-    step = 0
-    try:
-        with open(run / "metrics.jsonl") as f:
-            for line in f:
-                if line.endswith("\n") and '"kind":"train"' in line:
-                    step = max(step, int(json.loads(line)["step"]))
-    except OSError:
-        pass
-    return step
+class _Progress:
+    """The newest committed step of the run's metrics (0 before the first), followed line by line."""
+
+    def __init__(self, run: Path) -> None:
+        self.tail, self.step = JsonlTail(run / "metrics.jsonl"), 0
+
+    def __call__(self) -> int:
+        self.step = max([self.step] + [int(r["step"]) for r in self.tail.read_new() if r.get("kind") == "train"])
+        return self.step
 
 
 class Chaos:
     """Sends the faults; keeps what it sent."""
 
     def __init__(self, run: Path, a: argparse.Namespace) -> None:
-        self.run, self.a = run, a
+        self.run, self.a, self.committed = run, a, _Progress(run)
         self.rng = random.Random(a.seed)
         self.sent: list[dict[str, Any]] = []
         self.stopped: list[tuple[float, int]] = []  # (continue at, pid)
@@ -98,8 +84,7 @@ class Chaos:
         now = time.monotonic()
         for at, pid in [s for s in self.stopped if s[0] <= now]:
             self.stopped.remove((at, pid))
-            if _alive(pid):
-                os.kill(pid, signal.SIGCONT)
+            send(pid, signal.SIGCONT)
         if len(self.sent) >= self.a.faults or now < self.next_at:
             return
         self.next_at = now + self.rng.uniform(*self.a.interval)
@@ -108,20 +93,17 @@ class Chaos:
             return
         role, pid = self.rng.choice(targets)
         how = STOP if self.rng.random() < self.a.stop_share else KILL
-        try:
-            os.kill(pid, signal.SIGSTOP if how == STOP else signal.SIGKILL)
-        except ProcessLookupError:
+        if not send(pid, signal.SIGSTOP if how == STOP else signal.SIGKILL):
             return
         if how == STOP:
             self.stopped.append((now + self.rng.uniform(1.0, 10.0), pid))
         self.sent.append({"t": round(now - t0, 2), "target": role, "pid": pid, "signal": how,
-                          "committed": _committed(self.run)})
+                          "committed": self.committed()})
 
     def release(self) -> None:
         """Continue every process still stopped (the soak is ending)."""
         for _, pid in self.stopped:
-            if _alive(pid):
-                os.kill(pid, signal.SIGCONT)
+            send(pid, signal.SIGCONT)
         self.stopped.clear()
 
 
@@ -165,7 +147,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 raise TimeoutError(f"the soak ran past --timeout-s {a.timeout_s}")
             rc = proc.poll()
             if rc is not None:
-                launches[-1].update(rc=rc, at_step=_committed(run), t_end=round(time.monotonic() - t0, 2))
+                launches[-1].update(rc=rc, at_step=chaos.committed(), t_end=round(time.monotonic() - t0, 2))
                 if rc == 0:
                     break
                 if len(launches) > a.max_resumes:
@@ -174,7 +156,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 proc = _launch(base + ["--resume", str(run), "--standby"], log)
                 launches.append({"t": round(time.monotonic() - t0, 2), "resume": True})
                 continue
-            if _committed(run) > 0 or launches[-1]["resume"]:
+            if chaos.committed() > 0 or launches[-1]["resume"]:
                 chaos.tick(t0)
             time.sleep(0.05)
     finally:
@@ -194,7 +176,7 @@ def _verdict(a: argparse.Namespace, run: Path, chaos: Chaos, launches: list[dict
     for f in chaos.sent:
         key = f"{f['signal']} {f['target'].split(':')[0]}"
         by[key] = by.get(key, 0) + 1
-    committed = _committed(run)
+    committed = chaos.committed()
     result = {
         "benchmark": "soak", "preset": a.preset, "nodes": a.nodes, "workers": a.workers, "seed": a.seed,
         "interval_s": list(a.interval), "stop_share": a.stop_share, "wall_s": round(wall_s, 1),

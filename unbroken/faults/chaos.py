@@ -99,14 +99,14 @@ def run_chaos(run_dir: str | Path, fail_at: str, *, timeout_s: float = 3600.0,
             while pending and pending[0].step <= progress:
                 spec = pending.pop(0)
                 pids = _target_pids(run_dir, spec)
-                sent = [p for p in pids if _send(p, signal_for(spec.how))]
+                sent = [p for p in pids if send(p, signal_for(spec.how))]
                 if spec.duration_s is not None and sent:
                     resumes.append((time.monotonic() + spec.duration_s, sent))
                 emit({"kind": "event", "event": "fault_injected", "by": "chaos", "spec": format_fail_at([spec]),
                       "signal": signal_for(spec.how).name, "pids": sent, "progress": progress, "t": time.time()})
             for item in [r for r in resumes if r[0] <= time.monotonic()]:
                 resumes.remove(item)
-                sent = [p for p in item[1] if _send(p, signal.SIGCONT)]
+                sent = [p for p in item[1] if send(p, signal.SIGCONT)]
                 emit({"kind": "event", "event": "fault_resumed", "by": "chaos", "pids": sent, "t": time.time()})
             time.sleep(POLL_S)
     finally:
@@ -118,28 +118,33 @@ def _target_pids(run_dir: Path, spec: FaultSpec) -> list[int]:
     """Agent first for a node: it must not see its workers die and react."""
     pids = run_dir / "pids"
     if spec.target == "worker":
-        return [p for p in [_read_pid(pids / f"w{spec.index}")] if p is not None]
+        return [p for p in [read_pid(pids / f"w{spec.index}")] if p is not None]
     layout = json.loads((run_dir / "layout.json").read_text())
     names = [f"agent{spec.index}"] + [f"w{w}" for w in workers_of(spec.index, int(layout["workers_per_node"]))]
-    return [p for p in (_read_pid(pids / n) for n in names) if p is not None]
+    return [p for p in (read_pid(pids / n) for n in names) if p is not None]
 
 
-def _read_pid(path: Path) -> int | None:
+def read_pid(path: Path) -> int | None:
+    """The pid a pid file names (None: no file, or being rewritten)."""
     try:
         return int(path.read_text().split()[0])
     except (OSError, ValueError, IndexError):
         return None
 
 
-def _send(pid: int, sig: int) -> bool:
-    """Signal a live process; ``False`` if it is gone (or only a zombie)."""
+def alive(pid: int) -> bool:
+    """Running or stopped, not a zombie (without ``/proc``: assumed alive, the signal tells)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
-        if stat.rsplit(")", 1)[1].split()[0] in ("Z", "X"):
-            return False
+        return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
     except OSError:
-        if Path("/proc/self").exists():
-            return False  # Linux without that pid: gone
+        return not Path("/proc/self").exists()
+
+
+def send(pid: int, sig: int) -> bool:
+    """Signal a live process; ``False`` if it is gone (or only a zombie)."""
+    if not alive(pid):
+        return False
     try:
         os.kill(pid, sig)
         return True
