@@ -298,10 +298,10 @@ class Agent:
             return
         view = self.store.current_view()
         for w in workers_of(self.node, self.opts.workers_per_node):
-            if w not in view.members or self.store.is_marked_dead(w):
+            if w not in view.members:
                 continue
             reason = json.dumps({"by": "agent", "node": self.node, "how": "node lost", "t": time.time()})
-            if self.store.mark_dead(w, reason):
+            if self.store.mark_dead(w, reason):  # an existing mark stays (first mark wins)
                 self.log.warning("worker %d of the node's previous agent is gone with it: marked dead", w)
 
     # -- the loop ---------------------------------------------------------------
