@@ -276,8 +276,8 @@ class Agent:
         return self.template.launch(cmd, log=log, header=header, env={SECRET_ENV: os.environ[SECRET_ENV]})
 
     def _start_workers(self, view: View) -> None:
-        if self.rdv.took_over:
-            self._mark_predecessors_dead()
+        for w in self.rdv.mark_predecessors_dead():
+            self.log.warning("worker %d of the node's previous agent is gone with it: marked dead", w)
         if view.restore is not None:  # a restored first view: its members load the state themselves
             for w in workers_of(self.node, self.opts.workers_per_node):
                 if w in view.members:
@@ -288,21 +288,6 @@ class Agent:
             # view that starts now; otherwise it must join and receive the state.
             join = self.rdv.took_over or w not in view.members or self._mark(w) is not None or self._progress > view.step
             self._start(w, join=join)
-
-    def _mark_predecessors_dead(self) -> None:
-        """This agent took the node rank over: the previous holder's workers are gone with it (known dead,
-        or silent as long as ``TAKEOVER_SILENCE_S``). Mark the ones the current view still names dead now,
-        before their successors start beating under the same ids: otherwise the members would take the new
-        incarnations' heartbeats for theirs and wait on them until the progress timeout."""
-        if not self.store.has_view():
-            return
-        view = self.store.current_view()
-        for w in workers_of(self.node, self.opts.workers_per_node):
-            if w not in view.members:
-                continue
-            reason = json.dumps({"by": "agent", "node": self.node, "how": "node lost", "t": time.time()})
-            if self.store.mark_dead(w, reason):  # an existing mark stays (first mark wins)
-                self.log.warning("worker %d of the node's previous agent is gone with it: marked dead", w)
 
     # -- the loop ---------------------------------------------------------------
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import copy
 import json
-import signal
 import os
 import logging
 import subprocess
@@ -53,6 +52,7 @@ from unbroken.agent.preflight import _truncate_metrics, preflight, prepare_run_d
 from unbroken.agent.resume_point import resume_point
 from unbroken.job.references import anchor_references
 from unbroken.models.factory import check_placement
+from unbroken.agent._replacer import NodeReplacer, spare_count
 from unbroken.agent._store_host import StoreHost
 from unbroken.runtime.etcd_backend import parse_etcd
 from unbroken.runtime.job_store import JobStore
@@ -229,7 +229,7 @@ def _attempt(store: JobStore, addr: str, cfg: Config, run_dir: Path,
     agents: list[subprocess.Popen[bytes]] = []
     replacer = None
     if replace_lost_nodes_s is not None or spare_nodes:
-        replacer = _NodeReplacer(replace_lost_nodes_s, lambda r: _spawn_agent(r, cfg, run_dir, addr, **agent_args),
+        replacer = NodeReplacer(replace_lost_nodes_s, lambda r: _spawn_agent(r, cfg, run_dir, addr, **agent_args),
                                  run_dir=run_dir)
     with EventMerger(run_dir, since=time.time()) as events:  # this attempt's events: those written from now on
         try:
@@ -297,7 +297,7 @@ def _spawn_agent(node: int, cfg: Config, run_dir: Path, store_addr: str, *, node
     cmd += ["--standby"] if standby else []
     cmd += ["--resume", str(resume_from)] if resume_from else []
     cmd += ["--resume-memory"] if resume_memory else []
-    log = run_dir / "logs" / (f"agent{node}.log" if node >= 0 else f"agent-spare{_spare_count(run_dir)}.log")
+    log = run_dir / "logs" / (f"agent{node}.log" if node >= 0 else f"agent-spare{spare_count(run_dir)}.log")
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("ab") as fh:
         # Same process group as the launcher: a terminal's Ctrl-C reaches the agents, which stop their workers.
@@ -311,7 +311,7 @@ def _spawn_agent(node: int, cfg: Config, run_dir: Path, store_addr: str, *, node
 def _supervise(agents: list[subprocess.Popen[bytes]], store: JobStore, run_dir: Path, cfg: Config,
                on_record: Callable[[dict[str, Any]], None] | None, *, events: EventMerger | None = None,
                on_event: Callable[[dict[str, Any]], None] | None = None,
-               replacer: _NodeReplacer | None = None, store_faults: StoreFaults | None = None) -> str | None:
+               replacer: NodeReplacer | None = None, store_faults: StoreFaults | None = None) -> str | None:
     """Follow the job to its end; returns ``None`` when done, else the failure message.
 
     Every poll hands the new metrics records to ``on_record`` and merges the new events (``events``)
@@ -358,69 +358,6 @@ def _supervise(agents: list[subprocess.Popen[bytes]], store: JobStore, run_dir: 
             what = "committed no step" if committed is None else f"committed no step after step {committed}"
             raise TimeoutError(f"the job {what} for {limit:.0f} s; see {run_dir / 'logs'}")
         time.sleep(max(POLL_S, store.poll_s))
-
-
-class _NodeReplacer:
-    """Brings up a replacement for a lost node (its agent killed by SIGKILL), as a scheduler would.
-
-    With spare nodes (agents started with ``--spare``, already imported and prepared), a spare takes the
-    lost node's rank by itself as soon as the node's agent and workers are known dead, and the scheduler
-    brings a new spare ``delay_s`` later; without one, a new agent for that rank comes up ``delay_s``
-    after the loss. Either way its workers start as joiners and the survivors admit them at a step
-    boundary.
-    """
-
-    def __init__(self, delay_s: float | None, spawn: Callable[[int], subprocess.Popen[bytes]], *,
-                 run_dir: Path) -> None:
-        self.delay_s, self.spawn, self.run_dir = delay_s, spawn, run_dir
-        self.lost: dict[int, float] = {}  # node -> when its agent was seen dead
-        self.spares: list[subprocess.Popen[bytes]] = []
-        self._spares_due: list[float] = []  # when the scheduler brings a new spare
-
-    def tick(self, agents: list[subprocess.Popen[bytes]], now: float) -> None:
-        for node, agent in enumerate(agents):
-            if agent.poll() == -signal.SIGKILL and node not in self.lost:
-                self.lost[node] = now
-                if self._live_spares():
-                    logger.warning("node %d lost: a spare node takes it over", node)
-                elif self.delay_s is not None:
-                    logger.warning("node %d lost: a replacement comes up in %.1f s", node, self.delay_s)
-        for node in range(len(agents)):
-            taker = self._spare_holding(node)
-            if taker is not None:
-                agents[node] = taker
-                self.spares.remove(taker)
-                self.lost.pop(node, None)
-                logger.warning("node %d taken over by a spare (agent pid %d)", node, taker.pid)
-                if self.delay_s is not None:
-                    self._spares_due.append(now + self.delay_s)
-        for node, since in list(self.lost.items()):
-            if not self._live_spares() and self.delay_s is not None and now - since >= self.delay_s:
-                del self.lost[node]
-                agents[node] = self.spawn(node)
-                logger.warning("node %d replaced (agent pid %d)", node, agents[node].pid)
-        for due in [d for d in self._spares_due if d <= now]:
-            self._spares_due.remove(due)
-            self.spares.append(self.spawn(-1))
-            logger.info("a new spare node is up (agent pid %d)", self.spares[-1].pid)
-
-    def _live_spares(self) -> list[subprocess.Popen[bytes]]:
-        return [s for s in self.spares if s.poll() is None]
-
-    def _spare_holding(self, node: int) -> subprocess.Popen[bytes] | None:
-        """The spare whose pid node ``node``'s agent pid file names (it took that rank)."""
-        if not self.spares:
-            return None
-        try:
-            pid = int((self.run_dir / "pids" / f"agent{node}").read_text().split()[0])
-        except (OSError, ValueError, IndexError):
-            return None
-        return next((s for s in self.spares if s.pid == pid), None)
-
-
-def _spare_count(run_dir: Path) -> int:
-    """The next spare agent's number (its log file's)."""
-    return len(list((run_dir / "logs").glob("agent-spare*.log"))) if (run_dir / "logs").is_dir() else 0
 
 
 def _emit(tail: JsonlTail, on_record: Callable[[dict[str, Any]], None] | None, events: EventMerger | None = None,

@@ -185,6 +185,21 @@ class NodeRegistration:
                                    f"still beat after {self.timeout_s:.0f} s; stop them (or that agent) first")
             logger.info("[node %d] workers %s of the previous agent still beat; waiting", self.node, self.workers)
 
+    def mark_predecessors_dead(self) -> list[int]:
+        """After a takeover, mark dead the previous holder's workers that the current view still names;
+        returns them.
+
+        They are gone with it (known dead, or silent as long as ``TAKEOVER_SILENCE_S``). Marked before
+        their successors start beating under the same ids: otherwise the members would take the new
+        incarnations' heartbeats for theirs and wait on them until the progress timeout. An existing
+        mark stays (first mark wins).
+        """
+        if not self.took_over or not self.store.has_view():
+            return []
+        view = self.store.current_view()
+        reason = json.dumps({"by": "agent", "node": self.node, "how": "node lost", "t": time.time()})
+        return [w for w in self.workers if w in view.members and self.store.mark_dead(w, reason)]
+
     def heartbeat(self, now: float) -> None:
         """Beat if the interval has passed (called from the agent's loop)."""
         if now >= self._next_hb:
