@@ -30,7 +30,9 @@ CORPUS_BYTES = 1_500_000
 
 @pytest.fixture(scope="session")
 def corpus_overrides() -> list[str]:
-    return [f"data.max_bytes={CORPUS_BYTES}"]
+    """The corpus slice, and a snapshot every step: scenarios assert the exact step a job restores from
+    (the ``auto`` interval follows measured timings; tests/integration/test_auto_snapshot_interval.py covers it)."""
+    return [f"data.max_bytes={CORPUS_BYTES}", "snapshot.every=1"]
 
 
 @pytest.fixture(autouse=True)

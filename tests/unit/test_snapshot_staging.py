@@ -127,3 +127,46 @@ def test_snapshot_copies_run_on_the_tensors_device_and_stage_only_the_workers_by
     finally:
         snap.close()
         remove_segments(job)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_under_auto_a_cuda_snapshot_stages_on_the_device_and_seals_the_state_of_its_step():
+    """``snapshot.every=auto`` on a GPU with room: the fence waits for a device-to-device copy only; the
+    optimizer may then change the state while the copy to the host and the write go on; the seal holds the
+    state of its step, bit for bit."""
+    from unbroken.snapshot.cadence import VOTE_SLOTS, cast
+    from unbroken.snapshot.restore import decide, inventory, restore_from_memory
+
+    dev = torch.device("cuda", 0)
+    torch.cuda.set_device(dev)
+    model, opt = _trained(seed=2)
+    model.to(dev)
+    for st in opt.state.values():
+        st["exp_avg"], st["exp_avg_sq"] = st["exp_avg"].to(dev), st["exp_avg_sq"].to(dev)
+    want = {k: v.detach().cpu().clone() for k, v in tensors_of(model, opt, dev).items()}
+    job = os.urandom(6).hex()
+    snap = Snapshotter(job_id=job, node=0, worker=0, node_of={0: 0}, every="auto", redundancy="none", parity=1,
+                       config_hash="cfg", state=lambda: tensors_of(model, opt, dev), on_event=lambda *a, **k: None,
+                       write_threads=4)
+    try:
+        votes = torch.zeros(VOTE_SLOTS)
+        cast(votes, 1)
+        snap.take(1, View(gen=0, members=(0,), step=1), votes)
+        snap.fence()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(0.5)  # the next optimizer step, queued once the fence returned
+        snap.wait()
+        assert snap.device_bytes > 0 and snap.device_bytes == snap.pinned_bytes, "staged on the device first"
+        spec = decide([inventory(job, 0, config_hash="cfg")], checkpoint=None, members_of=lambda nodes: [0])
+        fresh, fresh_opt = _trained(seed=3)
+        fresh.to(dev)
+        for st in fresh_opt.state.values():
+            st["exp_avg"], st["exp_avg_sq"] = st["exp_avg"].to(dev), st["exp_avg_sq"].to(dev)
+        restore_from_memory(spec, job=job, node=0, node_of={0: 0}, members=(0,), me=0, broadcast=None,
+                            model=fresh, optimizer=fresh_opt, device=dev)
+        got = {k: v.detach().cpu() for k, v in tensors_of(fresh, fresh_opt, dev).items()}
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    finally:
+        snap.close()
+        remove_segments(job)

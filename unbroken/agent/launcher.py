@@ -461,4 +461,19 @@ def _summarise(run_dir: Path, cfg: Config, info: dict[str, Any], wall_s: float, 
         "checkpoint": str(ckpt) if ckpt else None, **_agent_counts(run_dir, t0, cfg.train.workers // nodes), **info,
         "peak_memory_bytes": max((r.get("peak_memory_bytes") or 0 for r in reports), default=0) or None,
         "compiled_frames": max((r.get("compiled_frames", 0) for r in reports), default=0),
+        "snapshots": _snapshot_summary(cfg, reports),
     }
+
+
+def _snapshot_summary(cfg: Config, reports: list[dict[str, Any]]) -> dict[str, Any]:
+    """The snapshot setting, and under ``auto`` the interval the workers last agreed on and its recovery point."""
+    snaps = [r.get("snapshots") or {} for r in reports]
+    out: dict[str, Any] = {"every": cfg.snapshot.every, "taken": max((s.get("taken", 0) for s in snaps), default=0)}
+    if cfg.snapshot.every == "auto":
+        interval = max((s.get("interval", 0) for s in snaps), default=0)
+        writes = [s["write_s"] for s in snaps if s.get("write_s") is not None]
+        out.update(interval=interval, recovery_point_steps=2 * interval,
+                   skipped=max((s.get("skipped", 0) for s in snaps), default=0),
+                   slowest_write_s=max(writes) if writes else None,
+                   device_staging_bytes=max((s.get("device_staging_bytes", 0) for s in snaps), default=0))
+    return out

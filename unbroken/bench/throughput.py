@@ -54,6 +54,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--reference", action="store_true", help="plain PyTorch loops, then unbroken, side by side")
     ap.add_argument("--ac", default="", help="with --reference: activation checkpointing modes to measure "
                                              "the plain loop's peak memory for (none,selective,full)")
+    ap.add_argument("--snapshots", default="",
+                    help="with --reference: snapshot.every settings to run unbroken with, side by side (e.g. 0,auto; "
+                         "default: the config's)")
+    ap.add_argument("--plain", default="eager,compiled",
+                    help="with --reference: the plain loops to run (eager, compiled; compiled only where compile is on)")
+    ap.add_argument("--plain-steps", type=int, default=None, help="with --reference: steps of each plain loop "
+                                                                   "(default --steps)")
     a, a.overrides = parse_with_overrides(ap, argv)
     a.workers_given, a.workers = a.workers is not None, a.workers or "1,2,4"
     if a.reference:

@@ -19,9 +19,20 @@ from unbroken.agent.launcher import launch_local
 from unbroken.bench.plain_loop import flops_per_token, peak_flops, plain_loop
 from unbroken.config import Config, load_config
 from unbroken.job.parallelize import resolve_compile
+from unbroken.jsonl import read_jsonl
 from unbroken.models.factory import resolve_device
 
-__all__ = ["reference"]
+__all__ = ["reference", "steady_window"]
+
+
+def steady_window(run_dir: Path, steps: int, tokens_per_step: int) -> dict[str, Any]:
+    """Tokens per second over the last half of the steps: total tokens over total time (a mean, so the
+    steps that snapshot count as much as they cost; the median would hide them)."""
+    train = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r.get("kind") == "train"]
+    window = [r for r in train if r["step"] > steps // 2]
+    seconds = sum(r["step_time_s"] for r in window)
+    return {"window_steps": len(window), "window_tokens_per_s": len(window) * tokens_per_step / seconds
+            if seconds > 0 else 0.0}
 
 
 def _cfg(a: argparse.Namespace, *extra: str) -> Config:
@@ -43,24 +54,41 @@ def reference(a: argparse.Namespace) -> dict[str, Any]:
     counts = sorted({int(w) for w in a.workers.split(",") if w.strip()} if a.workers_given else
                     ({1, gpus} if gpus else {1}))
     fpt, peak = flops_per_token(cfg), peak_flops(device)
+    kinds = {k.strip() for k in a.plain.split(",") if k.strip()}
+    if not kinds or kinds - {"eager", "compiled"}:
+        raise ValueError(f"--plain {a.plain!r}: need eager and/or compiled")
+    modes = [m for m in ([False, True] if compiled else [False]) if ("compiled" if m else "eager") in kinds]
+    if compiled and True not in modes:
+        modes.append(True)  # unbroken compiles: its ratio needs the compiled plain loop
     rows: list[dict[str, Any]] = []
-    for mode in ([False, True] if compiled else [False]):
+    for mode in modes:
         rows.append({"loop": "plain", "compile": mode, "workers": 1,
-                     **plain_loop(cfg, device, compile=mode, steps=a.steps)})
+                     **plain_loop(cfg, device, compile=mode, steps=a.plain_steps or a.steps)})
         print(f"plain loop, compile={mode}: {rows[-1]['tokens_per_s']:,.0f} tokens/s", flush=True)
+    settings = [x.strip() for x in a.snapshots.split(",") if x.strip()] or [str(cfg.snapshot.every)]
     with tempfile.TemporaryDirectory(prefix="unbroken-bench-ref-") as tmp:
         for n in counts:
-            run_cfg = _cfg(a, f"train.workers={n}")
-            s = launch_local(run_cfg, Path(tmp) / f"w{n}")
-            rows.append({"loop": "unbroken", "compile": compiled, "workers": n, "tokens_per_s": s["tokens_per_s"],
-                         "peak_memory_bytes": s.get("peak_memory_bytes"), "compiled_frames": s.get("compiled_frames"),
-                         "snapshot_every": run_cfg.snapshot.every, "wall_s": s["wall_s"]})
-            print(f"unbroken, {n} worker(s): {s['tokens_per_s']:,.0f} tokens/s", flush=True)
+            for every in settings:
+                run_cfg = _cfg(a, f"train.workers={n}", f"snapshot.every={every}")
+                s = launch_local(run_cfg, Path(tmp) / f"w{n}-s{every}")
+                rows.append({"loop": "unbroken", "compile": compiled, "workers": n, "tokens_per_s": s["tokens_per_s"],
+                             **steady_window(Path(s["run_dir"]), a.steps, cfg.data.micro_batch * cfg.data.seq_len * n),
+                             "peak_memory_bytes": s.get("peak_memory_bytes"),
+                             "compiled_frames": s.get("compiled_frames"), "snapshot_every": run_cfg.snapshot.every,
+                             "snapshots": s.get("snapshots"), "wall_s": s["wall_s"]})
+                print(f"unbroken, {n} worker(s), snapshot.every={every}: {s['tokens_per_s']:,.0f} tokens/s (median), "
+                      f"{rows[-1]['window_tokens_per_s']:,.0f} over the last half; snapshots {s.get('snapshots')}",
+                      flush=True)
     plain = {r["compile"]: r["tokens_per_s"] for r in rows if r["loop"] == "plain"}
+    unsnapped = {r["workers"]: r["window_tokens_per_s"] for r in rows
+                 if r["loop"] == "unbroken" and str(r["snapshot_every"]) == "0"}
     for r in rows:
         devices = r["workers"] if gpus else 1
         if r["loop"] == "unbroken":
             r["ratio_vs_plain"] = r["tokens_per_s"] / (plain[r["compile"]] * devices)
+            r["window_ratio_vs_plain"] = r["window_tokens_per_s"] / (plain[r["compile"]] * devices)
+            if r["workers"] in unsnapped and str(r["snapshot_every"]) != "0":
+                r["snapshot_overhead"] = 1.0 - r["window_tokens_per_s"] / unsnapped[r["workers"]]
         r["mfu"] = r["tokens_per_s"] * fpt / (peak * (r["workers"] if gpus else 1)) if peak else None
     ac = [{"activation_checkpointing": m, **plain_loop(_cfg(a, f"train.activation_checkpointing={m}"), device,
                                                         compile=False, steps=max(5, a.steps // 3),
@@ -79,13 +107,19 @@ def reference(a: argparse.Namespace) -> dict[str, Any]:
 
 def _print(result: dict[str, Any]) -> None:
     gb = 2 ** 30
-    print(f"{'loop':>9} {'compile':>7} {'workers':>7} {'tokens/s':>10} {'MFU':>6} {'vs plain':>8} {'peak GiB':>8}")
+    print(f"{'loop':>9} {'compile':>7} {'workers':>7} {'snapshots':>9} {'tokens/s':>10} {'MFU':>6} {'vs plain':>8} "
+          f"{'window':>10} {'vs plain':>8} {'overhead':>8} {'interval':>8} {'peak GiB':>8}")
     for r in result["rows"]:
         mfu = f"{r['mfu']:.3f}" if r.get("mfu") else "-"
         ratio = f"{r['ratio_vs_plain']:.3f}" if "ratio_vs_plain" in r else "-"
         mem = f"{r['peak_memory_bytes'] / gb:.1f}" if r.get("peak_memory_bytes") else "-"
-        print(f"{r['loop']:>9} {str(r['compile']):>7} {r['workers']:>7} {r['tokens_per_s']:>10,.0f} {mfu:>6} "
-              f"{ratio:>8} {mem:>8}")
+        window = f"{r['window_tokens_per_s']:,.0f}" if "window_tokens_per_s" in r else "-"
+        wratio = f"{r['window_ratio_vs_plain']:.3f}" if "window_ratio_vs_plain" in r else "-"
+        over = f"{100 * r['snapshot_overhead']:.1f} %" if "snapshot_overhead" in r else "-"
+        interval = str((r.get("snapshots") or {}).get("interval", "-"))
+        print(f"{r['loop']:>9} {str(r['compile']):>7} {r['workers']:>7} {str(r.get('snapshot_every', '-')):>9} "
+              f"{r['tokens_per_s']:>10,.0f} {mfu:>6} {ratio:>8} {window:>10} {wratio:>8} {over:>8} {interval:>8} "
+              f"{mem:>8}")
     for r in result["activation_checkpointing"]:
         mem = f"{r['peak_memory_bytes'] / gb:.1f} GiB" if r.get("peak_memory_bytes") else "-"
         print(f"activation checkpointing {r['activation_checkpointing']:>9}: peak {mem}, "

@@ -208,8 +208,13 @@ class FaultConfig:
 class SnapshotConfig:
     """Per-step in-memory snapshots (see ``unbroken.snapshot``)."""
 
-    every: int = 1
-    """Snapshot the training state into node-agent shared memory every this many steps (0 disables)."""
+    every: int | Literal["auto"] = "auto"
+    """Snapshot the training state into node-agent shared memory every this many steps (0 disables).
+    ``auto``: the smallest interval whose staging, coding and write fit inside the steps they overlap,
+    measured by every worker and agreed each step (the slowest sets it); the interval chosen and the
+    recovery point it implies (at most twice the interval, in steps) are logged and in ``summary.json``.
+    A fixed number seals each snapshot before the next step commits (a whole-job failure loses at most
+    ``every`` steps); under ``auto`` the write overlaps the following steps."""
     redundancy: Literal["parity", "replica", "none"] = "parity"
     """Protection across nodes: ``parity`` (Reed-Solomon erasure coding, survives the loss of
     ``parity`` nodes), ``replica`` (each node's slices also held by the next node), ``none``."""

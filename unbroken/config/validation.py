@@ -70,7 +70,9 @@ def validate(cfg: Config) -> list[str]:
          f"fault.progress_timeout_s={f.progress_timeout_s}: must be >= fault.heartbeat_timeout_s="
          f"{f.heartbeat_timeout_s} (a phase of a step takes longer than a heartbeat)")
     sn = cfg.snapshot
-    need(sn.every >= 0, f"snapshot.every={sn.every}: must be >= 0 (0 disables)")
+    need(sn.every == "auto" or (isinstance(sn.every, int) and sn.every >= 0),
+         f"snapshot.every={sn.every}: must be auto (the smallest interval that keeps pace) or a number of steps "
+         ">= 0 (0 disables)")
     need(sn.parity >= 1, f"snapshot.parity={sn.parity}: must be >= 1 (nodes whose loss a snapshot survives)")
     mo = cfg.model
     need(mo.family == "custom" or not mo.factory,

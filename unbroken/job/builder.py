@@ -26,7 +26,7 @@ approximates refuses at build time.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -40,6 +40,8 @@ from unbroken.mecefo.takeover import takeover_policy
 from unbroken.models import build_model, model_args, validation_loss
 from unbroken.models.optim import build_optimizer, lr_at
 from unbroken.models.precision import check_precision
+from unbroken.snapshot.cadence import VOTE_SLOTS, cast
+from unbroken.snapshot.cadence import auto as auto_cadence
 
 TrainData = PreparedData | CheckedSource
 """Our prepared corpus, or the user's source (``data.factory``)."""
@@ -217,6 +219,9 @@ class Job:
     schedule: Schedule
     loss_fn: LossFn = token_loss_sum
     """The summed token cross-entropy (compiled with the blocks under ``train.compile``)."""
+    vote: Callable[[], int] | None = None
+    """This worker's snapshot interval proposal, cast into each gradient buffer's vote slots
+    (``snapshot.every=auto``, :mod:`unbroken.snapshot.cadence`); set by the worker's snapshotter."""
 
     @property
     def info(self) -> dict[str, int]:
@@ -233,9 +238,12 @@ class Job:
 
     def gradient_sums(self, step: int, items: list[SlotWork]) -> torch.Tensor:
         """One worker's gradient sums of ``items`` of ``step`` (:func:`~unbroken.mecefo.gradients.compute_gradient_sums`)."""
-        return compute_gradient_sums(self.model, self.adapter, self.layout, items, step=step,
-                                     micro_batch=self.micro_batch, batch_fn=self.sampler.batch, device=self.device,
-                                     precision=self.cfg.train.precision, loss_fn=self.loss_fn)
+        buf = compute_gradient_sums(self.model, self.adapter, self.layout, items, step=step,
+                                    micro_batch=self.micro_batch, batch_fn=self.sampler.batch, device=self.device,
+                                    precision=self.cfg.train.precision, loss_fn=self.loss_fn)
+        if self.vote is not None and self.layout.n_votes:
+            cast(self.layout.votes(buf), self.vote())
+        return buf
 
     def apply(self, step: int, reduced: torch.Tensor) -> tuple[float, float]:
         """Apply the reduced buffer of ``step`` (schedule's lr, clipping, AdamW); returns (lr, grad norm)."""
@@ -272,7 +280,7 @@ def build_job(cfg: Config, device: torch.device, prepared: Prepared | None = Non
     m = cfg.mecefo
     adapter = adapter_for(model, rank=m.rank, tau=m.tau, approximates=takeover_policy(m.policy).approximates,
                           policy=m.policy)
-    layout = GradLayout(model, adapter)
+    layout = GradLayout(model, adapter, votes=VOTE_SLOTS if auto_cadence(cfg) else 0)
     o = cfg.optim
     if o.factory:
         optimizer = user_optimizer(cfg, model, BuildContext(cfg=cfg, device=device, seed=cfg.train.seed,

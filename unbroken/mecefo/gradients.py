@@ -17,6 +17,7 @@ Invariants:
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Callable, Literal, Sequence
 
@@ -55,11 +56,13 @@ def slot_rows(items: list[SlotWork]) -> list[list[object]]:
 class GradLayout:
     """Where each trainable parameter's gradient sits in the flat buffer.
 
-    The buffer is ``[grads..., weight per group..., loss_sum, token_count]``, all
-    float32, so one all-reduce carries everything a step needs.
+    The buffer is ``[grads..., weight per group..., votes..., loss_sum, token_count]``,
+    all float32, so one all-reduce carries everything a step needs. ``votes``
+    slots (none unless asked) carry small non-negative counts every worker adds
+    to (:mod:`unbroken.snapshot.cadence`: the snapshot interval's proposals).
     """
 
-    def __init__(self, model: torch.nn.Module, adapter: ModelAdapter) -> None:
+    def __init__(self, model: torch.nn.Module, adapter: ModelAdapter, *, votes: int = 0) -> None:
         self.names: list[str] = []
         self.params: list[torch.nn.Parameter] = []
         self.groups: list[int] = []
@@ -75,7 +78,9 @@ class GradLayout:
             offset += p.numel()
         self.group_names = adapter.group_names
         self.n_grad = offset
-        self.size = offset + len(self.group_names) + 2
+        self.n_votes = votes
+        self.size = offset + len(self.group_names) + votes + 2
+        self._host: tuple[weakref.ref, int, torch.Tensor] | None = None  # (buffer, version, its scalars on the host)
 
     def new_buffer(self, device: torch.device | str = "cpu") -> torch.Tensor:
         return torch.zeros(self.size, dtype=torch.float32, device=device)
@@ -83,11 +88,26 @@ class GradLayout:
     def weights(self, buf: torch.Tensor) -> torch.Tensor:
         return buf[self.n_grad : self.n_grad + len(self.group_names)]
 
+    def votes(self, buf: torch.Tensor) -> torch.Tensor:
+        at = self.n_grad + len(self.group_names)
+        return buf[at : at + self.n_votes]
+
+    def scalars(self, buf: torch.Tensor) -> torch.Tensor:
+        """``buf``'s weights, votes, loss sum and token count: the host copy :func:`apply_step` made of them
+        (no wait for the device) when it is of this very buffer, else a view of ``buf``."""
+        if self._host is not None and self._host[0]() is buf and self._host[1] == buf._version:
+            return self._host[2]
+        return buf[self.n_grad :]
+
+    def host_votes(self, buf: torch.Tensor) -> torch.Tensor:
+        at = len(self.group_names)
+        return self.scalars(buf)[at : at + self.n_votes]
+
     def loss_sum(self, buf: torch.Tensor) -> float:
-        return float(buf[-2])
+        return float(self.scalars(buf)[-2])
 
     def token_count(self, buf: torch.Tensor) -> float:
-        return float(buf[-1])
+        return float(self.scalars(buf)[-1])
 
     def grad_view(self, buf: torch.Tensor, i: int) -> torch.Tensor:
         p = self.params[i]
@@ -118,7 +138,8 @@ def compute_gradient_sums(
     :func:`token_loss_sum`) may be a compiled version of it. Nothing here waits
     for the device: the loss is summed on it.
     """
-    buf = layout.new_buffer(device)
+    buf = torch.empty(layout.size, dtype=torch.float32, device=device)
+    buf[layout.n_grad :].zero_()  # the gradients are written whole below: only the scalars start at zero
     weights = layout.weights(buf)
     for p in layout.params:
         p.grad = None
@@ -144,6 +165,8 @@ def compute_gradient_sums(
         if p.grad is not None:
             layout.grad_view(buf, i).copy_(p.grad)
             p.grad = None
+        else:
+            layout.grad_view(buf, i).zero_()  # no item reached it (a frozen path, an approximated group)
     buf[-2] = loss_sum
     buf[-1] = tokens
     return buf
@@ -162,17 +185,47 @@ def apply_step(
     Returns:
         The global gradient norm before clipping.
     """
-    apply_reduced(layout, buf)
+    cuda = buf.is_cuda
+    if cuda:
+        _apply_reduced_queued(layout, buf)
+    else:
+        apply_reduced(layout, buf)
     params = [p for p in layout.params if p.grad is not None]
     max_norm = grad_clip if grad_clip > 0 else float("inf")
     # foreach on a GPU (one kernel launch per tensor list, not per tensor); on CPU the per-tensor order
     # stays the one every worker and the single-process reference use
-    foreach = bool(params) and params[0].device.type == "cuda"
-    norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=foreach))
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=bool(params) and cuda)
+    if cuda:  # the norm's copy is queued before the optimizer step: reading it waits for the clip, not the step
+        host = torch.empty((), dtype=norm.dtype, pin_memory=True)
+        host.copy_(norm, non_blocking=True)
+        landed = torch.cuda.Event()
+        landed.record()
     for group in optimizer.param_groups:
         group["lr"] = lr
     optimizer.step()
-    return norm
+    if cuda:
+        landed.synchronize()
+        return float(host)
+    return float(norm)
+
+
+def _apply_reduced_queued(layout: GradLayout, buf: torch.Tensor) -> None:
+    """:func:`apply_reduced` on a CUDA device without idling it: the scalars' copy to the host and every
+    division (by the weight on the device) are queued before the host waits for the reduction; a group of
+    zero weight then drops its (discarded) quotients. The scalars stay on the host for the step's loss and
+    votes (:meth:`GradLayout.scalars`)."""
+    tail = buf[layout.n_grad :]
+    host = torch.empty(tail.shape, dtype=tail.dtype, pin_memory=True)
+    host.copy_(tail, non_blocking=True)
+    landed = torch.cuda.Event()
+    landed.record()
+    weights_dev = layout.weights(buf)
+    quotients = [layout.grad_view(buf, i) / weights_dev[layout.groups[i]] for i in range(len(layout.params))]
+    landed.synchronize()
+    layout._host = (weakref.ref(buf), buf._version, host)
+    weights = host[: len(layout.group_names)].tolist()
+    for i, p in enumerate(layout.params):
+        p.grad = quotients[i] if weights[layout.groups[i]] > 0 else None
 
 
 def apply_reduced(layout: GradLayout, buf: torch.Tensor) -> None:

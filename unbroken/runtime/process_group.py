@@ -142,20 +142,20 @@ class ViewGroup:
         """Sum ``tensor`` over the group; ``check`` may raise to abandon.
 
         Returns the group's buffer, valid until the next ``allreduce`` on this
-        group; ``tensor`` itself is left untouched. ``after_post`` runs once the
+        group (a group of one returns ``tensor`` itself); ``tensor`` is left untouched. ``after_post`` runs once the
         collective is in flight (fault injection hook).
         """
         if _PARKED:
             release_parked()  # every step all-reduces: a parked group goes as soon as its operation ended
         src = tensor.detach()
+        if self.size == 1:  # no collective, so nothing can write late: the sum is the tensor itself (not copied)
+            if after_post is not None:
+                after_post()
+            return src if src.device == self.device else src.to(self.device)
         if self._buf is None or self._buf.shape != src.shape or self._buf.dtype != src.dtype:
             self._buf = torch.empty_like(src, device=self.device)
         buf = self._buf
         buf.copy_(src)
-        if self.size == 1:
-            if after_post is not None:
-                after_post()
-            return buf
         work = self._pending = self._post(lambda: self.pg.allreduce([buf]), "all-reduce")
         if after_post is not None:
             after_post()

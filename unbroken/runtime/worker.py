@@ -117,17 +117,20 @@ class Trainer:
         if spec.resume is not None:
             load_checkpoint(spec.resume, self.job.model, self.job.optimizer, config_hash=self.hash)
         self.events = JsonlWriter(spec.run_dir / "events" / f"w{spec.worker}.jsonl")
+        self.snapshots = snapshotter_for(cfg, spec.run_dir, spec.worker, spec.world, self.job.model,
+                                         self.job.optimizer, device, self.hash, self._event)
+        if self.snapshots is not None and self.snapshots.auto:  # its proposals ride in each gradient buffer
+            self.job = dataclasses.replace(self.job, vote=self.snapshots.vote)
         self.protocol = recovery(cfg.fault.recovery).protocol_class()(
             membership, self.job, policy=takeover_policy(cfg.mecefo.policy), events=self.events,
             timeout_s=cfg.train.timeout_s, config_hash=self.hash)
         self.metrics: MetricsWriter | None = None
         self.checkpointer: AsyncCheckpointer | None = None
-        self.snapshots = snapshotter_for(cfg, spec.run_dir, spec.worker, spec.world, self.job.model,
-                                         self.job.optimizer, device, self.hash, self._event)
         if self.snapshots is not None:
-            # Before this step's reduction completes, the last step's snapshot is sealed: a commit of
-            # step s+1 means every member sealed its share of step s (the restore point).
-            self.protocol.on("allreduce", lambda step: self.snapshots.wait())
+            # Before this step's reduction completes, the last step's snapshot is consistent: with a fixed
+            # interval sealed (a commit of step s+1 means every member sealed its share of step s, the restore
+            # point); under auto staged (copied off the live state), its write going on while steps run.
+            self.protocol.on("allreduce", lambda step: self.snapshots.fence())
         self.protocol.restorer = self._restore
         if cfg.train.shard_optimizer:
             node_of = node_map(spec.run_dir, spec.world)
@@ -151,8 +154,9 @@ class Trainer:
         """Leader: ``joiner`` loads the state of ``step`` from its node's memory (no transfer) when its
         node's live members snapshotted that step under ``view`` and hold enough fragments to decode it."""
         info = self.store.join_request(joiner) or {}
-        return bool(info.get("memory")) and memory_rejoin_possible(self.cfg, self.spec.run_dir, self.spec.world,
-                                                                   joiner, view.members, step)
+        snapshotted = not self.snapshots.auto or self.snapshots.last_step == step  # auto: not every boundary
+        return bool(info.get("memory")) and snapshotted and memory_rejoin_possible(
+            self.cfg, self.spec.run_dir, self.spec.world, joiner, view.members, step)
 
     def _load_from_memory(self, view: View) -> None:
         """Joiner: the state of ``view.step`` from this node's snapshot memory (a failure is remembered, so
@@ -288,13 +292,15 @@ class Trainer:
             else:
                 lr, grad_norm = self.job.apply(step, reduced)
             if self.snapshots is not None:
-                self.snapshots.take(done, view)
+                self.snapshots.take(done, view, self.job.layout.host_votes(reduced))
             self.events.write({"kind": "commit", "step": step, "gen": view.gen, "worker": self.spec.worker})
             now = time.perf_counter()
             last = train_record(step=done, loss=self.job.loss(reduced), lr=lr, grad_norm=grad_norm,
                                 step_time_s=now - t_prev, tokens_per_step=self.job.sampler.tokens_per_step,
                                 generation=view.gen, live_workers=len(view.members),
                                 degraded=sorted(set(range(self.job.n_slots)) - set(view.members)))
+            if self.snapshots is not None:
+                self.snapshots.observe_step(now - t_prev)
             t_prev = now
             if view.leader == self.spec.worker:
                 self._lead(done, last, due)

@@ -13,6 +13,7 @@ import os
 
 from unbroken.config import Config
 from unbroken.models.llama import count_parameters, model_args
+from unbroken.snapshot.cadence import enabled
 from unbroken.snapshot.erasure import HEADER
 from unbroken.snapshot.plan import plan_for
 from unbroken.snapshot.segment import HEADER_BYTES, SHM_DIR, segment_dir
@@ -54,7 +55,7 @@ def check_snapshot_config(cfg: Config, nodes: int, workers_per_node: int, vocab_
             (says how much is needed and what to change).
     """
     s = cfg.snapshot
-    if s.every <= 0:
+    if not enabled(s.every):
         return 0
     if cfg.model.family == "custom" or cfg.model.hf_path:
         # The state's size is known only once the model is built: a full /dev/shm is then reported by the

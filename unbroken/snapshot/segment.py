@@ -183,7 +183,9 @@ class Buffer:
         try:
             if os.fstat(fd).st_size < total:
                 os.posix_fallocate(fd, 0, total)  # reserve now: a full /dev/shm fails here, not on a page fault
-            self._fd, self._map = fd, mmap.mmap(fd, os.fstat(fd).st_size)
+            # populated at once: the first write does not fault its way through every page
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            self._fd, self._map = fd, mmap.mmap(fd, os.fstat(fd).st_size, flags=flags)
         except BaseException:
             os.close(fd)
             raise

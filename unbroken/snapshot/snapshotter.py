@@ -20,12 +20,27 @@ the compute stream when the optimizer step was queued; the copies are done
 when an event recorded after them on that stream has completed. The pinned
 buffer is sized to those bytes: about ``1/L`` of the state (``L`` live
 workers on the node) instead of all of it.
+
+Under ``snapshot.every = auto`` (:mod:`unbroken.snapshot.cadence`) the
+interval is decided every step from the proposals in the reduced gradient
+buffer, and a write may outlive the step: the thread first *stages* the bytes
+it writes (a copy off the live state: on a CUDA device into a device buffer
+when the card has room for it beside the training's peak, else straight into
+pinned memory; on the CPU into a host buffer), and the worker's fence before
+the next reduction (:meth:`Snapshotter.fence`) waits for the staging only.
+The coding and the write into shared memory go on while the next steps
+compute and are joined before the next snapshot starts, before joiners are
+admitted and at the end. Its steady seconds feed the next proposal.
+
+The write itself runs on up to ``write_threads`` threads, one stripe each
+(copies and checksums release the GIL).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
@@ -33,9 +48,10 @@ from typing import Any, Callable
 import torch
 
 from unbroken.runtime.view import View
+from unbroken.snapshot.cadence import VETO, Cadence, due, tally
 from unbroken.snapshot.erasure import HEADER, Coding
 from unbroken.snapshot.plan import SnapshotPlan, plan_for
-from unbroken.snapshot.segment import Buffer, crc32
+from unbroken.snapshot.segment import Buffer, SealedBuffer, SnapshotCorrupt, crc32
 from unbroken.snapshot.state_bytes import capture, copy_range, describe, layout_hash
 
 __all__ = ["Snapshotter", "byte_ranges"]
@@ -45,6 +61,11 @@ ReadBytes = Callable[[memoryview, int, int], None]
 
 logger = logging.getLogger(__name__)
 
+STAGE_TIMEOUT_S = 600.0
+"""The longest the fence waits for a staging copy (a local copy: only a broken device takes this long)."""
+DEVICE_HEADROOM = 0.9
+"""A device staging buffer is used when the training's peak plus the buffer stay under this share of the card."""
+
 
 class Snapshotter:
     """Per-step snapshots of one worker's share of the state.
@@ -52,33 +73,95 @@ class Snapshotter:
     Args:
         job_id, node, worker: name the segments.
         node_of: worker id -> node (every worker of the job).
-        every, redundancy, parity: the ``snapshot`` config section.
+        every, redundancy, parity: the ``snapshot`` config section (``every``: steps, or ``"auto"``).
         config_hash: recorded in each seal.
         state: returns the live tensors of the state (model, optimizer, RNG) by name.
-        on_event: receives snapshot events (errors, plan changes).
+        on_event: receives snapshot events (errors, plan changes, the interval chosen).
+        write_threads: threads that code and write stripes at once.
+        shares_cores: training runs on the host's cores (a CPU device): see :class:`Cadence`.
     """
 
-    def __init__(self, *, job_id: str, node: int, worker: int, node_of: dict[int, int], every: int,
+    def __init__(self, *, job_id: str, node: int, worker: int, node_of: dict[int, int], every: int | str,
                  redundancy: str, parity: int, config_hash: str,
-                 state: Callable[[], dict[str, torch.Tensor]], on_event: Callable[..., None]) -> None:
+                 state: Callable[[], dict[str, torch.Tensor]], on_event: Callable[..., None],
+                 write_threads: int = 1, shares_cores: bool = False) -> None:
         self.job_id, self.node, self.worker, self.node_of = job_id, node, worker, node_of
         self.every, self.redundancy, self.parity, self.config_hash = every, redundancy, parity, config_hash
         self.state, self.on_event = state, on_event
+        self.auto = every == "auto"
+        self.cadence = Cadence(shares_cores=shares_cores) if self.auto else None
         self.buffers = [Buffer(job_id, node, worker, b) for b in (0, 1)]
+        self._next = self._older_buffer()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"snapshot-w{worker}")
+        self.write_threads = max(1, write_threads)
+        self._writers = (ThreadPoolExecutor(max_workers=self.write_threads, thread_name_prefix=f"snapshot-io-w{worker}")
+                         if self.write_threads > 1 else None)
         self._pending: Future[dict[str, Any]] | None = None
+        self._staged = threading.Event()
+        self._staged.set()
         self._plan_gen = -1
         self.last: dict[str, Any] | None = None
         """What the last completed snapshot wrote (step, bytes, seconds)."""
+        self.last_step = -1
+        """The step of the last snapshot started (every member starts the same ones)."""
         self.taken = 0
+        self.skipped = 0
+        """Snapshots due by the interval but vetoed (a write still in flight somewhere)."""
         self._stream: Any = None  # CUDA: the side stream of device-to-host copies
         self._pinned: torch.Tensor | None = None  # CUDA: the staging buffer, sized to the bytes written
+        self._host: torch.Tensor | None = None  # CPU under auto: the staging buffer
+        self._device_copy: torch.Tensor | None = None  # CUDA under auto: a device staging buffer, when it fits
+        self._device_ok: bool | None = None
         self.pinned_bytes = 0
         """Bytes of pinned host memory this worker holds for its copies (0 off CUDA)."""
+        self.device_bytes = 0
+        """Bytes of device memory this worker holds for staging (0 unless auto on CUDA found room)."""
+        self._fresh = [True, True]  # a buffer's first write maps and first touches its memory: not a steady figure
 
-    def take(self, done: int, view: View) -> None:
-        """Start the snapshot of the state after ``done`` steps (a no-op off the ``every`` grid)."""
-        if self.every <= 0 or done % self.every:
+    def _older_buffer(self) -> int:
+        """The buffer to write first: not the one holding this worker's newest sealed snapshot."""
+        steps = []
+        for b in self.buffers:
+            try:
+                sealed = SealedBuffer.open(b.path, self.job_id) if b.path.exists() else None
+            except (SnapshotCorrupt, OSError):
+                sealed = None
+            steps.append(int(sealed.seal.get("step", -1)) if sealed is not None else -1)
+        return 0 if steps[0] <= steps[1] else 1
+
+    def vote(self) -> int:
+        """This worker's interval proposal for the step being computed (``auto``)."""
+        assert self.cadence is not None, "vote() without snapshot.every=auto"
+        return self.cadence.proposal(in_flight=self._pending is not None and not self._pending.done())
+
+    def observe_step(self, seconds: float) -> None:
+        if self.cadence is not None:
+            self.cadence.observe_step(seconds)
+
+    def _due(self, done: int, votes: torch.Tensor | None) -> bool:
+        if not self.auto:
+            return isinstance(self.every, int) and self.every > 0 and done % self.every == 0
+        assert self.cadence is not None
+        largest = tally(votes) if votes is not None and votes.numel() else 0
+        if largest == VETO:
+            if self.cadence.interval and done % self.cadence.interval == 0:
+                self.skipped += 1
+            return False
+        if 0 < largest != self.cadence.interval:
+            self.cadence.interval = largest
+            write = max(self.cadence.writes) if self.cadence.writes else None
+            step = sorted(self.cadence.steps)[len(self.cadence.steps) // 2] if self.cadence.steps else None
+            logger.info("snapshot interval %d steps (auto: writes of %s, steps of %s; a whole-job failure goes back "
+                        "at most %d steps)", largest, f"{write:.3f} s" if write is not None else "not measured yet",
+                        f"{step:.3f} s" if step is not None else "not measured yet", 2 * largest)
+            self.on_event("snapshot_interval", step=done, interval=largest, recovery_point_steps=2 * largest,
+                          write_s=write, step_s=step)
+        return due(done, largest)
+
+    def take(self, done: int, view: View, votes: torch.Tensor | None = None) -> None:
+        """Start the snapshot of the state after ``done`` steps, if one is due: on the ``every`` grid, or under
+        ``auto`` by the proposals ``votes`` (the reduced buffer's vote slots)."""
+        if not self._due(done, votes):
             return
         self.wait()
         tensors = self.state()
@@ -90,14 +173,32 @@ class Snapshotter:
             self.on_event("snapshot_plan", gen=view.gen, step=done, k=plan.k, m=plan.m, stripes=plan.stripes,
                           nodes=list(plan.nodes), protected=plan.protected, scheme=plan.scheme)
         mine = plan.assignment(view.members, self.node_of).get(self.worker, [])
-        buffer = self.buffers[(done // self.every) % 2]
+        if self.auto:  # alternate, starting away from this worker's newest sealed snapshot
+            index, self._next = self._next, 1 - self._next
+        else:
+            index = (done // int(self.every)) % 2
         ready = None
         device = next((t.device for t in tensors.values() if t.is_cuda), None)
         if device is not None:  # the optimizer step was queued on the compute stream: copy after it
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(device))
-        self._pending = self._pool.submit(self._write_from_device, buffer, tensors, ready, layout.entries, plan,
+        self.last_step = done
+        self._staged.clear()
+        self._pending = self._pool.submit(self._write_from_device, index, tensors, ready, layout.entries, plan,
                                           mine, done, view.gen)
+
+    def fence(self) -> None:
+        """Before the next reduction completes: the last snapshot no longer reads the live state. With a fixed
+        interval it is sealed; under ``auto`` staged (its write goes on)."""
+        if not self.auto:
+            self.wait()
+            return
+        pending = self._pending
+        if pending is None:
+            return
+        if not self._staged.wait(STAGE_TIMEOUT_S):
+            logger.error("snapshot staging took more than %.0f s; waiting for the whole snapshot", STAGE_TIMEOUT_S)
+            self.wait()
 
     def wait(self) -> None:
         """Block until the snapshot in flight is sealed (or failed: then it is reported, training goes on)."""
@@ -107,67 +208,125 @@ class Snapshotter:
         try:
             self.last = pending.result()
             self.taken += 1
+            if self.cadence is not None and self.last.pop("steady", False):
+                self.cadence.observe_write(self.last["stage_seconds"] + self.last["seconds"])
         except Exception as exc:  # a full /dev/shm, a coding failure: the job trains on, less protected
             logger.error("snapshot failed: %s", exc)
             self.on_event("snapshot_failed", error=f"{type(exc).__name__}: {exc}")
 
     def summary(self) -> dict[str, Any]:
-        """Snapshots sealed by this worker, and the last one's step, bytes and seconds."""
-        return {"taken": self.taken, **(self.last or {})}
+        """Snapshots sealed by this worker, the last one's step, bytes and seconds; under ``auto`` the interval
+        chosen, the recovery point it implies (steps) and the snapshots skipped."""
+        out: dict[str, Any] = {"taken": self.taken, **(self.last or {})}
+        if self.cadence is not None:
+            c = self.cadence
+            out.update(every="auto", interval=c.interval, recovery_point_steps=2 * c.interval, skipped=self.skipped,
+                       write_s=max(c.writes) if c.writes else None, device_staging_bytes=self.device_bytes,
+                       proposal=c.proposal(in_flight=False))
+        return out
 
     def close(self) -> None:
         self.wait()
         self._pool.shutdown(wait=True)
+        if self._writers is not None:
+            self._writers.shutdown(wait=True)
         for b in self.buffers:
             b.close()
 
-    def _write_from_device(self, buffer: Buffer, tensors: dict[str, torch.Tensor], ready: Any,
+    def _write_from_device(self, index: int, tensors: dict[str, torch.Tensor], ready: Any,
                            layout: list[list], plan: SnapshotPlan, mine: list[tuple[int, int]], done: int,
                            gen: int) -> dict[str, Any]:
-        """Write the snapshot; on CUDA, stage the bytes this worker writes in pinned memory first."""
+        """Write the snapshot into buffer ``index``; on CUDA (and on the CPU under ``auto``) stage the bytes
+        this worker writes first. ``steady``: neither a staging buffer nor the segment was new (the seconds are
+        what the next snapshot will cost)."""
         t0 = time.perf_counter()
-        if ready is None:
-            read: ReadBytes = lambda out, a, b: capture(tensors, out, a, b)  # noqa: E731
-        else:
-            read = self._stage(tensors, ready, byte_ranges(plan, mine))
+        try:
+            steady = not self._fresh[index]
+            if ready is not None:
+                read, allocated = self._stage(tensors, ready, byte_ranges(plan, mine))
+            elif self.auto:
+                read, allocated = self._stage_host(tensors, byte_ranges(plan, mine))
+            else:
+                read, allocated = (lambda out, a, b: capture(tensors, out, a, b)), False  # noqa: E731
+        finally:
+            self._staged.set()
         staged_s = time.perf_counter() - t0
-        return {**self._write(buffer, read, layout, plan, mine, done, gen), "stage_seconds": staged_s}
+        self._fresh[index] = False
+        wrote = self._write(self.buffers[index], read, layout, plan, mine, done, gen)
+        return {**wrote, "stage_seconds": staged_s, "steady": steady and not allocated}
 
-    def _stage(self, tensors: dict[str, torch.Tensor], ready: Any, ranges: list[tuple[int, int]]) -> ReadBytes:
+    def _stage_host(self, tensors: dict[str, torch.Tensor], ranges: list[tuple[int, int]]) -> tuple[ReadBytes, bool]:
+        """CPU under ``auto``: copy ``ranges`` of the live state into a host buffer (the write reads it later)."""
+        total = sum(hi - lo for lo, hi in ranges)
+        allocated = self._host is None or self._host.numel() != total
+        if allocated:
+            self._host = torch.empty(total, dtype=torch.uint8)
+        host, index, pos = self._host, [], 0
+        assert host is not None
+        for lo, hi in ranges:
+            copy_range(tensors, host[pos:pos + hi - lo], lo, hi)
+            index.append((lo, hi, pos))
+            pos += hi - lo
+        return _reader(host, index), allocated
+
+    def _stage(self, tensors: dict[str, torch.Tensor], ready: Any,
+               ranges: list[tuple[int, int]]) -> tuple[ReadBytes, bool]:
         """Copy ``ranges`` of the flat state into the pinned buffer on a side stream of the tensors' device.
 
-        Returns the reader of the staged bytes. The copies start after ``ready``
-        (the optimizer step) and are complete when this returns (an event
-        recorded after them on the side stream, synchronized).
+        Returns the reader of the staged bytes, and whether a buffer was allocated. The copies start after
+        ``ready`` (the optimizer step) and are complete when this returns (an event recorded after them on
+        the side stream, synchronized). Under ``auto``, when the card has room, the copies first go to a
+        device buffer: the staging (set once it is complete) then takes a device-to-device copy, and the
+        slower copy to pinned memory follows from that private buffer while training goes on.
         """
         device = next(t.device for t in tensors.values() if t.is_cuda)
         torch.cuda.set_device(device)  # this thread's current device: no context or stream on another GPU
         if self._stream is None or self._stream.device != device:
             self._stream = torch.cuda.Stream(device=device)
         total = sum(hi - lo for lo, hi in ranges)
+        allocated = False
         if self._pinned is None or self._pinned.numel() != total:
             self._pinned = None
             self._pinned = torch.empty(total, dtype=torch.uint8, pin_memory=True)
-            self.pinned_bytes = total
+            self.pinned_bytes, allocated = total, True
+        on_device = self.auto and self._device_room(device, total)
+        if on_device and (self._device_copy is None or self._device_copy.numel() != total):
+            self._device_copy = None
+            with torch.cuda.stream(self._stream):
+                self._device_copy = torch.empty(total, dtype=torch.uint8, device=device)
+            self.device_bytes, allocated = total, True
         pinned, index, pos = self._pinned, [], 0
+        first = self._device_copy if on_device else pinned
+        assert first is not None
         with torch.cuda.stream(self._stream):
             self._stream.wait_event(ready)
             for lo, hi in ranges:
-                copy_range(tensors, pinned[pos:pos + hi - lo], lo, hi, non_blocking=True)
+                copy_range(tensors, first[pos:pos + hi - lo], lo, hi, non_blocking=True)
                 index.append((lo, hi, pos))
                 pos += hi - lo
             copied = torch.cuda.Event()
             copied.record(self._stream)
         copied.synchronize()
-        host = pinned.numpy()
+        if on_device:
+            self._staged.set()  # the live state is copied: the next optimizer step may run
+            with torch.cuda.stream(self._stream):
+                pinned.copy_(first, non_blocking=True)
+                landed = torch.cuda.Event()
+                landed.record(self._stream)
+            landed.synchronize()
+        return _reader(pinned, index), allocated
 
-        def read(out: memoryview, a: int, b: int) -> None:
-            if a >= b:
-                return
-            lo, _, at = next(r for r in index if r[0] <= a and b <= r[1])
-            out[:] = host[at + a - lo:at + b - lo].data
-
-        return read
+    def _device_room(self, device: torch.device, total: int) -> bool:
+        """Does a device staging buffer of ``total`` bytes fit beside the training's peak (decided once, after
+        the first step's peak is known)?"""
+        if self._device_ok is None:
+            peak = torch.cuda.max_memory_allocated(device)
+            card = torch.cuda.get_device_properties(device).total_memory
+            self._device_ok = peak + total <= DEVICE_HEADROOM * card
+            logger.info("snapshot staging %s: %.2f GiB beside a training peak of %.2f GiB on a %.2f GiB card",
+                        "on the device" if self._device_ok else "in pinned memory only", total / 2**30,
+                        peak / 2**30, card / 2**30)
+        return self._device_ok
 
     def _write(self, buffer: Buffer, read: ReadBytes, layout: list[list], plan: SnapshotPlan,
                mine: list[tuple[int, int]], done: int, gen: int) -> dict[str, Any]:
@@ -178,38 +337,48 @@ class Snapshotter:
         for stripe, frag in mine:
             by_stripe.setdefault(stripe, []).append(frag)
         # Where everything goes: the layout, then per stripe its fragments (and a parity holder's headers).
-        places, offset = [], len(layout_raw)
+        places: dict[int, list[tuple[int, int, int]]] = {}
+        offset = len(layout_raw)
         for stripe, frags in sorted(by_stripe.items()):
             lo, hi = plan.stripe_range(stripe)
             chunk = coding.chunk(hi - lo)
             for frag in sorted(frags):
                 size = chunk if frag < plan.k else chunk + HEADER
-                places.append((stripe, frag, offset, size))
+                places.setdefault(stripe, []).append((frag, offset, size))
                 offset += size
             if any(f >= plan.k for f in frags):
-                places.append((stripe, -1, offset, HEADER * plan.k))  # -1: the data fragments' headers
+                places[stripe].append((-1, offset, HEADER * plan.k))  # -1: the data fragments' headers
                 offset += HEADER * plan.k
         area = buffer.begin(offset)
         area[:len(layout_raw)] = layout_raw
-        fragments, headers = [], []
-        encoded: dict[int, tuple[dict[int, bytes], bytes]] = {}
-        for stripe, frag, at, size in places:
+
+        def fill(stripe: int) -> list[tuple[int, list[int]]]:
+            """Write one stripe's places; their seal entries (-1 first for headers)."""
             lo, hi = plan.stripe_range(stripe)
             chunk = coding.chunk(hi - lo)
-            out = area[at:at + size]
-            if 0 <= frag < plan.k:  # a data fragment is the stripe's own bytes: straight from the state
-                a, b = lo + frag * chunk, min(lo + (frag + 1) * chunk, hi)
-                read(out[:max(0, b - a)], a, b)
-                out[max(0, b - a):] = bytes(size - max(0, b - a))
-            else:
-                if stripe not in encoded:
-                    staging = bytearray(hi - lo)
-                    read(memoryview(staging), lo, hi)
-                    encoded[stripe] = coding.parity(staging, [f for f in by_stripe[stripe] if f >= plan.k])
-                parity, hdrs = encoded[stripe]
-                out[:] = hdrs if frag < 0 else parity[frag]
-            (headers if frag < 0 else fragments).append(
-                [stripe, at, size, crc32(out)] if frag < 0 else [stripe, frag, at, size, crc32(out)])
+            entries, encoded = [], None
+            for frag, at, size in places[stripe]:
+                out = area[at:at + size]
+                if 0 <= frag < plan.k:  # a data fragment is the stripe's own bytes: straight from the state
+                    a, b = lo + frag * chunk, min(lo + (frag + 1) * chunk, hi)
+                    read(out[:max(0, b - a)], a, b)
+                    out[max(0, b - a):] = bytes(size - max(0, b - a))
+                else:
+                    if encoded is None:
+                        staging = bytearray(hi - lo)
+                        read(memoryview(staging), lo, hi)
+                        encoded = coding.parity(staging, [f for f in by_stripe[stripe] if f >= plan.k])
+                    parity, hdrs = encoded
+                    out[:] = hdrs if frag < 0 else parity[frag]
+                entries.append((frag, [stripe, at, size, crc32(out)] if frag < 0
+                                else [stripe, frag, at, size, crc32(out)]))
+            return entries
+
+        stripes = sorted(places)
+        done_stripes = (list(self._writers.map(fill, stripes)) if self._writers is not None and len(stripes) > 1
+                        else [fill(stripe) for stripe in stripes])
+        fragments = [e for entries in done_stripes for frag, e in entries if frag >= 0]
+        headers = [e for entries in done_stripes for frag, e in entries if frag < 0]
         buffer.seal({
             "v": 1, "job": self.job_id, "node": self.node, "worker": self.worker, "step": done, "gen": gen,
             "config_hash": self.config_hash, "layout_hash": layout_hash(layout), "plan": plan.to_json(),
@@ -217,6 +386,18 @@ class Snapshotter:
             "fragments": fragments, "headers": headers, "t": time.time(),
         })
         return {"step": done, "bytes": offset, "seconds": time.perf_counter() - t0, "pinned_bytes": self.pinned_bytes}
+
+
+def _reader(staged: torch.Tensor, index: list[tuple[int, int, int]]) -> ReadBytes:
+    """The reader of flat-state bytes staged in ``staged`` (a host tensor; ``index``: (lo, hi, at) per range)."""
+
+    def read(out: memoryview, a: int, b: int) -> None:
+        if a >= b:
+            return
+        lo, _, at = next(r for r in index if r[0] <= a and b <= r[1])
+        torch.frombuffer(out, dtype=torch.uint8).copy_(staged[at + a - lo:at + b - lo])  # releases the GIL
+
+    return read
 
 
 def byte_ranges(plan: SnapshotPlan, mine: list[tuple[int, int]]) -> list[tuple[int, int]]:

@@ -9,6 +9,7 @@ knows its node and every other worker's.
 from __future__ import annotations
 
 import json
+import os
 import secrets
 from pathlib import Path
 from typing import Any, Callable
@@ -16,6 +17,7 @@ from typing import Any, Callable
 import torch
 
 from unbroken.config import Config
+from unbroken.snapshot.cadence import enabled
 from unbroken.snapshot.plan import plan_for
 from unbroken.snapshot.restore import decide, inventory, restore_from_memory
 from unbroken.snapshot.segment import SnapshotCorrupt
@@ -26,6 +28,8 @@ __all__ = ["job_id", "load_from_node_memory", "memory_rejoin_allowed", "memory_r
            "memory_rejoin_possible", "node_map", "restore_state", "snapshotter_for"]
 
 JOB_ID_FILE = "job_id"
+MAX_WRITE_THREADS = 8
+"""Threads one worker's snapshot write may use (stripes coded and copied at once)."""
 
 
 def job_id(run_dir: Path, *, create: bool = False) -> str:
@@ -60,14 +64,19 @@ def snapshotter_for(cfg: Config, run_dir: Path, worker: int, world: int, model: 
                     optimizer: torch.optim.Optimizer, device: torch.device, config_hash: str,
                     on_event: Callable[..., None]) -> Snapshotter | None:
     """The worker's snapshotter, or None when ``snapshot.every`` is 0 or the optimizer is sharded (the
-    replicated state's snapshot would lack the moments; :mod:`unbroken.sharding.replicas` protects them)."""
-    if cfg.snapshot.every <= 0 or cfg.train.shard_optimizer:
+    replicated state's snapshot would lack the moments; :mod:`unbroken.sharding.replicas` protects them).
+    Its write threads: on a GPU the node's cores shared by its workers, at most :data:`MAX_WRITE_THREADS`;
+    on a CPU device one."""
+    if not enabled(cfg.snapshot.every) or cfg.train.shard_optimizer:
         return None
     node_of = node_map(run_dir, world)
+    on_node = sum(1 for n in node_of.values() if n == node_of[worker])
+    cpu = device.type == "cpu"  # training takes the cores: one write thread, its seconds a cost to the steps
+    threads = 1 if cpu else max(1, min(MAX_WRITE_THREADS, len(os.sched_getaffinity(0)) // max(1, on_node)))
     return Snapshotter(job_id=job_id(run_dir), node=node_of[worker], worker=worker, node_of=node_of,
                        every=cfg.snapshot.every, redundancy=cfg.snapshot.redundancy, parity=cfg.snapshot.parity,
                        config_hash=config_hash, state=lambda: tensors_of(model, optimizer, device),
-                       on_event=on_event)
+                       on_event=on_event, write_threads=threads, shares_cores=cpu)
 
 
 def restore_state(spec: dict[str, Any], *, run_dir: Path, worker: int, world: int, members: tuple[int, ...],
@@ -105,8 +114,8 @@ def memory_rejoin_possible(cfg: Config, run_dir: Path, world: int, joiner: int, 
     """Does the joiner's node hold, after ``step`` steps under a view of ``members``, enough fragments of
     every stripe to decode the state alone? (A live member on the node wrote them; ``step`` is a snapshot step.)"""
     s = cfg.snapshot
-    if s.every <= 0 or step % s.every:
-        return False
+    if not enabled(s.every) or (s.every != "auto" and step % s.every):
+        return False  # under auto the caller knows whether it snapshotted ``step``
     node_of = node_map(run_dir, world)
     if not any(node_of[w] == node_of[joiner] for w in members):
         return False  # nobody on its node snapshotted that step

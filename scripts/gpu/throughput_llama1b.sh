@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# The GPU figures of the throughput issue in one run (one NVIDIA GPU, about 8 minutes):
+#   1. the CUDA-only tests (placement, staging, auto snapshots staged on the device, completion);
+#   2. `unbroken bench throughput --reference` at llama-1b, bf16, micro-batch 8 x 1024: the plain compiled loop,
+#      then unbroken (1 worker, compiled) with snapshot.every=0 and with snapshot.every=auto, side by side.
+# Usage: bash scripts/gpu/throughput_llama1b.sh OUT_DIR [STEPS]
+set -u
+out=${1:?usage: throughput_llama1b.sh OUT_DIR [STEPS]}
+steps=${2:-240}
+mkdir -p "$out"
+python3 -m pytest -q -rs -p no:cacheprovider tests/unit/test_cuda_placement.py tests/unit/test_snapshot_staging.py \
+    tests/unit/test_collective_completion.py 2>&1 | tail -15
+python3 -m unbroken.cli bench throughput --reference --preset llama-1b --precision bf16 --workers 1 \
+    --steps "$steps" --plain compiled --plain-steps 30 --snapshots 0,auto --data.seq_len=1024 \
+    --out "$out/throughput_reference_llama1b.json" 2>&1 | grep -v "^\s*$" | tail -40

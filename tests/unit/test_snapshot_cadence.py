@@ -1,0 +1,183 @@
+"""``snapshot.every = auto``: proposals, their agreement through a summed buffer, and the snapshotter under it."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+import torch
+
+from unbroken.mecefo.adapter import adapter_for
+from unbroken.mecefo.gradients import GradLayout, SlotWork, compute_gradient_sums
+from unbroken.models import build_model
+from unbroken.runtime.view import View
+from unbroken.snapshot.cadence import MARGIN, VETO, VOTE_SLOTS, Cadence, cast, due, tally
+from unbroken.snapshot.restore import decide, inventory, restore_from_memory
+from unbroken.snapshot.segment import job_segments, remove_segments
+from unbroken.snapshot.snapshotter import Snapshotter
+from unbroken.snapshot.state_bytes import tensors_of
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _summed(proposals: list[int]) -> torch.Tensor:
+    """What an all-reduce of the workers' vote slots gives."""
+    total = torch.zeros(VOTE_SLOTS)
+    for p in proposals:
+        mine = torch.zeros(VOTE_SLOTS)
+        cast(mine, p)
+        total += mine
+    return total
+
+
+def test_the_summed_votes_say_the_largest_proposal():
+    assert tally(_summed([3, 7, 1, 7])) == 7
+    assert tally(_summed([1])) == 1
+    assert tally(_summed([2, VETO, 5])) == VETO
+    assert tally(torch.zeros(VOTE_SLOTS)) == 0  # nobody proposed: no snapshot
+    with pytest.raises(ValueError, match="outside 1..64"):
+        cast(torch.zeros(VOTE_SLOTS), 0)
+    with pytest.raises(ValueError, match="outside 1..64"):
+        cast(torch.zeros(VOTE_SLOTS), VETO + 1)
+
+
+def test_a_snapshot_is_due_on_the_agreed_grid_and_never_under_the_veto():
+    assert [s for s in range(1, 13) if due(s, 4)] == [4, 8, 12]
+    assert [s for s in range(1, 13) if due(s, 1)] == list(range(1, 13))
+    assert not any(due(s, VETO) for s in range(1, 200))
+    assert not any(due(s, 0) for s in range(1, 20))
+
+
+def test_a_proposal_is_the_smallest_interval_that_covers_the_write_with_margin():
+    c = Cadence()
+    assert c.proposal(in_flight=False) == 1  # nothing measured: take one, to measure it
+    assert c.proposal(in_flight=True) == VETO
+    for s in (0.10, 0.12, 0.10, 0.11, 0.10):
+        c.observe_step(s)
+    c.observe_write(0.5)
+    assert c.proposal(in_flight=False) == 7  # 1.25 * 0.5 / 0.10 = 6.25 -> 7
+    c.observe_write(0.05)
+    assert c.proposal(in_flight=False) == 7  # the slowest recent write counts
+    for _ in range(4):
+        c.observe_write(0.45)
+    assert c.proposal(in_flight=False) == 7  # 1.25 * 0.45 / 0.10 -> 6: not lower by a clear margin, kept
+    for _ in range(4):
+        c.observe_write(0.05)
+    assert c.proposal(in_flight=False) == 1  # 1.25 * 0.05 / 0.10 < 1
+    c.observe_write(1000.0)
+    assert c.proposal(in_flight=False) == VETO - 1  # the longest interval the slots carry
+    cpu = Cadence(shares_cores=True)  # the write takes cores from training: at most BUDGET of the steps
+    for s in (0.10, 0.10, 0.10):
+        cpu.observe_step(s)
+    cpu.observe_write(0.01)
+    assert cpu.proposal(in_flight=False) == 5  # 0.01 / (0.02 * 0.10) = 5 (the fit alone would say 1)
+    c.observe_write(float("nan"))
+    c.observe_step(-1.0)
+    assert c.proposal(in_flight=False) == VETO - 1  # nonsense measurements are ignored
+    assert MARGIN > 1
+
+
+def test_votes_sit_between_the_weights_and_the_loss_and_leave_both_alone():
+    torch.manual_seed(0)
+    model = build_model("debug", vocab_size=64, seq_len=8)
+    adapter = adapter_for(model, rank=4, tau=10, approximates=False, policy="spread")
+    plain, voting = GradLayout(model, adapter), GradLayout(model, adapter, votes=VOTE_SLOTS)
+    assert voting.size == plain.size + VOTE_SLOTS and voting.n_votes == VOTE_SLOTS and plain.n_votes == 0
+    gen = torch.Generator().manual_seed(1)
+    data = torch.randint(0, 64, (2, 9), generator=gen)
+
+    def batch(step, slot, rows):
+        return data[rows[0]:rows[1], :-1], data[rows[0]:rows[1], 1:]
+
+    bufs = [compute_gradient_sums(model, adapter, lay, [SlotWork(0, (0, 2))], step=0, micro_batch=2, batch_fn=batch)
+            for lay in (plain, voting)]
+    cast(voting.votes(bufs[1]), 5)
+    assert torch.equal(bufs[0][:plain.n_grad], bufs[1][:voting.n_grad])
+    assert torch.equal(plain.weights(bufs[0]), voting.weights(bufs[1]))
+    assert plain.loss_sum(bufs[0]) == voting.loss_sum(bufs[1]) and plain.token_count(bufs[0]) == 16
+    assert voting.token_count(bufs[1]) == 16 and tally(voting.votes(bufs[1])) == 5
+
+
+@pytest.fixture
+def job_id():
+    ident = os.urandom(6).hex()
+    yield ident
+    remove_segments(ident)
+    assert not job_segments(ident)
+
+
+def _model_and_optimizer(seed: int):
+    torch.manual_seed(seed)
+    model = build_model("debug", vocab_size=256, seq_len=16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    return model, opt
+
+
+def test_under_auto_the_fence_waits_for_the_staging_only_and_the_write_goes_on(job_id, monkeypatch):
+    """The write is held back on purpose (a slow /dev/shm): the fence returns once the live state is copied,
+    the state may then change, and the sealed snapshot is still the state of its step."""
+    model, opt = _model_and_optimizer(0)
+    events: list[dict] = []
+    snap = Snapshotter(job_id=job_id, node=0, worker=0, node_of={0: 0}, every="auto", redundancy="none", parity=1,
+                       config_hash="cfg", state=lambda: tensors_of(model, opt),
+                       on_event=lambda name, **f: events.append({"event": name, **f}), write_threads=2)
+    assert snap.auto and snap.vote() == 1
+    release, writing = threading.Event(), threading.Event()
+    real_write = Snapshotter._write
+
+    def slow_write(self, *args, **kwargs):
+        writing.set()
+        assert release.wait(30)
+        return real_write(self, *args, **kwargs)
+
+    monkeypatch.setattr(Snapshotter, "_write", slow_write)
+    want = {k: v.clone() for k, v in tensors_of(model, opt).items()}
+    view = View(gen=1, members=(0,), step=3)
+    snap.take(3, view, _summed([1]))
+    snap.fence()
+    assert writing.wait(30) and not snap._pending.done(), "the fence returned while the write is still held"
+    assert snap.vote() == VETO  # a write in flight: the next due snapshot is skipped, not waited for
+    snap.take(4, view, _summed([VETO]))
+    assert snap.last_step == 3
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)  # the next optimizer step, while the write of step 3 goes on
+    release.set()
+    snap.wait()
+    assert snap.taken == 1 and snap.summary()["interval"] == 1
+    assert [e["interval"] for e in events if e["event"] == "snapshot_interval"] == [1]
+    spec = decide([inventory(job_id, 0, config_hash="cfg")], checkpoint=None, members_of=lambda nodes: [0])
+    assert spec is not None and spec["step"] == 3
+    fresh, fresh_opt = _model_and_optimizer(5)
+    restore_from_memory(spec, job=job_id, node=0, node_of={0: 0}, members=(0,), me=0, broadcast=None,
+                        model=fresh, optimizer=fresh_opt, device=torch.device("cpu"))
+    got = tensors_of(fresh, fresh_opt)
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    snap.close()
+
+
+def test_under_auto_buffers_alternate_starting_away_from_the_newest_sealed_snapshot(job_id):
+    model, opt = _model_and_optimizer(0)
+
+    def snapshotter() -> Snapshotter:
+        return Snapshotter(job_id=job_id, node=0, worker=0, node_of={0: 0}, every="auto", redundancy="none",
+                           parity=1, config_hash="cfg", state=lambda: tensors_of(model, opt),
+                           on_event=lambda name, **f: None)
+
+    snap = snapshotter()
+    view = View(gen=1, members=(0,), step=0)
+    for done in (2, 4, 6):
+        snap.take(done, view, _summed([2]))
+        snap.wait()
+    snap.close()
+    assert decide([inventory(job_id, 0, config_hash="cfg")], checkpoint=None, members_of=lambda nodes: [0])["step"] == 6
+    again = snapshotter()  # a restarted worker: its first write must not overwrite step 6
+    again.take(8, view, _summed([2]))
+    again._pending.result()  # sealed, not yet joined
+    seals = sorted(int(s["step"]) for s in inventory(job_id, 0, config_hash="cfg")["seals"])
+    assert seals == [6, 8]
+    again.close()
