@@ -181,3 +181,21 @@ def test_under_auto_buffers_alternate_starting_away_from_the_newest_sealed_snaps
     seals = sorted(int(s["step"]) for s in inventory(job_id, 0, config_hash="cfg")["seals"])
     assert seals == [6, 8]
     again.close()
+
+
+def test_a_finished_write_is_joined_at_the_next_proposal_and_its_seconds_count(job_id):
+    """Nobody waits for a write under auto: the next proposal joins it, counts it, and proposes from it."""
+    model, opt = _model_and_optimizer(0)
+    snap = Snapshotter(job_id=job_id, node=0, worker=0, node_of={0: 0}, every="auto", redundancy="none", parity=1,
+                       config_hash="cfg", state=lambda: tensors_of(model, opt), on_event=lambda name, **f: None)
+    for _ in range(5):
+        snap.observe_step(1e-6)  # steps far shorter than any write: the proposal must grow
+    view = View(gen=1, members=(0,), step=0)
+    for done in (1, 2, 3):  # the first two write fresh buffers: not steady, not counted
+        snap.take(done, view, _summed([1]))
+        snap._pending.result()
+        assert snap.taken == done - 1, "a finished write is not joined until the next proposal"
+        proposal = snap.vote()
+        assert snap.taken == done and snap._pending is None
+    assert len(snap.cadence.writes) == 1 and proposal == VETO - 1
+    snap.close()

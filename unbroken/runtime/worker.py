@@ -318,7 +318,7 @@ class Trainer:
             self.protocol._phase("finish", steps)
             self._finish(steps, last)
         if self.snapshots is not None:
-            self.snapshots.close()
+            self.snapshots.close(finished=True)
         if self.metrics:
             self.metrics.close()
         return last

@@ -23,14 +23,19 @@ workers on the node) instead of all of it.
 
 Under ``snapshot.every = auto`` (:mod:`unbroken.snapshot.cadence`) the
 interval is decided every step from the proposals in the reduced gradient
-buffer, and a write may outlive the step: the thread first *stages* the bytes
-it writes (a copy off the live state: on a CUDA device into a device buffer
-when the card has room for it beside the training's peak, else straight into
-pinned memory; on the CPU into a host buffer), and the worker's fence before
-the next reduction (:meth:`Snapshotter.fence`) waits for the staging only.
-The coding and the write into shared memory go on while the next steps
-compute and are joined before the next snapshot starts, before joiners are
-admitted and at the end. Its steady seconds feed the next proposal.
+buffer, and a write may outlive the step. The bytes it writes are first
+*staged* (copied off the live state). On a CUDA device the training thread
+queues those copies on the side stream, into a device buffer when the card
+has room for it beside the training's peak (else straight into pinned
+memory), and the fence before the next reduction (:meth:`Snapshotter.fence`)
+makes the compute stream wait for them: the host never waits, and the
+device waits only for a device-to-device copy; the thread then copies the
+device buffer to pinned memory. On the CPU the thread copies into a host
+buffer and the fence waits for that copy. The coding and the write into
+shared memory go on while the next steps compute; a finished write is
+joined at the next proposal, and its steady seconds feed it. A write still
+in flight when the job ends is left unsealed (the final checkpoint holds the
+state).
 
 The write itself runs on up to ``write_threads`` threads, one stripe each
 (copies and checksums release the GIL).
@@ -112,6 +117,7 @@ class Snapshotter:
         self._host: torch.Tensor | None = None  # CPU under auto: the staging buffer
         self._device_copy: torch.Tensor | None = None  # CUDA under auto: a device staging buffer, when it fits
         self._device_ok: bool | None = None
+        self._copied: tuple[Any, torch.device] | None = None  # CUDA under auto: the staging copies' event
         self.pinned_bytes = 0
         """Bytes of pinned host memory this worker holds for its copies (0 off CUDA)."""
         self.device_bytes = 0
@@ -132,7 +138,13 @@ class Snapshotter:
     def vote(self) -> int:
         """This worker's interval proposal for the step being computed (``auto``)."""
         assert self.cadence is not None, "vote() without snapshot.every=auto"
-        return self.cadence.proposal(in_flight=self._pending is not None and not self._pending.done())
+        self._harvest()
+        return self.cadence.proposal(in_flight=self._pending is not None)
+
+    def _harvest(self) -> None:
+        """Join a write that has finished (its seconds then count in the next proposal)."""
+        if self._pending is not None and self._pending.done():
+            self.wait()
 
     def observe_step(self, seconds: float) -> None:
         if self.cadence is not None:
@@ -177,21 +189,29 @@ class Snapshotter:
             index, self._next = self._next, 1 - self._next
         else:
             index = (done // int(self.every)) % 2
-        ready = None
+        ready, queued = None, None
         device = next((t.device for t in tensors.values() if t.is_cuda), None)
         if device is not None:  # the optimizer step was queued on the compute stream: copy after it
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(device))
+            if self.auto:
+                queued = self._queue_staging(tensors, device, ready, byte_ranges(plan, mine))
         self.last_step = done
         self._staged.clear()
         self._pending = self._pool.submit(self._write_from_device, index, tensors, ready, layout.entries, plan,
-                                          mine, done, view.gen)
+                                          mine, done, view.gen, queued)
 
     def fence(self) -> None:
         """Before the next reduction completes: the last snapshot no longer reads the live state. With a fixed
-        interval it is sealed; under ``auto`` staged (its write goes on)."""
+        interval it is sealed; under ``auto`` staged (its write goes on): on CUDA the compute stream waits for
+        the staging copies (the host does not), on the CPU the host waits for the staging thread."""
         if not self.auto:
             self.wait()
+            return
+        if self._copied is not None:  # CUDA: the next optimizer step waits for the copies on the device, not here
+            event, device = self._copied
+            self._copied = None
+            torch.cuda.current_stream(device).wait_event(event)
             return
         pending = self._pending
         if pending is None:
@@ -225,7 +245,14 @@ class Snapshotter:
                        proposal=c.proposal(in_flight=False))
         return out
 
-    def close(self) -> None:
+    def close(self, *, finished: bool = False) -> None:
+        """Join the write in flight and release the buffers. ``finished`` (the job is over, its final
+        checkpoint written) under ``auto``: a write still in flight is left to end with the process (its
+        buffer stays unsealed), so that a slow write does not hold the worker's report."""
+        if finished and self.auto and self._pending is not None and not self._pending.done():
+            self._pending = None
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            return
         self.wait()
         self._pool.shutdown(wait=True)
         if self._writers is not None:
@@ -235,14 +262,17 @@ class Snapshotter:
 
     def _write_from_device(self, index: int, tensors: dict[str, torch.Tensor], ready: Any,
                            layout: list[list], plan: SnapshotPlan, mine: list[tuple[int, int]], done: int,
-                           gen: int) -> dict[str, Any]:
+                           gen: int, queued: tuple | None = None) -> dict[str, Any]:
         """Write the snapshot into buffer ``index``; on CUDA (and on the CPU under ``auto``) stage the bytes
-        this worker writes first. ``steady``: neither a staging buffer nor the segment was new (the seconds are
-        what the next snapshot will cost)."""
+        this worker writes first (``queued``: the copies the training thread queued, to land in pinned memory
+        here). ``steady``: neither a staging buffer nor the segment was new (the seconds are what the next
+        snapshot will cost)."""
         t0 = time.perf_counter()
         try:
             steady = not self._fresh[index]
-            if ready is not None:
+            if queued is not None:
+                read, allocated = self._land(*queued)
+            elif ready is not None:
                 read, allocated = self._stage(tensors, ready, byte_ranges(plan, mine))
             elif self.auto:
                 read, allocated = self._stage_host(tensors, byte_ranges(plan, mine))
@@ -275,46 +305,88 @@ class Snapshotter:
 
         Returns the reader of the staged bytes, and whether a buffer was allocated. The copies start after
         ``ready`` (the optimizer step) and are complete when this returns (an event recorded after them on
-        the side stream, synchronized). Under ``auto``, when the card has room, the copies first go to a
-        device buffer: the staging (set once it is complete) then takes a device-to-device copy, and the
-        slower copy to pinned memory follows from that private buffer while training goes on.
+        the side stream, synchronized).
         """
         device = next(t.device for t in tensors.values() if t.is_cuda)
         torch.cuda.set_device(device)  # this thread's current device: no context or stream on another GPU
-        if self._stream is None or self._stream.device != device:
-            self._stream = torch.cuda.Stream(device=device)
+        stream = self._side_stream(device)
         total = sum(hi - lo for lo, hi in ranges)
+        allocated = self._pin(total)
+        pinned, index, pos = self._pinned, [], 0
+        assert pinned is not None
+        with torch.cuda.stream(stream):
+            stream.wait_event(ready)
+            for lo, hi in ranges:
+                copy_range(tensors, pinned[pos:pos + hi - lo], lo, hi, non_blocking=True)
+                index.append((lo, hi, pos))
+                pos += hi - lo
+            copied = torch.cuda.Event()
+            copied.record(stream)
+        copied.synchronize()
+        return _reader(pinned, index), allocated
+
+    def _queue_staging(self, tensors: dict[str, torch.Tensor], device: torch.device, ready: Any,
+                       ranges: list[tuple[int, int]]) -> tuple:
+        """``auto`` on CUDA, in the training thread: queue the copies of ``ranges`` on the side stream after
+        ``ready`` (one Python call per tensor here, none contending for the GIL with the step), into a device
+        buffer when the card has room beside the training's peak, else into pinned memory; :meth:`fence` makes
+        the next optimizer step wait for them on the device. Returns what :meth:`_land` needs."""
+        stream = self._side_stream(device)
+        total = sum(hi - lo for lo, hi in ranges)
+        on_device = self._device_room(device, total)
         allocated = False
-        if self._pinned is None or self._pinned.numel() != total:
-            self._pinned = None
-            self._pinned = torch.empty(total, dtype=torch.uint8, pin_memory=True)
-            self.pinned_bytes, allocated = total, True
-        on_device = self.auto and self._device_room(device, total)
         if on_device and (self._device_copy is None or self._device_copy.numel() != total):
             self._device_copy = None
-            with torch.cuda.stream(self._stream):
+            with torch.cuda.stream(stream):
                 self._device_copy = torch.empty(total, dtype=torch.uint8, device=device)
             self.device_bytes, allocated = total, True
-        pinned, index, pos = self._pinned, [], 0
-        first = self._device_copy if on_device else pinned
+        if not on_device:
+            allocated = self._pin(total)  # the fallback: straight to pinned memory (the fence waits for it)
+        first = self._device_copy if on_device else self._pinned
         assert first is not None
-        with torch.cuda.stream(self._stream):
-            self._stream.wait_event(ready)
+        index, pos = [], 0
+        with torch.cuda.stream(stream):
+            stream.wait_event(ready)
             for lo, hi in ranges:
                 copy_range(tensors, first[pos:pos + hi - lo], lo, hi, non_blocking=True)
                 index.append((lo, hi, pos))
                 pos += hi - lo
             copied = torch.cuda.Event()
-            copied.record(self._stream)
+            copied.record(stream)
+        self._copied = (copied, device)
+        return device, first, on_device, index, copied, allocated
+
+    def _land(self, device: torch.device, first: torch.Tensor, on_device: bool, index: list[tuple[int, int, int]],
+              copied: Any, allocated: bool) -> tuple[ReadBytes, bool]:
+        """The writing thread's side of :meth:`_queue_staging`: a device buffer's bytes copied into pinned
+        memory (allocated here the first time, off the training thread), complete when this returns."""
+        torch.cuda.set_device(device)
         copied.synchronize()
-        if on_device:
-            self._staged.set()  # the live state is copied: the next optimizer step may run
-            with torch.cuda.stream(self._stream):
-                pinned.copy_(first, non_blocking=True)
-                landed = torch.cuda.Event()
-                landed.record(self._stream)
-            landed.synchronize()
+        if not on_device:
+            return _reader(first, index), allocated
+        allocated = self._pin(first.numel()) or allocated
+        pinned, stream = self._pinned, self._side_stream(device)
+        assert pinned is not None
+        with torch.cuda.stream(stream):
+            pinned.copy_(first, non_blocking=True)
+            landed = torch.cuda.Event()
+            landed.record(stream)
+        landed.synchronize()
         return _reader(pinned, index), allocated
+
+    def _side_stream(self, device: torch.device) -> Any:
+        if self._stream is None or self._stream.device != device:
+            self._stream = torch.cuda.Stream(device=device)
+        return self._stream
+
+    def _pin(self, total: int) -> bool:
+        """A pinned buffer of ``total`` bytes; True when it had to be allocated."""
+        if self._pinned is not None and self._pinned.numel() == total:
+            return False
+        self._pinned = None
+        self._pinned = torch.empty(total, dtype=torch.uint8, pin_memory=True)
+        self.pinned_bytes = total
+        return True
 
     def _device_room(self, device: torch.device, total: int) -> bool:
         """Does a device staging buffer of ``total`` bytes fit beside the training's peak (decided once, after
