@@ -31,9 +31,9 @@ __all__ = ["CONSEQUENCE_EXIT_CODES", "SELF_SIGNALS", "death_error", "record_erro
 
 SELF_SIGNALS = frozenset({signal.SIGSEGV, signal.SIGABRT, signal.SIGBUS, signal.SIGFPE, signal.SIGILL})
 """Signals a process raises on itself when its own code fails (a crash in native code, an abort)."""
-CONSEQUENCE_EXIT_CODES = frozenset({3, 4, 6})
-"""A worker's exits that follow from someone else's failure: fenced, no live worker left, the job store lost
-(:mod:`unbroken.runtime.worker`)."""
+CONSEQUENCE_EXIT_CODES = frozenset({3, 4, 6, 7})
+"""A worker's exits that follow from someone else's failure: fenced, no live worker left, the job store lost,
+left to rejoin after a peer died mid-collective (:mod:`unbroken.runtime.worker`)."""
 
 
 def record_error(run_dir: Path, worker: int, exc: BaseException) -> None:

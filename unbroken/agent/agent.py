@@ -58,7 +58,7 @@ from unbroken.faults.injector import DeathCause, Injection, NodeFaults, workers_
 from unbroken.jsonl import JsonlWriter
 from unbroken.runtime.job_store import JobStore
 from unbroken.runtime.store_backend import SECRET_ENV, StoreAccessDenied, is_etcd_address, job_secret
-from unbroken.runtime.membership import EXIT_FENCED
+from unbroken.runtime.membership import EXIT_FENCED, EXIT_REJOIN
 from unbroken.runtime.view import View
 from unbroken.config import Config, config_hash
 from unbroken.snapshot.segment import remove_segments
@@ -366,8 +366,8 @@ class Agent:
         self.watch.forget(w)
         code, sig = exit_status(rc)
         rec: dict[str, Any] = {"pid": inc.proc.pid, "code": code, "signal": sig, "incarnation": inc.incarnation,
-                               "uptime_s": round(now - inc.started, 3), "fenced": inc.fenced or code == EXIT_FENCED,
-                               "reason": inc.reason}
+                               "uptime_s": round(now - inc.started, 3),
+                               "fenced": inc.fenced or code in (EXIT_FENCED, EXIT_REJOIN), "reason": inc.reason}
         if rc == 0:
             self.finished.add(w)
             self._event("worker_exit", w, clean=True, **rec)
@@ -383,7 +383,7 @@ class Agent:
         self.store.mark_dead(w, reason)
         progress = max(self._read_progress(), last_self_fault_step(self.run_dir, w) or 0)
         cause = self.plan.on_death(w, progress) if self.plan else DeathCause(injected=False)
-        restart = self._schedule_restart(w, inc, cause, now)
+        restart = self._schedule_restart(w, inc, cause, now, rejoin=code == EXIT_REJOIN and not cause.injected)
         self._event("worker_exit", w, clean=False, injected=cause.injected, progress=progress,
                     spec=format_fail_at([cause.spec]) if cause.spec else None,
                     restart_at_step=restart.at_step if restart else None,
@@ -393,8 +393,16 @@ class Agent:
                          f"restart at step {restart.at_step}" if restart.at_step is not None else
                          f"restart in {self.opts.restart_delay_s:.1f} s")
 
-    def _schedule_restart(self, w: int, inc: Incarnation, cause: DeathCause, now: float) -> Restart | None:
-        if self.opts.restart == "never" or self._done_at is not None:
+    def _schedule_restart(self, w: int, inc: Incarnation, cause: DeathCause, now: float,
+                          rejoin: bool = False) -> Restart | None:
+        """When to start ``w`` again (None: not). ``rejoin``: it left healthy, only to come back with the state
+        (:data:`EXIT_REJOIN`): started again at once whatever the restart policy."""
+        if self._done_at is not None:
+            return None
+        if rejoin:
+            r = self.restarts[w] = Restart(at_time=now)
+            return r
+        if self.opts.restart == "never":
             return None
         if not cause.injected and now - inc.started < FAST_CRASH_S:
             self.fast_crashes[w] = self.fast_crashes.get(w, 0) + 1

@@ -42,7 +42,8 @@ from unbroken.mecefo.takeover import NoLiveWorker  # one notion of "nobody is al
 from unbroken.runtime.job_store import JobStore
 from unbroken.runtime.view import View
 
-__all__ = ["Fenced", "Membership", "NoLiveWorker", "View", "ViewChanged"]
+__all__ = ["EXIT_FENCED", "EXIT_REJOIN", "Fenced", "Membership", "MissedCommit", "NoLiveWorker", "View",
+           "ViewChanged"]
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +52,10 @@ LEASE_TTL_FACTOR = 2.0
 """On a store with leases (etcd) a worker's counters expire this many heartbeat timeouts after its last
 beat: later than any observer's own judgement, so an expiry is proof of death, never a hasty verdict."""
 EXIT_FENCED = 3
-"""Exit code of a worker that left because it was fenced (not a member, or behind the committed step)."""
+"""Exit code of a worker that left because it was fenced (not a member of the view)."""
+EXIT_REJOIN = 7
+"""Exit code of a healthy worker that left to rejoin with the state (:class:`MissedCommit`): its agent
+starts it again whatever its restart policy."""
 
 
 class ViewChanged(Exception):
@@ -65,6 +69,12 @@ loaded machine a process forked a moment after its peers may not beat for a few 
 
 class Fenced(Exception):
     """This worker is not a member of the current view: it must stop at once."""
+
+
+class MissedCommit(Fenced):
+    """A healthy member whose all-reduce failed (a peer died mid-collective) while the others completed and
+    committed the step: it lacks the step's result, so it leaves and comes back with the state, whatever the
+    agent's restart policy (not a failure of its own)."""
 
 
 class Membership:

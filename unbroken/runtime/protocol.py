@@ -48,7 +48,7 @@ import torch
 from unbroken.jsonl import JsonlWriter
 from unbroken.mecefo.gradients import SlotWork, slot_rows
 from unbroken.mecefo.takeover import TakeoverPolicy
-from unbroken.runtime.membership import Fenced, Membership, NoLiveWorker, View, ViewChanged
+from unbroken.runtime.membership import Fenced, Membership, MissedCommit, NoLiveWorker, View, ViewChanged
 from unbroken.runtime.process_group import CollectiveFailed, ViewGroup
 from unbroken.runtime.state_transfer import transfer_state
 from unbroken.sharding.state import ShardedState
@@ -299,8 +299,9 @@ class StepProtocol:
                     else:
                         reduced = reduced if reduced is not None else self._late_result(step)
                     if reduced is None:
-                        raise Fenced(f"step {step} was committed in view {self.view.gen}, but this worker's "
-                                     f"all-reduce did not complete ({exc}); it rejoins with the state") from None
+                        raise MissedCommit(f"step {step} was committed in view {self.view.gen}, but this "
+                                           f"worker's all-reduce did not complete ({exc}); it rejoins with the "
+                                           "state") from None
                     self.need_exchange = False
                     return reduced, items
 

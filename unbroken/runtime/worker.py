@@ -43,7 +43,8 @@ from unbroken.runtime.checkpoint_files import COMMIT_FILE, checkpoint_dir
 from unbroken.runtime.checkpoint_schedule import CheckpointSchedule, Due, newest_checkpoint_age_s
 from unbroken.runtime.job_store import JobStore
 from unbroken.runtime.store_backend import job_secret
-from unbroken.runtime.membership import EXIT_FENCED, Fenced, Membership, NoLiveWorker, View, ViewChanged
+from unbroken.runtime.membership import (EXIT_FENCED, EXIT_REJOIN, Fenced, Membership, MissedCommit, NoLiveWorker,
+                                         View, ViewChanged)
 from unbroken.runtime.process_group import CollectiveFailed
 from unbroken.runtime.start_phases import StartClock
 from unbroken.runtime.protocol import MemberDied
@@ -437,6 +438,9 @@ def run(spec: WorkerSpec, *, store: JobStore | None = None, prepared: Prepared |
             mark("admission")
             trainer._event("start_phases", join=spec.join, step=first, **clock.summary())
         last = trainer.train(first)
+    except MissedCommit as exc:
+        logger.warning("leaving to rejoin: %s", exc)
+        return EXIT_REJOIN
     except Fenced as exc:
         logger.error("fenced: %s", exc)
         return EXIT_FENCED
