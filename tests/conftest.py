@@ -8,13 +8,18 @@ from pathlib import Path
 
 import pytest
 
-# Set before any test imports unbroken.data, and inherited by spawned workers.
+# Set before any test imports unbroken.data, and inherited by spawned workers. Each pytest-xdist worker is a
+# session of its own: it takes its own folders rather than the ones its controller's environment handed down
+# (the cleanups below would otherwise remove segments another worker's test is using).
+_OWN = bool(os.environ.get("PYTEST_XDIST_WORKER"))
 _SESSION_CACHE = Path(tempfile.mkdtemp(prefix="unbroken-test-cache-"))
-os.environ.setdefault("UNBROKEN_CACHE_DIR", str(_SESSION_CACHE))
+if _OWN or "UNBROKEN_CACHE_DIR" not in os.environ:
+    os.environ["UNBROKEN_CACHE_DIR"] = str(_SESSION_CACHE)
 # Snapshot memory of this test session apart from any other's (a second pytest session on the machine, a job):
 # the cleanup below removes what this session's tests left, never another's segments.
 _SESSION_SHM = Path(tempfile.mkdtemp(prefix="unbroken-test-shm-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
-os.environ.setdefault("UNBROKEN_SHM_DIR", str(_SESSION_SHM))
+if _OWN or "UNBROKEN_SHM_DIR" not in os.environ:
+    os.environ["UNBROKEN_SHM_DIR"] = str(_SESSION_SHM)
 
 
 @pytest.fixture(scope="session", autouse=True)
