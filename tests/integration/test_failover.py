@@ -32,6 +32,7 @@ from unbroken.bench.report import summarize_run
 from unbroken.data import BatchSampler
 from unbroken.faults.store_loss import STORE_PIDS_ENV
 from unbroken.jsonl import read_jsonl
+from unbroken.runtime.membership import EXIT_REJOIN
 from unbroken.runtime.ledger import check_ledger
 from unbroken.mecefo.takeover import POLICIES
 from unbroken.mecefo.gradients import SlotWork
@@ -212,11 +213,17 @@ def test_node_loss(tmp_path, corpus_overrides):
     (failed,) = failure_steps(job)
     assert failed >= 4, "the node is lost once step 4 is under way, not before"
     assert all(job.commit_gen(s) == 0 and job.committed_items(s) == exact(0, 1, 2, 3) for s in range(failed))
+    # Killed mid-all-reduce, the node may leave worker 1's ring read failing after worker 0's completed: worker 0
+    # commits, worker 1 lacks the step's sum and leaves to rejoin with the state (EXIT_REJOIN, started again
+    # whatever the restart policy); worker 0 covers slot 1 meanwhile.
+    rejoined = [e for e in job.events("worker_exit", worker=1) if e.get("code") == EXIT_REJOIN]
+    assert all(e["fenced"] and not e["injected"] for e in rejoined)
     for step in range(failed, 12):  # worker 0 is the ring successor of both slot 2 and slot 3
         items = job.committed_items(step)
         assert [i for i in items if i[1] in (2, 3)] == [(0, 2, 0, MB, "approx"), (0, 3, 0, MB, "approx")]
-        assert [i for i in items if i[1] == 1] == [(1, 1, 0, MB, "exact")]
-    assert job.summary["failures"] == 2
+        allowed = [[(1, 1, 0, MB, "exact")]] + ([[(0, 1, 0, MB, "approx")]] if rejoined else [])
+        assert [i for i in items if i[1] == 1] in allowed
+    assert job.summary["failures"] == 2 + len(rejoined)
 
 
 def test_kill_the_covering_neighbour(tmp_path, corpus_overrides):
