@@ -179,8 +179,19 @@ def _late_result(ev: Record, state: RunState) -> str:
     return f"worker {ev.get('worker')}: false alarm, its all-reduce failed; it leaves and rejoins"
 
 
+def _snapshot_interval(ev: Record, state: RunState) -> str | None:
+    """Every member decides the same interval at the same step: one line, from the first live member."""
+    if state.members and ev.get("worker") != state.members[0]:
+        return None
+    write = ev.get("write_s")
+    measured = f"writes of {write:.2f} s" if isinstance(write, (int, float)) else "first snapshot, not measured yet"
+    every = "snapshot every step" if ev.get("interval") == 1 else f"snapshot every {ev.get('interval')} steps"
+    return f"{every} ({measured}; a whole-job failure goes back at most {ev.get('recovery_point_steps')} steps)"
+
+
 _DESCRIBE: dict[str, Callable[[Record, RunState], str | None]] = {
     "worker_exit": _worker_exit,
+    "snapshot_interval": _snapshot_interval,
     "fault_injected": _fault_injected,
     "reconfigured": _reconfigured,
     "view_adopted": _view_adopted,

@@ -82,6 +82,13 @@ def test_val_line():
      "step 41  g2  attempt aborted: gloo failed: / [pair.cc:537] Connection reset by peer"),
     ({"event": "fence", "node": 0, "worker": 3, "pid": 77, "reason": "no heartbeat:\n  2.0 s\n"},
      "step 41  g2  worker 3 fenced (pid 77): no heartbeat: / 2.0 s"),
+    ({"event": "snapshot_interval", "worker": 0, "step": 30, "interval": 3, "recovery_point_steps": 6,
+      "write_s": 0.0123, "step_s": 0.05},
+     "step 30  g2  snapshot every 3 steps (writes of 0.01 s; a whole-job failure goes back at most 6 steps)"),
+    ({"event": "snapshot_interval", "worker": 0, "step": 1, "interval": 1, "recovery_point_steps": 2,
+      "write_s": None, "step_s": None},
+     "step 1  g2  snapshot every step (first snapshot, not measured yet; a whole-job failure goes back at "
+     "most 2 steps)"),
 ])
 def test_event_lines(event, line):
     assert format_event(event, state()) == line
@@ -92,6 +99,7 @@ def test_event_lines(event, line):
     {**DEATH, "stopped_by_agent": True},
     {"event": "view_adopted", "worker": 0, "gen": 0, "step": 0, "members": [0, 1, 2, 3], "joiners": []},
     {"event": "worker_start", "node": 0, "worker": 1, "join": False, "progress": 0},
+    {"event": "snapshot_interval", "worker": 2, "step": 30, "interval": 3, "recovery_point_steps": 6},  # one line
 ])
 def test_events_without_a_line(event):
     assert format_event(event, state()) is None
