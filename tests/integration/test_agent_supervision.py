@@ -163,7 +163,9 @@ def test_agent_loop_never_waits_for_a_stopped_standby(job: Job) -> None:
         t0 = time.monotonic()
         fresh0 = new_pid(job, 0, pids[0])
         spawned = time.monotonic() - t0
-        assert fresh0 != first and CLAIM_TIMEOUT_S - 0.2 <= spawned < CLAIM_TIMEOUT_S + 1.0
+        # Spawned once the claim timed out (the agent's own word below); how soon after depends on the machine's
+        # load: that the agent's loop never stood still meanwhile is what the heartbeat gaps assert.
+        assert fresh0 != first and CLAIM_TIMEOUT_S - 0.2 <= spawned < CLAIM_TIMEOUT_S + 3.0
         until(lambda: not alive(first), 2.0)
         assert f"standby pid {first} did not claim worker 0" in job.output(agent)
         # A standby silent for longer than OFFER_SILENCE_S is offered nothing, then replaced.
