@@ -291,13 +291,8 @@ class Snapshotter:
         allocated = self._host is None or self._host.numel() != total
         if allocated:
             self._host = torch.empty(total, dtype=torch.uint8)
-        host, index, pos = self._host, [], 0
-        assert host is not None
-        for lo, hi in ranges:
-            copy_range(tensors, host[pos:pos + hi - lo], lo, hi)
-            index.append((lo, hi, pos))
-            pos += hi - lo
-        return _reader(host, index), allocated
+        assert self._host is not None
+        return _reader(self._host, _copy_ranges(tensors, self._host, ranges)), allocated
 
     def _stage(self, tensors: dict[str, torch.Tensor], ready: Any,
                ranges: list[tuple[int, int]]) -> tuple[ReadBytes, bool]:
@@ -312,14 +307,11 @@ class Snapshotter:
         stream = self._side_stream(device)
         total = sum(hi - lo for lo, hi in ranges)
         allocated = self._pin(total)
-        pinned, index, pos = self._pinned, [], 0
+        pinned = self._pinned
         assert pinned is not None
         with torch.cuda.stream(stream):
             stream.wait_event(ready)
-            for lo, hi in ranges:
-                copy_range(tensors, pinned[pos:pos + hi - lo], lo, hi, non_blocking=True)
-                index.append((lo, hi, pos))
-                pos += hi - lo
+            index = _copy_ranges(tensors, pinned, ranges, non_blocking=True)
             copied = torch.cuda.Event()
             copied.record(stream)
         copied.synchronize()
@@ -344,13 +336,9 @@ class Snapshotter:
             allocated = self._pin(total)  # the fallback: straight to pinned memory (the fence waits for it)
         first = self._device_copy if on_device else self._pinned
         assert first is not None
-        index, pos = [], 0
         with torch.cuda.stream(stream):
             stream.wait_event(ready)
-            for lo, hi in ranges:
-                copy_range(tensors, first[pos:pos + hi - lo], lo, hi, non_blocking=True)
-                index.append((lo, hi, pos))
-                pos += hi - lo
+            index = _copy_ranges(tensors, first, ranges, non_blocking=True)
             copied = torch.cuda.Event()
             copied.record(stream)
         self._copied = (copied, device)
@@ -458,6 +446,17 @@ class Snapshotter:
             "fragments": fragments, "headers": headers, "t": time.time(),
         })
         return {"step": done, "bytes": offset, "seconds": time.perf_counter() - t0, "pinned_bytes": self.pinned_bytes}
+
+
+def _copy_ranges(tensors: dict[str, torch.Tensor], dst: torch.Tensor, ranges: list[tuple[int, int]], *,
+                 non_blocking: bool = False) -> list[tuple[int, int, int]]:
+    """Copy ``ranges`` of the flat state back to back into ``dst``; returns where each went, ``(lo, hi, at)``."""
+    index, at = [], 0
+    for lo, hi in ranges:
+        copy_range(tensors, dst[at:at + hi - lo], lo, hi, non_blocking=non_blocking)
+        index.append((lo, hi, at))
+        at += hi - lo
+    return index
 
 
 def _reader(staged: torch.Tensor, index: list[tuple[int, int, int]]) -> ReadBytes:
