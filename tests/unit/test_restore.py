@@ -10,7 +10,6 @@ say plainly when those cannot decode a stripe any more.
 from __future__ import annotations
 
 import copy
-import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
@@ -21,7 +20,7 @@ import torch
 from unbroken.models import build_model
 from unbroken.runtime.view import View
 from unbroken.snapshot.restore import decide, inventory, restore_from_memory
-from unbroken.snapshot.segment import SnapshotCorrupt, job_segments, remove_segments
+from unbroken.snapshot.segment import SnapshotCorrupt
 from unbroken.snapshot.snapshotter import Snapshotter
 from unbroken.snapshot.state_bytes import tensors_of
 
@@ -29,14 +28,6 @@ pytestmark = pytest.mark.timeout(120)
 
 NODE_OF = {0: 0, 1: 1, 2: 2}
 """Three nodes of one worker each: k = 2 data fragments and 1 parity fragment per stripe, one per node."""
-
-
-@pytest.fixture
-def job_id():
-    ident = os.urandom(6).hex()
-    yield ident
-    remove_segments(ident)
-    assert not job_segments(ident)
 
 
 def _model_and_optimizer(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:

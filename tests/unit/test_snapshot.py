@@ -30,14 +30,6 @@ pytestmark = pytest.mark.timeout(120)
 NODE_OF = {0: 0, 1: 0, 2: 1, 3: 1}
 
 
-@pytest.fixture
-def job_id():
-    ident = os.urandom(6).hex()
-    yield ident
-    remove_segments(ident)
-    assert not job_segments(ident)
-
-
 @dataclasses.dataclass
 class _State:
     model: torch.nn.Module

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import threading
 
 import pytest
@@ -14,7 +13,6 @@ from unbroken.models import build_model
 from unbroken.runtime.view import View
 from unbroken.snapshot.cadence import MARGIN, VETO, VOTE_SLOTS, Cadence, cast, due, tally
 from unbroken.snapshot.restore import decide, inventory, restore_from_memory
-from unbroken.snapshot.segment import job_segments, remove_segments
 from unbroken.snapshot.snapshotter import Snapshotter
 from unbroken.snapshot.state_bytes import tensors_of
 
@@ -97,14 +95,6 @@ def test_votes_sit_between_the_weights_and_the_loss_and_leave_both_alone():
     assert torch.equal(plain.weights(bufs[0]), voting.weights(bufs[1]))
     assert plain.loss_sum(bufs[0]) == voting.loss_sum(bufs[1]) and plain.token_count(bufs[0]) == 16
     assert voting.token_count(bufs[1]) == 16 and tally(voting.votes(bufs[1])) == 5
-
-
-@pytest.fixture
-def job_id():
-    ident = os.urandom(6).hex()
-    yield ident
-    remove_segments(ident)
-    assert not job_segments(ident)
 
 
 def _model_and_optimizer(seed: int):
