@@ -436,7 +436,7 @@ def run(spec: WorkerSpec, *, store: JobStore | None = None, prepared: Prepared |
         first = trainer.start()
         if clock is not None:
             mark("admission")
-            trainer._event("start_phases", join=spec.join, step=first, **clock.summary())
+            trainer._event("start_phases", join=spec.join, step=first, pid=os.getpid(), **clock.summary())
         last = trainer.train(first)
     except MissedCommit as exc:
         logger.warning("leaving to rejoin: %s", exc)
