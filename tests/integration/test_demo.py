@@ -15,8 +15,10 @@ def test_the_demo_survives_a_kill_a_hang_and_a_node_loss(tmp_path, corpus_overri
     assert verdict["ok"], verdict
     assert verdict["faults_injected"] == demo_faults(steps) == "step=12:worker=1:kill,step=30:worker=2:stop,step=48:node=1:kill"
     # The node loss takes two workers: at least four deaths (a survivor whose own all-reduce broke while
-    # the other's completed leaves and rejoins too), three failed steps, each stall measured.
-    assert verdict["failures_survived"] >= 4 and len(verdict["stalls_s"]) == 3
+    # the other's completed leaves and rejoins too), at least three failed steps, each stall measured. (The
+    # demo's hang detector fires after 1 s of silence: on a loaded machine a member starved that long is
+    # fenced too and comes back; that costs a stall, never a row.)
+    assert verdict["failures_survived"] >= 4 and len(verdict["stalls_s"]) >= 3
     # The kill and the hang are covered by the warm standby (and the survivor that left, if one did).
     assert verdict["standby_handovers"] >= 2
     ledger = check_ledger(out, n_slots=4, micro_batch=json.loads((out / "config.json").read_text())["data"]["micro_batch"],
