@@ -265,7 +265,7 @@ class Agent:
                 self.log.warning("cannot adopt forked workers here (no PR_SET_CHILD_SUBREAPER): no template")
                 return
             self.template = Template(run_dir=self.run_dir, node=self.node, world=self.opts.n_workers)
-            self.template.start(time.monotonic())
+            self.template.start(time.monotonic(), fork=True)
         self.template.attach(event=self._event, ready_timeout_s=limits.deadline_s)
         self.template.wait_ready(limits.deadline_s, lambda: self.rdv.heartbeat(time.monotonic()))
 

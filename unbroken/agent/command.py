@@ -10,13 +10,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
-# Nothing here imports torch before the template has started: it imports in parallel with the agent.
 from unbroken.agent._process import become_subreaper
 from unbroken.agent._template import Template
 
@@ -25,10 +25,13 @@ if TYPE_CHECKING:
 
 
 def prestart_template(argv: Sequence[str] | None) -> Template | None:
-    """Start the node's template process before this agent imports torch, so that both import at once.
+    """Start the node's template process as a fork of this one, once the agent's imports are done and before
+    it starts a thread: the template imports only what a worker needs beyond the agent (its start costs a
+    fifth of a fresh interpreter's CPU, and no later than one would be ready, whose imports are a superset).
 
     Only where the run directory already holds the job's config and it wants a template (a node whose
-    run directory is filled from the store later starts its template once it has the config).
+    run directory is filled from the store later starts its template once it has the config, as a fresh
+    process: the agent runs threads by then).
     """
     ap = argparse.ArgumentParser(add_help=False)
     ap.add_argument("--run-dir", type=Path)
@@ -43,8 +46,14 @@ def prestart_template(argv: Sequence[str] | None) -> Template | None:
         return None  # the real parser says what is wrong
     if not isinstance(cfg, dict) or not cfg.get("fault", {}).get("template", True) or not become_subreaper():
         return None
+    # OpenBLAS (loaded with numpy, by torch) starts a thread per core unless told otherwise, and a process
+    # that forks must run none; the agent does no linear algebra. A user's own setting is kept (the template
+    # then starts fresh).
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+    import unbroken.agent.agent  # noqa: F401 (torch and the agent's modules, before the fork)
+
     template = Template(run_dir=a.run_dir, node=-1 if a.spare else a.node_rank, world=a.nnodes * a.workers_per_node)
-    template.start(time.monotonic())
+    template.start(time.monotonic(), fork=True)
     return template
 
 
