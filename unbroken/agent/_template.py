@@ -34,7 +34,8 @@ import traceback
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Sequence
 
-from unbroken.agent._process import PARENT_ENV, ForkedChild, child_env, describe_exit, log_line, send, spawn
+from unbroken.agent._process import (PARENT_ENV, ForkedChild, child_env, describe_exit, log_line, send, set_name,
+                                     spawn)
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +78,7 @@ def _fork_template(cmd: list[str], log: Path) -> _ForkedTemplate | None:
         code = 1
         try:
             os.setsid()
+            set_name("unbroken-tmpl")
             err = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
             os.dup2(requests_r, 0)
             os.dup2(replies_w, 1)

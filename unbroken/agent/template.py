@@ -46,7 +46,7 @@ import traceback
 from pathlib import Path
 from typing import Any, TextIO
 
-from unbroken.agent._process import die_with_parent
+from unbroken.agent._process import die_with_parent, set_name
 
 # Before numpy loads: OpenBLAS starts its thread pool at import, and a process that forks must have none.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
@@ -106,6 +106,7 @@ def _become_worker(argv: list[str], log: str, agent: int, intermediate: int, pre
     code = 1
     try:
         os.setsid()
+        set_name("unbroken-worker")
         for fd in closing:
             os.close(fd)
         out = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
