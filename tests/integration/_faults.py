@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import re
 import socket
 import time
@@ -193,11 +194,22 @@ def _pid_files(run_dir: Path) -> set[int]:
 
 
 def _ours_alive(pid: int, run_dir: Path) -> bool:
-    """A live (not zombie) process of this run; a recycled pid of someone else's process does not count."""
+    """A live (not zombie) process of this run; a recycled pid of someone else's process does not count.
+
+    Ours: the run directory on its command line, or its output going to the run's logs (a process forked
+    without ``exec``, such as an agent from the agent server or a worker from its template, keeps its
+    parent's command line).
+    """
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
     except (OSError, IndexError):
         return False
-    return state != "Z" and str(run_dir) in cmdline
+    outputs = []
+    for fd in (1, 2):
+        try:
+            outputs.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+        except OSError:
+            pass
+    return state != "Z" and any(str(run_dir) in where for where in (cmdline, *outputs))
 

@@ -7,6 +7,7 @@ signals, real ``prctl``.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -112,3 +113,36 @@ def test_the_template_never_forks_with_threads(tmp_path):
     finally:
         stop.set()
         t.join()
+
+
+def test_the_agent_forks_its_template_only_while_it_runs_no_thread(tmp_path):
+    """An agent's first template is a fork of the agent (it inherits the imports), named for ``ps``, its
+    replies on a pipe, reaped by the agent; a process that runs a thread starts a fresh one instead."""
+    got = _python(f"""
+        import json, os, sys, threading, time
+        from pathlib import Path
+        from unbroken.agent._template import _fork_template
+        cmd = [sys.executable, "-m", "unbroken.agent.template", "--run-dir", {str(tmp_path / "none")!r},
+               "--world", "1", "--node-rank", "0"]
+        log = Path({str(tmp_path / "template0.log")!r})
+        proc = _fork_template(cmd, log)
+        name = ""
+        for _ in range(2000):  # it names itself right after the fork
+            name = Path(f"/proc/{{proc.pid}}/comm").read_text().strip()
+            if name == "unbroken-tmpl":
+                break
+            time.sleep(0.001)
+        reply = json.loads(proc.stdout.readline())  # no config in that run directory: the job cannot start
+        print(json.dumps({{"name": name, "reply": reply, "code": proc.wait(timeout=60)}}))
+        stop = threading.Event()
+        threading.Thread(target=stop.wait).start()
+        print(_fork_template(cmd, log) is None)
+        stop.set()
+    """)
+    assert got.returncode == 0, got.stderr
+    first, fallback = got.stdout.splitlines()
+    forked = json.loads(first)
+    assert forked["name"] == "unbroken-tmpl" and forked["code"] == 2
+    assert "config" in forked["reply"]["error"], forked
+    assert fallback == "True", "a process with a thread never forks its template"
+    assert (tmp_path / "template0.log").read_text().startswith("--- ")

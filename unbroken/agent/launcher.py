@@ -38,6 +38,7 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
+from unbroken.agent.agent_server import ServedAgent, agent_server
 from unbroken.agent.events import EventMerger
 from unbroken.agent.options import RESTART_POLICIES
 from unbroken.config import Config, config_hash
@@ -299,13 +300,17 @@ def _spawn_agent(node: int, cfg: Config, run_dir: Path, store_addr: str, *, node
     cmd += ["--resume-memory"] if resume_memory else []
     log = run_dir / "logs" / (f"agent{node}.log" if node >= 0 else f"agent-spare{spare_count(run_dir)}.log")
     log.parent.mkdir(parents=True, exist_ok=True)
-    with log.open("ab") as fh:
-        # Same process group as the launcher: a terminal's Ctrl-C reaches the agents, which stop their workers.
-        # The secret travels in the environment (never on argv, which any local user can read).
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env={**os.environ, SECRET_ENV: secret})
-    proc.log_path = log  # type: ignore[attr-defined]  # a spare keeps its own log after taking a rank
-    return proc
+    # The secret travels in the environment (never on argv, which any local user can read). Forked by this
+    # process's agent server where it runs (no interpreter and imports per agent), else a fresh process; both
+    # in the launcher's process group: a terminal's Ctrl-C reaches the agents, which stop their workers.
+    env = {**os.environ, SECRET_ENV: secret}
+    server = agent_server() if cfg.fault.template else None
+    proc: subprocess.Popen[bytes] | ServedAgent | None = server.spawn(cmd[3:], log=log, env=env) if server else None
+    if proc is None:
+        with log.open("ab") as fh:
+            proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+    proc.log_path = log  # type: ignore[union-attr]  # a spare keeps its own log after taking a rank
+    return proc  # type: ignore[return-value]  # a ServedAgent has the surface of Popen the launcher uses
 
 
 def _supervise(agents: list[subprocess.Popen[bytes]], store: JobStore, run_dir: Path, cfg: Config,
