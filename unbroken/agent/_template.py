@@ -79,7 +79,7 @@ def _fork_template(cmd: list[str], log: Path) -> _ForkedTemplate | None:
         try:
             os.setsid()
             set_name("unbroken-tmpl")
-            err = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            err = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
             os.dup2(requests_r, 0)
             os.dup2(replies_w, 1)
             os.dup2(err, 2)

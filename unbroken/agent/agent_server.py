@@ -58,7 +58,7 @@ def _become_agent(request: dict[str, Any]) -> None:
         os.environ.clear()
         os.environ.update({str(k): str(v) for k, v in request["env"].items()})
         os.chdir(request["cwd"])
-        out = os.open(request["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        out = os.open(request["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
         os.dup2(out, 1)
