@@ -79,11 +79,13 @@ def test_no_failure_equals_data_parallel_reference(tmp_path, corpus_overrides):
 
 def test_sigkill_mid_step(tmp_path, corpus_overrides):
     """Killed before computing (forward, worker 1 at step 4) or with its all-reduce in flight (worker 3 at
-    step 7): each time the survivors finish the step it died in, under the next view."""
-    cfg = failover_config(corpus_overrides, 10)
+    step 7): each time the survivors finish the step it died in, under the next view. (Without templates:
+    its workers start as fresh interpreters, as ``fault.template=false`` asks.)"""
+    cfg = failover_config(corpus_overrides, 10, "fault.template=false")
     job = run_job(cfg, tmp_path / "run", nodes=1, workers_per_node=4,
                   fail_at="step=4:worker=1:kill:phase=forward,step=7:worker=3:kill:phase=allreduce")
     check_invariants(job, live=[0, 2])
+    assert not job.events("template_ready") and not any(e["forked"] for e in job.events("worker_start"))
     fired = sorted((e["worker"], e["step"], e["phase"], e["how"]) for e in job.events("fault_self"))
     assert fired == [(1, 4, "forward", "kill"), (3, 7, "allreduce", "kill")]
     assert failure_steps(job) == [4, 7]
