@@ -4,7 +4,9 @@
 checks everything that can be checked before anything is written (config,
 data, fault specs, port), hosts the coordination store, publishes the run's
 config under the store key ``config``, starts one agent per node
-(``python -m unbroken.agent.command``, output in ``logs/agent<R>.log``), follows
+(``python -m unbroken.agent.command``, forked from this process's agent server,
+:mod:`unbroken.agent.agent_server`, where it runs; output in
+``logs/agent<R>.log``), follows
 ``metrics.jsonl`` and the store keys ``progress`` (committed steps: the only sign
 of progress it trusts, see ``PROGRESS_TIMEOUT_S``), ``done`` / ``failed``, and
 summarises. Under checkpoint-restart each attempt gets a fresh store at the
