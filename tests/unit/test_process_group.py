@@ -87,3 +87,46 @@ def test_a_group_of_one_needs_no_peer():
     y = g.allreduce(x, lambda: None)
     assert y is x or (torch.equal(y, x) and y.data_ptr() == x.data_ptr()), "a sum of one is not copied"
     assert torch.equal(x, torch.arange(4.0)), "the tensor is left untouched"
+
+
+GATHER_CHILD = """
+import os, sys, time, torch
+from unbroken.runtime.job_store import JobStore
+from unbroken.runtime.process_group import ViewGroup
+port = int(sys.argv[1])
+store = JobStore.connect(f"127.0.0.1:{port}", timeout_s=20, secret="test")
+g = ViewGroup(store.group_store(0), gen=0, rank=1, size=2, device=torch.device("cpu"), timeout_s=20)
+while store.backend.add("given up", 0) < 1:  # joins the all-gather only once rank 0 gave up on it
+    time.sleep(0.005)
+g.allgather(torch.tensor([7.0, 8.0]), 3, lambda: None)
+sys.stdout.flush()
+os._exit(0)
+"""
+
+
+def test_an_all_gather_given_up_on_may_still_complete_late():
+    """Rank 0 gives up on its all-gather (a false alarm: rank 1 was only late); once rank 1 takes part, the
+    all-gather completes after all, and its output is every rank's shard (a sharded step can be applied)."""
+    store = JobStore.host("127.0.0.1", 0, clients=2, secret="test")
+    child = subprocess.Popen([sys.executable, "-c", GATHER_CHILD, str(store.port)])
+    try:
+        g = ViewGroup(store.group_store(0), gen=0, rank=0, size=2, device=torch.device("cpu"), timeout_s=20)
+        t0 = time.monotonic()
+
+        def check() -> None:
+            if time.monotonic() - t0 > 0.2:
+                raise Abandon("member 1 judged dead")
+
+        try:
+            g.allgather(torch.tensor([1.0, 2.0, 3.0]), 3, check)
+            raised = None
+        except Abandon as exc:
+            raised = exc
+        assert raised is not None
+        assert g.late_gather(0.0) is None, "not completed yet: rank 1 has not taken part"
+        store.backend.add("given up", 1)
+        out = g.late_gather(15.0)
+        assert out is not None and torch.equal(out, torch.tensor([1.0, 2.0, 3.0, 7.0, 8.0, 0.0]))
+        assert g.late_gather(0.0) is None, "a late result is handed out once"
+    finally:
+        assert child.wait(30) == 0

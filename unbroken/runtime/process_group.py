@@ -75,6 +75,7 @@ class ViewGroup:
         self.timeout = timedelta(seconds=timeout_s)
         self._buf: torch.Tensor | None = None
         self._pending: dist.Work | None = None
+        self._gathered: torch.Tensor | None = None  # the last all-gather's output (see late_gather)
         self._side: list[dist.Work] = []
         self._aborted = False
         t0 = time.perf_counter()
@@ -184,7 +185,7 @@ class ViewGroup:
             if after_post is not None:
                 after_post()
             return inp
-        out = torch.empty(self.size * padded, dtype=shard.dtype, device=self.device)
+        out = self._gathered = torch.empty(self.size * padded, dtype=shard.dtype, device=self.device)
         parts = list(out.view(self.size, padded).unbind(0))
         work = self._post(lambda: self.pg.allgather([parts], [inp]), "all-gather")
         if after_post is not None:
@@ -302,19 +303,28 @@ class ViewGroup:
         may still complete, and then the buffer holds the same reduced gradient
         as everybody's. None if it failed or is still pending.
         """
+        return self._buf if self._buf is not None and self._late(timeout_s, "all-reduce") else None
+
+    def late_gather(self, timeout_s: float) -> torch.Tensor | None:
+        """The output of an all-gather given up on, if it completes well within ``timeout_s`` (see
+        :meth:`late_result`: with a sharded optimizer the vote follows the all-gather)."""
+        return self._gathered if self._gathered is not None and self._late(timeout_s, "all-gather") else None
+
+    def _late(self, timeout_s: float, what: str) -> bool:
+        """Did the pending collective, given up on, complete (without error) within ``timeout_s``?"""
         work, deadline = self._pending, time.monotonic() + timeout_s
-        if work is None or self._buf is None or self._aborted:
-            return None
+        if work is None or self._aborted:
+            return False
         while not work.is_completed() and time.monotonic() < deadline:
             time.sleep(POLL_S)
         if not work.is_completed():
-            return None
+            return False
         try:
-            self._raise_if_failed(work, "all-reduce")
+            self._raise_if_failed(work, what)
         except CollectiveFailed:
-            return None
+            return False
         self._pending = None
-        return self._buf
+        return True
 
     def _tick(self, check: Callable[[], None], deadline: float, what: str) -> None:
         check()
@@ -363,6 +373,7 @@ class ViewGroup:
     def _release(self) -> None:
         """Drop the group, its buffer and its last operation: gloo closes its sockets and joins its threads."""
         self.pg, self._buf, self._pending, self._side = None, None, None, []  # type: ignore[assignment]
+        self._gathered = None
 
     def broadcast_into(self, tensor: torch.Tensor, src: int, check: Callable[[], None]) -> torch.Tensor:
         """Broadcast from group rank ``src`` in place: ``src`` sends ``tensor``, every other rank receives into it.

@@ -295,7 +295,7 @@ class StepProtocol:
             except (ViewChanged, CollectiveFailed, MemberDied) as exc:
                 if self._reconfigure(step, f"{type(exc).__name__}: {exc}"):
                     if self.sharded is not None:  # applying needs this worker's all-gather, not only the reduction
-                        reduced = reduced if self.sharded.ready(step) else None
+                        reduced = reduced if self.sharded.ready(step) or self._late_gather(step) else None
                     else:
                         reduced = reduced if reduced is not None else self._late_result(step)
                     if reduced is None:
@@ -314,6 +314,16 @@ class StepProtocol:
         self._event("late_result", step=step, gen=self.view.gen, ok=reduced is not None,
                     seconds=time.perf_counter() - t0)
         return reduced
+
+    def _late_gather(self, step: int) -> bool:
+        """Sharded: the same false alarm after the reduction; this worker's all-gather may still complete."""
+        if self.group is None or self.sharded is None:
+            return False
+        t0 = time.perf_counter()
+        ok = self.sharded.late(step, self.group, self.m.heartbeat_timeout_s)
+        self._event("late_result", step=step, gen=self.view.gen, ok=ok, seconds=time.perf_counter() - t0,
+                    what="all-gather")
+        return ok
 
     def _assigned(self) -> list[SlotWork]:
         return list(self.policy.assign(n_slots=self.job.n_slots, live=self.view.members,

@@ -74,6 +74,8 @@ class ShardedState:
         """The last committed step's sharding and this worker's range and moments under it."""
         self.last_reduced: tuple[int, torch.Tensor] | None = None
         self._pending: tuple[int, Proposal, torch.Tensor, float, float, torch.Tensor] | None = None
+        # A proposal whose all-gather was given up on (its step may still commit, and the gather complete late).
+        self._ungathered: tuple[int, Proposal, Sharding, float, float, torch.Tensor] | None = None
         self._outgoing: dict[str, Any] | None = None
         self._replayed: list[int] = []
         self.rebuilt = 0
@@ -92,10 +94,28 @@ class ShardedState:
         set_lr(self.opt, lr)
         proposal = self.opt.propose()
         sharding = self._sharding
+        self._ungathered = (step, proposal, sharding, lr, norm, reduced.detach().clone())
         gathered = group.allgather(proposal.params, sharding.padded, check, lambda: on_phase("allgather"))
+        self._gathered(gathered)
+
+    def late(self, step: int, group: Any, timeout_s: float) -> bool:
+        """This worker gave up on its all-gather of ``step`` (a false alarm: the others committed the step):
+        its own all-gather may still complete, and then it holds the same parameters as everybody. True if it
+        did (the step can be applied here after all)."""
+        if self._ungathered is None or self._ungathered[0] != step:
+            return False
+        gathered = group.late_gather(timeout_s)
+        if gathered is None:
+            return False
+        self._gathered(gathered)
+        return True
+
+    def _gathered(self, gathered: torch.Tensor) -> None:
+        assert self._ungathered is not None
+        step, proposal, sharding, lr, norm, reduced = self._ungathered
         flat = torch.cat([gathered[r * sharding.padded:r * sharding.padded + hi - lo]
                           for r, (_, lo, hi) in enumerate(sharding.ranges())])
-        self._pending = (step, proposal, flat, lr, norm, reduced.detach().clone())
+        self._pending, self._ungathered = (step, proposal, flat, lr, norm, reduced), None
 
     def ready(self, step: int) -> bool:
         """Has this worker's update and all-gather of ``step`` completed (it may apply the step)?"""
@@ -185,6 +205,7 @@ class ShardedState:
             self.replicas.forget_before(restored_gen)
         self.held = (None, 0, self.opt.total, self.opt.exp_avg, self.opt.exp_avg_sq)
         self.active, self.last_reduced, self._pending, self._outgoing = None, None, None, None
+        self._ungathered = None
 
     def checkpoint_ranges(self) -> list[tuple[int, int]]:
         """The ranges of the current sharding (a checkpoint's commit waits for each)."""
@@ -197,7 +218,7 @@ class ShardedState:
 
     def discard(self) -> None:
         """Forget a proposal of an attempt that did not commit (a new attempt of the step begins)."""
-        self._pending = None
+        self._pending, self._ungathered = None, None
 
     def reshard(self, view: Any, allreduce: Callable[[torch.Tensor], torch.Tensor],
                 broadcast: Callable[[torch.Tensor, int], object]) -> None:
