@@ -47,7 +47,11 @@ def test_failures_at_the_sharded_phases_rebuild_the_range_from_its_copy(tmp_path
                           f"step={CONFIRMED}:worker=3:kill:phase=confirm:back={STEPS},"
                           f"step={SECOND}:worker=2:kill:phase=update:back={STEPS}")
     check_invariants(job, live=[0, 1])
-    first = [e for e in job.events("resharded") if e["step"] == 3]
+    # Worker 1 dies with its all-gather of step 3 posted: if that all-gather completed everywhere first, step 3
+    # commits (every survivor holds its parameters) and the range is rebuilt at step 4.
+    at = min(e["step"] for e in job.events("resharded"))
+    assert at in (3, 4), at
+    first = [e for e in job.events("resharded") if e["step"] == at]
     assert sorted(e["worker"] for e in first) == [0, 2, 3] and all(e["members"] == [0, 2, 3] for e in first)
     assert all(e["from_copies"] == [1] for e in first), "worker 1's range came from its buddy's copy"
     # Killed right after voting to commit: its step counts, but its copy of that step was never sent, so the
