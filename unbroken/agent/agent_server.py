@@ -37,6 +37,8 @@ import traceback
 from pathlib import Path
 from typing import Any, Sequence
 
+from unbroken.agent._process import ForkedChild
+
 logger = logging.getLogger(__name__)
 
 READY_TIMEOUT_S = 60.0
@@ -141,25 +143,17 @@ def serve() -> int:
 # -- the launcher's side ------------------------------------------------------------------------------
 
 
-class ServedAgent:
-    """An agent forked by the server, as the launcher sees it (``subprocess.Popen``'s surface)."""
+class ServedAgent(ForkedChild):
+    """An agent forked by the server, as the launcher sees it (``subprocess.Popen``'s surface): a
+    :class:`ForkedChild` whose exit status comes from the server's reports (the server is its parent)."""
 
     def __init__(self, server: AgentServer, pid: int, args: Sequence[str]) -> None:
-        self.server, self.pid, self.args = server, pid, list(args)
-        self.returncode: int | None = None
+        super().__init__(pid, args)
+        self.server = server
 
     def poll(self) -> int | None:
         if self.returncode is None:
             self.returncode = self.server.exit_code(self.pid)
-        return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self.poll() is None:
-            if deadline is not None and time.monotonic() >= deadline:
-                raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
-            time.sleep(0.005)
-        assert self.returncode is not None
         return self.returncode
 
     def send_signal(self, sig: int) -> None:
