@@ -5,8 +5,9 @@ an agent per node, and one more per replaced or spare node. Each agent's interpr
 on two cores) before it can do anything, and a replacement node's start waits for it. This server imports the
 agent's modules once, runs no thread, and forks an agent on each request (one JSON line in: the agent's
 arguments, environment, working directory and log; the pid back), the way ``torch.multiprocessing``'s
-forkserver works. The agent then forks its node's template from itself (:mod:`unbroken.agent.command`), so a
-node's start costs forks and the preparation of its data, not an interpreter.
+forkserver works. The server also imports what a worker needs beyond the agent (``torch._dynamo``, the
+worker's modules); the agent then forks its node's template from itself (:mod:`unbroken.agent.command`), so a
+node's start costs forks and the preparation of its data, not an interpreter or an import.
 
 The server is the agents' parent: it reaps each one and writes its exit status as a line of its own
 (``{"exit": pid, "code": ...}``, :func:`subprocess.Popen.returncode`'s convention). The launcher's side,
@@ -101,6 +102,9 @@ def serve() -> int:
     t0 = time.perf_counter()
     import unbroken.agent.agent  # noqa: F401 (torch and the agent's modules, once for every agent)
     import unbroken.agent.command  # noqa: F401
+    # What the template each agent forks imports beyond the agent: inherited, its start is a fork and its data.
+    import torch._dynamo  # noqa: F401
+    import unbroken.agent.worker_process  # noqa: F401
 
     threads = thread_count()
     reply({"ready": threads == 1, "threads": threads, "imports_s": round(time.perf_counter() - t0, 3)})

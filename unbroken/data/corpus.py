@@ -32,6 +32,7 @@ import hashlib
 import json
 import logging
 import os
+import stat
 import sysconfig
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -166,14 +167,20 @@ def open_stdlib_corpus() -> TextCorpus:
     """The embedded default corpus: the interpreter's standard library sources."""
     root = stdlib_root()
     docs = []
-    for path in root.rglob("*.py"):
-        rel = path.relative_to(root)
-        if _EXCLUDED_STDLIB_PARTS.intersection(rel.parts) or not path.is_file():
-            continue
-        size = path.stat().st_size
-        if size == 0:  # empty __init__.py files add nothing but EOT tokens
-            continue
-        docs.append(Document(rel.as_posix(), path, size))
+    # os.walk, pruning the excluded directories as it goes: site-packages alone may hold most of the tree.
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in _EXCLUDED_STDLIB_PARTS]
+        for name in filenames:
+            if not name.endswith(".py"):
+                continue
+            path = Path(dirpath, name)
+            try:
+                st = path.stat()
+            except OSError:  # a dangling link
+                continue
+            if not stat.S_ISREG(st.st_mode) or st.st_size == 0:  # empty __init__.py files add only EOT tokens
+                continue
+            docs.append(Document(path.relative_to(root).as_posix(), path, st.st_size))
     if not docs:
         raise ValueError(f"{root}: no standard library .py sources found; {_ACCEPTED}")
     docs.sort(key=lambda d: d.name)
