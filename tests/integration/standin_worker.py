@@ -8,8 +8,9 @@ progress reaches their step, beats the node's standby counter and claims
 offers as a standby, and exits 0 when the job is done or failed. Every
 incarnation records its argv in ``run_dir/standin/w<id>.<pid>.json``.
 
-Like the real worker it imports torch (through ``unbroken``) before it
-connects and beats, so a process stopped in its first second never beats.
+Like a worker started as a fresh process it imports torch (the store's
+client is torch's) before it connects and beats, so a process stopped in its
+first second never beats; it imports nothing of the trainer.
 ``STANDIN_STANDBY_IGNORES_SIGTERM=1`` (inherited through the agent) makes a
 standby ignore SIGTERM until it becomes a worker: an agent that waited for it
 to exit would block.
@@ -26,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-from unbroken.agent.worker_process import fault_selection
+from unbroken.faults.fail_at import fault_selection
 from unbroken.runtime.job_store import JobStore
 from unbroken.runtime.store_backend import job_secret
 

@@ -32,7 +32,7 @@ from typing import Callable
 
 from unbroken.agent._job_error import record_error
 from unbroken.agent._process import die_with_parent
-from unbroken.faults.fail_at import FaultSpec, read_fault_plan
+from unbroken.faults.fail_at import FaultSpec, fault_selection
 from unbroken.faults.injector import PhaseFaults
 from unbroken.job.builder import Prepared
 from unbroken.runtime.start_phases import StartClock
@@ -69,24 +69,6 @@ def survive_nccl_failures(environ: dict[str, str] | None = None) -> None:
         if env.get(name, value) != value:
             logger.warning("%s=%s would kill survivors of a peer's death; using %s", name, env[name], value)
         env[name] = value
-
-
-def fault_selection(plan_file: Path | None, indices: str) -> tuple[FaultSpec, ...]:
-    """The specs of the plan at ``indices`` (``"3,7"``; ``""``: none).
-
-    Raises:
-        ValueError: indices without a plan, or out of the plan's range.
-    """
-    if not indices:
-        return ()
-    if plan_file is None:
-        raise ValueError(f"--faults {indices} needs --faults-file (the job's fault plan)")
-    plan = read_fault_plan(plan_file)
-    chosen = [int(i) for i in indices.split(",")]
-    bad = [i for i in chosen if not 0 <= i < len(plan)]
-    if bad:
-        raise ValueError(f"--faults {indices}: indices {bad} outside the plan's {len(plan)} specs ({plan_file})")
-    return tuple(plan[i] for i in chosen)
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -341,3 +341,21 @@ def read_fault_plan(path: Path) -> tuple[FaultSpec, ...]:
         return tuple(FaultSpec(**d) for d in json.loads(path.read_text())["specs"])
     except (OSError, KeyError, TypeError, json.JSONDecodeError) as exc:
         raise ValueError(f"fault plan {path}: unreadable ({exc})") from None
+
+
+def fault_selection(plan_file: Path | None, indices: str) -> tuple[FaultSpec, ...]:
+    """The specs of the plan at ``indices`` (``"3,7"``; ``""``: none).
+
+    Raises:
+        ValueError: indices without a plan, or out of the plan's range.
+    """
+    if not indices:
+        return ()
+    if plan_file is None:
+        raise ValueError(f"--faults {indices} needs --faults-file (the job's fault plan)")
+    plan = read_fault_plan(plan_file)
+    chosen = [int(i) for i in indices.split(",")]
+    bad = [i for i in chosen if not 0 <= i < len(plan)]
+    if bad:
+        raise ValueError(f"--faults {indices}: indices {bad} outside the plan's {len(plan)} specs ({plan_file})")
+    return tuple(plan[i] for i in chosen)

@@ -12,12 +12,28 @@ reduced gradient; every ``(step, slot, row)`` is trained exactly once (the
 ledger proves it).
 """
 
-from unbroken.runtime.job_store import JobStore, StoreBackend, TCPStoreBackend
-from unbroken.runtime.membership import Fenced, Membership, ViewChanged
-from unbroken.runtime.process_group import CollectiveFailed, ViewGroup
-from unbroken.runtime.protocol import PHASES, MemberDied, StepProtocol
-from unbroken.runtime.recovery import RECOVERIES, Recovery, recovery
-from unbroken.runtime.view import View
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# Loaded on first use (PEP 562): a process that needs only the store (an agent's stand-in, a tool) does not
+# pay for the protocol's and state transfer's imports (torch.distributed.tensor, half a CPU-second).
+_WHERE = {
+    "JobStore": "job_store", "StoreBackend": "job_store", "TCPStoreBackend": "job_store",
+    "Fenced": "membership", "Membership": "membership", "ViewChanged": "membership",
+    "CollectiveFailed": "process_group", "ViewGroup": "process_group",
+    "PHASES": "protocol", "MemberDied": "protocol", "StepProtocol": "protocol",
+    "RECOVERIES": "recovery", "Recovery": "recovery",
+    "View": "view",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _WHERE:
+        return getattr(importlib.import_module(f"unbroken.runtime.{_WHERE[name]}"), name)
+    raise AttributeError(f"module 'unbroken.runtime' has no attribute {name!r}")
+
 
 __all__ = [
     "PHASES",
@@ -34,5 +50,4 @@ __all__ = [
     "View",
     "ViewChanged",
     "ViewGroup",
-    "recovery",
 ]
