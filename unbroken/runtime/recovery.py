@@ -21,48 +21,12 @@ ledger record before the reduction.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # the protocols load with a worker; the launcher and tools only ask a mode what it does
+    from unbroken.runtime.protocol import StepProtocol
 
-from unbroken.mecefo.gradients import SlotWork
-from unbroken.runtime.process_group import CollectiveFailed
-from unbroken.runtime.protocol import StepProtocol
-
-__all__ = ["RECOVERIES", "Alternate", "CheckpointRestart", "PlainProtocol", "Recovery", "Takeover", "recovery"]
-
-
-class PlainProtocol(StepProtocol):
-    """Plain data parallelism: own slot, one all-reduce, no failure handling.
-
-    It watches nothing while it waits: a death fails the all-reduce (or it
-    times out), and the error ends the worker.
-    """
-
-    def run_step(self, step: int) -> tuple[torch.Tensor, list[SlotWork]]:
-        self.step = step
-        items = [SlotWork(self.me, (0, self.job.micro_batch))]
-        local = self._compute(step, items)
-        return self._reduce(step, local, items, check=_watch_nothing), items
-
-    def admit_joiners(self, next_step: int) -> bool:
-        return False
-
-    def reconfigure_at_start(self, step: int, reason: str) -> None:
-        raise CollectiveFailed(f"the first view could not be formed ({reason}); plain data parallelism "
-                               f"restarts the job")
-
-
-def _watch_nothing() -> None:
-    pass
-
-
-class AlternatingProtocol(StepProtocol):
-    """Even steps plain data parallelism, odd steps the step protocol (module docstring)."""
-
-    def run_step(self, step: int) -> tuple[torch.Tensor, list[SlotWork]]:
-        if step % 2 == 0:
-            return PlainProtocol.run_step(self, step)  # type: ignore[arg-type]
-        return super().run_step(step)
+__all__ = ["RECOVERIES", "Alternate", "CheckpointRestart", "Recovery", "Takeover", "recovery"]
 
 
 class Recovery(ABC):
@@ -83,6 +47,8 @@ class Takeover(Recovery):
     name, restarts_job, survives_failures = "takeover", False, True
 
     def protocol_class(self) -> type[StepProtocol]:
+        from unbroken.runtime.protocol import StepProtocol
+
         return StepProtocol
 
 
@@ -90,6 +56,8 @@ class CheckpointRestart(Recovery):
     name, restarts_job, survives_failures = "restart", True, False
 
     def protocol_class(self) -> type[StepProtocol]:
+        from unbroken.runtime.baseline_protocols import PlainProtocol
+
         return PlainProtocol
 
 
@@ -98,6 +66,8 @@ class Alternate(Recovery):
     name, restarts_job, survives_failures = "alternate", False, False
 
     def protocol_class(self) -> type[StepProtocol]:
+        from unbroken.runtime.baseline_protocols import AlternatingProtocol
+
         return AlternatingProtocol
 
 
