@@ -26,11 +26,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -109,6 +111,42 @@ def _rank(argv: list[str]) -> None:
     dist.destroy_process_group()
 
 
+def _ranks(argv: list[str]) -> None:
+    """A job's ranks, ``MODE PORT OUT_DIR PRESET STEPS``: this process imports what a rank needs once, then
+    forks every rank (each with ``MODE RANK PORT OUT_DIR/MODE<RANK> PRESET STEPS``, :func:`_rank`); it exits 1
+    if any rank failed. Where it runs a thread after its imports, each rank starts as a fresh process instead.
+    """
+    import torch.distributed.fsdp  # noqa: F401 (with the rest of _rank's imports, before the fork)
+
+    import unbroken.runtime.process_group  # noqa: F401
+    import unbroken.runtime.state_transfer  # noqa: F401
+    import unbroken.sharding.hsdp  # noqa: F401
+    from unbroken.agent.template import thread_count
+
+    mode, port, out_dir, preset, steps = argv
+    args = [[mode, str(r), port, str(Path(out_dir) / f"{mode}{r}"), preset, steps] for r in range(REPLICAS * SHARDS)]
+    if thread_count() != 1:
+        code = "import sys; from unbroken.bench.hsdp import _rank; _rank(sys.argv[1:])"
+        procs = [subprocess.Popen([sys.executable, "-c", code, *a]) for a in args]
+        sys.exit(1 if any(p.wait() for p in procs) else 0)
+    pids = []
+    for a in args:
+        pid = os.fork()
+        if pid == 0:
+            status = 1
+            try:
+                _rank(a)
+                status = 0
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(status)
+        pids.append(pid)
+    sys.exit(1 if any(os.waitpid(pid, 0)[1] for pid in pids) else 0)
+
+
 def run_job(mode: str, out_dir: Path, *, preset: str = "debug", steps: int = 3) -> list[dict[str, Any]]:
     """Train 2 replicas x 2 ranks with ``mode`` (``unbroken``, ``torch``, or ``unbroken-rejoin``: replica 1
     rebuilt from scratch halfway and given its shards by replica 0); per rank: its full parameters
@@ -122,12 +160,12 @@ def run_job(mode: str, out_dir: Path, *, preset: str = "debug", steps: int = 3) 
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=120))
     outs = [out_dir / f"{mode}{r}" for r in range(REPLICAS * SHARDS)]
-    code = "import sys; from unbroken.bench.hsdp import _rank; _rank(sys.argv[1:])"
-    procs = [subprocess.Popen([sys.executable, "-c", code, mode, str(r), str(store.port), str(o), preset,
-                               str(steps)], stderr=subprocess.PIPE, text=True) for r, o in enumerate(outs)]
-    errors = [p.communicate(timeout=600)[1] for p in procs]
-    if any(p.returncode for p in procs):
-        raise RuntimeError(f"{mode} job failed:\n" + "\n".join(e[-1500:] for e in errors if e))
+    code = "import sys; from unbroken.bench.hsdp import _ranks; _ranks(sys.argv[1:])"
+    env = {"OPENBLAS_NUM_THREADS": "1", **os.environ}  # numpy's pool would be a thread in a process that forks
+    proc = subprocess.run([sys.executable, "-c", code, mode, str(store.port), str(out_dir), preset, str(steps)],
+                          stderr=subprocess.PIPE, text=True, timeout=600, env=env)
+    if proc.returncode:
+        raise RuntimeError(f"{mode} job failed:\n{proc.stderr[-3000:]}")
     return [{"params": np.fromfile(o.with_suffix(".bin"), dtype=np.float32),
              **json.loads(o.with_suffix(".json").read_text())} for o in outs]
 
