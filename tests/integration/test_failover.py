@@ -39,8 +39,10 @@ from unbroken.mecefo.gradients import SlotWork
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
-REJOIN_STEPS = 300
-"""Long enough for a restarted worker (~5-10 s to start on a loaded 2-core machine) to rejoin mid-run."""
+REJOIN_STEPS = 120
+"""Long enough for a restarted worker to rejoin mid-run: forked from its node's template it is admitted about
+8 steps after its start (step 13 with the two cores to itself, at about 30 steps a second); the 115 steps
+after step 5 leave it several seconds even at half that speed."""
 STALL_TIMEOUT = "train.timeout_s=30"
 """Bounds what any stall would cost in the multi-failure tests (every blocking wait is capped by train.timeout_s)."""
 
