@@ -304,3 +304,31 @@ def test_a_joiner_loads_the_restored_timelines_snapshot_not_the_abandoned_one(jo
     fresh = _trained(seed=5)
     th.load_from_node_memory(run, 0, 4, 7, fresh.model, fresh.optimizer, torch.device("cpu"), "cfg")
     assert _same_state(restored, fresh) and not _same_state(abandoned, fresh)
+
+
+def test_agents_creating_the_job_id_at_once_all_get_the_first_ones(tmp_path):
+    """Agents of one run directory started together (no launcher wrote the id): every one gets the same id, the
+    one in the file, and none fails on another's temporary file (here threads, released by one barrier)."""
+    import threading
+
+    from unbroken.snapshot.trainer_hooks import job_id as run_job_id
+
+    for attempt in range(20):
+        run = tmp_path / f"run{attempt}"
+        run.mkdir()
+        start, got, errors = threading.Barrier(8), [], []
+
+        def create() -> None:
+            start.wait()
+            try:
+                got.append(run_job_id(run, create=True))
+            except Exception as exc:  # noqa: BLE001 (the assertion below names it)
+                errors.append(exc)
+
+        threads = [threading.Thread(target=create) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors and set(got) == {(run / "job_id").read_text().strip()}, (errors, set(got))
+        assert sorted(p.name for p in run.iterdir()) == ["job_id"], "no temporary file left"

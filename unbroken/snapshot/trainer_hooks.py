@@ -46,11 +46,18 @@ def job_id(run_dir: Path, *, create: bool = False) -> str:
         raise ValueError(f"{path}: {text!r} is not a job id (12 hex digits); delete it to start a new job")
     if not create:
         raise FileNotFoundError(f"{path} is missing: is {run_dir} a run directory?")
+    # Agents of one run directory may start at once: each writes its own file, the first link wins and every
+    # one of them returns the winner's id (a rename would let the last overwrite ids the others already use).
     ident = secrets.token_hex(6)
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{ident}.tmp")
     tmp.write_text(ident + "\n")
-    tmp.replace(path)
-    return ident
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        pass
+    finally:
+        tmp.unlink(missing_ok=True)
+    return job_id(run_dir)
 
 
 def node_map(run_dir: Path, world: int) -> dict[int, int]:
