@@ -20,6 +20,7 @@ import signal
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
@@ -71,6 +72,22 @@ def die_with_parent(parent: int | None = None) -> None:
         prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
     if os.getppid() != parent:
         os._exit(1)
+
+
+def run_forked(body: Callable[[], int | None]) -> None:
+    """In a forked child: run ``body`` and leave with its exit code, never returning into the parent's code
+    (``SystemExit`` gives its code; any other exception is printed and gives 1; standard streams flushed)."""
+    code = 1
+    try:
+        code = body() or 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def become_subreaper() -> bool:

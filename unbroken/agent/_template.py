@@ -30,12 +30,11 @@ import signal
 import subprocess
 import sys
 import time
-import traceback
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Sequence
 
-from unbroken.agent._process import (PARENT_ENV, ForkedChild, child_env, describe_exit, log_line, send, set_name,
-                                     spawn)
+from unbroken.agent._process import (PARENT_ENV, ForkedChild, child_env, describe_exit, log_line, run_forked, send,
+                                     set_name, spawn)
 
 logger = logging.getLogger(__name__)
 
@@ -75,8 +74,7 @@ def _fork_template(cmd: list[str], log: Path) -> _ForkedTemplate | None:
     agent = os.getpid()
     pid = os.fork()
     if pid == 0:  # the template: as the fresh one would be, with the agent's modules already imported
-        code = 1
-        try:
+        def body() -> int:
             os.setsid()
             set_name("unbroken-tmpl")
             err = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
@@ -87,15 +85,9 @@ def _fork_template(cmd: list[str], log: Path) -> _ForkedTemplate | None:
             os.environ.update({"OPENBLAS_NUM_THREADS": "1", PARENT_ENV: str(agent)})
             from unbroken.agent import template
 
-            code = template.main(cmd[3:])
-        except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
-        except BaseException:
-            traceback.print_exc()
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
+            return template.main(cmd[3:])
+
+        run_forked(body)
     os.close(requests_r)
     os.close(replies_w)
     return _ForkedTemplate(pid, cmd, os.fdopen(requests_w, "wb"), os.fdopen(replies_r, "rb"))

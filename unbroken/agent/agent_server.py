@@ -34,11 +34,10 @@ import subprocess
 import sys
 import threading
 import time
-import traceback
 from pathlib import Path
 from typing import Any, Sequence
 
-from unbroken.agent._process import ForkedChild
+from unbroken.agent._process import ForkedChild, run_forked
 
 logger = logging.getLogger(__name__)
 
@@ -54,8 +53,7 @@ REPLY_TIMEOUT_S = 10.0
 def _become_agent(request: dict[str, Any]) -> None:
     """In the forked child: the agent the request describes, as a fresh ``python -m unbroken.agent.command``
     would be (its own environment, directory, output and default signal handlers). Never returns."""
-    code = 1
-    try:
+    def body() -> int:
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         os.environ.clear()
@@ -73,15 +71,9 @@ def _become_agent(request: dict[str, Any]) -> None:
         set_name("unbroken-agent")
         argv = [str(a) for a in request["argv"]]
         sys.argv = [sys.executable, "-m", "unbroken.agent.command", *argv]
-        code = main(argv)
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
-    except BaseException:
-        traceback.print_exc()
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        return main(argv)
+
+    run_forked(body)
 
 
 def serve() -> int:

@@ -32,7 +32,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import traceback
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -121,6 +120,7 @@ def _ranks(argv: list[str]) -> None:
     import unbroken.runtime.process_group  # noqa: F401
     import unbroken.runtime.state_transfer  # noqa: F401
     import unbroken.sharding.hsdp  # noqa: F401
+    from unbroken.agent._process import run_forked
     from unbroken.agent.template import thread_count
 
     mode, port, out_dir, preset, steps = argv
@@ -133,16 +133,7 @@ def _ranks(argv: list[str]) -> None:
     for a in args:
         pid = os.fork()
         if pid == 0:
-            status = 1
-            try:
-                _rank(a)
-                status = 0
-            except BaseException:
-                traceback.print_exc()
-            finally:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(status)
+            run_forked(lambda: _rank(a))
         pids.append(pid)
     sys.exit(1 if any(os.waitpid(pid, 0)[1] for pid in pids) else 0)
 
