@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
+from unbroken.config import load_config
+from unbroken.mecefo.gradients import SlotWork
 from unbroken.mecefo.takeover import takeover_policy
-from unbroken.sharding.hsdp import ReplicaLayout, check_layout, local_rows, replica_assignment, shard_bytes
+from unbroken.sharding.hsdp import (ReplicaLayout, ReplicaPlan, check_layout, local_rows, replica_assignment,
+                                    replica_completion, shard_bytes)
 
 
 def test_replicas_are_consecutive_workers_and_a_death_takes_its_replica():
@@ -70,3 +75,47 @@ def test_with_every_replica_whole_each_worker_trains_its_own_slot():
     out = replica_assignment(takeover_policy("spread"), layout, live=[0, 1, 2, 3], micro_batch=4)
     assert {w: [(i.slot, i.rows, i.mode) for i in items] for w, items in out.items()} == \
         {w: [(w, (0, 4), "exact")] for w in range(4)}
+
+
+def test_a_step_interrupted_by_a_replicas_death_is_completed_by_the_others_per_shard_index():
+    """2 replicas x 2 ranks, micro-batch 4: both computed their own slots, then replica 1 died (its slots'
+    rows are lost): replica 0's rank i takes slot 2 + i, whole; nothing else moves."""
+    layout, policy = ReplicaLayout(workers=4, shard_degree=2), takeover_policy("spread")
+    done = {0: [SlotWork(0, (0, 4))], 1: [SlotWork(1, (0, 4))]}
+    extra = replica_completion(policy, layout, live=[0, 1], micro_batch=4, done=done)
+    assert {w: [(i.slot, i.rows, i.mode) for i in items] for w, items in extra.items()} == \
+        {0: [(2, (0, 4), "exact")], 1: [(3, (0, 4), "exact")]}
+    # 3 replicas, replica 2 lost: the two live ones split its rows, each rank in its own index's slot.
+    layout = ReplicaLayout(workers=6, shard_degree=2)
+    done = {w: [SlotWork(w, (0, 4))] for w in range(4)}
+    extra = replica_completion(policy, layout, live=[0, 1, 2, 3], micro_batch=4, done=done)
+    assert {w: [(i.slot, i.rows) for i in items] for w, items in extra.items()} == \
+        {0: [(4, (0, 2))], 1: [(5, (0, 2))], 2: [(4, (2, 4))], 3: [(5, (2, 4))]}
+    # A rank whose replica is not whole (its sibling is not live) gets nothing.
+    extra = replica_completion(policy, layout, live=[0, 1, 2], micro_batch=4, done=done)
+    assert extra[2] == [] and sorted(i.slot for i in extra[0] + extra[1]) == [2, 3, 4, 5]
+
+
+def test_the_replica_plan_widens_deaths_admits_whole_replicas_and_groups_by_shard_index():
+    plan = ReplicaPlan(takeover_policy("spread"), ReplicaLayout(workers=6, shard_degree=2), micro_batch=4)
+    assert plan.widen({3}) == {2, 3} and plan.widen({0, 5}) == {0, 1, 4, 5}
+    assert plan.admissible([2], members=[0, 1]) == [], "half a replica waits for its sibling"
+    assert plan.admissible([3, 2, 5], members=[0, 1]) == [3, 2]
+    assert plan.peers(3, [0, 1, 2, 3]) == (".i1", (1, 3))
+    assert plan.peers(4, [0, 1, 4, 5]) == (".i0", (0, 4))
+    assert plan.same_replica(4, 5) and not plan.same_replica(3, 4)
+    assert plan.partial_groups
+    assert [(i.slot, i.rows) for i in plan.assign(5, [0, 1, 4, 5])] == [(5, (0, 4)), (3, (2, 4))]
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.shard_degree=0", "train.shard_degree=0: must be >= 1"),
+    ("train.shard_degree=3", "train.shard_degree=3 does not divide train.workers=4"),
+    ("train.shard_optimizer=true", "FSDP2 already shards the moments inside each replica"),
+    ("mecefo.policy=neighbor", "HSDP takes over with the exact 'spread' policy only"),
+    ("fault.recovery=restart", "HSDP runs with fault.recovery='takeover' only"),
+])
+def test_shard_degrees_and_settings_hsdp_cannot_run_are_refused(override, message):
+    overrides = ["train.workers=4", "train.shard_degree=2", "mecefo.policy=spread", override]
+    with pytest.raises(ValueError, match=re.escape(message)):
+        load_config(preset_name="debug", overrides=overrides)

@@ -199,7 +199,9 @@ def test_the_leaders_duties_keep_its_progress_ticking_and_a_real_stall_still_cou
         schedule=SimpleNamespace(taken=lambda: None), protocol=SimpleNamespace(sharded=None, view=view),
         job=SimpleNamespace(val_sampler=None, model=torch.nn.Linear(1, 1), optimizer=None), hash="h")
     trainer.job.optimizer = torch.optim.AdamW(trainer.job.model.parameters())
+    trainer.hsdp = None
     trainer._save = lambda done, last: Trainer._save(trainer, done, last)
+    trainer._state = lambda: Trainer._state(trainer)
     thread = threading.Thread(target=watch, daemon=True)
     thread.start()
     try:

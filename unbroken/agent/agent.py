@@ -32,6 +32,7 @@ import dataclasses
 import json
 import logging
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -129,6 +130,11 @@ class Agent:
         self._done_at: float | None = None
         self._restored_gen: int | None = None
         self._hb_timeout = 2.0
+        self.shard_degree = 1
+        """HSDP (``train.shard_degree``): a replica is this many consecutive workers, all on this node; the
+        death of one takes its siblings down (fenced here), and they start again together."""
+        self._replica_token = secrets.token_hex(4)  # this agent's replica incarnations: keys of their own
+        self._replica_starts: dict[int, int] = {}
         self.restorer: JobRestore | None = None
         self._idle_since: float | None = None
         self._spare_since: float | None = None  # a spare: when it began to wait for a lost node
@@ -166,6 +172,10 @@ class Agent:
             self.total_steps = int(cfg["train"]["steps"])
             self._hb_timeout = float(cfg["fault"]["heartbeat_timeout_s"])
             job_cfg = Config.from_dict(cfg)
+            self.shard_degree = job_cfg.train.shard_degree
+            if self.shard_degree > 1 and self.opts.standby:
+                raise AgentError(f"node {self.node}: --standby with train.shard_degree={self.shard_degree}: a warm "
+                                 "standby is one worker, HSDP restarts whole replicas; drop --standby", 2)
             try:
                 check_placement(job_cfg.train.device, workers_of(self.node, self.opts.workers_per_node))
             except ValueError as exc:
@@ -376,6 +386,7 @@ class Agent:
         # A dead joiner's request goes with it: no leader admits an incarnation that is gone (its successor
         # asks again), and a restore does not find a stale request to admit.
         self.store.clear_join(w)
+        self._fence_replica(inc)
         error = death_error(self.run_dir, w, code, sig)  # the job's own error (None: killed from outside...)
         rec["error"] = error
         reason = json.dumps({"by": "agent", "node": self.node, "how": "exit", "code": code, "signal": sig,
@@ -437,6 +448,23 @@ class Agent:
                 self._kill(inc, decode_mark(mark), f"marked dead by {mark}")
         if self._done_at is None:
             self._check_live_member()
+
+    def _fence_replica(self, inc: Incarnation) -> None:
+        """HSDP: worker ``inc.worker`` is gone, and with it its replica (FSDP2's collectives inside it cannot
+        finish): its running siblings are marked dead and fenced now, and the replica's next start gets keys
+        of its own. A sibling fenced this way does not start another round."""
+        k = self.shard_degree
+        if k == 1 or (isinstance(inc.reason, dict) and inc.reason.get("how") == "replica"):
+            return
+        r = inc.worker // k
+        self._replica_starts[r] = self._replica_starts.get(r, 0) + 1
+        for sibling in range(r * k, (r + 1) * k):
+            sib = self.workers.get(sibling)
+            if sib is None or sib.fenced:
+                continue
+            reason = {"by": "agent", "node": self.node, "how": "replica", "worker": inc.worker, "t": time.time()}
+            self.store.mark_dead(sibling, json.dumps(reason))
+            self._kill(sib, reason, f"its replica {r} lost worker {inc.worker}")
 
     def _fence_stalled(self, now: float) -> None:
         """SIGKILL a worker that stopped beating before it was admitted (:mod:`unbroken.agent._supervision`)."""
@@ -552,6 +580,9 @@ class Agent:
         cmd += ["--faults-file", str(self.fault_plan), "--faults", faults] if faults else []
         if self.opts.resume is not None and not join and resume:
             cmd += ["--resume", str(self.opts.resume)]
+        if self.shard_degree > 1:
+            r = w // self.shard_degree
+            cmd += ["--replica-incarnation", f"{self._replica_token}.{self._replica_starts.get(r, 0)}"]
         how = "join" if join else "start"
         proc = self._launch(cmd, log=self.run_dir / "logs" / f"w{w}.log",
                             header=f"node {self.node} worker {w} incarnation {k} ({how}): " + " ".join(cmd))

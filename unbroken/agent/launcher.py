@@ -143,6 +143,13 @@ def launch(
     info = preflight(cfg)
     check_placement(cfg.train.device, range(cfg.train.workers))  # every node of a launch runs on this machine
     check_snapshot_config(cfg, nodes, workers_per_node, info.get("vocab_size"))
+    if cfg.train.shard_degree > 1:
+        from unbroken.sharding.hsdp import check_layout
+
+        check_layout(cfg.train.workers, workers_per_node, cfg.train.shard_degree)
+        if standby:
+            raise ValueError(f"a warm standby with train.shard_degree={cfg.train.shard_degree}: a standby is one "
+                             "worker, HSDP restarts whole replicas; drop --standby")
     if cfg.train.shard_optimizer and cfg.train.workers == 1:
         logger.warning("train.shard_optimizer with one worker: nothing to shard, the run is the same without it")
     store_faults = StoreFaults(specs, members=len(parse_etcd(store)[0]) if store else None, run_dir=run_dir)
@@ -454,7 +461,12 @@ def _summarise(run_dir: Path, cfg: Config, info: dict[str, Any], wall_s: float, 
     train = [r for r in records if r["kind"] == "train"]
     val = [r for r in records if r["kind"] == "val"]
     reports = [json.loads(p.read_text()) for p in sorted((run_dir / "workers").glob("w*.json"))]
-    digests = sorted({r["param_digest"] for r in reports})
+    # Under HSDP each worker holds its shard index's part: the workers of one index must agree.
+    per_index: dict[int, set[str]] = {}
+    for r in reports:
+        per_index.setdefault(int(r.get("shard_index", 0)), set()).add(r["param_digest"])
+    agree = bool(per_index) and all(len(d) == 1 for d in per_index.values())
+    digests = sorted(d for ds in per_index.values() for d in ds)
     steady = [r["tokens_per_s"] for r in train[len(train) // 5 :]] or [0.0]
     ckpt = latest_checkpoint(run_dir)
     return {
@@ -464,7 +476,7 @@ def _summarise(run_dir: Path, cfg: Config, info: dict[str, Any], wall_s: float, 
         "final_loss": train[-1]["loss"] if train else None,
         "val_loss": val[-1]["val_loss"] if val else None, "val_ppl": val[-1]["val_ppl"] if val else None,
         "tokens_per_s": sorted(steady)[len(steady) // 2], "wall_s": wall_s,
-        "workers_agree": len(digests) == 1, "param_digest": digests[0] if len(digests) == 1 else digests,
+        "workers_agree": agree, "param_digest": digests[0] if len(digests) == 1 else digests,
         "checkpoint": str(ckpt) if ckpt else None, **_agent_counts(run_dir, t0, cfg.train.workers // nodes), **info,
         "peak_memory_bytes": max((r.get("peak_memory_bytes") or 0 for r in reports), default=0) or None,
         "compiled_frames": max((r.get("compiled_frames", 0) for r in reports), default=0),

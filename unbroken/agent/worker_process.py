@@ -81,6 +81,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--resume", type=Path, default=None, help="committed checkpoint directory")
     ap.add_argument("--faults-file", type=Path, default=None, help="the job's fault plan (JSON)")
     ap.add_argument("--faults", default="", help="indices of the plan's specs this worker inflicts on itself")
+    ap.add_argument("--replica-incarnation", default="0",
+                    help="HSDP: names this start of the worker's replica (its ranks rendezvous on it)")
     ap.add_argument("--standby", action="store_true", help="warm standby: wait to be assigned a worker id")
     ap.add_argument("--node-rank", type=int, default=0, help="node whose standby this is")
     return ap
@@ -118,7 +120,7 @@ def main(argv: list[str] | None = None, *, forked: bool = False, prepared: Prepa
                 code = run(got.spec, store=got.store, prepared=got.prepared, setup=_setup(context, faults))
         else:
             spec = WorkerSpec(run_dir=a.run_dir, worker=a.worker, world=a.world, store=a.store, join=a.join,
-                              resume=a.resume)
+                              resume=a.resume, replica_incarnation=a.replica_incarnation)
             code = run(spec, setup=_setup(context, fault_selection(a.faults_file, a.faults)), clock=clock,
                        prepared=prepared)
     except Exception as exc:

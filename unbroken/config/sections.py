@@ -140,6 +140,16 @@ class TrainConfig:
     not fit beside the model (16 bytes per parameter replicated); a no-op with one worker. The
     per-step snapshots of replicated state are off while sharding (whole-job restores come from
     the persistent checkpoint). Needs the built-in AdamW (not ``optim.factory``)."""
+    shard_degree: int = 1
+    """HSDP: each replica is this many consecutive workers on one node, running FSDP2 (``fully_shard``
+    per transformer block, then the root) over a mesh of their own, so parameters, gradients and
+    AdamW moments are split ``shard_degree`` ways; unbroken's data parallelism, takeover, two-phase
+    commit and ledger run across replicas. The fault unit is the replica: a dead or hung rank takes
+    its siblings down with it, the other replicas train its rows in the same step, and it rejoins
+    whole, rank ``i`` receiving shard ``i`` from rank ``i`` of a live replica. 1 (the default): every
+    worker holds the whole model. Needs a divisor of the workers per node, the ``spread`` takeover
+    policy, no warm standby, and the built-in AdamW; per-step snapshots are off (whole-job restores
+    come from the persistent checkpoint, written whole by the leader's replica)."""
 
 
 @dataclass(kw_only=True)

@@ -45,6 +45,19 @@ def validate(cfg: Config) -> list[str]:
     need(not (t.shard_optimizer and o.factory),
          f"train.shard_optimizer=true with optim.factory={o.factory!r}: sharding needs the built-in AdamW; "
          "drop optim.factory or set train.shard_optimizer=false")
+    need(t.shard_degree >= 1, f"train.shard_degree={t.shard_degree}: must be >= 1 (1: no sharding inside a "
+         "replica)")
+    need(t.shard_degree < 1 or t.workers % t.shard_degree == 0,
+         f"train.shard_degree={t.shard_degree} does not divide train.workers={t.workers}: a replica is "
+         "shard_degree workers")
+    if t.shard_degree > 1:
+        need(not t.shard_optimizer, "train.shard_degree>1 with train.shard_optimizer=true: FSDP2 already shards the "
+             "moments inside each replica; drop train.shard_optimizer")
+        need(not o.factory, f"train.shard_degree>1 with optim.factory={o.factory!r}: HSDP needs the built-in AdamW")
+        need(m.policy == "spread", f"train.shard_degree>1 with mecefo.policy={m.policy!r}: HSDP takes over with "
+             "the exact 'spread' policy only (MeCeFO's approximations are not applied inside FSDP2 yet)")
+        need(f.recovery == "takeover", f"train.shard_degree>1 with fault.recovery={f.recovery!r}: HSDP runs with "
+             "fault.recovery='takeover' only")
     need(o.grad_clip >= 0, f"optim.grad_clip={o.grad_clip}: must be >= 0 (0 disables)")
     need(m.rank >= 1, f"mecefo.rank={m.rank}: must be >= 1")
     need(m.tau >= 1, f"mecefo.tau={m.tau}: must be >= 1")
@@ -93,9 +106,10 @@ def validate(cfg: Config) -> list[str]:
 def config_hash(cfg: Config) -> str:
     """Stable hash of everything that changes what is trained (not ports or logging)."""
     d = cfg.to_dict()
-    # shard_optimizer: where the moments live, not what is trained (the update is the same, element for element)
+    # shard_optimizer, shard_degree: where the state lives, not what is trained (the update is the same, element
+    # for element; a checkpoint holds whole tensors either way)
     for volatile in ("host", "port", "log_every", "threads_per_worker", "timeout_s", "keep_checkpoints",
-                     "checkpoint_every_s", "shard_optimizer"):
+                     "checkpoint_every_s", "shard_optimizer", "shard_degree"):
         d["train"].pop(volatile, None)
     d["data"].pop("cache_dir", None)
     d["fault"].pop("store_timeout_s", None)  # how long to wait for the store, not what is trained

@@ -219,6 +219,10 @@ class Job:
     schedule: Schedule
     loss_fn: LossFn = token_loss_sum
     """The summed token cross-entropy (compiled with the blocks under ``train.compile``)."""
+    replica: Any = None
+    """HSDP: the replica's process group (its ranks' FSDP2 world); each buffer's weights, loss and token
+    count are summed over it, so a rank's buffer speaks for its whole replica (its gradient shards already
+    do: FSDP2 reduce-scatters sums)."""
     vote: Callable[[], int] | None = None
     """This worker's snapshot interval proposal, cast into each gradient buffer's vote slots
     (``snapshot.every=auto``, :mod:`unbroken.snapshot.cadence`); set by the worker's snapshotter."""
@@ -243,7 +247,21 @@ class Job:
                                     precision=self.cfg.train.precision, loss_fn=self.loss_fn)
         if self.vote is not None and self.layout.n_votes:
             cast(self.layout.votes(buf), self.vote())
+        if self.replica is not None:
+            import torch.distributed as dist
+
+            dist.all_reduce(buf[self.layout.n_grad:], group=self.replica)
+            self._reshard()
         return buf
+
+    def _reshard(self) -> None:
+        """HSDP: FSDP2 leaves the root's whole parameters registered after a forward pass without backward
+        (validation): the model holds its shards again, the optimizer's and the state's tensors."""
+        from torch.distributed.fsdp import FSDPModule
+
+        for unit in self.model.modules():
+            if isinstance(unit, FSDPModule):
+                unit.reshard()
 
     def apply(self, step: int, reduced: torch.Tensor) -> tuple[float, float]:
         """Apply the reduced buffer of ``step`` (schedule's lr, clipping, AdamW); returns (lr, grad norm)."""
@@ -258,11 +276,15 @@ class Job:
         """Token-mean loss of the first ``train.val_batches`` validation micro-batches (nan without validation data)."""
         if self.val_sampler is None:
             return float("nan")
-        return validation_loss(self.model, self.val_sampler.batch, self.cfg.train.val_batches, self.device,
+        loss = validation_loss(self.model, self.val_sampler.batch, self.cfg.train.val_batches, self.device,
                                self.cfg.train.precision)
+        if self.replica is not None:
+            self._reshard()
+        return loss
 
 
-def build_job(cfg: Config, device: torch.device, prepared: Prepared | None = None) -> Job:
+def build_job(cfg: Config, device: torch.device, prepared: Prepared | None = None,
+              shard: Callable[[torch.nn.Module], object] | None = None, replica: Any = None) -> Job:
     """Build the job of ``cfg`` on ``device``, reusing ``prepared`` (its data and model object) when given.
 
     Raises:
@@ -277,6 +299,8 @@ def build_job(cfg: Config, device: torch.device, prepared: Prepared | None = Non
     model = prepared.model if prepared is not None else _build_model(cfg, data, device)
     compiled = resolve_compile(cfg.train.compile, device)
     parallelize(model, compile=compiled, activation_checkpointing=cfg.train.activation_checkpointing)
+    if shard is not None:  # HSDP: FSDP2 over the replica's mesh, after compile and checkpointing (torchtitan's order)
+        shard(model)
     m = cfg.mecefo
     adapter = adapter_for(model, rank=m.rank, tau=m.tau, approximates=takeover_policy(m.policy).approximates,
                           policy=m.policy)
@@ -294,4 +318,4 @@ def build_job(cfg: Config, device: torch.device, prepared: Prepared | None = Non
                                     weight_decay=o.weight_decay, fused=device.type == "cuda")
     return Job(cfg=cfg, device=device, data=data, sampler=sampler, val_sampler=val_sampler, model=model,
                adapter=adapter, layout=layout, optimizer=optimizer, schedule=schedule_for(cfg),
-               loss_fn=torch.compile(token_loss_sum) if compiled else token_loss_sum)
+               loss_fn=torch.compile(token_loss_sum) if compiled else token_loss_sum, replica=replica)

@@ -75,7 +75,7 @@ class GradLayout:
             self.params.append(p)
             self.groups.append(adapter.group_of(name))
             self.offsets.append(offset)
-            offset += p.numel()
+            offset += _local(p).numel()
         self.group_names = adapter.group_names
         self.n_grad = offset
         self.n_votes = votes
@@ -110,8 +110,25 @@ class GradLayout:
         return float(self.scalars(buf)[-1])
 
     def grad_view(self, buf: torch.Tensor, i: int) -> torch.Tensor:
+        """Parameter ``i``'s gradient in ``buf``: its local shard's, for a parameter sharded by FSDP2."""
+        local = _local(self.params[i])
+        return buf[self.offsets[i] : self.offsets[i] + local.numel()].view_as(local)
+
+    def set_grad(self, i: int, grad: torch.Tensor | None) -> None:
+        """Make ``grad`` (a plain tensor shaped as :meth:`grad_view`) parameter ``i``'s gradient: as the
+        local shard of a DTensor gradient laid out as the parameter, for a parameter sharded by FSDP2."""
         p = self.params[i]
-        return buf[self.offsets[i] : self.offsets[i] + p.numel()].view_as(p)
+        if grad is not None and hasattr(p, "to_local"):
+            from torch.distributed.tensor import DTensor
+
+            grad = DTensor.from_local(grad, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(),
+                                      run_check=False)
+        p.grad = grad
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's local part: the shard of a DTensor (FSDP2's parameters and gradients), else itself."""
+    return t.to_local() if hasattr(t, "to_local") else t  # type: ignore[operator]
 
 
 def compute_gradient_sums(
@@ -163,7 +180,7 @@ def compute_gradient_sums(
                 weights[g] += share
     for i, p in enumerate(layout.params):
         if p.grad is not None:
-            layout.grad_view(buf, i).copy_(p.grad)
+            layout.grad_view(buf, i).copy_(_local(p.grad))
             p.grad = None
         else:
             layout.grad_view(buf, i).zero_()  # no item reached it (a frozen path, an approximated group)
@@ -224,8 +241,8 @@ def _apply_reduced_queued(layout: GradLayout, buf: torch.Tensor) -> None:
     landed.synchronize()
     layout._host = (weakref.ref(buf), buf._version, host)
     weights = host[: len(layout.group_names)].tolist()
-    for i, p in enumerate(layout.params):
-        p.grad = quotients[i] if weights[layout.groups[i]] > 0 else None
+    for i in range(len(layout.params)):
+        layout.set_grad(i, quotients[i] if weights[layout.groups[i]] > 0 else None)
 
 
 def apply_reduced(layout: GradLayout, buf: torch.Tensor) -> None:
@@ -235,6 +252,6 @@ def apply_reduced(layout: GradLayout, buf: torch.Tensor) -> None:
     optimizer leaves it untouched this step.
     """
     weights = layout.weights(buf).tolist()  # one read of the device, not one per parameter
-    for i, p in enumerate(layout.params):
+    for i in range(len(layout.params)):
         w = weights[layout.groups[i]]
-        p.grad = layout.grad_view(buf, i) / w if w > 0 else None  # the division already makes a new tensor
+        layout.set_grad(i, layout.grad_view(buf, i) / w if w > 0 else None)  # the division makes a new tensor

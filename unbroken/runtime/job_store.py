@@ -81,6 +81,8 @@ class JobStore:
 
     def __init__(self, backend: StoreBackend) -> None:
         self.backend = backend
+        self.group_names: tuple[str, ...] = ("",)
+        """The names of each view's process groups (:meth:`group_store`), for :meth:`prune`."""
 
     @classmethod
     def connect(cls, addr: str, *, timeout_s: float, secret: str, store_timeout_s: float | None = None) -> JobStore:
@@ -223,6 +225,11 @@ class JobStore:
     def arrived(self, gen: int) -> int:
         return self.backend.add(f"arrive/{gen}", 0)
 
+    def count_reduced(self, gen: int, n: int = 1) -> int:
+        """Count a member whose reduction of a step completed in view ``gen`` (HSDP: each member reduces on
+        its shard index's group only); returns the count so far, over the view's steps."""
+        return self.backend.add(f"reduced/{gen}", n)
+
     def publish_items(self, gen: int, worker: int, step: int, items: list[list[Any]]) -> None:
         self.backend.set(f"items/{gen}/{worker}", json.dumps([step, items]))
 
@@ -238,9 +245,10 @@ class JobStore:
             out[w] = items
         return out
 
-    def group_store(self, gen: int) -> dist.Store:
-        """The rendezvous store of view ``gen``'s process group (keys ``pg/<g>/...``)."""
-        return self.backend.group_store(f"pg/{gen}")
+    def group_store(self, gen: int, name: str = "") -> dist.Store:
+        """The rendezvous store of view ``gen``'s process group ``name`` (keys ``pg/<g><name>/...``; HSDP's
+        groups, one per shard index, are named ``.i<index>``)."""
+        return self.backend.group_store(f"pg/{gen}{name}")
 
     def prune(self, below: int) -> int:
         """Delete every key of the generations below ``below``; returns how many generations went.
@@ -252,10 +260,12 @@ class JobStore:
         for g in range(first, below):
             raw = _opt(self.backend, f"view/{g}")
             members = View.from_json(raw).members if raw else ()
-            keys = [f"view/{g}", f"outcome/{g}", f"arrive/{g}", f"restore/{g}", f"restore/{g}/nodes"]
+            keys = [f"view/{g}", f"outcome/{g}", f"arrive/{g}", f"restore/{g}", f"restore/{g}/nodes", f"reduced/{g}"]
             keys += [f"snapinv/{g}/{r}" for r in range(int(_opt(self.backend, f"restore/{g}/nodes") or 0))]
-            keys += [f"items/{g}/{w}" for w in members] + [f"pg/{g}/0/{r}" for r in range(len(members))]
-            keys.append(f"pg/{g}/0")  # NCCL's unique id (its first communicator's counter)
+            keys += [f"items/{g}/{w}" for w in members]
+            for name in self.group_names:
+                keys += [f"pg/{g}{name}/0/{r}" for r in range(len(members))]
+                keys.append(f"pg/{g}{name}/0")  # NCCL's unique id (its first communicator's counter)
             for key in keys:
                 self.backend.delete_key(key)
         if below > first:

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable, Literal, Protocol
+from typing import TYPE_CHECKING, Callable, Literal, Protocol, Sequence
 
 import torch
 
@@ -52,6 +52,9 @@ from unbroken.runtime.membership import Fenced, Membership, MissedCommit, NoLive
 from unbroken.runtime.process_group import CollectiveFailed, ViewGroup
 from unbroken.runtime.state_transfer import transfer_state
 from unbroken.sharding.state import ShardedState
+
+if TYPE_CHECKING:
+    from unbroken.sharding.hsdp import ReplicaPlan
 
 __all__ = ["PHASES", "MemberDied", "RetriesExhausted", "StepJob", "StepProtocol"]
 
@@ -94,6 +97,43 @@ class StepJob(Protocol):
     def gradient_sums(self, step: int, items: list[SlotWork]) -> torch.Tensor: ...
 
 
+class SlotPlan:
+    """Who computes what, and who reduces with whom: every worker its slot, the takeover policy's cover for
+    the dead, one group of all members per view. (HSDP's plan is :class:`unbroken.sharding.hsdp.ReplicaPlan`.)
+    """
+
+    def __init__(self, policy: TakeoverPolicy, n_slots: int, micro_batch: int) -> None:
+        self.policy, self.n_slots, self.micro_batch = policy, n_slots, micro_batch
+
+    def assign(self, me: int, live: Sequence[int]) -> list[SlotWork]:
+        """``me``'s work of a step that starts with ``live``."""
+        return list(self.policy.assign(n_slots=self.n_slots, live=live, micro_batch=self.micro_batch).get(me, []))
+
+    def complete(self, me: int, live: Sequence[int], done: dict[int, Sequence[SlotWork]]) -> list[SlotWork]:
+        """``me``'s extra work so that ``live``, having computed ``done``, cover the step exactly once."""
+        return self.policy.complete(n_slots=self.n_slots, micro_batch=self.micro_batch, live=live, done=done)[me]
+
+    def widen(self, dead: set[int]) -> set[int]:
+        """Who leaves the view with ``dead``: nobody else."""
+        return dead
+
+    def admissible(self, joiners: Sequence[int], members: Sequence[int]) -> list[int]:
+        """The joiners that may be admitted together: all."""
+        return list(joiners)
+
+    def peers(self, me: int, members: Sequence[int]) -> tuple[str, tuple[int, ...]]:
+        """The name of ``me``'s reduction group within a view (:meth:`JobStore.group_store`), and its members."""
+        return "", tuple(members)
+
+    def same_replica(self, a: int, b: int) -> bool:
+        """Are workers ``a`` and ``b`` ranks of one replica (here: the same worker)?"""
+        return a == b
+
+    partial_groups = False
+    """Does a member's reduction cover only part of the step (HSDP: its shard index's)? Then it votes
+    ``commit`` only once every member's reduction completed (:meth:`StepProtocol._vote`)."""
+
+
 class StepProtocol:
     """One worker's side of the step protocol across view changes.
 
@@ -120,6 +160,7 @@ class StepProtocol:
         self._pruned_below = 0
         self._voted = -1  # the last step this worker saw committed under the current view
         self._same_view_retries = 0
+        self._reduced_here = 0  # this view's steps whose reduction completed here (HSDP's commit condition)
         self._next_check = 0.0
         self.restorer: Callable[[View, Callable[[torch.Tensor, int], object]], None] | None = None
         """Loads the state a restored view names (``view.restore``), in :meth:`adopt` (the trainer sets it)."""
@@ -132,6 +173,13 @@ class StepProtocol:
         self.sharded: ShardedState | None = None
         """Sharded optimizer state (``train.shard_optimizer``): updated and all-gathered before the vote,
         re-sharded in :meth:`adopt`."""
+        self.boundary_sync: Callable[[int, int], int] | None = None
+        """HSDP: ``boundary_sync(leader, gen)`` shares the leader's view generation at a step boundary with the
+        other ranks of its replica (they pass -1 and get the leader's)."""
+        self.plan: SlotPlan | ReplicaPlan = SlotPlan(policy, job.n_slots, job.micro_batch)
+        """Who computes what and reduces with whom (HSDP's :class:`~unbroken.sharding.hsdp.ReplicaPlan`)."""
+        self.peers: tuple[int, ...] = ()
+        """The members of this worker's reduction group in the current view."""
 
     def on(self, phase: Phase, hook: Callable[[int], None]) -> None:
         """Run ``hook(step)`` at ``phase`` of every step (see :data:`PHASES`)."""
@@ -161,23 +209,25 @@ class StepProtocol:
         t0 = time.perf_counter()
         self._abandon()  # a group from a failed earlier attempt is parked, never dropped
         self.view, self._voted = view, view.step - 1
+        self._reduced_here = 0
         if view.restore is not None:
             self._phase("restore", view.step)
         if view.from_memory and self.me not in view.joiners and self.before_admission is not None:
             self.before_admission()  # sealed before arriving: a joiner reads only once everyone has arrived
         self._arrive(view)
-        self.group = ViewGroup(self.store.group_store(view.gen), gen=view.gen, rank=view.rank_of(self.me),
-                               size=len(view.members), device=self.job.device, timeout_s=self.timeout_s,
-                               check=self._check)
+        name, self.peers = self.plan.peers(self.me, view.members)
+        self.group = ViewGroup(self.store.group_store(view.gen, name), gen=view.gen,
+                               rank=self.peers.index(self.me), size=len(self.peers), device=self.job.device,
+                               timeout_s=self.timeout_s, check=self._check)
         if view.restore is not None and self.restorer is not None:
             self.restorer(view, lambda t, src: self.group.broadcast_into(t, src, self._check))
         if self.me in view.from_memory and self.memory_loader is not None:
             self.memory_loader(view)
-        if set(view.joiners) - set(view.from_memory):
-            source = next(w for w in view.members if w not in view.joiners)
+        if set(view.joiners) & set(self.peers) - set(view.from_memory):
+            source = next(w for w in self.peers if w not in view.joiners)
             transfer_state(lambda t, src: self.group.broadcast_into(t, src, self._check),
-                           self.job.model, self.job.optimizer, src=view.rank_of(source),
-                           rank=view.rank_of(self.me), device=self.job.device,
+                           self.job.model, self.job.optimizer, src=self.peers.index(source),
+                           rank=self.peers.index(self.me), device=self.job.device,
                            receive=self.me in view.joiners and self.me not in view.from_memory)
         if self.sharded is not None:
             self.sharded.reshard(view, lambda t: self.group.allreduce(t, self._check).clone(),
@@ -209,10 +259,14 @@ class StepProtocol:
         """At a step boundary the view's first member admits workers waiting to join."""
         assert self.view is not None
         if self.view.leader != self.me:
+            if self.boundary_sync is not None and self.plan.same_replica(self.view.leader, self.me):
+                self._follow_admission(next_step)
             return False
-        joiners = [j for j in self.m.pending_joins(self.view, self.job.n_slots)
-                   if self._acceptable(j) and self._alive_since_request(j)]
+        joiners = self.plan.admissible([j for j in self.m.pending_joins(self.view, self.job.n_slots)
+                                        if self._acceptable(j) and self._alive_since_request(j)], self.view.members)
         if not joiners:
+            if self.boundary_sync is not None:
+                self.boundary_sync(self.view.leader, self.view.gen)  # HSDP: the leader's replica goes on as is
             return False
         if self.store.vote(self.view, next_step, "abort", after=self._voted) == "commit":  # pragma: no cover
             raise AssertionError("a step was committed without the view's first member")
@@ -231,12 +285,28 @@ class StepProtocol:
         # without it: then its request stands for the next boundary).
         for j in winner.joiners:
             self.store.clear_join(j)
+        if self.boundary_sync is not None:
+            self.boundary_sync(self.me, winner.gen)  # HSDP: the leader's replica adopts it too, not its next step
         self.need_exchange = True
         try:
             self.adopt(winner)
         except (CollectiveFailed, ViewChanged, MemberDied) as exc:
             self._reconfigure(next_step, f"admission failed: {type(exc).__name__}: {exc}")
         return True
+
+    def _follow_admission(self, next_step: int) -> None:
+        """HSDP, a rank of the leader's replica at a step boundary: learn from the leader whether it admitted
+        joiners, and if so adopt that view with it (a rank computing the next step instead would wait for the
+        leader inside FSDP2's collectives while the leader waits for it to arrive in the view)."""
+        gen = self.boundary_sync(self.view.leader, -1)
+        if gen == self.view.gen:
+            return
+        self._abandon()
+        self.need_exchange = True
+        try:
+            self.adopt(self.store.view(gen))
+        except (CollectiveFailed, ViewChanged, MemberDied) as exc:
+            self._reconfigure(next_step, f"admission failed: {type(exc).__name__}: {exc}")
 
     def _acceptable(self, joiner: int) -> bool:
         """A joiner trains the same job: its config hash is ours (else it is refused, and told why)."""
@@ -326,8 +396,7 @@ class StepProtocol:
         return ok
 
     def _assigned(self) -> list[SlotWork]:
-        return list(self.policy.assign(n_slots=self.job.n_slots, live=self.view.members,
-                                       micro_batch=self.job.micro_batch).get(self.me, []))
+        return self.plan.assign(self.me, self.view.members)
 
     def _compute(self, step: int, items: list[SlotWork]) -> torch.Tensor:
         """Gradient sums of ``items`` (the ``forward`` and ``backward`` hook points around it)."""
@@ -366,6 +435,15 @@ class StepProtocol:
         prunes the store's keys of older views (nobody needs them any more).
         """
         view = self.view
+        if self.plan.partial_groups:
+            # HSDP: this reduction's completion vouches for this shard index's group only. Every member counts
+            # itself in once its own completed; the step may be committed once all have (members run the
+            # view's steps in lockstep, so the count of step s is members x the steps reduced in this view).
+            self._reduced_here += 1
+            want = len(view.members) * self._reduced_here
+            if self.store.count_reduced(view.gen) < want:
+                self._wait_for(lambda: self.store.count_reduced(view.gen, 0) >= want,
+                               f"the reductions of every shard index of step {step} in view {view.gen}")
         outcome = self.store.vote(view, step, "commit", after=self._voted)
         if outcome == "stale":
             raise Fenced(f"view {view.gen} was pruned while this worker was at step {step}")
@@ -431,7 +509,7 @@ class StepProtocol:
         """The view after ``old``: someone else's newer one, or ours without the dead."""
         if self.store.gen() > old.gen:
             return self.store.current_view()
-        dead = self._wait_for_dead(old)
+        dead = self.plan.widen(self._wait_for_dead(old))
         self._same_view_retries = 0 if dead else self._same_view_retries + 1
         if self._same_view_retries > MAX_SAME_VIEW_RETRIES:
             raise RetriesExhausted(f"{MAX_SAME_VIEW_RETRIES} views of members {list(old.members)} failed at step "
@@ -473,8 +551,7 @@ class StepProtocol:
                 for w, rows in self.store.items(g, step, members).items()}
         if not any(done.values()):  # nobody computed anything yet (a first or restored view): the plain assignment
             return self._assigned()
-        extra = self.policy.complete(n_slots=self.job.n_slots, micro_batch=self.job.micro_batch,
-                                     live=members, done=done)[self.me]
+        extra = self.plan.complete(self.me, members, done)
         if extra:
             self._event("takeover", step=step, gen=g, items=slot_rows(extra))
         return extra

@@ -26,7 +26,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -51,6 +51,8 @@ from unbroken.runtime.protocol import MemberDied
 from unbroken.runtime.recovery import recovery
 from unbroken.sharding.checkpoint import ShardCheckpointer
 from unbroken.sharding.replicas import ReplicaStore
+if TYPE_CHECKING:
+    from unbroken.sharding.hsdp import ReplicaLayout
 from unbroken.sharding.state import ShardedState, ShardLost
 from unbroken.snapshot.trainer_hooks import (job_id, load_from_node_memory, memory_rejoin_allowed, memory_rejoin_failed,
                                              memory_rejoin_possible, node_map, restore_state, snapshotter_for)
@@ -76,6 +78,8 @@ class WorkerSpec:
     store: str
     join: bool = False
     resume: Path | None = None
+    replica_incarnation: str = "0"
+    """HSDP: names this start of the worker's replica (its ranks rendezvous on keys of their own)."""
 
 
 class JoinRefused(RuntimeError):
@@ -113,7 +117,11 @@ class Trainer:
         device = bind_device(cfg.train.device, spec.worker)
         if prepared is not None:
             place_model(prepared.model, device)  # a standby built it on its node's guess
-        self.job = build_job(cfg, device, prepared)
+        self.hsdp: ReplicaLayout | None = None
+        shard, replica = None, None
+        if cfg.train.shard_degree > 1:
+            shard, replica = self._join_replica(cfg, spec, device)
+        self.job = build_job(cfg, device, prepared, shard=shard, replica=replica)
         self.hash = config_hash(cfg)
         if spec.resume is not None:
             load_checkpoint(spec.resume, self.job.model, self.job.optimizer, config_hash=self.hash)
@@ -133,6 +141,12 @@ class Trainer:
             # point); under auto staged (copied off the live state), its write going on while steps run.
             self.protocol.on("allreduce", lambda step: self.snapshots.fence())
         self.protocol.restorer = self._restore
+        if self.hsdp is not None:
+            from unbroken.sharding.hsdp import ReplicaPlan
+
+            self.protocol.plan = ReplicaPlan(takeover_policy(cfg.mecefo.policy), self.hsdp, self.job.micro_batch)
+            self.protocol.boundary_sync = self._boundary_sync
+            self.store.group_names = tuple(f".i{i}" for i in range(self.hsdp.shard_degree))
         if cfg.train.shard_optimizer:
             node_of = node_map(spec.run_dir, spec.world)
             self.protocol.sharded = ShardedState(
@@ -140,13 +154,30 @@ class Trainer:
                 replicas=ReplicaStore(job_id(spec.run_dir), node_of[spec.worker], spec.worker))
         self.shard_checkpoints = ShardCheckpointer(spec.run_dir) if cfg.train.shard_optimizer else None
         t = cfg.train  # a sharded run checkpoints by steps only: its members must agree on the step
+        by_steps = t.shard_optimizer or t.shard_degree > 1
         self.schedule = CheckpointSchedule(every=t.checkpoint_every, steps=t.steps,
-                                           every_s=0.0 if t.shard_optimizer else t.checkpoint_every_s,
+                                           every_s=0.0 if by_steps else t.checkpoint_every_s,
                                            age_s=newest_checkpoint_age_s(spec.run_dir) if spec.join else 0.0)
         if self.snapshots is not None:
             self.protocol.memory_rejoin = self._memory_rejoin_ok
             self.protocol.memory_loader = self._load_from_memory
             self.protocol.before_admission = self.snapshots.wait
+
+    def _join_replica(self, cfg: Config, spec: WorkerSpec,
+                      device: torch.device) -> tuple[Callable[[torch.nn.Module], object], Any]:
+        """HSDP: form this worker's replica world (its ``k`` ranks, FSDP2's collectives); returns how the model
+        is sharded over it, and its process group."""
+        from unbroken.sharding.hsdp import ReplicaLayout, join_replica, shard_model
+
+        self.hsdp = layout = ReplicaLayout(spec.world, cfg.train.shard_degree)
+        t0 = time.perf_counter()
+        mesh = join_replica(self.store.backend.group_store("hsdp"), replica=layout.replica_of(spec.worker),
+                            incarnation=spec.replica_incarnation, index=layout.index_of(spec.worker),
+                            shard_degree=layout.shard_degree, device=device, timeout_s=cfg.train.timeout_s)
+        logger.info("replica %d (incarnation %s) formed in %.2f s: this worker is its shard %d of %d",
+                    layout.replica_of(spec.worker), spec.replica_incarnation, time.perf_counter() - t0,
+                    layout.index_of(spec.worker), layout.shard_degree)
+        return (lambda model: shard_model(model, mesh)), mesh.get_group()
 
     def _event(self, event: str, **fields: Any) -> None:
         self.events.write({"kind": "event", "event": event, "worker": self.spec.worker, "t": time.time(), **fields})
@@ -305,6 +336,8 @@ class Trainer:
             t_prev = now
             if view.leader == self.spec.worker:
                 self._lead(done, last, due)
+            elif self.hsdp is not None and self.hsdp.replica_of(view.leader) == self.hsdp.replica_of(self.spec.worker):
+                self._second(done, due)  # the leader's validation and checkpoint run over its whole replica
             else:
                 if due:
                     self.schedule.taken()  # the leader checkpoints this step
@@ -335,18 +368,31 @@ class Trainer:
         view = self.protocol.view
         while not self.store.is_done():
             dead = self.m.dead_members(view)
+            if self.hsdp is not None:  # a replica with a dead rank writes nothing: its gather cannot finish
+                dead = self.protocol.plan.widen(dead)
             writer = next((w for w in view.members if w not in dead), self.spec.worker)
             if writer == self.spec.worker:
                 if view.leader != self.spec.worker:
                     logger.warning("the leader (worker %d) died before the final checkpoint was committed: "
                                    "writing it", view.leader)
                     self._event("final_checkpoint_takeover", step=steps, leader=view.leader)
-                    if self._final_committed(steps) is None:
+                    missing = self._final_committed(steps) is None
+                    if self.hsdp is not None:  # its replica gathers the state with it
+                        missing = bool(self._boundary_sync(writer, int(missing)))
+                    if missing:
                         self._save(steps, last)  # the metrics keep what the leader wrote
                 if self.checkpointer is not None:
                     self.checkpointer.wait()
                 self.store.set_done()
                 return
+            if (self.hsdp is not None and view.leader != writer and self.hsdp.replica_of(writer) ==
+                    self.hsdp.replica_of(self.spec.worker)):
+                # HSDP: a rank of the replica that writes in the leader's stead joins its gather, once
+                if self._boundary_sync(writer, -1):
+                    self._state()
+                while not self.store.is_done() and not self.m.dead_members(view) & {writer}:
+                    time.sleep(FINISH_POLL_S)
+                continue
             time.sleep(FINISH_POLL_S)
 
     def _final_committed(self, steps: int) -> Path | None:
@@ -374,6 +420,31 @@ class Trainer:
                 self._save(done, last)
             self.store.set_progress(done)
 
+    def _boundary_sync(self, leader: int, gen: int) -> int:
+        """HSDP: the leader's view generation, broadcast over its replica's world (the leader passes it)."""
+        t = torch.tensor([gen], dtype=torch.int64)
+        dist.broadcast(t, group_src=self.hsdp.index_of(leader), group=self.job.replica)
+        return int(t.item())
+
+    def _second(self, done: int, due: Due | None) -> None:
+        """HSDP: a rank of the leader's replica joins the collectives of the leader's duties, in their order:
+        validation (a forward pass of the sharded model), then the checkpoint's gather of the whole state."""
+        with self.m.busy():
+            t = self.cfg.train
+            if self.job.val_sampler is not None and ((t.val_every > 0 and done % t.val_every == 0)
+                                                     or done == t.steps):
+                self.job.validation_loss()
+            if due == "step":
+                self.schedule.taken()
+                self._state()
+
+    def _state(self) -> dict[str, torch.Tensor]:
+        """The training state to checkpoint: whole tensors (HSDP: gathered over the replica, a collective)."""
+        state = training_state(self.job.model, self.job.optimizer)
+        if self.hsdp is not None:
+            state = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in state.items()}
+        return state
+
     def _save(self, done: int, last: dict[str, Any]) -> None:
         if self.checkpointer is None:
             self.checkpointer = AsyncCheckpointer(self.spec.run_dir, config_hash=self.hash,
@@ -382,15 +453,16 @@ class Trainer:
         shards = None
         if self.protocol.sharded is not None:
             shards = (self.protocol.view.gen, self.protocol.sharded.checkpoint_ranges())
-        self.checkpointer.save(done, training_state(self.job.model, self.job.optimizer), {"loss": last["loss"]},
-                               shards=shards)
+        self.checkpointer.save(done, self._state(), {"loss": last["loss"]}, shards=shards)
 
     def param_digest(self) -> str:
         """sha256 of every trainable parameter's bytes, in order (one host copy per tensor, hashed in place:
-        a large model's digest must fit in the agent's grace after the job is done)."""
+        a large model's digest must fit in the agent's grace after the job is done); under HSDP of this
+        worker's shards (equal across the workers of one shard index)."""
         h = hashlib.sha256()
         for p in self.job.layout.params:
-            h.update(memoryview(p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()))
+            local = p.to_local() if hasattr(p, "to_local") else p
+            h.update(memoryview(local.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()))
         return h.hexdigest()
 
 
@@ -464,6 +536,7 @@ def run(spec: WorkerSpec, *, store: JobStore | None = None, prepared: Prepared |
     finally:
         membership.stop()
     report = {"worker": spec.worker, "steps": cfg.train.steps, "param_digest": trainer.param_digest(),
+              "shard_index": trainer.hsdp.index_of(spec.worker) if trainer.hsdp is not None else 0,
               "last": last, "gen": trainer.protocol.view.gen,
               "snapshots": trainer.snapshots.summary() if trainer.snapshots is not None else {},
               "sharded": trainer.protocol.sharded.summary() if trainer.protocol.sharded is not None else None,

@@ -48,8 +48,8 @@ from unbroken.mecefo.adapter import transformer_blocks
 from unbroken.mecefo.gradients import SlotWork
 from unbroken.mecefo.takeover import TakeoverPolicy
 
-__all__ = ["GradientShards", "Parallelize", "ReplicaLayout", "check_layout", "fsdp_llama", "join_replica",
-           "replica_assignment", "shard_model"]
+__all__ = ["GradientShards", "Parallelize", "ReplicaLayout", "ReplicaPlan", "check_layout", "fsdp_llama",
+           "join_replica", "replica_assignment", "replica_completion", "shard_model"]
 
 Parallelize = Callable[[torch.nn.Module, DeviceMesh], object]
 """A user's recipe (torchtitan's ``parallelize_llama``): shards ``model`` in place over ``mesh``."""
@@ -121,6 +121,68 @@ def replica_assignment(policy: TakeoverPolicy, layout: ReplicaLayout, live: Sequ
     per_replica = policy.assign(n_slots=layout.replicas, live=up, micro_batch=micro_batch)
     return {r * k + i: [SlotWork(slot=item.slot * k + i, rows=item.rows, mode=item.mode) for item in items]
             for r, items in per_replica.items() for i in range(k)}
+
+
+def replica_completion(policy: TakeoverPolicy, layout: ReplicaLayout, live: Sequence[int], micro_batch: int,
+                       done: dict[int, Sequence[SlotWork]]) -> dict[int, list[SlotWork]]:
+    """Each live worker's extra work to finish a step under HSDP, given what every live worker computed.
+
+    As :func:`replica_assignment`, over replicas: replica ``r`` has done what its rank 0 did (its ranks
+    computed the same rows of their own slots), the policy completes the replicas' step, and rank ``i``
+    of a live replica takes its index's slot of each item given to its replica. A worker of a replica
+    that is not whole gets nothing.
+    """
+    k = layout.shard_degree
+    up = sorted({layout.replica_of(w) for w in live
+                 if set(layout.replica_members(layout.replica_of(w))) <= set(live)})
+    done_r = {r: [SlotWork(slot=item.slot // k, rows=item.rows, mode=item.mode) for item in done.get(r * k, ())]
+              for r in up}
+    extra = policy.complete(n_slots=layout.replicas, micro_batch=micro_batch, live=up, done=done_r)
+    out: dict[int, list[SlotWork]] = {w: [] for w in live}
+    for r, items in extra.items():
+        for i in range(k):
+            out[r * k + i] = [SlotWork(slot=item.slot * k + i, rows=item.rows, mode=item.mode) for item in items]
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicaPlan:
+    """The step protocol's work plan under HSDP (:class:`unbroken.runtime.protocol.SlotPlan`'s contract).
+
+    Work goes to whole replicas (:func:`replica_assignment`, :func:`replica_completion`); a death takes
+    its replica with it; joiners are admitted only as whole replicas; each worker reduces its gradient
+    shards with the workers of its shard index, one per live replica, on a group of their own.
+    """
+
+    policy: TakeoverPolicy
+    layout: ReplicaLayout
+    micro_batch: int
+    partial_groups = True
+    """A worker reduces only its shard index's part of the step: it votes ``commit`` once every member's
+    reduction completed (:meth:`unbroken.runtime.protocol.StepProtocol._vote`)."""
+
+    def assign(self, me: int, live: Sequence[int]) -> list[SlotWork]:
+        return list(replica_assignment(self.policy, self.layout, live, self.micro_batch).get(me, []))
+
+    def complete(self, me: int, live: Sequence[int], done: dict[int, Sequence[SlotWork]]) -> list[SlotWork]:
+        return replica_completion(self.policy, self.layout, live, self.micro_batch, done)[me]
+
+    def widen(self, dead: set[int]) -> set[int]:
+        """Every worker of a replica with a dead worker."""
+        return self.layout.whole_replicas(sorted(dead)) & set(range(self.layout.workers))
+
+    def admissible(self, joiners: Sequence[int], members: Sequence[int]) -> list[int]:
+        """The joiners whose whole replica is asking (or, for a rank, already in the view)."""
+        asking = set(joiners) | set(members)
+        return [j for j in joiners if set(self.layout.replica_members(self.layout.replica_of(j))) <= asking]
+
+    def same_replica(self, a: int, b: int) -> bool:
+        return self.layout.replica_of(a) == self.layout.replica_of(b)
+
+    def peers(self, me: int, members: Sequence[int]) -> tuple[str, tuple[int, ...]]:
+        """The name of ``me``'s reduction group within a view, and its members (one per live replica)."""
+        index = self.layout.index_of(me)
+        return f".i{index}", self.layout.shard_peers(index, members)
 
 
 def join_replica(store: dist.Store, *, replica: int, incarnation: int, index: int, shard_degree: int,

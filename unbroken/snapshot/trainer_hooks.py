@@ -70,11 +70,12 @@ def node_map(run_dir: Path, world: int) -> dict[int, int]:
 def snapshotter_for(cfg: Config, run_dir: Path, worker: int, world: int, model: torch.nn.Module,
                     optimizer: torch.optim.Optimizer, device: torch.device, config_hash: str,
                     on_event: Callable[..., None]) -> Snapshotter | None:
-    """The worker's snapshotter, or None when ``snapshot.every`` is 0 or the optimizer is sharded (the
-    replicated state's snapshot would lack the moments; :mod:`unbroken.sharding.replicas` protects them).
+    """The worker's snapshotter, or None when ``snapshot.every`` is 0, the optimizer is sharded (the
+    replicated state's snapshot would lack the moments; :mod:`unbroken.sharding.replicas` protects them) or
+    the model is (``train.shard_degree``: whole-job restores come from the persistent checkpoint).
     Its write threads: on a GPU the node's cores shared by its workers, at most :data:`MAX_WRITE_THREADS`;
     on a CPU device one."""
-    if not enabled(cfg.snapshot.every) or cfg.train.shard_optimizer:
+    if not enabled(cfg.snapshot.every) or cfg.train.shard_optimizer or cfg.train.shard_degree > 1:
         return None
     node_of = node_map(run_dir, world)
     on_node = sum(1 for n in node_of.values() if n == node_of[worker])

@@ -1,0 +1,105 @@
+"""HSDP in a real job (``train.shard_degree=2``): FSDP2 inside each replica, unbroken across replicas.
+
+One job of 2 nodes x 2 workers, so each node is one replica of two ranks (real processes, gloo, SIGKILL):
+
+- worker 3 dies with the cross-replica reduction of step 5 in flight: its agent fences its sibling
+  (worker 2: a replica with a dead rank cannot finish FSDP2's collectives), the other replica trains
+  the lost rows in the same step (rank ``i`` takes slot ``2 + i``), and replica 1 comes back whole, each
+  rank receiving its shard from the rank of the same index;
+- worker 0, the leader, dies in the forward pass of step 15: the leadership moves to replica 1 until
+  replica 0 is back;
+- worker 0, the leader again, dies after the last step with the final checkpoint begun: replica 1 writes
+  it in its stead, its two ranks gathering the whole state together;
+- at the end: every ``(step, slot, row)`` trained exactly once, the workers of each shard index hold the
+  same shards, and the final checkpoint (whole tensors) equals plain single-process training on the same
+  batches to float tolerance.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from _faults import MICRO_BATCH, _ours_alive, failover_config, run_job
+from _reference import checkpoint_params, reference_train
+from unbroken.agent.launcher import JobFailed, launch
+from unbroken.config import Config
+from unbroken.runtime.ledger import check_ledger, read_events
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+STEPS = 24
+
+
+def test_a_dead_rank_takes_its_replica_down_the_step_is_finished_and_the_replica_rejoins(tmp_path, corpus_overrides):
+    cfg = failover_config(corpus_overrides, STEPS, "mecefo.policy=spread", "train.shard_degree=2")
+    job = run_job(cfg, tmp_path / "run", nodes=2, workers_per_node=2, restart="on-failure",
+                  fail_at=f"step=5:worker=3:kill:phase=allreduce,step=15:worker=0:kill:phase=forward,"
+                          f"step={STEPS}:worker=0:kill:phase=finish")
+    leaked = [pid for pid in sorted(job.pids) if _ours_alive(pid, job.run_dir)]
+    assert job.pids and not leaked, f"processes of the job still running after launch returned: {leaked}"
+    ledger = check_ledger(job.run_dir, n_slots=4, micro_batch=MICRO_BATCH, steps=STEPS)
+    assert ledger.ok and ledger.committed == STEPS, ledger.to_json()
+    reports = sorted(int(p.stem[1:]) for p in (job.run_dir / "workers").glob("w*.json"))
+    assert reports == [2, 3] and job.summary["workers_agree"], (reports, job.summary["param_digest"])
+    (takeover,) = job.events("final_checkpoint_takeover")
+    assert takeover["worker"] == 2 and takeover["leader"] == 0
+    assert job.summary["steps"] == STEPS and job.summary["checkpoint"].endswith(f"step_{STEPS:07d}")
+
+    # Each death took its sibling down: fenced by its agent, not by a timeout.
+    fences = {(e["worker"], json.dumps(e["reason"], sort_keys=True)) for e in job.records
+              if e.get("event") == "fence"}
+    assert [w for w, why in sorted(fences) if '"how": "replica"' in why] == [1, 1, 2], fences
+
+    # The step of each failure was finished by the other replica, rank i taking slot 2r + i.
+    for step, lost in ((5, 1), (15, 0)):
+        items = job.committed_items(step)
+        assert {i[1] for i in items} == {0, 1, 2, 3}
+        for worker, slot, *_ in items:
+            assert worker // 2 != lost and worker % 2 == slot % 2, (step, items)
+
+    # Both replicas rejoined whole, and the leadership moved to replica 1 while replica 0 was down.
+    rejoins = {tuple(sorted(e["joiners"])) for e in job.records
+               if e.get("event") == "view_adopted" and e.get("joiners")}
+    assert rejoins == {(2, 3), (0, 1)}, rejoins
+    leaders = {min(e["members"]) for e in job.events("view_adopted")}
+    assert 2 in leaders, leaders
+
+    got, want = checkpoint_params(job.summary["checkpoint"]), reference_train(job.cfg)
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-3, atol=1e-4, msg=name)  # as test_failover
+
+
+def test_a_whole_job_killed_restores_its_shards_from_the_checkpoint_and_resumes_unsharded(tmp_path, corpus_overrides):
+    """One node of 4 workers, 2 replicas of 2 ranks, a checkpoint every 4 steps (snapshots are off under HSDP):
+
+    - every worker dies in the forward pass of step 6: the agents restore the job from the checkpoint of step 4,
+      each rank loading its part of the whole tensors into its shards, and it trains on;
+    - the node is lost at step 10: nothing is left, the job stops and names ``--resume``;
+    - ``--resume`` with ``train.shard_degree=1`` continues from the checkpoint of step 8 with every worker
+      holding the whole model (the checkpoint holds whole tensors, whatever wrote it).
+
+    Every step is trained exactly once in the end, and the result is plain training's on the same batches."""
+    run = tmp_path / "run"
+    cfg = failover_config(corpus_overrides, STEPS, "mecefo.policy=spread", "train.shard_degree=2",
+                          "train.checkpoint_every=4")
+    kills = ",".join(f"step=6:worker={w}:kill:phase=forward" for w in range(4))
+    with pytest.raises(JobFailed) as failed:
+        run_job(cfg, run, nodes=1, workers_per_node=4, restart="on-failure", fail_at=f"{kills},step=10:node=0:kill")
+    assert f"continue with: unbroken train --resume {run}" in str(failed.value)
+    restores = [e for e in read_events(run) if e.get("event") == "job_restore"]
+    assert [(e["restored_from"], e["step"]) for e in restores] == [("checkpoint", 4)], restores
+
+    flat = Config.from_dict(cfg.to_dict())
+    flat.train.shard_degree = 1  # as `unbroken train --resume RUN --train.shard_degree=1` changes it
+    summary = launch(flat, run, nodes=1, workers_per_node=4, resume=True)
+    assert summary["steps"] == STEPS and summary["workers_agree"] and summary["resumed_from"].endswith("step_0000008")
+    ledger = check_ledger(run, n_slots=4, micro_batch=MICRO_BATCH, steps=STEPS)
+    assert ledger.ok and ledger.committed == STEPS, ledger.to_json()
+    got, want = checkpoint_params(summary["checkpoint"]), reference_train(flat)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-3, atol=1e-4, msg=name)
+
