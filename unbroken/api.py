@@ -49,7 +49,7 @@ Factory = Callable[..., Any] | str
 
 
 def job_config(config: Config, *, model: Factory | None = None, data: Factory | None = None,
-               optimizer: Factory | None = None) -> Config:
+               optimizer: Factory | None = None, parallelize: Factory | None = None) -> Config:
     """A copy of ``config`` naming the factories (``model.family='custom'`` when a model factory is given).
 
     Args:
@@ -61,6 +61,9 @@ def job_config(config: Config, *, model: Factory | None = None, data: Factory | 
             of ``seq_len + 1`` token rows. None: ``data.source``.
         optimizer: ``optimizer(model, ctx) -> torch.optim.Optimizer``; the ``optim``
             section's schedule sets its learning rate every step. None: AdamW.
+        parallelize: ``parallelize(model, mesh)``, with ``train.shard_degree`` > 1: shards the model in
+            place over its replica's mesh (your ``fully_shard`` units; compile, checkpointing). None:
+            ``fully_shard`` per transformer block, then the root.
 
     Raises:
         ValueError: a factory other processes cannot find (lambda, nested function), or an invalid config.
@@ -73,11 +76,14 @@ def job_config(config: Config, *, model: Factory | None = None, data: Factory | 
         cfg.data.factory = reference_of(data, field="data")
     if optimizer is not None:
         cfg.optim.factory = reference_of(optimizer, field="optimizer")
+    if parallelize is not None:
+        cfg.model.parallelize = reference_of(parallelize, field="parallelize")
     return Config.from_dict(cfg.to_dict())  # validates every field, all errors at once
 
 
 def train(config: Config, *, run_dir: str | Path, model: Factory | None = None, data: Factory | None = None,
-          optimizer: Factory | None = None, nodes: int = 1, workers_per_node: int | None = None,
+          optimizer: Factory | None = None, parallelize: Factory | None = None, nodes: int = 1,
+          workers_per_node: int | None = None,
           fail_at: str = "", standby: bool = False, overwrite: bool = False,
           on_record: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Train on this machine: ``nodes`` agents of ``workers_per_node`` workers each, spawned here.
@@ -102,7 +108,7 @@ def train(config: Config, *, run_dir: str | Path, model: Factory | None = None, 
     """
     from unbroken.agent.launcher import launch  # local: importing unbroken stays light
 
-    cfg = job_config(config, model=model, data=data, optimizer=optimizer)
+    cfg = job_config(config, model=model, data=data, optimizer=optimizer, parallelize=parallelize)
     if nodes < 1:
         raise ValueError(f"nodes={nodes}: need at least 1")
     wpn = workers_per_node if workers_per_node is not None else max(1, cfg.train.workers // nodes)
@@ -112,7 +118,7 @@ def train(config: Config, *, run_dir: str | Path, model: Factory | None = None, 
 
 def run_node(config: Config, *, run_dir: str | Path, node_rank: int, nnodes: int, workers_per_node: int,
              store: str, model: Factory | None = None, data: Factory | None = None,
-             optimizer: Factory | None = None, standby: bool = False) -> int:
+             optimizer: Factory | None = None, parallelize: Factory | None = None, standby: bool = False) -> int:
     """Be node ``node_rank``'s agent of a cluster job (one call per machine); node 0 hosts the store.
 
     Writes ``<run_dir>/config.json`` (the :func:`job_config`) unless the same is
@@ -129,7 +135,7 @@ def run_node(config: Config, *, run_dir: str | Path, node_rank: int, nnodes: int
     from unbroken.agent.command import run_agent  # local, as above
     from unbroken.agent.options import AgentOptions
 
-    cfg = job_config(config, model=model, data=data, optimizer=optimizer)
+    cfg = job_config(config, model=model, data=data, optimizer=optimizer, parallelize=parallelize)
     cfg.train.workers = nnodes * workers_per_node
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)

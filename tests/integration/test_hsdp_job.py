@@ -1,6 +1,7 @@
 """HSDP in a real job (``train.shard_degree=2``): FSDP2 inside each replica, unbroken across replicas.
 
-One job of 2 nodes x 2 workers, so each node is one replica of two ranks (real processes, gloo, SIGKILL):
+One job of 2 nodes x 2 workers, so each node is one replica of two ranks (real processes, gloo, SIGKILL),
+sharded by a recipe of the user's (``model.parallelize``):
 
 - worker 3 dies with the cross-replica reduction of step 5 in flight: its agent fences its sibling
   (worker 2: a replica with a dead rank cannot finish FSDP2's collectives), the other replica trains
@@ -33,8 +34,24 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 STEPS = 24
 
 
+RECIPE = """
+import os
+from torch.distributed.fsdp import fully_shard
+
+def recipe(model, mesh):
+    for block in model.layers:
+        fully_shard(block, mesh=mesh, reshard_after_forward=False)
+    fully_shard(model, mesh=mesh)
+    open(os.path.join({marks!r}, str(os.getpid())), "w").close()
+"""
+
+
 def test_a_dead_rank_takes_its_replica_down_the_step_is_finished_and_the_replica_rejoins(tmp_path, corpus_overrides):
-    cfg = failover_config(corpus_overrides, STEPS, "mecefo.policy=spread", "train.shard_degree=2")
+    marks = tmp_path / "recipe_called"
+    marks.mkdir()
+    (tmp_path / "recipe.py").write_text(RECIPE.format(marks=str(marks)))
+    cfg = failover_config(corpus_overrides, STEPS, "mecefo.policy=spread", "train.shard_degree=2",
+                          f"model.parallelize={tmp_path / 'recipe.py'}:recipe")
     job = run_job(cfg, tmp_path / "run", nodes=2, workers_per_node=2, restart="on-failure",
                   fail_at=f"step=5:worker=3:kill:phase=allreduce,step=15:worker=0:kill:phase=forward,"
                           f"step={STEPS}:worker=0:kill:phase=finish")
@@ -44,6 +61,11 @@ def test_a_dead_rank_takes_its_replica_down_the_step_is_finished_and_the_replica
     assert ledger.ok and ledger.committed == STEPS, ledger.to_json()
     reports = sorted(int(p.stem[1:]) for p in (job.run_dir / "workers").glob("w*.json"))
     assert reports == [2, 3] and job.summary["workers_agree"], (reports, job.summary["param_digest"])
+    # The user's recipe sharded the model of the 4 first workers and of both replicas' restarts (replica 0's
+    # restart after the end may be stopped before it builds anything).
+    starts = {e["pid"] for e in job.records if e.get("event") == "worker_start"}
+    recipes = {int(p.name) for p in marks.iterdir()}
+    assert recipes <= starts and len(recipes) >= 8, (recipes, starts)
     (takeover,) = job.events("final_checkpoint_takeover")
     assert takeover["worker"] == 2 and takeover["leader"] == 0
     assert job.summary["steps"] == STEPS and job.summary["checkpoint"].endswith(f"step_{STEPS:07d}")

@@ -18,6 +18,14 @@
   over a ``(replicate, shard)`` mesh, one world), jobs in the order ABBA on
   the same batches, the median step of each job after warm-up.
 
+* **job** (measured): the same in a real job (``train.shard_degree=2``, 2 nodes x 2 workers: each node one
+  replica; the step protocol, the ledger and the commit vote around the layer): its median step against
+  torch's plain HSDP above (same model, micro-batch and sequence, ABBA); then the faults, one job each: a
+  rank killed with the cross-replica reduction in flight (its replica fenced, the step finished by the other
+  replica, the replica rejoining whole) and the other replica's node lost later (a replacement node
+  brought up 1 s after), and a whole-job kill restored from the persistent checkpoint (snapshots are off
+  under HSDP): stall, steps lost, rows trained never or twice, time until the replica is back.
+
 The same ranks (:func:`run_job`) back the test that both give the same
 parameters.
 """
@@ -190,7 +198,7 @@ def bytes_table() -> list[dict[str, Any]]:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(prog="unbroken bench hsdp", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--parts", default="bytes,step", help="bytes, step (default both)")
+    ap.add_argument("--parts", default="bytes,step,job", help="bytes, step, job (default all three)")
     ap.add_argument("--preset", default="tiny", help="model of the step-time part (default tiny)")
     ap.add_argument("--steps", type=int, default=15, help="steps per job (default 15; the first 3 are warm-up)")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/hsdp.json"))
@@ -198,31 +206,122 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if overrides:
         ap.error("unbroken bench hsdp takes no config overrides")
     parts = set(a.parts.split(","))
-    if not parts <= {"bytes", "step"} or a.steps < 5:
-        ap.error("--parts is bytes, step or both; --steps at least 5")
+    if not parts <= {"bytes", "step", "job"} or a.steps < 5:
+        ap.error("--parts is one or more of bytes, step, job; --steps at least 5")
     result: dict[str, Any] = {"benchmark": "hsdp", "replicas": REPLICAS, "shard_degree": SHARDS}
     if "bytes" in parts:
         result["bytes"] = bytes_table()
         _print_bytes(result["bytes"])
-    if "step" in parts:
-        result["step"] = _step_ratio(a.preset, a.steps)
+    if "step" in parts or "job" in parts:
+        result["step"] = _step_ratio(a.preset, a.steps, with_job="job" in parts)
+    if "job" in parts:
+        result["job"] = _job_faults(a.preset)
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {a.out}")
     return result
 
 
-def _step_ratio(preset: str, steps: int) -> dict[str, Any]:
-    medians: dict[str, list[float]] = {"torch": [], "unbroken": []}
+def _step_ratio(preset: str, steps: int, *, with_job: bool = False) -> dict[str, Any]:
+    """torch's plain HSDP against unbroken's layer, and with ``with_job`` against a real job, ABBA."""
+    medians: dict[str, list[float]] = {"torch": [], "unbroken": [], **({"job": []} if with_job else {})}
+    order = ("torch", "unbroken", "job", "job", "unbroken", "torch") if with_job else ("torch", "unbroken",
+                                                                                       "unbroken", "torch")
     with tempfile.TemporaryDirectory() as tmp:
-        for mode in ("torch", "unbroken", "unbroken", "torch"):
+        for i, mode in enumerate(order):
+            if mode == "job":
+                run = _launch_job(Path(tmp) / f"job{i}", preset, max(steps, 20))
+                train = [r for r in _read(run / "metrics.jsonl") if r["kind"] == "train"]
+                medians[mode].append(statistics.median(r["step_time_s"] for r in train[3:]))
+                continue
             ranks = run_job(mode, Path(tmp), preset=preset, steps=steps)
             medians[mode].append(statistics.median(max(r["step_s"][i] for r in ranks) for i in range(3, steps)))
     ratio = statistics.mean(medians["unbroken"]) / statistics.mean(medians["torch"])
+    out: dict[str, Any] = {"preset": preset, "steps": steps, "warmup": 3, "median_step_s": medians, "ratio": ratio}
     print(f"failure-free step, {REPLICAS} replicas x {SHARDS} ranks, {preset}, gloo on this machine (ABBA): "
-          f"torch HSDP {statistics.mean(medians['torch']) * 1e3:.1f} ms, unbroken "
+          f"torch HSDP {statistics.mean(medians['torch']) * 1e3:.1f} ms, unbroken's layer "
           f"{statistics.mean(medians['unbroken']) * 1e3:.1f} ms, ratio {ratio:.3f}")
-    return {"preset": preset, "steps": steps, "warmup": 3, "median_step_s": medians, "ratio": ratio}
+    if with_job:
+        out["job_ratio"] = statistics.mean(medians["job"]) / statistics.mean(medians["torch"])
+        print(f"  the real job (train.shard_degree={SHARDS}, {REPLICAS} nodes: vote, ledger, commit) "
+              f"{statistics.mean(medians['job']) * 1e3:.1f} ms: ratio to torch HSDP {out['job_ratio']:.3f}")
+    return out
+
+
+def _read(path: Path) -> list[dict[str, Any]]:
+    from unbroken.jsonl import read_jsonl
+
+    return read_jsonl(path)
+
+
+def _job_config(preset: str, steps: int, *extra: str) -> Any:
+    from unbroken.config import load_config
+
+    return load_config(preset_name=preset, overrides=[
+        f"train.steps={steps}", f"train.workers={REPLICAS * SHARDS}", f"train.shard_degree={SHARDS}",
+        "mecefo.policy=spread", f"data.seq_len={SEQ}", f"data.micro_batch={BATCH}", f"data.vocab_size={VOCAB}",
+        "train.val_every=0", "train.val_batches=1", "train.checkpoint_every_s=0", *extra])
+
+
+def _launch_job(run: Path, preset: str, steps: int, *extra: str, **kw: Any) -> Path:
+    from unbroken.agent.launcher import launch
+
+    launch(_job_config(preset, steps, *extra), run, nodes=REPLICAS, workers_per_node=SHARDS, **kw)
+    return run
+
+
+def _job_faults(preset: str) -> dict[str, Any]:
+    """A rank killed mid-reduction, then the other replica's node lost; a whole-job kill restored."""
+    from unbroken.bench.report import summarize_run
+
+    steps, kill, node = 90, 15, 50
+    with tempfile.TemporaryDirectory() as tmp:
+        run = _launch_job(Path(tmp) / "faults", preset, steps, restart="on-failure", replace_lost_nodes_s=1.0,
+                          fail_at=f"step={kill}:worker=3:kill:phase=allreduce,step={node}:node=1:kill")
+        faults = summarize_run(run)
+        events = _read(run / "events" / "agent1.jsonl")
+        fenced = [e["worker"] for e in events if e.get("event") == "fence"
+                  and (e.get("reason") or {}).get("how") == "replica"]
+        whole = ",".join(f"step=12:worker={w}:kill:phase=forward" for w in range(REPLICAS * SHARDS))
+        run = _launch_job(Path(tmp) / "restore", preset, 30, "train.checkpoint_every=5", restart="on-failure",
+                          fail_at=whole)
+        restore = summarize_run(run)
+    first = [x["down_to_back_s"] for x in faults["rejoins"] if x["step"] < node]
+    second = [x["down_to_back_s"] for x in faults["rejoins"] if x["step"] >= node]
+    out = {
+        "preset": preset, "steps": steps, "normal_step_s": faults["normal_step_s"],
+        "rank_killed_mid_reduction": {"at_step": kill, "worker": 3, "siblings_fenced": fenced,
+                                      "stall_s": _stall(faults, kill),
+                                      "replica_back_s": first},
+        "node_lost": {"at_step": node, "node": 1, "stall_s": _stall(faults, node),
+                      "replacement_delay_s": 1.0, "replica_back_s": second},
+        "lost_steps": faults["lost_steps"],
+        "rows_never_or_twice": faults["rows_trained_never"] + faults["rows_trained_twice"],
+        "whole_job_killed": {"at_step": 12, "restores": restore["snapshots"]["restores"],
+                             "steps_redone": [12 - r["step"] for r in restore["snapshots"]["restores"]],
+                             "lost_steps": restore["lost_steps"],
+                             "rows_never_or_twice": restore["rows_trained_never"] + restore["rows_trained_twice"]},
+    }
+    print(f"faults, {preset}, {REPLICAS} nodes x {SHARDS} (one replica each), normal step "
+          f"{out['normal_step_s'] * 1e3:.0f} ms:")
+    k = out["rank_killed_mid_reduction"]
+    print(f"  worker 3 killed mid-reduction at step {kill}: siblings fenced {k['siblings_fenced']}, stall "
+          f"{k['stall_s']}, replica back after {k['replica_back_s']} s")
+    n = out["node_lost"]
+    print(f"  node 1 lost at step {node} (replacement after 1.0 s): stall {n['stall_s']}, replica back after "
+          f"{n['replica_back_s']} s")
+    print(f"  steps lost {out['lost_steps']}, rows trained never or twice {out['rows_never_or_twice']}")
+    w = out["whole_job_killed"]
+    print(f"  every worker killed at step 12: restored from {[(r['source'], r['step']) for r in w['restores']]} "
+          f"(steps redone {w['steps_redone']}), steps lost {w['lost_steps']}, rows never or twice "
+          f"{w['rows_never_or_twice']}")
+    return out
+
+
+def _stall(report: dict[str, Any], step: int) -> float | None:
+    """The stall of the failure at ``step`` (the report's, beyond a normal step)."""
+    found = [f["stall_s"] for f in report["failure_details"] if f.get("step") == step and f["stall_s"] is not None]
+    return max(found) if found else None
 
 
 def _print_bytes(rows: list[dict[str, Any]]) -> None:

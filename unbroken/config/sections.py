@@ -28,6 +28,12 @@ class ModelConfig:
     factory: str = ""
     """``custom`` only: ``module:function`` or ``/path/file.py:function`` returning the model
     (called in every worker with a :class:`unbroken.BuildContext`)."""
+    parallelize: str = ""
+    """HSDP (``train.shard_degree`` > 1) only: ``module:function`` or ``/path/file.py:function``, called
+    as ``parallelize(model, mesh)`` in every worker to shard the model in place over its replica's 1-D
+    device mesh (torchtitan's ``parallelize_llama``: your own ``fully_shard`` units, compile, activation
+    checkpointing). Every parameter must end up in an FSDP2 unit. Empty: ``fully_shard`` per transformer
+    block, then the root."""
 
 
 @dataclass(kw_only=True)

@@ -50,6 +50,9 @@ def validate(cfg: Config) -> list[str]:
     need(t.shard_degree < 1 or t.workers % t.shard_degree == 0,
          f"train.shard_degree={t.shard_degree} does not divide train.workers={t.workers}: a replica is "
          "shard_degree workers")
+    need(not cfg.model.parallelize or t.shard_degree > 1,
+         f"model.parallelize={cfg.model.parallelize!r} needs train.shard_degree > 1 (it shards the model inside "
+         "a replica)")
     if t.shard_degree > 1:
         need(not t.shard_optimizer, "train.shard_degree>1 with train.shard_optimizer=true: FSDP2 already shards the "
              "moments inside each replica; drop train.shard_optimizer")

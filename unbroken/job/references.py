@@ -37,7 +37,7 @@ from typing import Any, Callable
 
 __all__ = ["anchor_references", "reference_of", "resolve", "resolve_all"]
 
-FACTORY_FIELDS = (("model", "factory"), ("data", "factory"), ("optim", "factory"))
+FACTORY_FIELDS = (("model", "factory"), ("model", "parallelize"), ("data", "factory"), ("optim", "factory"))
 """The config fields that hold references to user code."""
 
 _FILE_MODULE_PREFIX = "unbroken_user_"

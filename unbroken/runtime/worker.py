@@ -177,7 +177,12 @@ class Trainer:
         logger.info("replica %d (incarnation %s) formed in %.2f s: this worker is its shard %d of %d",
                     layout.replica_of(spec.worker), spec.replica_incarnation, time.perf_counter() - t0,
                     layout.index_of(spec.worker), layout.shard_degree)
-        return (lambda model: shard_model(model, mesh)), mesh.get_group()
+        parallelize = None
+        if cfg.model.parallelize:
+            from unbroken.job.references import resolve
+
+            parallelize = resolve(cfg.model.parallelize, field="model.parallelize")
+        return (lambda model: shard_model(model, mesh, parallelize)), mesh.get_group()
 
     def _event(self, event: str, **fields: Any) -> None:
         self.events.write({"kind": "event", "event": event, "worker": self.spec.worker, "t": time.time(), **fields})
