@@ -185,7 +185,7 @@ class ReplicaPlan:
         return f".i{index}", self.layout.shard_peers(index, members)
 
 
-def join_replica(store: dist.Store, *, replica: int, incarnation: int, index: int, shard_degree: int,
+def join_replica(store: dist.Store, *, replica: int, incarnation: int | str, index: int, shard_degree: int,
                  device: torch.device, timeout_s: float) -> DeviceMesh:
     """Form this rank's replica world (the default process group) and return its 1-D mesh.
 
