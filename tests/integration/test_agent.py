@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 
+from unbroken.agent.agent_server import agent_server
 from unbroken.config import Config
 from unbroken.faults.fail_at import fail_at
 from unbroken.jsonl import read_jsonl
@@ -47,15 +48,23 @@ class Job:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.json").write_text(json.dumps(self.cfg))
         self.store.publish_config(json.dumps(self.cfg))
-        self.agents: list[subprocess.Popen[bytes]] = []
+        self.agents: list[Any] = []  # subprocess.Popen, or ServedAgent (Popen's surface)
 
     def agent(self, *args: str, node: int = 0, nnodes: int = 1, wpn: int = 2, store: str | None = None,
-              timeout_s: float = 10.0, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-        cmd = [sys.executable, "-c", AGENT, "--node-rank", str(node), "--nnodes", str(nnodes),
-               "--workers-per-node", str(wpn), "--store", store or self.addr, "--run-dir", str(self.run_dir),
-               "--timeout-s", str(timeout_s), "--grace-s", "3", *args]
-        out = (self.run_dir / f"agent{node}.{len(self.agents)}.out").open("wb")
-        p = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+              timeout_s: float = 10.0, env: dict[str, str] | None = None, fresh: bool = False) -> Any:
+        """Start an agent: forked from this process's agent server (as the launcher's agents are; its
+        imports done once), or with ``fresh`` (or where the server cannot) as a fresh interpreter."""
+        argv = ["--node-rank", str(node), "--nnodes", str(nnodes), "--workers-per-node", str(wpn),
+                "--store", store or self.addr, "--run-dir", str(self.run_dir), "--timeout-s", str(timeout_s),
+                "--grace-s", "3", *args]
+        log = self.run_dir / f"agent{node}.{len(self.agents)}.out"
+        environ = {**os.environ, **(env or {})}
+        server = None if fresh else agent_server()
+        p = server.spawn(argv, log=log, env=environ, worker_cmd=[sys.executable, str(STANDIN)]) if server else None
+        if p is None:
+            with log.open("ab") as out:
+                p = subprocess.Popen([sys.executable, "-c", AGENT, *argv], stdout=out, stderr=subprocess.STDOUT,
+                                     env=environ)
         self.agents.append(p)
         return p
 
@@ -402,8 +411,9 @@ def test_node_0_hosts_the_store_without_a_launcher(job: Job) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         addr = f"127.0.0.1:{s.getsockname()[1]}"
-    a0 = job.agent("--host-store", node=0, nnodes=2, wpn=1, store=addr)
-    a1 = job.agent(node=1, nnodes=2, wpn=1, store=addr)
+    # As a user starts them on their machines: fresh interpreters (the fresh agent's path stays covered).
+    a0 = job.agent("--host-store", node=0, nnodes=2, wpn=1, store=addr, fresh=True)
+    a1 = job.agent(node=1, nnodes=2, wpn=1, store=addr, fresh=True)
     client = JobStore.connect(addr, timeout_s=30, secret=job_secret(job.run_dir))
     until(lambda: min(client.heartbeats([0, 1])) > 0, 30.0)
     assert json.loads(client.config()) == job.cfg, "node 0 published its config"

@@ -31,7 +31,7 @@ from unbroken.jsonl import read_jsonl
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
-STEPS = 500
+STEPS = 400
 """Long enough for a template to be replaced and two workers to rejoin mid-run (node 1's agent is killed near
 step 90 with the cores to itself: a fresh worker's start and a fresh template's are the slow part; under the
 whole suite's load they once missed the end of a 300-step run)."""

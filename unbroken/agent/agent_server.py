@@ -71,7 +71,8 @@ def _become_agent(request: dict[str, Any]) -> None:
         set_name("unbroken-agent")
         argv = [str(a) for a in request["argv"]]
         sys.argv = [sys.executable, "-m", "unbroken.agent.command", *argv]
-        return main(argv)
+        worker_cmd = request.get("worker_cmd")  # another worker program (the tests' stand-in), as main() takes
+        return main(argv, worker_cmd=[str(a) for a in worker_cmd] if worker_cmd else None)
 
     run_forked(body)
 
@@ -183,14 +184,17 @@ class AgentServer:
             return
         self.ready = True
 
-    def spawn(self, argv: Sequence[str], *, log: Path, env: dict[str, str]) -> ServedAgent | None:
+    def spawn(self, argv: Sequence[str], *, log: Path, env: dict[str, str],
+              worker_cmd: Sequence[str] | None = None) -> ServedAgent | None:
         """Fork an agent with ``argv`` (``unbroken.agent.command``'s), ``env`` and output appended to ``log``;
-        None when the server cannot (the caller starts a fresh process)."""
+        ``worker_cmd``: the program its workers run instead of the worker (``main``'s argument); None when
+        the server cannot (the caller starts a fresh process)."""
         with self._lock:
             if not self.alive():
                 return None
             try:
-                request = {"argv": list(argv), "env": env, "cwd": os.getcwd(), "log": str(log)}
+                request = {"argv": list(argv), "env": env, "cwd": os.getcwd(), "log": str(log),
+                           "worker_cmd": list(worker_cmd) if worker_cmd else None}
             except OSError as exc:  # the launcher's directory is gone: a fresh process says so
                 logger.warning("no agent forked (%s): a fresh process", exc)
                 return None
