@@ -12,8 +12,9 @@ sharded by a recipe of the user's (``model.parallelize``):
 - worker 0, the leader again, dies after the last step with the final checkpoint begun: replica 1 writes
   it in its stead, its two ranks gathering the whole state together;
 - at the end: every ``(step, slot, row)`` trained exactly once, the workers of each shard index hold the
-  same shards, and the final checkpoint (whole tensors) equals plain single-process training on the same
-  batches to float tolerance.
+  same shards, and (under ``spread``, exact) the final checkpoint (whole tensors) equals plain
+  single-process training on the same batches to float tolerance; under ``neighbor`` the covering replica
+  trains approximated (MeCeFO inside FSDP2).
 """
 
 from __future__ import annotations
@@ -46,11 +47,13 @@ def recipe(model, mesh):
 """
 
 
-def test_a_dead_rank_takes_its_replica_down_the_step_is_finished_and_the_replica_rejoins(tmp_path, corpus_overrides):
+@pytest.mark.parametrize("policy", ["spread", "neighbor"])
+def test_a_dead_rank_takes_its_replica_down_the_step_is_finished_and_the_replica_rejoins(tmp_path, corpus_overrides,
+                                                                                        policy):
     marks = tmp_path / "recipe_called"
     marks.mkdir()
     (tmp_path / "recipe.py").write_text(RECIPE.format(marks=str(marks)))
-    cfg = failover_config(corpus_overrides, STEPS, "mecefo.policy=spread", "train.shard_degree=2",
+    cfg = failover_config(corpus_overrides, STEPS, f"mecefo.policy={policy}", "train.shard_degree=2",
                           f"model.parallelize={tmp_path / 'recipe.py'}:recipe")
     job = run_job(cfg, tmp_path / "run", nodes=2, workers_per_node=2, restart="on-failure",
                   fail_at=f"step=5:worker=3:kill:phase=allreduce,step=15:worker=0:kill:phase=forward,"
@@ -79,8 +82,12 @@ def test_a_dead_rank_takes_its_replica_down_the_step_is_finished_and_the_replica
     for step, lost in ((5, 1), (15, 0)):
         items = job.committed_items(step)
         assert {i[1] for i in items} == {0, 1, 2, 3}
-        for worker, slot, *_ in items:
+        for worker, slot, _, _, mode in items:
             assert worker // 2 != lost and worker % 2 == slot % 2, (step, items)
+            # spread is exact; under neighbor (MeCeFO) the lost replica's slots are trained approximated, inside
+            # FSDP2 (tests/integration/test_hsdp_approx.py checks those gradients against the whole model's)
+            if slot // 2 == lost or policy == "spread":
+                assert mode == ("exact" if policy == "spread" else "approx"), (step, items)
 
     # Both replicas rejoined whole, and the leadership moved to replica 1 while replica 0 was down.
     rejoins = {tuple(sorted(e["joiners"])) for e in job.records
@@ -89,10 +96,11 @@ def test_a_dead_rank_takes_its_replica_down_the_step_is_finished_and_the_replica
     leaders = {min(e["members"]) for e in job.events("view_adopted")}
     assert 2 in leaders, leaders
 
-    got, want = checkpoint_params(job.summary["checkpoint"]), reference_train(job.cfg)
-    assert got.keys() == want.keys()
-    for name in want:
-        torch.testing.assert_close(got[name], want[name], rtol=1e-3, atol=1e-4, msg=name)  # as test_failover
+    if policy == "spread":  # exact: plain training's result
+        got, want = checkpoint_params(job.summary["checkpoint"]), reference_train(job.cfg)
+        assert got.keys() == want.keys()
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=1e-3, atol=1e-4, msg=name)  # as test_failover
 
 
 def test_a_whole_job_killed_restores_its_shards_from_the_checkpoint_and_resumes_unsharded(tmp_path, corpus_overrides):

@@ -112,7 +112,6 @@ def test_the_replica_plan_widens_deaths_admits_whole_replicas_and_groups_by_shar
     ("train.shard_degree=0", "train.shard_degree=0: must be >= 1"),
     ("train.shard_degree=3", "train.shard_degree=3 does not divide train.workers=4"),
     ("train.shard_optimizer=true", "FSDP2 already shards the moments inside each replica"),
-    ("mecefo.policy=neighbor", "HSDP takes over with the exact 'spread' policy only"),
     ("fault.recovery=restart", "HSDP runs with fault.recovery='takeover' only"),
 ])
 def test_shard_degrees_and_settings_hsdp_cannot_run_are_refused(override, message):

@@ -153,9 +153,10 @@ class TrainConfig:
     commit and ledger run across replicas. The fault unit is the replica: a dead or hung rank takes
     its siblings down with it, the other replicas train its rows in the same step, and it rejoins
     whole, rank ``i`` receiving shard ``i`` from rank ``i`` of a live replica. 1 (the default): every
-    worker holds the whole model. Needs a divisor of the workers per node, the ``spread`` takeover
-    policy, no warm standby, and the built-in AdamW; per-step snapshots are off (whole-job restores
-    come from the persistent checkpoint, written whole by the leader's replica)."""
+    worker holds the whole model. Every takeover policy applies (MeCeFO's approximations run inside
+    FSDP2). Needs a divisor of the workers per node, no warm standby, and the built-in AdamW; per-step
+    snapshots are off (whole-job restores come from the persistent checkpoint, written whole by the
+    leader's replica)."""
 
 
 @dataclass(kw_only=True)

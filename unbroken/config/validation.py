@@ -57,8 +57,6 @@ def validate(cfg: Config) -> list[str]:
         need(not t.shard_optimizer, "train.shard_degree>1 with train.shard_optimizer=true: FSDP2 already shards the "
              "moments inside each replica; drop train.shard_optimizer")
         need(not o.factory, f"train.shard_degree>1 with optim.factory={o.factory!r}: HSDP needs the built-in AdamW")
-        need(m.policy == "spread", f"train.shard_degree>1 with mecefo.policy={m.policy!r}: HSDP takes over with "
-             "the exact 'spread' policy only (MeCeFO's approximations are not applied inside FSDP2 yet)")
         need(f.recovery == "takeover", f"train.shard_degree>1 with fault.recovery={f.recovery!r}: HSDP runs with "
              "fault.recovery='takeover' only")
     need(o.grad_clip >= 0, f"optim.grad_clip={o.grad_clip}: must be >= 0 (0 disables)")
