@@ -51,11 +51,12 @@ from unbroken.runtime.protocol import MemberDied
 from unbroken.runtime.recovery import recovery
 from unbroken.sharding.checkpoint import ShardCheckpointer
 from unbroken.sharding.replicas import ReplicaStore
-if TYPE_CHECKING:
-    from unbroken.sharding.hsdp import ReplicaLayout
 from unbroken.sharding.state import ShardedState, ShardLost
 from unbroken.snapshot.trainer_hooks import (job_id, load_from_node_memory, memory_rejoin_allowed, memory_rejoin_failed,
                                              memory_rejoin_possible, node_map, restore_state, snapshotter_for)
+
+if TYPE_CHECKING:
+    from unbroken.sharding.hsdp import ReplicaLayout
 
 __all__ = ["EXIT_NO_LIVE_WORKER", "StepLogContext", "Trainer", "WorkerSpec", "run", "standby"]
 
