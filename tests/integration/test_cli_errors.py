@@ -223,3 +223,17 @@ def test_agent_without_secret(tmp_path, capsys, monkeypatch):
     monkeypatch.delenv(SECRET_ENV, raising=False)
     _fails(capsys, _agent(tmp_path, f"127.0.0.1:{_free_port()}"), f"--run-dir {tmp_path}: no job secret",
            f"set {SECRET_ENV} or copy the run's secret file into {tmp_path}")
+
+
+def test_hsdp_layouts_it_cannot_run_are_refused_naming_the_fix(tmp_path, capsys, corpus_overrides):
+    """A replica spanning nodes, a shard degree that does not divide the workers, a warm standby under HSDP,
+    a recipe without HSDP: one line each, nothing written."""
+    _fails(capsys, _train(tmp_path, corpus_overrides, "--workers", "4", "--nodes", "2", "--train.shard_degree=4"),
+           "train.shard_degree=4 does not divide the 2 workers per node", "replicas spanning nodes are not supported")
+    _fails(capsys, _train(tmp_path, corpus_overrides, "--workers", "4", "--train.shard_degree=3"),
+           "train.shard_degree=3 does not divide train.workers=4")
+    _fails(capsys, _train(tmp_path, corpus_overrides, "--workers", "4", "--train.shard_degree=2", "--standby"),
+           "a warm standby with train.shard_degree=2", "drop --standby")
+    _fails(capsys, _train(tmp_path, corpus_overrides, "--workers", "4", "--model.parallelize=mod:fn"),
+           "model.parallelize='mod:fn' needs train.shard_degree > 1")
+    assert not (tmp_path / "run").exists()

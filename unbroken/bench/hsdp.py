@@ -306,16 +306,25 @@ def _job_faults(preset: str) -> dict[str, Any]:
           f"{out['normal_step_s'] * 1e3:.0f} ms:")
     k = out["rank_killed_mid_reduction"]
     print(f"  worker 3 killed mid-reduction at step {kill}: siblings fenced {k['siblings_fenced']}, stall "
-          f"{k['stall_s']}, replica back after {k['replica_back_s']} s")
+          f"{_s(k['stall_s'])}, replica back after {_s(k['replica_back_s'])}")
     n = out["node_lost"]
-    print(f"  node 1 lost at step {node} (replacement after 1.0 s): stall {n['stall_s']}, replica back after "
-          f"{n['replica_back_s']} s")
+    print(f"  node 1 lost at step {node} (replacement after 1.0 s): stall {_s(n['stall_s'])}, replica back "
+          f"after {_s(n['replica_back_s'])}")
     print(f"  steps lost {out['lost_steps']}, rows trained never or twice {out['rows_never_or_twice']}")
     w = out["whole_job_killed"]
     print(f"  every worker killed at step 12: restored from {[(r['source'], r['step']) for r in w['restores']]} "
           f"(steps redone {w['steps_redone']}), steps lost {w['lost_steps']}, rows never or twice "
           f"{w['rows_never_or_twice']}")
     return out
+
+
+def _s(seconds: float | list[float] | None) -> str:
+    """Seconds as printed: ``0.23 s``, ``[0.31, 0.24] s``, ``-`` for none."""
+    if seconds is None:
+        return "-"
+    if isinstance(seconds, list):
+        return "[" + ", ".join(f"{x:.2f}" for x in seconds if x is not None) + "] s"
+    return f"{seconds:.2f} s"
 
 
 def _stall(report: dict[str, Any], step: int) -> float | None:
