@@ -19,8 +19,6 @@ sharded by a recipe of the user's (``model.parallelize``):
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
@@ -73,10 +71,10 @@ def test_a_dead_rank_takes_its_replica_down_the_step_is_finished_and_the_replica
     assert takeover["worker"] == 2 and takeover["leader"] == 0
     assert job.summary["steps"] == STEPS and job.summary["checkpoint"].endswith(f"step_{STEPS:07d}")
 
-    # Each death took its sibling down: fenced by its agent, not by a timeout.
-    fences = {(e["worker"], json.dumps(e["reason"], sort_keys=True)) for e in job.records
-              if e.get("event") == "fence"}
-    assert [w for w, why in sorted(fences) if '"how": "replica"' in why] == [1, 1, 2], fences
+    # Each death took its sibling down: fenced by its agent, not by a timeout (worker 1 at step 15, and
+    # again after the last step unless it had already left when its agent reaped worker 0).
+    fenced = [e["worker"] for e in job.records if e.get("event") == "fence" and e["reason"].get("how") == "replica"]
+    assert set(fenced) == {1, 2} and fenced.count(2) == 1, fenced
 
     # The step of each failure was finished by the other replica, rank i taking slot 2r + i.
     for step, lost in ((5, 1), (15, 0)):
