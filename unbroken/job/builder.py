@@ -251,7 +251,6 @@ class Job:
             import torch.distributed as dist
 
             dist.all_reduce(buf[self.layout.n_grad:], group=self.replica)
-            self._reshard()
         return buf
 
     def _reshard(self) -> None:

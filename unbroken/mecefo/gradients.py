@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from unbroken.mecefo.adapter import ModelAdapter
 from unbroken.models.hf_llama import logits_of
 from unbroken.models.precision import autocast
+from unbroken.sharding.parts import laid_out_as, local_of
 
 Mode = Literal["exact", "approx"]
 BatchFn = Callable[[int, int, tuple[int, int]], tuple[torch.Tensor, torch.Tensor]]
@@ -75,7 +76,7 @@ class GradLayout:
             self.params.append(p)
             self.groups.append(adapter.group_of(name))
             self.offsets.append(offset)
-            offset += _local(p).numel()
+            offset += local_of(p).numel()
         self.group_names = adapter.group_names
         self.n_grad = offset
         self.n_votes = votes
@@ -111,24 +112,14 @@ class GradLayout:
 
     def grad_view(self, buf: torch.Tensor, i: int) -> torch.Tensor:
         """Parameter ``i``'s gradient in ``buf``: its local shard's, for a parameter sharded by FSDP2."""
-        local = _local(self.params[i])
+        local = local_of(self.params[i])
         return buf[self.offsets[i] : self.offsets[i] + local.numel()].view_as(local)
 
     def set_grad(self, i: int, grad: torch.Tensor | None) -> None:
         """Make ``grad`` (a plain tensor shaped as :meth:`grad_view`) parameter ``i``'s gradient: as the
         local shard of a DTensor gradient laid out as the parameter, for a parameter sharded by FSDP2."""
         p = self.params[i]
-        if grad is not None and hasattr(p, "to_local"):
-            from torch.distributed.tensor import DTensor
-
-            grad = DTensor.from_local(grad, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(),
-                                      run_check=False)
-        p.grad = grad
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A tensor's local part: the shard of a DTensor (FSDP2's parameters and gradients), else itself."""
-    return t.to_local() if hasattr(t, "to_local") else t  # type: ignore[operator]
+        p.grad = laid_out_as(p, grad) if grad is not None else None
 
 
 def compute_gradient_sums(
@@ -180,7 +171,7 @@ def compute_gradient_sums(
                 weights[g] += share
     for i, p in enumerate(layout.params):
         if p.grad is not None:
-            layout.grad_view(buf, i).copy_(_local(p.grad))
+            layout.grad_view(buf, i).copy_(local_of(p.grad))
             p.grad = None
         else:
             layout.grad_view(buf, i).zero_()  # no item reached it (a frozen path, an approximated group)

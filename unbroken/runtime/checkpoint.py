@@ -46,6 +46,7 @@ from unbroken.runtime.checkpoint_files import (
     verify_files,
     write_commit,
 )
+from unbroken.sharding.parts import is_sharded, laid_out_as, local_of, local_part
 
 __all__ = [
     "COMMIT_FILE",
@@ -124,46 +125,21 @@ def load_training_state(
             continue
         optimizer.state[p] = {
             "step": keys["step"].clone().float().to(step_device(optimizer, p)),
-            "exp_avg": laid_out_as(p, keys["exp_avg"]),
-            "exp_avg_sq": laid_out_as(p, keys["exp_avg_sq"]),
+            "exp_avg": _like_param(p, keys["exp_avg"]),
+            "exp_avg_sq": _like_param(p, keys["exp_avg_sq"]),
         }
     torch.set_rng_state(state["rng.cpu"].clone())
 
 
-def local_of(t: torch.Tensor) -> torch.Tensor:
-    """The local part of ``t``: its shard for a DTensor (a parameter sharded by FSDP2), else ``t``."""
-    return t.to_local() if hasattr(t, "to_local") else t  # type: ignore[operator]
-
-
-def local_part(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """The part of the whole tensor ``full`` that ``like`` holds: all of it, or for a DTensor sharded on
-    dim ``d`` over a mesh of ``k`` (FSDP2's ``Shard(d)``), chunk ``i`` of ``torch.chunk(full, k, d)``
-    (empty past the last chunk), ``i`` this rank's place in the mesh."""
-    if not hasattr(like, "to_local"):
-        return full
-    (placement,) = like.placements  # type: ignore[attr-defined]
-    dim = placement.dim
-    mesh = like.device_mesh  # type: ignore[attr-defined]
-    chunks = torch.chunk(full, mesh.size(), dim)
-    i = mesh.get_local_rank()
-    return chunks[i] if i < len(chunks) else full.narrow(dim, 0, 0)
-
-
-def laid_out_as(p: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
-    """A copy of the whole tensor ``full`` laid out as parameter ``p`` (a DTensor holding its part, for a
-    sharded ``p``), on ``p``'s device."""
-    local = local_part(full, p).clone().to(local_of(p).device)
-    if not hasattr(p, "to_local"):
-        return local
-    from torch.distributed.tensor import DTensor
-
-    return DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(),  # type: ignore[attr-defined]
-                              run_check=False)
+def _like_param(p: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """A copy of the whole tensor ``full`` laid out as parameter ``p`` (its part, for a sharded ``p``), on
+    ``p``'s device."""
+    return laid_out_as(p, local_part(full, p).clone().to(local_of(p).device))
 
 
 def whole(t: torch.Tensor) -> torch.Tensor:
     """An empty tensor of ``t``'s whole shape and dtype (on the host for a DTensor), to load into."""
-    return torch.empty(t.shape, dtype=t.dtype) if hasattr(t, "to_local") else t.detach().clone()
+    return torch.empty(t.shape, dtype=t.dtype) if is_sharded(t) else t.detach().clone()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -369,7 +345,7 @@ def load_checkpoint(
     for name, p in model.named_parameters():
         if not sharded:
             for key in ("exp_avg", "exp_avg_sq"):
-                state.setdefault(f"optim.{name}.{key}", torch.zeros(p.shape, dtype=p.dtype) if hasattr(p, "to_local")
+                state.setdefault(f"optim.{name}.{key}", torch.zeros(p.shape, dtype=p.dtype) if is_sharded(p)
                                  else torch.zeros_like(p))
         state.setdefault(f"optim.{name}.step", torch.zeros((), dtype=torch.float32))
     state = {k: whole(v) for k, v in state.items()}  # a model sharded by FSDP2 loads whole tensors, keeps its part

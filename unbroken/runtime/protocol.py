@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Callable, Literal, Protocol, Sequence
+from typing import TYPE_CHECKING, Callable, Literal, Protocol
 
 import torch
 
@@ -51,6 +51,7 @@ from unbroken.mecefo.takeover import TakeoverPolicy
 from unbroken.runtime.membership import Fenced, Membership, MissedCommit, NoLiveWorker, View, ViewChanged
 from unbroken.runtime.process_group import CollectiveFailed, ViewGroup
 from unbroken.runtime.state_transfer import transfer_state
+from unbroken.runtime.work_plan import SlotPlan
 from unbroken.sharding.state import ShardedState
 
 if TYPE_CHECKING:
@@ -95,43 +96,6 @@ class StepJob(Protocol):
     optimizer: torch.optim.Optimizer
 
     def gradient_sums(self, step: int, items: list[SlotWork]) -> torch.Tensor: ...
-
-
-class SlotPlan:
-    """Who computes what, and who reduces with whom: every worker its slot, the takeover policy's cover for
-    the dead, one group of all members per view. (HSDP's plan is :class:`unbroken.sharding.hsdp.ReplicaPlan`.)
-    """
-
-    def __init__(self, policy: TakeoverPolicy, n_slots: int, micro_batch: int) -> None:
-        self.policy, self.n_slots, self.micro_batch = policy, n_slots, micro_batch
-
-    def assign(self, me: int, live: Sequence[int]) -> list[SlotWork]:
-        """``me``'s work of a step that starts with ``live``."""
-        return list(self.policy.assign(n_slots=self.n_slots, live=live, micro_batch=self.micro_batch).get(me, []))
-
-    def complete(self, me: int, live: Sequence[int], done: dict[int, Sequence[SlotWork]]) -> list[SlotWork]:
-        """``me``'s extra work so that ``live``, having computed ``done``, cover the step exactly once."""
-        return self.policy.complete(n_slots=self.n_slots, micro_batch=self.micro_batch, live=live, done=done)[me]
-
-    def widen(self, dead: set[int]) -> set[int]:
-        """Who leaves the view with ``dead``: nobody else."""
-        return dead
-
-    def admissible(self, joiners: Sequence[int], members: Sequence[int]) -> list[int]:
-        """The joiners that may be admitted together: all."""
-        return list(joiners)
-
-    def peers(self, me: int, members: Sequence[int]) -> tuple[str, tuple[int, ...]]:
-        """The name of ``me``'s reduction group within a view (:meth:`JobStore.group_store`), and its members."""
-        return "", tuple(members)
-
-    def same_replica(self, a: int, b: int) -> bool:
-        """Are workers ``a`` and ``b`` ranks of one replica (here: the same worker)?"""
-        return a == b
-
-    partial_groups = False
-    """Does a member's reduction cover only part of the step (HSDP: its shard index's)? Then it votes
-    ``commit`` only once every member's reduction completed (:meth:`StepProtocol._vote`)."""
 
 
 class StepProtocol:

@@ -50,6 +50,7 @@ from unbroken.runtime.start_phases import StartClock
 from unbroken.runtime.protocol import MemberDied
 from unbroken.runtime.recovery import recovery
 from unbroken.sharding.checkpoint import ShardCheckpointer
+from unbroken.sharding.parts import local_of, whole_of
 from unbroken.sharding.replicas import ReplicaStore
 from unbroken.sharding.state import ShardedState, ShardLost
 from unbroken.snapshot.trainer_hooks import (job_id, load_from_node_memory, memory_rejoin_allowed, memory_rejoin_failed,
@@ -448,7 +449,7 @@ class Trainer:
         """The training state to checkpoint: whole tensors (HSDP: gathered over the replica, a collective)."""
         state = training_state(self.job.model, self.job.optimizer)
         if self.hsdp is not None:
-            state = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in state.items()}
+            state = {k: whole_of(v) for k, v in state.items()}
         return state
 
     def _save(self, done: int, last: dict[str, Any]) -> None:
@@ -467,8 +468,7 @@ class Trainer:
         worker's shards (equal across the workers of one shard index)."""
         h = hashlib.sha256()
         for p in self.job.layout.params:
-            local = p.to_local() if hasattr(p, "to_local") else p
-            h.update(memoryview(local.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()))
+            h.update(memoryview(local_of(p).detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()))
         return h.hexdigest()
 
 

@@ -47,6 +47,7 @@ from torch.distributed.tensor import DTensor
 from unbroken.mecefo.adapter import transformer_blocks
 from unbroken.mecefo.gradients import SlotWork
 from unbroken.mecefo.takeover import TakeoverPolicy
+from unbroken.sharding.parts import laid_out_as
 
 __all__ = ["GradientShards", "Parallelize", "ReplicaLayout", "ReplicaPlan", "check_layout", "fsdp_llama",
            "join_replica", "replica_assignment", "replica_completion", "shard_model"]
@@ -147,7 +148,7 @@ def replica_completion(policy: TakeoverPolicy, layout: ReplicaLayout, live: Sequ
 
 @dataclasses.dataclass(frozen=True)
 class ReplicaPlan:
-    """The step protocol's work plan under HSDP (:class:`unbroken.runtime.protocol.SlotPlan`'s contract).
+    """The step protocol's work plan under HSDP (:class:`unbroken.runtime.work_plan.SlotPlan`'s contract).
 
     Work goes to whole replicas (:func:`replica_assignment`, :func:`replica_completion`); a death takes
     its replica with it; joiners are admitted only as whole replicas; each worker reduces its gradient
@@ -252,8 +253,7 @@ class GradientShards:
         for p, n in zip(self.params, self.sizes):
             local = flat[offset:offset + n].view(p.to_local().shape) * scale  # type: ignore[attr-defined]
             if p.grad is None:
-                p.grad = DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape,  # type: ignore[attr-defined]
-                                            stride=p.stride(), run_check=False)
+                p.grad = laid_out_as(p, local)
             else:
                 p.grad.to_local().copy_(local)  # type: ignore[attr-defined]
             offset += n

@@ -1,0 +1,53 @@
+"""Who computes what in a step, and who reduces with whom: the step protocol's plan.
+
+:class:`SlotPlan` is data parallelism's: every worker its slot, the takeover policy's cover for the dead,
+one group of all members per view. HSDP's is :class:`unbroken.sharding.hsdp.ReplicaPlan` (work over whole
+replicas, one group per shard index). The protocol (:mod:`unbroken.runtime.protocol`) asks its plan and
+never the policy directly.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from unbroken.mecefo.gradients import SlotWork
+from unbroken.mecefo.takeover import TakeoverPolicy
+
+__all__ = ["SlotPlan"]
+
+
+class SlotPlan:
+    """Who computes what, and who reduces with whom: every worker its slot, the takeover policy's cover for
+    the dead, one group of all members per view. (HSDP's plan is :class:`unbroken.sharding.hsdp.ReplicaPlan`.)
+    """
+
+    def __init__(self, policy: TakeoverPolicy, n_slots: int, micro_batch: int) -> None:
+        self.policy, self.n_slots, self.micro_batch = policy, n_slots, micro_batch
+
+    def assign(self, me: int, live: Sequence[int]) -> list[SlotWork]:
+        """``me``'s work of a step that starts with ``live``."""
+        return list(self.policy.assign(n_slots=self.n_slots, live=live, micro_batch=self.micro_batch).get(me, []))
+
+    def complete(self, me: int, live: Sequence[int], done: dict[int, Sequence[SlotWork]]) -> list[SlotWork]:
+        """``me``'s extra work so that ``live``, having computed ``done``, cover the step exactly once."""
+        return self.policy.complete(n_slots=self.n_slots, micro_batch=self.micro_batch, live=live, done=done)[me]
+
+    def widen(self, dead: set[int]) -> set[int]:
+        """Who leaves the view with ``dead``: nobody else."""
+        return dead
+
+    def admissible(self, joiners: Sequence[int], members: Sequence[int]) -> list[int]:
+        """The joiners that may be admitted together: all."""
+        return list(joiners)
+
+    def peers(self, me: int, members: Sequence[int]) -> tuple[str, tuple[int, ...]]:
+        """The name of ``me``'s reduction group within a view (:meth:`JobStore.group_store`), and its members."""
+        return "", tuple(members)
+
+    def same_replica(self, a: int, b: int) -> bool:
+        """Are workers ``a`` and ``b`` ranks of one replica (here: the same worker)?"""
+        return a == b
+
+    partial_groups = False
+    """Does a member's reduction cover only part of the step (HSDP: its shard index's)? Then it votes
+    ``commit`` only once every member's reduction completed (:meth:`StepProtocol._vote`)."""
