@@ -31,17 +31,41 @@ from unbroken.runtime.ledger import check_ledger, read_events
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 STEPS = 24
+# Every fault here is a SIGKILL, found by the agents and by broken collectives: no hang to detect, so the heartbeat
+# timeout is set well above the default, which a loaded 2-core machine can exceed (a false death is a different
+# scenario).
+QUIET = "fault.heartbeat_timeout_s=6.0"
 
 
+# The recipe marks each process it sharded. It also paces the scenario on events rather than on the speed of
+# the machine: a forward pass waits while fewer than 4 marked processes are alive (a replica is down and its
+# restart has not built its model yet), so the restarted replica asks to join with steps left to admit it
+# however loaded the machine is (the surviving replica would otherwise race through the remaining steps).
 RECIPE = """
 import os
+import time
 from torch.distributed.fsdp import fully_shard
+
+MARKS = {marks!r}
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+def _wait_for_a_whole_job(module, args):
+    deadline = time.monotonic() + 60
+    while sum(_alive(int(p)) for p in os.listdir(MARKS)) < 4 and time.monotonic() < deadline:
+        time.sleep(0.02)
 
 def recipe(model, mesh):
     for block in model.layers:
         fully_shard(block, mesh=mesh, reshard_after_forward=False)
     fully_shard(model, mesh=mesh)
-    open(os.path.join({marks!r}, str(os.getpid())), "w").close()
+    model.register_forward_pre_hook(_wait_for_a_whole_job)
+    open(os.path.join(MARKS, str(os.getpid())), "w").close()
 """
 
 
@@ -52,7 +76,7 @@ def test_a_dead_rank_takes_its_replica_down_the_step_is_finished_and_the_replica
     marks.mkdir()
     (tmp_path / "recipe.py").write_text(RECIPE.format(marks=str(marks)))
     cfg = failover_config(corpus_overrides, STEPS, f"mecefo.policy={policy}", "train.shard_degree=2",
-                          f"model.parallelize={tmp_path / 'recipe.py'}:recipe")
+                          f"model.parallelize={tmp_path / 'recipe.py'}:recipe", QUIET)
     job = run_job(cfg, tmp_path / "run", nodes=2, workers_per_node=2, restart="on-failure",
                   fail_at=f"step=5:worker=3:kill:phase=allreduce,step=15:worker=0:kill:phase=forward,"
                           f"step={STEPS}:worker=0:kill:phase=finish")
@@ -60,8 +84,10 @@ def test_a_dead_rank_takes_its_replica_down_the_step_is_finished_and_the_replica
     assert job.pids and not leaked, f"processes of the job still running after launch returned: {leaked}"
     ledger = check_ledger(job.run_dir, n_slots=4, micro_batch=MICRO_BATCH, steps=STEPS)
     assert ledger.ok and ledger.committed == STEPS, ledger.to_json()
+    # Worker 1, the dead leader's sibling, reports too if the final checkpoint was committed before its agent
+    # reaped worker 0 (it then finished like the others, holding the same state)
     reports = sorted(int(p.stem[1:]) for p in (job.run_dir / "workers").glob("w*.json"))
-    assert reports == [2, 3] and job.summary["workers_agree"], (reports, job.summary["param_digest"])
+    assert reports in ([2, 3], [1, 2, 3]) and job.summary["workers_agree"], (reports, job.summary["param_digest"])
     # The user's recipe sharded the model of the 4 first workers and of both replicas' restarts (replica 0's
     # restart after the end may be stopped before it builds anything).
     starts = {e["pid"] for e in job.records if e.get("event") == "worker_start"}
@@ -113,7 +139,7 @@ def test_a_whole_job_killed_restores_its_shards_from_the_checkpoint_and_resumes_
     Every step is trained exactly once in the end, and the result is plain training's on the same batches."""
     run = tmp_path / "run"
     cfg = failover_config(corpus_overrides, STEPS, "mecefo.policy=spread", "train.shard_degree=2",
-                          "train.checkpoint_every=4")
+                          "train.checkpoint_every=4", QUIET)
     kills = ",".join(f"step=6:worker={w}:kill:phase=forward" for w in range(4))
     with pytest.raises(JobFailed) as failed:
         run_job(cfg, run, nodes=1, workers_per_node=4, restart="on-failure", fail_at=f"{kills},step=10:node=0:kill")
