@@ -64,3 +64,25 @@ def etcd_cluster():
         pytest.skip(str(exc))
     yield cluster
     cluster.stop()
+
+
+def _paths_of(value: object) -> list[Path]:
+    if isinstance(value, Path):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [p for v in value for p in _paths_of(v)]
+    return []
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):
+    """A failed test shows the stacks that agents had their hung workers write before fencing them (a worker's
+    log from its first ``Thread 0x`` line on): where a scenario stalled, even when it passes when run again."""
+    report = yield
+    if report.failed and call.when == "call":
+        roots = [p for v in getattr(item, "funcargs", {}).values() for p in _paths_of(v) if p.is_dir()]
+        for log in sorted({log for root in roots for log in root.rglob("logs/w*.log")}):
+            text = log.read_text(errors="replace")
+            if "Current thread" in text:
+                report.sections.append((f"stacks of a hung worker: {log}", text[text.index("Thread 0x"):][-8000:]))
+    return report

@@ -43,7 +43,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedP
 
 
 def test_the_example_trains_the_hf_model_through_a_kill(run: tuple[subprocess.CompletedProcess[str], Path, Path]) -> None:
-    proc, run_dir, hf_dir = run
+    proc, run_dir, hf_dir = run  # (on a failure, conftest shows the stacks of any worker fenced as hung)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     verdict = json.loads(proc.stdout.strip().splitlines()[-1])
     assert verdict == {**verdict, "steps": STEPS, "workers_agree": True, "ledger_ok": True, "rows_never": 0,

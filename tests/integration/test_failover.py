@@ -172,6 +172,12 @@ def test_hang_and_blocked_main_thread_are_detected_and_fenced(tmp_path, corpus_o
     for w in (1, 3):
         (exit_,) = job.events("worker_exit", worker=w)
         assert exit_["fenced"] and exit_["signal"] == 9
+    # Its agent asked the blocked worker where it hung before the SIGKILL: every thread's stack is in its log,
+    # the main thread's ending in the injector's read (the stopped worker 1 could not answer)
+    log = (job.run_dir / "logs" / "w3.log").read_text()
+    assert "Current thread" in log, log[-3000:]
+    main_thread = log[log.index("Current thread"):]
+    assert " in _fire\n" in main_thread and " in _beat\n" in log, log[-3000:]
     # The blocked worker's contribution was posted before it blocked: step 8 commits with it, and the peers
     # find it stuck when they wait for it in step 9.
     assert (3, 3, 0, MB, "exact") in job.committed_items(8)

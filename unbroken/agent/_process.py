@@ -172,6 +172,27 @@ def send(proc: subprocess.Popen[bytes], sig: int) -> bool:
             return False
 
 
+HANG_HOWS = frozenset({"heartbeat", "no progress", "lease expired", "startup_silent", "startup_deadline"})
+"""Reasons of a fence that judge a process hung (it may be alive): its stacks are worth having."""
+STACK_SIGNAL = signal.SIGUSR1
+"""A worker writes every thread's Python stack to its log on this signal (``faulthandler.register``)."""
+STACK_WAIT_S = 0.1
+"""How long a fence waits for that dump before SIGKILL (the handler writes at once when it gets the CPU)."""
+
+
+def dump_stacks(proc: subprocess.Popen[bytes]) -> bool:
+    """Ask a live child (not its group: a helper of its own would die of the signal) to write its threads'
+    stacks to its log, and give it :data:`STACK_WAIT_S` to do so; ``False`` if it is already gone."""
+    if proc.returncode is not None:
+        return False
+    try:
+        os.kill(proc.pid, STACK_SIGNAL)
+    except ProcessLookupError:
+        return False
+    time.sleep(STACK_WAIT_S)
+    return True
+
+
 def exit_status(returncode: int) -> tuple[int | None, int | None]:
     """``(exit code, signal number)`` of a reaped child; one of them is ``None``."""
     return (None, -returncode) if returncode < 0 else (returncode, None)

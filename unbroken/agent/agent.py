@@ -46,8 +46,8 @@ import torch.distributed as dist
 from unbroken.agent._job_error import death_error
 from unbroken.agent._restore import JobRestore
 from unbroken.agent._run_files import fired_before, last_self_fault_step, write_layout
-from unbroken.agent._process import (ForkedChild, become_subreaper, describe_exit, exit_status, log_line, remove_pid, send, spawn,
-                                     stop_all, write_pid)
+from unbroken.agent._process import (HANG_HOWS, ForkedChild, become_subreaper, describe_exit, dump_stacks, exit_status,
+                                     log_line, remove_pid, send, spawn, stop_all, write_pid)
 from unbroken.agent._standby import Standby
 from unbroken.agent._supervision import Incarnation, Limits, Restart, StartupWatch, decode_mark
 from unbroken.agent._template import Child, Template, TemplateFailed
@@ -473,7 +473,11 @@ class Agent:
                 self._kill(self.workers[w], reason, f"hung while starting or joining: {reason}")
 
     def _kill(self, inc: Incarnation, reason: Any, why: str) -> None:
-        """Fence ``inc``: SIGKILL now; its exit, reaped by the loop, counts as a death (then a restart)."""
+        """Fence ``inc``: SIGKILL now; its exit, reaped by the loop, counts as a death (then a restart).
+
+        A worker judged hung (not seen dead) first writes its threads' stacks to its log: where it hung."""
+        if isinstance(reason, dict) and reason.get("how") in HANG_HOWS and dump_stacks(inc.proc):
+            why += f"; its threads' stacks are in logs/w{inc.worker}.log"
         send(inc.proc, signal.SIGKILL)
         inc.fenced, inc.reason = True, reason
         self.watch.forget(inc.worker)

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Callable
 
 from unbroken.agent._job_error import record_error
-from unbroken.agent._process import die_with_parent
+from unbroken.agent._process import STACK_SIGNAL, die_with_parent
 from unbroken.faults.fail_at import FaultSpec, fault_selection
 from unbroken.faults.injector import PhaseFaults
 from unbroken.job.builder import Prepared
@@ -104,6 +104,7 @@ def main(argv: list[str] | None = None, *, forked: bool = False, prepared: Prepa
                                            f"%(name)s: %(message)s"))
     logging.basicConfig(level=logging.INFO, handlers=[handler])
     survive_nccl_failures()
+    faulthandler.register(STACK_SIGNAL, all_threads=True)  # a fence for a hang asks where it hung (to the log)
     if forked:
         logger.info("forked from the node's template (%s)",
                     "its data and model" if prepared is not None else "imports only")
