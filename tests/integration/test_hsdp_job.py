@@ -127,25 +127,32 @@ def test_a_dead_rank_takes_its_replica_down_the_step_is_finished_and_the_replica
             torch.testing.assert_close(got[name], want[name], rtol=1e-3, atol=1e-4, msg=name)  # as test_failover
 
 
-def test_a_whole_job_killed_restores_its_shards_from_the_checkpoint_and_resumes_unsharded(tmp_path, corpus_overrides):
-    """One node of 4 workers, 2 replicas of 2 ranks, a checkpoint every 4 steps (snapshots are off under HSDP):
+def test_a_whole_job_killed_restores_its_shards_from_memory_and_resumes_unsharded(tmp_path, corpus_overrides):
+    """One node of 4 workers, 2 replicas of 2 ranks, a snapshot every step and a checkpoint every 4 steps:
 
-    - every worker dies in the forward pass of step 6: the agents restore the job from the checkpoint of step 4,
-      each rank loading its part of the whole tensors into its shards, and it trains on;
-    - the node is lost at step 10: nothing is left, the job stops and names ``--resume``;
+    - every worker dies in step 6 with the cross-replica reduction in flight (the snapshot of step 6, taken
+      after step 5, sealed by then): the agents restore the job from snapshot memory at step 6 (0 steps lost): the workers of each shard index snapshotted their shards together, and each rank loads its
+      shards back from them;
+    - the node is lost at step 10: no agent is left, the job stops and names ``--resume``;
     - ``--resume`` with ``train.shard_degree=1`` continues from the checkpoint of step 8 with every worker
-      holding the whole model (the checkpoint holds whole tensors, whatever wrote it).
+      holding the whole model (the checkpoint holds whole tensors, whatever wrote it; the memory holds shards
+      of another layout, which the resume passes over).
 
     Every step is trained exactly once in the end, and the result is plain training's on the same batches."""
     run = tmp_path / "run"
     cfg = failover_config(corpus_overrides, STEPS, "mecefo.policy=spread", "train.shard_degree=2",
                           "train.checkpoint_every=4", QUIET)
-    kills = ",".join(f"step=6:worker={w}:kill:phase=forward" for w in range(4))
+    kills = ",".join(f"step=6:worker={w}:kill:phase=allreduce" for w in range(4))
     with pytest.raises(JobFailed) as failed:
         run_job(cfg, run, nodes=1, workers_per_node=4, restart="on-failure", fail_at=f"{kills},step=10:node=0:kill")
     assert f"continue with: unbroken train --resume {run}" in str(failed.value)
     restores = [e for e in read_events(run) if e.get("event") == "job_restore"]
-    assert [(e["restored_from"], e["step"]) for e in restores] == [("checkpoint", 4)], restores
+    assert [(e["restored_from"], e["step"]) for e in restores] == [("memory", 6)], restores
+    plans = {(e["worker"], e["shard_index"]) for e in read_events(run) if e.get("event") == "snapshot_plan"}
+    assert plans == {(0, 0), (1, 1), (2, 0), (3, 1)}, plans
+    loaded = [e for e in read_events(run) if e.get("event") == "restored"]
+    assert sorted((e["worker"], e["restored_from"], e["step"]) for e in loaded) == [
+        (w, "memory", 6) for w in range(4)], loaded
 
     flat = Config.from_dict(cfg.to_dict())
     flat.train.shard_degree = 1  # as `unbroken train --resume RUN --train.shard_degree=1` changes it

@@ -79,8 +79,9 @@ class JobRestore:
     """One agent's side of whole-job restores (see the module docstring)."""
 
     def __init__(self, store: JobStore, *, node: int, nnodes: int, workers_per_node: int, run_dir: Path,
-                 config_hash: str, event: Callable[..., None]) -> None:
+                 config_hash: str, event: Callable[..., None], shard_degree: int = 1) -> None:
         self.store, self.node, self.nnodes, self.per_node = store, node, nnodes, workers_per_node
+        self.shard_degree = shard_degree  # HSDP: each shard index's snapshot is its own (snapshot.restore.decide)
         self.run_dir, self.config_hash, self.event = run_dir, config_hash, event
         self.job = job_id(run_dir, create=True)  # the launcher wrote it; an agent started alone may not have
         self._published: set[int] = set()
@@ -119,7 +120,8 @@ class JobRestore:
                     f"restores stop; see the workers' logs under {self.run_dir / 'logs'} and fix its cause first")
         inventories = [json.loads(t) for t in invs.values()]
         spec = decide(inventories, checkpoint=self._checkpoint_found.result(),
-                      members_of=lambda nodes: [w for n in nodes for w in workers_of(n, self.per_node)])
+                      members_of=lambda nodes: [w for n in nodes for w in workers_of(n, self.per_node)],
+                      shard_degree=self.shard_degree)
         if spec is None:
             who = f"every member of view {view.gen} {list(view.members)} is dead" if view else "--resume"
             return (f"no live worker left: {who}, and nothing to restore from: no complete snapshot in the "

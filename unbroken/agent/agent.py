@@ -187,7 +187,8 @@ class Agent:
             self.watch = StartupWatch(self.store, limits, node=self.node)
             self.restorer = JobRestore(self.store, node=self.node, nnodes=self.opts.nnodes,
                                        workers_per_node=self.opts.workers_per_node, run_dir=self.run_dir,
-                                       config_hash=config_hash(job_cfg), event=self._event)
+                                       config_hash=config_hash(job_cfg), event=self._event,
+                                       shard_degree=job_cfg.train.shard_degree)
             if self.opts.resume_memory and not self.store.has_view():
                 self.restorer.first_view(lambda: self.rdv.heartbeat(time.monotonic()), LOOP_S)
             view = self.rdv.initial_view(self.opts.n_workers, self.opts.start_step)
@@ -514,8 +515,11 @@ class Agent:
                                       any(r.at_step is not None for r in self.restarts.values())):
             self._progress = self._read_progress()
             if self.plan.waiting(self._progress):
-                held = set(self.plan.held)
-                for inj in self.plan.due(self._progress, self._down_now()):
+                held, down = set(self.plan.held), self._down_now()
+                # The progress again, after the view: a fault held by the cap fires with a progress at least as
+                # new as the view that let it (its return step counts from it).
+                self._progress = max(self._progress, self._read_progress())
+                for inj in self.plan.due(self._progress, down):
                     self._fire(inj, now)
                 for spec in sorted(self.plan.held - held):
                     self._event("fault_deferred", None, spec=spec, progress=self._progress,

@@ -110,7 +110,7 @@ def memory_snapshot_step(run_dir: Path, cfg: Config) -> int | None:
                              f"config {buf.seal.get('config_hash')} ({path.name}), not this run's {want}: "
                              f"resume with the run's own config, or remove them (rm {segment_dir()}/unbroken-{job}-*)")
         seals.append(buf.seal)
-    complete = complete_steps(seals)
+    complete = complete_steps(seals, shard_degree=cfg.train.shard_degree)
     return complete[0][0] if complete else None
 
 

@@ -23,8 +23,9 @@
   torch's plain HSDP above (same model, micro-batch and sequence, ABBA); then the faults, one job each: a
   rank killed with the cross-replica reduction in flight (its replica fenced, the step finished by the other
   replica, the replica rejoining whole) and the other replica's node lost later (a replacement node
-  brought up 1 s after), and a whole-job kill restored from the persistent checkpoint (snapshots are off
-  under HSDP): stall, steps lost, rows trained never or twice, time until the replica is back.
+  brought up 1 s after), and a whole-job kill (every worker SIGKILLed with step 12's cross-replica reduction
+  in flight; ``snapshot.every=1``, a checkpoint every 5 steps) restored from snapshot memory, where the
+  workers of each shard index snapshot their shards together: stall, steps lost, rows trained never or twice, time until the replica is back.
 
 The same ranks (:func:`run_job`) back the test that both give the same
 parameters.
@@ -282,9 +283,9 @@ def _job_faults(preset: str) -> dict[str, Any]:
         events = _read(run / "events" / "agent1.jsonl")
         fenced = [e["worker"] for e in events if e.get("event") == "fence"
                   and (e.get("reason") or {}).get("how") == "replica"]
-        whole = ",".join(f"step=12:worker={w}:kill:phase=forward" for w in range(REPLICAS * SHARDS))
-        run = _launch_job(Path(tmp) / "restore", preset, 30, "train.checkpoint_every=5", restart="on-failure",
-                          fail_at=whole)
+        whole = ",".join(f"step=12:worker={w}:kill:phase=allreduce" for w in range(REPLICAS * SHARDS))
+        run = _launch_job(Path(tmp) / "restore", preset, 30, "train.checkpoint_every=5", "snapshot.every=1",
+                          restart="on-failure", fail_at=whole)
         restore = summarize_run(run)
     first = [x["down_to_back_s"] for x in faults["rejoins"] if x["step"] < node]
     second = [x["down_to_back_s"] for x in faults["rejoins"] if x["step"] >= node]
@@ -312,7 +313,7 @@ def _job_faults(preset: str) -> dict[str, Any]:
           f"after {_s(n['replica_back_s'])}")
     print(f"  steps lost {out['lost_steps']}, rows trained never or twice {out['rows_never_or_twice']}")
     w = out["whole_job_killed"]
-    print(f"  every worker killed at step 12: restored from {[(r['source'], r['step']) for r in w['restores']]} "
+    print(f"  every worker killed at step 12 (a snapshot every step): restored from {[(r['source'], r['step']) for r in w['restores']]} "
           f"(steps redone {w['steps_redone']}), steps lost {w['lost_steps']}, rows never or twice "
           f"{w['rows_never_or_twice']}")
     return out

@@ -129,7 +129,7 @@ class Trainer:
             load_checkpoint(spec.resume, self.job.model, self.job.optimizer, config_hash=self.hash)
         self.events = JsonlWriter(spec.run_dir / "events" / f"w{spec.worker}.jsonl")
         self.snapshots = snapshotter_for(cfg, spec.run_dir, spec.worker, spec.world, self.job.model,
-                                         self.job.optimizer, device, self.hash, self._event)
+                                         self.job.optimizer, device, self.hash, self._event, hsdp=self.hsdp)
         if self.snapshots is not None and self.snapshots.auto:  # its proposals ride in each gradient buffer
             self.job = dataclasses.replace(self.job, vote=self.snapshots.vote)
         self.protocol = recovery(cfg.fault.recovery).protocol_class()(
@@ -215,9 +215,10 @@ class Trainer:
         if self.snapshots is not None:
             self.snapshots.wait()
         done = restore_state(view.restore, run_dir=self.spec.run_dir, worker=self.spec.worker,
-                             world=self.spec.world, members=view.members, broadcast=broadcast,
+                             world=self.spec.world, members=self.protocol.peers, broadcast=broadcast,
                              model=self.job.model, optimizer=self.job.optimizer, device=self.job.device,
-                             config_hash=self.hash)
+                             config_hash=self.hash,
+                             shard_index=self.hsdp.index_of(self.spec.worker) if self.hsdp is not None else 0)
         if self.protocol.sharded is not None:
             self.protocol.sharded.reset_full(restored_gen=view.gen)
         self.events.write({"kind": "restore", "step": view.step, "gen": view.gen, "worker": self.spec.worker})
@@ -242,8 +243,8 @@ class Trainer:
             self.protocol.need_exchange |= view.restore is not None  # as in the joiner's restore below
             return view.step
         self.m.request_join({"pid": os.getpid(), "config_hash": self.hash, "t": time.time(),
-                             "memory": self.snapshots is not None and memory_rejoin_allowed(self.spec.run_dir,
-                                                                                            self.spec.worker)})
+                             "memory": self.snapshots is not None and self.hsdp is None  # HSDP: by transfer
+                             and memory_rejoin_allowed(self.spec.run_dir, self.spec.worker)})
         gen = -1
         while True:
             view = self._wait_view(lambda v, g=gen: v.gen > g and (

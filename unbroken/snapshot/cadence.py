@@ -56,8 +56,7 @@ def enabled(every: int | str) -> bool:
 def auto(cfg: object) -> bool:
     """Does the run of ``cfg`` pick its snapshot interval itself (``snapshot.every=auto``, snapshots taken)?
     A sharded optimizer takes none: its moments are protected by :mod:`unbroken.sharding.replicas`."""
-    t = cfg.train  # type: ignore[attr-defined]
-    return cfg.snapshot.every == "auto" and not t.shard_optimizer and t.shard_degree == 1  # type: ignore[attr-defined]
+    return cfg.snapshot.every == "auto" and not cfg.train.shard_optimizer  # type: ignore[attr-defined]
 
 
 def cast(slots: torch.Tensor, proposal: int) -> None:

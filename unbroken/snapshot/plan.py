@@ -100,28 +100,42 @@ def plan_for(members: Iterable[int], node_of: dict[int, int], *, redundancy: str
                         state_bytes=state_bytes, protected=protected)
 
 
-def complete_steps(seals: Iterable[dict[str, Any]]) -> list[tuple[int, dict[tuple[int, int], dict[str, Any]]]]:
-    """The steps for which the given seals hold a complete snapshot, newest first.
+Held = dict[tuple[int, int], dict[str, Any]]
+"""``(stripe, fragment) -> the seal of a buffer holding it``: one shard's complete snapshot of one step."""
 
-    A snapshot of step ``t`` is complete when, among seals of ``t`` that agree
-    on plan and layout, every stripe has at least ``k`` distinct fragments.
-    Returns ``[(t, {(stripe, fragment): seal})]``.
+
+def shard_of(seal: dict[str, Any]) -> tuple[int, int]:
+    """``(index, degree)`` of the state a seal's snapshot holds: under HSDP (``train.shard_degree = k``) the
+    workers of shard index ``i`` snapshot their shard together, apart from the other indices; else ``(0, 1)``."""
+    index, degree = seal.get("shard", (0, 1))
+    return int(index), int(degree)
+
+
+def complete_steps(seals: Iterable[dict[str, Any]], *, shard_degree: int = 1) -> list[tuple[int, dict[int, Held]]]:
+    """The steps for which the given seals hold a complete snapshot of the whole job, newest first.
+
+    The snapshot of shard index ``i`` of step ``t`` is complete when, among seals of ``t`` and ``i`` that agree
+    on plan and layout, every stripe has at least ``k`` distinct fragments; the job's is complete when each of
+    its ``shard_degree`` indices' is, in one generation. Seals of another degree are not this job's layout.
+    Returns ``[(t, {index: {(stripe, fragment): seal}})]``.
     """
-    groups: dict[tuple, dict[tuple[int, int], dict[str, Any]]] = defaultdict(dict)
+    groups: dict[tuple, Held] = defaultdict(dict)
     for s in seals:
-        key = (s["step"], s["gen"], s["layout_hash"], json.dumps(s["plan"], sort_keys=True))
+        index, degree = shard_of(s)
+        if degree != shard_degree:
+            continue
+        key = (s["step"], s["gen"], index, s["layout_hash"], json.dumps(s["plan"], sort_keys=True))
         for stripe, frag, *_ in s["fragments"]:
             groups[key].setdefault((stripe, frag), s)
-    out = []
+    whole: dict[tuple[int, int], dict[int, Held]] = defaultdict(dict)
     for key, held in groups.items():
         plan = SnapshotPlan.from_json(next(iter(held.values()))["plan"])
         per_stripe: dict[int, set[int]] = defaultdict(set)
         for stripe, frag in held:
             per_stripe[stripe].add(frag)
         if all(len(per_stripe[i]) >= plan.k for i in range(plan.stripes)):
-            out.append((key, held))
+            whole[key[:2]].setdefault(key[2], held)
     # Newest step first; of one step, the newest generation first (a restored job trains a step again under
     # a higher generation than the abandoned timeline that sealed it before).
-    out.sort(key=lambda t: (-t[0][0], -t[0][1]))
-    out = [(key[0], held) for key, held in out]
-    return out
+    return [(step, shards) for (step, gen), shards in sorted(whole.items(), key=lambda t: (-t[0][0], -t[0][1]))
+            if len(shards) == shard_degree]

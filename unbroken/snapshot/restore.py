@@ -32,7 +32,7 @@ from unbroken.snapshot.plan import SnapshotPlan, complete_steps
 from unbroken.snapshot.segment import SealedBuffer, SnapshotCorrupt, job_segments, segment_path
 from unbroken.snapshot.state_bytes import StateLoader
 
-__all__ = ["decide", "inventory", "restore_from_memory"]
+__all__ = ["decide", "inventory", "restore_from_memory", "shard_spec"]
 
 logger = logging.getLogger(__name__)
 
@@ -62,31 +62,45 @@ def inventory(job: str, node: int, *, config_hash: str | None = None) -> dict[st
 
 
 def decide(inventories: list[dict[str, Any]], *, checkpoint: tuple[int, str] | None,
-           members_of: Callable[[list[int]], list[int]]) -> dict[str, Any] | None:
+           members_of: Callable[[list[int]], list[int]], shard_degree: int = 1) -> dict[str, Any] | None:
     """The restore spec from the live nodes' inventories and the newest checkpoint ``(step, path)``.
 
     Returns ``{"source": "memory", ...}``, ``{"source": "checkpoint", "step", "path"}`` or None
-    (nothing to restore from).
+    (nothing to restore from). Under HSDP (``shard_degree`` k > 1) a memory spec holds, under ``shards``,
+    one shard index's part per index (:func:`shard_spec`): each index was snapshotted by its own workers.
     """
     seals = [s for inv in inventories for s in inv["seals"]]
     layouts = {h: lay for inv in inventories for h, lay in inv["layouts"].items()}
-    complete = complete_steps(seals)
+    complete = complete_steps(seals, shard_degree=shard_degree)
     if complete and (checkpoint is None or complete[0][0] >= checkpoint[0]):
-        step, held = complete[0]
-        some = next(iter(held.values()))
+        step, shards = complete[0]
+        parts = [_part(shards[i], layouts) for i in range(shard_degree)]
         live_nodes = sorted({inv["node"] for inv in inventories})
-        plan = SnapshotPlan.from_json(some["plan"])
-        rebuilt = [st for st in range(plan.stripes)
-                   if not all((st, f) in held for f in range(plan.k))]
-        return {"source": "memory", "step": step, "gen": some["gen"], "layout_hash": some["layout_hash"],
-                "layout": layouts[some["layout_hash"]], "plan": some["plan"], "nodes": live_nodes,
-                "members": members_of(live_nodes), "parity_stripes": rebuilt,
-                "holders": sorted([st, fr, s["node"], s["segment"]] for (st, fr), s in held.items()),
-                "fragment_lengths": {f"{st}/{fr}": length for s in held.values()
-                                     for st, fr, _, length, _ in s["fragments"]}}
+        whole = {"source": "memory", "step": step, "gen": parts[0]["gen"], "nodes": live_nodes,
+                 "members": members_of(live_nodes)}
+        return {**whole, **parts[0]} if shard_degree == 1 else {**whole, "shards": parts}
     if checkpoint is not None:
         return {"source": "checkpoint", "step": checkpoint[0], "path": checkpoint[1]}
     return None
+
+
+def _part(held: dict[tuple[int, int], dict[str, Any]], layouts: dict[str, Any]) -> dict[str, Any]:
+    """What the workers of one shard index read: its plan, layout, holders and fragment lengths."""
+    some = next(iter(held.values()))
+    plan = SnapshotPlan.from_json(some["plan"])
+    rebuilt = [st for st in range(plan.stripes) if not all((st, f) in held for f in range(plan.k))]
+    return {"gen": some["gen"], "layout_hash": some["layout_hash"], "layout": layouts[some["layout_hash"]],
+            "plan": some["plan"], "parity_stripes": rebuilt,
+            "holders": sorted([st, fr, s["node"], s["segment"]] for (st, fr), s in held.items()),
+            "fragment_lengths": {f"{st}/{fr}": length for s in held.values()
+                                 for st, fr, _, length, _ in s["fragments"]}}
+
+
+def shard_spec(spec: dict[str, Any], index: int) -> dict[str, Any]:
+    """The memory spec the workers of shard index ``index`` load (the spec itself without HSDP)."""
+    if "shards" not in spec:
+        return spec
+    return {**{k: v for k, v in spec.items() if k != "shards"}, **spec["shards"][index]}
 
 
 Broadcast = Callable[[torch.Tensor, int], object]

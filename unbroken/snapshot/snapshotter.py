@@ -48,7 +48,7 @@ import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -84,13 +84,18 @@ class Snapshotter:
         on_event: receives snapshot events (errors, plan changes, the interval chosen).
         write_threads: threads that code and write stripes at once.
         shares_cores: training runs on the host's cores (a CPU device): see :class:`Cadence`.
+        shard: HSDP: ``(index, degree)`` of this worker's shard; ``holders`` maps a view's members to the
+            workers holding the same shard index (one per live replica), who snapshot it together: the
+            plan, the coding and the stripes are theirs, apart from the other indices'.
     """
 
     def __init__(self, *, job_id: str, node: int, worker: int, node_of: dict[int, int], every: int | str,
                  redundancy: str, parity: int, config_hash: str,
                  state: Callable[[], dict[str, torch.Tensor]], on_event: Callable[..., None],
-                 write_threads: int = 1, shares_cores: bool = False) -> None:
+                 write_threads: int = 1, shares_cores: bool = False, shard: tuple[int, int] = (0, 1),
+                 holders: Callable[[Sequence[int]], Sequence[int]] = tuple) -> None:
         self.job_id, self.node, self.worker, self.node_of = job_id, node, worker, node_of
+        self.shard, self.holders = shard, holders
         self.every, self.redundancy, self.parity, self.config_hash = every, redundancy, parity, config_hash
         self.state, self.on_event = state, on_event
         self.auto = every == "auto"
@@ -178,13 +183,15 @@ class Snapshotter:
         self.wait()
         tensors = self.state()
         layout = describe(tensors)
-        plan = plan_for(view.members, self.node_of, redundancy=self.redundancy, parity=self.parity,
+        holders = self.holders(view.members)
+        plan = plan_for(holders, self.node_of, redundancy=self.redundancy, parity=self.parity,
                         state_bytes=layout.nbytes)
         if view.gen != self._plan_gen:
             self._plan_gen = view.gen
             self.on_event("snapshot_plan", gen=view.gen, step=done, k=plan.k, m=plan.m, stripes=plan.stripes,
-                          nodes=list(plan.nodes), protected=plan.protected, scheme=plan.scheme)
-        mine = plan.assignment(view.members, self.node_of).get(self.worker, [])
+                          nodes=list(plan.nodes), protected=plan.protected, scheme=plan.scheme,
+                          **({"shard_index": self.shard[0]} if self.shard[1] > 1 else {}))
+        mine = plan.assignment(holders, self.node_of).get(self.worker, [])
         if self.auto:  # alternate, starting away from this worker's newest sealed snapshot
             index, self._next = self._next, 1 - self._next
         else:
@@ -444,6 +451,7 @@ class Snapshotter:
             "config_hash": self.config_hash, "layout_hash": layout_hash(layout), "plan": plan.to_json(),
             "layout_offset": 0, "layout_len": len(layout_raw), "layout_crc": crc32(layout_raw),
             "fragments": fragments, "headers": headers, "t": time.time(),
+            **({"shard": list(self.shard)} if self.shard[1] > 1 else {}),
         })
         return {"step": done, "bytes": offset, "seconds": time.perf_counter() - t0, "pinned_bytes": self.pinned_bytes}
 

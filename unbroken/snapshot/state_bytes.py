@@ -21,6 +21,7 @@ import warnings
 import torch
 
 from unbroken.runtime.checkpoint import ADAM_KEYS, step_device, training_state
+from unbroken.sharding.parts import laid_out_as, local_of
 
 __all__ = ["StateLayout", "StateLoader", "capture", "copy_range", "layout_hash", "tensors_of"]
 
@@ -51,8 +52,9 @@ def layout_hash(entries: list[list]) -> str:
 
 def tensors_of(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                device: torch.device | None = None) -> dict[str, torch.Tensor]:
-    """The live tensors of the state, by name (views, not copies; read them before the next update)."""
-    state = training_state(model, optimizer)
+    """The live tensors of the state, by name (views, not copies; read them before the next update). Under
+    HSDP a parameter and its moments are this rank's shards (FSDP2's local parts)."""
+    state = {name: local_of(t) for name, t in training_state(model, optimizer).items()}
     if device is not None and device.type == "cuda":
         state["rng.cuda"] = torch.cuda.get_rng_state(device)
     return state
@@ -134,7 +136,7 @@ class StateLoader:
         for name, p in params.items():
             if f"model.{name}" not in names:
                 raise ValueError(f"snapshot does not fit the model: parameter {name!r} missing")
-        live = {f"model.{name}": p for name, p in params.items()}
+        live = {f"model.{name}": local_of(p) for name, p in params.items()}  # HSDP: this rank's shards
         if hasattr(optimizer, "load_full"):
             return live
         shapes = {name: (dtype, shape) for name, dtype, shape, *_ in layout}
@@ -145,11 +147,12 @@ class StateLoader:
             st = optimizer.state[p]
             for k in keys:
                 dtype, shape = shapes[f"optim.{name}.{k}"]
-                have = st.get(k)
-                if not torch.is_tensor(have) or have.dtype != _DTYPES.get(dtype) or tuple(have.shape) != tuple(shape):
-                    where = step_device(optimizer, p) if k == "step" else p.device
-                    st[k] = torch.zeros(shape, dtype=_DTYPES[dtype], device=where)
-                live[f"optim.{name}.{k}"] = st[k]
+                have = local_of(st[k]) if torch.is_tensor(st.get(k)) else None
+                if have is None or have.dtype != _DTYPES.get(dtype) or tuple(have.shape) != tuple(shape):
+                    where = step_device(optimizer, p) if k == "step" else local_of(p).device
+                    fresh = torch.zeros(shape, dtype=_DTYPES[dtype], device=where)
+                    st[k] = fresh if k == "step" else laid_out_as(p, fresh)  # a moment is laid out as its parameter
+                live[f"optim.{name}.{k}"] = local_of(st[k])
         return live
 
     def write(self, start: int, data: bytes | bytearray | memoryview) -> None:

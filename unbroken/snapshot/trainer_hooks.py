@@ -12,17 +12,20 @@ import json
 import os
 import secrets
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
 from unbroken.config import Config
 from unbroken.snapshot.cadence import enabled
 from unbroken.snapshot.plan import plan_for
-from unbroken.snapshot.restore import decide, inventory, restore_from_memory
+from unbroken.snapshot.restore import decide, inventory, restore_from_memory, shard_spec
 from unbroken.snapshot.segment import SnapshotCorrupt
 from unbroken.snapshot.snapshotter import Snapshotter
 from unbroken.snapshot.state_bytes import tensors_of
+
+if TYPE_CHECKING:
+    from unbroken.sharding.hsdp import ReplicaLayout
 
 __all__ = ["job_id", "load_from_node_memory", "memory_rejoin_allowed", "memory_rejoin_failed",
            "memory_rejoin_possible", "node_map", "restore_state", "snapshotter_for"]
@@ -69,14 +72,18 @@ def node_map(run_dir: Path, world: int) -> dict[int, int]:
 
 def snapshotter_for(cfg: Config, run_dir: Path, worker: int, world: int, model: torch.nn.Module,
                     optimizer: torch.optim.Optimizer, device: torch.device, config_hash: str,
-                    on_event: Callable[..., None]) -> Snapshotter | None:
-    """The worker's snapshotter, or None when ``snapshot.every`` is 0, the optimizer is sharded (the
-    replicated state's snapshot would lack the moments; :mod:`unbroken.sharding.replicas` protects them) or
-    the model is (``train.shard_degree``: whole-job restores come from the persistent checkpoint).
+                    on_event: Callable[..., None], hsdp: ReplicaLayout | None = None) -> Snapshotter | None:
+    """The worker's snapshotter, or None when ``snapshot.every`` is 0 or the optimizer is sharded (the
+    replicated state's snapshot would lack the moments; :mod:`unbroken.sharding.replicas` protects them).
+    Under HSDP (``hsdp``) it snapshots this rank's shards with the workers of its shard index.
     Its write threads: on a GPU the node's cores shared by its workers, at most :data:`MAX_WRITE_THREADS`;
     on a CPU device one."""
-    if not enabled(cfg.snapshot.every) or cfg.train.shard_optimizer or cfg.train.shard_degree > 1:
+    if not enabled(cfg.snapshot.every) or cfg.train.shard_optimizer:
         return None
+    shard = {}
+    if hsdp is not None and hsdp.shard_degree > 1:
+        index = hsdp.index_of(worker)
+        shard = {"shard": (index, hsdp.shard_degree), "holders": lambda members: hsdp.shard_peers(index, members)}
     node_of = node_map(run_dir, world)
     on_node = sum(1 for n in node_of.values() if n == node_of[worker])
     cpu = device.type == "cpu"  # training takes the cores: one write thread, its seconds a cost to the steps
@@ -84,20 +91,24 @@ def snapshotter_for(cfg: Config, run_dir: Path, worker: int, world: int, model: 
     return Snapshotter(job_id=job_id(run_dir), node=node_of[worker], worker=worker, node_of=node_of,
                        every=cfg.snapshot.every, redundancy=cfg.snapshot.redundancy, parity=cfg.snapshot.parity,
                        config_hash=config_hash, state=lambda: tensors_of(model, optimizer, device),
-                       on_event=on_event, write_threads=threads, shares_cores=cpu)
+                       on_event=on_event, write_threads=threads, shares_cores=cpu, **shard)
 
 
 def restore_state(spec: dict[str, Any], *, run_dir: Path, worker: int, world: int, members: tuple[int, ...],
                   broadcast: Callable[[torch.Tensor, int], object], model: torch.nn.Module,
-                  optimizer: torch.optim.Optimizer, device: torch.device, config_hash: str) -> dict[str, Any]:
-    """Load the state a restored view names (snapshot memory or checkpoint); returns what was done."""
+                  optimizer: torch.optim.Optimizer, device: torch.device, config_hash: str,
+                  shard_index: int = 0) -> dict[str, Any]:
+    """Load the state a restored view names (snapshot memory or checkpoint); returns what was done.
+
+    ``members`` are the workers ``broadcast`` reaches, by rank: the view's, or under HSDP the holders of
+    shard index ``shard_index`` (one per replica), who load that index's snapshot together."""
     if spec["source"] == "checkpoint":
         from unbroken.runtime.checkpoint import load_checkpoint  # local: heavy (DCP)
 
         load_checkpoint(Path(spec["path"]), model, optimizer, config_hash=config_hash)
         return {"restored_from": "checkpoint", "step": spec["step"], "path": spec["path"]}
     node_of = node_map(run_dir, world)
-    stats = restore_from_memory(spec, job=job_id(run_dir), node=node_of[worker], node_of=node_of, members=members,
+    stats = restore_from_memory(shard_spec(spec, shard_index), job=job_id(run_dir), node=node_of[worker], node_of=node_of, members=members,
                                 me=worker, broadcast=broadcast, model=model, optimizer=optimizer, device=device)
     return {"restored_from": "memory", **stats}
 
