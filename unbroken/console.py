@@ -174,9 +174,10 @@ def _worker_start(ev: Record, state: RunState) -> str | None:
 
 
 def _late_result(ev: Record, state: RunState) -> str:
+    what = ev.get("what", "all-reduce")
     if ev.get("ok"):
-        return f"worker {ev.get('worker')}: false alarm, its all-reduce completed {ev.get('seconds', 0.0):.2f} s late"
-    return f"worker {ev.get('worker')}: false alarm, its all-reduce failed; it leaves and rejoins"
+        return f"worker {ev.get('worker')}: false alarm, its {what} completed {ev.get('seconds', 0.0):.2f} s late"
+    return f"worker {ev.get('worker')}: false alarm, its {what} failed; it leaves and rejoins"
 
 
 def _snapshot_interval(ev: Record, state: RunState) -> str | None:

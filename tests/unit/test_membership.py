@@ -172,6 +172,7 @@ def test_the_leaders_duties_keep_its_progress_ticking_and_a_real_stall_still_cou
     from types import SimpleNamespace
 
     from unbroken.runtime.worker import Trainer
+    from unbroken.sharding.layout import StateLayout
 
     store = JobStore.host("127.0.0.1", 0, clients=3, secret="test")
     view = View(gen=0, members=(0, 1), step=0)
@@ -196,7 +197,7 @@ def test_the_leaders_duties_keep_its_progress_ticking_and_a_real_stall_still_cou
         cfg=SimpleNamespace(train=SimpleNamespace(keep_checkpoints=1)), m=leader, store=store,
         metrics=SimpleNamespace(step_done=slow), checkpointer=SimpleNamespace(poll=lambda: None, save=slow,
                                                                                pending_step=None),
-        schedule=SimpleNamespace(taken=lambda: None), protocol=SimpleNamespace(sharded=None, view=view),
+        schedule=SimpleNamespace(taken=lambda: None), protocol=SimpleNamespace(layout=StateLayout(None), view=view),
         job=SimpleNamespace(val_sampler=None, model=torch.nn.Linear(1, 1), optimizer=None), hash="h")
     trainer.job.optimizer = torch.optim.AdamW(trainer.job.model.parameters())
     trainer.hsdp = None

@@ -46,6 +46,7 @@ from unbroken.runtime.checkpoint_files import (
     verify_files,
     write_commit,
 )
+from unbroken.dcp import dcp
 from unbroken.sharding.parts import is_sharded, laid_out_as, local_of, local_part
 
 __all__ = [
@@ -70,14 +71,6 @@ def step_device(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> torch.devi
     """Where AdamW keeps ``p``'s step count: on the parameter's device when fused or capturable, else the host."""
     on_device = any(g.get("fused") or g.get("capturable") for g in optimizer.param_groups)
     return p.device if on_device else torch.device("cpu")
-
-
-def dcp() -> Any:
-    """``torch.distributed.checkpoint``, imported on first use: it is a third of a worker's import time,
-    and most processes (agents, standbys, a worker until its first save) never need it."""
-    import torch.distributed.checkpoint as module
-
-    return module
 
 
 def _save_errors() -> tuple[type[BaseException], ...]:

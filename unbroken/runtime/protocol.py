@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Callable, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Literal, Protocol
 
 import torch
 
@@ -52,7 +52,7 @@ from unbroken.runtime.membership import Fenced, Membership, MissedCommit, NoLive
 from unbroken.runtime.process_group import CollectiveFailed, ViewGroup
 from unbroken.runtime.state_transfer import transfer_state
 from unbroken.runtime.work_plan import SlotPlan
-from unbroken.sharding.state import ShardedState
+from unbroken.sharding.layout import StateLayout
 
 if TYPE_CHECKING:
     from unbroken.sharding.hsdp import ReplicaPlan
@@ -134,9 +134,9 @@ class StepProtocol:
         """Joiner: load the state of ``view.step`` from this node's snapshot memory."""
         self.before_admission: Callable[[], None] | None = None
         """Member: make this worker's share of the boundary's snapshot sealed before joiners read it."""
-        self.sharded: ShardedState | None = None
-        """Sharded optimizer state (``train.shard_optimizer``): updated and all-gathered before the vote,
-        re-sharded in :meth:`adopt`."""
+        self.layout: StateLayout = StateLayout(job)
+        """How the state is laid out across ranks (:mod:`unbroken.sharding.layout`): replicated, HSDP's shards,
+        or ZeRO-1's moments (updated and all-gathered before the vote, re-sharded in :meth:`adopt`)."""
         self.boundary_sync: Callable[[int, int], int] | None = None
         """HSDP: ``boundary_sync(leader, gen)`` shares the leader's view generation at a step boundary with the
         other ranks of its replica (they pass -1 and get the leader's)."""
@@ -193,9 +193,8 @@ class StepProtocol:
                            self.job.model, self.job.optimizer, src=self.peers.index(source),
                            rank=self.peers.index(self.me), device=self.job.device,
                            receive=self.me in view.joiners and self.me not in view.from_memory)
-        if self.sharded is not None:
-            self.sharded.reshard(view, lambda t: self.group.allreduce(t, self._check).clone(),
-                                 lambda t, src: self.group.broadcast_into(t, src, self._check))
+        self.layout.reshard(view, lambda t: self.group.allreduce(t, self._check).clone(),
+                            lambda t, src: self.group.broadcast_into(t, src, self._check))
         self._event("view_adopted", gen=view.gen, members=list(view.members), step=view.step,
                     joiners=list(view.joiners), reason=view.reason, build_s=self.group.build_s,
                     adopt_s=time.perf_counter() - t0)
@@ -211,10 +210,12 @@ class StepProtocol:
             self._wait_for(lambda: self.store.arrived(view.gen) >= n, f"arrival of the members of view {view.gen}")
 
     def _wait_for(self, ready: Callable[[], bool], what: str) -> None:
-        """Poll the store until ``ready()``, running the failure detector meanwhile."""
+        """Poll the store until ``ready()``, running the failure detector meanwhile (every
+        :data:`CHECK_EVERY_S`, as during a collective: not on every poll, which would multiply the store's
+        reads by the members polling)."""
         deadline = time.monotonic() + self.timeout_s
         while not ready():
-            self._check(force=True)
+            self._check()
             if time.monotonic() > deadline:
                 raise CollectiveFailed(f"{what} did not finish within {self.timeout_s} s")
             time.sleep(0.002)
@@ -310,8 +311,7 @@ class StepProtocol:
         local: torch.Tensor | None = None
         while True:
             reduced: torch.Tensor | None = None
-            if self.sharded is not None:
-                self.sharded.discard()
+            self.layout.discard()
             try:
                 extra = self._exchange(step, items) if self.need_exchange else self._assigned()
                 self.need_exchange = True  # any retry of this step exchanges first
@@ -320,18 +320,16 @@ class StepProtocol:
                     local = buf if local is None else local + buf
                     items = items + extra
                 reduced = self._reduce(step, local, items)
-                if self.sharded is not None:  # the whole step before the vote: update and all-gather
-                    self.sharded.update(step, reduced, self.group, self._check,
-                                        on_phase=lambda phase: self._phase(phase, step))
+                # ZeRO-1: the whole step before the vote (update and all-gather)
+                self.layout.after_reduction(step, reduced, self.group, self._check,
+                                            lambda phase: self._phase(phase, step))
                 self._vote(step)
                 self.need_exchange = False
                 return reduced, items
             except (ViewChanged, CollectiveFailed, MemberDied) as exc:
                 if self._reconfigure(step, f"{type(exc).__name__}: {exc}"):
-                    if self.sharded is not None:  # applying needs this worker's all-gather, not only the reduction
-                        reduced = reduced if self.sharded.ready(step) or self._late_gather(step) else None
-                    else:
-                        reduced = reduced if reduced is not None else self._late_result(step)
+                    reduced = self.layout.missed(step, reduced, self.group,
+                                                 lambda what, wait: self._late(step, what, wait))
                     if reduced is None:
                         raise MissedCommit(f"step {step} was committed in view {self.view.gen}, but this "
                                            f"worker's all-reduce did not complete ({exc}); it rejoins with the "
@@ -339,25 +337,14 @@ class StepProtocol:
                     self.need_exchange = False
                     return reduced, items
 
-    def _late_result(self, step: int) -> torch.Tensor | None:
-        """A false alarm: this worker gave up, the others committed; its own all-reduce may still complete."""
-        if self.group is None:
-            return None
+    def _late(self, step: int, what: str, wait: Callable[[float], Any]) -> Any:
+        """A false alarm: this worker gave up, the others committed; its own ``what`` (the all-reduce, ZeRO-1's
+        all-gather) may still complete: ``wait(timeout)`` for it, up to a heartbeat timeout."""
         t0 = time.perf_counter()
-        reduced = self.group.late_result(self.m.heartbeat_timeout_s)
-        self._event("late_result", step=step, gen=self.view.gen, ok=reduced is not None,
-                    seconds=time.perf_counter() - t0)
-        return reduced
-
-    def _late_gather(self, step: int) -> bool:
-        """Sharded: the same false alarm after the reduction; this worker's all-gather may still complete."""
-        if self.group is None or self.sharded is None:
-            return False
-        t0 = time.perf_counter()
-        ok = self.sharded.late(step, self.group, self.m.heartbeat_timeout_s)
-        self._event("late_result", step=step, gen=self.view.gen, ok=ok, seconds=time.perf_counter() - t0,
-                    what="all-gather")
-        return ok
+        out = wait(self.m.heartbeat_timeout_s)
+        self._event("late_result", step=step, gen=self.view.gen, ok=out is not None and out is not False,
+                    seconds=time.perf_counter() - t0, what=what)
+        return out
 
     def _assigned(self) -> list[SlotWork]:
         return self.plan.assign(self.me, self.view.members)
@@ -383,8 +370,7 @@ class StepProtocol:
         # A collective that completes within CHECK_EVERY_S never pays for the detector:
         # a crash fails it at once anyway, and a hang takes the heartbeat timeout.
         self._next_check = time.monotonic() + self._check_every
-        if self.sharded is not None:  # the last step's shard copies sealed before this reduction can complete
-            self.sharded.seal_replicas(check or self._check)
+        self.layout.before_reduction(check or self._check)  # ZeRO-1: the last step's shard copies sealed first
         return self.group.allreduce(local, check or self._check, lambda: self._phase("allreduce", step))
 
     def _vote(self, step: int) -> None:
@@ -521,9 +507,9 @@ class StepProtocol:
         return extra
 
     def _abandon(self) -> None:
-        if self.group is not None and self.sharded is not None and self.view is not None:
+        if self.group is not None and self.view is not None:
             view = self.view
-            self.sharded.settle(lambda: self._raise_if_dead(view))
+            self.layout.settle(lambda: self._raise_if_dead(view))
         if self.group is not None:
             self.group.abandon()
             self.group = None

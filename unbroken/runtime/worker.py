@@ -50,7 +50,7 @@ from unbroken.runtime.start_phases import StartClock
 from unbroken.runtime.protocol import MemberDied
 from unbroken.runtime.recovery import recovery
 from unbroken.sharding.checkpoint import ShardCheckpointer
-from unbroken.sharding.parts import local_of, whole_of
+from unbroken.sharding.parts import local_of
 from unbroken.sharding.replicas import ReplicaStore
 from unbroken.sharding.state import ShardedState, ShardLost
 from unbroken.snapshot.trainer_hooks import (job_id, load_from_node_memory, memory_rejoin_allowed, memory_rejoin_failed,
@@ -145,13 +145,15 @@ class Trainer:
         self.protocol.restorer = self._restore
         if self.hsdp is not None:
             from unbroken.sharding.hsdp import ReplicaPlan
+            from unbroken.sharding.layout import ShardedModel
 
             self.protocol.plan = ReplicaPlan(takeover_policy(cfg.mecefo.policy), self.hsdp, self.job.micro_batch)
+            self.protocol.layout = ShardedModel(self.job)
             self.protocol.boundary_sync = self._boundary_sync
             self.store.group_names = tuple(f".i{i}" for i in range(self.hsdp.shard_degree))
         if cfg.train.shard_optimizer:
             node_of = node_map(spec.run_dir, spec.world)
-            self.protocol.sharded = ShardedState(
+            self.protocol.layout = ShardedState(
                 self.job, worker=spec.worker, node_of=node_of, on_event=self._event,
                 replicas=ReplicaStore(job_id(spec.run_dir), node_of[spec.worker], spec.worker))
         self.shard_checkpoints = ShardCheckpointer(spec.run_dir) if cfg.train.shard_optimizer else None
@@ -219,8 +221,7 @@ class Trainer:
                              model=self.job.model, optimizer=self.job.optimizer, device=self.job.device,
                              config_hash=self.hash,
                              shard_index=self.hsdp.index_of(self.spec.worker) if self.hsdp is not None else 0)
-        if self.protocol.sharded is not None:
-            self.protocol.sharded.reset_full(restored_gen=view.gen)
+        self.protocol.layout.restored(view.gen)
         self.events.write({"kind": "restore", "step": view.step, "gen": view.gen, "worker": self.spec.worker})
         self._event("restored", **{**done, "gen": view.gen, "step": view.step, "seconds": time.perf_counter() - t0})
         logger.info("restored the state of step %d from %s in %.2f s", view.step, done["restored_from"],
@@ -323,14 +324,11 @@ class Trainer:
             reduced, _ = self.protocol.run_step(step)
             view, done = self.protocol.view, step + 1
             due = self.schedule.due(done)  # every member runs the schedule: a new leader goes on in step
-            if self.protocol.sharded is not None:
-                lr, grad_norm = self.protocol.sharded.commit(step, view, self.protocol.group, replicate=done < steps)
-                if due:  # every member writes its range of the moments
-                    opt = self.job.optimizer
-                    with self.m.busy():
-                        self.shard_checkpoints.save(done, view.gen, opt.lo, opt.hi, opt.exp_avg, opt.exp_avg_sq)
-            else:
-                lr, grad_norm = self.job.apply(step, reduced)
+            lr, grad_norm = self.protocol.layout.apply(step, view, self.protocol.group, reduced, last=done == steps)
+            if due and self.shard_checkpoints is not None:  # ZeRO-1: every member writes its range of the moments
+                opt = self.job.optimizer
+                with self.m.busy():
+                    self.shard_checkpoints.save(done, view.gen, opt.lo, opt.hi, opt.exp_avg, opt.exp_avg_sq)
             if self.snapshots is not None:
                 self.snapshots.take(done, view, self.job.layout.host_votes(reduced))
             self.events.write({"kind": "commit", "step": step, "gen": view.gen, "worker": self.spec.worker})
@@ -448,19 +446,15 @@ class Trainer:
 
     def _state(self) -> dict[str, torch.Tensor]:
         """The training state to checkpoint: whole tensors (HSDP: gathered over the replica, a collective)."""
-        state = training_state(self.job.model, self.job.optimizer)
-        if self.hsdp is not None:
-            state = {k: whole_of(v) for k, v in state.items()}
-        return state
+        return self.protocol.layout.whole(training_state(self.job.model, self.job.optimizer))
 
     def _save(self, done: int, last: dict[str, Any]) -> None:
         if self.checkpointer is None:
             self.checkpointer = AsyncCheckpointer(self.spec.run_dir, config_hash=self.hash,
                                                   keep=self.cfg.train.keep_checkpoints)
         self.schedule.taken()
-        shards = None
-        if self.protocol.sharded is not None:
-            shards = (self.protocol.view.gen, self.protocol.sharded.checkpoint_ranges())
+        ranges = self.protocol.layout.checkpoint_ranges()
+        shards = (self.protocol.view.gen, ranges) if ranges is not None else None
         self.checkpointer.save(done, self._state(), {"loss": last["loss"]}, shards=shards)
 
     def param_digest(self) -> str:
@@ -546,7 +540,7 @@ def run(spec: WorkerSpec, *, store: JobStore | None = None, prepared: Prepared |
               "shard_index": trainer.hsdp.index_of(spec.worker) if trainer.hsdp is not None else 0,
               "last": last, "gen": trainer.protocol.view.gen,
               "snapshots": trainer.snapshots.summary() if trainer.snapshots is not None else {},
-              "sharded": trainer.protocol.sharded.summary() if trainer.protocol.sharded is not None else None,
+              "sharded": trainer.protocol.layout.summary(),
               "peak_memory_bytes": torch.cuda.max_memory_allocated(trainer.job.device)
               if trainer.job.device.type == "cuda" else None, **compile_stats()}
     out = spec.run_dir / "workers" / f"w{spec.worker}.json"

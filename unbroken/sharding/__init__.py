@@ -1,14 +1,22 @@
-"""Sharded optimizer state (ZeRO-1): each live worker keeps the AdamW moments of its slice of the parameters.
+"""How training state is laid out across ranks: replicated, HSDP's FSDP2 shards, ZeRO-1's sharded moments.
 
-- :mod:`~unbroken.sharding.ranges`: which flat range each member owns under a
-  view, and which peer holds each member's replica (the ring to the next node);
-- :mod:`~unbroken.sharding.adamw`: AdamW on a flat range, out of place, equal to
-  ``torch.optim.AdamW`` element for element;
-- :mod:`~unbroken.sharding.replicas`: the ring copies of every shard in the
-  holders' snapshot memory;
-- :mod:`~unbroken.sharding.state`: the worker's side of it all, called by the
-  step protocol (update and all-gather before the vote, replicas sealed before
-  the next reduction, re-sharding when the view changes).
+- :mod:`~unbroken.sharding.layout`: the one interface the step protocol and
+  the worker call (:class:`~unbroken.sharding.layout.StateLayout`), and the
+  replicated and HSDP layouts;
+- :mod:`~unbroken.sharding.parts`: a tensor's part on this rank (a DTensor's
+  local shard, or all of it), for the gradient layout, checkpoints and
+  snapshots;
+- :mod:`~unbroken.sharding.hsdp`: HSDP's replicas (their layout, rendezvous,
+  FSDP2 recipe) and its work plan;
+- ZeRO-1: :mod:`~unbroken.sharding.ranges` (which flat range each member
+  owns under a view, and which peer holds each member's copy: the ring to
+  the next node), :mod:`~unbroken.sharding.adamw` (AdamW on a flat range,
+  out of place, equal to ``torch.optim.AdamW`` element for element),
+  :mod:`~unbroken.sharding.replicas` (the ring copies in the holders'
+  snapshot memory), :mod:`~unbroken.sharding.state` (its layout: update and
+  all-gather before the vote, copies sealed before the next reduction,
+  re-sharding when the view changes), :mod:`~unbroken.sharding.checkpoint`
+  (each member's range of the moments in a checkpoint).
 """
 
 from unbroken.sharding.adamw import Proposal, ShardedAdamW

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from unbroken.runtime.checkpoint import dcp
+from unbroken.dcp import dcp
 
 __all__ = ["SHARD_WAIT_S", "ShardCheckpointer", "collect_shards", "load_moments", "staging_dir"]
 

@@ -37,6 +37,7 @@ import torch
 from unbroken.mecefo.gradients import apply_reduced
 from unbroken.models.optim import set_lr
 from unbroken.sharding.adamw import Proposal, ShardedAdamW
+from unbroken.sharding.layout import Check, Late, StateLayout
 from unbroken.sharding.ranges import Sharding, ring_buddies
 from unbroken.sharding.replicas import ReplicaStore
 
@@ -44,15 +45,13 @@ __all__ = ["ShardLost", "ShardedState"]
 
 logger = logging.getLogger(__name__)
 
-Check = Callable[[], None]
-
 
 class ShardLost(Exception):
     """A shard's moments are gone with its owner and every copy: more failures than the redundancy covers."""
 
 
-class ShardedState:
-    """The sharded optimizer state of one worker.
+class ShardedState(StateLayout):
+    """The sharded optimizer state of one worker: ZeRO-1's :class:`~unbroken.sharding.layout.StateLayout`.
 
     Args:
         job: what is trained (its optimizer a :class:`ShardedAdamW`).
@@ -65,7 +64,8 @@ class ShardedState:
                  on_event: Callable[..., None]) -> None:
         if not isinstance(job.optimizer, ShardedAdamW):
             raise TypeError("sharded optimizer state needs the job's optimizer to be a ShardedAdamW")
-        self.job, self.opt, self.me, self.node_of = job, job.optimizer, worker, node_of
+        super().__init__(job)
+        self.opt, self.me, self.node_of = job.optimizer, worker, node_of
         self.replicas, self.on_event = replicas, on_event
         self.active: Sharding | None = None
         """The sharding steps are proposed under (None: this worker holds every range)."""
@@ -81,6 +81,29 @@ class ShardedState:
         self.rebuilt = 0
         self.replica_failures = 0
         """Ring copies received but not sealed (shared memory full)."""
+
+    name = "zero1"
+
+    # -- the layout's hooks (what the step protocol and the worker call) ---------------
+
+    def before_reduction(self, check: Check) -> None:
+        self.seal_replicas(check)
+
+    def after_reduction(self, step: int, reduced: torch.Tensor, group: Any, check: Check,
+                        on_phase: Callable[[str], None]) -> None:
+        self.update(step, reduced, group, check, on_phase=on_phase)
+
+    def missed(self, step: int, reduced: torch.Tensor | None, group: Any, late: Late) -> torch.Tensor | None:
+        """Applying needs this worker's all-gather, not only its reduction: done, or completed late."""
+        if self.ready(step) or (group is not None and late("all-gather", lambda t: self.late(step, group, t))):
+            return reduced
+        return None
+
+    def apply(self, step: int, view: Any, group: Any, reduced: torch.Tensor, *, last: bool) -> tuple[float, float]:
+        return self.commit(step, view, group, replicate=not last)
+
+    def restored(self, gen: int) -> None:
+        self.reset_full(restored_gen=gen)
 
     # -- a step -----------------------------------------------------------------------
 

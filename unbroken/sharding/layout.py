@@ -1,0 +1,108 @@
+"""How a worker's training state is laid out across ranks: what the step protocol and the worker ask of it.
+
+One interface, :class:`StateLayout`, three layouts:
+
+- **replicated** (this base class): every member holds the whole state; a committed step is applied from
+  the reduced gradient, a checkpoint writes the live tensors;
+- **HSDP** (:class:`ShardedModel`, ``train.shard_degree = k``): FSDP2 shards the model inside each replica.
+  To the step protocol the state is replicated per shard index (rank ``i`` of every replica holds the same
+  shards; the work plan, :class:`unbroken.sharding.hsdp.ReplicaPlan`, groups the reduction by index); a
+  checkpoint holds whole tensors, gathered over the replica;
+- **ZeRO-1** (:class:`unbroken.sharding.state.ShardedState`, ``train.shard_optimizer``): the parameters are
+  replicated, the AdamW moments split over the members; the update and the all-gather of the new
+  parameters run before the vote, the moments move to the new ranges when the view changes, and a ring of
+  copies in snapshot memory protects them.
+
+The step protocol (:mod:`unbroken.runtime.protocol`) calls :meth:`discard`, :meth:`before_reduction`,
+:meth:`after_reduction`, :meth:`missed`, :meth:`reshard` and :meth:`settle`; the worker
+(:mod:`unbroken.runtime.worker`) :meth:`apply`, :meth:`whole`, :meth:`checkpoint_ranges`, :meth:`restored`
+and :meth:`summary`. None of them branches on which layout it has.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from unbroken.sharding.parts import whole_of
+
+__all__ = ["Check", "Late", "ShardedModel", "StateLayout"]
+
+Check = Callable[[], None]
+"""The failure detector: raises when a member died or the view changed."""
+Late = Callable[[str, Callable[[float], Any]], Any]
+"""``late(what, wait)``: wait (up to a heartbeat timeout) for this worker's own ``what`` to complete after it gave
+up on it, recording how long it took; returns what ``wait`` returned."""
+
+
+class StateLayout:
+    """Replicated: every member holds the whole state. The base of every layout (its hooks do nothing).
+
+    Args:
+        job: what is trained (:class:`unbroken.job.builder.Job`).
+    """
+
+    name = "replicated"
+
+    def __init__(self, job: Any) -> None:
+        self.job = job
+
+    # -- the step (the protocol) -----------------------------------------------------
+
+    def discard(self) -> None:
+        """A new attempt of a step begins: forget what an attempt that did not commit proposed."""
+
+    def before_reduction(self, check: Check) -> None:
+        """Just before this worker posts its reduction of a step."""
+
+    def after_reduction(self, step: int, reduced: torch.Tensor, group: Any, check: Check,
+                        on_phase: Callable[[str], None]) -> None:
+        """After the reduction, before the vote: what must complete here before this worker may vote commit."""
+
+    def missed(self, step: int, reduced: torch.Tensor | None, group: Any, late: Late) -> torch.Tensor | None:
+        """The others committed ``step`` while this worker gave up on it (a false alarm): the reduced buffer it
+        applies, if its own reduction completed after all, else None (it leaves and rejoins)."""
+        if reduced is not None:
+            return reduced
+        return late("all-reduce", group.late_result) if group is not None else None
+
+    # -- views (the protocol) --------------------------------------------------------
+
+    def reshard(self, view: Any, allreduce: Callable[[torch.Tensor], torch.Tensor],
+                broadcast: Callable[[torch.Tensor, int], object]) -> None:
+        """In a new view, every member: move the state to the view's layout (nothing to move when replicated)."""
+
+    def settle(self, check: Check) -> None:
+        """Before a view's group is abandoned: finish what still travels on it."""
+
+    # -- the worker ------------------------------------------------------------------
+
+    def apply(self, step: int, view: Any, group: Any, reduced: torch.Tensor, *, last: bool) -> tuple[float, float]:
+        """Apply committed step ``step`` (``last``: the run's last step); returns (lr, grad norm)."""
+        return self.job.apply(step, reduced)
+
+    def whole(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The training state as a checkpoint holds it: whole tensors."""
+        return state
+
+    def checkpoint_ranges(self) -> list[tuple[int, int]] | None:
+        """ZeRO-1: the moments' ranges a checkpoint's commit waits for (each member writes its own); else None."""
+        return None
+
+    def restored(self, gen: int) -> None:
+        """The state was just loaded whole (a restore) in view ``gen``."""
+
+    def summary(self) -> dict[str, Any] | None:
+        """What the worker's report says about the layout (None: nothing)."""
+        return None
+
+
+class ShardedModel(StateLayout):
+    """HSDP: FSDP2 shards the model inside each replica (see the module docstring)."""
+
+    name = "hsdp"
+
+    def whole(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Whole tensors gathered over the replica: a collective every rank of the replica joins, in one order."""
+        return {k: whole_of(v) for k, v in state.items()}
