@@ -131,7 +131,8 @@ def test_a_whole_job_killed_restores_its_shards_from_memory_and_resumes_unsharde
     """One node of 4 workers, 2 replicas of 2 ranks, a snapshot every step and a checkpoint every 4 steps:
 
     - every worker dies in step 6 with the cross-replica reduction in flight (the snapshot of step 6, taken
-      after step 5, sealed by then): the agents restore the job from snapshot memory at step 6 (0 steps lost): the workers of each shard index snapshotted their shards together, and each rank loads its
+      after step 5, sealed by then): the agents restore the job from snapshot memory at step 6 (0 steps
+      lost): the workers of each shard index snapshotted their shards together, and each rank loads its
       shards back from them;
     - the node is lost at step 10: no agent is left, the job stops and names ``--resume``;
     - ``--resume`` with ``train.shard_degree=1`` continues from the checkpoint of step 8 with every worker

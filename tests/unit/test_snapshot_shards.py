@@ -15,7 +15,7 @@ from typing import Callable
 import pytest
 import torch
 
-from unbroken.models import build_model
+from test_restore import _model_and_optimizer
 from unbroken.runtime.view import View
 from unbroken.snapshot.plan import complete_steps
 from unbroken.snapshot.restore import decide, inventory, restore_from_memory, shard_spec
@@ -26,17 +26,6 @@ pytestmark = pytest.mark.timeout(120)
 
 NODE_OF = {0: 0, 1: 0, 2: 1, 3: 1}
 K = 2
-
-
-def _state(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(0)
-    model = build_model("debug", vocab_size=256, seq_len=32)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    gen = torch.Generator().manual_seed(seed)
-    for p in model.parameters():
-        p.grad = torch.randn(p.shape, generator=gen)
-    optimizer.step()
-    return model, optimizer
 
 
 def _snapshotters(job_id: str, states: dict[int, tuple]) -> list[Snapshotter]:
@@ -71,7 +60,7 @@ def _restore(job_id: str, spec: dict, index: int) -> list[dict[str, torch.Tensor
         return broadcast
 
     def one(me: int) -> dict[str, torch.Tensor]:
-        model, optimizer = _state(seed=99)  # another state: every byte must be overwritten
+        model, optimizer = _model_and_optimizer(seed=99)  # another state: every byte must be overwritten
         restore_from_memory(shard_spec(spec, index), job=job_id, node=NODE_OF[me], node_of=NODE_OF, members=members,
                             me=me, broadcast=broadcast_of(members.index(me)), model=model, optimizer=optimizer,
                             device=torch.device("cpu"))
@@ -82,7 +71,7 @@ def _restore(job_id: str, spec: dict, index: int) -> list[dict[str, torch.Tensor
 
 
 def test_each_shard_index_is_snapshotted_and_restored_by_its_own_holders(job_id):
-    states = {0: _state(seed=1), 1: _state(seed=2)}
+    states = {0: _model_and_optimizer(seed=1), 1: _model_and_optimizer(seed=2)}
     snaps = _snapshotters(job_id, states)
     view = View(gen=3, members=tuple(NODE_OF), step=5)
     for s in snaps:

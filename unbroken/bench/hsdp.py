@@ -25,7 +25,8 @@
   replica, the replica rejoining whole) and the other replica's node lost later (a replacement node
   brought up 1 s after), and a whole-job kill (every worker SIGKILLed with step 12's cross-replica reduction
   in flight; ``snapshot.every=1``, a checkpoint every 5 steps) restored from snapshot memory, where the
-  workers of each shard index snapshot their shards together: stall, steps lost, rows trained never or twice, time until the replica is back.
+  workers of each shard index snapshot their shards together: stall, steps lost, rows trained never or
+  twice, time until the replica is back.
 
 The same ranks (:func:`run_job`) back the test that both give the same
 parameters.
@@ -313,7 +314,8 @@ def _job_faults(preset: str) -> dict[str, Any]:
           f"after {_s(n['replica_back_s'])}")
     print(f"  steps lost {out['lost_steps']}, rows trained never or twice {out['rows_never_or_twice']}")
     w = out["whole_job_killed"]
-    print(f"  every worker killed at step 12 (a snapshot every step): restored from {[(r['source'], r['step']) for r in w['restores']]} "
+    restored = [(r["source"], r["step"]) for r in w["restores"]]
+    print(f"  every worker killed at step 12 (a snapshot every step): restored from {restored} "
           f"(steps redone {w['steps_redone']}), steps lost {w['lost_steps']}, rows never or twice "
           f"{w['rows_never_or_twice']}")
     return out

@@ -108,8 +108,9 @@ def restore_state(spec: dict[str, Any], *, run_dir: Path, worker: int, world: in
         load_checkpoint(Path(spec["path"]), model, optimizer, config_hash=config_hash)
         return {"restored_from": "checkpoint", "step": spec["step"], "path": spec["path"]}
     node_of = node_map(run_dir, world)
-    stats = restore_from_memory(shard_spec(spec, shard_index), job=job_id(run_dir), node=node_of[worker], node_of=node_of, members=members,
-                                me=worker, broadcast=broadcast, model=model, optimizer=optimizer, device=device)
+    stats = restore_from_memory(shard_spec(spec, shard_index), job=job_id(run_dir), node=node_of[worker],
+                                node_of=node_of, members=members, me=worker, broadcast=broadcast, model=model,
+                                optimizer=optimizer, device=device)
     return {"restored_from": "memory", **stats}
 
 
