@@ -52,6 +52,8 @@ class RunState:
     members: list[int] | None = None
     stall: tuple[float, int] | None = None
     """The last view change: its duration in seconds and the step it happened at."""
+    interval_shown: int | None = None
+    """The snapshot interval (``snapshot.every=auto``) the last line about it showed."""
 
     def observe(self, ev: Record) -> None:
         if ev.get("event") in ("view_adopted", "reconfigured") and "members" in ev:
@@ -180,10 +182,21 @@ def _late_result(ev: Record, state: RunState) -> str:
     return f"worker {ev.get('worker')}: false alarm, its {what} failed; it leaves and rejoins"
 
 
+INTERVAL_NEWS = 0.25
+"""A snapshot interval within this share of the one last shown is not news (no line)."""
+
+
 def _snapshot_interval(ev: Record, state: RunState) -> str | None:
-    """Every member decides the same interval at the same step: one line, from the first live member."""
+    """Every member decides the same interval at the same step: one line, from the first live member; and
+    only when it moved by more than :data:`INTERVAL_NEWS` from the one last shown (the auto cadence follows
+    the measured writes, so it wanders by a step or two: 33, 30, 32, 34 is one line)."""
     if state.members and ev.get("worker") != state.members[0]:
         return None
+    interval, shown = ev.get("interval"), state.interval_shown
+    if isinstance(interval, int) and isinstance(shown, int) and interval > 1 and shown > 1 \
+            and abs(interval - shown) <= INTERVAL_NEWS * shown:
+        return None
+    state.interval_shown = interval if isinstance(interval, int) else None
     write = ev.get("write_s")
     measured = f"writes of {write:.2f} s" if isinstance(write, (int, float)) else "first snapshot, not measured yet"
     every = "snapshot every step" if ev.get("interval") == 1 else f"snapshot every {ev.get('interval')} steps"

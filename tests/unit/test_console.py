@@ -105,6 +105,15 @@ def test_events_without_a_line(event):
     assert format_event(event, state()) is None
 
 
+def test_a_snapshot_interval_that_wanders_by_a_step_or_two_is_one_line():
+    st = state()
+    shown = [format_event({"event": "snapshot_interval", "worker": 0, "step": step, "interval": n,
+                           "recovery_point_steps": 2 * n, "write_s": 0.01}, st) is not None
+             for step, n in [(6, 1), (9, 21), (12, 33), (233, 30), (376, 32), (391, 34), (396, 40), (400, 60),
+                             (410, 1)]]
+    assert shown == [True, True, True, False, False, False, False, True, True]
+
+
 def test_summary_lines():
     assert format_summary({"steps": 12, "final_loss": 5.12345, "workers_agree": True}) == [
         "run summary", "  steps          12", "  final_loss     5.1235", "  workers_agree  True"]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -170,6 +171,28 @@ def send(proc: subprocess.Popen[bytes], sig: int) -> bool:
             return True
         except ProcessLookupError:
             return False
+
+
+class LineBuffer:
+    """Whole lines from a child's pipe (JSON, one per line): a line read in parts waits for its end."""
+
+    def __init__(self) -> None:
+        self.data = b""
+
+    def line(self, fd: int, timeout_s: float) -> bytes | None:
+        """The next whole line from ``fd`` (without its newline), or None when none came within ``timeout_s``
+        or the writer closed its end."""
+        deadline = time.monotonic() + timeout_s
+        while b"\n" not in self.data:
+            ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+            if not ready:
+                return None
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                return None
+            self.data += chunk
+        line, _, self.data = self.data.partition(b"\n")
+        return line
 
 
 HANG_HOWS = frozenset({"heartbeat", "no progress", "lease expired", "startup_silent", "startup_deadline"})

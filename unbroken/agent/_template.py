@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import select
 import signal
 import subprocess
 import sys
@@ -33,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Sequence
 
-from unbroken.agent._process import (PARENT_ENV, ForkedChild, child_env, describe_exit, log_line, run_forked, send,
+from unbroken.agent._process import (PARENT_ENV, ForkedChild, LineBuffer, child_env, describe_exit, log_line, run_forked, send,
                                      set_name, spawn)
 
 logger = logging.getLogger(__name__)
@@ -115,7 +114,7 @@ class Template:
         self.forks = 0
         self._started = 0.0
         self._lost_at = 0.0
-        self._buf = b""
+        self._lines = LineBuffer()
 
     # -- lifecycle ------------------------------------------------------------------
 
@@ -128,7 +127,7 @@ class Template:
     def start(self, now: float, *, fork: bool = False) -> None:
         """Start the template: with ``fork``, as a fork of this (the agent's) process, which has imported
         torch and unbroken already, when it runs no thread yet; else as a fresh interpreter."""
-        self._buf, self.ready, self._started = b"", False, now
+        self._lines, self.ready, self._started = LineBuffer(), False, now
         self.proc = _fork_template(self.cmd, self.log) if fork else None
         if self.proc is None:
             log_line(self.log, f"node {self.node} template: " + " ".join(self.cmd))
@@ -262,17 +261,9 @@ class Template:
     def _read(self, timeout_s: float) -> dict[str, Any] | None:
         """One reply line, or None when none came within ``timeout_s`` (or the template closed its end)."""
         assert self.proc is not None and self.proc.stdout is not None
-        fd = self.proc.stdout.fileno()
-        deadline = time.monotonic() + timeout_s
-        while b"\n" not in self._buf:
-            ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
-            if not ready:
-                return None
-            chunk = os.read(fd, 65536)
-            if not chunk:
-                return None
-            self._buf += chunk
-        line, _, self._buf = self._buf.partition(b"\n")
+        line = self._lines.line(self.proc.stdout.fileno(), timeout_s)
+        if line is None:
+            return None
         try:
             reply = json.loads(line)
         except ValueError:

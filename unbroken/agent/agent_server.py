@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from unbroken.agent._process import ForkedChild, run_forked
+from unbroken.agent._process import ForkedChild, LineBuffer, run_forked
 
 logger = logging.getLogger(__name__)
 
@@ -173,7 +173,7 @@ class AgentServer:
     def __init__(self) -> None:
         self.proc = subprocess.Popen([sys.executable, "-m", "unbroken.agent.agent_server"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=None, env={**os.environ})
-        self._buf = b""
+        self._lines = LineBuffer()
         self._exits: dict[int, int] = {}
         self._lock = threading.Lock()
         self.ready = False
@@ -254,27 +254,18 @@ class AgentServer:
     def _read(self, timeout_s: float) -> dict[str, Any] | None:
         """One line from the server (exit reports are recorded and skipped), or None within ``timeout_s``."""
         assert self.proc.stdout is not None
-        fd = self.proc.stdout.fileno()
         deadline = time.monotonic() + timeout_s
-        while True:
-            while b"\n" in self._buf:
-                line, _, self._buf = self._buf.partition(b"\n")
-                try:
-                    message = json.loads(line)
-                except ValueError:
-                    continue
-                if isinstance(message, dict) and "exit" in message:
-                    self._exits[int(message["exit"])] = int(message["code"])
-                    continue
-                if isinstance(message, dict):
-                    return message
-            ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
-            if not ready:
-                return None
-            chunk = os.read(fd, 65536)
-            if not chunk:
-                return None
-            self._buf += chunk
+        while (line := self._lines.line(self.proc.stdout.fileno(), deadline - time.monotonic())) is not None:
+            try:
+                message = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(message, dict) and "exit" in message:
+                self._exits[int(message["exit"])] = int(message["code"])
+                continue
+            if isinstance(message, dict):
+                return message
+        return None
 
 
 MAX_STARTS = 3
