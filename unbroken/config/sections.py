@@ -154,9 +154,9 @@ class TrainConfig:
     its siblings down with it, the other replicas train its rows in the same step, and it rejoins
     whole, rank ``i`` receiving shard ``i`` from rank ``i`` of a live replica. 1 (the default): every
     worker holds the whole model. Every takeover policy applies (MeCeFO's approximations run inside
-    FSDP2). Needs a divisor of the workers per node, no warm standby, and the built-in AdamW; per-step
-    snapshots are off (whole-job restores come from the persistent checkpoint, written whole by the
-    leader's replica)."""
+    FSDP2). Needs a divisor of the workers per node, no warm standby, and the built-in AdamW. Per-step
+    snapshots hold shards (the workers of each shard index snapshot theirs together); checkpoints hold
+    whole tensors, gathered by the leader's replica, so another ``shard_degree`` can resume them."""
 
 
 @dataclass(kw_only=True)
