@@ -152,3 +152,50 @@ def test_a_seal_covers_the_key_and_the_value():
     assert Sealer("other secret").open("dead/1", sealed) is None
     assert sealer.open("dead/1", b"") is None and sealer.open("dead/1", None) is None
     assert sealer.seal("k", "v") != sealer.seal("k", "v"), "each write has its own nonce"
+
+
+class _Counted(dist.Store):
+    """A real store that counts the round trips made through it."""
+
+    def __init__(self, inner: dist.Store) -> None:
+        super().__init__()
+        self.inner, self.trips = inner, 0
+
+    def compare_set(self, key, expected, desired):
+        self.trips += 1
+        return self.inner.compare_set(key, expected, desired)
+
+    def check(self, keys):
+        self.trips += 1
+        return self.inner.check(keys)
+
+    def get(self, key):
+        self.trips += 1
+        return self.inner.get(key)
+
+
+def test_a_counter_its_owner_adds_to_costs_one_round_trip_and_stale_hints_still_sum_right(store):
+    """An add tries the raw value this client last saw (one round trip when nobody wrote since); a stale one
+    costs a second (the failed swap answers the current value), never a wrong sum; a deleted key counts from
+    the last value seen; a read is one round trip."""
+    owner = JobStore.connect(f"127.0.0.1:{store.port}", timeout_s=10, secret="the job's secret")
+    other = JobStore.connect(f"127.0.0.1:{store.port}", timeout_s=10, secret="the job's secret")
+    counted = _Counted(owner.backend.store)
+    owner.backend.store = counted
+    assert owner.beat(3) == 1 and counted.trips == 2, "the first add reads, then swaps"
+    counted.trips = 0
+    assert [owner.beat(3) for _ in range(5)] == [2, 3, 4, 5, 6] and counted.trips == 5
+    assert other.backend.add("hb/3", 10) == 16, "another client's add"
+    counted.trips = 0
+    assert owner.beat(3) == 17 and counted.trips == 2, "a stale hint: the failed swap answers the current value"
+    counted.trips = 0
+    assert owner.backend.add("hb/3", 0) == 17 and counted.trips == 1, "a read: one round trip"
+    other.backend.delete_key("hb/3")
+    assert owner.beat(3) == 18, "a deleted counter counts from the last value this client saw"
+    # A vote: the first compare-and-set decides; a later voter's swap on its hint fails and reads the decision.
+    view = View(gen=0, members=(0, 1), step=0)
+    store.publish_initial(view)
+    assert owner.vote(view, 0, "commit") == "commit" and other.vote(view, 0, "abort") == "commit"
+    counted.trips = 0
+    assert other.vote(view, 1, "abort") == "abort"
+    assert owner.vote(view, 1, "commit") == "abort" and counted.trips == 1, "its hint (step 0's commit) is stale"

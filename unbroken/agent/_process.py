@@ -79,6 +79,7 @@ def run_forked(body: Callable[[], int | None]) -> None:
     """In a forked child: run ``body`` and leave with its exit code, never returning into the parent's code
     (``SystemExit`` gives its code; any other exception is printed and gives 1; standard streams flushed)."""
     code = 1
+    ChildWaker.forget()  # the parent's wakeup pipe is not this process's
     try:
         code = body() or 0
     except SystemExit as exc:
@@ -89,6 +90,56 @@ def run_forked(body: Callable[[], int | None]) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+
+
+class ChildWaker:
+    """The agent loop's sleep: until a timeout, or at once when a child exits (SIGCHLD) or a signal with a
+    handler arrives. A crashed worker is reaped within microseconds while the loop otherwise ticks slowly (the
+    loop's store reads cost the store a round trip each). Installed from the main thread (else it sleeps)."""
+
+    def __init__(self) -> None:
+        self._r, self._w = os.pipe()
+        os.set_blocking(self._r, False)
+        os.set_blocking(self._w, False)
+        try:
+            self._handler = signal.signal(signal.SIGCHLD, _ignore)
+            self._fd = signal.set_wakeup_fd(self._w, warn_on_full_buffer=False)
+            self.armed = True
+        except ValueError:  # not the main thread
+            self.armed = False
+
+    def sleep(self, seconds: float) -> None:
+        if not self.armed:
+            time.sleep(seconds)
+            return
+        if select.select([self._r], [], [], seconds)[0]:
+            try:
+                while os.read(self._r, 512):
+                    pass
+            except BlockingIOError:
+                pass
+
+    def close(self) -> None:
+        if self.armed:
+            signal.set_wakeup_fd(self._fd)
+            signal.signal(signal.SIGCHLD, self._handler)
+            self.armed = False
+        os.close(self._r)
+        os.close(self._w)
+
+    @staticmethod
+    def forget() -> None:
+        """In a forked child: no wakeup pipe, default SIGCHLD (a child's exit would write to a pipe that
+        is closed here, or the parent's)."""
+        try:
+            signal.set_wakeup_fd(-1)
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        except ValueError:
+            pass
+
+
+def _ignore(signum: int, frame: object) -> None:
+    """A Python-level handler, so that the signal writes to the wakeup pipe (it does nothing itself)."""
 
 
 def become_subreaper() -> bool:

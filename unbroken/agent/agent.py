@@ -46,8 +46,9 @@ import torch.distributed as dist
 from unbroken.agent._job_error import death_error
 from unbroken.agent._restore import JobRestore
 from unbroken.agent._run_files import fired_before, last_self_fault_step, write_layout
-from unbroken.agent._process import (HANG_HOWS, ForkedChild, become_subreaper, describe_exit, dump_stacks, exit_status,
-                                     log_line, remove_pid, send, spawn, stop_all, write_pid)
+from unbroken.agent._process import (HANG_HOWS, ChildWaker, ForkedChild, become_subreaper, describe_exit,
+                                     dump_stacks, exit_status, log_line, remove_pid, send, spawn, stop_all,
+                                     write_pid)
 from unbroken.agent._standby import Standby
 from unbroken.agent._supervision import Incarnation, Limits, Restart, StartupWatch, decode_mark
 from unbroken.agent._template import Child, Template, TemplateFailed
@@ -66,7 +67,14 @@ from unbroken.snapshot.segment import remove_segments
 
 logger = logging.getLogger(__name__)
 
-LOOP_S = 0.005  # progress is polled this often, so a fault lands within ~5 ms of its step
+LOOP_S = 0.005  # with a fault to inject, progress is polled this often, so it lands within ~5 ms of its step
+IDLE_S = 0.05
+"""The loop's tick otherwise: a worker's exit wakes it at once (:class:`ChildWaker`); what it polls in the
+store (marks to fence, the job's status, restarts due) is not needed sooner."""
+FENCE_S = 0.05
+"""How often the death counter is read for marks to fence (two store round trips: at the loop's pace, one agent
+would cost the store 400 a second, more than the heartbeats of its workers). A mark comes from a peer that judged
+a worker hung or fenced it (it is out of the view already); a crash this agent reaps itself, at the loop's pace."""
 STATUS_S = 0.05
 FAST_CRASH_S = 10.0
 MAX_FAST_CRASHES = 5
@@ -126,6 +134,7 @@ class Agent:
         self.total_steps = 0
         self._server: JobStore | None = None  # with --host-store: the store lives in this process
         self._deaths_seen = -1
+        self._next_fence = 0.0
         self._progress = opts.start_step
         self._done_at: float | None = None
         self._restored_gen: int | None = None
@@ -303,6 +312,13 @@ class Agent:
     # -- the loop ---------------------------------------------------------------
 
     def _loop(self) -> int:
+        waker = ChildWaker()
+        try:
+            return self._ticks(waker)
+        finally:
+            waker.close()
+
+    def _ticks(self, waker: ChildWaker) -> int:
         next_status = 0.0
         while True:
             now = time.monotonic()
@@ -311,7 +327,9 @@ class Agent:
                 raise AgentError(f"node {self.node}: interrupted by {name}; workers stopped", 128 + self.interrupted)
             self.rdv.heartbeat(now)
             self._reap(now)
-            self._fence()
+            if now >= self._next_fence:
+                self._next_fence = now + FENCE_S
+                self._fence()
             if self._done_at is None:
                 self._fence_stalled(now)
                 self._inject(now)
@@ -330,7 +348,13 @@ class Agent:
                 code = self._status(now)
                 if code is not None:
                     return code
-            time.sleep(max(LOOP_S, self.store.poll_s))
+            waker.sleep(max(LOOP_S if self._armed() else IDLE_S, self.store.poll_s))
+
+    def _armed(self) -> bool:
+        """A fault waits for a step (the progress is polled at :data:`LOOP_S`), or a stopped worker's
+        SIGCONT is due."""
+        return self.plan is not None and (self.plan.next_step is not None or bool(self.stopped)
+                                          or any(r.at_step is not None for r in self.restarts.values()))
 
     def _status(self, now: float) -> int | None:
         """Follow ``done`` / ``failed``; an exit code once this agent's part is over."""

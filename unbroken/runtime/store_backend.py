@@ -27,7 +27,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from unbroken.runtime.store_seal import NONCE_LEN, TAG_LEN, Sealer, SealedStore, add_sealed, compare_set_sealed
+from unbroken.runtime.store_seal import (NONCE_LEN, TAG_LEN, Sealer, SealedStore, add_sealed, present,
+                                        compare_set_sealed)
 from unbroken.runtime.store_seal import POLL_S as SEAL_POLL_S
 
 __all__ = ["ETCD_SCHEME", "ETCDS_SCHEME", "ETCD_TLS_ENV", "is_etcd_address", "SECRET_ENV", "SECRET_FILE", "StoreAccessDenied", "StoreBackend", "TCPStoreBackend", "job_secret",
@@ -164,11 +165,17 @@ class TCPStoreBackend(StoreBackend):
         # counter goes on from (a counter only grows); never used for other keys, whose value may have been
         # deleted or replaced since.
         self._seen: dict[str, bytes] = {}
+        # The raw value this client last read or wrote at a key it swaps (counters, votes): tried as the
+        # current one, so a swap on a value nobody else wrote since costs one round trip.
+        self._raw: dict[str, bytes | None] = {}
 
-    def _remember(self, key: str, value: bytes) -> bytes:
+    def _remember(self, key: str, value: bytes, raw: bytes | None = None) -> bytes:
         if len(self._seen) >= self.SEEN_LIMIT:
             self._seen.clear()
+            self._raw.clear()
         self._seen[key] = value
+        if raw is not None:
+            self._raw[key] = raw
         return value
 
     def _open(self, key: str, raw: bytes | None) -> bytes | None:
@@ -195,17 +202,20 @@ class TCPStoreBackend(StoreBackend):
         self._remember(key, sealed[:-NONCE_LEN - TAG_LEN])
 
     def compare_set(self, key: str, expected: str, desired: str) -> bytes:
-        return self._remember(key, compare_set_sealed(self.store, key, self.ns + key, expected, desired,
-                                                      self.sealer))
+        value, raw = compare_set_sealed(self.store, key, self.ns + key, expected, desired, self.sealer,
+                                        self._raw.get(key))
+        return self._remember(key, value, raw)
 
     def add(self, key: str, amount: int) -> int:
         known = int(self._seen.get(key) or 0)
-        value = add_sealed(self.store, key, self.ns + key, amount, self.sealer, known)
-        self._remember(key, str(value).encode())
+        value, raw = add_sealed(self.store, key, self.ns + key, amount, self.sealer, known, self._raw.get(key))
+        self._remember(key, str(value).encode(), raw)
         return value
 
     def check(self, keys: list[str]) -> bool:
         """Every key holds an authentic value (a forged or tombstoned one is absent)."""
+        if len(keys) == 1:  # one round trip
+            return self._open(keys[0], present(self.store, self.ns + keys[0])) is not None
         if not self.store.check([self.ns + k for k in keys]):
             return False
         return all(self._open(k, self.store.get(self.ns + k)) is not None for k in keys)
@@ -224,6 +234,7 @@ class TCPStoreBackend(StoreBackend):
 
     def delete_key(self, key: str) -> bool:
         self._seen.pop(key, None)
+        self._raw.pop(key, None)
         return self.store.delete_key(self.ns + key)
 
     def num_keys(self) -> int:

@@ -14,7 +14,9 @@ attacker's write can delay the job (as any client that floods the store can),
 never steer it.
 
 Counters (heartbeats, progress, deaths, joins) are sealed values too, added to
-by compare-and-set (a read and a swap: two round trips instead of one), and
+by compare-and-set (a swap on the value this client last saw: one round trip
+when nobody else wrote since, else a second with the value the failed swap
+answered), and
 the rendezvous of the job's process groups go through :class:`SealedStore`, a
 ``torch.distributed.Store`` that seals what gloo or NCCL write (their peers'
 addresses, NCCL's unique id). What this does not cover: gloo's and NCCL's own
@@ -128,10 +130,10 @@ class SealedStore(dist.Store):
             self.set(k, v)
 
     def add(self, key: str, amount: int) -> int:
-        return add_sealed(self.inner, self.prefix + key, key, amount, self.sealer)
+        return add_sealed(self.inner, self.prefix + key, key, amount, self.sealer)[0]
 
     def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
-        return compare_set_sealed(self.inner, self.prefix + key, key, expected, desired, self.sealer)
+        return compare_set_sealed(self.inner, self.prefix + key, key, expected, desired, self.sealer)[0]
 
     def delete_key(self, key: str) -> bool:
         return self.inner.delete_key(key)
@@ -143,44 +145,61 @@ class SealedStore(dist.Store):
         self.timeout_s = timeout.total_seconds()
 
 
-def _present(store: dist.Store, key: str) -> bytes | None:
-    return store.get(key) if store.check([key]) else None
+PROBE = b"\0unbroken-probe"
+"""Never a sealed value: ``compare_set(key, PROBE, PROBE)`` reads a key in one round trip, without waiting for it
+(``TCPStore`` answers the current value, or echoes ``PROBE`` for a missing key)."""
+
+
+def present(store: dist.Store, key: str) -> bytes | None:
+    """The key's raw value, None if missing: one round trip (``check`` then ``get`` would be two)."""
+    raw = store.compare_set(key, PROBE, PROBE)
+    return None if raw == PROBE else raw
 
 
 def compare_set_sealed(store: dist.Store, name: str, key: str, expected: str | bytes, desired: str | bytes,
-                       sealer: Sealer) -> bytes:
+                       sealer: Sealer, hint: bytes | None = None) -> tuple[bytes, bytes | None]:
     """``TCPStore.compare_set`` on sealed values (``name``: the key the seal covers, ``key``: the store's).
 
-    Returns the key's payload afterwards: ``desired`` when it was swapped in; the current payload otherwise
-    (``expected`` echoed for a missing key with a non-empty ``expected``, as ``TCPStore`` does)."""
+    ``hint``: the raw value this client last saw there; if it holds ``expected``, the swap is tried on it at
+    once (one round trip when nobody wrote since; a failed swap answers the current value, so no read is
+    lost either). Returns the key's payload afterwards (``desired`` when it was swapped in; the current
+    payload otherwise; ``expected`` echoed for a missing key with a non-empty ``expected``, as ``TCPStore``
+    does) and the raw value it read or wrote (the next call's hint)."""
     want = expected.encode() if isinstance(expected, str) else bytes(expected)
+    raw = hint if hint and want and sealer.open(name, hint) == want else present(store, key)
     while True:
-        raw = _present(store, key)
         current = sealer.open(name, raw)
         if current is None and raw:  # forged: tombstone it, then decide again
             store.compare_set(key, raw, b"")
+            raw = present(store, key)
             continue
         if current is None and want:
-            return want
+            return want, None
         if current is not None and current != want:
-            return current
+            return current, raw
         sealed = sealer.seal(name, desired)
         got = store.compare_set(key, raw if raw else b"", sealed)
         if got == sealed:
-            return sealer.open(name, sealed) or b""
-        # Someone else wrote between the read and the swap: look again.
+            return sealer.open(name, sealed) or b"", sealed
+        # Someone else wrote since the read: the swap answered the current value (or echoed ours: missing).
+        raw = None if raw and got == raw else got
 
 
-def add_sealed(store: dist.Store, name: str, key: str, amount: int, sealer: Sealer, known: int = 0) -> int:
+def add_sealed(store: dist.Store, name: str, key: str, amount: int, sealer: Sealer, known: int = 0,
+               hint: bytes | None = None) -> tuple[int, bytes | None]:
     """A sealed counter: read, then compare-and-set the sum (retried on a lost race); a missing, tombstoned
     or forged value counts as ``known`` (the last value this client saw: a forged value cannot set a worker's
-    heartbeat back)."""
+    heartbeat back). ``hint`` (an add, not a read): the raw value this client last saw there, tried as the
+    current one (a counter only its owner adds to, a heartbeat, costs one round trip). Returns the value and
+    the raw one read or written (the next call's hint)."""
+    raw = hint if hint and amount else present(store, key)
     while True:
-        raw = _present(store, key)
         current = sealer.open(name, raw)
         value = int(current) if current is not None else known
         if amount == 0 and current is not None:
-            return value
+            return value, raw
         sealed = sealer.seal(name, str(value + amount))
-        if store.compare_set(key, raw if raw else b"", sealed) == sealed:
-            return value + amount
+        got = store.compare_set(key, raw if raw else b"", sealed)
+        if got == sealed:
+            return value + amount, sealed
+        raw = None if raw and got == raw else got
