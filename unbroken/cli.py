@@ -131,10 +131,10 @@ RESUME_CONFLICTS = (("preset", "--preset"), ("config", "--config"), ("workers", 
                     ("faults", "--faults"), ("cluster_workers", "--cluster-workers"), ("out", "--out"),
                     ("overwrite", "--overwrite"))
 """Options of a new run that ``--resume`` cannot take (the run keeps its saved config and directory)."""
-RESUME_OVERRIDES = ("train.shard_optimizer", "train.shard_degree", "train.checkpoint_every_s",
+RESUME_OVERRIDES = ("train.shard_optimizer", "train.shard_degree", "model.parallelize", "train.checkpoint_every_s",
                     "fault.store_timeout_s")
-"""Config fields ``--resume`` may change: where the state lives, how often it is checkpointed by time, and how
-long to wait for the store, not what is trained."""
+"""Config fields ``--resume`` may change: where the state lives (and HSDP's sharding recipe), how often it is
+checkpointed by time, and how long to wait for the store, not what is trained."""
 
 
 def _resume_config(args: argparse.Namespace, overrides: list[str]) -> Config:

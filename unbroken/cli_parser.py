@@ -30,8 +30,10 @@ what rebuilds a failed worker's slice with no rollback. Costs one all-gather of
 the parameters per step and one copy of the slice to the next node, overlapped
 with the next step. Use it when the moments do not fit beside the model (a
 replicated worker holds 16 bytes per parameter before activations); a no-op
-with one worker. Whole-job restores of a sharded run come from the persistent
-checkpoint (every worker writes its slice); --resume may switch it on or off."""
+with one worker. Whole-job restores of a sharded run come from snapshot memory
+(the parameters from the snapshot, the moments from the copies of the same
+step) or the persistent checkpoint (every worker writes its slice); --resume
+may switch it on or off."""
 
 
 CLUSTER_WORKERS_HELP = ("the trace's failure rate is that of a cluster of N workers, of which the job's are a part "

@@ -130,6 +130,9 @@ def test_a_dead_rank_takes_its_replica_down_the_step_is_finished_and_the_replica
 def test_a_whole_job_killed_restores_its_shards_from_memory_and_resumes_unsharded(tmp_path, corpus_overrides):
     """One node of 4 workers, 2 replicas of 2 ranks, a snapshot every step and a checkpoint every 4 steps:
 
+    - worker 3 dies in step 2: replica 1 comes back and each of its ranks loads its shard index's state of
+      the boundary it joins at from the node's snapshot memory (the live replica's rank of that index sealed
+      it there), with no transfer;
     - every worker dies in step 6 with the cross-replica reduction in flight (the snapshot of step 6, taken
       after step 5, sealed by then): the agents restore the job from snapshot memory at step 6 (0 steps
       lost): the workers of each shard index snapshotted their shards together, and each rank loads its
@@ -141,12 +144,20 @@ def test_a_whole_job_killed_restores_its_shards_from_memory_and_resumes_unsharde
 
     Every step is trained exactly once in the end, and the result is plain training's on the same batches."""
     run = tmp_path / "run"
+    marks = tmp_path / "recipe_called"  # the pacing recipe: replica 1 is back before step 6
+    marks.mkdir()
+    (tmp_path / "recipe.py").write_text(RECIPE.format(marks=str(marks)))
     cfg = failover_config(corpus_overrides, STEPS, "mecefo.policy=spread", "train.shard_degree=2",
-                          "train.checkpoint_every=4", QUIET)
+                          "train.checkpoint_every=4", "snapshot.every=1",
+                          f"model.parallelize={tmp_path / 'recipe.py'}:recipe", QUIET)
     kills = ",".join(f"step=6:worker={w}:kill:phase=allreduce" for w in range(4))
     with pytest.raises(JobFailed) as failed:
-        run_job(cfg, run, nodes=1, workers_per_node=4, restart="on-failure", fail_at=f"{kills},step=10:node=0:kill")
+        run_job(cfg, run, nodes=1, workers_per_node=4, restart="on-failure",
+                fail_at=f"step=2:worker=3:kill:phase=forward,{kills},step=10:node=0:kill")
     assert f"continue with: unbroken train --resume {run}" in str(failed.value)
+    rejoined = [e for e in read_events(run) if e.get("event") == "rejoin_from_memory"]
+    assert sorted(e["worker"] for e in rejoined) == [2, 3] and len({e["step"] for e in rejoined}) == 1, rejoined
+    assert 2 <= rejoined[0]["step"] <= 6, rejoined
     restores = [e for e in read_events(run) if e.get("event") == "job_restore"]
     assert [(e["restored_from"], e["step"]) for e in restores] == [("memory", 6)], restores
     plans = {(e["worker"], e["shard_index"]) for e in read_events(run) if e.get("event") == "snapshot_plan"}
@@ -157,6 +168,7 @@ def test_a_whole_job_killed_restores_its_shards_from_memory_and_resumes_unsharde
 
     flat = Config.from_dict(cfg.to_dict())
     flat.train.shard_degree = 1  # as `unbroken train --resume RUN --train.shard_degree=1` changes it
+    flat.model.parallelize = ""
     summary = launch(flat, run, nodes=1, workers_per_node=4, resume=True)
     assert summary["steps"] == STEPS and summary["workers_agree"] and summary["resumed_from"].endswith("step_0000008")
     ledger = check_ledger(run, n_slots=4, micro_batch=MICRO_BATCH, steps=STEPS)

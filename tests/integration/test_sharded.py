@@ -11,9 +11,15 @@ Two jobs of 2 nodes x 2 workers (real processes, SIGKILL, gloo):
   worker 1, restarted, gets a range back when it rejoins; a checkpoint written
   while a worker was down holds the three ranges of that view;
 - two workers that hold each other's copies die at once: the job stops and
-  says why; ``--resume`` continues from the checkpoint, as a replicated run;
-  that checkpoint, written by the four workers before the failure, holds the
-  parameters and moments of plain single-process training (to float tolerance).
+  says why; the checkpoint written by the four workers before the failure
+  holds the parameters and moments of plain single-process training (to float
+  tolerance); ``--resume`` as a replicated run continues from snapshot memory,
+  newer than the checkpoint: the parameters from the snapshot, the moments
+  from the ring copies of the same step (sealed in the agents' memory, they
+  outlive the workers that held them), and ends where plain training ends;
+- every worker dies at once: the job is restored from snapshot memory with no
+  step lost, the parameters from the snapshot, the moments from the ring
+  copies of the same step.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from _reference import checkpoint_params, reference_train
 from unbroken.agent.launcher import JobFailed, launch
 from unbroken.config import Config
 from unbroken.runtime.checkpoint_files import committed_checkpoints, read_commit
+from unbroken.runtime.ledger import check_ledger, read_events
 from unbroken.sharding.checkpoint import load_moments
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
@@ -78,7 +85,7 @@ def test_failures_at_the_sharded_phases_rebuild_the_range_from_its_copy(tmp_path
 
 def test_losing_a_shard_and_its_copy_stops_the_job_and_resume_continues(tmp_path, corpus_overrides):
     cfg = failover_config(corpus_overrides, 16, "train.shard_optimizer=true", "mecefo.policy=spread",
-                          "train.checkpoint_every=4")
+                          "train.checkpoint_every=4", "snapshot.every=1")
     run = tmp_path / "run"
     with pytest.raises(JobFailed) as failed:
         launch(cfg, run, nodes=2, workers_per_node=2, restart="never",
@@ -99,4 +106,41 @@ def test_losing_a_shard_and_its_copy_stops_the_job_and_resume_continues(tmp_path
         at += p.numel()
     replicated = Config.from_dict({**cfg.to_dict(), "train": {**cfg.to_dict()["train"], "shard_optimizer": False}})
     summary = launch(replicated, run, nodes=2, workers_per_node=2, resume=True)
-    assert summary["steps"] == 16 and summary["resumed_from"] == str(kept) and summary["workers_agree"]
+    assert summary["steps"] == 16 and summary["workers_agree"]
+    # Step 6's copies of the dead workers' ranges were never sealed (their holders died in its forward pass):
+    # the newest step with a snapshot and a copy of every range is 5, one step after the checkpoint.
+    restores = [e for e in read_events(run) if e.get("event") == "job_restore"]
+    assert [(e["restored_from"], e["step"]) for e in restores] == [("memory", 5)], restores
+    loaded = [e for e in read_events(run) if e.get("event") == "restored"]
+    assert sorted((e["worker"], e["restored_from"], e["moment_ranges"]) for e in loaded) == [
+        (w, "memory", 4) for w in range(4)], loaded
+    got, want = checkpoint_params(summary["checkpoint"]), reference_train(cfg)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-3, atol=1e-4, msg=name)
+
+
+def test_a_whole_job_killed_restores_the_parameters_from_snapshots_and_the_moments_from_the_ring_copies(
+        tmp_path, corpus_overrides):
+    """2 nodes x 2 workers, a snapshot every step, no checkpoint before the end. Every worker dies in step 6
+    with its reduction in flight (the snapshot of the state after 6 steps and every ring copy of that step
+    sealed by then): the agents restore the job from memory at step 6, no step lost. The snapshot holds the
+    parameters, steps and RNG; each range's moments come from the copy its ring buddy sealed for step 6 in the
+    same view, read on the buddy's node and broadcast. The run then finishes: every step trained exactly
+    once, and the result is plain training's on the same batches (zero or stale moments would change it)."""
+    cfg = failover_config(corpus_overrides, 12, "train.shard_optimizer=true", "mecefo.policy=spread",
+                          "snapshot.every=1", "train.checkpoint_every_s=0")
+    kills = ",".join(f"step=6:worker={w}:kill:phase=allreduce" for w in range(4))
+    job = run_job(cfg, tmp_path / "run", nodes=2, workers_per_node=2, restart="on-failure", fail_at=kills)
+    restores = job.events("job_restore")
+    assert [(e["restored_from"], e["step"]) for e in restores] == [("memory", 6)], restores
+    loaded = job.events("restored")
+    assert sorted((e["worker"], e["restored_from"], e["step"], e["moment_ranges"]) for e in loaded) == [
+        (w, "memory", 6, 4) for w in range(4)], loaded
+    assert sum(e["moment_bytes_sent"] for e in loaded) == sum(e["moment_bytes_received"] for e in loaded) // 3
+    s = job.summary
+    assert s["steps"] == 12 and s["workers_agree"], s
+    ledger = check_ledger(job.run_dir, n_slots=4, micro_batch=cfg.data.micro_batch, steps=12)
+    assert ledger.ok and ledger.committed == 12, ledger.to_json()
+    got, want = checkpoint_params(s["checkpoint"]), reference_train(cfg)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-3, atol=1e-4, msg=name)

@@ -14,7 +14,7 @@ from unbroken.runtime.checkpoint import AsyncCheckpointer, load_checkpoint, trai
 from unbroken.sharding import ShardedAdamW, Sharding, ring_buddies, shard_range
 from unbroken.sharding.checkpoint import ShardCheckpointer, load_moments
 from unbroken.sharding.replicas import ReplicaStore
-from unbroken.snapshot.segment import remove_segments, segment_name, segment_path
+from unbroken.snapshot.segment import SealedBuffer, remove_segments, segment_name, segment_path
 
 HYPER = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 
@@ -142,6 +142,54 @@ def test_ring_copies_of_the_timeline_a_restore_abandoned_are_ignored() -> None:
         remove_segments(job)
 
 
+def test_a_snapshot_steps_copies_are_pinned_and_a_restore_finds_every_range_of_that_step() -> None:
+    """Copies of every step alternate in buffers 0 and 1; a snapshot step's go to 2 and 3, so the moments of
+    the two newest snapshot steps stay while later steps' copies come and go. :func:`moments_spec` takes a
+    step only with a copy of every range of one sharding, sealed in the snapshot's view."""
+    from unbroken.sharding.replicas import copies_inventory, moments_spec
+
+    job = secrets.token_hex(6)
+    holders = {3: ReplicaStore(job, 1, 3), 0: ReplicaStore(job, 0, 0)}  # 3 keeps 0's copy, 0 keeps 3's
+    try:
+        for done in range(1, 8):  # a snapshot every 3 steps (3, 6): their copies pinned
+            pinned = done % 3 == 0
+            holders[3].write(done, 2, (0, 3), {0: (0, 4, torch.full((8,), float(done)))}, pinned=pinned)
+            holders[0].write(done, 2, (0, 3), {3: (4, 10, torch.full((12,), -float(done)))}, pinned=pinned)
+        copies = copies_inventory(job, 1)[0] + copies_inventory(job, 0)[0]
+        # buffer 0: step 4 (2 before it); 1: step 7 (1, 5 before it); pinned 2 and 3: steps 3 and 6
+        assert sorted(c["step"] for c in copies) == [3, 3, 4, 4, 6, 6, 7, 7]
+        spec = moments_spec(copies, step=6, gen=2)
+        assert spec is not None and spec["members"] == [0, 3]
+        assert [(o, lo, hi, node) for o, lo, hi, node, *_ in spec["ranges"]] == [(0, 0, 4, 1), (3, 4, 10, 0)]
+        assert moments_spec(copies, step=5, gen=2) is None, "step 5's copies were overwritten by step 7's"
+        assert moments_spec(copies, step=3, gen=2) is not None, "the snapshot before the last one"
+        assert moments_spec(copies, step=6, gen=1) is None, "sealed in another view: another timeline"
+        assert moments_spec(copies_inventory(job, 1)[0], step=6, gen=2) is None, "node 0 (3's copy) is gone"
+        # A replicated optimizer takes the moments too (a --resume without train.shard_optimizer).
+        from unbroken.sharding.replicas import restore_moments
+
+        model = torch.nn.Sequential(torch.nn.Linear(2, 2, bias=False), torch.nn.Linear(2, 3, bias=False))  # 4 + 6
+        opt = build_optimizer(model, **HYPER)
+
+        def broadcast(t: torch.Tensor, src: int) -> None:  # worker 3 (rank 1) sends 0's copy, kept on its node 1
+            if src == 1:
+                _, lo, hi, node, segment, offset, n, crc = spec["ranges"][0]
+                data = SealedBuffer.open(segment_path(segment), job).read(offset, n, crc)
+                t.copy_(torch.frombuffer(bytearray(data), dtype=torch.float32))
+
+        done = restore_moments(spec, job=job, node_of={0: 0, 3: 1}, members=(0, 3), me=0, broadcast=broadcast,
+                               model=model, optimizer=opt)
+        w = model[1].weight
+        assert torch.equal(opt.state[model[0].weight]["exp_avg"], torch.full((2, 2), 6.0))
+        assert torch.equal(opt.state[w]["exp_avg"], torch.full((3, 2), -6.0))
+        assert torch.equal(opt.state[w]["exp_avg_sq"], torch.full((3, 2), -6.0))
+        assert done["moment_ranges"] == 2 and done["moment_bytes_sent"] == 48 and done["moment_bytes_received"] == 32
+    finally:
+        for h in holders.values():
+            h.close()
+        remove_segments(job)
+
+
 @pytest.fixture
 def full_shared_memory(tmp_path, monkeypatch):
     """Snapshot memory on a 64 KiB tmpfs (where this test may mount one), else a ``posix_fallocate`` that
@@ -251,3 +299,19 @@ def test_shard_optimizer_config() -> None:
     assert config_hash(plain) == config_hash(sharded), "where the moments live does not change what is trained"
     with pytest.raises(ValueError, match="train.shard_optimizer=true with optim.factory='m:f': sharding needs"):
         load_config(preset_name="debug", overrides=["train.shard_optimizer=true", "optim.factory=m:f"])
+
+
+def test_the_training_state_is_laid_out_in_the_models_order_whatever_order_the_optimizer_state_was_made_in() -> None:
+    """A worker that loaded the state (a rejoin, a restore) created the optimizer's state in another order than
+    one that trained from the start; the snapshot holders of one state must describe it alike."""
+    model = _model()
+    trained = build_optimizer(model, **HYPER)  # state created by a step: param_groups order (decay group first)
+    model(torch.randn(2, 7)).sum().backward()
+    trained.step()
+    loaded = build_optimizer(model, **HYPER)
+    for p in reversed(list(model.parameters())):  # created in another order, as a loader may
+        loaded.state[p] = {k: v.clone() for k, v in trained.state[p].items()}
+    assert list(training_state(model, trained)) == list(training_state(model, loaded))
+    names = [k for k in training_state(model, trained) if k.startswith("optim.")]
+    assert names[:4] == ["optim.0.weight.exp_avg", "optim.0.weight.exp_avg_sq", "optim.0.weight.step",
+                         "optim.0.bias.exp_avg"], names

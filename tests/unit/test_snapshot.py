@@ -275,7 +275,14 @@ def test_a_joiner_loads_the_boundary_from_its_own_node_when_the_node_can_decode_
     (run / "layout.json").write_text('{"nodes": 4, "workers_per_node": 1}')
     cfg.snapshot.every = 1
     assert not th.memory_rejoin_possible(cfg, run, 4, 1, everyone, 7)  # k = 3: needs other nodes' fragments
-    (run / "layout.json").write_text('{"nodes": 2, "workers_per_node": 2}')
+    # HSDP, one node of 2 replicas x 2 ranks: index 1's state is snapshotted by its members only (worker 1 of
+    # the live replica 0, for the joiner 3), all on the node: it decodes alone.
+    from unbroken.sharding.hsdp import ReplicaLayout
+
+    (run / "layout.json").write_text('{"nodes": 1, "workers_per_node": 4}')
+    assert th.memory_rejoin_possible(cfg, run, 4, 3, (0, 1), 7, ReplicaLayout(4, 2))
+    (run / "layout.json").write_text('{"nodes": 2, "workers_per_node": 2}')  # a replica per node: nobody on it
+    assert not th.memory_rejoin_possible(cfg, run, 4, 3, (0, 1), 7, ReplicaLayout(4, 2))
     job = _trained()
     _snapshot(job_id, job, done=7)
     fresh = _trained(seed=5)

@@ -111,6 +111,12 @@ def memory_snapshot_step(run_dir: Path, cfg: Config) -> int | None:
                              f"resume with the run's own config, or remove them (rm {segment_dir()}/unbroken-{job}-*)")
         seals.append(buf.seal)
     complete = complete_steps(seals, shard_degree=cfg.train.shard_degree)
+    if any(s.get("moments") == "copies" for s in seals):  # written with ZeRO-1: the moments' copies too
+        from unbroken.sharding.replicas import copies_inventory, moments_spec
+
+        copies = copies_inventory(job)[0]
+        complete = [(t, held) for t, held in complete if not any(s.get("moments") == "copies" for s in held[0].values())
+                    or moments_spec(copies, step=t, gen=next(iter(held[0].values()))["gen"]) is not None]
     return complete[0][0] if complete else None
 
 

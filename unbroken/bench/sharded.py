@@ -14,7 +14,14 @@
 3. **crash** (real jobs, first preset): a worker SIGKILLed mid-step in a
    sharded job and in a replicated one: stall per crash (the failed step's
    time beyond the median), lost steps, rows trained never or twice (ledger),
-   and which ranges came from copies.
+   and which ranges came from copies;
+4. **restore** (a real job, first preset): every worker of a sharded job
+   SIGKILLed with the reduction of the middle step in flight (``snapshot.every=1``,
+   no checkpoint before the end): where the job was restored from (snapshot
+   memory: the parameters from the snapshot, each range's moments from its ring
+   copy of the same step), steps redone, lost steps, rows trained never or twice.
+
+Snapshots (``snapshot.every``, default ``auto``) run in every job, sharded or not.
 """
 
 from __future__ import annotations
@@ -124,6 +131,22 @@ def _crash(a: argparse.Namespace, tmp: Path, name: str) -> dict[str, Any]:
     return out
 
 
+def _restore(a: argparse.Namespace, tmp: Path, name: str) -> dict[str, Any]:
+    at = a.steps // 2
+    whole = ",".join(f"step={at}:worker={w}:kill:phase=allreduce" for w in range(a.nodes * a.workers_per_node))
+    cfg = _cfg(a, name, "train.shard_optimizer=true", "mecefo.policy=spread", "snapshot.every=1",
+               "train.checkpoint_every_s=0")
+    run = _job(a, tmp, "restore", cfg, restart="on-failure", fail_at=whole)["run"]
+    report = summarize_run(run)
+    loaded = [e for e in read_events(run) if e.get("event") == "restored"]
+    restores = report["snapshots"]["restores"]
+    return {"at_step": at, "restores": restores, "steps_redone": [at - r["step"] for r in restores],
+            "moment_ranges_from_copies": sorted({e.get("moment_ranges", 0) for e in loaded}),
+            "moment_bytes_broadcast": sum(e.get("moment_bytes_sent", 0) for e in loaded),
+            "lost_steps": report["lost_steps"],
+            "rows_never_or_twice": report["rows_trained_never"] + report["rows_trained_twice"]}
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(prog="unbroken bench sharded", description=__doc__.splitlines()[0])
     ap.add_argument("--presets", default="tiny,debug", help="bytes for each; jobs with the first")
@@ -131,13 +154,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--workers-per-node", type=int, default=2)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--pairs", type=int, default=2, help="alternating replicated/sharded job pairs (steady)")
-    ap.add_argument("--parts", default="bytes,steady,crash", help="which measurements to run")
+    ap.add_argument("--parts", default="bytes,steady,crash,restore", help="which measurements to run")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/sharded.json"))
     a, a.overrides = parse_with_overrides(ap, argv)
     parts, names = a.parts.split(","), a.presets.split(",")
-    unknown = set(parts) - {"bytes", "steady", "crash"}
+    unknown = set(parts) - {"bytes", "steady", "crash", "restore"}
     if unknown:
-        raise ValueError(f"--parts: unknown {', '.join(sorted(unknown))}; valid: bytes, steady, crash")
+        raise ValueError(f"--parts: unknown {', '.join(sorted(unknown))}; valid: bytes, steady, crash, restore")
     result: dict[str, Any] = {"benchmark": "sharded", "presets": names, "nodes": a.nodes,
                               "workers_per_node": a.workers_per_node, "steps": a.steps,
                               "machine": machine_description()}
@@ -149,6 +172,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             result["steady"] = _steady(a, Path(tmp), names[0])
         if "crash" in parts:
             result["crash"] = _crash(a, Path(tmp), names[0])
+        if "restore" in parts:
+            result["restore"] = _restore(a, Path(tmp), names[0])
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(result, indent=1, default=str))
     _print(result)
@@ -177,3 +202,9 @@ def _print(r: dict[str, Any]) -> None:
             print(f"{kind:>10}: stall per crash {[round(x, 3) for x in c['stall_s'] if x is not None]} s, "
                   f"lost steps {c['lost_steps']}, rows never/twice {c['rows_never_or_twice']}, "
                   f"ranges from copies {c['ranges_from_copies']}")
+    if "restore" in r:
+        x = r["restore"]
+        print(f"every worker killed at step {x['at_step']}: restored from "
+              f"{[(y['source'], y['step']) for y in x['restores']]}, steps redone {x['steps_redone']}, moments "
+              f"from {x['moment_ranges_from_copies']} ring copies ({x['moment_bytes_broadcast']:,} B broadcast), "
+              f"lost steps {x['lost_steps']}, rows never/twice {x['rows_never_or_twice']}")

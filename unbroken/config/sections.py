@@ -33,7 +33,8 @@ class ModelConfig:
     as ``parallelize(model, mesh)`` in every worker to shard the model in place over its replica's 1-D
     device mesh (torchtitan's ``parallelize_llama``: your own ``fully_shard`` units, compile, activation
     checkpointing). Every parameter must end up in an FSDP2 unit. Empty: ``fully_shard`` per transformer
-    block, then the root."""
+    block, then the root. Where the state lives, not what is trained: ``--resume`` may change it (with
+    ``train.shard_degree``)."""
 
 
 @dataclass(kw_only=True)
@@ -143,9 +144,9 @@ class TrainConfig:
     ring copy of one peer's slice (kept in its node's snapshot memory; a failed worker's slice is
     rebuilt from it with no rollback). Costs one all-gather of the parameters per step and one
     point-to-point copy of the slice, overlapped with the next step. Worth it when the moments do
-    not fit beside the model (16 bytes per parameter replicated); a no-op with one worker. The
-    per-step snapshots of replicated state are off while sharding (whole-job restores come from
-    the persistent checkpoint). Needs the built-in AdamW (not ``optim.factory``)."""
+    not fit beside the model (16 bytes per parameter replicated); a no-op with one worker. Snapshots
+    hold the replicated state and keep the ring copies of their step beside it, so whole-job restores
+    come from memory (moments from the copies). Needs the built-in AdamW (not ``optim.factory``)."""
     shard_degree: int = 1
     """HSDP: each replica is this many consecutive workers on one node, running FSDP2 (``fully_shard``
     per transformer block, then the root) over a mesh of their own, so parameters, gradients and

@@ -113,6 +113,7 @@ def config_hash(cfg: Config) -> str:
                      "checkpoint_every_s", "shard_optimizer", "shard_degree"):
         d["train"].pop(volatile, None)
     d["data"].pop("cache_dir", None)
+    d["model"]["parallelize"] = ""  # HSDP's sharding recipe: where the state lives (as shard_degree)
     d["fault"].pop("store_timeout_s", None)  # how long to wait for the store, not what is trained
     d.pop("snapshot", None)  # how the state is protected, not what is trained
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]

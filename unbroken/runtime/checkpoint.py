@@ -85,16 +85,19 @@ SAVE_TIMEOUT_S = 600.0
 def training_state(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer
 ) -> dict[str, torch.Tensor]:
-    """Flat name -> tensor view of everything a worker needs to continue."""
+    """Flat name -> tensor view of everything a worker needs to continue, in the model's parameter order (not
+    the order the optimizer's state was created in, which differs between a worker that trained from the start
+    and one that loaded the state: the snapshot holders of one state must lay it out alike)."""
     state: dict[str, torch.Tensor] = {}
-    names = {p: n for n, p in model.named_parameters()}
-    for name, p in model.named_parameters():
+    params = list(model.named_parameters())
+    for name, p in params:
         state[f"model.{name}"] = p.detach()
-    for p, st in optimizer.state.items():
+    for name, p in params:
+        st = optimizer.state.get(p, {})
         for key in ADAM_KEYS:
             if key in st:
                 t = st[key]
-                state[f"optim.{names[p]}.{key}"] = t if torch.is_tensor(t) else torch.tensor(float(t))
+                state[f"optim.{name}.{key}"] = t if torch.is_tensor(t) else torch.tensor(float(t))
     state["rng.cpu"] = torch.get_rng_state()
     return state
 

@@ -197,15 +197,16 @@ class Trainer:
         info = self.store.join_request(joiner) or {}
         snapshotted = not self.snapshots.auto or self.snapshots.last_step == step  # auto: not every boundary
         return bool(info.get("memory")) and snapshotted and memory_rejoin_possible(
-            self.cfg, self.spec.run_dir, self.spec.world, joiner, view.members, step)
+            self.cfg, self.spec.run_dir, self.spec.world, joiner, view.members, step, self.hsdp)
 
     def _load_from_memory(self, view: View) -> None:
         """Joiner: the state of ``view.step`` from this node's snapshot memory (a failure is remembered, so
         the next incarnation asks for a transfer instead)."""
         t0 = time.perf_counter()
         try:
+            shard = (self.hsdp.index_of(self.spec.worker), self.hsdp.shard_degree) if self.hsdp else (0, 1)
             done = load_from_node_memory(self.spec.run_dir, self.spec.worker, self.spec.world, view.step,
-                                         self.job.model, self.job.optimizer, self.job.device, self.hash)
+                                         self.job.model, self.job.optimizer, self.job.device, self.hash, shard)
         except Exception as exc:
             memory_rejoin_failed(self.spec.run_dir, self.spec.worker, f"{type(exc).__name__}: {exc}")
             raise
@@ -244,7 +245,7 @@ class Trainer:
             self.protocol.need_exchange |= view.restore is not None  # as in the joiner's restore below
             return view.step
         self.m.request_join({"pid": os.getpid(), "config_hash": self.hash, "t": time.time(),
-                             "memory": self.snapshots is not None and self.hsdp is None  # HSDP: by transfer
+                             "memory": self.snapshots is not None and self.protocol.layout.rejoins_from_memory
                              and memory_rejoin_allowed(self.spec.run_dir, self.spec.worker)})
         gen = -1
         while True:
@@ -329,8 +330,8 @@ class Trainer:
                 opt = self.job.optimizer
                 with self.m.busy():
                     self.shard_checkpoints.save(done, view.gen, opt.lo, opt.hi, opt.exp_avg, opt.exp_avg_sq)
-            if self.snapshots is not None:
-                self.snapshots.take(done, view, self.job.layout.host_votes(reduced))
+            if self.snapshots is not None and self.snapshots.take(done, view, self.job.layout.host_votes(reduced)):
+                self.protocol.layout.snapshotted(done)  # ZeRO-1: the moments' copies of this step are kept
             self.events.write({"kind": "commit", "step": step, "gen": view.gen, "worker": self.spec.worker})
             now = time.perf_counter()
             last = train_record(step=done, loss=self.job.loss(reduced), lr=lr, grad_norm=grad_norm,

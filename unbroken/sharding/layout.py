@@ -15,8 +15,8 @@ One interface, :class:`StateLayout`, three layouts:
 
 The step protocol (:mod:`unbroken.runtime.protocol`) calls :meth:`discard`, :meth:`before_reduction`,
 :meth:`after_reduction`, :meth:`missed`, :meth:`reshard` and :meth:`settle`; the worker
-(:mod:`unbroken.runtime.worker`) :meth:`apply`, :meth:`whole`, :meth:`checkpoint_ranges`, :meth:`restored`
-and :meth:`summary`. None of them branches on which layout it has.
+(:mod:`unbroken.runtime.worker`) :meth:`apply`, :meth:`whole`, :meth:`checkpoint_ranges`, :meth:`restored`,
+:meth:`snapshotted` and :meth:`summary`. None of them branches on which layout it has.
 """
 
 from __future__ import annotations
@@ -44,6 +44,9 @@ class StateLayout:
     """
 
     name = "replicated"
+    rejoins_from_memory = True
+    """A joiner may load its state from its node's snapshot memory (HSDP: its shard index's; ZeRO-1: no, the
+    snapshot holds no moments: a joiner receives its range in the re-shard)."""
 
     def __init__(self, job: Any) -> None:
         self.job = job
@@ -92,6 +95,9 @@ class StateLayout:
 
     def restored(self, gen: int) -> None:
         """The state was just loaded whole (a restore) in view ``gen``."""
+
+    def snapshotted(self, done: int) -> None:
+        """A snapshot of the state after ``done`` steps was taken (every member took it)."""
 
     def summary(self) -> dict[str, Any] | None:
         """What the worker's report says about the layout (None: nothing)."""

@@ -77,12 +77,15 @@ class ShardedState(StateLayout):
         # A proposal whose all-gather was given up on (its step may still commit, and the gather complete late).
         self._ungathered: tuple[int, Proposal, Sharding, float, float, torch.Tensor] | None = None
         self._outgoing: dict[str, Any] | None = None
+        self._snapshotted = -1
+        """The last step whose snapshot was taken: its copies are pinned (kept with the snapshot)."""
         self._replayed: list[int] = []
         self.rebuilt = 0
         self.replica_failures = 0
         """Ring copies received but not sealed (shared memory full)."""
 
     name = "zero1"
+    rejoins_from_memory = False
 
     # -- the layout's hooks (what the step protocol and the worker call) ---------------
 
@@ -104,6 +107,9 @@ class ShardedState(StateLayout):
 
     def restored(self, gen: int) -> None:
         self.reset_full(restored_gen=gen)
+
+    def snapshotted(self, done: int) -> None:
+        self._snapshotted = done
 
     # -- a step -----------------------------------------------------------------------
 
@@ -203,7 +209,8 @@ class ShardedState(StateLayout):
             return
         out["group"].wait_side(out["works"], check, "shard copy")
         try:
-            self.replicas.write(out["done"], out["gen"], out["members"], out["copies"])
+            self.replicas.write(out["done"], out["gen"], out["members"], out["copies"],
+                                pinned=out["done"] == self._snapshotted)
         except OSError as exc:  # a full /dev/shm: as for snapshots, reported and training goes on less protected
             self.replica_failures += 1
             logger.error("copies of %s's shards after step %d not sealed: %s (training goes on; a failure of "

@@ -54,9 +54,8 @@ def enabled(every: int | str) -> bool:
 
 
 def auto(cfg: object) -> bool:
-    """Does the run of ``cfg`` pick its snapshot interval itself (``snapshot.every=auto``, snapshots taken)?
-    A sharded optimizer takes none: its moments are protected by :mod:`unbroken.sharding.replicas`."""
-    return cfg.snapshot.every == "auto" and not cfg.train.shard_optimizer  # type: ignore[attr-defined]
+    """Does the run of ``cfg`` pick its snapshot interval itself (``snapshot.every=auto``, snapshots taken)?"""
+    return cfg.snapshot.every == "auto"  # type: ignore[attr-defined]
 
 
 def cast(slots: torch.Tensor, proposal: int) -> None:

@@ -38,11 +38,17 @@ logger = logging.getLogger(__name__)
 
 
 def inventory(job: str, node: int, *, config_hash: str | None = None) -> dict[str, Any]:
-    """The node's sealed, intact buffers of ``job``: ``{"seals": [...], "layouts": {...}, "problems": [...]}``.
+    """The node's sealed, intact buffers of ``job``: ``{"seals": [...], "layouts": {...}, "copies": [...],
+    "problems": [...]}``.
 
-    Each seal gains ``segment`` (its name). ``problems`` names each buffer left out and why.
+    Each seal gains ``segment`` (its name). ``copies``: the seals of the node's copies of optimizer shards
+    (ZeRO-1: :func:`unbroken.sharding.replicas.copies_inventory`). ``problems`` names each buffer left out
+    and why.
     """
-    seals, layouts, problems = [], {}, []
+    from unbroken.sharding.replicas import copies_inventory
+
+    copies, problems = copies_inventory(job, node)
+    seals, layouts = [], {}
     for path in job_segments(job, node):
         try:
             buf = SealedBuffer.open(path, job)
@@ -58,7 +64,7 @@ def inventory(job: str, node: int, *, config_hash: str | None = None) -> dict[st
             seals.append({**buf.seal, "segment": path.name})
         except SnapshotCorrupt as exc:
             problems.append(str(exc))
-    return {"node": node, "seals": seals, "layouts": layouts, "problems": problems}
+    return {"node": node, "seals": seals, "layouts": layouts, "copies": copies, "problems": problems}
 
 
 def decide(inventories: list[dict[str, Any]], *, checkpoint: tuple[int, str] | None,
@@ -68,16 +74,28 @@ def decide(inventories: list[dict[str, Any]], *, checkpoint: tuple[int, str] | N
     Returns ``{"source": "memory", ...}``, ``{"source": "checkpoint", "step", "path"}`` or None
     (nothing to restore from). Under HSDP (``shard_degree`` k > 1) a memory spec holds, under ``shards``,
     one shard index's part per index (:func:`shard_spec`): each index was snapshotted by its own workers.
+    A snapshot written with a sharded optimizer (ZeRO-1, its seals say ``"moments": "copies"``) holds the
+    replicated state: its step is restorable only with a copy of every range of the moments of that step
+    (:func:`unbroken.sharding.replicas.moments_spec`, under ``moments``), whatever the job restores into.
     """
+    from unbroken.sharding.replicas import moments_spec
+
     seals = [s for inv in inventories for s in inv["seals"]]
     layouts = {h: lay for inv in inventories for h, lay in inv["layouts"].items()}
-    complete = complete_steps(seals, shard_degree=shard_degree)
-    if complete and (checkpoint is None or complete[0][0] >= checkpoint[0]):
-        step, shards = complete[0]
+    copies = [s for inv in inventories for s in inv.get("copies", [])]
+    for step, shards in complete_steps(seals, shard_degree=shard_degree):
+        if checkpoint is not None and step < checkpoint[0]:
+            break
         parts = [_part(shards[i], layouts) for i in range(shard_degree)]
+        extra = {}
+        if any(seal.get("moments") == "copies" for seal in shards[0].values()):
+            found = moments_spec(copies, step=step, gen=parts[0]["gen"])
+            if found is None:
+                continue  # a range's copy of this step is gone: an older snapshot, or the checkpoint
+            extra = {"moments": found}
         live_nodes = sorted({inv["node"] for inv in inventories})
         whole = {"source": "memory", "step": step, "gen": parts[0]["gen"], "nodes": live_nodes,
-                 "members": members_of(live_nodes)}
+                 "members": members_of(live_nodes), **extra}
         return {**whole, **parts[0]} if shard_degree == 1 else {**whole, "shards": parts}
     if checkpoint is not None:
         return {"source": "checkpoint", "step": checkpoint[0], "path": checkpoint[1]}

@@ -6,7 +6,7 @@ in the user's private folder there (:func:`segment_dir`: ``unbroken-u<uid>``,
 mode 0600, named ``unbroken-<job>-n<node>-w<worker>-b<buffer>``: the job id,
 the node, the worker that wrote it and which of its two buffers it is
 (``-r<buffer>``: the copies of other workers' optimizer shards it holds,
-:mod:`unbroken.sharding.replicas`). It
+four buffers, :mod:`unbroken.sharding.replicas`). It
 belongs to the node's agent: it outlives the worker that wrote it and the
 agent's own restarts (it is a file of memory, not a mapping of a process), and
 the agent removes its node's segments when the job ends normally.
@@ -59,7 +59,7 @@ MAGIC = b"UBSNAP1\0"
 HEADER_BYTES = 64 << 10
 """Room for the seal; the payload starts here."""
 _SEAL_AT = 64
-_NAME = re.compile(r"^unbroken-(?P<job>[0-9a-f]{4,32})-n(?P<node>\d+)-w(?P<worker>\d+)-(?P<kind>[br])(?P<buffer>[01])$")
+_NAME = re.compile(r"^unbroken-(?P<job>[0-9a-f]{4,32})-n(?P<node>\d+)-w(?P<worker>\d+)-(?P<kind>[br])(?P<buffer>[0-3])$")
 
 
 _MAC_AT, _MAC_LEN = 16, 32

@@ -87,15 +87,18 @@ class Snapshotter:
         shard: HSDP: ``(index, degree)`` of this worker's shard; ``holders`` maps a view's members to the
             workers holding the same shard index (one per live replica), who snapshot it together: the
             plan, the coding and the stripes are theirs, apart from the other indices'.
+        moments_in_copies: a sharded optimizer (ZeRO-1): the state holds no moments, the ring copies of the
+            same step do (:mod:`unbroken.sharding.replicas`); the seal says so (``"moments": "copies"``), and a
+            restore takes such a step only with a copy of every range.
     """
 
     def __init__(self, *, job_id: str, node: int, worker: int, node_of: dict[int, int], every: int | str,
                  redundancy: str, parity: int, config_hash: str,
                  state: Callable[[], dict[str, torch.Tensor]], on_event: Callable[..., None],
                  write_threads: int = 1, shares_cores: bool = False, shard: tuple[int, int] = (0, 1),
-                 holders: Callable[[Sequence[int]], Sequence[int]] = tuple) -> None:
+                 holders: Callable[[Sequence[int]], Sequence[int]] = tuple, moments_in_copies: bool = False) -> None:
         self.job_id, self.node, self.worker, self.node_of = job_id, node, worker, node_of
-        self.shard, self.holders = shard, holders
+        self.shard, self.holders, self.moments_in_copies = shard, holders, moments_in_copies
         self.every, self.redundancy, self.parity, self.config_hash = every, redundancy, parity, config_hash
         self.state, self.on_event = state, on_event
         self.auto = every == "auto"
@@ -175,11 +178,12 @@ class Snapshotter:
                           write_s=write, step_s=step)
         return due(done, largest)
 
-    def take(self, done: int, view: View, votes: torch.Tensor | None = None) -> None:
+    def take(self, done: int, view: View, votes: torch.Tensor | None = None) -> bool:
         """Start the snapshot of the state after ``done`` steps, if one is due: on the ``every`` grid, or under
-        ``auto`` by the proposals ``votes`` (the reduced buffer's vote slots)."""
+        ``auto`` by the proposals ``votes`` (the reduced buffer's vote slots). True if it did (every member
+        decides alike)."""
         if not self._due(done, votes):
-            return
+            return False
         self.wait()
         tensors = self.state()
         layout = describe(tensors)
@@ -207,6 +211,7 @@ class Snapshotter:
         self._staged.clear()
         self._pending = self._pool.submit(self._write_from_device, index, tensors, ready, layout.entries, plan,
                                           mine, done, view.gen, queued)
+        return True
 
     def fence(self) -> None:
         """Before the next reduction completes: the last snapshot no longer reads the live state. With a fixed
@@ -452,6 +457,7 @@ class Snapshotter:
             "layout_offset": 0, "layout_len": len(layout_raw), "layout_crc": crc32(layout_raw),
             "fragments": fragments, "headers": headers, "t": time.time(),
             **({"shard": list(self.shard)} if self.shard[1] > 1 else {}),
+            **({"moments": "copies"} if self.moments_in_copies else {}),
         })
         return {"step": done, "bytes": offset, "seconds": time.perf_counter() - t0, "pinned_bytes": self.pinned_bytes}
 

@@ -18,7 +18,7 @@ import torch
 
 from unbroken.config import Config
 from unbroken.snapshot.cadence import enabled
-from unbroken.snapshot.plan import plan_for
+from unbroken.snapshot.plan import plan_for, shard_of
 from unbroken.snapshot.restore import decide, inventory, restore_from_memory, shard_spec
 from unbroken.snapshot.segment import SnapshotCorrupt
 from unbroken.snapshot.snapshotter import Snapshotter
@@ -73,12 +73,13 @@ def node_map(run_dir: Path, world: int) -> dict[int, int]:
 def snapshotter_for(cfg: Config, run_dir: Path, worker: int, world: int, model: torch.nn.Module,
                     optimizer: torch.optim.Optimizer, device: torch.device, config_hash: str,
                     on_event: Callable[..., None], hsdp: ReplicaLayout | None = None) -> Snapshotter | None:
-    """The worker's snapshotter, or None when ``snapshot.every`` is 0 or the optimizer is sharded (the
-    replicated state's snapshot would lack the moments; :mod:`unbroken.sharding.replicas` protects them).
-    Under HSDP (``hsdp``) it snapshots this rank's shards with the workers of its shard index.
+    """The worker's snapshotter, or None when ``snapshot.every`` is 0. With a sharded optimizer (ZeRO-1) it
+    snapshots the replicated state (parameters, steps, RNG) and the ring copies of the moments of the same
+    step are kept with it (:mod:`unbroken.sharding.replicas`). Under HSDP (``hsdp``) it snapshots this
+    rank's shards with the workers of its shard index.
     Its write threads: on a GPU the node's cores shared by its workers, at most :data:`MAX_WRITE_THREADS`;
     on a CPU device one."""
-    if not enabled(cfg.snapshot.every) or cfg.train.shard_optimizer:
+    if not enabled(cfg.snapshot.every):
         return None
     shard = {}
     if hsdp is not None and hsdp.shard_degree > 1:
@@ -91,7 +92,8 @@ def snapshotter_for(cfg: Config, run_dir: Path, worker: int, world: int, model: 
     return Snapshotter(job_id=job_id(run_dir), node=node_of[worker], worker=worker, node_of=node_of,
                        every=cfg.snapshot.every, redundancy=cfg.snapshot.redundancy, parity=cfg.snapshot.parity,
                        config_hash=config_hash, state=lambda: tensors_of(model, optimizer, device),
-                       on_event=on_event, write_threads=threads, shares_cores=cpu, **shard)
+                       on_event=on_event, write_threads=threads, shares_cores=cpu,
+                       moments_in_copies=cfg.train.shard_optimizer, **shard)
 
 
 def restore_state(spec: dict[str, Any], *, run_dir: Path, worker: int, world: int, members: tuple[int, ...],
@@ -111,6 +113,11 @@ def restore_state(spec: dict[str, Any], *, run_dir: Path, worker: int, world: in
     stats = restore_from_memory(shard_spec(spec, shard_index), job=job_id(run_dir), node=node_of[worker],
                                 node_of=node_of, members=members, me=worker, broadcast=broadcast, model=model,
                                 optimizer=optimizer, device=device)
+    if "moments" in spec:  # written with ZeRO-1: the moments of the same step from the ring copies
+        from unbroken.sharding.replicas import restore_moments
+
+        stats.update(restore_moments(spec["moments"], job=job_id(run_dir), node_of=node_of, members=members,
+                                     me=worker, broadcast=broadcast, model=model, optimizer=optimizer))
     return {"restored_from": "memory", **stats}
 
 
@@ -130,13 +137,16 @@ def memory_rejoin_failed(run_dir: Path, worker: int, why: str) -> None:
 
 
 def memory_rejoin_possible(cfg: Config, run_dir: Path, world: int, joiner: int, members: tuple[int, ...],
-                           step: int) -> bool:
+                           step: int, hsdp: ReplicaLayout | None = None) -> bool:
     """Does the joiner's node hold, after ``step`` steps under a view of ``members``, enough fragments of
-    every stripe to decode the state alone? (A live member on the node wrote them; ``step`` is a snapshot step.)"""
+    every stripe to decode the state alone? (A live member on the node wrote them; ``step`` is a snapshot step.)
+    Under HSDP (``hsdp``) the state is the joiner's shard index's, snapshotted by that index's members."""
     s = cfg.snapshot
     if not enabled(s.every) or (s.every != "auto" and step % s.every):
         return False  # under auto the caller knows whether it snapshotted ``step``
     node_of = node_map(run_dir, world)
+    if hsdp is not None and hsdp.shard_degree > 1:
+        members = hsdp.shard_peers(hsdp.index_of(joiner), members)
     if not any(node_of[w] == node_of[joiner] for w in members):
         return False  # nobody on its node snapshotted that step
     plan = plan_for(members, node_of, redundancy=s.redundancy, parity=s.parity, state_bytes=1)
@@ -144,8 +154,10 @@ def memory_rejoin_possible(cfg: Config, run_dir: Path, world: int, joiner: int, 
 
 
 def load_from_node_memory(run_dir: Path, worker: int, world: int, step: int, model: torch.nn.Module,
-                          optimizer: torch.optim.Optimizer, device: torch.device, config_hash: str) -> dict[str, Any]:
-    """Load the state after ``step`` steps from this node's own snapshot memory (no network).
+                          optimizer: torch.optim.Optimizer, device: torch.device, config_hash: str,
+                          shard: tuple[int, int] = (0, 1)) -> dict[str, Any]:
+    """Load the state after ``step`` steps from this node's own snapshot memory (no network). Under HSDP
+    (``shard``: this rank's ``(index, degree)``) the state of its shard index: its local shards.
 
     Raises:
         SnapshotCorrupt: the node's memory holds no complete, intact snapshot of ``step``.
@@ -155,7 +167,9 @@ def load_from_node_memory(run_dir: Path, worker: int, world: int, step: int, mod
     inv = inventory(job, node, config_hash=config_hash)
     # Only the newest generation's seals of the step: after a restore, seals of the same step from the abandoned
     # timeline (older generations, written by other workers of the node) may still be intact, and complete.
-    seals = [seal for seal in inv["seals"] if seal["step"] == step]
+    # Under HSDP only this rank's shard index's, read as a whole state (the others are not its shards).
+    seals = [{k: v for k, v in seal.items() if k != "shard"} for seal in inv["seals"]
+             if seal["step"] == step and shard_of(seal) == (shard if shard[1] > 1 else (0, 1))]
     newest = max((int(seal["gen"]) for seal in seals), default=None)
     inv["seals"] = [seal for seal in seals if int(seal["gen"]) == newest]
     spec = decide([inv], checkpoint=None, members_of=lambda nodes: [worker])
