@@ -396,7 +396,7 @@ class Trainer:
                     self.hsdp.replica_of(self.spec.worker)):
                 # HSDP: a rank of the replica that writes in the leader's stead joins its gather, once
                 if self._boundary_sync(writer, -1):
-                    self._state()
+                    self._state(keep=False)
                 while not self.store.is_done() and not self.m.dead_members(view) & {writer}:
                     time.sleep(FINISH_POLL_S)
                 continue
@@ -443,11 +443,12 @@ class Trainer:
                 self.job.validation_loss()
             if due == "step":
                 self.schedule.taken()
-                self._state()
+                self._state(keep=False)
 
-    def _state(self) -> dict[str, torch.Tensor]:
-        """The training state to checkpoint: whole tensors (HSDP: gathered over the replica, a collective)."""
-        return self.protocol.layout.whole(training_state(self.job.model, self.job.optimizer))
+    def _state(self, keep: bool = True) -> dict[str, torch.Tensor]:
+        """The training state to checkpoint: whole tensors (HSDP: gathered over the replica, a collective;
+        ``keep`` False: a sibling of the writer joins the gathers only)."""
+        return self.protocol.layout.whole(training_state(self.job.model, self.job.optimizer), keep=keep)
 
     def _save(self, done: int, last: dict[str, Any]) -> None:
         if self.checkpointer is None:

@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import torch
 
-from unbroken.sharding.parts import whole_of
+from unbroken.sharding.parts import is_sharded, whole_of
 
 __all__ = ["Check", "Late", "ShardedModel", "StateLayout"]
 
@@ -85,9 +85,10 @@ class StateLayout:
         """Apply committed step ``step`` (``last``: the run's last step); returns (lr, grad norm)."""
         return self.job.apply(step, reduced)
 
-    def whole(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The training state as a checkpoint holds it: whole tensors."""
-        return state
+    def whole(self, state: dict[str, torch.Tensor], *, keep: bool = True) -> dict[str, torch.Tensor]:
+        """The training state as a checkpoint holds it: whole tensors (``keep`` False: this worker only joins
+        the collectives that make them, for another worker's checkpoint, and gets nothing)."""
+        return state if keep else {}
 
     def checkpoint_ranges(self) -> list[tuple[int, int]] | None:
         """ZeRO-1: the moments' ranges a checkpoint's commit waits for (each member writes its own); else None."""
@@ -109,6 +110,14 @@ class ShardedModel(StateLayout):
 
     name = "hsdp"
 
-    def whole(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Whole tensors gathered over the replica: a collective every rank of the replica joins, in one order."""
-        return {k: whole_of(v) for k, v in state.items()}
+    def whole(self, state: dict[str, torch.Tensor], *, keep: bool = True) -> dict[str, torch.Tensor]:
+        """Whole tensors gathered over the replica: a collective every rank of the replica joins, in one order.
+        One tensor at a time, each moved to the host as soon as it is whole (the device holds one whole tensor
+        at most, not the whole state); a rank that does not keep them (``keep`` False) drops each at once."""
+        out = {}
+        for k, v in state.items():
+            t = whole_of(v)
+            if keep:
+                out[k] = t.cpu() if is_sharded(v) else t
+            del t
+        return out
