@@ -88,9 +88,9 @@ class ReplicaStore:
             torch.frombuffer(dst, dtype=torch.uint8).copy_(t.detach().cpu().contiguous().view(torch.uint8))
             owners.append([o, lo, hi, offset, n, crc32(dst)])
             offset += n
-        self.buffers[b].seal({"v": 1, "kind": "replica", "job": self.job, "node": self.node,
-                                     "worker": self.worker, "step": done, "gen": gen, "members": list(members),
-                                     "owners": owners, "t": time.time()})
+        self.buffers[b].seal({"v": 1, "kind": "replica", "job": self.job, "node": self.node, "worker": self.worker,
+                              "step": done, "gen": gen, "members": list(members), "owners": owners,
+                              "t": time.time()})
         self.written += 1
         logger.debug("replicas of %s after step %d sealed in %.4f s", sorted(copies), done,
                      time.perf_counter() - t0)
@@ -183,6 +183,7 @@ def restore_moments(spec: dict[str, Any], *, job: str, node_of: dict[int, int], 
         raise SnapshotCorrupt(f"the copies cover {spec['ranges'][-1][2]} elements of the moments, the model's "
                               f"trainable parameters {total}")
     write = _moment_writer(params, optimizer)
+    device = params[0].device if params else torch.device("cpu")
     sent = received = 0
     for owner, lo, hi, node, segment, offset, n, crc in spec["ranges"]:
         on_node = [w for w in members if node_of[w] == node]
@@ -190,7 +191,6 @@ def restore_moments(spec: dict[str, Any], *, job: str, node_of: dict[int, int], 
             raise SnapshotCorrupt(f"the copy of worker {owner}'s moments is on node {node}, where no member of "
                                   f"the restored view runs")
         sender = min(on_node)
-        device = params[0].device if params else torch.device("cpu")
         t = torch.empty(2 * (hi - lo), dtype=torch.float32, device=device)
         if me == sender:
             buf = SealedBuffer.open(segment_path(segment), job)
