@@ -121,26 +121,28 @@ def test_losing_a_shard_and_its_copy_stops_the_job_and_resume_continues(tmp_path
 
 def test_a_whole_job_killed_restores_the_parameters_from_snapshots_and_the_moments_from_the_ring_copies(
         tmp_path, corpus_overrides):
-    """2 nodes x 2 workers, a snapshot every step, no checkpoint before the end. Every worker dies in step 6
-    with its reduction in flight (the snapshot of the state after 6 steps and every ring copy of that step
-    sealed by then): the agents restore the job from memory at step 6, no step lost. The snapshot holds the
-    parameters, steps and RNG; each range's moments come from the copy its ring buddy sealed for step 6 in the
-    same view, read on the buddy's node and broadcast. The run then finishes: every step trained exactly
-    once, and the result is plain training's on the same batches (zero or stale moments would change it)."""
+    """2 nodes x 1 worker (each the other's ring buddy), a snapshot every step, no checkpoint before the
+    end. Both workers die in step 6 with their reduction in flight (the snapshot of the state after 6 steps
+    and both ring copies of that step sealed by then): the agents restore the job from memory at step 6, no
+    step lost. The snapshot holds the parameters, steps and RNG; each range's moments come from the copy
+    its ring buddy sealed for step 6 in the same view, read on the buddy's node and broadcast. The run then
+    finishes: every step trained exactly once, and the result is plain training's on the same batches (zero
+    or stale moments would change it). (With 4 workers, the kills land a few milliseconds apart: two buddies
+    dead before the others are stops the job with ShardLost, see the test above.)"""
     cfg = failover_config(corpus_overrides, 12, "train.shard_optimizer=true", "mecefo.policy=spread",
                           "snapshot.every=1", "train.checkpoint_every_s=0")
-    kills = ",".join(f"step=6:worker={w}:kill:phase=allreduce" for w in range(4))
-    job = run_job(cfg, tmp_path / "run", nodes=2, workers_per_node=2, restart="on-failure", fail_at=kills)
+    kills = ",".join(f"step=6:worker={w}:kill:phase=allreduce" for w in range(2))
+    job = run_job(cfg, tmp_path / "run", nodes=2, workers_per_node=1, restart="on-failure", fail_at=kills)
     restores = job.events("job_restore")
     assert [(e["restored_from"], e["step"]) for e in restores] == [("memory", 6)], restores
     loaded = job.events("restored")
     assert sorted((e["worker"], e["restored_from"], e["step"], e["moment_ranges"]) for e in loaded) == [
-        (w, "memory", 6, 4) for w in range(4)], loaded
-    assert sum(e["moment_bytes_sent"] for e in loaded) == sum(e["moment_bytes_received"] for e in loaded) // 3
+        (w, "memory", 6, 2) for w in range(2)], loaded
+    assert sum(e["moment_bytes_sent"] for e in loaded) == sum(e["moment_bytes_received"] for e in loaded) > 0
     s = job.summary
     assert s["steps"] == 12 and s["workers_agree"], s
-    ledger = check_ledger(job.run_dir, n_slots=4, micro_batch=cfg.data.micro_batch, steps=12)
+    ledger = check_ledger(job.run_dir, n_slots=2, micro_batch=cfg.data.micro_batch, steps=12)
     assert ledger.ok and ledger.committed == 12, ledger.to_json()
-    got, want = checkpoint_params(s["checkpoint"]), reference_train(cfg)
+    got, want = checkpoint_params(s["checkpoint"]), reference_train(job.cfg)
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-3, atol=1e-4, msg=name)

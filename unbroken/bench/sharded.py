@@ -15,7 +15,7 @@
    sharded job and in a replicated one: stall per crash (the failed step's
    time beyond the median), lost steps, rows trained never or twice (ledger),
    and which ranges came from copies;
-4. **restore** (a real job, first preset): every worker of a sharded job
+4. **restore** (a real job, first preset, one worker per node): every worker of a sharded job
    SIGKILLed with the reduction of the middle step in flight (``snapshot.every=1``,
    no checkpoint before the end): where the job was restored from (snapshot
    memory: the parameters from the snapshot, each range's moments from its ring
@@ -132,11 +132,14 @@ def _crash(a: argparse.Namespace, tmp: Path, name: str) -> dict[str, Any]:
 
 
 def _restore(a: argparse.Namespace, tmp: Path, name: str) -> dict[str, Any]:
+    """One worker per node (each the other's ring buddy): with more, the kills land milliseconds apart, and
+    two buddies dead before the rest stop the job (``ShardLost``) before the others are killed."""
     at = a.steps // 2
-    whole = ",".join(f"step={at}:worker={w}:kill:phase=allreduce" for w in range(a.nodes * a.workers_per_node))
+    whole = ",".join(f"step={at}:worker={w}:kill:phase=allreduce" for w in range(a.nodes))
     cfg = _cfg(a, name, "train.shard_optimizer=true", "mecefo.policy=spread", "snapshot.every=1",
-               "train.checkpoint_every_s=0")
-    run = _job(a, tmp, "restore", cfg, restart="on-failure", fail_at=whole)["run"]
+               "train.checkpoint_every_s=0", f"train.workers={a.nodes}")
+    run = tmp / "restore"
+    launch(cfg, run, nodes=a.nodes, workers_per_node=1, restart="on-failure", fail_at=whole)
     report = summarize_run(run)
     loaded = [e for e in read_events(run) if e.get("event") == "restored"]
     restores = report["snapshots"]["restores"]

@@ -212,8 +212,9 @@ class Membership:
         return self._dead & set(view.members)
 
     def forget_dead(self, worker: int) -> None:
-        """A new incarnation of ``worker`` joined: judge it afresh."""
+        """A new incarnation of ``worker`` joined: judge it afresh (its mark, if one lands, read anew)."""
         self._dead.discard(worker)
+        self._deaths_seen = -1
         self._hb_seen.pop(worker, None)
         self._prog_seen.pop(worker, None)
 

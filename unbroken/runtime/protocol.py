@@ -168,7 +168,9 @@ class StepProtocol:
         """
         if self.me not in view.members:
             raise Fenced(f"worker {self.me} is not a member of view {view.gen}")
-        for j in view.joiners:
+        # Joiners are new incarnations; so is every member of a restored view (a process that waited to join
+        # before the restore may have judged them dead: that was their predecessors).
+        for j in view.members if view.restore is not None else view.joiners:
             self.m.forget_dead(j)
         t0 = time.perf_counter()
         self._abandon()  # a group from a failed earlier attempt is parked, never dropped

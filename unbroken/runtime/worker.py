@@ -244,20 +244,25 @@ class Trainer:
                 self.protocol.reconfigure_at_start(view.step, f"{type(exc).__name__}: {exc}")
             self.protocol.need_exchange |= view.restore is not None  # as in the joiner's restore below
             return view.step
+        # Only a view newer than the current one can admit this incarnation (it has not asked yet): the current
+        # one may name this worker as a joiner for its predecessor, admitted just before it died. A restored
+        # view names every member afresh: the current one is this incarnation's too.
+        current = self.store.gen() if self.store.has_view() else -1
+        joins_after, restores_after = current, current - 1
         self.m.request_join({"pid": os.getpid(), "config_hash": self.hash, "t": time.time(),
                              "memory": self.snapshots is not None and self.protocol.layout.rejoins_from_memory
                              and memory_rejoin_allowed(self.spec.run_dir, self.spec.worker)})
-        gen = -1
         while True:
-            view = self._wait_view(lambda v, g=gen: v.gen > g and (
-                self.spec.worker in v.joiners or (v.restore is not None and self.spec.worker in v.members)))
+            view = self._wait_view(lambda v, j=joins_after, r=restores_after: (
+                v.gen > j and self.spec.worker in v.joiners) or (
+                v.gen > r and v.restore is not None and self.spec.worker in v.members))
             try:
                 self.protocol.adopt(view)
             except (CollectiveFailed, ViewChanged, MemberDied) as exc:
                 if view.restore is None or not self._restore_failed(view, exc):
                     # Someone died during the admission: the next view of that step admits us again.
                     logger.warning("admission in view %d failed (%s); waiting for the next", view.gen, exc)
-                    gen = view.gen
+                    joins_after = restores_after = view.gen
                     continue
             if view.restore is not None:
                 # The job came back from a snapshot: a member like any other. It exchanges first, as a member
