@@ -353,8 +353,12 @@ class Agent:
     def _armed(self) -> bool:
         """A fault waits for a step (the progress is polled at :data:`LOOP_S`), or a stopped worker's
         SIGCONT is due."""
-        return self.plan is not None and (self.plan.next_step is not None or bool(self.stopped)
-                                          or any(r.at_step is not None for r in self.restarts.values()))
+        return self._waits_for_a_step() or bool(self.stopped)
+
+    def _waits_for_a_step(self) -> bool:
+        """A fault, or a restart, fires at a step still to come."""
+        return self.plan is not None and (self.plan.next_step is not None or
+                                          any(r.at_step is not None for r in self.restarts.values()))
 
     def _status(self, now: float) -> int | None:
         """Follow ``done`` / ``failed``; an exit code once this agent's part is over."""
@@ -535,8 +539,7 @@ class Agent:
     # -- faults -----------------------------------------------------------------
 
     def _inject(self, now: float) -> None:
-        if self.plan is not None and (self.plan.next_step is not None or
-                                      any(r.at_step is not None for r in self.restarts.values())):
+        if self._waits_for_a_step():
             self._progress = self._read_progress()
             if self.plan.waiting(self._progress):
                 held, down = set(self.plan.held), self._down_now()

@@ -20,7 +20,6 @@ from pathlib import Path
 from unbroken.config import Config, config_hash
 from unbroken.runtime.checkpoint import CheckpointError, latest_checkpoint, read_commit
 from unbroken.runtime.recovery import recovery
-from unbroken.snapshot.plan import complete_steps
 from unbroken.snapshot.segment import SealedBuffer, SnapshotCorrupt, job_segments, segment_dir
 from unbroken.snapshot.trainer_hooks import JOB_ID_FILE, job_id
 
@@ -110,14 +109,12 @@ def memory_snapshot_step(run_dir: Path, cfg: Config) -> int | None:
                              f"config {buf.seal.get('config_hash')} ({path.name}), not this run's {want}: "
                              f"resume with the run's own config, or remove them (rm {segment_dir()}/unbroken-{job}-*)")
         seals.append(buf.seal)
-    complete = complete_steps(seals, shard_degree=cfg.train.shard_degree)
-    if any(s.get("moments") == "copies" for s in seals):  # written with ZeRO-1: the moments' copies too
-        from unbroken.sharding.replicas import copies_inventory, moments_spec
+    from unbroken.sharding.replicas import copies_inventory
+    from unbroken.snapshot.restore import restorable_steps
 
-        copies = copies_inventory(job)[0]
-        complete = [(t, held) for t, held in complete if not any(s.get("moments") == "copies" for s in held[0].values())
-                    or moments_spec(copies, step=t, gen=next(iter(held[0].values()))["gen"]) is not None]
-    return complete[0][0] if complete else None
+    newest = next(restorable_steps(seals, lambda: copies_inventory(job)[0], shard_degree=cfg.train.shard_degree),
+                  None)
+    return newest[0] if newest else None
 
 
 def _memory_place(run_dir: Path) -> str:

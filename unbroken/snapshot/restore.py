@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -32,7 +32,7 @@ from unbroken.snapshot.plan import SnapshotPlan, complete_steps
 from unbroken.snapshot.segment import SealedBuffer, SnapshotCorrupt, job_segments, segment_path
 from unbroken.snapshot.state_bytes import StateLoader
 
-__all__ = ["decide", "inventory", "restore_from_memory", "shard_spec"]
+__all__ = ["decide", "inventory", "restorable_steps", "restore_from_memory", "shard_spec"]
 
 logger = logging.getLogger(__name__)
 
@@ -78,21 +78,14 @@ def decide(inventories: list[dict[str, Any]], *, checkpoint: tuple[int, str] | N
     replicated state: its step is restorable only with a copy of every range of the moments of that step
     (:func:`unbroken.sharding.replicas.moments_spec`, under ``moments``), whatever the job restores into.
     """
-    from unbroken.sharding.replicas import moments_spec
-
     seals = [s for inv in inventories for s in inv["seals"]]
     layouts = {h: lay for inv in inventories for h, lay in inv["layouts"].items()}
     copies = [s for inv in inventories for s in inv.get("copies", [])]
-    for step, shards in complete_steps(seals, shard_degree=shard_degree):
+    for step, shards, moments in restorable_steps(seals, copies, shard_degree=shard_degree):
         if checkpoint is not None and step < checkpoint[0]:
             break
         parts = [_part(shards[i], layouts) for i in range(shard_degree)]
-        extra = {}
-        if any(seal.get("moments") == "copies" for seal in shards[0].values()):
-            found = moments_spec(copies, step=step, gen=parts[0]["gen"])
-            if found is None:
-                continue  # a range's copy of this step is gone: an older snapshot, or the checkpoint
-            extra = {"moments": found}
+        extra = {"moments": moments} if moments is not None else {}
         live_nodes = sorted({inv["node"] for inv in inventories})
         whole = {"source": "memory", "step": step, "gen": parts[0]["gen"], "nodes": live_nodes,
                  "members": members_of(live_nodes), **extra}
@@ -100,6 +93,25 @@ def decide(inventories: list[dict[str, Any]], *, checkpoint: tuple[int, str] | N
     if checkpoint is not None:
         return {"source": "checkpoint", "step": checkpoint[0], "path": checkpoint[1]}
     return None
+
+
+def restorable_steps(seals: list[dict[str, Any]], copies: list[dict[str, Any]] | Callable[[], list[dict[str, Any]]],
+                     *, shard_degree: int = 1) -> Iterator[tuple[int, dict[int, Any], dict[str, Any] | None]]:
+    """The steps the seals hold a complete snapshot of, newest first, with the moments' copies a step written
+    with a sharded optimizer needs (:func:`unbroken.sharding.replicas.moments_spec`; a step without them is
+    passed over) or None. ``copies``: the copies' seals, or a function that lists them (called only if a
+    step needs them). Yields ``(step, {index: held}, moments)``."""
+    from unbroken.sharding.replicas import moments_spec
+
+    for step, shards in complete_steps(seals, shard_degree=shard_degree):
+        if not any(seal.get("moments") == "copies" for seal in shards[0].values()):
+            yield step, shards, None
+            continue
+        if callable(copies):
+            copies = copies()
+        found = moments_spec(copies, step=step, gen=int(next(iter(shards[0].values()))["gen"]))
+        if found is not None:  # else a range's copy of this step is gone: an older snapshot, or the checkpoint
+            yield step, shards, found
 
 
 def _part(held: dict[tuple[int, int], dict[str, Any]], layouts: dict[str, Any]) -> dict[str, Any]:
