@@ -104,7 +104,6 @@ def test_the_replica_plan_widens_deaths_admits_whole_replicas_and_groups_by_shar
     assert plan.peers(3, [0, 1, 2, 3]) == (".i1", (1, 3))
     assert plan.peers(4, [0, 1, 4, 5]) == (".i0", (0, 4))
     assert plan.same_replica(4, 5) and not plan.same_replica(3, 4)
-    assert plan.partial_groups
     assert [(i.slot, i.rows) for i in plan.assign(5, [0, 1, 4, 5])] == [(5, (0, 4)), (3, (2, 4))]
 
 

@@ -242,16 +242,22 @@ class Job:
 
     def gradient_sums(self, step: int, items: list[SlotWork]) -> torch.Tensor:
         """One worker's gradient sums of ``items`` of ``step`` (:func:`~unbroken.mecefo.gradients.compute_gradient_sums`)."""
-        buf = compute_gradient_sums(self.model, self.adapter, self.layout, items, step=step,
-                                    micro_batch=self.micro_batch, batch_fn=self.sampler.batch, device=self.device,
-                                    precision=self.cfg.train.precision, loss_fn=self.loss_fn)
+        return compute_gradient_sums(self.model, self.adapter, self.layout, items, step=step,
+                                     micro_batch=self.micro_batch, batch_fn=self.sampler.batch, device=self.device,
+                                     precision=self.cfg.train.precision, loss_fn=self.loss_fn,
+                                     scalars_done=self._scalars_done)
+
+    def _scalars_done(self, buf: torch.Tensor) -> Callable[[], object] | None:
+        """A buffer's scalars are final: cast this worker's snapshot vote; HSDP: sum them over the replica, in
+        the background while the last backward pass runs (every rank of the replica posts it at the same
+        point among FSDP2's collectives)."""
         if self.vote is not None and self.layout.n_votes:
             cast(self.layout.votes(buf), self.vote())
-        if self.replica is not None:
-            import torch.distributed as dist
+        if self.replica is None:
+            return None
+        import torch.distributed as dist
 
-            dist.all_reduce(buf[self.layout.n_grad:], group=self.replica)
-        return buf
+        return dist.all_reduce(buf[self.layout.n_grad:], group=self.replica, async_op=True).wait
 
     def _reshard(self) -> None:
         """HSDP: FSDP2 leaves the root's whole parameters registered after a forward pass without backward

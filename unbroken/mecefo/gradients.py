@@ -32,6 +32,9 @@ from unbroken.sharding.parts import laid_out_as, local_of
 Mode = Literal["exact", "approx"]
 BatchFn = Callable[[int, int, tuple[int, int]], tuple[torch.Tensor, torch.Tensor]]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+ScalarsDone = Callable[[torch.Tensor], Callable[[], object] | None]
+"""``scalars_done(buf)``: the buffer's scalars are final (its gradients not yet); may start work on them and
+return what waits for that work (called before the buffer is returned)."""
 """``loss_fn(logits_BTV, y_BT)``: the summed token cross-entropy (a float32 scalar)."""
 """``batch_fn(step, slot, (a, b)) -> (x_BT, y_BT)``."""
 
@@ -134,6 +137,7 @@ def compute_gradient_sums(
     device: torch.device | str = "cpu",
     precision: str = "fp32",
     loss_fn: LossFn | None = None,
+    scalars_done: ScalarsDone | None = None,
 ) -> torch.Tensor:
     """Compute the gradient sums of ``work`` for ``step`` into a fresh flat buffer.
 
@@ -144,7 +148,10 @@ def compute_gradient_sums(
     loss, the gradients and the buffer stay float32
     (:mod:`unbroken.models.precision`). ``loss_fn`` (default
     :func:`token_loss_sum`) may be a compiled version of it. Nothing here waits
-    for the device: the loss is summed on it.
+    for the device: the loss is summed on it. ``scalars_done`` runs once the
+    buffer's scalars (loss, tokens, weights) are final: after the last item's
+    forward pass, before its backward (HSDP sums them over the replica
+    meanwhile); what it returns is called before the buffer is returned.
     """
     buf = torch.empty(layout.size, dtype=torch.float32, device=device)
     buf[layout.n_grad :].zero_()  # the gradients are written whole below: only the scalars start at zero
@@ -154,7 +161,8 @@ def compute_gradient_sums(
     loss_fn = loss_fn or token_loss_sum
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)  # as a Python float would sum
     tokens = 0
-    for item in work:
+    waiting = None
+    for k, item in enumerate(work):
         if not 0 <= item.rows[0] < item.rows[1] <= micro_batch:
             raise ValueError(f"rows {item.rows} outside micro-batch of {micro_batch} rows")
         x, y = batch_fn(step, item.slot, item.rows)
@@ -162,22 +170,33 @@ def compute_gradient_sums(
         with adapter.mode(item.mode, step=step):
             with autocast(torch.device(device), precision):
                 loss_tok = loss_fn(logits_of(model(x)), y)
+            loss_sum += loss_tok.detach()
+            tokens += y.numel()
+            share = item.n_rows / micro_batch
+            for g, name in enumerate(layout.group_names):
+                if item.mode == "exact" or not adapter.dropped_in_approx(name):
+                    weights[g] += share
+            if k == len(work) - 1:
+                waiting = _scalars_final(buf, loss_sum, tokens, scalars_done)
             (loss_tok / (micro_batch * y.size(1))).backward()
-        loss_sum += loss_tok.detach()
-        tokens += y.numel()
-        share = item.n_rows / micro_batch
-        for g, name in enumerate(layout.group_names):
-            if item.mode == "exact" or not adapter.dropped_in_approx(name):
-                weights[g] += share
+    if not work:
+        waiting = _scalars_final(buf, loss_sum, tokens, scalars_done)
     for i, p in enumerate(layout.params):
         if p.grad is not None:
             layout.grad_view(buf, i).copy_(local_of(p.grad))
             p.grad = None
         else:
             layout.grad_view(buf, i).zero_()  # no item reached it (a frozen path, an approximated group)
+    if waiting is not None:
+        waiting()
+    return buf
+
+
+def _scalars_final(buf: torch.Tensor, loss_sum: torch.Tensor, tokens: int,
+                   scalars_done: ScalarsDone | None) -> Callable[[], object] | None:
     buf[-2] = loss_sum
     buf[-1] = tokens
-    return buf
+    return scalars_done(buf) if scalars_done is not None else None
 
 
 def token_loss_sum(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

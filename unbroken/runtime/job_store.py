@@ -225,11 +225,6 @@ class JobStore:
     def arrived(self, gen: int) -> int:
         return self.backend.add(f"arrive/{gen}", 0)
 
-    def count_reduced(self, gen: int, n: int = 1) -> int:
-        """Count a member whose reduction of a step completed in view ``gen`` (HSDP: each member reduces on
-        its shard index's group only); returns the count so far, over the view's steps."""
-        return self.backend.add(f"reduced/{gen}", n)
-
     def publish_items(self, gen: int, worker: int, step: int, items: list[list[Any]]) -> None:
         self.backend.set(f"items/{gen}/{worker}", json.dumps([step, items]))
 
@@ -260,7 +255,7 @@ class JobStore:
         for g in range(first, below):
             raw = _opt(self.backend, f"view/{g}")
             members = View.from_json(raw).members if raw else ()
-            keys = [f"view/{g}", f"outcome/{g}", f"arrive/{g}", f"restore/{g}", f"restore/{g}/nodes", f"reduced/{g}"]
+            keys = [f"view/{g}", f"outcome/{g}", f"arrive/{g}", f"restore/{g}", f"restore/{g}/nodes"]
             keys += [f"snapinv/{g}/{r}" for r in range(int(_opt(self.backend, f"restore/{g}/nodes") or 0))]
             keys += [f"items/{g}/{w}" for w in members]
             for name in self.group_names:

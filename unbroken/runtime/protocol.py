@@ -55,7 +55,7 @@ from unbroken.runtime.work_plan import SlotPlan
 from unbroken.sharding.layout import StateLayout
 
 if TYPE_CHECKING:
-    from unbroken.sharding.hsdp import ReplicaPlan
+    from unbroken.sharding.hsdp import ReplicaPlan, ReplicaSync
 
 __all__ = ["PHASES", "MemberDied", "RetriesExhausted", "StepJob", "StepProtocol"]
 
@@ -124,7 +124,7 @@ class StepProtocol:
         self._pruned_below = 0
         self._voted = -1  # the last step this worker saw committed under the current view
         self._same_view_retries = 0
-        self._reduced_here = 0  # this view's steps whose reduction completed here (HSDP's commit condition)
+        self._admits = False  # HSDP: the leader announced, in this attempt's replica sync, that it admits joiners
         self._next_check = 0.0
         self.restorer: Callable[[View, Callable[[torch.Tensor, int], object]], None] | None = None
         """Loads the state a restored view names (``view.restore``), in :meth:`adopt` (the trainer sets it)."""
@@ -137,9 +137,10 @@ class StepProtocol:
         self.layout: StateLayout = StateLayout(job)
         """How the state is laid out across ranks (:mod:`unbroken.sharding.layout`): replicated, HSDP's shards,
         or ZeRO-1's moments (updated and all-gathered before the vote, re-sharded in :meth:`adopt`)."""
-        self.boundary_sync: Callable[[int, int], int] | None = None
-        """HSDP: ``boundary_sync(leader, gen)`` shares the leader's view generation at a step boundary with the
-        other ranks of its replica (they pass -1 and get the leader's)."""
+        self.replica: ReplicaSync | None = None
+        """HSDP: the collectives over this worker's replica (:class:`~unbroken.sharding.hsdp.ReplicaSync`): after
+        each reduction, whether every rank of the replica holds its part and whether the leader admits joiners
+        at the step's end; at such a boundary, the leader's view generation."""
         self.plan: SlotPlan | ReplicaPlan = SlotPlan(policy, job.n_slots, job.micro_batch)
         """Who computes what and reduces with whom (HSDP's :class:`~unbroken.sharding.hsdp.ReplicaPlan`)."""
         self.peers: tuple[int, ...] = ()
@@ -175,7 +176,7 @@ class StepProtocol:
         t0 = time.perf_counter()
         self._abandon()  # a group from a failed earlier attempt is parked, never dropped
         self.view, self._voted = view, view.step - 1
-        self._reduced_here = 0
+        self._admits = False
         if view.restore is not None:
             self._phase("restore", view.step)
         if view.from_memory and self.me not in view.joiners and self.before_admission is not None:
@@ -226,14 +227,16 @@ class StepProtocol:
         """At a step boundary the view's first member admits workers waiting to join."""
         assert self.view is not None
         if self.view.leader != self.me:
-            if self.boundary_sync is not None and self.plan.same_replica(self.view.leader, self.me):
+            if self._admits and self.plan.same_replica(self.view.leader, self.me):
                 self._follow_admission(next_step)
             return False
+        if self.replica is not None and not self._admits:
+            return False  # HSDP: the replica goes on at once; joiners asking now are announced in the next step
         joiners = self.plan.admissible([j for j in self.m.pending_joins(self.view, self.job.n_slots)
                                         if self._acceptable(j) and self._alive_since_request(j)], self.view.members)
         if not joiners:
-            if self.boundary_sync is not None:
-                self.boundary_sync(self.view.leader, self.view.gen)  # HSDP: the leader's replica goes on as is
+            if self.replica is not None:
+                self._boundary(self.view.leader, self.view.gen)  # HSDP: the leader's replica goes on as is
             return False
         if self.store.vote(self.view, next_step, "abort", after=self._voted) == "commit":  # pragma: no cover
             raise AssertionError("a step was committed without the view's first member")
@@ -252,8 +255,8 @@ class StepProtocol:
         # without it: then its request stands for the next boundary).
         for j in winner.joiners:
             self.store.clear_join(j)
-        if self.boundary_sync is not None:
-            self.boundary_sync(self.me, winner.gen)  # HSDP: the leader's replica adopts it too, not its next step
+        if self.replica is not None:
+            self._boundary(self.me, winner.gen)  # HSDP: the leader's replica adopts it too, not its next step
         self.need_exchange = True
         try:
             self.adopt(winner)
@@ -262,10 +265,10 @@ class StepProtocol:
         return True
 
     def _follow_admission(self, next_step: int) -> None:
-        """HSDP, a rank of the leader's replica at a step boundary: learn from the leader whether it admitted
-        joiners, and if so adopt that view with it (a rank computing the next step instead would wait for the
-        leader inside FSDP2's collectives while the leader waits for it to arrive in the view)."""
-        gen = self.boundary_sync(self.view.leader, -1)
+        """HSDP, a rank of the leader's replica at a step boundary the leader announced: learn from it whether
+        it admitted joiners, and if so adopt that view with it (a rank computing the next step instead would
+        wait for the leader inside FSDP2's collectives while the leader waits for it to arrive in the view)."""
+        gen = self._boundary(self.view.leader, -1)
         if gen == self.view.gen:
             return
         self._abandon()
@@ -274,6 +277,13 @@ class StepProtocol:
             self.adopt(self.store.view(gen))
         except (CollectiveFailed, ViewChanged, MemberDied) as exc:
             self._reconfigure(next_step, f"admission failed: {type(exc).__name__}: {exc}")
+
+    def _boundary(self, leader: int, gen: int) -> int:
+        """HSDP: the leader's view generation, over its replica (the leader passes it, its siblings -1)."""
+        got = self.replica.boundary(self.plan.layout.index_of(leader), gen)
+        if got == -2:
+            raise CollectiveFailed(f"the step boundary's broadcast over worker {leader}'s replica failed")
+        return got
 
     def _acceptable(self, joiner: int) -> bool:
         """A joiner trains the same job: its config hash is ours (else it is refused, and told why)."""
@@ -321,7 +331,12 @@ class StepProtocol:
                     buf = self._compute(step, extra)
                     local = buf if local is None else local + buf
                     items = items + extra
-                reduced = self._reduce(step, local, items)
+                try:
+                    reduced = self._reduce(step, local, items)
+                except (ViewChanged, CollectiveFailed, MemberDied):
+                    self._replica_reduced(step, ok=False)  # HSDP: the replica's other ranks wait for its word
+                    raise
+                self._replica_reduced(step, ok=True)
                 # ZeRO-1: the whole step before the vote (update and all-gather)
                 self.layout.after_reduction(step, reduced, self.group, self._check,
                                             lambda phase: self._phase(phase, step))
@@ -375,6 +390,32 @@ class StepProtocol:
         self.layout.before_reduction(check or self._check)  # ZeRO-1: the last step's shard copies sealed first
         return self.group.allreduce(local, check or self._check, lambda: self._phase("allreduce", step))
 
+    def _replica_reduced(self, step: int, ok: bool) -> None:
+        """HSDP: tell the other ranks of this replica whether this worker's reduction (its shard index's part of
+        the step) completed, and learn theirs; the leader says too whether it admits joiners at the step's end.
+
+        Every rank of a replica gets here once per attempt, its reduction completed or not, so the collective
+        always matches. A member may vote ``commit`` only once every rank of its replica holds its part: then
+        every part of the step is defined (a completed reduction means every member of that index's group
+        contributed, one per live replica), and every member holding a part holds the same as its peers.
+
+        Raises:
+            CollectiveFailed: ``ok`` and another rank's reduction failed, or the collective itself failed (a
+                rank died: its replica goes down).
+        """
+        if self.replica is None:
+            return
+        admit = self.view.leader == self.me and bool(
+            self.plan.admissible(self.m.pending_joins(self.view, self.job.n_slots), self.view.members))
+        got = self.replica.reduced(ok, admit)
+        if got is None:
+            raise CollectiveFailed(f"the replica's word on the reductions of step {step} in view {self.view.gen} "
+                                   "failed")
+        every, self._admits = got
+        if ok and not every:
+            raise CollectiveFailed(f"the reduction of another shard index of step {step} in view {self.view.gen} "
+                                   "did not complete")
+
     def _vote(self, step: int) -> None:
         """Vote ``commit`` for ``step`` under the current view (see the module docstring).
 
@@ -387,15 +428,6 @@ class StepProtocol:
         prunes the store's keys of older views (nobody needs them any more).
         """
         view = self.view
-        if self.plan.partial_groups:
-            # HSDP: this reduction's completion vouches for this shard index's group only. Every member counts
-            # itself in once its own completed; the step may be committed once all have (members run the
-            # view's steps in lockstep, so the count of step s is members x the steps reduced in this view).
-            self._reduced_here += 1
-            want = len(view.members) * self._reduced_here
-            if self.store.count_reduced(view.gen) < want:
-                self._wait_for(lambda: self.store.count_reduced(view.gen, 0) >= want,
-                               f"the reductions of every shard index of step {step} in view {view.gen}")
         outcome = self.store.vote(view, step, "commit", after=self._voted)
         if outcome == "stale":
             raise Fenced(f"view {view.gen} was pruned while this worker was at step {step}")

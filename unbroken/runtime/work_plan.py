@@ -47,7 +47,3 @@ class SlotPlan:
     def same_replica(self, a: int, b: int) -> bool:
         """Are workers ``a`` and ``b`` ranks of one replica (here: the same worker)?"""
         return a == b
-
-    partial_groups = False
-    """Does a member's reduction cover only part of the step (HSDP: its shard index's)? Then it votes
-    ``commit`` only once every member's reduction completed (:meth:`StepProtocol._vote`)."""

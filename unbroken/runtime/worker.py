@@ -144,12 +144,13 @@ class Trainer:
             self.protocol.on("allreduce", lambda step: self.snapshots.fence())
         self.protocol.restorer = self._restore
         if self.hsdp is not None:
-            from unbroken.sharding.hsdp import ReplicaPlan
+            from unbroken.sharding.hsdp import ReplicaPlan, ReplicaSync
             from unbroken.sharding.layout import ShardedModel
 
             self.protocol.plan = ReplicaPlan(takeover_policy(cfg.mecefo.policy), self.hsdp, self.job.micro_batch)
             self.protocol.layout = ShardedModel(self.job)
-            self.protocol.boundary_sync = self._boundary_sync
+            self.protocol.replica = ReplicaSync(self.job.replica, self.hsdp.shard_degree, device, cfg.train.timeout_s,
+                                                waiting=membership.advance)
             self.store.group_names = tuple(f".i{i}" for i in range(self.hsdp.shard_degree))
         if cfg.train.shard_optimizer:
             node_of = node_map(spec.run_dir, spec.world)
@@ -432,11 +433,12 @@ class Trainer:
                 self._save(done, last)
             self.store.set_progress(done)
 
-    def _boundary_sync(self, leader: int, gen: int) -> int:
-        """HSDP: the leader's view generation, broadcast over its replica's world (the leader passes it)."""
-        t = torch.tensor([gen], dtype=torch.int64)
-        dist.broadcast(t, group_src=self.hsdp.index_of(leader), group=self.job.replica)
-        return int(t.item())
+    def _boundary_sync(self, writer: int, value: int) -> int:
+        """HSDP: ``value`` of ``writer``, broadcast over its replica's world (the others pass -1)."""
+        got = self.protocol.replica.boundary(self.hsdp.index_of(writer), value)
+        if got == -2:
+            raise RuntimeError(f"the broadcast from worker {writer} over its replica failed")
+        return got
 
     def _second(self, done: int, due: Due | None) -> None:
         """HSDP: a rank of the leader's replica joins the collectives of the leader's duties, in their order:

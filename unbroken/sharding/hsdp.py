@@ -35,6 +35,7 @@ model's own DTensors).
 from __future__ import annotations
 
 import dataclasses
+import time
 from datetime import timedelta
 from typing import Callable, Sequence
 
@@ -49,7 +50,7 @@ from unbroken.mecefo.gradients import SlotWork
 from unbroken.mecefo.takeover import TakeoverPolicy
 from unbroken.sharding.parts import laid_out_as
 
-__all__ = ["GradientShards", "Parallelize", "ReplicaLayout", "ReplicaPlan", "check_layout", "fsdp_llama",
+__all__ = ["GradientShards", "Parallelize", "ReplicaLayout", "ReplicaPlan", "ReplicaSync", "check_layout", "fsdp_llama",
            "join_replica", "replica_assignment", "replica_completion", "shard_model"]
 
 Parallelize = Callable[[torch.nn.Module, DeviceMesh], object]
@@ -158,9 +159,6 @@ class ReplicaPlan:
     policy: TakeoverPolicy
     layout: ReplicaLayout
     micro_batch: int
-    partial_groups = True
-    """A worker reduces only its shard index's part of the step: it votes ``commit`` once every member's
-    reduction completed (:meth:`unbroken.runtime.protocol.StepProtocol._vote`)."""
 
     def assign(self, me: int, live: Sequence[int]) -> list[SlotWork]:
         return list(replica_assignment(self.policy, self.layout, live, self.micro_batch).get(me, []))
@@ -184,6 +182,71 @@ class ReplicaPlan:
         """The name of ``me``'s reduction group within a view, and its members (one per live replica)."""
         index = self.layout.index_of(me)
         return f".i{index}", self.layout.shard_peers(index, members)
+
+
+class ReplicaSync:
+    """The step protocol's own collectives over a replica's world (its ``k`` ranks, FSDP2's group).
+
+    - :meth:`reduced`, once per attempt of a step, after each rank's reduction of its shard index's part
+      completed or failed: do all of them hold their part (then every part of the step is defined: a
+      completed reduction means every member of its index's group contributed), and does the view's leader
+      admit joiners at the step's end? One small all-reduce, in place of a count in the job store that every
+      member would wait on, and of a broadcast from the leader at every step boundary.
+    - :meth:`boundary`: the leader's view generation at a step boundary it announced (a broadcast), and the
+      final checkpoint's writer's word to its siblings.
+
+    Each waits for its collective without giving up on it (the other ranks of the replica are in it too, or
+    on their way: one that died takes the replica down, its agent fences the others), keeping the failure
+    detector's progress moving; ``None`` or ``-2``: the collective failed or outlived ``timeout_s``.
+
+    Args:
+        group: the replica's process group.
+        size: its ranks (``k``).
+        device: where its collectives run.
+        timeout_s: the longest a collective may take.
+        waiting: called while waiting (the membership's ``advance``).
+    """
+
+    def __init__(self, group: dist.ProcessGroup, size: int, device: torch.device, timeout_s: float,
+                 waiting: Callable[[], None] = lambda: None) -> None:
+        self.group, self.size, self.device, self.timeout_s, self.waiting = group, size, device, timeout_s, waiting
+
+    def reduced(self, ok: bool, admit: bool) -> tuple[bool, bool] | None:
+        """(did every rank's reduction complete, does the leader admit joiners), or None (the collective failed)."""
+        t = torch.tensor([int(ok), int(admit)], dtype=torch.int64, device=self.device)
+        if not self._run(lambda: dist.all_reduce(t, group=self.group, async_op=True)):
+            return None
+        done, admits = t.tolist()
+        return done == self.size, admits > 0
+
+    def boundary(self, index: int, value: int) -> int:
+        """``value`` of the rank with shard index ``index`` (a broadcast; the others pass anything), or -2
+        (failed)."""
+        t = torch.tensor([value], dtype=torch.int64, device=self.device)
+        if not self._run(lambda: dist.broadcast(t, group_src=index, group=self.group, async_op=True)):
+            return -2
+        return int(t.item())
+
+    def _run(self, start: Callable[[], dist.Work]) -> bool:
+        """Post a collective and wait until it completed: True, or False (failed, or past the timeout)."""
+        try:
+            work = start()
+            deadline = time.monotonic() + self.timeout_s
+            while not work.is_completed():
+                self.waiting()
+                if time.monotonic() > deadline:
+                    return False
+                if self.device.type == "cpu":
+                    try:
+                        work.wait(timedelta(seconds=0.02))
+                    except RuntimeError:
+                        pass  # timed out, or failed: is_completed() and the wait below decide
+                else:
+                    time.sleep(0.001)
+            work.wait()
+        except RuntimeError:
+            return False
+        return True
 
 
 def join_replica(store: dist.Store, *, replica: int, incarnation: int | str, index: int, shard_degree: int,
