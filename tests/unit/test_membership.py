@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from unbroken.runtime.job_store import JobStore
-from unbroken.runtime.membership import FIRST_BEAT_FACTOR, Membership, View
+from unbroken.runtime.membership import FIRST_BEAT_FACTOR, Membership, View, beat_interval
 from unbroken.runtime.store_backend import TCPStoreBackend
 
 TIMEOUT_S = 0.3
@@ -214,3 +214,9 @@ def test_the_leaders_duties_keep_its_progress_ticking_and_a_real_stall_still_cou
         stop.set()
         thread.join(timeout=5)
         leader.stop()
+
+
+def test_a_worker_beats_eight_times_per_heartbeat_timeout_between_100_and_250_ms_apart():
+    assert beat_interval(2.0) == 0.25, "the default timeout: 4 beats a second, 8 per timeout"
+    assert beat_interval(1.6) == 0.2
+    assert beat_interval(0.5) == 0.1 and beat_interval(30.0) == 0.25

@@ -109,15 +109,23 @@ class ChildWaker:
             self.armed = False
 
     def sleep(self, seconds: float) -> None:
+        self.wait(None, seconds)
+
+    def wait(self, fd: int | None, seconds: float) -> bool:
+        """Sleep as :meth:`sleep`, or until ``fd`` is readable too; returns whether it is."""
         if not self.armed:
-            time.sleep(seconds)
-            return
-        if select.select([self._r], [], [], seconds)[0]:
+            if fd is None:
+                time.sleep(seconds)
+                return False
+            return bool(select.select([fd], [], [], seconds)[0])
+        ready = select.select([self._r] if fd is None else [self._r, fd], [], [], seconds)[0]
+        if self._r in ready:
             try:
                 while os.read(self._r, 512):
                     pass
             except BlockingIOError:
                 pass
+        return fd is not None and fd in ready
 
     def close(self) -> None:
         if self.armed:

@@ -68,14 +68,14 @@ from unbroken.snapshot.segment import remove_segments
 logger = logging.getLogger(__name__)
 
 LOOP_S = 0.005  # with a fault to inject, progress is polled this often, so it lands within ~5 ms of its step
-IDLE_S = 0.05
+IDLE_S = 0.1
 """The loop's tick otherwise: a worker's exit wakes it at once (:class:`ChildWaker`); what it polls in the
 store (marks to fence, the job's status, restarts due) is not needed sooner."""
-FENCE_S = 0.05
+FENCE_S = 0.1
 """How often the death counter is read for marks to fence (a store round trip: at the loop's pace, one agent
 would cost the store 200 a second, more than the heartbeats of its workers). A mark comes from a peer that judged
 a worker hung or fenced it (it is out of the view already); a crash this agent reaps itself, at once."""
-STATUS_S = 0.05
+STATUS_S = 0.1
 FAST_CRASH_S = 10.0
 MAX_FAST_CRASHES = 5
 

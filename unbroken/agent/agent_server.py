@@ -28,7 +28,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import select
 import signal
 import subprocess
 import sys
@@ -37,12 +36,14 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from unbroken.agent._process import ForkedChild, LineBuffer, run_forked
+from unbroken.agent._process import ChildWaker, ForkedChild, LineBuffer, run_forked
 
 logger = logging.getLogger(__name__)
 
 READY_TIMEOUT_S = 60.0
 """The server's imports, on a loaded machine, before the launcher gives up on it (agents start fresh)."""
+IDLE_S = 1.0
+"""The server's loop wakes for a request on its input or an agent's exit (SIGCHLD); this tick is a backstop."""
 REPLY_TIMEOUT_S = 10.0
 """A fork request not answered in this long: the server is given up on."""
 
@@ -104,8 +105,9 @@ def serve() -> int:
     if threads != 1:
         return 2
     buf = b""
+    waker = ChildWaker()  # an agent's exit (SIGCHLD) wakes the loop at once, as a request does
     while True:
-        readable, _, _ = select.select([0], [], [], 0.05)
+        readable = waker.wait(0, IDLE_S)
         while True:  # reap: each agent's exit, in the launcher's terms
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)

@@ -72,7 +72,7 @@ committed-step counter (``progress``), whatever ``train.log_every`` says about m
 limits are at least ``train.timeout_s`` (a blocking wait that long may precede a reconfiguration)."""
 AGENT_GRACE_S = 30.0
 """How long agents may take to stop their workers after ``done`` or ``failed``."""
-POLL_S = 0.05
+POLL_S = 0.1
 
 
 class JobFailed(RuntimeError):

@@ -48,6 +48,17 @@ __all__ = ["EXIT_FENCED", "EXIT_REJOIN", "Fenced", "Membership", "MissedCommit",
 logger = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL_S = 0.1
+"""The shortest interval between a worker's beats; a longer heartbeat timeout beats less often
+(:func:`beat_interval`: eight beats per timeout, at most every 0.25 s), each beat costing the store three
+round trips."""
+BEATS_PER_TIMEOUT = 8
+MAX_BEAT_INTERVAL_S = 0.25
+
+
+def beat_interval(heartbeat_timeout_s: float) -> float:
+    """How often a worker beats under ``heartbeat_timeout_s``."""
+    return max(HEARTBEAT_INTERVAL_S, min(MAX_BEAT_INTERVAL_S, heartbeat_timeout_s / BEATS_PER_TIMEOUT))
+
 LEASE_TTL_FACTOR = 2.0
 """On a store with leases (etcd) a worker's counters expire this many heartbeat timeouts after its last
 beat: later than any observer's own judgement, so an expiry is proof of death, never a hasty verdict."""
@@ -123,7 +134,8 @@ class Membership:
 
     def _beat(self) -> None:
         """Beat every interval; on a store error retry with backoff until the hang timeout has passed."""
-        last_ok, delay = time.monotonic(), HEARTBEAT_INTERVAL_S
+        interval = beat_interval(self.heartbeat_timeout_s)
+        last_ok, delay = time.monotonic(), interval
         while not self._stop.wait(delay):
             try:
                 self._publish()
@@ -135,7 +147,7 @@ class Membership:
                 delay = min(2 * delay, self.heartbeat_timeout_s / 4)
                 logger.warning("heartbeat: store error (%s); retrying in %.2f s", exc, delay)
                 continue
-            last_ok, delay = time.monotonic(), HEARTBEAT_INTERVAL_S
+            last_ok, delay = time.monotonic(), interval
 
     def _publish(self) -> None:
         self.heartbeat_store.beat(self.worker)
