@@ -202,8 +202,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(prog="unbroken bench hsdp", description=__doc__.split("\n\n")[0])
     ap.add_argument("--parts", default="bytes,step,job", help="bytes, step, job (default all three)")
     ap.add_argument("--preset", default="tiny", help="model of the step-time part (default tiny)")
-    ap.add_argument("--steps", type=int, default=20, help="steps per job (default 20; the first 3 are warm-up)")
-    ap.add_argument("--rounds", type=int, default=2, help="rounds of the ABBA order (default 2)")
+    ap.add_argument("--steps", type=int, default=40, help="steps per job (default 40; the first 3 are warm-up)")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of the ABBA order (default 3)")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/hsdp.json"))
     a, overrides = parse_with_overrides(ap, argv)
     if overrides:
