@@ -334,9 +334,9 @@ class StepProtocol:
                 try:
                     reduced = self._reduce(step, local, items)
                 except (ViewChanged, CollectiveFailed, MemberDied):
-                    self._replica_reduced(step, ok=False)  # HSDP: the replica's other ranks wait for its word
+                    self._replica_word(step, ok=False)  # HSDP: its siblings wait for its word
                     raise
-                self._replica_reduced(step, ok=True)
+                self._replica_word(step, ok=True)
                 # ZeRO-1: the whole step before the vote (update and all-gather)
                 self.layout.after_reduction(step, reduced, self.group, self._check,
                                             lambda phase: self._phase(phase, step))
@@ -390,14 +390,17 @@ class StepProtocol:
         self.layout.before_reduction(check or self._check)  # ZeRO-1: the last step's shard copies sealed first
         return self.group.allreduce(local, check or self._check, lambda: self._phase("allreduce", step))
 
-    def _replica_reduced(self, step: int, ok: bool) -> None:
-        """HSDP: tell the other ranks of this replica whether this worker's reduction (its shard index's part of
-        the step) completed, and learn theirs; the leader says too whether it admits joiners at the step's end.
+    def _replica_word(self, step: int, ok: bool) -> None:
+        """HSDP: tell the other ranks of this replica whether this worker's reduction of this attempt (its shard
+        index's part of the step) completed, and learn theirs; the leader also says whether it admits joiners
+        at the step's end.
 
         Every rank of a replica gets here once per attempt, its reduction completed or not, so the collective
-        always matches. A member may vote ``commit`` only once every rank of its replica holds its part: then
-        every part of the step is defined (a completed reduction means every member of that index's group
-        contributed, one per live replica), and every member holding a part holds the same as its peers.
+        always matches (no earlier point of an attempt would: a rank whose item exchange failed may be a view
+        ahead of its sibling, waiting in the store for the sibling's items). A member may vote ``commit`` only
+        once every rank of its replica holds its part: then every part of the step is defined (a completed
+        reduction means every member of that index's group contributed, one per live replica), and every
+        member holding a part holds the same as its peers.
 
         Raises:
             CollectiveFailed: ``ok`` and another rank's reduction failed, or the collective itself failed (a
@@ -407,7 +410,7 @@ class StepProtocol:
             return
         admit = self.view.leader == self.me and bool(
             self.plan.admissible(self.m.pending_joins(self.view, self.job.n_slots), self.view.members))
-        got = self.replica.reduced(ok, admit)
+        got = self.replica.agree(ok, admit)
         if got is None:
             raise CollectiveFailed(f"the replica's word on the reductions of step {step} in view {self.view.gen} "
                                    "failed")

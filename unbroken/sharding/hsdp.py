@@ -187,7 +187,7 @@ class ReplicaPlan:
 class ReplicaSync:
     """The step protocol's own collectives over a replica's world (its ``k`` ranks, FSDP2's group).
 
-    - :meth:`reduced`, once per attempt of a step, after each rank's reduction of its shard index's part
+    - :meth:`agree`, once per attempt of a step after each rank's reduction of its shard index's part
       completed or failed: do all of them hold their part (then every part of the step is defined: a
       completed reduction means every member of its index's group contributed), and does the view's leader
       admit joiners at the step's end? One small all-reduce, in place of a count in the job store that every
@@ -211,13 +211,13 @@ class ReplicaSync:
                  waiting: Callable[[], None] = lambda: None) -> None:
         self.group, self.size, self.device, self.timeout_s, self.waiting = group, size, device, timeout_s, waiting
 
-    def reduced(self, ok: bool, admit: bool) -> tuple[bool, bool] | None:
-        """(did every rank's reduction complete, does the leader admit joiners), or None (the collective failed)."""
-        t = torch.tensor([int(ok), int(admit)], dtype=torch.int64, device=self.device)
+    def agree(self, ok: bool, flag: bool = False) -> tuple[bool, bool] | None:
+        """(is every rank's ``ok`` true, is any rank's ``flag``), or None (the collective failed)."""
+        t = torch.tensor([int(ok), int(flag)], dtype=torch.int64, device=self.device)
         if not self._run(lambda: dist.all_reduce(t, group=self.group, async_op=True)):
             return None
-        done, admits = t.tolist()
-        return done == self.size, admits > 0
+        done, flags = t.tolist()
+        return done == self.size, flags > 0
 
     def boundary(self, index: int, value: int) -> int:
         """``value`` of the rank with shard index ``index`` (a broadcast; the others pass anything), or -2
