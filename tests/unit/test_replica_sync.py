@@ -29,8 +29,7 @@ def test_the_replica_learns_whether_every_rank_reduced_and_whether_the_leader_ad
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=20))
     child = subprocess.Popen([sys.executable, "-c", CHILD, str(store.port)], stdout=subprocess.PIPE, text=True)
     pg = dist.ProcessGroupGloo(dist.PrefixStore("replica", store), 0, 2, timedelta(seconds=20))
-    waits = []
-    sync = ReplicaSync(pg, 2, torch.device("cpu"), timeout_s=20, waiting=lambda: waits.append(1))
+    sync = ReplicaSync(pg, 2, torch.device("cpu"), timeout_s=20)
     mine = [sync.agree(True, True), sync.agree(True, False), sync.boundary(1, -1), sync.boundary(0, 3)]
     theirs = json.loads(child.communicate(timeout=30)[0])
     assert mine == [(True, True), (False, False), 7, 3]
