@@ -61,8 +61,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     help="with --reference: the plain loops to run (eager, compiled; compiled only where compile is on)")
     ap.add_argument("--plain-steps", type=int, default=None, help="with --reference: steps of each plain loop "
                                                                    "(default --steps)")
+    ap.add_argument("--rounds", type=int, default=1, help="with --reference: run the rows this many times, each "
+                                                          "round in the reverse order of the last (default 1)")
     a, a.overrides = parse_with_overrides(ap, argv)
     a.workers_given, a.workers = a.workers is not None, a.workers or "1,2,4"
+    if a.rounds < 1:
+        ap.error("--rounds: at least 1")
     if a.reference:
         from unbroken.bench.throughput_reference import reference
 

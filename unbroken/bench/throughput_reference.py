@@ -2,7 +2,11 @@
 
 See :mod:`unbroken.bench.throughput` for what is measured; this module runs the rows
 (plain eager, plain compiled, unbroken at each worker count) back to back and prints
-and writes them.
+and writes them. With ``--rounds N`` it runs them N times, each round in the reverse
+order of the one before (ABBA: a drift of the machine weighs on every row alike); a
+row's figures are the means over the rounds, and each unbroken row keeps its ratio to
+the plain loop of every round (``ratio_vs_plain_rounds``), the spread a shared
+machine gives.
 """
 
 from __future__ import annotations
@@ -60,33 +64,44 @@ def reference(a: argparse.Namespace) -> dict[str, Any]:
     modes = [m for m in ([False, True] if compiled else [False]) if ("compiled" if m else "eager") in kinds]
     if compiled and True not in modes:
         modes.append(True)  # unbroken compiles: its ratio needs the compiled plain loop
-    rows: list[dict[str, Any]] = []
-    for mode in modes:
-        rows.append({"loop": "plain", "compile": mode, "workers": 1,
-                     **plain_loop(cfg, device, compile=mode, steps=a.plain_steps or a.steps)})
-        print(f"plain loop, compile={mode}: {rows[-1]['tokens_per_s']:,.0f} tokens/s", flush=True)
     settings = [x.strip() for x in a.snapshots.split(",") if x.strip()] or [str(cfg.snapshot.every)]
+    entries = [("plain", mode) for mode in modes] + [("unbroken", (n, every)) for n in counts for every in settings]
+    runs: list[list[dict[str, Any]]] = [[] for _ in entries]  # each entry's row of every round
     with tempfile.TemporaryDirectory(prefix="unbroken-bench-ref-") as tmp:
-        for n in counts:
-            for every in settings:
+        for r in range(a.rounds):
+            for i in (range(len(entries)) if r % 2 == 0 else reversed(range(len(entries)))):
+                kind, what = entries[i]
+                if kind == "plain":
+                    runs[i].append({"loop": "plain", "compile": what, "workers": 1,
+                                    **plain_loop(cfg, device, compile=what, steps=a.plain_steps or a.steps)})
+                    print(f"plain loop, compile={what}: {runs[i][-1]['tokens_per_s']:,.0f} tokens/s", flush=True)
+                    continue
+                n, every = what
                 run_cfg = _cfg(a, f"train.workers={n}", f"snapshot.every={every}")
-                s = launch_local(run_cfg, Path(tmp) / f"w{n}-s{every}")
-                rows.append({"loop": "unbroken", "compile": compiled, "workers": n, "tokens_per_s": s["tokens_per_s"],
-                             **steady_window(Path(s["run_dir"]), a.steps, cfg.data.micro_batch * cfg.data.seq_len * n),
-                             "peak_memory_bytes": s.get("peak_memory_bytes"),
-                             "compiled_frames": s.get("compiled_frames"), "snapshot_every": run_cfg.snapshot.every,
-                             "snapshots": s.get("snapshots"), "wall_s": s["wall_s"]})
+                s = launch_local(run_cfg, Path(tmp) / f"w{n}-s{every}-r{r}")
+                runs[i].append({"loop": "unbroken", "compile": compiled, "workers": n,
+                                "tokens_per_s": s["tokens_per_s"],
+                                **steady_window(Path(s["run_dir"]), a.steps,
+                                                cfg.data.micro_batch * cfg.data.seq_len * n),
+                                "peak_memory_bytes": s.get("peak_memory_bytes"),
+                                "compiled_frames": s.get("compiled_frames"), "snapshot_every": run_cfg.snapshot.every,
+                                "snapshots": s.get("snapshots"), "wall_s": s["wall_s"]})
+                row = runs[i][-1]
                 print(f"unbroken, {n} worker(s), snapshot.every={every}: {s['tokens_per_s']:,.0f} tokens/s (median), "
-                      f"{rows[-1]['window_tokens_per_s']:,.0f} over the last half; snapshots {s.get('snapshots')}",
+                      f"{row['window_tokens_per_s']:,.0f} over the last half; snapshots {s.get('snapshots')}",
                       flush=True)
+    rows = [_mean_row(rs) for rs in runs]
     plain = {r["compile"]: r["tokens_per_s"] for r in rows if r["loop"] == "plain"}
+    plain_rounds = {rs[0]["compile"]: [x["tokens_per_s"] for x in rs] for rs in runs if rs[0]["loop"] == "plain"}
     unsnapped = {r["workers"]: r["window_tokens_per_s"] for r in rows
                  if r["loop"] == "unbroken" and str(r["snapshot_every"]) == "0"}
-    for r in rows:
+    for r, rs in zip(rows, runs):
         devices = r["workers"] if gpus else 1
         if r["loop"] == "unbroken":
             r["ratio_vs_plain"] = r["tokens_per_s"] / (plain[r["compile"]] * devices)
             r["window_ratio_vs_plain"] = r["window_tokens_per_s"] / (plain[r["compile"]] * devices)
+            r["ratio_vs_plain_rounds"] = [x["tokens_per_s"] / (p * devices)
+                                          for x, p in zip(rs, plain_rounds[r["compile"]])]
             if r["workers"] in unsnapped and str(r["snapshot_every"]) != "0":
                 r["snapshot_overhead"] = 1.0 - r["window_tokens_per_s"] / unsnapped[r["workers"]]
         r["mfu"] = r["tokens_per_s"] * fpt / (peak * (r["workers"] if gpus else 1)) if peak else None
@@ -94,7 +109,8 @@ def reference(a: argparse.Namespace) -> dict[str, Any]:
                                                         compile=False, steps=max(5, a.steps // 3),
                                                         activation_checkpointing=m)}
           for m in (x.strip() for x in a.ac.split(",")) if m]
-    result = {"benchmark": "throughput_reference", "preset": a.preset, "steps": a.steps, "precision": a.precision,
+    result = {"benchmark": "throughput_reference", "preset": a.preset, "steps": a.steps, "rounds": a.rounds,
+              "precision": a.precision,
               "device": str(device), "micro_batch": cfg.data.micro_batch, "seq_len": cfg.data.seq_len,
               "flops_per_token": fpt, "peak_flops": peak, "rows": rows, "activation_checkpointing": ac,
               "machine": machine_description()}
@@ -103,6 +119,17 @@ def reference(a: argparse.Namespace) -> dict[str, Any]:
     a.out.write_text(json.dumps(result, indent=1))
     print(f"wrote {a.out}")
     return result
+
+
+def _mean_row(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """One row from the same row's runs of every round: the last run's fields, its rates the means over the
+    rounds (each round's ``tokens_per_s`` kept in ``tokens_per_s_rounds``)."""
+    row = dict(rounds[-1])
+    for key in ("tokens_per_s", "window_tokens_per_s"):
+        if key in row:
+            row[key] = sum(x[key] for x in rounds) / len(rounds)
+    row["tokens_per_s_rounds"] = [x["tokens_per_s"] for x in rounds]
+    return row
 
 
 def _print(result: dict[str, Any]) -> None:
@@ -120,6 +147,10 @@ def _print(result: dict[str, Any]) -> None:
         print(f"{r['loop']:>9} {str(r['compile']):>7} {r['workers']:>7} {str(r.get('snapshot_every', '-')):>9} "
               f"{r['tokens_per_s']:>10,.0f} {mfu:>6} {ratio:>8} {window:>10} {wratio:>8} {over:>8} {interval:>8} "
               f"{mem:>8}")
+    for r in result["rows"]:
+        if len(r.get("ratio_vs_plain_rounds", ())) > 1:
+            print(f"unbroken, {r['workers']} worker(s), snapshot.every={r['snapshot_every']}: ratio to the plain loop "
+                  f"per round {', '.join(f'{x:.3f}' for x in r['ratio_vs_plain_rounds'])}")
     for r in result["activation_checkpointing"]:
         mem = f"{r['peak_memory_bytes'] / gb:.1f} GiB" if r.get("peak_memory_bytes") else "-"
         print(f"activation checkpointing {r['activation_checkpointing']:>9}: peak {mem}, "

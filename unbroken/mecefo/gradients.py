@@ -32,11 +32,11 @@ from unbroken.sharding.parts import laid_out_as, local_of
 Mode = Literal["exact", "approx"]
 BatchFn = Callable[[int, int, tuple[int, int]], tuple[torch.Tensor, torch.Tensor]]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""``loss_fn(logits_BTV, y_BT)``: the summed token cross-entropy (a float32 scalar)."""
+"""``batch_fn(step, slot, (a, b)) -> (x_BT, y_BT)``."""
 ScalarsDone = Callable[[torch.Tensor], Callable[[], object] | None]
 """``scalars_done(buf)``: the buffer's scalars are final (its gradients not yet); may start work on them and
 return what waits for that work (called before the buffer is returned)."""
-"""``loss_fn(logits_BTV, y_BT)``: the summed token cross-entropy (a float32 scalar)."""
-"""``batch_fn(step, slot, (a, b)) -> (x_BT, y_BT)``."""
 
 
 @dataclass(frozen=True)
