@@ -47,14 +47,24 @@ def reference_train(cfg: Config, steps: int | None = None, *, moments: bool = Fa
 
 
 def checkpoint_params(ckpt_dir) -> dict[str, torch.Tensor]:
-    """Model parameters of a committed checkpoint, read with safetensors (no pickle)."""
+    """Model parameters of a committed checkpoint, read with safetensors (no pickle); an HSDP checkpoint's
+    from its shard indices' parts, concatenated on the dimension each names."""
+    import json
     from pathlib import Path
 
     from safetensors.torch import load_file
 
-    out: dict[str, torch.Tensor] = {}
-    for f in sorted(Path(ckpt_dir).glob("*.safetensors")):
-        for k, v in load_file(str(f)).items():
-            if k.startswith("model."):
-                out[k[len("model."):]] = v
-    return out
+    def read(d: Path) -> dict[str, torch.Tensor]:
+        got: dict[str, torch.Tensor] = {}
+        for f in sorted(d.glob("*.safetensors")):
+            got.update({k[len("model."):]: v for k, v in load_file(str(f)).items() if k.startswith("model.")})
+        return got
+
+    ckpt_dir = Path(ckpt_dir)
+    k = json.loads((ckpt_dir / "commit.json").read_text()).get("hsdp_parts")
+    if not k:
+        return read(ckpt_dir)
+    parts = [ckpt_dir / "shards" / f"i{i}" for i in range(k)]
+    dims = json.loads((parts[0] / "part.json").read_text())["dims"]
+    tensors = [read(d) for d in parts]
+    return {name: torch.cat([t[name] for t in tensors], dim=dims["model." + name]) for name in tensors[0]}

@@ -10,9 +10,9 @@ sharded by a recipe of the user's (``model.parallelize``):
 - worker 0, the leader, dies in the forward pass of step 15: the leadership moves to replica 1 until
   replica 0 is back;
 - worker 0, the leader again, dies after the last step with the final checkpoint begun: replica 1 writes
-  it in its stead, its two ranks gathering the whole state together;
+  it in its stead, each of its two ranks writing its part;
 - at the end: every ``(step, slot, row)`` trained exactly once, the workers of each shard index hold the
-  same shards, and (under ``spread``, exact) the final checkpoint (whole tensors) equals plain
+  same shards, and (under ``spread``, exact) the final checkpoint (its parts joined) equals plain
   single-process training on the same batches to float tolerance; under ``neighbor`` the covering replica
   trains approximated (MeCeFO inside FSDP2).
 """
@@ -139,8 +139,8 @@ def test_a_whole_job_killed_restores_its_shards_from_memory_and_resumes_unsharde
       shards back from them;
     - the node is lost at step 10: no agent is left, the job stops and names ``--resume``;
     - ``--resume`` with ``train.shard_degree=1`` continues from the checkpoint of step 8 with every worker
-      holding the whole model (the checkpoint holds whole tensors, whatever wrote it; the memory holds shards
-      of another layout, which the resume passes over).
+      holding the whole model (the checkpoint's parts, one per shard index, joined into whole tensors; the
+      memory holds shards of another layout, which the resume passes over).
 
     Every step is trained exactly once in the end, and the result is plain training's on the same batches."""
     run = tmp_path / "run"

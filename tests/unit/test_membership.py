@@ -202,7 +202,7 @@ def test_the_leaders_duties_keep_its_progress_ticking_and_a_real_stall_still_cou
     trainer.job.optimizer = torch.optim.AdamW(trainer.job.model.parameters())
     trainer.hsdp = None
     trainer._save = lambda done, last: Trainer._save(trainer, done, last)
-    trainer._state = lambda: Trainer._state(trainer)
+    trainer._write_part = lambda done: Trainer._write_part(trainer, done)
     thread = threading.Thread(target=watch, daemon=True)
     thread.start()
     try:

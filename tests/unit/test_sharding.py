@@ -260,7 +260,8 @@ def test_sharded_checkpoint_resumes_replicated_or_sharded(tmp_path, into: str) -
         writer.save(2, 7, lo, hi, opt.exp_avg[lo:hi], opt.exp_avg_sq[lo:hi])
     writer.close()
     ckpt = AsyncCheckpointer(tmp_path, config_hash="h")
-    ckpt.save(2, training_state(model, opt), {"loss": 1.0}, shards=(7, ranges))
+    ckpt.save(2, training_state(model, opt), {"loss": 1.0},
+              shards=(7, [f"{lo}-{hi}" for lo, hi in ranges], {"shards": [list(r) for r in ranges]}))
     ckpt.wait()
     path = tmp_path / "checkpoints" / "step_0000002"
     fresh = _model()

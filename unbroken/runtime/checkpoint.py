@@ -103,13 +103,15 @@ def training_state(
 
 
 def load_training_state(
-    state: dict[str, torch.Tensor], model: torch.nn.Module, optimizer: torch.optim.Optimizer
+    state: dict[str, torch.Tensor], model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, local: bool = False
 ) -> None:
-    """Copy a flat state (as produced by :func:`training_state`) into model and optimizer."""
+    """Copy a flat state (as produced by :func:`training_state`) into model and optimizer. ``local``: its
+    entries for sharded parameters are already this rank's parts (not whole tensors)."""
     params = dict(model.named_parameters())
+    part = (lambda t, p: t if is_sharded(p) else local_part(t, p)) if local else local_part
     with torch.no_grad():
         for name, p in params.items():
-            local_of(p).copy_(local_part(state[f"model.{name}"], p))
+            local_of(p).copy_(part(state[f"model.{name}"], p))
     if hasattr(optimizer, "load_full"):  # a sharded optimizer: flat moments, per-parameter steps
         optimizer.load_full({name: (state.get(f"optim.{name}.exp_avg"), state.get(f"optim.{name}.exp_avg_sq"),
                                        state.get(f"optim.{name}.step")) for name in params})
@@ -121,16 +123,10 @@ def load_training_state(
             continue
         optimizer.state[p] = {
             "step": keys["step"].clone().float().to(step_device(optimizer, p)),
-            "exp_avg": _like_param(p, keys["exp_avg"]),
-            "exp_avg_sq": _like_param(p, keys["exp_avg_sq"]),
+            "exp_avg": laid_out_as(p, part(keys["exp_avg"], p).clone().to(local_of(p).device)),
+            "exp_avg_sq": laid_out_as(p, part(keys["exp_avg_sq"], p).clone().to(local_of(p).device)),
         }
     torch.set_rng_state(state["rng.cpu"].clone())
-
-
-def _like_param(p: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
-    """A copy of the whole tensor ``full`` laid out as parameter ``p`` (its part, for a sharded ``p``), on
-    ``p``'s device."""
-    return laid_out_as(p, local_part(full, p).clone().to(local_of(p).device))
 
 
 def whole(t: torch.Tensor) -> torch.Tensor:
@@ -174,14 +170,15 @@ class AsyncCheckpointer:
         return self._pending.step if self._pending else None
 
     def save(self, step: int, state: dict[str, torch.Tensor], meta: dict[str, Any],
-             shards: tuple[int, list[tuple[int, int]]] | None = None) -> None:
+             shards: tuple[int, list[str], dict[str, Any]] | None = None) -> None:
         """Stage ``state`` now and write it asynchronously; ``step`` = steps done.
 
         Waits for the previous save first. A storage error is logged and the
         save dropped (training goes on; the next save tries again). ``shards``
-        (a sharded run: the view's generation and its ranges) makes the commit
-        wait for every member's range of the moments
-        (:func:`unbroken.sharding.checkpoint.collect_shards`).
+        (a sharded run: the view's generation, the parts other workers write,
+        what the commit records of them) makes the commit wait for every part
+        (:func:`unbroken.sharding.checkpoint.collect_shards`): ZeRO-1's ranges
+        of the moments, HSDP's shard indices.
         """
         self.wait()
         path = checkpoint_dir(self.run_dir, step)
@@ -228,7 +225,7 @@ class AsyncCheckpointer:
             self.wait()
 
     def _finish(self, step: int, path: Path, commit: dict[str, Any], fut: Future[Any],
-                shards: tuple[int, list[tuple[int, int]]] | None = None) -> bool:
+                shards: tuple[int, list[str], dict[str, Any]] | None = None) -> bool:
         """Background: wait for the files, fsync and checksum them, commit, prune. False: not written."""
         try:
             _wait_written(fut, self.timeout_s)
@@ -236,7 +233,7 @@ class AsyncCheckpointer:
                 from unbroken.sharding.checkpoint import collect_shards
 
                 collect_shards(self.run_dir, step, shards[0], shards[1], path)
-                commit["shards"] = [list(r) for r in shards[1]]
+                commit.update(shards[2])
             commit["files"] = seal_files(path)
             write_commit(path, commit)
         except _save_errors() as exc:
@@ -319,6 +316,25 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     return None
 
 
+def _load_hsdp(path: str | Path, commit: dict[str, Any], model: torch.nn.Module,
+               optimizer: torch.optim.Optimizer) -> None:
+    """Load an HSDP checkpoint: the leader's step counts and RNG, every sharded tensor from the parts."""
+    from unbroken.sharding.checkpoint import load_hsdp_parts
+
+    wanted: dict[str, torch.Tensor] = {}
+    rest: dict[str, torch.Tensor] = {"rng.cpu": torch.get_rng_state()}
+    for name, p in model.named_parameters():
+        wanted[f"model.{name}"] = p
+        for key in ("exp_avg", "exp_avg_sq"):
+            wanted[f"optim.{name}.{key}"] = p
+        rest[f"optim.{name}.step"] = torch.zeros((), dtype=torch.float32)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        dcp().load(rest, storage_reader=dcp().HuggingFaceStorageReader(str(path)), no_dist=True)
+    parts, local = load_hsdp_parts(path, int(commit["hsdp_parts"]), wanted)
+    load_training_state({**rest, **parts}, model, optimizer, local=local)
+
+
 def load_checkpoint(
     path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, config_hash: str
 ) -> dict[str, Any]:
@@ -334,7 +350,11 @@ def load_checkpoint(
             f"this run has {config_hash}"
         )
     # Build the full key set (optimizer moments may not exist yet before a first step). A sharded run's
-    # checkpoint holds the moments as flat ranges under shards/ (unbroken.sharding.checkpoint).
+    # checkpoint holds the moments as flat ranges under shards/, an HSDP run's every sharded tensor as the
+    # parts of its shard indices (unbroken.sharding.checkpoint).
+    if "hsdp_parts" in commit:
+        _load_hsdp(path, commit, model, optimizer)
+        return commit
     sharded = "shards" in commit
     state = {k: v for k, v in training_state(model, optimizer).items() if not k.endswith(".exp_avg")
              and not k.endswith(".exp_avg_sq")}

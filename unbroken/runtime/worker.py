@@ -148,7 +148,8 @@ class Trainer:
             from unbroken.sharding.layout import ShardedModel
 
             self.protocol.plan = ReplicaPlan(takeover_policy(cfg.mecefo.policy), self.hsdp, self.job.micro_batch)
-            self.protocol.layout = ShardedModel(self.job)
+            self.protocol.layout = ShardedModel(self.job, index=self.hsdp.index_of(spec.worker),
+                                                shard_degree=self.hsdp.shard_degree)
             self.protocol.replica = ReplicaSync(self.job.replica, self.hsdp.shard_degree, device, cfg.train.timeout_s,
                                                 waiting=membership.advance)
             self.store.group_names = tuple(f".i{i}" for i in range(self.hsdp.shard_degree))
@@ -157,7 +158,9 @@ class Trainer:
             self.protocol.layout = ShardedState(
                 self.job, worker=spec.worker, node_of=node_of, on_event=self._event,
                 replicas=ReplicaStore(job_id(spec.run_dir), node_of[spec.worker], spec.worker))
-        self.shard_checkpoints = ShardCheckpointer(spec.run_dir) if cfg.train.shard_optimizer else None
+        # Workers that write parts of a checkpoint: ZeRO-1's ranges of the moments, HSDP's shards.
+        self.shard_checkpoints = (ShardCheckpointer(spec.run_dir) if cfg.train.shard_optimizer or self.hsdp
+                                  else None)
         t = cfg.train  # a sharded run checkpoints by steps only: its members must agree on the step
         by_steps = t.shard_optimizer or t.shard_degree > 1
         self.schedule = CheckpointSchedule(every=t.checkpoint_every, steps=t.steps,
@@ -332,7 +335,7 @@ class Trainer:
             view, done = self.protocol.view, step + 1
             due = self.schedule.due(done)  # every member runs the schedule: a new leader goes on in step
             lr, grad_norm = self.protocol.layout.apply(step, view, self.protocol.group, reduced, last=done == steps)
-            if due and self.shard_checkpoints is not None:  # ZeRO-1: every member writes its range of the moments
+            if due and self.cfg.train.shard_optimizer:  # ZeRO-1: every member writes its range of the moments
                 opt = self.job.optimizer
                 with self.m.busy():
                     self.shard_checkpoints.save(done, view.gen, opt.lo, opt.hi, opt.exp_avg, opt.exp_avg_sq)
@@ -360,10 +363,10 @@ class Trainer:
             if done < steps:
                 self.protocol.admit_joiners(done)
         with self.m.busy():
-            if self.shard_checkpoints is not None:
-                self.shard_checkpoints.close()
             self.protocol._phase("finish", steps)
             self._finish(steps, last)
+            if self.shard_checkpoints is not None:  # after the final checkpoint's parts (HSDP: written in _finish)
+                self.shard_checkpoints.close()
         if self.snapshots is not None:
             self.snapshots.close(finished=True)
         if self.metrics:
@@ -402,7 +405,7 @@ class Trainer:
                     self.hsdp.replica_of(self.spec.worker)):
                 # HSDP: a rank of the replica that writes in the leader's stead joins its gather, once
                 if self._boundary_sync(writer, -1):
-                    self._state(keep=False)
+                    self._write_part(steps)
                 while not self.store.is_done() and not self.m.dead_members(view) & {writer}:
                     time.sleep(FINISH_POLL_S)
                 continue
@@ -450,21 +453,26 @@ class Trainer:
                 self.job.validation_loss()
             if due == "step":
                 self.schedule.taken()
-                self._state(keep=False)
+                self._write_part(done)
 
-    def _state(self, keep: bool = True) -> dict[str, torch.Tensor]:
-        """The training state to checkpoint: whole tensors (HSDP: gathered over the replica, a collective;
-        ``keep`` False: a sibling of the writer joins the gathers only)."""
-        return self.protocol.layout.whole(training_state(self.job.model, self.job.optimizer), keep=keep)
+    def _write_part(self, done: int) -> dict[str, torch.Tensor]:
+        """This worker's part of the checkpoint of ``done`` steps (HSDP: its shards), staged now and written in
+        the background; returns what the leader writes itself (the rest)."""
+        rest, own = self.protocol.layout.split(training_state(self.job.model, self.job.optimizer))
+        if own is not None:
+            name, part = own
+            self.shard_checkpoints.save_part(done, self.protocol.view.gen, name, part["tensors"],
+                                             {"dims": part["dims"]})
+        return rest
 
     def _save(self, done: int, last: dict[str, Any]) -> None:
         if self.checkpointer is None:
             self.checkpointer = AsyncCheckpointer(self.spec.run_dir, config_hash=self.hash,
                                                   keep=self.cfg.train.keep_checkpoints)
         self.schedule.taken()
-        ranges = self.protocol.layout.checkpoint_ranges()
-        shards = (self.protocol.view.gen, ranges) if ranges is not None else None
-        self.checkpointer.save(done, self._state(), {"loss": last["loss"]}, shards=shards)
+        parts = self.protocol.layout.checkpoint_parts()
+        shards = (self.protocol.view.gen, *parts) if parts is not None else None
+        self.checkpointer.save(done, self._write_part(done), {"loss": last["loss"]}, shards=shards)
 
     def param_digest(self) -> str:
         """sha256 of every trainable parameter's bytes, in order (one host copy per tensor, hashed in place:

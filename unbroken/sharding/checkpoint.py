@@ -1,4 +1,4 @@
-"""Persistent checkpoints of a sharded run: every worker writes its range's moments, the leader commits.
+"""Persistent checkpoints of a sharded run: every worker writes its part, the leader commits.
 
 Each member writes its range's ``exp_avg`` and ``exp_avg_sq`` (flat float32,
 DCP's safetensors storage, no pickle) asynchronously into a staging directory
@@ -14,6 +14,15 @@ checkpoint uncommitted; the next one is tried as usual.
 Loading (:func:`load_moments`) reassembles the flat moments from whatever
 ranges a checkpoint holds, so a sharded checkpoint resumes under any worker
 count, and replicated and sharded runs resume from each other's checkpoints.
+
+HSDP (``train.shard_degree = k``) the same way: each of the ``k`` ranks of the
+replica that writes stages its local shards of every sharded tensor
+(parameters, moments) as part ``i<index>`` (``part.json`` names the dimension
+each is split on), the leader writes the rest (step counts, RNG) and commits
+once all ``k`` parts are in (``"hsdp_parts": k``). Nobody gathers the model
+on one host. :func:`load_hsdp_parts` reads a rank's own part alone when it
+loads into ``k`` shards again, else concatenates the parts into whole tensors
+(another ``k``, or a replicated model).
 """
 
 from __future__ import annotations
@@ -31,13 +40,20 @@ import torch
 
 from unbroken.dcp import dcp
 
-__all__ = ["SHARD_WAIT_S", "ShardCheckpointer", "collect_shards", "load_moments", "staging_dir"]
+__all__ = ["SHARD_WAIT_S", "ShardCheckpointer", "collect_shards", "hsdp_part", "load_hsdp_parts", "load_moments",
+           "staging_dir"]
 
 logger = logging.getLogger(__name__)
 
 SHARD_WAIT_S = 60.0
 """Longest the leader waits for the other members' ranges of one checkpoint."""
 MARKER = "shard.json"
+PART = "part.json"
+
+
+def hsdp_part(index: int) -> str:
+    """The name of shard index ``index``'s part of an HSDP checkpoint."""
+    return f"i{index}"
 
 
 def staging_dir(run_dir: str | Path, step: int, gen: int) -> Path:
@@ -54,15 +70,23 @@ class ShardCheckpointer:
 
     def save(self, step: int, gen: int, lo: int, hi: int, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
         """Stage the range's moments now and write them asynchronously (the previous save is waited for)."""
+        self.save_part(step, gen, f"{lo}-{hi}", {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq})
+
+    def save_part(self, step: int, gen: int, name: str, state: dict[str, torch.Tensor],
+                  about: dict | None = None) -> None:
+        """Stage part ``name`` (host copies of ``state``) now and write it asynchronously (the previous save is
+        waited for); ``about`` is kept beside it (``part.json``)."""
         self.wait()
-        out = staging_dir(self.run_dir, step, gen) / f"{lo}-{hi}"
+        out = staging_dir(self.run_dir, step, gen) / name
         shutil.rmtree(out, ignore_errors=True)
         out.mkdir(parents=True)
-        state = {"exp_avg": exp_avg.detach().cpu(), "exp_avg_sq": exp_avg_sq.detach().cpu()}
+        state = {k: v.detach().cpu() for k, v in state.items()}
+        if about is not None:
+            (out / PART).write_text(json.dumps(about))
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
             fut = dcp().async_save(state, storage_writer=dcp().HuggingFaceStorageWriter(str(out)), no_dist=True)
-        self._pending = self._pool.submit(self._finish, out, fut, {"step": step, "gen": gen, "lo": lo, "hi": hi})
+        self._pending = self._pool.submit(self._finish, out, fut, {"step": step, "gen": gen, "part": name})
 
     @staticmethod
     def _finish(out: Path, fut: Future, marker: dict) -> None:
@@ -84,26 +108,27 @@ class ShardCheckpointer:
         self._pool.shutdown(wait=True)
 
 
-def collect_shards(run_dir: str | Path, step: int, gen: int, ranges: list[tuple[int, int]], dest: Path,
+def collect_shards(run_dir: str | Path, step: int, gen: int, parts: list[str], dest: Path,
                    timeout_s: float = SHARD_WAIT_S) -> None:
-    """Wait until every range of ``ranges`` is staged for ``(step, gen)``, then move them under ``dest/shards``.
+    """Wait until every part of ``parts`` (a ZeRO-1 range ``lo-hi``, an HSDP shard index ``i<index>``) is staged
+    for ``(step, gen)``, then move them under ``dest/shards``.
 
     Raises:
-        TimeoutError: a range did not arrive in time (its worker died or its disk failed).
+        TimeoutError: a part did not arrive in time (its worker died or its disk failed).
     """
     stage = staging_dir(run_dir, step, gen)
     deadline = time.monotonic() + timeout_s
-    missing = list(ranges)
+    missing = list(parts)
     while missing:
-        missing = [(lo, hi) for lo, hi in missing if not (stage / f"{lo}-{hi}" / MARKER).is_file()]
+        missing = [name for name in missing if not (stage / name / MARKER).is_file()]
         if missing and time.monotonic() > deadline:
-            raise TimeoutError(f"optimizer shards {missing} of step {step} were not written within {timeout_s:.0f} s")
+            raise TimeoutError(f"checkpoint parts {missing} of step {step} were not written within {timeout_s:.0f} s")
         if missing:
             time.sleep(0.01)
     (dest / "shards").mkdir(exist_ok=True)
-    for lo, hi in ranges:
-        (stage / f"{lo}-{hi}" / MARKER).unlink()
-        os.replace(stage / f"{lo}-{hi}", dest / "shards" / f"{lo}-{hi}")
+    for name in parts:
+        (stage / name / MARKER).unlink()
+        os.replace(stage / name, dest / "shards" / name)
     shutil.rmtree(stage, ignore_errors=True)
     for old in stage.parent.glob("step_*"):  # stages of earlier steps nobody will commit any more
         if old.name < stage.name:
@@ -133,3 +158,49 @@ def load_moments(path: str | Path, ranges: list[list[int]], total: int) -> tuple
             dcp().load(part, storage_reader=dcp().HuggingFaceStorageReader(str(Path(path) / "shards" / f"{lo}-{hi}")),
                      no_dist=True)
     return m, v
+
+
+def load_hsdp_parts(path: str | Path, k: int, wanted: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], bool]:
+    """The sharded entries of an HSDP checkpoint written by ``k`` ranks, for each key of ``wanted`` (laid out
+    as the loading model holds it: a DTensor, or a whole tensor).
+
+    Returns ``(tensors, local)``: when every sharded entry of ``wanted`` is split over a mesh of ``k`` ranks on
+    the dimension it was written split on, this rank's parts, read from its own part alone (``local``);
+    otherwise whole tensors, the ``k`` parts concatenated (another ``k``, or a replicated model).
+
+    Raises:
+        ValueError: a key is missing from the parts, or the parts do not add up to its shape.
+    """
+    from safetensors import safe_open
+
+    from unbroken.sharding.parts import is_sharded
+
+    root = Path(path) / "shards"
+    dims = [json.loads((root / hsdp_part(i) / PART).read_text())["dims"] for i in range(k)]
+
+    def read(i: int, keys: list[str]) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for f in sorted((root / hsdp_part(i)).glob("*.safetensors")):
+            with safe_open(str(f), framework="pt") as h:
+                out.update({key: h.get_tensor(key) for key in h.keys() if key in keys})
+        return out
+
+    keys = list(wanted)
+    missing = [key for key in keys if key not in dims[0]]
+    if missing:
+        raise ValueError(f"{path}: the HSDP checkpoint's parts hold no {missing[:3]}")
+    sharded = [wanted[key] for key in keys if is_sharded(wanted[key])]
+    if sharded and len(sharded) == len(keys) and all(
+            t.device_mesh.size() == k and t.placements[0].dim == dims[0][key]  # type: ignore[attr-defined]
+            for key, t in zip(keys, sharded)):
+        index = sharded[0].device_mesh.get_local_rank()  # type: ignore[attr-defined]
+        return read(index, keys), True
+    parts = [read(i, keys) for i in range(k)]
+    out = {}
+    for key in keys:
+        whole = torch.cat([p[key] for p in parts if key in p], dim=dims[0][key])
+        if tuple(whole.shape) != tuple(wanted[key].shape):
+            raise ValueError(f"{path}: the parts of {key} make {tuple(whole.shape)}, the model has "
+                             f"{tuple(wanted[key].shape)}")
+        out[key] = whole
+    return out, False

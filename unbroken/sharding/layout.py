@@ -3,11 +3,11 @@
 One interface, :class:`StateLayout`, three layouts:
 
 - **replicated** (this base class): every member holds the whole state; a committed step is applied from
-  the reduced gradient, a checkpoint writes the live tensors;
+  the reduced gradient, the leader's checkpoint holds the live tensors;
 - **HSDP** (:class:`ShardedModel`, ``train.shard_degree = k``): FSDP2 shards the model inside each replica.
   To the step protocol the state is replicated per shard index (rank ``i`` of every replica holds the same
-  shards; the work plan, :class:`unbroken.sharding.hsdp.ReplicaPlan`, groups the reduction by index); a
-  checkpoint holds whole tensors, gathered over the replica;
+  shards; the work plan, :class:`unbroken.sharding.hsdp.ReplicaPlan`, groups the reduction by index); each
+  rank of the replica that checkpoints writes its shards as a part of the checkpoint, the leader the rest;
 - **ZeRO-1** (:class:`unbroken.sharding.state.ShardedState`, ``train.shard_optimizer``): the parameters are
   replicated, the AdamW moments split over the members; the update and the all-gather of the new
   parameters run before the vote, the moments move to the new ranges when the view changes, and a ring of
@@ -15,7 +15,7 @@ One interface, :class:`StateLayout`, three layouts:
 
 The step protocol (:mod:`unbroken.runtime.protocol`) calls :meth:`discard`, :meth:`before_reduction`,
 :meth:`after_reduction`, :meth:`missed`, :meth:`reshard` and :meth:`settle`; the worker
-(:mod:`unbroken.runtime.worker`) :meth:`apply`, :meth:`whole`, :meth:`checkpoint_ranges`, :meth:`restored`,
+(:mod:`unbroken.runtime.worker`) :meth:`apply`, :meth:`split`, :meth:`checkpoint_parts`, :meth:`restored`,
 :meth:`snapshotted` and :meth:`summary`. None of them branches on which layout it has.
 """
 
@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import torch
 
-from unbroken.sharding.parts import is_sharded, whole_of
+from unbroken.sharding.parts import is_sharded, local_of
 
 __all__ = ["Check", "Late", "ShardedModel", "StateLayout"]
 
@@ -85,13 +85,14 @@ class StateLayout:
         """Apply committed step ``step`` (``last``: the run's last step); returns (lr, grad norm)."""
         return self.job.apply(step, reduced)
 
-    def whole(self, state: dict[str, torch.Tensor], *, keep: bool = True) -> dict[str, torch.Tensor]:
-        """The training state as a checkpoint holds it: whole tensors (``keep`` False: this worker only joins
-        the collectives that make them, for another worker's checkpoint, and gets nothing)."""
-        return state if keep else {}
+    def split(self, state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], tuple[str, dict[str, Any]] | None]:
+        """The training state as a checkpoint holds it: what the leader writes into the step's directory, and
+        this worker's own part (its name, and ``{"tensors": ..., "dims": ...}``; None: nothing)."""
+        return state, None
 
-    def checkpoint_ranges(self) -> list[tuple[int, int]] | None:
-        """ZeRO-1: the moments' ranges a checkpoint's commit waits for (each member writes its own); else None."""
+    def checkpoint_parts(self) -> tuple[list[str], dict[str, Any]] | None:
+        """The parts other workers write that a checkpoint's commit waits for, and what the commit records of
+        them (ZeRO-1: the moments' ranges; HSDP: the shard indices); None: the leader writes everything."""
         return None
 
     def restored(self, gen: int) -> None:
@@ -106,18 +107,31 @@ class StateLayout:
 
 
 class ShardedModel(StateLayout):
-    """HSDP: FSDP2 shards the model inside each replica (see the module docstring)."""
+    """HSDP: FSDP2 shards the model inside each replica (see the module docstring).
+
+    Args:
+        job: what is trained.
+        index: this worker's shard index in its replica.
+        shard_degree: the ranks of a replica (``k``).
+    """
 
     name = "hsdp"
 
-    def whole(self, state: dict[str, torch.Tensor], *, keep: bool = True) -> dict[str, torch.Tensor]:
-        """Whole tensors gathered over the replica: a collective every rank of the replica joins, in one order.
-        One tensor at a time, each moved to the host as soon as it is whole (the device holds one whole tensor
-        at most, not the whole state); a rank that does not keep them (``keep`` False) drops each at once."""
-        out = {}
-        for k, v in state.items():
-            t = whole_of(v)
-            if keep:
-                out[k] = t.cpu() if is_sharded(v) else t
-            del t
-        return out
+    def __init__(self, job: Any, *, index: int, shard_degree: int) -> None:
+        super().__init__(job)
+        self.index, self.shard_degree = index, shard_degree
+
+    def split(self, state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], tuple[str, dict[str, Any]] | None]:
+        """The replicated entries (step counts, RNG) for the leader; this rank's shards of every sharded tensor
+        as its part, with the dimension each is split on. No collective: nobody holds the whole model."""
+        from unbroken.sharding.checkpoint import hsdp_part
+
+        rest = {k: v for k, v in state.items() if not is_sharded(v)}
+        own = {k: local_of(v) for k, v in state.items() if is_sharded(v)}
+        dims = {k: v.placements[0].dim for k, v in state.items() if is_sharded(v)}  # type: ignore[attr-defined]
+        return rest, (hsdp_part(self.index), {"tensors": own, "dims": dims})
+
+    def checkpoint_parts(self) -> tuple[list[str], dict[str, Any]] | None:
+        from unbroken.sharding.checkpoint import hsdp_part
+
+        return [hsdp_part(i) for i in range(self.shard_degree)], {"hsdp_parts": self.shard_degree}

@@ -2,15 +2,15 @@
 
 One place for what the gradient layout, the checkpoint and the worker ask of a parameter that may be
 sharded: its local part (:func:`local_of`), the part of a whole tensor it holds (:func:`local_part`,
-FSDP2's ``torch.chunk`` rule), a local tensor laid out as it (:func:`laid_out_as`), and the whole tensor
-(:func:`whole_of`, a collective over its mesh).
+FSDP2's ``torch.chunk`` rule), a local tensor laid out as it (:func:`laid_out_as`). Nothing here gathers a
+whole tensor: an HSDP checkpoint holds each rank's local parts.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["is_sharded", "laid_out_as", "local_of", "local_part", "whole_of"]
+__all__ = ["is_sharded", "laid_out_as", "local_of", "local_part"]
 
 
 def is_sharded(t: torch.Tensor) -> bool:
@@ -47,7 +47,3 @@ def laid_out_as(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     return DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape,  # type: ignore[attr-defined]
                               stride=p.stride(), run_check=False)
 
-
-def whole_of(t: torch.Tensor) -> torch.Tensor:
-    """The whole tensor: gathered over its mesh for a DTensor (a collective every rank of it joins), else ``t``."""
-    return t.full_tensor() if is_sharded(t) else t  # type: ignore[attr-defined]

@@ -237,9 +237,10 @@ class ShardedState(StateLayout):
         self.active, self.last_reduced, self._pending, self._outgoing = None, None, None, None
         self._ungathered = None
 
-    def checkpoint_ranges(self) -> list[tuple[int, int]]:
-        """The ranges of the current sharding (a checkpoint's commit waits for each)."""
-        return [(lo, hi) for _, lo, hi in self._sharding.ranges()]
+    def checkpoint_parts(self) -> tuple[list[str], dict[str, Any]]:
+        """The ranges of the current sharding (a checkpoint's commit waits for each member's)."""
+        ranges = [(lo, hi) for _, lo, hi in self._sharding.ranges()]
+        return [f"{lo}-{hi}" for lo, hi in ranges], {"shards": [[lo, hi] for lo, hi in ranges]}
 
     @property
     def _sharding(self) -> Sharding:
