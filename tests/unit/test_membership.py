@@ -90,6 +90,15 @@ def test_a_join_request_is_seen_through_the_heartbeat_within_an_interval(store):
         leader.stop()
 
 
+def test_a_request_made_while_the_view_still_names_the_joiner_is_seen_by_the_next_view(store):
+    """Worker 2's new incarnation asks before the view drops its dead predecessor: a check under the old
+    view (2 a member) finds no joiner, and the next view must still see the request, the counter unmoved."""
+    leader = Membership(store, 0, heartbeat_timeout_s=TIMEOUT_S)  # no heartbeat thread: reads the counter
+    Membership(store, 2, heartbeat_timeout_s=TIMEOUT_S).request_join({"pid": 2})
+    assert leader.pending_joins(View(gen=0, members=(0, 1, 2), step=5), 3) == []
+    assert leader.pending_joins(View(gen=1, members=(0, 1), step=5), 3) == [2]
+
+
 class _Hiccup(TCPStoreBackend):
     """The real store, whose answers fail for a while (a store restarting, a network blip)."""
 

@@ -240,12 +240,15 @@ class Membership:
 
         With the heartbeat running, no store round trip unless the ``joins``
         counter moved since the last check that found nobody (a request is seen
-        within one heartbeat interval).
+        within one heartbeat interval). "Nobody" means no request of any
+        worker: a new incarnation may ask while the view still names its dead
+        predecessor a member, and the next view, which drops it, must see its
+        request though the counter has not moved since.
         """
         seen = self._joins_seen if self._hb_thread is not None else self.store.joins()
         if seen == 0 or seen == self._joins_checked:
             return []
-        joiners = self.store.join_requests([w for w in range(n_workers) if w not in view.members])
-        if not joiners:
+        asking = self.store.join_requests(list(range(n_workers)))
+        if not asking:
             self._joins_checked = seen
-        return joiners
+        return [w for w in asking if w not in view.members]
