@@ -44,9 +44,9 @@ for step in range(2):
 state = training_state(model, opt)
 whole = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in state.items()}  # collectives
 layout = ShardedModel(None, index=rank, shard_degree=2)
-rest, (name, part) = layout.split(state)
+rest, own = layout.split(state)
 parts = ShardCheckpointer(run)
-parts.save_part(2, 0, name, part["tensors"], {"dims": part["dims"]})
+parts.save_part(2, 0, *own)
 parts.close()
 if rank == 0:
     ckpt = AsyncCheckpointer(run, config_hash="h")

@@ -236,7 +236,7 @@ class StepProtocol:
                                         if self._acceptable(j) and self._alive_since_request(j)], self.view.members)
         if not joiners:
             if self.replica is not None:
-                self._boundary(self.view.leader, self.view.gen)  # HSDP: the leader's replica goes on as is
+                self.replica_broadcast(self.view.leader, self.view.gen)  # HSDP: the leader's replica goes on as is
             return False
         if self.store.vote(self.view, next_step, "abort", after=self._voted) == "commit":  # pragma: no cover
             raise AssertionError("a step was committed without the view's first member")
@@ -256,7 +256,7 @@ class StepProtocol:
         for j in winner.joiners:
             self.store.clear_join(j)
         if self.replica is not None:
-            self._boundary(self.me, winner.gen)  # HSDP: the leader's replica adopts it too, not its next step
+            self.replica_broadcast(self.me, winner.gen)  # HSDP: the leader's replica adopts it too, not its next step
         self.need_exchange = True
         try:
             self.adopt(winner)
@@ -268,7 +268,7 @@ class StepProtocol:
         """HSDP, a rank of the leader's replica at a step boundary the leader announced: learn from it whether
         it admitted joiners, and if so adopt that view with it (a rank computing the next step instead would
         wait for the leader inside FSDP2's collectives while the leader waits for it to arrive in the view)."""
-        gen = self._boundary(self.view.leader, -1)
+        gen = self.replica_broadcast(self.view.leader, -1)
         if gen == self.view.gen:
             return
         self._abandon()
@@ -278,11 +278,12 @@ class StepProtocol:
         except (CollectiveFailed, ViewChanged, MemberDied) as exc:
             self._reconfigure(next_step, f"admission failed: {type(exc).__name__}: {exc}")
 
-    def _boundary(self, leader: int, gen: int) -> int:
-        """HSDP: the leader's view generation, over its replica (the leader passes it, its siblings -1)."""
-        got = self.replica.boundary(self.plan.layout.index_of(leader), gen)
+    def replica_broadcast(self, sender: int, value: int) -> int:
+        """HSDP: ``value`` of worker ``sender``, broadcast over its replica (the others pass -1): the leader's view
+        generation at a step boundary it announced, the final checkpoint's writer's word to its siblings."""
+        got = self.replica.boundary(self.plan.layout.index_of(sender), value)
         if got == -2:
-            raise CollectiveFailed(f"the step boundary's broadcast over worker {leader}'s replica failed")
+            raise CollectiveFailed(f"the broadcast from worker {sender} over its replica failed")
         return got
 
     def _acceptable(self, joiner: int) -> bool:

@@ -393,8 +393,8 @@ class Trainer:
                                    "writing it", view.leader)
                     self._event("final_checkpoint_takeover", step=steps, leader=view.leader)
                     missing = self._final_committed(steps) is None
-                    if self.hsdp is not None:  # its replica gathers the state with it
-                        missing = bool(self._boundary_sync(writer, int(missing)))
+                    if self.hsdp is not None:  # its replica's ranks write their parts with it
+                        missing = bool(self.protocol.replica_broadcast(writer, int(missing)))
                     if missing:
                         self._save(steps, last)  # the metrics keep what the leader wrote
                 if self.checkpointer is not None:
@@ -403,8 +403,8 @@ class Trainer:
                 return
             if (self.hsdp is not None and view.leader != writer and self.hsdp.replica_of(writer) ==
                     self.hsdp.replica_of(self.spec.worker)):
-                # HSDP: a rank of the replica that writes in the leader's stead joins its gather, once
-                if self._boundary_sync(writer, -1):
+                # HSDP: a rank of the replica that writes in the leader's stead writes its part, once
+                if self.protocol.replica_broadcast(writer, -1):
                     self._write_part(steps)
                 while not self.store.is_done() and not self.m.dead_members(view) & {writer}:
                     time.sleep(FINISH_POLL_S)
@@ -436,16 +436,9 @@ class Trainer:
                 self._save(done, last)
             self.store.set_progress(done)
 
-    def _boundary_sync(self, writer: int, value: int) -> int:
-        """HSDP: ``value`` of ``writer``, broadcast over its replica's world (the others pass -1)."""
-        got = self.protocol.replica.boundary(self.hsdp.index_of(writer), value)
-        if got == -2:
-            raise RuntimeError(f"the broadcast from worker {writer} over its replica failed")
-        return got
-
     def _second(self, done: int, due: Due | None) -> None:
         """HSDP: a rank of the leader's replica joins the collectives of the leader's duties, in their order:
-        validation (a forward pass of the sharded model), then the checkpoint's gather of the whole state."""
+        validation (a forward pass of the sharded model), then its part of the checkpoint."""
         with self.m.busy():
             t = self.cfg.train
             if self.job.val_sampler is not None and ((t.val_every > 0 and done % t.val_every == 0)
@@ -460,9 +453,7 @@ class Trainer:
         the background; returns what the leader writes itself (the rest)."""
         rest, own = self.protocol.layout.split(training_state(self.job.model, self.job.optimizer))
         if own is not None:
-            name, part = own
-            self.shard_checkpoints.save_part(done, self.protocol.view.gen, name, part["tensors"],
-                                             {"dims": part["dims"]})
+            self.shard_checkpoints.save_part(done, self.protocol.view.gen, *own)
         return rest
 
     def _save(self, done: int, last: dict[str, Any]) -> None:

@@ -27,8 +27,10 @@ import torch
 
 from unbroken.sharding.parts import is_sharded, local_of
 
-__all__ = ["Check", "Late", "ShardedModel", "StateLayout"]
+__all__ = ["Check", "Late", "Part", "ShardedModel", "StateLayout"]
 
+Part = tuple[str, dict[str, torch.Tensor], dict[str, Any]]
+"""A worker's part of a checkpoint: its name, its tensors, what is kept beside them (``part.json``)."""
 Check = Callable[[], None]
 """The failure detector: raises when a member died or the view changed."""
 Late = Callable[[str, Callable[[float], Any]], Any]
@@ -85,9 +87,9 @@ class StateLayout:
         """Apply committed step ``step`` (``last``: the run's last step); returns (lr, grad norm)."""
         return self.job.apply(step, reduced)
 
-    def split(self, state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], tuple[str, dict[str, Any]] | None]:
+    def split(self, state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], Part | None]:
         """The training state as a checkpoint holds it: what the leader writes into the step's directory, and
-        this worker's own part (its name, and ``{"tensors": ..., "dims": ...}``; None: nothing)."""
+        this worker's own part (its name, tensors and what is kept beside them; None: nothing)."""
         return state, None
 
     def checkpoint_parts(self) -> tuple[list[str], dict[str, Any]] | None:
@@ -121,7 +123,7 @@ class ShardedModel(StateLayout):
         super().__init__(job)
         self.index, self.shard_degree = index, shard_degree
 
-    def split(self, state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], tuple[str, dict[str, Any]] | None]:
+    def split(self, state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], Part | None]:
         """The replicated entries (step counts, RNG) for the leader; this rank's shards of every sharded tensor
         as its part, with the dimension each is split on. No collective: nobody holds the whole model."""
         from unbroken.sharding.checkpoint import hsdp_part
@@ -129,7 +131,7 @@ class ShardedModel(StateLayout):
         rest = {k: v for k, v in state.items() if not is_sharded(v)}
         own = {k: local_of(v) for k, v in state.items() if is_sharded(v)}
         dims = {k: v.placements[0].dim for k, v in state.items() if is_sharded(v)}  # type: ignore[attr-defined]
-        return rest, (hsdp_part(self.index), {"tensors": own, "dims": dims})
+        return rest, (hsdp_part(self.index), own, {"dims": dims})
 
     def checkpoint_parts(self) -> tuple[list[str], dict[str, Any]] | None:
         from unbroken.sharding.checkpoint import hsdp_part
