@@ -138,3 +138,58 @@ def test_apply_step_equals_manual_formula(grad_clip):
     torch.testing.assert_close(model.attention.weight.detach(), 1.0 - 0.5 * want_att * clip)
     torch.testing.assert_close(model.ffn.weight.detach(), 1.0 - 0.5 * want_ffn * clip)
     assert layout.loss_sum(total) / layout.token_count(total) == pytest.approx(20.0 / 40.0)
+
+
+# --- a fused optimizer divides inside its kernel ------------------------------------------
+
+
+def _fused_case(policy: str, live: set[int], grad_clip: float):
+    """The reduced step of ``policy`` with ``live`` slots applied twice to copies of one model: by
+    ``apply_step`` with a fused AdamW (the CUDA optimizer; torch runs it on the CPU too), and by hand
+    (each group's sum over its weight, ``clip_grad_norm_``, the same fused AdamW)."""
+    model, layout, total = _reduced(policy, live)
+    twin = build_model("debug", vocab_size=V, seq_len=T, seed=3)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True) for m in (model, twin)]
+    norm = apply_step(layout, total.clone(), opts[0], lr=1e-2, grad_clip=grad_clip)
+    twin_layout = GradLayout(twin, LlamaAdapter(twin, rank=4, tau=10))
+    apply_reduced(twin_layout, total.clone())
+    params = [p for p in twin.parameters() if p.grad is not None]
+    want = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip else float("inf"), foreach=False)
+    opts[1].step()
+    assert not hasattr(opts[0], "grad_scale")  # the scale was the step's only
+    return model, twin, norm, float(want), layout, total
+
+
+@pytest.mark.parametrize("grad_clip", [0.0, 1e-3])
+def test_a_fused_optimizer_given_equal_weights_scales_the_sums_in_its_kernel_as_division_and_clip_would(grad_clip):
+    model, twin, norm, want, layout, total = _fused_case("neighbor", set(range(N)), grad_clip)
+    assert layout.weights(total).tolist() == [N, N]  # every slot exact: one weight
+    assert norm == pytest.approx(want, rel=1e-6)
+    if grad_clip:
+        assert want > 10 * grad_clip  # the clip acts
+    for (name, a), b in zip(model.named_parameters(), twin.parameters()):
+        torch.testing.assert_close(a.detach(), b.detach(), rtol=0, atol=2e-6, msg=name)
+        # the parameter's gradient is its slice of the buffer, divided in place by the kernel
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-8, msg=name)
+    grads = [p.grad for p in model.parameters()]
+    assert all(g.untyped_storage().data_ptr() == grads[0].untyped_storage().data_ptr() for g in grads)
+    assert layout.loss_sum(total) / layout.token_count(total) > 0
+
+
+def test_a_fused_optimizer_given_groups_of_different_weights_divides_each_by_its_own():
+    model, twin, norm, want, layout, total = _fused_case("neighbor", {0, 1, 3}, 0.0)
+    w = layout.weights(total).tolist()
+    assert w[0] != w[1]  # slot 2 approximated: attention has fewer slot-equivalents
+    assert norm == want
+    for (name, a), b in zip(model.named_parameters(), twin.parameters()):
+        assert torch.equal(a.detach(), b.detach()), name  # the same divisions, the same kernel
+
+
+def test_only_a_fused_torch_optimizer_of_plain_tensors_is_given_the_scale():
+    from unbroken.mecefo.gradients import _scales_gradients
+
+    model = _tiny_model()
+    layout = GradLayout(model, _TwoGroups())
+    assert _scales_gradients(torch.optim.AdamW(model.parameters(), fused=True), layout)
+    assert not _scales_gradients(torch.optim.AdamW(model.parameters(), foreach=False), layout)
+    assert not _scales_gradients(torch.optim.RMSprop(model.parameters()), layout)

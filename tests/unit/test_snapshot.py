@@ -339,3 +339,20 @@ def test_agents_creating_the_job_id_at_once_all_get_the_first_ones(tmp_path):
             t.join()
         assert not errors and set(got) == {(run / "job_id").read_text().strip()}, (errors, set(got))
         assert sorted(p.name for p in run.iterdir()) == ["job_id"], "no temporary file left"
+
+
+def test_the_checksum_is_zlibs_crc32_over_any_buffer_threads_at_once():
+    import mmap
+    import zlib
+    from concurrent.futures import ThreadPoolExecutor
+
+    from unbroken.snapshot.segment import crc32
+
+    data = os.urandom(3 << 20) + b"tail"
+    with mmap.mmap(-1, len(data)) as mem:  # a writable mapping, as a snapshot buffer is
+        mem[:] = data
+        parts = [memoryview(mem)[i << 20:(i + 1) << 20] for i in range(4)]
+        with ThreadPoolExecutor(4) as pool:
+            assert list(pool.map(crc32, parts)) == [zlib.crc32(p) for p in parts]
+        del parts
+    assert crc32(data) == zlib.crc32(data) and crc32(b"") == 0

@@ -153,11 +153,11 @@ def compute_gradient_sums(
     forward pass, before its backward (HSDP sums them over the replica
     meanwhile); what it returns is called before the buffer is returned.
     """
+    for p in layout.params:
+        p.grad = None  # before the new buffer: the last step's gradients (views of its buffer) are freed first
     buf = torch.empty(layout.size, dtype=torch.float32, device=device)
     buf[layout.n_grad :].zero_()  # the gradients are written whole below: only the scalars start at zero
     weights = layout.weights(buf)
-    for p in layout.params:
-        p.grad = None
     loss_fn = loss_fn or token_loss_sum
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)  # as a Python float would sum
     tokens = 0
@@ -181,12 +181,17 @@ def compute_gradient_sums(
             (loss_tok / (micro_batch * y.size(1))).backward()
     if not work:
         waiting = _scalars_final(buf, loss_sum, tokens, scalars_done)
+    into, grads = [], []
     for i, p in enumerate(layout.params):
         if p.grad is not None:
-            layout.grad_view(buf, i).copy_(local_of(p.grad))
+            into.append(layout.grad_view(buf, i))
+            grads.append(local_of(p.grad))
             p.grad = None
         else:
             layout.grad_view(buf, i).zero_()  # no item reached it (a frozen path, an approximated group)
+    if into:
+        torch._foreach_copy_(into, grads)  # one launch for every tensor on a GPU
+    del grads
     if waiting is not None:
         waiting()
     return buf
@@ -212,13 +217,19 @@ def apply_step(
     Returns:
         The global gradient norm before clipping.
     """
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    max_norm = grad_clip if grad_clip > 0 else float("inf")
+    if _scales_gradients(optimizer, layout):
+        norm_of_mean = _step_scaled(layout, buf, optimizer, max_norm)
+        if norm_of_mean is not None:
+            return norm_of_mean
     cuda = buf.is_cuda
     if cuda:
         _apply_reduced_queued(layout, buf)
     else:
         apply_reduced(layout, buf)
     params = [p for p in layout.params if p.grad is not None]
-    max_norm = grad_clip if grad_clip > 0 else float("inf")
     # foreach on a GPU (one kernel launch per tensor list, not per tensor); on CPU the per-tensor order
     # stays the one every worker and the single-process reference use
     norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=bool(params) and cuda)
@@ -227,12 +238,66 @@ def apply_step(
         host.copy_(norm, non_blocking=True)
         landed = torch.cuda.Event()
         landed.record()
-    for group in optimizer.param_groups:
-        group["lr"] = lr
     optimizer.step()
     if cuda:
         landed.synchronize()
         return float(host)
+    return float(norm)
+
+
+def _scales_gradients(optimizer: torch.optim.Optimizer, layout: GradLayout) -> bool:
+    """Whether ``optimizer`` divides each gradient by a scale inside its own kernel (torch's fused
+    Adam, AdamW and SGD read ``optimizer.grad_scale``, as :class:`torch.amp.GradScaler` sets it), for
+    plain tensors (not FSDP2's DTensors)."""
+    return (isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD))
+            and all(g.get("fused") for g in optimizer.param_groups)
+            and not any(local_of(p) is not p for p in layout.params))
+
+
+def _step_scaled(layout: GradLayout, buf: torch.Tensor, optimizer: torch.optim.Optimizer,
+                 max_norm: float) -> float | None:
+    """The optimizer step of a reduced buffer whose groups all have one weight ``w`` (every step
+    without an approximated slot), in one pass over the gradients: each parameter's gradient is its
+    sum in ``buf`` itself, and the fused kernel divides it by ``w / clip`` (``clip`` as
+    ``clip_grad_norm_`` computes it, from the norm of the sums over ``w``) as it reads it. The
+    division into new tensors and the clip's multiplication are not made. Nothing waits for the
+    device but the scalars' copy (queued, with the norm, before the wait) and, after the step is
+    queued, the norm's. Returns the norm of the mean gradient, or None (nothing done) when the
+    groups' weights differ or are zero: each group is then divided by its own."""
+    cuda = buf.is_cuda
+    tail = buf[layout.n_grad :]
+    host = torch.empty(tail.shape, dtype=tail.dtype, pin_memory=cuda)
+    host.copy_(tail, non_blocking=cuda)
+    if cuda:
+        landed = torch.cuda.Event()
+        landed.record()
+    views = [layout.grad_view(buf, i) for i in range(len(layout.params))]
+    total = torch.nn.utils.get_total_norm(views, 2.0, foreach=cuda)  # of the sums
+    if cuda:
+        landed.synchronize()
+    weights = host[: len(layout.group_names)].tolist()
+    w = weights[0] if weights else 0.0
+    if not w > 0 or any(x != w for x in weights):
+        return None
+    for i, view in enumerate(views):
+        layout.set_grad(i, view)
+    norm = total / w
+    clip = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # clip_grad_norm_'s coefficient
+    if cuda:
+        norm_host = torch.empty((), dtype=norm.dtype, pin_memory=True)
+        norm_host.copy_(norm, non_blocking=True)
+        norm_landed = torch.cuda.Event()
+        norm_landed.record()
+    optimizer.grad_scale = w / clip  # type: ignore[attr-defined]
+    try:
+        optimizer.step()
+    finally:
+        del optimizer.grad_scale  # type: ignore[attr-defined]
+    # the kernel wrote the quotients back into buf's gradients; its scalars are untouched and on the host
+    layout._host = (weakref.ref(buf), buf._version, host)
+    if cuda:
+        norm_landed.synchronize()
+        return float(norm_host)
     return float(norm)
 
 
