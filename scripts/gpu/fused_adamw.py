@@ -3,8 +3,10 @@
 Run on a machine with CUDA: ``python scripts/gpu/fused_adamw.py``. Two copies of the ``tiny``
 model, built alike, take 5 fused AdamW steps on the same reduced gradients (as two workers of
 one view do); every parameter and moment must be equal bit for bit. Also reports the largest
-difference to ``foreach=False`` AdamW (the CPU setting), which needs only be small. Prints one
-JSON line.
+difference to ``foreach=False`` AdamW (the CPU setting), which needs only be small. Then two more
+copies take 5 steps through ``apply_step`` on the same reduced buffer (the runtime's path: the fused
+kernel divides each gradient sum by the weight over the clip coefficient as it reads it) and must end
+bit-identical too, and close to dividing and clipping by hand. Prints one JSON line.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import json
 
 import torch
 
+from unbroken.mecefo.adapter import LlamaAdapter
+from unbroken.mecefo.gradients import GradLayout, apply_step
 from unbroken.models import build_model
 from unbroken.models.optim import build_optimizer
 
@@ -39,8 +43,40 @@ def main() -> None:
         for k in ("exp_avg", "exp_avg_sq", "step"))
     diff = max(float((x - y).abs().max()) for x, y in zip(a.parameters(), c.parameters()))
     step_device = str(oa.state[next(a.parameters())]["step"].device)
+    scaled_same, scaled_diff, norms = _through_apply_step(dev)
     print(json.dumps({"check": "fused_adamw", "bit_identical": same, "max_diff_vs_foreach_false": diff,
-                      "step_count_on": step_device, "ok": same and diff < 1e-4}))
+                      "step_count_on": step_device, "apply_step_bit_identical": scaled_same,
+                      "apply_step_max_diff_vs_divided": scaled_diff, "grad_norms": norms,
+                      "ok": same and diff < 1e-4 and scaled_same and scaled_diff < 1e-5}))
+
+
+def _through_apply_step(dev: torch.device) -> tuple[bool, float, list[float]]:
+    """Two workers applying the same reduced buffers with :func:`apply_step` (clip 1.0, weight 4: four
+    slots), and a third dividing and clipping by hand before the same fused step."""
+    workers = [_worker(dev, True) for _ in range(3)]
+    layouts = [GradLayout(m, LlamaAdapter(m, rank=4, tau=10)) for m, _ in workers]
+    gen = torch.Generator(device=dev).manual_seed(1)
+    norms = []
+    for _ in range(5):
+        buf = layouts[0].new_buffer(dev)
+        buf[: layouts[0].n_grad].normal_(generator=gen)
+        layouts[0].weights(buf).fill_(4.0)
+        buf[-2:] = torch.tensor([100.0, 50.0], device=dev)
+        norms.append(apply_step(layouts[0], buf.clone(), workers[0][1], lr=1e-3, grad_clip=1.0))
+        apply_step(layouts[1], buf.clone(), workers[1][1], lr=1e-3, grad_clip=1.0)
+        model, opt = workers[2]
+        for i, p in enumerate(layouts[2].params):
+            p.grad = layouts[2].grad_view(buf, i) / 4.0
+        torch.nn.utils.clip_grad_norm_(list(model.parameters()), 1.0, foreach=True)
+        for group in opt.param_groups:
+            group["lr"] = 1e-3
+        opt.step()
+    (a, oa), (b, ob), (c, _) = workers
+    same = all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters())) and all(
+        torch.equal(oa.state[x][k], ob.state[y][k]) for x, y in zip(a.parameters(), b.parameters())
+        for k in ("exp_avg", "exp_avg_sq", "step"))
+    diff = max(float((x - y).abs().max()) for x, y in zip(a.parameters(), c.parameters()))
+    return same, diff, [round(n, 3) for n in norms]
 
 
 if __name__ == "__main__":
