@@ -63,6 +63,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                                                    "(default --steps)")
     ap.add_argument("--rounds", type=int, default=1, help="with --reference: run the rows this many times, each "
                                                           "round in the reverse order of the last (default 1)")
+    ap.add_argument("--keep-logs", type=Path, default=None,
+                    help="with --reference: copy each unbroken job's metrics, events, summary and logs (not its "
+                         "checkpoints) into this folder")
     a, a.overrides = parse_with_overrides(ap, argv)
     a.workers_given, a.workers = a.workers is not None, a.workers or "1,2,4"
     if a.rounds < 1:

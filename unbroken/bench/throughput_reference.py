@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,15 @@ def steady_window(run_dir: Path, steps: int, tokens_per_step: int) -> dict[str, 
     seconds = sum(r["step_time_s"] for r in window)
     return {"window_steps": len(window), "window_tokens_per_s": len(window) * tokens_per_step / seconds
             if seconds > 0 else 0.0}
+
+
+def _keep_logs(run_dir: Path, into: Path) -> None:
+    """A run's records (JSON lines, JSON and logs anywhere in it), not its checkpoints or snapshots."""
+    for f in run_dir.rglob("*"):
+        if f.is_file() and f.suffix in (".jsonl", ".json", ".log", ".txt") and "checkpoints" not in f.parts:
+            dst = into / f.relative_to(run_dir)
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(f, dst)
 
 
 def _cfg(a: argparse.Namespace, *extra: str) -> Config:
@@ -86,6 +96,8 @@ def reference(a: argparse.Namespace) -> dict[str, Any]:
                                 "peak_memory_bytes": s.get("peak_memory_bytes"),
                                 "compiled_frames": s.get("compiled_frames"), "snapshot_every": run_cfg.snapshot.every,
                                 "snapshots": s.get("snapshots"), "wall_s": s["wall_s"]})
+                if a.keep_logs is not None:
+                    _keep_logs(Path(s["run_dir"]), a.keep_logs / f"w{n}-s{every}-r{r}")
                 row = runs[i][-1]
                 print(f"unbroken, {n} worker(s), snapshot.every={every}: {s['tokens_per_s']:,.0f} tokens/s (median), "
                       f"{row['window_tokens_per_s']:,.0f} over the last half; snapshots {s.get('snapshots')}",

@@ -50,6 +50,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
+import numpy as np
 import torch
 
 from unbroken.runtime.view import View
@@ -476,11 +477,16 @@ def _copy_ranges(tensors: dict[str, torch.Tensor], dst: torch.Tensor, ranges: li
 def _reader(staged: torch.Tensor, index: list[tuple[int, int, int]]) -> ReadBytes:
     """The reader of flat-state bytes staged in ``staged`` (a host tensor; ``index``: (lo, hi, at) per range)."""
 
+    flat = staged.numpy()  # the same memory (pinned or not)
+
     def read(out: memoryview, a: int, b: int) -> None:
         if a >= b:
             return
         lo, _, at = next(r for r in index if r[0] <= a and b <= r[1])
-        torch.frombuffer(out, dtype=torch.uint8).copy_(staged[at + a - lo:at + b - lo])  # releases the GIL
+        # numpy's copy: one core, outside the GIL. torch's copy_ would run on a team of intra-op threads as
+        # many as the cores, and the write threads call it at once: cores oversubscribed, the training
+        # thread's kernel launches (and so the GPU) kept waiting
+        np.copyto(np.frombuffer(out, dtype=np.uint8), flat[at + a - lo:at + b - lo])
 
     return read
 
