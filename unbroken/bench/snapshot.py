@@ -28,7 +28,9 @@
    host bytes one worker stages per snapshot for ``llama-1b`` and ``llama-7b``
    at 8 workers per node (the whole state before, only the bytes it writes
    now), and the host bytes a restore holds at once (the whole state twice
-   before, one stripe now).
+   before, one stripe now);
+9. **contention** (in process, ``--parts contention``): how much a write's threads slow a launch-like
+   training thread beside them (:mod:`unbroken.bench.snapshot_contention`).
 """
 
 from __future__ import annotations
@@ -262,15 +264,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--workers-per-node", type=int, default=2)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--checkpoint-every", type=int, default=5, help="DCP checkpoints of the checkpoint-restart run")
-    ap.add_argument("--parts", default="bytes,pinned,in_process,overhead,kill,rejoin",
+    ap.add_argument("--parts", default="bytes,pinned,in_process,contention,overhead,kill,rejoin",
                     help="which measurements to run")
     ap.add_argument("--out", type=Path, default=None, help="default benchmarks/results/snapshot_PRESET.json")
     a, a.overrides = parse_with_overrides(ap, argv)
     parts = a.parts.split(",")
-    unknown = set(parts) - {"bytes", "pinned", "in_process", "overhead", "kill", "rejoin"}
+    valid = ("bytes", "pinned", "in_process", "contention", "overhead", "kill", "rejoin")
+    unknown = set(parts) - set(valid)
     if unknown:
-        raise ValueError(f"--parts: unknown {', '.join(sorted(unknown))}; "
-                         f"valid: bytes, pinned, in_process, overhead, kill, rejoin")
+        raise ValueError(f"--parts: unknown {', '.join(sorted(unknown))}; valid: {', '.join(valid)}")
     result: dict[str, Any] = {"benchmark": "snapshot", "preset": a.preset, "nodes": a.nodes,
                               "workers_per_node": a.workers_per_node, "steps": a.steps,
                               "machine": machine_description()}
@@ -283,6 +285,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             result["in_process"] = _in_process(a, Path(tmp))
             result["projection"] = _projection(result["in_process"]["write_mb_s_per_worker"], a.nodes,
                                                a.workers_per_node)
+        if "contention" in parts:
+            from unbroken.bench.snapshot_contention import contention
+
+            result["contention"] = contention()
         if "overhead" in parts:
             result["overhead"] = _overhead(a, Path(tmp))
         if "kill" in parts:
