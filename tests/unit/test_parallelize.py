@@ -2,7 +2,8 @@
 
 The compile here uses dynamo with the ``aot_eager`` backend (the same tracing and autograd
 graphs as inductor, without generating kernels, so the tests stay fast on a CPU); inductor
-itself runs in ``scripts/gpu/throughput_reference.py``.
+itself runs in one test (the loss's fusion of the logits' upcast, a few seconds on a CPU) and in
+``unbroken bench throughput --reference`` on a GPU.
 """
 
 from __future__ import annotations
@@ -94,3 +95,39 @@ def test_hugging_face_llama_blocks_compile_and_checkpoint_to_the_same_gradients(
                         backend="aot_eager")
     assert len(transformer_blocks(model)) == args.n_layers
     torch.testing.assert_close(_sums(model, items), plain, rtol=1e-5, atol=1e-6)
+
+
+def _big_allocations(loss_fn, logits_of_model, y, at_least: int) -> list[tuple[str, int]]:
+    """Operators that allocated ``at_least`` bytes or more at once in one bf16 forward and backward."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = loss_fn(logits_of_model(), y)
+        loss.backward()
+    return [(e.name, e.self_cpu_memory_usage) for e in prof.events() if e.self_cpu_memory_usage >= at_least]
+
+
+def test_under_autocast_the_compiled_loss_makes_no_float32_copy_of_the_logits():
+    """The model returns bf16 logits under autocast, and inductor fuses the loss's upcast into the
+    cross-entropy: no allocation the size of float32 logits anywhere in the loss's forward or backward
+    (eager makes four: the upcast, log-softmax and both their gradients)."""
+    if not any(__import__("shutil").which(cc) for cc in ("g++", "c++", "clang++")):
+        pytest.skip("inductor's CPU kernels need a C++ compiler")
+    from unbroken.mecefo.gradients import token_loss_sum
+
+    b, t, v = 8, 64, 4096
+    model = build_model("debug", vocab_size=v, seq_len=t, seed=3)
+    head = model.output.weight.numel() * 4  # its gradient: must stay below the logits' size
+    fp32_logits = b * t * v * 4
+    assert head < fp32_logits
+    x = torch.randint(0, v, (b, t))
+    y = torch.randint(0, v, (b, t))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert model(x).dtype == torch.bfloat16
+    assert model(x).dtype == torch.float32  # without autocast: float32 as ever
+    compiled = torch.compile(token_loss_sum)
+    _big_allocations(compiled, lambda: model(x), y, fp32_logits)  # compiles (forward and backward)
+    assert _big_allocations(compiled, lambda: model(x), y, fp32_logits) == []
+    eager = _big_allocations(token_loss_sum, lambda: model(x), y, fp32_logits)
+    assert len(eager) >= 3, eager

@@ -11,7 +11,9 @@ Invariants:
       exactly the learnable parameters under Meta's names;
     - construction under ``torch.device("meta")`` allocates nothing;
       ``to_empty(device=...)`` followed by ``init_weights()`` gives a usable model;
-    - logits are float32 whatever the parameter dtype.
+    - logits are float32 whatever the parameter dtype, except under autocast: there they keep
+      the autocast dtype, and the loss upcasts them (inside the compiled loss when compile is
+      on, so no float32 copy of the logits is ever made).
 
 Shape suffixes:
     B batch, T time (sequence), D model dim, H query heads, G key/value heads,
@@ -371,7 +373,7 @@ class Transformer(nn.Module):
             nn.init.normal_(param, mean=0.0, std=std, generator=_generator(generators, param, seed))
 
     def forward(self, tokens_BT: torch.Tensor) -> torch.Tensor:
-        """Map token ids (B, T) to next-token logits (B, T, V) in float32.
+        """Map token ids (B, T) to next-token logits (B, T, V): float32, or under autocast its dtype.
 
         Raises:
             ValueError: ``tokens_BT`` is not 2-D or T exceeds ``args.max_seq_len``.
@@ -388,7 +390,10 @@ class Transformer(nn.Module):
         h_BTD = self.tok_embeddings(tokens_BT)
         for layer in self.layers:
             h_BTD = layer(h_BTD, rope)
-        return self.output(self.norm(h_BTD)).float()
+        logits_BTV = self.output(self.norm(h_BTD))
+        if torch.is_autocast_enabled(logits_BTV.device.type):
+            return logits_BTV  # the loss upcasts (a float32 copy here would be 2 x B x T x V bytes more)
+        return logits_BTV.float()
 
     def num_params(self) -> int:
         """Number of parameters (embeddings included)."""
