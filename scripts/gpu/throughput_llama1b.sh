@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
 # The GPU figures of the throughput issue in one run (one NVIDIA GPU, about 8 minutes):
 #   1. the CUDA-only tests (placement, staging, auto snapshots staged on the device, completion);
-#   2. `unbroken bench throughput --reference` at llama-1b, bf16, micro-batch 8 x 1024: the plain compiled loop,
-#      then unbroken (1 worker, compiled) with snapshot.every=0 and with snapshot.every=auto, side by side.
+#   2. fused AdamW bit-identical across workers, directly and through apply_step (scripts/gpu/fused_adamw.py);
+#   3. what a snapshot's write threads cost a launch-like training thread on this host
+#      (`unbroken bench snapshot --parts contention`: the snapshotter's reader against torch's copy_);
+#   4. `unbroken bench throughput --reference` at llama-1b, bf16, micro-batch 8 x 1024: the plain compiled loop,
+#      then unbroken (1 worker, compiled) with snapshot.every=0 and with snapshot.every=auto, side by side;
+#      each job's metrics, events and logs kept in OUT_DIR/runs.
 # Usage: bash scripts/gpu/throughput_llama1b.sh OUT_DIR [STEPS]
 set -u
 out=${1:?usage: throughput_llama1b.sh OUT_DIR [STEPS]}
@@ -10,6 +14,9 @@ steps=${2:-240}
 mkdir -p "$out"
 python3 -m pytest -q -rs -p no:cacheprovider tests/unit/test_cuda_placement.py tests/unit/test_snapshot_staging.py \
     tests/unit/test_collective_completion.py 2>&1 | tail -15
+python3 scripts/gpu/fused_adamw.py 2>&1 | tail -1 | tee "$out/fused_adamw.json"
+python3 -m unbroken.cli bench snapshot --parts contention --out "$out/snapshot_contention.json" 2>&1 \
+    | grep -A4 '"slowdown"\|"write_gb_s"'
 python3 -m unbroken.cli bench throughput --reference --preset llama-1b --precision bf16 --workers 1 \
     --steps "$steps" --plain compiled --plain-steps 30 --snapshots 0,auto --data.seq_len=1024 \
-    --out "$out/throughput_reference_llama1b.json" 2>&1 | grep -v "^\s*$" | tail -40
+    --keep-logs "$out/runs" --out "$out/throughput_reference_llama1b.json" 2>&1 | grep -v "^\s*$" | tail -40
