@@ -214,6 +214,10 @@ def apply_step(
 ) -> float:
     """Apply one reduced step: gradients from ``buf``, clip, set lr, optimizer step.
 
+    A fused torch optimizer given a buffer whose groups share one weight divides and clips inside its
+    kernel (:func:`_step_scaled`); otherwise each group's sum is divided into new tensors and clipped
+    with ``clip_grad_norm_`` first (bit for bit the single-process reference's order on the CPU).
+
     Returns:
         The global gradient norm before clipping.
     """
