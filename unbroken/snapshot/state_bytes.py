@@ -82,16 +82,21 @@ def copy_range(tensors: dict[str, torch.Tensor], dst: torch.Tensor, start: int, 
 
     Only the overlapping slice of each tensor is read (a device tensor's slice
     is copied straight off the device; ``non_blocking`` queues that copy on the
-    current stream, for a pinned ``dst``).
+    current stream, for a pinned or device ``dst``). A host tensor's bytes (the
+    RNG states) bound for a device ``dst`` go through a pinned copy of them and
+    are queued too: a copy from pageable memory would make the host wait for
+    everything queued on the stream before it.
     """
     offset = 0
     for t in tensors.values():
         n = t.numel() * t.element_size()
         lo, hi = max(start, offset), min(stop, offset + n)
         if lo < hi:
-            flat = t.detach().reshape(-1).view(torch.uint8)
-            dst[lo - start:hi - start].copy_(flat[lo - offset:hi - offset],
-                                             non_blocking=non_blocking and t.device.type != "cpu")
+            src = t.detach().reshape(-1).view(torch.uint8)[lo - offset:hi - offset]
+            queued = non_blocking and (t.device.type != "cpu" or dst.device.type != "cpu")
+            if queued and t.device.type == "cpu":
+                src = src.pin_memory()  # a fresh copy: the host tensor may change before the stream reads it
+            dst[lo - start:hi - start].copy_(src, non_blocking=queued)
         offset += n
         if offset >= stop:
             break
