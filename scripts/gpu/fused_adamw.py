@@ -37,17 +37,23 @@ def main() -> None:
             for p, g in zip(model.parameters(), grads):
                 p.grad = g.clone()
             opt.step()
-    (a, oa), (b, ob), (c, _) = workers
-    same = all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters())) and all(
-        torch.equal(oa.state[x][k], ob.state[y][k]) for x, y in zip(a.parameters(), b.parameters())
-        for k in ("exp_avg", "exp_avg_sq", "step"))
-    diff = max(float((x - y).abs().max()) for x, y in zip(a.parameters(), c.parameters()))
-    step_device = str(oa.state[next(a.parameters())]["step"].device)
+    same, diff = _compare(workers)
+    step_device = str(workers[0][1].state[next(workers[0][0].parameters())]["step"].device)
     scaled_same, scaled_diff, norms = _through_apply_step(dev)
     print(json.dumps({"check": "fused_adamw", "bit_identical": same, "max_diff_vs_foreach_false": diff,
                       "step_count_on": step_device, "apply_step_bit_identical": scaled_same,
                       "apply_step_max_diff_vs_divided": scaled_diff, "grad_norms": norms,
                       "ok": same and diff < 1e-4 and scaled_same and scaled_diff < 1e-5}))
+
+
+def _compare(workers: list[tuple[torch.nn.Module, torch.optim.Optimizer]]) -> tuple[bool, float]:
+    """Whether the first two workers are bit-identical (parameters, moments, step counts); the largest
+    parameter difference between the first and the third."""
+    (a, oa), (b, ob), (c, _) = workers
+    same = all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters())) and all(
+        torch.equal(oa.state[x][k], ob.state[y][k]) for x, y in zip(a.parameters(), b.parameters())
+        for k in ("exp_avg", "exp_avg_sq", "step"))
+    return same, max(float((x - y).detach().abs().max()) for x, y in zip(a.parameters(), c.parameters()))
 
 
 def _through_apply_step(dev: torch.device) -> tuple[bool, float, list[float]]:
@@ -71,11 +77,7 @@ def _through_apply_step(dev: torch.device) -> tuple[bool, float, list[float]]:
         for group in opt.param_groups:
             group["lr"] = 1e-3
         opt.step()
-    (a, oa), (b, ob), (c, _) = workers
-    same = all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters())) and all(
-        torch.equal(oa.state[x][k], ob.state[y][k]) for x, y in zip(a.parameters(), b.parameters())
-        for k in ("exp_avg", "exp_avg_sq", "step"))
-    diff = max(float((x - y).abs().max()) for x, y in zip(a.parameters(), c.parameters()))
+    same, diff = _compare(workers)
     return same, diff, [round(n, 3) for n in norms]
 
 
