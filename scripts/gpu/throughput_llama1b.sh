@@ -6,7 +6,9 @@
 #      (`unbroken bench snapshot --parts contention`: the snapshotter's reader against torch's copy_);
 #   4. `unbroken bench throughput --reference` at llama-1b, bf16, micro-batch 8 x 1024: the plain compiled loop,
 #      then unbroken (1 worker, compiled) with snapshot.every=0 and with snapshot.every=auto, side by side;
-#      each job's metrics, events and logs kept in OUT_DIR/runs.
+#      each job's metrics, events and logs kept in OUT_DIR/runs;
+#   5. `unbroken bench takeover` at the same shape: a covering worker's step (approximate items eager) against a
+#      normal worker's (compiled), per takeover policy.
 # Usage: bash scripts/gpu/throughput_llama1b.sh OUT_DIR [STEPS]
 set -u
 out=${1:?usage: throughput_llama1b.sh OUT_DIR [STEPS]}
@@ -20,3 +22,5 @@ python3 -m unbroken.cli bench snapshot --parts contention --out "$out/snapshot_c
 python3 -m unbroken.cli bench throughput --reference --preset llama-1b --precision bf16 --workers 1 \
     --steps "$steps" --plain compiled --plain-steps 30 --snapshots 0,auto --data.seq_len=1024 \
     --keep-logs "$out/runs" --out "$out/throughput_reference_llama1b.json" 2>&1 | grep -v "^\s*$" | tail -40
+python3 -m unbroken.cli bench takeover --preset llama-1b --precision bf16 --data.seq_len=1024 --repeats 6 \
+    --out "$out/takeover_llama1b.json" 2>&1 | tail -7

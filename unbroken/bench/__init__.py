@@ -28,6 +28,7 @@ BENCHMARKS: dict[str, Callable[[list[str] | None], dict[str, Any]]] = {
     "goodput-check": _lazy("goodput_check"),
     "soak": _lazy("soak"),
     "hsdp": _lazy("hsdp"),
+    "takeover": _lazy("takeover"),
 }
 
 __all__ = ["BENCHMARKS"]
