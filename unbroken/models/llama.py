@@ -392,7 +392,7 @@ class Transformer(nn.Module):
             h_BTD = layer(h_BTD, rope)
         logits_BTV = self.output(self.norm(h_BTD))
         if torch.is_autocast_enabled(logits_BTV.device.type):
-            return logits_BTV  # the loss upcasts (a float32 copy here would be 2 x B x T x V bytes more)
+            return logits_BTV  # the loss upcasts (a float32 copy here: 4 x B x T x V bytes more)
         return logits_BTV.float()
 
     def num_params(self) -> int:
