@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import statistics
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ from unbroken.config import Config, load_config
 from unbroken.job.parallelize import resolve_compile
 from unbroken.jsonl import read_jsonl
 from unbroken.models.factory import resolve_device
+from unbroken.runtime.ledger import read_events
 
 __all__ = ["reference", "steady_window"]
 
@@ -38,6 +40,33 @@ def steady_window(run_dir: Path, steps: int, tokens_per_step: int) -> dict[str, 
     seconds = sum(r["step_time_s"] for r in window)
     return {"window_steps": len(window), "window_tokens_per_s": len(window) * tokens_per_step / seconds
             if seconds > 0 else 0.0}
+
+
+def snapshot_split(run_dir: Path, steps: int) -> dict[str, Any] | None:
+    """The last half's steps of worker 0 by what its snapshots did in them: the steps that took one
+    (``snapshot``), the other steps a write ran during (``overlapped``), and the rest (``other``); for each,
+    the count, median and mean seconds, and the seconds above the others' median (what the snapshots cost
+    there). Steps are the times between worker 0's commit records; None if it sealed no snapshot."""
+    events = [e for e in read_events(run_dir) if e.get("worker") == 0]
+    sealed = [e for e in events if e.get("event") == "snapshot_sealed"]
+    if not sealed:
+        return None
+    ends = {e["step"] + 1: e["time"] for e in events if e.get("kind") == "commit"}
+    taking = {e["step"] for e in sealed}
+    writes = [(e["started_at"], e["sealed_at"]) for e in sealed]
+    groups: dict[str, list[float]] = {"snapshot": [], "overlapped": [], "other": []}
+    for done in sorted(ends):
+        if done <= steps // 2 or done - 1 not in ends:
+            continue
+        start, end = ends[done - 1], ends[done]
+        kind = ("snapshot" if done in taking else
+                "overlapped" if any(a < end and start < b for a, b in writes) else "other")
+        groups[kind].append(end - start)
+    base = statistics.median(groups["other"]) if groups["other"] else None
+    return {k: {"steps": len(v), "median_s": statistics.median(v) if v else None,
+                "mean_s": statistics.mean(v) if v else None,
+                "above_other_s": sum(v) - len(v) * base if base is not None else None}
+            for k, v in groups.items()}
 
 
 def _keep_logs(run_dir: Path, into: Path) -> None:
@@ -95,13 +124,19 @@ def reference(a: argparse.Namespace) -> dict[str, Any]:
                                                 cfg.data.micro_batch * cfg.data.seq_len * n),
                                 "peak_memory_bytes": s.get("peak_memory_bytes"),
                                 "compiled_frames": s.get("compiled_frames"), "snapshot_every": run_cfg.snapshot.every,
-                                "snapshots": s.get("snapshots"), "wall_s": s["wall_s"]})
+                                "snapshots": s.get("snapshots"), "wall_s": s["wall_s"],
+                                "snapshot_steps": snapshot_split(Path(s["run_dir"]), a.steps)})
                 if a.keep_logs is not None:
                     _keep_logs(Path(s["run_dir"]), a.keep_logs / f"w{n}-s{every}-r{r}")
                 row = runs[i][-1]
                 print(f"unbroken, {n} worker(s), snapshot.every={every}: {s['tokens_per_s']:,.0f} tokens/s (median), "
                       f"{row['window_tokens_per_s']:,.0f} over the last half; snapshots {s.get('snapshots')}",
                       flush=True)
+                if row["snapshot_steps"]:
+                    print("  last half, worker 0: " + "; ".join(
+                        f"{k} steps {g['steps']}, median {g['median_s']:.4f} s"
+                        + (f", {g['above_other_s']:+.2f} s above the others' median" if k != "other" else "")
+                        for k, g in row["snapshot_steps"].items() if g["steps"]), flush=True)
     rows = [_mean_row(rs) for rs in runs]
     plain = {r["compile"]: r["tokens_per_s"] for r in rows if r["loop"] == "plain"}
     plain_rounds = {rs[0]["compile"]: [x["tokens_per_s"] for x in rs] for rs in runs if rs[0]["loop"] == "plain"}

@@ -243,6 +243,10 @@ class Snapshotter:
             self.taken += 1
             if self.cadence is not None and self.last.pop("steady", False):
                 self.cadence.observe_write(self.last["stage_seconds"] + self.last["seconds"])
+            # when it ran (wall clock), so the steps it overlapped can be told from the others
+            self.on_event("snapshot_sealed", step=self.last["step"], bytes=self.last["bytes"],
+                          stage_s=self.last["stage_seconds"], write_s=self.last["seconds"],
+                          started_at=self.last.pop("started_at"), sealed_at=self.last.pop("sealed_at"))
         except Exception as exc:  # a full /dev/shm, a coding failure: the job trains on, less protected
             logger.error("snapshot failed: %s", exc)
             self.on_event("snapshot_failed", error=f"{type(exc).__name__}: {exc}")
@@ -280,7 +284,7 @@ class Snapshotter:
         this worker writes first (``queued``: the copies the training thread queued, to land in pinned memory
         here). ``steady``: neither a staging buffer nor the segment was new (the seconds are what the next
         snapshot will cost)."""
-        t0 = time.perf_counter()
+        t0, started_at = time.perf_counter(), time.time()
         try:
             steady = not self._fresh[index]
             if queued is not None:
@@ -296,7 +300,8 @@ class Snapshotter:
         staged_s = time.perf_counter() - t0
         self._fresh[index] = False
         wrote = self._write(self.buffers[index], read, layout, plan, mine, done, gen)
-        return {**wrote, "stage_seconds": staged_s, "steady": steady and not allocated}
+        return {**wrote, "stage_seconds": staged_s, "steady": steady and not allocated, "started_at": started_at,
+                "sealed_at": time.time()}
 
     def _stage_host(self, tensors: dict[str, torch.Tensor], ranges: list[tuple[int, int]]) -> tuple[ReadBytes, bool]:
         """CPU under ``auto``: copy ``ranges`` of the live state into a host buffer (the write reads it later)."""
