@@ -224,6 +224,7 @@ _DESCRIBE: dict[str, Callable[[Record, RunState], str | None]] = {
     "fault_deferred": lambda ev, st: f"fault {ev.get('spec')} waits: fault.max_down={ev.get('max_down')} "
                                      f"workers are down",
     "standby_ready": lambda ev, st: None,  # routine: a warm standby started (its start's CPU, for the check)
+    "snapshot_sealed": lambda ev, st: None,  # routine: one per snapshot, for the benchmarks (the interval has its line)
 }
 
 

@@ -100,6 +100,8 @@ def test_event_lines(event, line):
     {"event": "view_adopted", "worker": 0, "gen": 0, "step": 0, "members": [0, 1, 2, 3], "joiners": []},
     {"event": "worker_start", "node": 0, "worker": 1, "join": False, "progress": 0},
     {"event": "snapshot_interval", "worker": 2, "step": 30, "interval": 3, "recovery_point_steps": 6},  # one line
+    {"event": "snapshot_sealed", "worker": 0, "step": 9, "bytes": 100, "stage_s": 0.1, "write_s": 0.5,
+     "started_at": 1.0, "sealed_at": 1.6},  # one per snapshot: for the benchmarks, not the console
 ])
 def test_events_without_a_line(event):
     assert format_event(event, state()) is None
