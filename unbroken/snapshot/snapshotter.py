@@ -239,17 +239,18 @@ class Snapshotter:
         if pending is None:
             return
         try:
-            self.last = pending.result()
-            self.taken += 1
-            if self.cadence is not None and self.last.pop("steady", False):
-                self.cadence.observe_write(self.last["stage_seconds"] + self.last["seconds"])
-            # when it ran (wall clock), so the steps it overlapped can be told from the others
-            self.on_event("snapshot_sealed", step=self.last["step"], bytes=self.last["bytes"],
-                          stage_s=self.last["stage_seconds"], write_s=self.last["seconds"],
-                          started_at=self.last.pop("started_at"), sealed_at=self.last.pop("sealed_at"))
+            last = pending.result()
         except Exception as exc:  # a full /dev/shm, a coding failure: the job trains on, less protected
             logger.error("snapshot failed: %s", exc)
             self.on_event("snapshot_failed", error=f"{type(exc).__name__}: {exc}")
+            return
+        self.last = last
+        self.taken += 1
+        if self.cadence is not None and last.pop("steady", False):
+            self.cadence.observe_write(last["stage_seconds"] + last["seconds"])
+        # when it ran (wall clock), so the steps it overlapped can be told from the others
+        self.on_event("snapshot_sealed", step=last["step"], bytes=last["bytes"], stage_s=last["stage_seconds"],
+                      write_s=last["seconds"], started_at=last.pop("started_at"), sealed_at=last.pop("sealed_at"))
 
     def summary(self) -> dict[str, Any]:
         """Snapshots sealed by this worker, the last one's step, bytes and seconds; under ``auto`` the interval
