@@ -58,6 +58,12 @@ def test_template_loss_fallback_and_agent_loss(tmp_path, corpus_overrides):
         with lock:
             if record.get("kind") == "train" and record["step"] >= 4 and not seen["killed"] and seen["ready0"]:
                 kill("template0", seen["ready0"][0])
+            elif (record.get("kind") == "train" and seen.get("both_back") and record.get("live_workers") == 4
+                  and seen["killed"] == ["template0", "w1", "w0"]):
+                # node 1 goes only once a step committed with all four members: w0 and w1 hold the state (a
+                # member that missed w0's death's commit may have left to rejoin, and would still be waiting)
+                seen["node1"] = [_pid(run_dir, "w2"), _pid(run_dir, "w3")]
+                kill("agent1", _pid(run_dir, "agent1"))
 
     def on_event(e: dict[str, Any]) -> None:
         with lock:
@@ -72,8 +78,7 @@ def test_template_loss_fallback_and_agent_loss(tmp_path, corpus_overrides):
                 if e["pid"] != seen["pid"][f"w{e['worker']}"]:  # the killed worker's replacement is back
                     seen["back"].setdefault(e["worker"], e["pid"])
                 if set(seen["back"]) == {0, 1} and seen["killed"] == ["template0", "w1", "w0"]:
-                    seen["node1"] = [_pid(run_dir, "w2"), _pid(run_dir, "w3")]
-                    kill("agent1", _pid(run_dir, "agent1"))
+                    seen["both_back"] = True
 
     job = run_job(cfg, run_dir, nodes=2, workers_per_node=2, restart="on-failure", on_record=on_record,
                   on_event=on_event)

@@ -1,7 +1,7 @@
 """Warm standby: one pre-started worker process per node, handed a dead worker's id.
 
 The worker side is ``python -m unbroken.agent.worker_process ... --standby
---node-rank R`` (no ``--worker``; see ``unbroken.runtime.worker.standby``): it
+--node-rank R`` (no ``--worker``; see ``unbroken.runtime.worker_entry.standby``): it
 imports everything, loads the data and builds its model, then waits for an
 assignment; one that sees ``done`` or ``failed`` exits 0. Through the job
 store's ``standby_*`` methods (keys ``standby/<R>/...``):

@@ -9,7 +9,7 @@ standby is in no view at all.
 
 The signal is a heartbeat counter in the job store, judged on the agent's own
 clock: a worker's ``hb/<w>``, beaten every 100 ms by the thread that
-:func:`unbroken.runtime.worker.run` starts right after connecting (before the
+:func:`unbroken.runtime.worker_entry.run` starts right after connecting (before the
 job is built); the standby's ``hb/standby/<R>``, beaten every 100 ms while it
 waits for an offer (the first beat just before it announces readiness). A
 SIGSTOPped process beats no more. A watched process is **stalled** when

@@ -83,7 +83,7 @@ def _prepare(run_dir: Path, world: int, node: int) -> tuple[Any, dict[str, float
     from unbroken.job.builder import prepare
     from unbroken.job.references import resolve_all
     from unbroken.models.factory import resolve_device
-    from unbroken.runtime.worker import load_run_config
+    from unbroken.runtime.worker_entry import load_run_config
 
     phases["imports"] = round(time.perf_counter() - t, 3)
     t = time.perf_counter()

@@ -1,6 +1,6 @@
 """A worker's process: ``python -m unbroken.agent.worker_process`` (started by its agent).
 
-The training itself is :func:`unbroken.runtime.worker.run`; this entry point
+The training itself is :func:`unbroken.runtime.worker_entry.run`; this entry point
 owns the process around it: the command line, logging (every line carries the
 worker, its view generation and step), the warm-standby wait, and the fault
 hooks. Faults enter from outside the runtime: when the agent names fault specs
@@ -36,7 +36,8 @@ from unbroken.faults.fail_at import FaultSpec, fault_selection
 from unbroken.faults.injector import PhaseFaults
 from unbroken.job.builder import Prepared
 from unbroken.runtime.start_phases import StartClock
-from unbroken.runtime.worker import StepLogContext, Trainer, WorkerSpec, run, standby
+from unbroken.runtime.worker import StepLogContext, Trainer, WorkerSpec
+from unbroken.runtime.worker_entry import run, standby
 
 logger = logging.getLogger(__name__)
 

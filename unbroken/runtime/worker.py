@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import logging
 import os
 import time
@@ -29,37 +28,32 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
-import torch.distributed as dist
 
 from unbroken.config import Config, config_hash
-from unbroken.job import MetricsWriter, Prepared, build_job, prepare, train_record
-from unbroken.job.consistency import InconsistentJob, LayoutMismatch, check_consistency
-from unbroken.job.parallelize import compile_stats
+from unbroken.job import MetricsWriter, Prepared, build_job, train_record
+from unbroken.job.consistency import LayoutMismatch, check_consistency
 from unbroken.jsonl import JsonlWriter
 from unbroken.mecefo.takeover import takeover_policy
 from unbroken.models.factory import bind_device, place_model
 from unbroken.runtime.checkpoint import AsyncCheckpointer, load_checkpoint, training_state
 from unbroken.runtime.checkpoint_files import COMMIT_FILE, checkpoint_dir
 from unbroken.runtime.checkpoint_schedule import CheckpointSchedule, Due, newest_checkpoint_age_s
-from unbroken.runtime.job_store import JobStore
-from unbroken.runtime.store_backend import job_secret
-from unbroken.runtime.membership import (EXIT_FENCED, EXIT_REJOIN, Fenced, Membership, MissedCommit, NoLiveWorker,
-                                         View, ViewChanged)
+from unbroken.runtime.membership import Fenced, Membership, View, ViewChanged
 from unbroken.runtime.process_group import CollectiveFailed
-from unbroken.runtime.start_phases import StartClock
 from unbroken.runtime.protocol import MemberDied
 from unbroken.runtime.recovery import recovery
 from unbroken.sharding.checkpoint import ShardCheckpointer
 from unbroken.sharding.parts import local_of
 from unbroken.sharding.replicas import ReplicaStore
-from unbroken.sharding.state import ShardedState, ShardLost
+from unbroken.sharding.state import ShardedState
 from unbroken.snapshot.trainer_hooks import (job_id, load_from_node_memory, memory_rejoin_allowed, memory_rejoin_failed,
                                              memory_rejoin_possible, node_map, restore_state, snapshotter_for)
 
 if TYPE_CHECKING:
     from unbroken.sharding.hsdp import ReplicaLayout
 
-__all__ = ["EXIT_NO_LIVE_WORKER", "StepLogContext", "Trainer", "WorkerSpec", "run", "standby"]
+__all__ = ["EXIT_NO_LIVE_WORKER", "EXIT_REFUSED", "EXIT_STORE_LOST", "JoinRefused", "StepLogContext", "Trainer",
+           "WorkerSpec"]
 
 logger = logging.getLogger(__name__)
 
@@ -477,141 +471,3 @@ class Trainer:
 
 FINISH_POLL_S = 0.1
 """How often a member waiting for the final checkpoint looks at ``done`` and the others' liveness."""
-
-
-def load_run_config(run_dir: Path, world: int) -> Config:
-    cfg = Config.from_dict(json.loads((run_dir / "config.json").read_text()))
-    torch.set_num_threads(cfg.train.threads_per_worker or max(1, (os.cpu_count() or 1) // world))
-    return cfg
-
-
-def run(spec: WorkerSpec, *, store: JobStore | None = None, prepared: Prepared | None = None,
-        setup: Callable[[Trainer], None] | None = None, clock: StartClock | None = None) -> int:
-    """Run one worker to completion; returns the process exit code.
-
-    Args:
-        store: an open connection to the job store (a standby has one already).
-        prepared: data and model a warm standby built before it knew its worker id.
-        setup: called with the trainer before it starts (the entry point installs
-            fault hooks and the log context there).
-        clock: the start's phase clock (a cold start's; :mod:`unbroken.runtime.start_phases`), written
-            as a ``start_phases`` event once the worker is admitted.
-    """
-    cfg = load_run_config(spec.run_dir, spec.world)
-    mark = clock.mark if clock is not None else (lambda phase: None)
-    mark("config")
-    secret = job_secret(spec.run_dir)
-    patience = {"timeout_s": cfg.train.timeout_s, "secret": secret, "store_timeout_s": cfg.fault.store_timeout_s}
-    store = store or JobStore.connect(spec.store, **patience)
-    store.set_store_timeout(cfg.fault.store_timeout_s)  # a standby's connection too
-    membership = Membership(store, spec.worker, heartbeat_timeout_s=cfg.fault.heartbeat_timeout_s,
-                            progress_timeout_s=cfg.fault.progress_timeout_s,
-                            heartbeat_store=JobStore.connect(spec.store, **patience))
-    membership.start_heartbeat()
-    mark("store")
-    trainer = Trainer(cfg, spec, membership, prepared)
-    mark("job")
-    if setup is not None:
-        setup(trainer)
-    try:
-        first = trainer.start()
-        if clock is not None:
-            mark("admission")
-            trainer._event("start_phases", join=spec.join, step=first, pid=os.getpid(), **clock.summary())
-        last = trainer.train(first)
-    except MissedCommit as exc:
-        logger.warning("leaving to rejoin: %s", exc)
-        return EXIT_REJOIN
-    except Fenced as exc:
-        logger.error("fenced: %s", exc)
-        return EXIT_FENCED
-    except NoLiveWorker as exc:
-        store.fail(f"no live worker left: {exc}")
-        return EXIT_NO_LIVE_WORKER
-    except ShardLost as exc:
-        logger.error("%s", exc)
-        store.fail(f"stopped: {exc}")  # the launcher's JobFailed says "the job stopped: ..."
-        return EXIT_NO_LIVE_WORKER
-    except JoinRefused as exc:
-        logger.error("join refused: %s", exc)
-        return EXIT_REFUSED
-    except InconsistentJob as exc:
-        logger.error("%s", exc)
-        store.fail(str(exc))
-        return EXIT_REFUSED
-    except dist.DistStoreError as exc:  # no answer for fault.store_timeout_s: the job stops (its agent says so)
-        logger.error("lost the job store %s: %s", spec.store, str(exc).splitlines()[0])
-        return EXIT_STORE_LOST
-    finally:
-        membership.stop()
-    report = {"worker": spec.worker, "steps": cfg.train.steps, "param_digest": trainer.param_digest(),
-              "shard_index": trainer.hsdp.index_of(spec.worker) if trainer.hsdp is not None else 0,
-              "last": last, "gen": trainer.protocol.view.gen,
-              "snapshots": trainer.snapshots.summary() if trainer.snapshots is not None else {},
-              "sharded": trainer.protocol.layout.summary(),
-              "peak_memory_bytes": torch.cuda.max_memory_allocated(trainer.job.device)
-              if trainer.job.device.type == "cuda" else None, **compile_stats()}
-    out = spec.run_dir / "workers" / f"w{spec.worker}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(report, indent=1))
-    os.replace(tmp, out)
-    return 0
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Assignment:
-    """What a warm standby is handed: the worker it becomes, with what it already holds."""
-
-    spec: WorkerSpec
-    store: JobStore
-    prepared: Prepared
-    faults: str
-    """The indices of the fault plan's specs this worker carries out (``"3,7"``; ``""`` for none)."""
-
-
-STANDBY_POLL_S = 0.02
-"""How often a waiting standby looks for an offer: a handover waits at most this long for its claim. The
-job's end is checked once per heartbeat, so a waiting standby sends the store about 80 requests a second
-(at a 5 ms poll with the end checked every time, about 700: an HTTP request each on an etcd store)."""
-
-
-def standby(run_dir: Path, world: int, store_addr: str, node: int, prepared: Prepared | None = None,
-            forked: bool = False) -> Assignment | None:
-    """Be a warm standby of ``node``: prepare, announce, wait to be handed a worker id.
-
-    Contract (see :mod:`unbroken.agent._standby`): announce the pid once warm,
-    beat the node's standby counter every heartbeat interval while waiting (a
-    standby that stops is replaced by its agent), claim an offer by
-    compare-and-set, read the fault indices handed with it. Returns None when
-    the job ends first. Once warm it records ``standby_ready`` with the CPU
-    seconds its start took (``events/standby<node>.jsonl``; a standby ``forked`` from the node's template
-    spent little: the template's ``template_ready`` holds the CPU seconds of the imports).
-    """
-    from unbroken.runtime.membership import HEARTBEAT_INTERVAL_S
-
-    cfg = load_run_config(run_dir, world)
-    store = JobStore.connect(store_addr, timeout_s=cfg.train.timeout_s, secret=job_secret(run_dir),
-                             store_timeout_s=cfg.fault.store_timeout_s)
-    prepared = prepared or prepare(cfg, bind_device(cfg.train.device, node))  # or the template's
-    store.standby_beat(node)  # before the announcement: the agent judges a ready standby by its beats
-    store.standby_announce(node, os.getpid())
-    # What its start cost the machine (the goodput check charges it to the job when the cores are shared).
-    events = JsonlWriter(run_dir / "events" / f"standby{node}.jsonl")
-    events.write({"kind": "event", "event": "standby_ready", "node": node, "pid": os.getpid(),
-                  "cpu_s": round(time.process_time(), 3), "forked": forked})
-    events.close()
-    next_beat = time.monotonic() + HEARTBEAT_INTERVAL_S
-    while True:
-        if (now := time.monotonic()) >= next_beat:
-            next_beat = now + HEARTBEAT_INTERVAL_S
-            if store.finished():
-                return None
-            store.standby_beat(node)
-        got = store.standby_claim(node, os.getpid())
-        if got is not None:
-            worker, faults = got
-            logger.info("standby of node %d becomes worker %d", node, worker)
-            spec = WorkerSpec(run_dir=run_dir, worker=worker, world=world, store=store_addr, join=True)
-            return Assignment(spec=spec, store=store, prepared=prepared, faults=faults)
-        time.sleep(STANDBY_POLL_S)
