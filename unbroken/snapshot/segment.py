@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import Any
 
 # zlib's CRC-32 (the same values), computed with the CPU's carry-less multiply at several times zlib's
-# speed and outside the GIL: the checksum of every byte written is what bounded a snapshot's write
+# speed (and, as zlib's, outside the GIL): with zlib the checksum of every byte bounded a snapshot's write
 from zlib_ng import zlib_ng
 
 __all__ = ["HEADER_BYTES", "SHM_DIR", "Buffer", "SealedBuffer", "SnapshotCorrupt", "SnapshotMemoryUnsafe", "crc32",
