@@ -237,16 +237,27 @@ def apply_step(
     # foreach on a GPU (one kernel launch per tensor list, not per tensor); on CPU the per-tensor order
     # stays the one every worker and the single-process reference use
     norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=bool(params) and cuda)
-    if cuda:  # the norm's copy is queued before the optimizer step: reading it waits for the clip, not the step
-        host = torch.empty((), dtype=norm.dtype, pin_memory=True)
-        host.copy_(norm, non_blocking=True)
-        landed = torch.cuda.Event()
-        landed.record()
+    norm_host = _to_host(norm)  # queued before the optimizer step: reading it waits for the clip, not the step
     optimizer.step()
-    if cuda:
+    return float(norm_host())
+
+
+def _to_host(t: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """Copy ``t`` to the host, queued now behind the work before it on a GPU (pinned memory, no wait);
+    returns what waits for the copy and gives it."""
+    cuda = t.is_cuda
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=cuda)
+    host.copy_(t, non_blocking=cuda)
+    if not cuda:
+        return lambda: host
+    landed = torch.cuda.Event()
+    landed.record()
+
+    def wait() -> torch.Tensor:
         landed.synchronize()
-        return float(host)
-    return float(norm)
+        return host
+
+    return wait
 
 
 def _scales_gradients(optimizer: torch.optim.Optimizer, layout: GradLayout) -> bool:
@@ -268,17 +279,10 @@ def _step_scaled(layout: GradLayout, buf: torch.Tensor, optimizer: torch.optim.O
     device but the scalars' copy (queued, with the norm, before the wait) and, after the step is
     queued, the norm's. Returns the norm of the mean gradient, or None (nothing done) when the
     groups' weights differ or are zero: each group is then divided by its own."""
-    cuda = buf.is_cuda
-    tail = buf[layout.n_grad :]
-    host = torch.empty(tail.shape, dtype=tail.dtype, pin_memory=cuda)
-    host.copy_(tail, non_blocking=cuda)
-    if cuda:
-        landed = torch.cuda.Event()
-        landed.record()
+    scalars = _to_host(buf[layout.n_grad :])
     views = [layout.grad_view(buf, i) for i in range(len(layout.params))]
-    total = torch.nn.utils.get_total_norm(views, 2.0, foreach=cuda)  # of the sums
-    if cuda:
-        landed.synchronize()
+    total = torch.nn.utils.get_total_norm(views, 2.0, foreach=buf.is_cuda)  # of the sums
+    host = scalars()
     weights = host[: len(layout.group_names)].tolist()
     w = weights[0] if weights else 0.0
     if not w > 0 or any(x != w for x in weights):
@@ -287,11 +291,7 @@ def _step_scaled(layout: GradLayout, buf: torch.Tensor, optimizer: torch.optim.O
         layout.set_grad(i, view)
     norm = total / w
     clip = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # clip_grad_norm_'s coefficient
-    if cuda:
-        norm_host = torch.empty((), dtype=norm.dtype, pin_memory=True)
-        norm_host.copy_(norm, non_blocking=True)
-        norm_landed = torch.cuda.Event()
-        norm_landed.record()
+    norm_host = _to_host(norm)
     optimizer.grad_scale = w / clip  # type: ignore[attr-defined]
     try:
         optimizer.step()
@@ -299,10 +299,7 @@ def _step_scaled(layout: GradLayout, buf: torch.Tensor, optimizer: torch.optim.O
         del optimizer.grad_scale  # type: ignore[attr-defined]
     # the kernel wrote the quotients back into buf's gradients; its scalars are untouched and on the host
     layout._host = (weakref.ref(buf), buf._version, host)
-    if cuda:
-        norm_landed.synchronize()
-        return float(norm_host)
-    return float(norm)
+    return float(norm_host())
 
 
 def _apply_reduced_queued(layout: GradLayout, buf: torch.Tensor) -> None:
@@ -310,14 +307,10 @@ def _apply_reduced_queued(layout: GradLayout, buf: torch.Tensor) -> None:
     division (by the weight on the device) are queued before the host waits for the reduction; a group of
     zero weight then drops its (discarded) quotients. The scalars stay on the host for the step's loss and
     votes (:meth:`GradLayout.scalars`)."""
-    tail = buf[layout.n_grad :]
-    host = torch.empty(tail.shape, dtype=tail.dtype, pin_memory=True)
-    host.copy_(tail, non_blocking=True)
-    landed = torch.cuda.Event()
-    landed.record()
+    scalars = _to_host(buf[layout.n_grad :])
     weights_dev = layout.weights(buf)
     quotients = [layout.grad_view(buf, i) / weights_dev[layout.groups[i]] for i in range(len(layout.params))]
-    landed.synchronize()
+    host = scalars()
     layout._host = (weakref.ref(buf), buf._version, host)
     weights = host[: len(layout.group_names)].tolist()
     for i in range(len(layout.params)):
