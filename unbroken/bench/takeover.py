@@ -69,14 +69,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ap.error("--slots: at least 2 (a takeover needs a survivor)")
     cfg = load_config(preset_name=a.preset, overrides=overrides + [
         f"train.workers={a.slots}", f"train.precision={a.precision}", "train.val_every=0"])
-    device = resolve_device(cfg.train.device)
-    job = build_job(cfg, device)
     mb, dead = cfg.data.micro_batch, a.slots - 1
     work = {"normal": takeover_policy("spread").assign(n_slots=a.slots, live=range(a.slots), micro_batch=mb)[0]}
     workers = {}
-    for name in [p.strip() for p in a.policies.split(",") if p.strip()]:
+    for name in [p.strip() for p in a.policies.split(",") if p.strip()]:  # an unknown name fails here, at once
         degraded = takeover_policy(name).assign(n_slots=a.slots, live=range(dead), micro_batch=mb)
         workers[name], work[name] = max(degraded.items(), key=lambda kv: sum(i.n_rows for i in kv[1]))
+    device = resolve_device(cfg.train.device)
+    job = build_job(cfg, device)
     seconds: dict[str, list[float]] = {k: [] for k in work}
     frames: dict[str, int] = {}
     job.adapter.prepare(0)  # the FFN bases, before anything is timed
