@@ -237,6 +237,9 @@ def apply_step(
     # foreach on a GPU (one kernel launch per tensor list, not per tensor); on CPU the per-tensor order
     # stays the one every worker and the single-process reference use
     norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=bool(params) and cuda)
+    if not cuda:  # (under HSDP a DTensor: its float() is the collective that totals it)
+        optimizer.step()
+        return float(norm)
     norm_host = _to_host(norm)  # queued before the optimizer step: reading it waits for the clip, not the step
     optimizer.step()
     return float(norm_host())
