@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from unbroken.bench.throughput_reference import snapshot_split
+from unbroken.bench.throughput_reference import snapshot_split, split_line
 
 
 def _events(run: Path, records: list[dict]) -> None:
@@ -36,3 +36,15 @@ def test_steps_are_split_into_snapshot_overlapped_and_other(tmp_path: Path):
 def test_no_sealed_snapshot_gives_none(tmp_path: Path):
     _events(tmp_path, [{"kind": "commit", "step": s, "worker": 0, "time": float(s)} for s in range(4)])
     assert snapshot_split(tmp_path, steps=4) is None
+
+
+def test_split_line_when_every_step_overlapped_a_write():
+    # a run whose writes never stopped (fresh buffers on a slow host): no "other" steps to measure against
+    split = {"snapshot": {"steps": 1, "median_s": 0.195, "mean_s": 0.195, "above_other_s": None},
+             "overlapped": {"steps": 55, "median_s": 0.1646, "mean_s": 0.1686, "above_other_s": None},
+             "other": {"steps": 0, "median_s": None, "mean_s": None, "above_other_s": None}}
+    assert split_line(split) == "snapshot steps 1, median 0.1950 s; overlapped steps 55, median 0.1646 s"
+    split["other"] = {"steps": 3, "median_s": 0.16, "mean_s": 0.16, "above_other_s": 0.0}
+    split["snapshot"]["above_other_s"] = 0.035
+    assert split_line(split).startswith("snapshot steps 1, median 0.1950 s, +0.04 s above the others' median; ")
+    assert split_line(split).endswith("; other steps 3, median 0.1600 s")

@@ -170,3 +170,46 @@ def test_under_auto_a_cuda_snapshot_stages_on_the_device_and_seals_the_state_of_
     finally:
         snap.close()
         remove_segments(job)
+
+
+_THREADS_PROBE = r"""
+import os, sys, torch
+from unbroken.runtime.view import View
+from unbroken.snapshot.segment import remove_segments
+from unbroken.snapshot.snapshotter import Snapshotter
+torch.set_num_threads(2)
+state = {f"t{i}": torch.randn(1 << 20) for i in range(4)}  # 4 MiB each: torch would copy them on 2 threads
+torch.randn(1 << 20).mul_(2)  # the training thread's own intra-op team, started before
+job = os.urandom(6).hex()
+threads = lambda: len(os.listdir("/proc/self/task"))
+for every in (1, "auto"):  # a fixed interval reads the live tensors; auto stages them in a host buffer first
+    snap = Snapshotter(job_id=job + str(every), node=0, worker=0, node_of={0: 0}, every=every, redundancy="none",
+                       parity=0, config_hash="t", state=lambda: state, on_event=lambda *a, **k: None)
+    snap._pool.submit(int).result()  # the snapshot thread itself, started
+    before = threads()
+    if every == 1:
+        snap.take(1, View(gen=0, members=(0,), step=1))
+    else:
+        snap.take(1, View(gen=0, members=(0,), step=1), torch.tensor([1]))
+    snap.wait()
+    print(every, before, threads(), snap.taken)
+    snap.close()
+    remove_segments(job + str(every))
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task") or (os.cpu_count() or 1) < 2, reason="needs Linux, 2 cores")
+def test_a_cpu_snapshot_starts_no_intra_op_threads_beside_the_training_ones():
+    # torch's copy_ of a large tensor on the snapshot thread would start a second team of intra-op threads for
+    # that thread, kept as long as it lives: with the training's own team, the cores oversubscribed, and every
+    # step of a one-worker CPU job ran 30-50 % slower while snapshots were on (the state is copied with numpy)
+    import subprocess
+    import sys
+    done = subprocess.run([sys.executable, "-c", _THREADS_PROBE], capture_output=True, text=True, timeout=100,
+                          env={**os.environ, "OMP_NUM_THREADS": "2"})
+    assert done.returncode == 0, done.stderr
+    rows = [line.split() for line in done.stdout.split("\n") if line]
+    assert [r[0] for r in rows] == ["1", "auto"]
+    for every, before, after, taken in rows:
+        assert int(taken) == 1, every
+        assert int(after) == int(before), f"every={every}: {before} threads before the snapshot, {after} after"

@@ -69,6 +69,29 @@ def snapshot_split(run_dir: Path, steps: int) -> dict[str, Any] | None:
             for k, v in groups.items()}
 
 
+def split_line(split: dict[str, Any]) -> str:
+    """:func:`snapshot_split` in one line (the seconds above the others' median only where there were others:
+    in a run whose writes never stopped every step overlapped one)."""
+    parts = []
+    for k, g in split.items():
+        if not g["steps"]:
+            continue
+        above = g.get("above_other_s")
+        parts.append(f"{k} steps {g['steps']}, median {g['median_s']:.4f} s"
+                     + (f", {above:+.2f} s above the others' median" if k != "other" and above is not None else ""))
+    return "; ".join(parts)
+
+
+def _write_partial(a: argparse.Namespace, entries: list[tuple[str, Any]], runs: list[list[dict[str, Any]]]) -> None:
+    """The runs so far into ``a.out`` (``"partial": true``), so that a benchmark stopped by a time limit leaves
+    the rows it finished; the full result replaces it at the end."""
+    done = [{"entry": [kind, what if kind == "plain" else list(what)], "runs": rs}
+            for (kind, what), rs in zip(entries, runs) if rs]
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps({"benchmark": "throughput_reference", "partial": True, "preset": a.preset,
+                                 "steps": a.steps, "precision": a.precision, "done": done}, indent=1))
+
+
 def _keep_logs(run_dir: Path, into: Path) -> None:
     """A run's records (JSON lines, JSON and logs anywhere in it), not its checkpoints or snapshots."""
     for f in run_dir.rglob("*"):
@@ -114,6 +137,7 @@ def reference(a: argparse.Namespace) -> dict[str, Any]:
                     runs[i].append({"loop": "plain", "compile": what, "workers": 1,
                                     **plain_loop(cfg, device, compile=what, steps=a.plain_steps or a.steps)})
                     print(f"plain loop, compile={what}: {runs[i][-1]['tokens_per_s']:,.0f} tokens/s", flush=True)
+                    _write_partial(a, entries, runs)
                     continue
                 n, every = what
                 run_cfg = _cfg(a, f"train.workers={n}", f"snapshot.every={every}")
@@ -133,10 +157,8 @@ def reference(a: argparse.Namespace) -> dict[str, Any]:
                       f"{row['window_tokens_per_s']:,.0f} over the last half; snapshots {s.get('snapshots')}",
                       flush=True)
                 if row["snapshot_steps"]:
-                    print("  last half, worker 0: " + "; ".join(
-                        f"{k} steps {g['steps']}, median {g['median_s']:.4f} s"
-                        + (f", {g['above_other_s']:+.2f} s above the others' median" if k != "other" else "")
-                        for k, g in row["snapshot_steps"].items() if g["steps"]), flush=True)
+                    print("  last half, worker 0: " + split_line(row["snapshot_steps"]), flush=True)
+                _write_partial(a, entries, runs)
     rows = [_mean_row(rs) for rs in runs]
     plain = {r["compile"]: r["tokens_per_s"] for r in rows if r["loop"] == "plain"}
     plain_rounds = {rs[0]["compile"]: [x["tokens_per_s"] for x in rs] for rs in runs if rs[0]["loop"] == "plain"}
