@@ -43,4 +43,5 @@ def test_auto_interval_is_agreed_and_a_whole_job_kill_restores_within_its_recove
 
     snaps = job.summary["snapshots"]
     assert snaps["every"] == "auto" and 1 <= snaps["interval"] < 64 and snaps["taken"] >= 1
-    assert snaps["recovery_point_steps"] == 2 * snaps["interval"]
+    assert isinstance(snaps["settled"], bool)
+    assert snaps["recovery_point_steps"] == 2 * max(snaps["interval"], snaps["spacing_steps"] or 0)

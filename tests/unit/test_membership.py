@@ -201,7 +201,6 @@ def test_the_leaders_duties_keep_its_progress_ticking_and_a_real_stall_still_cou
     def slow(*args, **kwargs) -> None:
         time.sleep(4 * TIMEOUT_S)
 
-    duties = SimpleNamespace(validation_loss=None, val_sampler=None)
     trainer = SimpleNamespace(
         cfg=SimpleNamespace(train=SimpleNamespace(keep_checkpoints=1)), m=leader, store=store,
         metrics=SimpleNamespace(step_done=slow), checkpointer=SimpleNamespace(poll=lambda: None, save=slow,

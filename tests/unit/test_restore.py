@@ -9,7 +9,6 @@ say plainly when those cannot decode a stripe any more.
 
 from __future__ import annotations
 
-import copy
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable

@@ -189,3 +189,25 @@ def test_a_finished_write_is_joined_at_the_next_proposal_and_its_seconds_count(j
         assert snap.taken == done and snap._pending is None
     assert len(snap.cadence.writes) == 1 and proposal == VETO - 1
     snap.close()
+
+
+def test_the_summary_says_when_the_interval_is_not_settled_and_the_recovery_point_follows_the_spacing(job_id):
+    """Until a steady write is measured the interval is 1 and writes in flight veto the snapshots in between:
+    the recovery point is then the spacing the snapshots really had, not twice the interval."""
+    model, opt = _model_and_optimizer(0)
+    snap = Snapshotter(job_id=job_id, node=0, worker=0, node_of={0: 0}, every="auto", redundancy="none", parity=1,
+                       config_hash="cfg", state=lambda: tensors_of(model, opt), on_event=lambda name, **f: None)
+    view = View(gen=1, members=(0,), step=0)
+    assert snap.take(1, view, _summed([1]))
+    assert not snap.take(2, view, _summed([VETO]))  # the first write still in flight (fresh memory)
+    snap.wait()
+    assert snap.take(9, view, _summed([1]))
+    snap.wait()
+    s = snap.summary()
+    assert (s["interval"], s["settled"], s["spacing_steps"], s["recovery_point_steps"],
+            s["skipped"]) == (1, False, 8, 16, 1)
+    assert snap.take(10, view, _summed([1]))  # both buffers written once: this write is steady
+    snap.wait()
+    s = snap.summary()
+    assert (s["interval"], s["settled"], s["spacing_steps"], s["recovery_point_steps"]) == (1, True, 1, 2)
+    snap.close()

@@ -223,7 +223,7 @@ class AgentServer:
         """``pid``'s exit status once the server reported it (a gone server: read from ``/proc``)."""
         with self._lock:
             if self.alive():
-                while (reply := self._read(0.0)) is not None:
+                while self._read(0.0) is not None:
                     pass
             if pid in self._exits:
                 return self._exits[pid]

@@ -14,7 +14,7 @@ import sys
 import types
 import typing
 from pathlib import Path
-from typing import Any, Callable, Literal, get_args, get_origin
+from typing import Any, Literal, get_args, get_origin
 
 if sys.version_info >= (3, 11):
     import tomllib

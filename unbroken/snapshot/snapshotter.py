@@ -122,6 +122,9 @@ class Snapshotter:
         """What the last completed snapshot wrote (step, bytes, seconds)."""
         self.last_step = -1
         """The step of the last snapshot started (every member starts the same ones)."""
+        self.spacing: int | None = None
+        """Steps between the last two snapshots started (under ``auto``, more than the interval while writes
+        are vetoed: the first writes into fresh memory, a write slower than the steps it was given)."""
         self.taken = 0
         self.skipped = 0
         """Snapshots due by the interval but vetoed (a write still in flight somewhere)."""
@@ -212,6 +215,7 @@ class Snapshotter:
             ready.record(torch.cuda.current_stream(device))
             if self.auto:
                 queued = self._queue_staging(tensors, device, ready, byte_ranges(plan, mine))
+        self.spacing = done - self.last_step if self.last_step >= 0 else None
         self.last_step = done
         self._staged.clear()
         self._pending = self._pool.submit(self._write_from_device, index, tensors, ready, layout.entries, plan,
@@ -258,11 +262,14 @@ class Snapshotter:
 
     def summary(self) -> dict[str, Any]:
         """Snapshots sealed by this worker, the last one's step, bytes and seconds; under ``auto`` the interval
-        chosen, the recovery point it implies (steps) and the snapshots skipped."""
+        chosen, whether it rests on a measured steady write (``settled``), the steps between the last two
+        snapshots (``spacing_steps``), the recovery point they imply (steps: twice the larger of the two) and
+        the snapshots skipped."""
         out: dict[str, Any] = {"taken": self.taken, **(self.last or {})}
         if self.cadence is not None:
             c = self.cadence
-            out.update(every="auto", interval=c.interval, recovery_point_steps=2 * c.interval, skipped=self.skipped,
+            out.update(every="auto", interval=c.interval, settled=bool(c.writes), spacing_steps=self.spacing,
+                       recovery_point_steps=2 * max(c.interval, self.spacing or 0), skipped=self.skipped,
                        write_s=max(c.writes) if c.writes else None, device_staging_bytes=self.device_bytes,
                        proposal=c.proposal(in_flight=False))
         return out
