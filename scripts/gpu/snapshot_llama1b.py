@@ -4,7 +4,8 @@ Run on a machine with CUDA: ``python scripts/gpu/snapshot_llama1b.py [--workers-
 Builds ``llama-1b`` (fp32 parameters, AdamW moments) on the GPU and takes the snapshot of
 worker 0 of a node of ``L`` workers (one node, no parity: its stripes are 1/L of the state), as
 that worker's snapshotter does every step: the device-to-host copy of the bytes it writes on a
-side stream into pinned memory, then the write into shared memory. Also times the same with
+side stream into pinned memory, then the write into shared memory (on as many threads as the
+job gives such a worker). Also times the same with
 ``L = 1`` (the whole state, what every worker staged before) when the host has room. Prints
 one JSON line: pinned bytes, stage seconds (the copy off the GPU), write seconds (into shared
 memory), GB/s of each.
@@ -25,6 +26,7 @@ from unbroken.runtime.view import View
 from unbroken.snapshot.segment import SHM_DIR, remove_segments
 from unbroken.snapshot.snapshotter import Snapshotter
 from unbroken.snapshot.state_bytes import describe, tensors_of
+from unbroken.snapshot.trainer_hooks import write_threads
 
 
 def _state(dev: torch.device) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -38,8 +40,10 @@ def _state(dev: torch.device) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
 def _one(model: torch.nn.Module, opt: torch.optim.Optimizer, dev: torch.device, per_node: int) -> dict[str, float]:
     job = os.urandom(6).hex()
     node_of = {w: 0 for w in range(per_node)}
+    threads = write_threads(per_node)  # as the job gives a worker of a node of per_node
     snap = Snapshotter(job_id=job, node=0, worker=0, node_of=node_of, every=1, redundancy="none", parity=0,
-                       config_hash="gpu", state=lambda: tensors_of(model, opt, dev), on_event=lambda *a, **k: None)
+                       config_hash="gpu", state=lambda: tensors_of(model, opt, dev), on_event=lambda *a, **k: None,
+                       write_threads=threads)
     try:
         out = {}
         for attempt in ("first", "second"):  # the first also allocates the pinned buffer
@@ -51,7 +55,7 @@ def _one(model: torch.nn.Module, opt: torch.optim.Optimizer, dev: torch.device, 
             out[attempt] = {"total_s": total, "stage_s": last.get("stage_seconds"), "write_s": last.get("seconds")}
         gb = snap.pinned_bytes / 1e9
         second = out["second"]
-        return {"workers_per_node": per_node, "pinned_gb": gb, "first_total_s": out["first"]["total_s"],
+        return {"workers_per_node": per_node, "write_threads": threads, "pinned_gb": gb, "first_total_s": out["first"]["total_s"],
                 "stage_s": second["stage_s"], "write_s": second["write_s"], "total_s": second["total_s"],
                 "stage_gb_s": gb / second["stage_s"] if second["stage_s"] else None,
                 "write_gb_s": gb / second["write_s"] if second["write_s"] else None}

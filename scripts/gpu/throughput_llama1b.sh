@@ -1,26 +1,31 @@
 #!/usr/bin/env bash
-# The GPU figures of the throughput issue in one run (one NVIDIA GPU, about 8 minutes):
-#   1. the CUDA-only tests (placement, staging, auto snapshots staged on the device, completion);
-#   2. fused AdamW bit-identical across workers, directly and through apply_step (scripts/gpu/fused_adamw.py);
-#   3. what a snapshot's write threads cost a launch-like training thread on this host
-#      (`unbroken bench snapshot --parts contention`: the snapshotter's reader against torch's copy_);
-#   4. `unbroken bench throughput --reference` at llama-1b, bf16, micro-batch 8 x 1024: the plain compiled loop,
+# The GPU figures of the throughput issue in one run (one NVIDIA GPU, about 7 minutes), the key ones first:
+#   1. `unbroken bench throughput --reference` at llama-1b, bf16, micro-batch 8 x 1024: the plain compiled loop,
 #      then unbroken (1 worker, compiled) with snapshot.every=0 and with snapshot.every=auto, side by side;
-#      each job's metrics, events and logs kept in OUT_DIR/runs;
-#   5. `unbroken bench takeover` at the same shape: a covering worker's step (approximate items eager) against a
-#      normal worker's (compiled), per takeover policy.
+#      each job's metrics, events and logs kept in OUT_DIR/runs. STEPS (default 300) leaves the auto row
+#      a steady second half: its first two writes go into fresh shared memory (about 10 s each at 16 GB,
+#      60 steps each). The jobs' run directories go to /dev/shm (TMPDIR): each ends with a 16 GB final
+#      checkpoint, which took 90 s on a GPU machine's disk (outside the measured steps either way);
+#   2. fused AdamW bit-identical across workers, directly and through apply_step (scripts/gpu/fused_adamw.py);
+#   3. the CUDA-only tests (placement, staging, auto snapshots staged on the device, completion);
+#   4. `unbroken bench takeover` at the same shape: a covering worker's step (approximate items eager) against a
+#      normal worker's (compiled), per takeover policy;
+#   5. a llama-1b snapshot's copy and write alone, as a worker of 8 and of 1 per node (snapshot_llama1b.py);
+#   6. what a snapshot's write threads cost a launch-like training thread on this host
+#      (`unbroken bench snapshot --parts contention`: the snapshotter's reader against torch's copy_).
 # Usage: bash scripts/gpu/throughput_llama1b.sh OUT_DIR [STEPS]
 set -u
 out=${1:?usage: throughput_llama1b.sh OUT_DIR [STEPS]}
-steps=${2:-240}
+steps=${2:-300}
 mkdir -p "$out"
+TMPDIR=/dev/shm python3 -m unbroken.cli bench throughput --reference --preset llama-1b --precision bf16 --workers 1 \
+    --steps "$steps" --plain compiled --plain-steps 20 --snapshots 0,auto --data.seq_len=1024 \
+    --keep-logs "$out/runs" --out "$out/throughput_reference_llama1b.json" 2>&1 | grep -v "^\s*$" | tail -40
+python3 scripts/gpu/fused_adamw.py 2>&1 | tail -1 | tee "$out/fused_adamw.json"
 python3 -m pytest -q -rs -p no:cacheprovider tests/unit/test_cuda_placement.py tests/unit/test_snapshot_staging.py \
     tests/unit/test_collective_completion.py 2>&1 | tail -15
-python3 scripts/gpu/fused_adamw.py 2>&1 | tail -1 | tee "$out/fused_adamw.json"
-python3 -m unbroken.cli bench snapshot --parts contention --out "$out/snapshot_contention.json" 2>&1 \
-    | grep -A4 '"slowdown"\|"write_gb_s"'
-python3 -m unbroken.cli bench throughput --reference --preset llama-1b --precision bf16 --workers 1 \
-    --steps "$steps" --plain compiled --plain-steps 30 --snapshots 0,auto --data.seq_len=1024 \
-    --keep-logs "$out/runs" --out "$out/throughput_reference_llama1b.json" 2>&1 | grep -v "^\s*$" | tail -40
 python3 -m unbroken.cli bench takeover --preset llama-1b --precision bf16 --data.seq_len=1024 --repeats 6 \
     --out "$out/takeover_llama1b.json" 2>&1 | tail -7
+python3 scripts/gpu/snapshot_llama1b.py 2>&1 | tail -1 | tee "$out/snapshot_llama1b.json"
+python3 -m unbroken.cli bench snapshot --parts contention --out "$out/snapshot_contention.json" 2>&1 \
+    | grep -A4 '"slowdown"\|"write_gb_s"'

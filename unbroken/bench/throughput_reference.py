@@ -152,6 +152,8 @@ def reference(a: argparse.Namespace) -> dict[str, Any]:
                                 "snapshot_steps": snapshot_split(Path(s["run_dir"]), a.steps)})
                 if a.keep_logs is not None:
                     _keep_logs(Path(s["run_dir"]), a.keep_logs / f"w{n}-s{every}-r{r}")
+                # its final checkpoint is not read here: not kept beside the next jobs' (16 GB each at llama-1b)
+                shutil.rmtree(Path(s["run_dir"]) / "checkpoints", ignore_errors=True)
                 row = runs[i][-1]
                 print(f"unbroken, {n} worker(s), snapshot.every={every}: {s['tokens_per_s']:,.0f} tokens/s (median), "
                       f"{row['window_tokens_per_s']:,.0f} over the last half; snapshots {s.get('snapshots')}",

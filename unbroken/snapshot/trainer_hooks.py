@@ -28,11 +28,17 @@ if TYPE_CHECKING:
     from unbroken.sharding.hsdp import ReplicaLayout
 
 __all__ = ["job_id", "load_from_node_memory", "memory_rejoin_allowed", "memory_rejoin_failed",
-           "memory_rejoin_possible", "node_map", "restore_state", "snapshotter_for"]
+           "memory_rejoin_possible", "node_map", "restore_state", "snapshotter_for", "write_threads"]
 
 JOB_ID_FILE = "job_id"
 MAX_WRITE_THREADS = 8
 """Threads one worker's snapshot write may use (stripes coded and copied at once)."""
+
+
+def write_threads(on_node: int) -> int:
+    """A GPU worker's snapshot write threads: the node's cores shared by its ``on_node`` workers, at most
+    :data:`MAX_WRITE_THREADS`."""
+    return max(1, min(MAX_WRITE_THREADS, len(os.sched_getaffinity(0)) // max(1, on_node)))
 
 
 def job_id(run_dir: Path, *, create: bool = False) -> str:
@@ -88,7 +94,7 @@ def snapshotter_for(cfg: Config, run_dir: Path, worker: int, world: int, model: 
     node_of = node_map(run_dir, world)
     on_node = sum(1 for n in node_of.values() if n == node_of[worker])
     cpu = device.type == "cpu"  # training takes the cores: one write thread, its seconds a cost to the steps
-    threads = 1 if cpu else max(1, min(MAX_WRITE_THREADS, len(os.sched_getaffinity(0)) // max(1, on_node)))
+    threads = 1 if cpu else write_threads(on_node)
     return Snapshotter(job_id=job_id(run_dir), node=node_of[worker], worker=worker, node_of=node_of,
                        every=cfg.snapshot.every, redundancy=cfg.snapshot.redundancy, parity=cfg.snapshot.parity,
                        config_hash=config_hash, state=lambda: tensors_of(model, optimizer, device),
