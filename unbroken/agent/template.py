@@ -83,11 +83,13 @@ def _prepare(run_dir: Path, world: int, node: int) -> tuple[Any, dict[str, float
     from unbroken.job.builder import prepare
     from unbroken.job.references import resolve_all
     from unbroken.models.factory import resolve_device
-    from unbroken.runtime.worker_entry import load_run_config
+    from unbroken.runtime.worker_entry import read_run_config
 
     phases["imports"] = round(time.perf_counter() - t, 3)
     t = time.perf_counter()
-    cfg = load_run_config(run_dir, world)
+    # not load_run_config: it sets the worker's intra-op threads, and more than one starts torch's pool (one
+    # thread per extra core: a job of one worker per node lost its template to it); each forked worker sets its own
+    cfg = read_run_config(run_dir)
     resolve_all(cfg)  # a factory module that does not load fails here, once, with its line
     phases["config"] = round(time.perf_counter() - t, 3)
     prepared = None

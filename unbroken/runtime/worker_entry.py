@@ -33,13 +33,20 @@ from unbroken.runtime.worker import (EXIT_NO_LIVE_WORKER, EXIT_REFUSED, EXIT_STO
                                      WorkerSpec)
 from unbroken.sharding.state import ShardLost
 
-__all__ = ["Assignment", "load_run_config", "run", "standby"]
+__all__ = ["Assignment", "load_run_config", "read_run_config", "run", "standby"]
 
 logger = logging.getLogger(__name__)
 
 
+def read_run_config(run_dir: Path) -> Config:
+    """The run's config, nothing else done (the node's template reads it so: it must stay one thread)."""
+    return Config.from_dict(json.loads((run_dir / "config.json").read_text()))
+
+
 def load_run_config(run_dir: Path, world: int) -> Config:
-    cfg = Config.from_dict(json.loads((run_dir / "config.json").read_text()))
+    """The run's config, and this worker's intra-op threads set from it (a worker's share of the cores). Setting
+    more than one starts torch's thread pool: only in a process that will not fork."""
+    cfg = read_run_config(run_dir)
     torch.set_num_threads(cfg.train.threads_per_worker or max(1, (os.cpu_count() or 1) // world))
     return cfg
 

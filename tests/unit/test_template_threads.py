@@ -1,0 +1,38 @@
+"""The node's template process stays one thread after it prepared a job, whatever threads a worker will use."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from unbroken.config import load_config
+
+PROBE = r"""
+import sys
+from pathlib import Path
+from unbroken.agent import template
+prepared, phases = template._prepare(Path(sys.argv[1]), int(sys.argv[2]), 0)
+print(template.thread_count(), prepared is not None)
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+@pytest.mark.timeout(120)
+def test_the_template_of_a_job_whose_workers_use_two_threads_is_still_one_thread(tmp_path: Path):
+    # A worker's intra-op threads are set from the config; more than one starts torch's thread pool, and a
+    # template holding it cannot fork (a job of one worker per node lost its template so, on every GPU host):
+    # the template reads the config without setting them, each forked worker sets its own.
+    cfg = load_config(preset_name="debug", overrides=["train.threads_per_worker=2"])
+    (tmp_path / "config.json").write_text(json.dumps(cfg.to_dict()))
+    # (the launcher builds the corpus cache before any template: with a cold cache, tokenizing it here would
+    # start the tokenizer's own pool, which TOKENIZERS_PARALLELISM=false keeps out of this probe)
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    done = subprocess.run([sys.executable, "-c", PROBE, str(tmp_path), "1"], capture_output=True, text=True,
+                          timeout=100, env=env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["1", "True"]
