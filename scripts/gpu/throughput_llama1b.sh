@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU figures of the throughput issue in one run (one NVIDIA GPU, about 7 minutes), the key ones first:
+# The GPU figures of the throughput issue in one run (one NVIDIA GPU, about 9 minutes), the key ones first:
 #   1. `unbroken bench throughput --reference` at llama-1b, bf16, micro-batch 8 x 1024: the plain compiled loop,
 #      then unbroken (1 worker, compiled) with snapshot.every=0 and with snapshot.every=auto, side by side;
 #      each job's metrics, events and logs kept in OUT_DIR/runs. STEPS (default 300) leaves the auto row
@@ -10,7 +10,8 @@
 #   3. the CUDA-only tests (placement, staging, auto snapshots staged on the device, completion);
 #   4. `unbroken bench takeover` at the same shape: a covering worker's step (approximate items eager) against a
 #      normal worker's (compiled), per takeover policy;
-#   5. a llama-1b snapshot's copy and write alone, as a worker of 8 and of 1 per node (snapshot_llama1b.py);
+#   5. a llama-1b snapshot's copy and write alone, as a worker of 8 and of 1 per node (snapshot_llama1b.py),
+#      then again with the pinned memory registered on 8 threads (the first snapshot's allocation);
 #   6. what a snapshot's write threads cost a launch-like training thread on this host
 #      (`unbroken bench snapshot --parts contention`: the snapshotter's reader against torch's copy_).
 # Usage: bash scripts/gpu/throughput_llama1b.sh OUT_DIR [STEPS]
@@ -24,8 +25,12 @@ TMPDIR=/dev/shm python3 -m unbroken.cli bench throughput --reference --preset ll
 python3 scripts/gpu/fused_adamw.py 2>&1 | tail -1 | tee "$out/fused_adamw.json"
 python3 -m pytest -q -rs -p no:cacheprovider tests/unit/test_cuda_placement.py tests/unit/test_snapshot_staging.py \
     tests/unit/test_collective_completion.py 2>&1 | tail -15
-python3 -m unbroken.cli bench takeover --preset llama-1b --precision bf16 --data.seq_len=1024 --repeats 6 \
+python3 -m unbroken.cli bench takeover --preset llama-1b --precision bf16 --data.seq_len=1024 --repeats 3 \
     --out "$out/takeover_llama1b.json" 2>&1 | tail -7
 python3 scripts/gpu/snapshot_llama1b.py 2>&1 | tail -1 | tee "$out/snapshot_llama1b.json"
+# the same with torch's host allocator registering pages on 8 threads: does the first snapshot's pinned
+# allocation (9 s for 16 GB, the training thread's CUDA calls waiting) get shorter? (first_total_s)
+PYTORCH_CUDA_ALLOC_CONF=pinned_use_cuda_host_register:True,pinned_num_register_threads:8 \
+    python3 scripts/gpu/snapshot_llama1b.py 2>&1 | tail -1 | tee "$out/snapshot_llama1b_host_register.json"
 python3 -m unbroken.cli bench snapshot --parts contention --out "$out/snapshot_contention.json" 2>&1 \
     | grep -A4 '"slowdown"\|"write_gb_s"'
