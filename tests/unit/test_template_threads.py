@@ -36,3 +36,20 @@ def test_the_template_of_a_job_whose_workers_use_two_threads_is_still_one_thread
                           timeout=100, env=env)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["1", "True"]
+
+
+def test_a_template_with_threads_or_a_cuda_context_is_not_forked(monkeypatch):
+    # (CUDA cannot be initialised on a machine without it: its state is what torch reports, set here)
+    import torch
+
+    from unbroken.agent import template
+
+    monkeypatch.setattr(template, "thread_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    assert template.fork_unsafe() is None
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)  # a child could not use the parent's context
+    assert template.fork_unsafe() == "CUDA initialised"
+    with pytest.raises(RuntimeError, match=r"not fork-safe \(CUDA initialised\)"):
+        template.fork_worker(["x"], "/dev/null", os.getpid(), None, [])
+    monkeypatch.setattr(template, "thread_count", lambda: 3)
+    assert template.fork_unsafe() == "3 threads"

@@ -219,7 +219,7 @@ class Template:
             self.close()
             raise TemplateFailed(message)
         if not reply.get("ready"):
-            self._lost(f"not fork-safe ({reply.get('threads')} threads after its start)")
+            self._lost(f"not fork-safe ({reply.get('why') or str(reply.get('threads')) + ' threads'} after its start)")
             self.enabled = False  # it would be the same next time
             return
         self.ready = True

@@ -67,6 +67,17 @@ def thread_count() -> int:
         return 1
 
 
+def fork_unsafe() -> str | None:
+    """Why forking this process now would be unsafe (threads beside this one; a CUDA context, which a child
+    cannot use), or None."""
+    if (n := thread_count()) != 1:
+        return f"{n} threads"
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():  # never initialises CUDA itself
+        return "CUDA initialised"
+    return None
+
+
 def _reply(out: TextIO, message: dict[str, Any]) -> None:
     out.write(json.dumps(message) + "\n")
     out.flush()
@@ -140,8 +151,8 @@ def _become_worker(argv: list[str], log: str, agent: int, intermediate: int, pre
 def fork_worker(argv: list[str], log: str, agent: int, prepared: Any, closing: list[int],
                 env: dict[str, str] | None = None) -> int:
     """Fork a worker (module docstring) and return its pid. Raises OSError when a fork fails."""
-    if (n := thread_count()) != 1:
-        raise RuntimeError(f"the template has {n} threads: forking it is unsafe")
+    if (why := fork_unsafe()) is not None:
+        raise RuntimeError(f"the template is not fork-safe ({why})")
     sys.stdout.flush()
     sys.stderr.flush()
     r, w = os.pipe()
@@ -186,11 +197,11 @@ def main(argv: list[str] | None = None) -> int:
         message = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
         _reply(out, {"error": message})
         return 2
-    threads = thread_count()
-    _reply(out, {"ready": threads == 1, "pid": os.getpid(), "threads": threads, "prepared": prepared is not None,
-                 "phases": phases, "cpu_s": round(time.process_time(), 3)})
-    if threads != 1:
-        print(f"template: {threads} threads after start-up: it will not fork", file=sys.stderr, flush=True)
+    why = fork_unsafe()
+    _reply(out, {"ready": why is None, "pid": os.getpid(), "threads": thread_count(), "why": why,
+                 "prepared": prepared is not None, "phases": phases, "cpu_s": round(time.process_time(), 3)})
+    if why is not None:
+        print(f"template: {why} after start-up: it will not fork", file=sys.stderr, flush=True)
         return 2
     for line in sys.stdin:
         try:
