@@ -19,8 +19,18 @@ set -u
 out=${1:?usage: throughput_llama1b.sh OUT_DIR [STEPS]}
 steps=${2:-300}
 mkdir -p "$out"
+# 0. a CUDA job's workers forked from the node's template (a template holding torch's thread pool was never
+#    forked on a GPU host before): a short job; should it fail, the rest runs with fresh worker processes
+template=()
+if ! timeout 120 python3 -m unbroken.cli train --preset debug --workers 1 --steps 5 --train.device=cuda \
+        --out "$out/forked_cuda_job" --overwrite > "$out/forked_cuda_job.txt" 2>&1; then
+    echo "a CUDA job with forked workers failed (tail of $out/forked_cuda_job.txt below): fault.template=false"
+    tail -5 "$out/forked_cuda_job.txt"
+    template=(--fault.template=false)
+fi
+grep -ho '"event":"worker_start"[^}]*"forked":[a-z]*' "$out"/forked_cuda_job/events/*.jsonl 2>/dev/null | tail -1
 TMPDIR=/dev/shm python3 -m unbroken.cli bench throughput --reference --preset llama-1b --precision bf16 --workers 1 \
-    --steps "$steps" --plain compiled --plain-steps 20 --snapshots 0,auto --data.seq_len=1024 \
+    --steps "$steps" --plain compiled --plain-steps 20 --snapshots 0,auto --data.seq_len=1024 "${template[@]}" \
     --keep-logs "$out/runs" --out "$out/throughput_reference_llama1b.json" 2>&1 | grep -v "^\s*$" | tail -40
 python3 scripts/gpu/fused_adamw.py 2>&1 | tail -1 | tee "$out/fused_adamw.json"
 python3 -m pytest -q -rs -p no:cacheprovider tests/unit/test_cuda_placement.py tests/unit/test_snapshot_staging.py \
