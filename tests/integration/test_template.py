@@ -131,3 +131,53 @@ def test_a_template_that_cannot_load_the_job_fails_it_once(tmp_path, corpus_over
     assert {e["event"] for e in events if e.get("kind") == "event"} <= {"template_failed", "template_ready"}
     assert any(e.get("event") == "template_failed" for e in events)
     assert not list((tmp_path / "run" / "logs").glob("w*.log")), "no worker was started"
+
+
+FORK_FAILING_OPTIMIZER = '''"""An optimizer factory that cannot start in a forked process after the job's first two (a library that breaks
+in a fork: what forking a CUDA worker from its template would look like if it did not work)."""
+
+import os
+
+import torch
+
+COUNT = {count!r}
+
+
+def build(model, ctx):
+    with open("/proc/self/cmdline", "rb") as fh:
+        forked = b"unbroken.agent.worker_process" not in fh.read()  # a fresh worker's command line names it
+    if forked:
+        with open(COUNT, "a") as fh:
+            fh.write("x\\n")
+        with open(COUNT) as fh:
+            if len(fh.read().split()) > 2:
+                raise RuntimeError("cannot start in a forked process")
+    return torch.optim.AdamW(model.parameters(), lr=ctx.cfg.optim.lr, foreach=False)
+'''
+
+
+def test_forked_workers_that_fail_alike_twice_make_the_node_start_fresh_processes(tmp_path, corpus_overrides):
+    factory = tmp_path / "fork_failing.py"
+    factory.write_text(FORK_FAILING_OPTIMIZER.format(count=str(tmp_path / "forked_builds")))
+    cfg = failover_config(corpus_overrides, STEPS, "train.timeout_s=30", f"optim.factory={factory}:build")
+    run_dir = tmp_path / "run"
+    killed: list[int] = []
+
+    def on_record(record: dict[str, Any]) -> None:
+        if record.get("kind") == "train" and record["step"] >= 4 and not killed:
+            killed.append(_pid(run_dir, "w1"))
+            os.kill(killed[0], signal.SIGKILL)
+
+    job = run_job(cfg, run_dir, nodes=1, workers_per_node=2, restart="on-failure", on_record=on_record)
+    assert killed
+    (lost,) = job.events("template_lost", node=0)
+    assert lost["why"].startswith("two forked workers failed alike (RuntimeError at ")
+    assert "fork_failing.py" in lost["why"]
+    starts = job.events("worker_start", worker=1)
+    assert [(e["incarnation"], e["forked"]) for e in starts[:3]] == [(1, True), (2, True), (3, True)]
+    assert len(job.events("worker_error", worker=1)) >= 2  # incarnations 2 and 3, at their optimizer
+    after = [e for e in starts if e["time"] > lost["time"]]
+    assert after and not any(e["forked"] for e in after), "after the template is lost: fresh processes"
+    live = sorted(job.final_view()["members"])
+    assert live in ([0], [0, 1]), live  # worker 1's fresh incarnation joins if the job lasts long enough
+    check_invariants(job, live=live)

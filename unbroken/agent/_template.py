@@ -115,6 +115,7 @@ class Template:
         self._started = 0.0
         self._lost_at = 0.0
         self._lines = LineBuffer()
+        self._fork_error: str | None = None  # the error the last forked worker that failed died of
 
     # -- lifecycle ------------------------------------------------------------------
 
@@ -159,6 +160,25 @@ class Template:
                 self._lost(f"not ready within {self.ready_timeout_s:.0f} s")
         elif self.enabled and now - self._lost_at >= RESPAWN_INTERVAL_S:
             self.start(now)
+
+    def forked_failed(self, error: str) -> None:
+        """A worker forked from the template died of an error of its own (``error``: its signature,
+        :func:`unbroken.agent._job_error.death_error`). The same error twice in a row from forked workers:
+        the fork itself may be the cause (a library that cannot start in a forked child), so the node starts
+        its workers as fresh processes from now on. An error of the job's own recurs there, and the job's
+        handling of it goes on as before."""
+        if error != self._fork_error:
+            self._fork_error = error
+            return
+        if not self.enabled:
+            return
+        self.enabled = False
+        why = f"two forked workers failed alike ({error})"
+        logger.error("[node %d] %s: workers start as fresh processes from now on", self.node, why)
+        if self.proc is not None:
+            self._lost(why)
+        else:
+            self._event("template_lost", None, pid=None, why=why)
 
     def close(self) -> None:
         """Stop the template (it holds nothing: SIGKILL) and reap it."""

@@ -418,6 +418,8 @@ class Agent:
         self._fence_replica(inc)
         error = death_error(self.run_dir, w, code, sig)  # the job's own error (None: killed from outside...)
         rec["error"] = error
+        if error is not None and isinstance(inc.proc, ForkedChild) and self.template is not None:
+            self.template.forked_failed(error)  # twice alike: workers start fresh (the fork may be the cause)
         reason = json.dumps({"by": "agent", "node": self.node, "how": "exit", "code": code, "signal": sig,
                              "error": error, "t": time.time()})
         self.store.mark_dead(w, reason)
