@@ -14,6 +14,10 @@ One job (2 nodes x 2 workers, restarts on), driven by what it reports:
 
 The end state is every scenario's (:func:`_faults.check_invariants`: every step
 once, parameters equal, no process left, the template's included).
+
+Two more jobs: forked workers that die twice in a row of the same error (an
+optimizer factory that cannot start in a fork) make the node start fresh
+processes; a factory module that does not load on the nodes fails the job once.
 """
 
 from __future__ import annotations
