@@ -44,6 +44,13 @@ def last_worker_record(run_dir: Path, worker: int) -> dict:
     return last if isinstance(last, dict) else {}
 
 
+def was_admitted(run_dir: Path, worker: int, pid: int) -> bool:
+    """Did the incarnation ``pid`` of ``worker`` join a view (its ``start_phases`` record, written once it was
+    admitted)? Reads the worker's whole event file: only when a forked worker died of an error of its own."""
+    path = Path(run_dir) / "events" / f"w{worker}.jsonl"
+    return path.exists() and any(r.get("event") == "start_phases" and r.get("pid") == pid for r in read_jsonl(path))
+
+
 def write_layout(run_dir: Path, node: int, nnodes: int, workers_per_node: int) -> None:
     """``layout.json``: nodes and workers per node, identical from every agent (read by ``unbroken chaos``
     to map node targets to workers, and by workers to place snapshot stripes)."""

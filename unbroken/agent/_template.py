@@ -162,8 +162,8 @@ class Template:
             self.start(now)
 
     def forked_failed(self, error: str) -> None:
-        """A worker forked from the template died of an error of its own (``error``: its signature,
-        :func:`unbroken.agent._job_error.death_error`). The same error twice in a row from forked workers:
+        """A worker forked from the template died of an error of its own before it was admitted (``error``: its
+        signature, :func:`unbroken.agent._job_error.death_error`). The same error twice in a row from forked workers:
         the fork itself may be the cause (a library that cannot start in a forked child), so the node starts
         its workers as fresh processes from now on. An error of the job's own recurs there, and the job's
         handling of it goes on as before."""

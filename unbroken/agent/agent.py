@@ -45,7 +45,7 @@ import torch.distributed as dist
 
 from unbroken.agent._job_error import death_error
 from unbroken.agent._restore import JobRestore
-from unbroken.agent._run_files import fired_before, last_self_fault_step, write_layout
+from unbroken.agent._run_files import fired_before, last_self_fault_step, was_admitted, write_layout
 from unbroken.agent._process import (HANG_HOWS, ChildWaker, ForkedChild, become_subreaper, describe_exit,
                                      dump_stacks, exit_status, log_line, remove_pid, send, spawn, stop_all,
                                      write_pid)
@@ -418,8 +418,9 @@ class Agent:
         self._fence_replica(inc)
         error = death_error(self.run_dir, w, code, sig)  # the job's own error (None: killed from outside...)
         rec["error"] = error
-        if error is not None and isinstance(inc.proc, ForkedChild) and self.template is not None:
-            self.template.forked_failed(error)  # twice alike: workers start fresh (the fork may be the cause)
+        if (error is not None and not inc.fenced and isinstance(inc.proc, ForkedChild) and self.template is not None
+                and not was_admitted(self.run_dir, w, inc.proc.pid)):
+            self.template.forked_failed(error)  # twice alike before admission: workers start fresh (the fork...)
         reason = json.dumps({"by": "agent", "node": self.node, "how": "exit", "code": code, "signal": sig,
                              "error": error, "t": time.time()})
         self.store.mark_dead(w, reason)
