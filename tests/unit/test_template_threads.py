@@ -16,7 +16,7 @@ PROBE = r"""
 import sys
 from pathlib import Path
 from unbroken.agent import template
-prepared, phases = template._prepare(Path(sys.argv[1]), int(sys.argv[2]), 0)
+prepared, phases = template._prepare(Path(sys.argv[1]))
 print(template.thread_count(), prepared is not None)
 """
 
@@ -32,7 +32,7 @@ def test_the_template_of_a_job_whose_workers_use_two_threads_is_still_one_thread
     # (the launcher builds the corpus cache before any template: with a cold cache, tokenizing it here would
     # start the tokenizer's own pool, which TOKENIZERS_PARALLELISM=false keeps out of this probe)
     env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    done = subprocess.run([sys.executable, "-c", PROBE, str(tmp_path), "1"], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-c", PROBE, str(tmp_path)], capture_output=True, text=True,
                           timeout=100, env=env)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["1", "True"]

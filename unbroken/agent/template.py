@@ -83,7 +83,7 @@ def _reply(out: TextIO, message: dict[str, Any]) -> None:
     out.flush()
 
 
-def _prepare(run_dir: Path, world: int, node: int) -> tuple[Any, dict[str, float]]:
+def _prepare(run_dir: Path) -> tuple[Any, dict[str, float]]:
     """Import everything a worker needs; prepare its data and model where safe. Raises what a worker would."""
     phases: dict[str, float] = {}
     t = time.perf_counter()
@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     os.dup2(2, 1)
     out = os.fdopen(reply_fd, "w")
     try:
-        prepared, phases = _prepare(a.run_dir, a.world, a.node_rank)
+        prepared, phases = _prepare(a.run_dir)
     except Exception as exc:  # the job cannot start on this node: say why, once
         traceback.print_exc()
         message = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
