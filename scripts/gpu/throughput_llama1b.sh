@@ -2,7 +2,7 @@
 # The GPU figures of the throughput issue in one run (one NVIDIA GPU, about 9 minutes), the key ones first:
 #   1. `unbroken bench throughput --reference` at llama-1b, bf16, micro-batch 8 x 1024: the plain compiled loop,
 #      then unbroken (1 worker, compiled) with snapshot.every=0 and with snapshot.every=auto, side by side;
-#      each job's metrics, events and logs kept in OUT_DIR/runs. STEPS (default 300) leaves the auto row
+#      each job's metrics, events and logs kept in OUT_DIR/runs; then the auto row's first steps and writes. STEPS (default 300) leaves the auto row
 #      a steady second half: its first two writes go into fresh shared memory (about 10 s each at 16 GB,
 #      60 steps each). The jobs' run directories go to /dev/shm (TMPDIR): each ends with a 16 GB final
 #      checkpoint, which took 90 s on a GPU machine's disk (outside the measured steps either way);
@@ -32,6 +32,16 @@ grep -ho '"event":"worker_start"[^}]*"forked":[a-z]*' "$out"/forked_cuda_job/eve
 TMPDIR=/dev/shm python3 -m unbroken.cli bench throughput --reference --preset llama-1b --precision bf16 --workers 1 \
     --steps "$steps" --plain compiled --plain-steps 20 --snapshots 0,auto --data.seq_len=1024 "${template[@]}" \
     --keep-logs "$out/runs" --out "$out/throughput_reference_llama1b.json" 2>&1 | grep -v "^\s*$" | tail -40
+# the auto row's first steps: step 2 waited 9 s for one 16 GB pinned allocation before the staging was made of
+# 64 MiB blocks (is it an ordinary step now?); and when its snapshots started to rest on a steady write
+python3 - "$out/runs" <<'PY'
+import json, pathlib, sys
+for run in sorted(pathlib.Path(sys.argv[1]).glob("w1-sauto-*")):
+    steps = {r["step"]: r["step_time_s"] for r in map(json.loads, open(run / "metrics.jsonl")) if r.get("kind") == "train"}
+    sealed = [json.loads(l) for l in open(run / "events.jsonl") if '"snapshot_sealed"' in l]
+    print(run.name, "steps 1-5 (s):", [round(steps.get(i, -1), 3) for i in range(1, 6)],
+          "| first writes (step, write s):", [(e.get("step"), round(e.get("write_s", 0), 2)) for e in sealed[:4]])
+PY
 python3 scripts/gpu/fused_adamw.py 2>&1 | tail -1 | tee "$out/fused_adamw.json"
 python3 -m pytest -q -rs -p no:cacheprovider tests/unit/test_cuda_placement.py tests/unit/test_snapshot_staging.py \
     tests/unit/test_collective_completion.py 2>&1 | tail -15

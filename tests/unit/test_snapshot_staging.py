@@ -172,6 +172,46 @@ def test_under_auto_a_cuda_snapshot_stages_on_the_device_and_seals_the_state_of_
         remove_segments(job)
 
 
+def test_under_auto_a_cpu_snapshot_staged_in_blocks_seals_the_state_of_its_step(monkeypatch):
+    """The staging buffer in small blocks (every range and read crosses their edges): the fence returns once
+    the state is staged, the next optimizer step changes it, and the seal still holds the state of its step."""
+    from unbroken.snapshot import staging
+    from unbroken.snapshot.cadence import VOTE_SLOTS, cast
+    from unbroken.snapshot.restore import decide, inventory, restore_from_memory
+
+    monkeypatch.setattr(staging, "BLOCK_BYTES", 4099)
+    model, opt = _trained(seed=2)
+    cpu = torch.device("cpu")
+    want = {k: v.detach().clone() for k, v in tensors_of(model, opt, cpu).items()}
+    job = os.urandom(6).hex()
+    node_of = {0: 0, 1: 0, 2: 0}  # one node, three workers: each stages its third of the state
+    snaps = [Snapshotter(job_id=job, node=0, worker=w, node_of=node_of, every="auto", redundancy="none",
+                         parity=1, config_hash="cfg", state=lambda: tensors_of(model, opt, cpu),
+                         on_event=lambda *a, **k: None, write_threads=2) for w in node_of]
+    try:
+        votes = torch.zeros(VOTE_SLOTS)
+        cast(votes, 1)
+        for snap in snaps:
+            snap.take(1, View(gen=0, members=(0, 1, 2), step=1), votes)
+            snap.fence()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(0.5)  # the next optimizer step, once the fences returned
+        for snap in snaps:
+            snap.wait()
+            assert snap._host is not None and len(snap._host.blocks) > 10, "staged in many blocks"
+        spec = decide([inventory(job, 0, config_hash="cfg")], checkpoint=None, members_of=lambda nodes: [0])
+        fresh, fresh_opt = _trained(seed=3)
+        restore_from_memory(spec, job=job, node=0, node_of=node_of, members=(0,), me=0, broadcast=None,
+                            model=fresh, optimizer=fresh_opt, device=cpu)
+        got = {k: v.detach() for k, v in tensors_of(fresh, fresh_opt, cpu).items()}
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    finally:
+        for snap in snaps:
+            snap.close()
+        remove_segments(job)
+
+
 _THREADS_PROBE = r"""
 import os, sys, torch
 from unbroken.runtime.view import View

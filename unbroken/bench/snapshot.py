@@ -30,7 +30,10 @@
    now), and the host bytes a restore holds at once (the whole state twice
    before, one stripe now);
 9. **contention** (in process, ``--parts contention``): how much a write's threads slow a launch-like
-   training thread beside them (:mod:`unbroken.bench.snapshot_contention`).
+   training thread beside them (:mod:`unbroken.bench.snapshot_contention`);
+10. **first writes** (in process, ``--parts first_writes``): one worker's first writes, which also map its
+    two buffers, with the second buffer mapped beside the first write and without
+    (:mod:`unbroken.bench.snapshot_first_writes`; ``--first-writes-mb`` of state).
 """
 
 from __future__ import annotations
@@ -264,12 +267,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--workers-per-node", type=int, default=2)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--checkpoint-every", type=int, default=5, help="DCP checkpoints of the checkpoint-restart run")
-    ap.add_argument("--parts", default="bytes,pinned,in_process,contention,overhead,kill,rejoin",
+    ap.add_argument("--parts", default="bytes,pinned,in_process,contention,first_writes,overhead,kill,rejoin",
                     help="which measurements to run")
+    ap.add_argument("--first-writes-mb", type=int, default=1024, help="state of the first_writes part (MiB)")
     ap.add_argument("--out", type=Path, default=None, help="default benchmarks/results/snapshot_PRESET.json")
     a, a.overrides = parse_with_overrides(ap, argv)
     parts = a.parts.split(",")
-    valid = ("bytes", "pinned", "in_process", "contention", "overhead", "kill", "rejoin")
+    valid = ("bytes", "pinned", "in_process", "contention", "first_writes", "overhead", "kill", "rejoin")
     unknown = set(parts) - set(valid)
     if unknown:
         raise ValueError(f"--parts: unknown {', '.join(sorted(unknown))}; valid: {', '.join(valid)}")
@@ -289,6 +293,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             from unbroken.bench.snapshot_contention import contention
 
             result["contention"] = contention()
+        if "first_writes" in parts:
+            from unbroken.bench.snapshot_first_writes import first_writes
+
+            result["first_writes"] = first_writes(mb=a.first_writes_mb)
         if "overhead" in parts:
             result["overhead"] = _overhead(a, Path(tmp))
         if "kill" in parts:

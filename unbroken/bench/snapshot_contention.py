@@ -6,7 +6,7 @@ checksumming them. This part times a launch-like loop (small tensor operations, 
 parallelism, as a GPU host thread) alone and while the write threads run over a staged buffer,
 side by side in rounds of alternating order, with two ways of copying:
 
-- ``snapshot``: the snapshotter's own reader (:func:`unbroken.snapshot.snapshotter._reader`) and
+- ``snapshot``: the snapshotter's own reader (:meth:`unbroken.snapshot.staging.Staging.reader`) and
   checksum, what every write does;
 - ``torch_copy``: the same with ``torch``'s ``copy_`` into the mapping (what the reader did before,
   and the obvious way to write it): each call runs on a team of intra-op threads as many as the
@@ -27,7 +27,7 @@ from typing import Any, Callable
 import torch
 
 from unbroken.snapshot.segment import crc32
-from unbroken.snapshot.snapshotter import _reader
+from unbroken.snapshot.staging import Staging
 from unbroken.snapshot.trainer_hooks import MAX_WRITE_THREADS
 
 __all__ = ["contention"]
@@ -36,9 +36,11 @@ _CHUNK = 64 << 20
 """Bytes each write call covers (a stripe's fragment is at most 256 MiB)."""
 
 
-def _torch_reader(staged: torch.Tensor) -> Callable[[memoryview, int, int], None]:
+def _torch_reader(staged: Staging) -> Callable[[memoryview, int, int], None]:
     def read(out: memoryview, a: int, b: int) -> None:
-        torch.frombuffer(out, dtype=torch.uint8).copy_(staged[a:b])
+        dst = torch.frombuffer(out, dtype=torch.uint8)
+        for piece, before in staged.pieces(a, b - a):
+            dst[before:before + piece.numel()].copy_(piece)
 
     return read
 
@@ -85,10 +87,12 @@ def contention(*, mb: int = 512, threads: int | None = None, iters: int = 200000
     cores = len(os.sched_getaffinity(0))
     threads = threads or max(1, min(MAX_WRITE_THREADS, cores // 2))
     size = mb << 20
-    staged = torch.empty(size, dtype=torch.uint8).random_(0, 256)
+    staged = Staging(size)
+    for block in staged.blocks:
+        block.random_(0, 256)
     mem = mmap.mmap(-1, size)  # anonymous shared memory, as a snapshot segment's mapping
     view = memoryview(mem)
-    readers = {"snapshot": _reader(staged, [(0, size, 0)]), "torch_copy": _torch_reader(staged)}
+    readers = {"snapshot": staged.reader([(0, size, 0)]), "torch_copy": _torch_reader(staged)}
     kinds = ["alone", *readers]
     loop = lambda: _launch_loop(iters)  # noqa: E731
     loop()  # warm-up

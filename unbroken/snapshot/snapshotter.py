@@ -50,7 +50,6 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
-import numpy as np
 import torch
 
 from unbroken.runtime.view import View
@@ -58,21 +57,15 @@ from unbroken.snapshot.cadence import VETO, Cadence, due, tally
 from unbroken.snapshot.erasure import HEADER, Coding
 from unbroken.snapshot.plan import SnapshotPlan, plan_for
 from unbroken.snapshot.segment import Buffer, SealedBuffer, SnapshotCorrupt, crc32
-from unbroken.snapshot.state_bytes import capture, copy_range, describe, layout_hash
+from unbroken.snapshot.staging import ReadBytes, Staging
+from unbroken.snapshot.state_bytes import capture, describe, layout_hash
 
 __all__ = ["Snapshotter", "byte_ranges"]
-
-ReadBytes = Callable[[memoryview, int, int], None]
-"""``read(out, start, stop)``: bytes ``[start, stop)`` of the flat state into ``out``."""
 
 logger = logging.getLogger(__name__)
 
 STAGE_TIMEOUT_S = 600.0
 """The longest the fence waits for a staging copy (a local copy: only a broken device takes this long)."""
-LAND_CHUNK_BYTES = 64 << 20
-"""The device staging buffer reaches pinned memory in copies of this size, one at a time (about 1 ms each over
-PCIe 5): the training step's own small copies to the host queue behind a device-to-host copy in flight. With
-one copy of the whole state the step after each snapshot took 0.17 s longer on an H200, most likely for that."""
 DEVICE_HEADROOM = 0.9
 """A device staging buffer is used when the training's peak plus the buffer stay under this share of the card."""
 
@@ -95,13 +88,16 @@ class Snapshotter:
         moments_in_copies: a sharded optimizer (ZeRO-1): the state holds no moments, the ring copies of the
             same step do (:mod:`unbroken.sharding.replicas`); the seal says so (``"moments": "copies"``), and a
             restore takes such a step only with a copy of every range.
+        map_ahead: with several write threads, map the second buffer beside the first write (off: each buffer
+            is mapped by its own first write, for comparison).
     """
 
     def __init__(self, *, job_id: str, node: int, worker: int, node_of: dict[int, int], every: int | str,
                  redundancy: str, parity: int, config_hash: str,
                  state: Callable[[], dict[str, torch.Tensor]], on_event: Callable[..., None],
                  write_threads: int = 1, shares_cores: bool = False, shard: tuple[int, int] = (0, 1),
-                 holders: Callable[[Sequence[int]], Sequence[int]] = tuple, moments_in_copies: bool = False) -> None:
+                 holders: Callable[[Sequence[int]], Sequence[int]] = tuple, moments_in_copies: bool = False,
+                 map_ahead: bool = True) -> None:
         self.job_id, self.node, self.worker, self.node_of = job_id, node, worker, node_of
         self.shard, self.holders, self.moments_in_copies = shard, holders, moments_in_copies
         self.every, self.redundancy, self.parity, self.config_hash = every, redundancy, parity, config_hash
@@ -129,16 +125,18 @@ class Snapshotter:
         self.skipped = 0
         """Snapshots due by the interval but vetoed (a write still in flight somewhere)."""
         self._stream: Any = None  # CUDA: the side stream of device-to-host copies
-        self._pinned: torch.Tensor | None = None  # CUDA: the staging buffer, sized to the bytes written
-        self._host: torch.Tensor | None = None  # CPU under auto: the staging buffer
-        self._device_copy: torch.Tensor | None = None  # CUDA under auto: a device staging buffer, when it fits
+        self._pinned: Staging | None = None  # CUDA: the staging buffer, sized to the bytes written
+        self._host: Staging | None = None  # CPU under auto: the staging buffer
+        self._device_copy: Staging | None = None  # CUDA under auto: a device staging buffer, when it fits
         self._device_ok: bool | None = None
         self._copied: tuple[Any, torch.device] | None = None  # CUDA under auto: the staging copies' event
         self.pinned_bytes = 0
         """Bytes of pinned host memory this worker holds for its copies (0 off CUDA)."""
         self.device_bytes = 0
         """Bytes of device memory this worker holds for staging (0 unless auto on CUDA found room)."""
-        self._fresh = [True, True]  # a buffer's first write maps and first touches its memory: not a steady figure
+        self.map_ahead = map_ahead
+        self._reserving: tuple[int, Future[None]] | None = None
+        """The other buffer being mapped while the first write goes on (its index, and the work)."""
 
     def _older_buffer(self) -> int:
         """The buffer to write first: not the one holding this worker's newest sealed snapshot."""
@@ -294,11 +292,10 @@ class Snapshotter:
                            gen: int, queued: tuple | None = None) -> dict[str, Any]:
         """Write the snapshot into buffer ``index``; on CUDA (and on the CPU under ``auto``) stage the bytes
         this worker writes first (``queued``: the copies the training thread queued, to land in pinned memory
-        here). ``steady``: neither a staging buffer nor the segment was new (the seconds are what the next
-        snapshot will cost)."""
+        here). ``steady``: this write neither allocated a staging buffer nor mapped its segment, nor waited
+        for it to be mapped (its seconds are what the next snapshot will cost)."""
         t0, started_at = time.perf_counter(), time.time()
         try:
-            steady = not self._fresh[index]
             if queued is not None:
                 read, allocated = self._land(*queued)
             elif ready is not None:
@@ -310,19 +307,20 @@ class Snapshotter:
         finally:
             self._staged.set()
         staged_s = time.perf_counter() - t0
-        self._fresh[index] = False
-        wrote = self._write(self.buffers[index], read, layout, plan, mine, done, gen)
-        return {**wrote, "stage_seconds": staged_s, "steady": steady and not allocated, "started_at": started_at,
+        wrote = self._write(index, read, layout, plan, mine, done, gen)
+        fresh = wrote.pop("fresh")
+        return {**wrote, "stage_seconds": staged_s, "steady": not allocated and not fresh, "started_at": started_at,
                 "sealed_at": time.time()}
 
     def _stage_host(self, tensors: dict[str, torch.Tensor], ranges: list[tuple[int, int]]) -> tuple[ReadBytes, bool]:
         """CPU under ``auto``: copy ``ranges`` of the live state into a host buffer (the write reads it later)."""
         total = sum(hi - lo for lo, hi in ranges)
-        allocated = self._host is None or self._host.numel() != total
+        allocated = self._host is None or self._host.total != total
         if allocated:
-            self._host = torch.empty(total, dtype=torch.uint8)
+            self._host = None
+            self._host = Staging(total)
         assert self._host is not None
-        return _reader(self._host, _copy_ranges(tensors, self._host, ranges)), allocated
+        return self._host.reader(self._host.copy_in(tensors, ranges)), allocated
 
     def _stage(self, tensors: dict[str, torch.Tensor], ready: Any,
                ranges: list[tuple[int, int]]) -> tuple[ReadBytes, bool]:
@@ -341,11 +339,11 @@ class Snapshotter:
         assert pinned is not None
         with torch.cuda.stream(stream):
             stream.wait_event(ready)
-            index = _copy_ranges(tensors, pinned, ranges, non_blocking=True)
+            index = pinned.copy_in(tensors, ranges, non_blocking=True)
             copied = torch.cuda.Event()
             copied.record(stream)
         copied.synchronize()
-        return _reader(pinned, index), allocated
+        return pinned.reader(index), allocated
 
     def _queue_staging(self, tensors: dict[str, torch.Tensor], device: torch.device, ready: Any,
                        ranges: list[tuple[int, int]]) -> tuple:
@@ -357,10 +355,10 @@ class Snapshotter:
         total = sum(hi - lo for lo, hi in ranges)
         on_device = self._device_room(device, total)
         allocated = False
-        if on_device and (self._device_copy is None or self._device_copy.numel() != total):
+        if on_device and (self._device_copy is None or self._device_copy.total != total):
             self._device_copy = None
             with torch.cuda.stream(stream):
-                self._device_copy = torch.empty(total, dtype=torch.uint8, device=device)
+                self._device_copy = Staging(total, device=device)
             self.device_bytes, allocated = total, True
         if not on_device:
             allocated = self._pin(total)  # the fallback: straight to pinned memory (the fence waits for it)
@@ -368,30 +366,57 @@ class Snapshotter:
         assert first is not None
         with torch.cuda.stream(stream):
             stream.wait_event(ready)
-            index = _copy_ranges(tensors, first, ranges, non_blocking=True)
+            index = first.copy_in(tensors, ranges, non_blocking=True)
             copied = torch.cuda.Event()
             copied.record(stream)
         self._copied = (copied, device)
         return device, first, on_device, index, copied, allocated
 
-    def _land(self, device: torch.device, first: torch.Tensor, on_device: bool, index: list[tuple[int, int, int]],
+    def _land(self, device: torch.device, first: Staging, on_device: bool, index: list[tuple[int, int, int]],
               copied: Any, allocated: bool) -> tuple[ReadBytes, bool]:
         """The writing thread's side of :meth:`_queue_staging`: a device buffer's bytes copied into pinned
-        memory (allocated here the first time, off the training thread), complete when this returns."""
+        memory (allocated here the first time, off the training thread, a block at a time), complete when
+        this returns."""
         torch.cuda.set_device(device)
         copied.synchronize()
         if not on_device:
-            return _reader(first, index), allocated
-        allocated = self._pin(first.numel()) or allocated
+            return first.reader(index), allocated
+        allocated = self._pin(first.total) or allocated
         pinned, stream = self._pinned, self._side_stream(device)
         assert pinned is not None
+
+        def landed() -> None:  # the next block is queued only now: the step's own copies go in between
+            event = torch.cuda.Event()
+            event.record(stream)
+            event.synchronize()
+
         with torch.cuda.stream(stream):
-            for lo in range(0, first.numel(), LAND_CHUNK_BYTES):
-                pinned[lo:lo + LAND_CHUNK_BYTES].copy_(first[lo:lo + LAND_CHUNK_BYTES], non_blocking=True)
-                landed = torch.cuda.Event()
-                landed.record(stream)
-                landed.synchronize()  # the next chunk is queued only now: the step's copies go in between
-        return _reader(pinned, index), allocated
+            pinned.land(first, landed)
+        return pinned.reader(index), allocated
+
+    def _reserve_other(self, index: int, size: int) -> bool:
+        """Before a write into buffer ``index``: wait for that buffer's reservation if one is in flight; when
+        the other buffer is not mapped yet, map it now for a write of ``size`` bytes, beside this one, on one
+        of the write threads (with one write thread, it is mapped by its own first write).
+
+        Mapping a fresh buffer (reserving and first touching its pages) took about 11 s for 16 GB on an H100
+        host, and the two buffers' first writes followed each other: for the first 20 s of a job, or after a
+        replacement joined, its snapshots were vetoed while they lasted. Side by side they take the time of
+        one. Returns whether this write waited for its buffer's reservation (then its seconds are not a
+        steady figure)."""
+        waited = False
+        if self._reserving is not None and self._reserving[0] == index:
+            _, work = self._reserving
+            self._reserving = None
+            waited = not work.done()
+            try:
+                work.result()
+            except Exception as exc:  # the write maps it itself, and says why if that fails again
+                logger.warning("snapshot buffer %d could not be reserved ahead: %s", index, exc)
+        other = self.buffers[1 - index]
+        if self.map_ahead and self._writers is not None and self._reserving is None and not other.is_mapped:
+            self._reserving = (1 - index, self._writers.submit(other.reserve, size))
+        return waited
 
     def _side_stream(self, device: torch.device) -> Any:
         if self._stream is None or self._stream.device != device:
@@ -399,11 +424,12 @@ class Snapshotter:
         return self._stream
 
     def _pin(self, total: int) -> bool:
-        """A pinned buffer of ``total`` bytes; True when it had to be allocated."""
-        if self._pinned is not None and self._pinned.numel() == total:
+        """A pinned buffer of ``total`` bytes (in blocks: :mod:`unbroken.snapshot.staging`); True when it had
+        to be allocated."""
+        if self._pinned is not None and self._pinned.total == total:
             return False
         self._pinned = None
-        self._pinned = torch.empty(total, dtype=torch.uint8, pin_memory=True)
+        self._pinned = Staging(total, pin=True)
         self.pinned_bytes = total
         return True
 
@@ -419,9 +445,10 @@ class Snapshotter:
                         peak / 2**30, card / 2**30)
         return self._device_ok
 
-    def _write(self, buffer: Buffer, read: ReadBytes, layout: list[list], plan: SnapshotPlan,
+    def _write(self, index: int, read: ReadBytes, layout: list[list], plan: SnapshotPlan,
                mine: list[tuple[int, int]], done: int, gen: int) -> dict[str, Any]:
         t0 = time.perf_counter()
+        buffer = self.buffers[index]
         coding = Coding(plan.k, plan.m)
         layout_raw = json.dumps(layout, separators=(",", ":")).encode()
         by_stripe: dict[int, list[int]] = {}
@@ -440,6 +467,7 @@ class Snapshotter:
             if any(f >= plan.k for f in frags):
                 places[stripe].append((-1, offset, HEADER * plan.k))  # -1: the data fragments' headers
                 offset += HEADER * plan.k
+        waited = self._reserve_other(index, offset)
         area = buffer.begin(offset)
         area[:len(layout_raw)] = layout_raw
 
@@ -478,35 +506,8 @@ class Snapshotter:
             **({"shard": list(self.shard)} if self.shard[1] > 1 else {}),
             **({"moments": "copies"} if self.moments_in_copies else {}),
         })
-        return {"step": done, "bytes": offset, "seconds": time.perf_counter() - t0, "pinned_bytes": self.pinned_bytes}
-
-
-def _copy_ranges(tensors: dict[str, torch.Tensor], dst: torch.Tensor, ranges: list[tuple[int, int]], *,
-                 non_blocking: bool = False) -> list[tuple[int, int, int]]:
-    """Copy ``ranges`` of the flat state back to back into ``dst``; returns where each went, ``(lo, hi, at)``."""
-    index, at = [], 0
-    for lo, hi in ranges:
-        copy_range(tensors, dst[at:at + hi - lo], lo, hi, non_blocking=non_blocking)
-        index.append((lo, hi, at))
-        at += hi - lo
-    return index
-
-
-def _reader(staged: torch.Tensor, index: list[tuple[int, int, int]]) -> ReadBytes:
-    """The reader of flat-state bytes staged in ``staged`` (a host tensor; ``index``: (lo, hi, at) per range)."""
-
-    flat = staged.numpy()  # the same memory (pinned or not)
-
-    def read(out: memoryview, a: int, b: int) -> None:
-        if a >= b:
-            return
-        lo, _, at = next(r for r in index if r[0] <= a and b <= r[1])
-        # numpy's copy: one core, outside the GIL. torch's copy_ would run on a team of intra-op threads as
-        # many as the cores, and the write threads call it at once: cores oversubscribed, the training
-        # thread's kernel launches (and so the GPU) kept waiting
-        np.copyto(np.frombuffer(out, dtype=np.uint8), flat[at + a - lo:at + b - lo])
-
-    return read
+        return {"step": done, "bytes": offset, "seconds": time.perf_counter() - t0, "pinned_bytes": self.pinned_bytes,
+                "fresh": waited or buffer.mapped}
 
 
 def byte_ranges(plan: SnapshotPlan, mine: list[tuple[int, int]]) -> list[tuple[int, int]]:
