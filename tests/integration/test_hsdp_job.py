@@ -143,8 +143,9 @@ def test_a_whole_job_killed_restores_its_shards_from_memory_and_resumes_unsharde
       after step 5, sealed by then): the agents restore the job from snapshot memory at step 6 (0 steps
       lost): the workers of each shard index snapshotted their shards together, and each rank loads its
       shards back from them;
-    - the node is lost at step 10: no agent is left, the job stops and names ``--resume``;
-    - ``--resume`` with ``train.shard_degree=1`` continues from the checkpoint of step 8 with every worker
+    - the node is lost at step 13: no agent is left, the job stops and names ``--resume``;
+    - ``--resume`` with ``train.shard_degree=1`` continues from the checkpoint of step 12, or of step 8 (it
+      is committed before the loss: the save of step 12 first waited for it), with every worker
       holding the whole model (the checkpoint's parts, one per shard index, joined into whole tensors; the
       memory holds shards of another layout, which the resume passes over).
 
@@ -159,24 +160,30 @@ def test_a_whole_job_killed_restores_its_shards_from_memory_and_resumes_unsharde
     kills = ",".join(f"step=6:worker={w}:kill:phase=allreduce" for w in range(4))
     with pytest.raises(JobFailed) as failed:
         run_job(cfg, run, nodes=1, workers_per_node=4, restart="on-failure",
-                fail_at=f"step=2:worker=3:kill:phase=forward,{kills},step=10:node=0:kill")
+                fail_at=f"step=2:worker=3:kill:phase=forward,{kills},step=13:node=0:kill")
     assert f"continue with: unbroken train --resume {run}" in str(failed.value)
     rejoined = [e for e in read_events(run) if e.get("event") == "rejoin_from_memory"]
-    assert sorted(e["worker"] for e in rejoined) == [2, 3] and len({e["step"] for e in rejoined}) == 1, rejoined
-    assert 2 <= rejoined[0]["step"] <= 6, rejoined
+    early = [e for e in rejoined if e["step"] <= 6]
+    assert sorted(e["worker"] for e in early) == [2, 3] and len({e["step"] for e in early}) == 1, rejoined
+    assert 2 <= early[0]["step"] <= 6, rejoined
     restores = [e for e in read_events(run) if e.get("event") == "job_restore"]
     assert [(e["restored_from"], e["step"]) for e in restores] == [("memory", 6)], restores
     plans = {(e["worker"], e["shard_index"]) for e in read_events(run) if e.get("event") == "snapshot_plan"}
     assert plans == {(0, 0), (1, 1), (2, 0), (3, 1)}, plans
     loaded = [e for e in read_events(run) if e.get("event") == "restored"]
-    assert sorted((e["worker"], e["restored_from"], e["step"]) for e in loaded) == [
-        (w, "memory", 6) for w in range(4)], loaded
+    assert all((e["restored_from"], e["step"]) == ("memory", 6) for e in loaded), loaded
+    # The step-6 kills land milliseconds apart: a replica whose agent restarted it before the last death can
+    # make up the restored view alone; the other replica then rejoins it from memory at once.
+    restored = sorted(e["worker"] for e in loaded)
+    late = sorted(e["worker"] for e in rejoined if e["step"] > 6)
+    assert restored in ([0, 1, 2, 3], [0, 1], [2, 3]) and sorted(restored + late) == [0, 1, 2, 3], rejoined
 
     flat = Config.from_dict(cfg.to_dict())
     flat.train.shard_degree = 1  # as `unbroken train --resume RUN --train.shard_degree=1` changes it
     flat.model.parallelize = ""
     summary = launch(flat, run, nodes=1, workers_per_node=4, resume=True)
-    assert summary["steps"] == STEPS and summary["workers_agree"] and summary["resumed_from"].endswith("step_0000008")
+    assert summary["steps"] == STEPS and summary["workers_agree"]
+    assert summary["resumed_from"].endswith(("step_0000008", "step_0000012")), summary["resumed_from"]
     ledger = check_ledger(run, n_slots=4, micro_batch=MICRO_BATCH, steps=STEPS)
     assert ledger.ok and ledger.committed == STEPS, ledger.to_json()
     got, want = checkpoint_params(summary["checkpoint"]), reference_train(flat)
