@@ -29,7 +29,6 @@ every blocking call has a timeout, and no wait in the loop exceeds a poll.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import secrets
@@ -43,24 +42,23 @@ from typing import Any, Sequence
 
 import torch.distributed as dist
 
-from unbroken.agent._job_error import death_error
+from unbroken.agent._agent_deaths import DeathDuties
+from unbroken.agent._agent_faults import FaultDuties
+from unbroken.agent._agent_starts import StartDuties
 from unbroken.agent._restore import JobRestore
-from unbroken.agent._run_files import fired_before, last_self_fault_step, was_admitted, write_layout
-from unbroken.agent._process import (HANG_HOWS, ChildWaker, ForkedChild, become_subreaper, describe_exit,
-                                     dump_stacks, exit_status, log_line, remove_pid, send, spawn, stop_all,
+from unbroken.agent._run_files import fired_before, write_layout
+from unbroken.agent._process import (ChildWaker, become_subreaper, exit_status, remove_pid, spawn, stop_all,
                                      write_pid)
 from unbroken.agent._standby import Standby
-from unbroken.agent._supervision import Incarnation, Limits, Restart, StartupWatch, decode_mark
+from unbroken.agent._supervision import Incarnation, Limits, Restart, StartupWatch
 from unbroken.agent._template import Child, Template, TemplateFailed
 from unbroken.agent.rendezvous import NodeRegistration, StartRefused, wait_for_lost_node
 from unbroken.agent.options import AgentOptions
 from unbroken.models.factory import check_placement
-from unbroken.faults.fail_at import format_fail_at, write_fault_plan
-from unbroken.faults.injector import DeathCause, Injection, NodeFaults, workers_of
+from unbroken.faults.injector import NodeFaults, workers_of
 from unbroken.jsonl import JsonlWriter
 from unbroken.runtime.job_store import JobStore
 from unbroken.runtime.store_backend import SECRET_ENV, StoreAccessDenied, is_etcd_address, job_secret
-from unbroken.runtime.membership import EXIT_FENCED, EXIT_REJOIN
 from unbroken.runtime.view import View
 from unbroken.config import Config, config_hash
 from unbroken.snapshot.segment import remove_segments
@@ -76,8 +74,6 @@ FENCE_S = 0.1
 would cost the store 200 a second, more than the heartbeats of its workers). A mark comes from a peer that judged
 a worker hung or fenced it (it is out of the view already); a crash this agent reaps itself, at once."""
 STATUS_S = 0.1
-FAST_CRASH_S = 10.0
-MAX_FAST_CRASHES = 5
 
 
 class AgentError(RuntimeError):
@@ -96,8 +92,10 @@ class _NodeLog(logging.LoggerAdapter):
         return f"[node {agent.node} g{agent.gen} step {agent._progress}] {msg}", kwargs
 
 
-class Agent:
-    """Supervisor of one node's workers (module docstring).
+class Agent(DeathDuties, FaultDuties, StartDuties):
+    """Supervisor of one node's workers (module docstring); what it does on a death
+    (:mod:`unbroken.agent._agent_deaths`), for a fault (:mod:`unbroken.agent._agent_faults`) and to start a
+    worker (:mod:`unbroken.agent._agent_starts`) lives beside it.
 
     Args:
         opts: the command line.
@@ -246,12 +244,6 @@ class Agent:
             raise ValueError(f"--store {self.opts.store!r} is not HOST:PORT")
         return JobStore.host(host, int(port), clients=self.opts.n_workers + self.opts.nnodes, secret=secret)
 
-    def _write_fault_plan(self) -> None:
-        """Without the launcher's plan (``--faults-file``), this node's parsed specs go to a file of its own."""
-        if self.fault_plan is None and self.specs:
-            self.fault_plan = self.run_dir / "faults" / f"node{self.node}.json"
-            write_fault_plan(self.fault_plan, self.specs)
-
     def _take_a_lost_node(self) -> bool:
         """A spare node: wait (its template importing and preparing meanwhile) for a node whose agent and
         workers are known dead, then become that node; False if the job finished first."""
@@ -355,11 +347,6 @@ class Agent:
         SIGCONT is due."""
         return self._waits_for_a_step() or bool(self.stopped)
 
-    def _waits_for_a_step(self) -> bool:
-        """A fault, or a restart, fires at a step still to come."""
-        return self.plan is not None and (self.plan.next_step is not None or
-                                          any(r.at_step is not None for r in self.restarts.values()))
-
     def _status(self, now: float) -> int | None:
         """Follow ``done`` / ``failed``; an exit code once this agent's part is over."""
         message = self.store.failure()
@@ -390,271 +377,7 @@ class Agent:
                 return 0
         return None
 
-    # -- deaths and fencing -----------------------------------------------------
-
-    def _reap(self, now: float) -> None:
-        for w, inc in list(self.workers.items()):
-            rc = inc.proc.poll()
-            if rc is not None:
-                del self.workers[w]
-                self._on_exit(inc, rc, now)
-
-    def _on_exit(self, inc: Incarnation, rc: int, now: float) -> None:
-        w = inc.worker
-        remove_pid(self.run_dir / "pids" / f"w{w}", inc.proc.pid)
-        self.watch.forget(w)
-        code, sig = exit_status(rc)
-        rec: dict[str, Any] = {"pid": inc.proc.pid, "code": code, "signal": sig, "incarnation": inc.incarnation,
-                               "uptime_s": round(now - inc.started, 3),
-                               "fenced": inc.fenced or code in (EXIT_FENCED, EXIT_REJOIN), "reason": inc.reason}
-        if rc == 0:
-            self.finished.add(w)
-            self._event("worker_exit", w, clean=True, **rec)
-            self.log.info("worker %d finished", w)
-            return
-        # A dead joiner's request goes with it: no leader admits an incarnation that is gone (its successor
-        # asks again), and a restore does not find a stale request to admit.
-        self.store.clear_join(w)
-        self._fence_replica(inc)
-        error = death_error(self.run_dir, w, code, sig)  # the job's own error (None: killed from outside...)
-        rec["error"] = error
-        if (error is not None and not inc.fenced and isinstance(inc.proc, ForkedChild) and self.template is not None
-                and not was_admitted(self.run_dir, w, inc.proc.pid)):
-            self.template.forked_failed(error)  # twice alike before admission: workers start fresh (the fork...)
-        reason = json.dumps({"by": "agent", "node": self.node, "how": "exit", "code": code, "signal": sig,
-                             "error": error, "t": time.time()})
-        self.store.mark_dead(w, reason)
-        progress = max(self._read_progress(), last_self_fault_step(self.run_dir, w) or 0)
-        cause = self.plan.on_death(w, progress) if self.plan else DeathCause(injected=False)
-        restart = self._schedule_restart(w, inc, cause, now, rejoin=code == EXIT_REJOIN and not cause.injected)
-        self._event("worker_exit", w, clean=False, injected=cause.injected, progress=progress,
-                    spec=format_fail_at([cause.spec]) if cause.spec else None,
-                    restart_at_step=restart.at_step if restart else None,
-                    restart_in_s=round(restart.at_time - now, 3) if restart and restart.at_time else None, **rec)
-        self.log.warning("worker %d (pid %d) %s at step %d; %s", w, inc.proc.pid, describe_exit(rc), progress,
-                         "not restarting" if restart is None else
-                         f"restart at step {restart.at_step}" if restart.at_step is not None else
-                         f"restart in {self.opts.restart_delay_s:.1f} s")
-
-    def _schedule_restart(self, w: int, inc: Incarnation, cause: DeathCause, now: float,
-                          rejoin: bool = False) -> Restart | None:
-        """When to start ``w`` again (None: not). ``rejoin``: it left healthy, only to come back with the state
-        (:data:`EXIT_REJOIN`): started again at once whatever the restart policy."""
-        if self._done_at is not None:
-            return None
-        if rejoin:
-            r = self.restarts[w] = Restart(at_time=now)
-            return r
-        if self.opts.restart == "never":
-            return None
-        if not cause.injected and now - inc.started < FAST_CRASH_S:
-            self.fast_crashes[w] = self.fast_crashes.get(w, 0) + 1
-            if self.fast_crashes[w] >= MAX_FAST_CRASHES:
-                self.log.error("worker %d crashed %d times within %.0f s of starting: not restarting it; see %s",
-                               w, self.fast_crashes[w], FAST_CRASH_S, self.run_dir / "logs" / f"w{w}.log")
-                return None
-        else:
-            self.fast_crashes[w] = 0
-        if cause.back_step is not None:
-            if cause.back_step >= self.total_steps:
-                return None  # back only when the run is over (an outage cut at the end of a trace)
-            r = Restart(at_step=cause.back_step)
-        else:
-            r = Restart(at_time=now + self.opts.restart_delay_s)
-        self.restarts[w] = r
-        return r
-
-    def _fence(self) -> None:
-        """SIGKILL any running worker of this node that someone marked dead after it started."""
-        deaths = self.store.deaths()
-        if deaths == self._deaths_seen:
-            return
-        self._deaths_seen = deaths
-        for w, inc in self.workers.items():
-            if inc.fenced:
-                continue
-            mark = self._mark(w)
-            if mark is None:
-                inc.mark_at_spawn = None  # the old mark was cleared: any new one is about this incarnation
-            elif mark != inc.mark_at_spawn:
-                self._kill(inc, decode_mark(mark), f"marked dead by {mark}")
-        if self._done_at is None:
-            self._check_live_member()
-
-    def _fence_replica(self, inc: Incarnation) -> None:
-        """HSDP: worker ``inc.worker`` is gone, and with it its replica (FSDP2's collectives inside it cannot
-        finish): its running siblings are marked dead and fenced now, and the replica's next start gets keys
-        of its own. A sibling fenced this way does not start another round."""
-        k = self.shard_degree
-        if k == 1 or (isinstance(inc.reason, dict) and inc.reason.get("how") == "replica"):
-            return
-        r = inc.worker // k
-        self._replica_starts[r] = self._replica_starts.get(r, 0) + 1
-        for sibling in range(r * k, (r + 1) * k):
-            sib = self.workers.get(sibling)
-            if sib is None or sib.fenced:
-                continue
-            reason = {"by": "agent", "node": self.node, "how": "replica", "worker": inc.worker, "t": time.time()}
-            self.store.mark_dead(sibling, json.dumps(reason))
-            self._kill(sib, reason, f"its replica {r} lost worker {inc.worker}")
-
-    def _fence_stalled(self, now: float) -> None:
-        """SIGKILL a worker that stopped beating before it was admitted (:mod:`unbroken.agent._supervision`)."""
-        for w, reason in self.watch.stalled(now).items():
-            if w in self.workers and not self.workers[w].fenced:
-                self._kill(self.workers[w], reason, f"hung while starting or joining: {reason}")
-
-    def _kill(self, inc: Incarnation, reason: Any, why: str) -> None:
-        """Fence ``inc``: SIGKILL now; its exit, reaped by the loop, counts as a death (then a restart).
-
-        A worker judged hung (not seen dead) first writes its threads' stacks to its log: where it hung."""
-        if isinstance(reason, dict) and reason.get("how") in HANG_HOWS and dump_stacks(inc.proc):
-            why += f"; its threads' stacks are in logs/w{inc.worker}.log"
-        send(inc.proc, signal.SIGKILL)
-        inc.fenced, inc.reason = True, reason
-        self.watch.forget(inc.worker)
-        self._event("fence", inc.worker, pid=inc.proc.pid, reason=reason)
-        self.log.warning("fenced worker %d (pid %d): %s", inc.worker, inc.proc.pid, why)
-
-    def _check_live_member(self) -> None:
-        """Set ``failed`` when every member of the current view is marked dead.
-
-        Nobody is left to hold the training state or hand it to a joiner, and
-        with every worker gone nobody else would notice.
-        """
-        if not self.store.has_view():
-            return
-        view = self.store.current_view()
-        if self.store.all_marked_dead(view.members):
-            # A job-wide failure: bring the job back from snapshot memory or the checkpoint (_restore).
-            self.restorer.all_dead(view)
-
-    def _follow_restore(self) -> None:
-        """A restored view names this node's dead workers: start them now (they load the state in it)."""
-        if self.gen is None or self.gen == self._restored_gen or not self.store.has_view():
-            return
-        view = self.store.current_view()
-        self._restored_gen = view.gen
-        for w in self.restorer.workers_to_start(view, set(self.workers)):
-            self.restarts.pop(w, None)
-            self._start(w, join=True)
-
-    # -- faults -----------------------------------------------------------------
-
-    def _inject(self, now: float) -> None:
-        if self._waits_for_a_step():
-            self._progress = self._read_progress()
-            if self.plan.waiting(self._progress):
-                held, down = set(self.plan.held), self._down_now()
-                # The progress again, after the view: a fault held by the cap fires with a progress at least as
-                # new as the view that let it (its return step counts from it).
-                self._progress = max(self._progress, self._read_progress())
-                for inj in self.plan.due(self._progress, down):
-                    self._fire(inj, now)
-                for spec in sorted(self.plan.held - held):
-                    self._event("fault_deferred", None, spec=spec, progress=self._progress,
-                                max_down=self.plan.max_down)
-                    self.log.info("fault %s deferred at step %d: fault.max_down=%d workers are down",
-                                  spec, self._progress, self.plan.max_down)
-        for item in [t for t in self.stopped if t[0] <= now]:
-            self.stopped.remove(item)
-            _, w, proc = item
-            inc = self.workers.get(w)
-            if inc is not None and inc.proc is proc and not inc.fenced and send(proc, signal.SIGCONT):
-                self.plan.resumed(w)
-                self.log.info("worker %d continued (SIGCONT)", w)
-
-    def _fire(self, inj: Injection, now: float) -> None:
-        spec = format_fail_at([inj.spec])
-        targets = {w: self.workers[w] for w in inj.workers if w in self.workers}
-        self._event("fault_injected", inj.spec.index if inj.spec.target == "worker" else None, spec=spec,
-                    signal=inj.signal.name, targets=sorted(targets), progress=self._progress,
-                    pids=[i.proc.pid for i in targets.values()], lost_node=inj.kill_agent)
-        self.log.warning("fault %s at step %d: %s to workers %s%s", spec, self._progress, inj.signal.name,
-                         sorted(targets), " and this agent" if inj.kill_agent else "")
-        for inc in targets.values():
-            send(inc.proc, inj.signal)
-            if inj.resume_after_s is not None:
-                self.stopped.append((now + inj.resume_after_s, inc.worker, inc.proc))
-        if inj.kill_agent:
-            if self.standby is not None:
-                self.standby.kill_now()
-            logging.shutdown()
-            os.kill(os.getpid(), signal.SIGKILL)  # a lost node: no goodbye, no dead marks
-
-    def _down_now(self) -> set[int]:
-        """Workers of the job down as the store tells: outside the current view, or marked dead."""
-        if self.plan is None or self.plan.max_down is None or not self.store.has_view():
-            return set()
-        members = set(self.store.current_view().members)
-        return {w for w in range(self.opts.n_workers) if w not in members or self.store.is_marked_dead(w)}
-
-    # -- (re)starting -----------------------------------------------------------
-
-    def _restart_due(self, now: float) -> None:
-        for w, r in list(self.restarts.items()):
-            if (r.at_step is not None and self._progress >= r.at_step) or (r.at_time is not None and now >= r.at_time):
-                del self.restarts[w]
-                self._clear_stale_mark(w)
-                self._start(w, join=True)
-
-    def _clear_stale_mark(self, w: int) -> None:
-        """Delete ``dead/<w>`` once the survivors' view excludes ``w``: the mark has done its job."""
-        if not self.store.is_marked_dead(w) or not self.store.has_view():
-            return
-        if w not in self.store.current_view().members:
-            self.store.clear_dead(w)
-
-    def _start(self, w: int, *, join: bool, use_standby: bool = True, resume: bool = True) -> None:
-        progress = self._read_progress()
-        faults = ",".join(map(str, self.plan.worker_faults(w, progress))) if self.plan else ""
-        if join and use_standby and self.standby is not None and self.standby.assign(w, faults):
-            self.log.info("worker %d handed to the standby (pid %d)", w, self.standby.proc.pid)
-            return
-        k = self.incarnations[w] = self.incarnations.get(w, 0) + 1
-        cmd = self.base_cmd + ["--run-dir", str(self.run_dir), "--worker", str(w), "--world", str(self.opts.n_workers),
-                               "--store", self.opts.store]
-        cmd += ["--join"] if join else []
-        cmd += ["--faults-file", str(self.fault_plan), "--faults", faults] if faults else []
-        if self.opts.resume is not None and not join and resume:
-            cmd += ["--resume", str(self.opts.resume)]
-        if self.shard_degree > 1:
-            r = w // self.shard_degree
-            cmd += ["--replica-incarnation", f"{self._replica_token}.{self._replica_starts.get(r, 0)}"]
-        how = "join" if join else "start"
-        proc = self._launch(cmd, log=self.run_dir / "logs" / f"w{w}.log",
-                            header=f"node {self.node} worker {w} incarnation {k} ({how}): " + " ".join(cmd))
-        self._adopt(w, proc, join=join, incarnation=k, standby=False, faults=faults)
-
-    def _adopt(self, w: int, proc: subprocess.Popen[bytes], *, join: bool, incarnation: int, standby: bool,
-               faults: str) -> None:
-        now = time.monotonic()
-        self.workers[w] = Incarnation(worker=w, proc=proc, incarnation=incarnation, join=join, started=now,
-                                      mark_at_spawn=self._mark(w))
-        self.watch.watch(w, now, join=join)
-        self.finished.discard(w)
-        self._idle_since = None
-        write_pid(self.run_dir / "pids" / f"w{w}", proc.pid)
-        self._event("worker_start", w, pid=proc.pid, incarnation=incarnation, join=join, standby=standby,
-                    forked=isinstance(proc, ForkedChild), faults=faults, progress=self._progress)
-        self.log.info("worker %d %s (pid %d, incarnation %d)", w, "joining" if join else "started", proc.pid,
-                      incarnation)
-
-    def _standby_tick(self, now: float) -> None:
-        assert self.standby is not None
-        handover = self.standby.tick(now)
-        if handover is None:
-            return
-        w = handover.worker
-        if handover.proc is None:
-            self._start(w, join=True, use_standby=False)
-            return
-        k = self.incarnations[w] = self.incarnations.get(w, 0) + 1
-        log_line(self.run_dir / "logs" / f"w{w}.log", f"node {self.node} worker {w} incarnation {k} (join): "
-                 f"standby pid {handover.proc.pid} took over; its output is in logs/standby{self.node}.log")
-        self._adopt(w, handover.proc, join=True, incarnation=k, standby=True,
-                    faults=handover.faults)
-        self._event("standby_assign", w, pid=handover.proc.pid, wait_s=round(handover.wait_s, 4))
+    # -- deaths and fencing: _agent_deaths.py; faults: _agent_faults.py; starts: _agent_starts.py ----------
 
     # -- store helpers ----------------------------------------------------------
 

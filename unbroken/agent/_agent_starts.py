@@ -1,0 +1,89 @@
+"""The agent's starts: a worker's process started (or the warm standby handed the slot), and adopted.
+
+A mixin of :class:`unbroken.agent.agent.Agent`: restarts fall due at their step or time, a worker is
+started as a fresh member or a joiner (forked from the node's template where there is one), and every
+start is recorded (pid file, ``worker_start`` event, the startup watch).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from typing import TYPE_CHECKING
+
+from unbroken.agent._process import ForkedChild, log_line, write_pid
+from unbroken.agent._supervision import Incarnation
+
+if TYPE_CHECKING:
+    from unbroken.agent.agent import Agent
+
+__all__ = ["StartDuties"]
+
+
+class StartDuties:
+    """Starts and adopts workers (the agent's loop calls :meth:`_restart_due` and :meth:`_standby_tick`)."""
+
+    def _restart_due(self: Agent, now: float) -> None:
+        for w, r in list(self.restarts.items()):
+            if (r.at_step is not None and self._progress >= r.at_step) or (r.at_time is not None and now >= r.at_time):
+                del self.restarts[w]
+                self._clear_stale_mark(w)
+                self._start(w, join=True)
+
+    def _clear_stale_mark(self: Agent, w: int) -> None:
+        """Delete ``dead/<w>`` once the survivors' view excludes ``w``: the mark has done its job."""
+        if not self.store.is_marked_dead(w) or not self.store.has_view():
+            return
+        if w not in self.store.current_view().members:
+            self.store.clear_dead(w)
+
+    def _start(self: Agent, w: int, *, join: bool, use_standby: bool = True, resume: bool = True) -> None:
+        progress = self._read_progress()
+        faults = ",".join(map(str, self.plan.worker_faults(w, progress))) if self.plan else ""
+        if join and use_standby and self.standby is not None and self.standby.assign(w, faults):
+            self.log.info("worker %d handed to the standby (pid %d)", w, self.standby.proc.pid)
+            return
+        k = self.incarnations[w] = self.incarnations.get(w, 0) + 1
+        cmd = self.base_cmd + ["--run-dir", str(self.run_dir), "--worker", str(w), "--world", str(self.opts.n_workers),
+                               "--store", self.opts.store]
+        cmd += ["--join"] if join else []
+        cmd += ["--faults-file", str(self.fault_plan), "--faults", faults] if faults else []
+        if self.opts.resume is not None and not join and resume:
+            cmd += ["--resume", str(self.opts.resume)]
+        if self.shard_degree > 1:
+            r = w // self.shard_degree
+            cmd += ["--replica-incarnation", f"{self._replica_token}.{self._replica_starts.get(r, 0)}"]
+        how = "join" if join else "start"
+        proc = self._launch(cmd, log=self.run_dir / "logs" / f"w{w}.log",
+                            header=f"node {self.node} worker {w} incarnation {k} ({how}): " + " ".join(cmd))
+        self._adopt(w, proc, join=join, incarnation=k, standby=False, faults=faults)
+
+    def _adopt(self: Agent, w: int, proc: subprocess.Popen[bytes], *, join: bool, incarnation: int, standby: bool,
+               faults: str) -> None:
+        now = time.monotonic()
+        self.workers[w] = Incarnation(worker=w, proc=proc, incarnation=incarnation, join=join, started=now,
+                                      mark_at_spawn=self._mark(w))
+        self.watch.watch(w, now, join=join)
+        self.finished.discard(w)
+        self._idle_since = None
+        write_pid(self.run_dir / "pids" / f"w{w}", proc.pid)
+        self._event("worker_start", w, pid=proc.pid, incarnation=incarnation, join=join, standby=standby,
+                    forked=isinstance(proc, ForkedChild), faults=faults, progress=self._progress)
+        self.log.info("worker %d %s (pid %d, incarnation %d)", w, "joining" if join else "started", proc.pid,
+                      incarnation)
+
+    def _standby_tick(self: Agent, now: float) -> None:
+        assert self.standby is not None
+        handover = self.standby.tick(now)
+        if handover is None:
+            return
+        w = handover.worker
+        if handover.proc is None:
+            self._start(w, join=True, use_standby=False)
+            return
+        k = self.incarnations[w] = self.incarnations.get(w, 0) + 1
+        log_line(self.run_dir / "logs" / f"w{w}.log", f"node {self.node} worker {w} incarnation {k} (join): "
+                 f"standby pid {handover.proc.pid} took over; its output is in logs/standby{self.node}.log")
+        self._adopt(w, handover.proc, join=True, incarnation=k, standby=True,
+                    faults=handover.faults)
+        self._event("standby_assign", w, pid=handover.proc.pid, wait_s=round(handover.wait_s, 4))
