@@ -50,7 +50,6 @@ class Staging:
         self.block = max(total, 1) if on_device else block
         self.blocks = [torch.empty(min(self.block, total - lo), dtype=torch.uint8, pin_memory=pin and not on_device,
                                    device=device) for lo in range(0, total, self.block)]
-        self.device = self.blocks[0].device if self.blocks else torch.device("cpu")
 
     def pieces(self, at: int, n: int) -> Iterator[tuple[torch.Tensor, int]]:
         """Bytes ``[at, at + n)`` of the buffer: ``(slice of a block, bytes before it)`` in order."""
