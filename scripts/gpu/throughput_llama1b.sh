@@ -2,7 +2,8 @@
 # The GPU figures of the throughput issue in one run (one NVIDIA GPU, about 9 minutes), the key ones first:
 #   1. `unbroken bench throughput --reference` at llama-1b, bf16, micro-batch 8 x 1024: the plain compiled loop,
 #      then unbroken (1 worker, compiled) with snapshot.every=0 and with snapshot.every=auto, side by side;
-#      each job's metrics, events and logs kept in OUT_DIR/runs; then the auto row's first steps and writes. STEPS (default 300) leaves the auto row
+#      each job's metrics, events and logs kept in OUT_DIR/runs; then the auto row's first steps and writes.
+#      STEPS (default 300) leaves the auto row
 #      a steady second half: its first two writes go into fresh shared memory (about 10 s each at 16 GB,
 #      60 steps each). The jobs' run directories go to /dev/shm (TMPDIR): each ends with a 16 GB final
 #      checkpoint, which took 90 s on a GPU machine's disk (outside the measured steps either way);
