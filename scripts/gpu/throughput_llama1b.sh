@@ -3,9 +3,9 @@
 #   1. `unbroken bench throughput --reference` at llama-1b, bf16, micro-batch 8 x 1024: the plain compiled loop,
 #      then unbroken (1 worker, compiled) with snapshot.every=0 and with snapshot.every=auto, side by side;
 #      each job's metrics, events and logs kept in OUT_DIR/runs; then the auto row's first steps and writes.
-#      STEPS (default 300) leaves the auto row
-#      a steady second half: its first two writes go into fresh shared memory (about 10 s each at 16 GB,
-#      60 steps each). The jobs' run directories go to /dev/shm (TMPDIR): each ends with a 16 GB final
+#      STEPS (default 300) leaves the auto row a steady second half: its first writes map fresh shared
+#      memory (about 10 s per 16 GB buffer, 60 steps; the second buffer is now mapped beside the first
+#      write). The jobs' run directories go to /dev/shm (TMPDIR): each ends with a 16 GB final
 #      checkpoint, which took 90 s on a GPU machine's disk (outside the measured steps either way);
 #   2. fused AdamW bit-identical across workers, directly and through apply_step (scripts/gpu/fused_adamw.py);
 #   3. the CUDA-only tests (placement, staging, auto snapshots staged on the device, completion);
