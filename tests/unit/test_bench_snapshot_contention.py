@@ -50,3 +50,4 @@ def test_the_first_writes_part_times_both_modes_and_says_which_writes_were_stead
     assert r["map_ahead"]["steady"][0] is False and all(w in (2, 3) for w in r["map_ahead"]["first_steady_write"])
     assert all(len(v) == 3 and all(s > 0 for s in v) for m in ("map_ahead", "in_turn") for v in r[m]["write_s_rounds"])
     assert r["first_two_ratio"] > 0
+    assert all(r[m]["longest_python_pause_ms"] > 0 for m in ("map_ahead", "in_turn"))

@@ -99,6 +99,25 @@ def test_segments_are_private_named_and_sealed(job_id):
         SealedBuffer.open(job_segments(job_id)[0], "0" * 12)
 
 
+def test_mapping_a_buffer_ahead_leaves_the_snapshot_it_holds_as_it_was(job_id):
+    """A restarted worker maps its other buffer beside its first write: that buffer may hold the newest sealed
+    snapshot, which the mapping (one read per page) must leave intact, bit for bit."""
+    from unbroken.snapshot.segment import HEADER_BYTES, Buffer
+
+    job = _trained()
+    _snapshot(job_id, job, done=1)
+    path = job_segments(job_id)[0]
+    before = path.read_bytes()
+    seal = SealedBuffer.open(path, job_id).seal
+    name = path.name  # unbroken-<job>-n<node>-w<worker>-b<buffer>
+    node, worker, index = (int(part[1:]) for part in name.split("-")[2:5])
+    again = Buffer(job_id, node, worker, index)
+    again.reserve(len(before) - HEADER_BYTES)  # its own size: mapped as it is, not grown
+    assert again.mapped and again.is_mapped
+    again.close()
+    assert path.read_bytes() == before and SealedBuffer.open(path, job_id).seal == seal
+
+
 @pytest.mark.parametrize("redundancy", ["parity", "replica"])
 def test_restore_from_own_memory_is_exact(job_id, redundancy):
     job = _trained()
@@ -164,7 +183,7 @@ def test_a_writer_killed_mid_copy_leaves_the_buffer_unsealed(job_id, tmp_path):
     """A real process is SIGKILLed while it fills a buffer: the reader never trusts it."""
     script = textwrap.dedent(f"""
         import os, sys, time
-        from unbroken.snapshot.segment import Buffer
+        from unbroken.snapshot.segment import HEADER_BYTES, Buffer
         b = Buffer({job_id!r}, 0, 0, 0)
         area = b.begin(1 << 20)
         area[: 1 << 19] = b"x" * (1 << 19)

@@ -11,13 +11,15 @@ warm-up run that is not counted (the first use of that much memory on a virtual 
 here: 34 s for the first write of 4 GiB, 6.5 s thereafter).
 
 Reports per mode each write's seconds, whether it was steady, the seconds until the first steady write
-was sealed, and the ratio of the two modes' first two writes.
+was sealed, the longest pause of a Python thread running beside the writes (a write that holds the GIL
+stops the training thread as long), and the ratio of the two modes' first two writes.
 """
 
 from __future__ import annotations
 
 import os
 import statistics
+import threading
 import time
 from typing import Any
 
@@ -34,7 +36,34 @@ __all__ = ["first_writes"]
 MODES = ("map_ahead", "in_turn")
 
 
-def _run(state: dict[str, torch.Tensor], threads: int, ahead: bool, writes: int) -> tuple[list[float], list[bool]]:
+class _Beside:
+    """A Python thread waking every millisecond beside the writes (as a GPU training thread between its
+    launches, using next to no core of its own): its longest pause (seconds), a hold of the GIL."""
+
+    def __init__(self) -> None:
+        self.longest = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _loop(self) -> None:
+        last = time.perf_counter()
+        while not self._stop.is_set():
+            now = time.perf_counter()
+            self.longest = max(self.longest, now - last)
+            last = now
+            time.sleep(0.001)
+
+    def __enter__(self) -> _Beside:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def _run(state: dict[str, torch.Tensor], threads: int, ahead: bool,
+         writes: int) -> tuple[list[float], list[bool], float]:
     job = os.urandom(6).hex()
     snap = Snapshotter(job_id=job, node=0, worker=0, node_of={0: 0}, every="auto", redundancy="none", parity=0,
                        config_hash="bench", state=lambda: state, on_event=lambda *a, **k: None,
@@ -43,17 +72,18 @@ def _run(state: dict[str, torch.Tensor], threads: int, ahead: bool, writes: int)
     cast(votes, 1)
     seconds, steady = [], []
     try:
-        for done in range(1, writes + 1):
-            counted = len(snap.cadence.writes) if snap.cadence else 0
-            t0 = time.perf_counter()
-            snap.take(done, view, votes)
-            snap.wait()
-            seconds.append(time.perf_counter() - t0)
-            steady.append(len(snap.cadence.writes) > counted if snap.cadence else False)
+        with _Beside() as beside:
+            for done in range(1, writes + 1):
+                counted = len(snap.cadence.writes) if snap.cadence else 0
+                t0 = time.perf_counter()
+                snap.take(done, view, votes)
+                snap.wait()
+                seconds.append(time.perf_counter() - t0)
+                steady.append(len(snap.cadence.writes) > counted if snap.cadence else False)
     finally:
         snap.close()
         remove_segments(job)
-    return seconds, steady
+    return seconds, steady, beside.longest
 
 
 def first_writes(*, mb: int = 1024, threads: int | None = None, writes: int = 4, rounds: int = 2) -> dict[str, Any]:
@@ -67,11 +97,13 @@ def first_writes(*, mb: int = 1024, threads: int | None = None, writes: int = 4,
     _run(state, threads, False, 2)  # warm-up: the memory's first use
     seconds: dict[str, list[list[float]]] = {m: [] for m in MODES}
     steady: dict[str, list[list[bool]]] = {m: [] for m in MODES}
+    pause: dict[str, list[float]] = {m: [] for m in MODES}
     for r in range(rounds):
         for mode in (MODES if r % 2 == 0 else MODES[::-1]):
-            s, st = _run(state, threads, mode == "map_ahead", writes)
+            s, st, longest = _run(state, threads, mode == "map_ahead", writes)
             seconds[mode].append(s)
             steady[mode].append(st)
+            pause[mode].append(longest)
 
     def settled(s: list[float], st: list[bool]) -> float | None:
         """Seconds until the first steady write was sealed (None: none was)."""
@@ -86,6 +118,7 @@ def first_writes(*, mb: int = 1024, threads: int | None = None, writes: int = 4,
                      "first_steady_write": [st.index(True) + 1 if True in st else None for st in steady[mode]],
                      "to_settled_s": (statistics.mean(t for t in to_settled if t is not None)
                                       if any(t is not None for t in to_settled) else None),
+                     "longest_python_pause_ms": 1e3 * max(pause[mode]),
                      "write_s_rounds": seconds[mode]}
     first_two = {m: sum(out[m]["write_s"][:2]) for m in MODES}
     out["first_two_ratio"] = first_two["map_ahead"] / first_two["in_turn"]

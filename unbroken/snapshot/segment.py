@@ -49,6 +49,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 # zlib's CRC-32 (the same values), computed with the CPU's carry-less multiply at several times zlib's
 # speed (and, as zlib's, outside the GIL): with zlib the checksum of every byte bounded a snapshot's write
 from zlib_ng import zlib_ng
@@ -160,6 +162,19 @@ def crc32(data: bytes | memoryview) -> int:
     return zlib_ng.crc32(data) & 0xFFFFFFFF
 
 
+def _touch(mem: mmap.mmap) -> None:
+    """Map every page of ``mem`` now, its contents untouched (it may hold a sealed snapshot), so that the
+    first write does not fault its way through them: one read per page, by numpy, outside the GIL.
+
+    ``MAP_POPULATE`` (and ``madvise(MADV_POPULATE_WRITE)``) did the same about 25 % faster, but Python 3.11
+    holds the GIL through the ``mmap`` call: 0.7 s per GB during which the training thread could not run
+    (about 10 s for a 16 GB share on a GPU host).
+    """
+    pages = np.frombuffer(mem, dtype=np.uint8)[::mmap.PAGESIZE]
+    pages.max()
+    del pages  # no view of the mapping outlives this call (close() refuses while one exists)
+
+
 class Buffer:
     """One buffer of one worker, opened for writing (created or grown as needed)."""
 
@@ -200,12 +215,11 @@ class Buffer:
         try:
             if os.fstat(fd).st_size < total:
                 os.posix_fallocate(fd, 0, total)  # reserve now: a full /dev/shm fails here, not on a page fault
-            # populated at once: the first write does not fault its way through every page
-            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-            self._fd, self._map = fd, mmap.mmap(fd, os.fstat(fd).st_size, flags=flags)
+            self._fd, self._map = fd, mmap.mmap(fd, os.fstat(fd).st_size, flags=mmap.MAP_SHARED)
         except BaseException:
             os.close(fd)
             raise
+        _touch(self._map)
         return self._map
 
     def begin(self, size: int) -> memoryview:
