@@ -70,16 +70,18 @@ def _run(state: dict[str, torch.Tensor], threads: int, ahead: bool,
                        write_threads=threads, map_ahead=ahead)
     view, votes = View(gen=0, members=(0,), step=0), torch.zeros(VOTE_SLOTS)
     cast(votes, 1)
+    cadence = snap.cadence
+    assert cadence is not None  # every="auto"
     seconds, steady = [], []
     try:
         with _Beside() as beside:
             for done in range(1, writes + 1):
-                counted = len(snap.cadence.writes) if snap.cadence else 0
+                counted = len(cadence.writes)
                 t0 = time.perf_counter()
                 snap.take(done, view, votes)
                 snap.wait()
                 seconds.append(time.perf_counter() - t0)
-                steady.append(len(snap.cadence.writes) > counted if snap.cadence else False)
+                steady.append(len(cadence.writes) > counted)  # a steady write is counted by the cadence
     finally:
         snap.close()
         remove_segments(job)
