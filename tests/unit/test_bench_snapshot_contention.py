@@ -51,3 +51,10 @@ def test_the_first_writes_part_times_both_modes_and_says_which_writes_were_stead
     assert all(len(v) == 3 and all(s > 0 for s in v) for m in ("map_ahead", "in_turn") for v in r[m]["write_s_rounds"])
     assert r["first_two_ratio"] > 0
     assert all(r[m]["longest_python_pause_ms"] > 0 for m in ("map_ahead", "in_turn"))
+
+
+def test_the_first_writes_part_refuses_an_empty_state():
+    from unbroken.bench.snapshot_first_writes import first_writes
+
+    with pytest.raises(ValueError, match="give --first-writes-mb of at least 1"):
+        first_writes(mb=0, threads=2)

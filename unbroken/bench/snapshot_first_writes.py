@@ -95,6 +95,8 @@ def first_writes(*, mb: int = 1024, threads: int | None = None, writes: int = 4,
     threads = threads or max(2, min(MAX_WRITE_THREADS, cores // 2))
     if threads < 2:
         raise ValueError("first_writes: mapping ahead needs at least 2 write threads")
+    if mb < 1:
+        raise ValueError(f"first_writes: a state of {mb} MiB; give --first-writes-mb of at least 1")
     state = {"state": torch.empty(mb << 20, dtype=torch.uint8).random_(0, 256)}
     _run(state, threads, False, 2)  # warm-up: the memory's first use
     seconds: dict[str, list[list[float]]] = {m: [] for m in MODES}
