@@ -111,20 +111,33 @@ def test_launcher_and_agents_killed_then_resume_rebuilds_a_lost_node_from_parity
     cmd = [sys.executable, "-c", script, json.dumps(overrides), str(run)]
     launcher = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + 180
+
+    def memory_is_newer() -> bool:  # than the newest checkpoint, by two steps or more
+        recs = read_jsonl(run / "metrics.jsonl") if (run / "metrics.jsonl").is_file() else []
+        ckpts = committed_checkpoints(run / "checkpoints")
+        return bool(ckpts) and any(r.get("step", 0) >= max(10, int(read_commit(ckpts[0])["step"]) + 2) for r in recs)
+
+    def signal_all(pids: list[int], sig: signal.Signals) -> None:
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+
     try:
         while time.monotonic() < deadline:
-            recs = read_jsonl(run / "metrics.jsonl") if (run / "metrics.jsonl").is_file() else []
-            ckpts = committed_checkpoints(run / "checkpoints")
-            if ckpts and any(r.get("step", 0) >= max(10, int(read_commit(ckpts[0])["step"]) + 2) for r in recs):
-                break  # memory is newer than the checkpoint
+            if memory_is_newer():
+                # A checkpoint still being written may commit before the kill: freeze the job, look again, and
+                # cut the power only if memory is still the newer; otherwise thaw it and wait on.
+                victims = [launcher.pid, *_pids(run)]
+                signal_all(victims, signal.SIGSTOP)
+                if memory_is_newer():
+                    break
+                signal_all(victims, signal.SIGCONT)
             assert launcher.poll() is None, "the run ended before it could be killed"
             time.sleep(0.05)
         victims = [launcher.pid, *_pids(run)]
-        for pid in victims:  # a power cut: launcher, agents and workers at once
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        signal_all(victims, signal.SIGKILL)  # a power cut: launcher, agents and workers at once
     finally:
         os.killpg(launcher.pid, signal.SIGKILL) if launcher.poll() is None else None
         launcher.wait(timeout=30)
