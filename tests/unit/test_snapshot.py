@@ -9,6 +9,8 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -116,6 +118,43 @@ def test_mapping_a_buffer_ahead_leaves_the_snapshot_it_holds_as_it_was(job_id):
     assert again.mapped and again.is_mapped
     again.close()
     assert path.read_bytes() == before and SealedBuffer.open(path, job_id).seal == seal
+
+
+def _resident(path) -> int:
+    """Bytes of ``path``'s mapping in this process that are mapped to pages (its ``Rss`` in smaps)."""
+    lines = Path("/proc/self/smaps").read_text().splitlines()
+    at = next(i for i, line in enumerate(lines) if line.endswith(str(path)))
+    return next(int(line.split()[1]) for line in lines[at + 1:] if line.startswith("Rss:")) * 1024
+
+
+def test_a_buffer_mapped_ahead_stops_when_the_worker_closes(job_id, monkeypatch):
+    """The second buffer of a worker is mapped beside its first write, 256 MiB at a time; a worker that closes
+    meanwhile stops it at the next piece (a short job ends at once, not after 11 s of mapping), and a write into
+    the buffer left short makes a whole new one."""
+    from unbroken.snapshot import segment
+    from unbroken.snapshot.segment import HEADER_BYTES, Buffer
+
+    piece, size = 64 << 10, 1 << 20
+    monkeypatch.setattr(segment, "TOUCH_BYTES", piece)
+    whole = Buffer(job_id, 0, 0, 0)
+    whole.reserve(size, threading.Event())
+    assert whole.path.stat().st_size == HEADER_BYTES + size
+    assert _resident(whole.path) == HEADER_BYTES + size, "every page mapped"
+    whole.close()
+
+    stopped, stop = Buffer(job_id, 0, 0, 1), threading.Event()
+    stop.set()
+    stopped.reserve(size, stop)
+    assert stopped.is_mapped and stopped.path.stat().st_size == piece, "one piece reserved, then it stopped"
+    assert _resident(stopped.path) == 0, "and none of its pages touched"
+    payload = stopped.begin(size)
+    payload[:] = bytes(range(256)) * (size // 256)
+    stopped.seal({"job": job_id, "step": 3})
+    del payload
+    assert stopped.path.stat().st_size == HEADER_BYTES + size
+    stopped.close()
+    again = SealedBuffer.open(stopped.path, job_id)
+    assert again.seal["step"] == 3
 
 
 @pytest.mark.parametrize("redundancy", ["parity", "replica"])

@@ -199,7 +199,7 @@ def test_under_auto_a_cpu_snapshot_staged_in_blocks_seals_the_state_of_its_step(
                 p.mul_(0.5)  # the next optimizer step, once the fences returned
         for snap in snaps:
             snap.wait()
-            assert snap._host is not None and len(snap._host.blocks) > 10, "staged in many blocks"
+            assert snap.stager.host is not None and len(snap.stager.host.blocks) > 10, "staged in many blocks"
         spec = decide([inventory(job, 0, config_hash="cfg")], checkpoint=None, members_of=lambda nodes: [0])
         fresh, fresh_opt = _trained(seed=3)
         restore_from_memory(spec, job=job, node=0, node_of=node_of, members=(0,), me=0, broadcast=None,

@@ -45,6 +45,7 @@ import os
 import re
 import stat
 import struct
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -162,16 +163,26 @@ def crc32(data: bytes | memoryview) -> int:
     return zlib_ng.crc32(data) & 0xFFFFFFFF
 
 
-def _touch(mem: mmap.mmap) -> None:
+TOUCH_BYTES = 256 << 20
+"""Bytes of a buffer reserved, or mapped, between two looks at the ``stop`` of :meth:`Buffer.reserve` (about
+0.2 s)."""
+
+
+def _touch(mem: mmap.mmap, stop: threading.Event | None = None) -> None:
     """Map every page of ``mem`` now, its contents untouched (it may hold a sealed snapshot), so that the
-    first write does not fault its way through them: one read per page, by numpy, outside the GIL.
+    first write does not fault its way through them: one read per page, by numpy, outside the GIL. Once
+    ``stop`` is set, the pages left are not touched (their first write maps them).
 
     ``MAP_POPULATE`` (and ``madvise(MADV_POPULATE_WRITE)``) did the same about 25 % faster, but Python 3.11
     holds the GIL through the ``mmap`` call: 0.7 s per GB during which the training thread could not run
     (about 10 s for a 16 GB share on a GPU host).
     """
     pages = np.frombuffer(mem, dtype=np.uint8)[::mmap.PAGESIZE]
-    pages.max()
+    per = TOUCH_BYTES // mmap.PAGESIZE
+    for at in range(0, len(pages), per):
+        if stop is not None and stop.is_set():
+            break
+        pages[at:at + per].max()
     del pages  # no view of the mapping outlives this call (close() refuses while one exists)
 
 
@@ -190,12 +201,13 @@ class Buffer:
     def is_mapped(self) -> bool:
         return self._map is not None
 
-    def reserve(self, size: int) -> None:
+    def reserve(self, size: int, stop: threading.Event | None = None) -> None:
         """Map the segment with room for ``size`` payload bytes now (its pages reserved and touched), so that
-        a write of that size into it later costs only the write."""
-        self._open(size)
+        a write of that size into it later costs only the write. Setting ``stop`` (the worker is closing: the
+        buffer may never be written) ends the reserving and touching early."""
+        self._open(size, stop)
 
-    def _open(self, size: int) -> mmap.mmap:
+    def _open(self, size: int, stop: threading.Event | None = None) -> mmap.mmap:
         """Map the segment with room for ``size`` payload bytes (a fresh segment if it must grow)."""
         total = HEADER_BYTES + size
         self.mapped = False
@@ -213,13 +225,16 @@ class Buffer:
             self.path.unlink(missing_ok=True)  # not ours or not a file: replaced by a new one (the folder is private)
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:
-            if os.fstat(fd).st_size < total:
-                os.posix_fallocate(fd, 0, total)  # reserve now: a full /dev/shm fails here, not on a page fault
+            for at in range(os.fstat(fd).st_size, total, TOUCH_BYTES):
+                # reserve now: a full /dev/shm fails here, not on a page fault
+                os.posix_fallocate(fd, at, min(TOUCH_BYTES, total - at))
+                if stop is not None and stop.is_set():
+                    break  # mapped short: a write into it makes a new one
             self._fd, self._map = fd, mmap.mmap(fd, os.fstat(fd).st_size, flags=mmap.MAP_SHARED)
         except BaseException:
             os.close(fd)
             raise
-        _touch(self._map)
+        _touch(self._map, stop)
         return self._map
 
     def begin(self, size: int) -> memoryview:

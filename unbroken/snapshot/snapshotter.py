@@ -57,7 +57,7 @@ from unbroken.snapshot.cadence import VETO, Cadence, due, tally
 from unbroken.snapshot.erasure import HEADER, Coding
 from unbroken.snapshot.plan import SnapshotPlan, plan_for
 from unbroken.snapshot.segment import Buffer, SealedBuffer, SnapshotCorrupt, crc32
-from unbroken.snapshot.staging import ReadBytes, Staging
+from unbroken.snapshot.staging import ReadBytes, Stager
 from unbroken.snapshot.state_bytes import capture, describe, layout_hash
 
 __all__ = ["Snapshotter", "byte_ranges"]
@@ -66,8 +66,6 @@ logger = logging.getLogger(__name__)
 
 STAGE_TIMEOUT_S = 600.0
 """The longest the fence waits for a staging copy (a local copy: only a broken device takes this long)."""
-DEVICE_HEADROOM = 0.9
-"""A device staging buffer is used when the training's peak plus the buffer stay under this share of the card."""
 
 
 class Snapshotter:
@@ -124,19 +122,24 @@ class Snapshotter:
         self.taken = 0
         self.skipped = 0
         """Snapshots due by the interval but vetoed (a write still in flight somewhere)."""
-        self._stream: Any = None  # CUDA: the side stream of device-to-host copies
-        self._pinned: Staging | None = None  # CUDA: the staging buffer, sized to the bytes written
-        self._host: Staging | None = None  # CPU under auto: the staging buffer
-        self._device_copy: Staging | None = None  # CUDA under auto: a device staging buffer, when it fits
-        self._device_ok: bool | None = None
+        self.stager = Stager()
+        """The buffers the bytes a write reads are staged in (pinned, device, host)."""
         self._copied: tuple[Any, torch.device] | None = None  # CUDA under auto: the staging copies' event
-        self.pinned_bytes = 0
-        """Bytes of pinned host memory this worker holds for its copies (0 off CUDA)."""
-        self.device_bytes = 0
-        """Bytes of device memory this worker holds for staging (0 unless auto on CUDA found room)."""
         self.map_ahead = map_ahead
         self._reserving: tuple[int, Future[None]] | None = None
         """The other buffer being mapped while the first write goes on (its index, and the work)."""
+        self._closing = threading.Event()
+        """Set by :meth:`close`: a buffer still being mapped ahead stops there (a short job ends at once)."""
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Bytes of pinned host memory this worker holds for its copies (0 off CUDA)."""
+        return self.stager.pinned_bytes
+
+    @property
+    def device_bytes(self) -> int:
+        """Bytes of device memory this worker holds for staging (0 unless auto on CUDA found room)."""
+        return self.stager.device_bytes
 
     def _older_buffer(self) -> int:
         """The buffer to write first: not the one holding this worker's newest sealed snapshot."""
@@ -212,7 +215,8 @@ class Snapshotter:
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(device))
             if self.auto:
-                queued = self._queue_staging(tensors, device, ready, byte_ranges(plan, mine))
+                queued = self.stager.queue(tensors, device, ready, byte_ranges(plan, mine))
+                self._copied = (queued[4], device)
         self.spacing = done - self.last_step if self.last_step >= 0 else None
         self.last_step = done
         self._staged.clear()
@@ -268,7 +272,7 @@ class Snapshotter:
             c = self.cadence
             out.update(every="auto", interval=c.interval, settled=bool(c.writes), spacing_steps=self.spacing,
                        recovery_point_steps=2 * max(c.interval, self.spacing or 0), skipped=self.skipped,
-                       write_s=max(c.writes) if c.writes else None, device_staging_bytes=self.device_bytes,
+                       write_s=max(c.writes) if c.writes else None, device_staging_bytes=self.stager.device_bytes,
                        proposal=c.proposal(in_flight=False))
         return out
 
@@ -276,6 +280,7 @@ class Snapshotter:
         """Join the write in flight and release the buffers. ``finished`` (the job is over, its final
         checkpoint written) under ``auto``: a write still in flight is left to end with the process (its
         buffer stays unsealed), so that a slow write does not hold the worker's report."""
+        self._closing.set()
         if finished and self.auto and self._pending is not None and not self._pending.done():
             self._pending = None
             self._pool.shutdown(wait=False, cancel_futures=True)
@@ -297,11 +302,11 @@ class Snapshotter:
         t0, started_at = time.perf_counter(), time.time()
         try:
             if queued is not None:
-                read, allocated = self._land(*queued)
+                read, allocated = self.stager.land(*queued)
             elif ready is not None:
-                read, allocated = self._stage(tensors, ready, byte_ranges(plan, mine))
+                read, allocated = self.stager.stage(tensors, ready, byte_ranges(plan, mine))
             elif self.auto:
-                read, allocated = self._stage_host(tensors, byte_ranges(plan, mine))
+                read, allocated = self.stager.host_copy(tensors, byte_ranges(plan, mine))
             else:
                 read, allocated = (lambda out, a, b: capture(tensors, out, a, b)), False  # noqa: E731
         finally:
@@ -311,88 +316,6 @@ class Snapshotter:
         fresh = wrote.pop("fresh")
         return {**wrote, "stage_seconds": staged_s, "steady": not allocated and not fresh, "started_at": started_at,
                 "sealed_at": time.time()}
-
-    def _stage_host(self, tensors: dict[str, torch.Tensor], ranges: list[tuple[int, int]]) -> tuple[ReadBytes, bool]:
-        """CPU under ``auto``: copy ``ranges`` of the live state into a host buffer (the write reads it later)."""
-        total = sum(hi - lo for lo, hi in ranges)
-        allocated = self._host is None or self._host.total != total
-        if allocated:
-            self._host = None
-            self._host = Staging(total)
-        assert self._host is not None
-        return self._host.reader(self._host.copy_in(tensors, ranges)), allocated
-
-    def _stage(self, tensors: dict[str, torch.Tensor], ready: Any,
-               ranges: list[tuple[int, int]]) -> tuple[ReadBytes, bool]:
-        """Copy ``ranges`` of the flat state into the pinned buffer on a side stream of the tensors' device.
-
-        Returns the reader of the staged bytes, and whether a buffer was allocated. The copies start after
-        ``ready`` (the optimizer step) and are complete when this returns (an event recorded after them on
-        the side stream, synchronized).
-        """
-        device = next(t.device for t in tensors.values() if t.is_cuda)
-        torch.cuda.set_device(device)  # this thread's current device: no context or stream on another GPU
-        stream = self._side_stream(device)
-        total = sum(hi - lo for lo, hi in ranges)
-        allocated = self._pin(total)
-        pinned = self._pinned
-        assert pinned is not None
-        with torch.cuda.stream(stream):
-            stream.wait_event(ready)
-            index = pinned.copy_in(tensors, ranges, non_blocking=True)
-            copied = torch.cuda.Event()
-            copied.record(stream)
-        copied.synchronize()
-        return pinned.reader(index), allocated
-
-    def _queue_staging(self, tensors: dict[str, torch.Tensor], device: torch.device, ready: Any,
-                       ranges: list[tuple[int, int]]) -> tuple:
-        """``auto`` on CUDA, in the training thread: queue the copies of ``ranges`` on the side stream after
-        ``ready`` (one Python call per tensor here, none contending for the GIL with the step), into a device
-        buffer when the card has room beside the training's peak, else into pinned memory; :meth:`fence` makes
-        the next optimizer step wait for them on the device. Returns what :meth:`_land` needs."""
-        stream = self._side_stream(device)
-        total = sum(hi - lo for lo, hi in ranges)
-        on_device = self._device_room(device, total)
-        allocated = False
-        if on_device and (self._device_copy is None or self._device_copy.total != total):
-            self._device_copy = None
-            with torch.cuda.stream(stream):
-                self._device_copy = Staging(total, device=device)
-            self.device_bytes, allocated = total, True
-        if not on_device:
-            allocated = self._pin(total)  # the fallback: straight to pinned memory (the fence waits for it)
-        first = self._device_copy if on_device else self._pinned
-        assert first is not None
-        with torch.cuda.stream(stream):
-            stream.wait_event(ready)
-            index = first.copy_in(tensors, ranges, non_blocking=True)
-            copied = torch.cuda.Event()
-            copied.record(stream)
-        self._copied = (copied, device)
-        return device, first, on_device, index, copied, allocated
-
-    def _land(self, device: torch.device, first: Staging, on_device: bool, index: list[tuple[int, int, int]],
-              copied: Any, allocated: bool) -> tuple[ReadBytes, bool]:
-        """The writing thread's side of :meth:`_queue_staging`: a device buffer's bytes copied into pinned
-        memory (allocated here the first time, off the training thread, a block at a time), complete when
-        this returns."""
-        torch.cuda.set_device(device)
-        copied.synchronize()
-        if not on_device:
-            return first.reader(index), allocated
-        allocated = self._pin(first.total) or allocated
-        pinned, stream = self._pinned, self._side_stream(device)
-        assert pinned is not None
-
-        def landed() -> None:  # the next block is queued only now: the step's own copies go in between
-            event = torch.cuda.Event()
-            event.record(stream)
-            event.synchronize()
-
-        with torch.cuda.stream(stream):
-            pinned.land(first, landed)
-        return pinned.reader(index), allocated
 
     def _reserve_other(self, index: int, size: int) -> bool:
         """Before a write into buffer ``index``: wait for that buffer's reservation if one is in flight; when
@@ -415,35 +338,8 @@ class Snapshotter:
                 logger.warning("snapshot buffer %d could not be reserved ahead: %s", index, exc)
         other = self.buffers[1 - index]
         if self.map_ahead and self._writers is not None and self._reserving is None and not other.is_mapped:
-            self._reserving = (1 - index, self._writers.submit(other.reserve, size))
+            self._reserving = (1 - index, self._writers.submit(other.reserve, size, self._closing))
         return waited
-
-    def _side_stream(self, device: torch.device) -> Any:
-        if self._stream is None or self._stream.device != device:
-            self._stream = torch.cuda.Stream(device=device)
-        return self._stream
-
-    def _pin(self, total: int) -> bool:
-        """A pinned buffer of ``total`` bytes (in blocks: :mod:`unbroken.snapshot.staging`); True when it had
-        to be allocated."""
-        if self._pinned is not None and self._pinned.total == total:
-            return False
-        self._pinned = None
-        self._pinned = Staging(total, pin=True)
-        self.pinned_bytes = total
-        return True
-
-    def _device_room(self, device: torch.device, total: int) -> bool:
-        """Does a device staging buffer of ``total`` bytes fit beside the training's peak (decided once, after
-        the first step's peak is known)?"""
-        if self._device_ok is None:
-            peak = torch.cuda.max_memory_allocated(device)
-            card = torch.cuda.get_device_properties(device).total_memory
-            self._device_ok = peak + total <= DEVICE_HEADROOM * card
-            logger.info("snapshot staging %s: %.2f GiB beside a training peak of %.2f GiB on a %.2f GiB card",
-                        "on the device" if self._device_ok else "in pinned memory only", total / 2**30,
-                        peak / 2**30, card / 2**30)
-        return self._device_ok
 
     def _write(self, index: int, read: ReadBytes, layout: list[list], plan: SnapshotPlan,
                mine: list[tuple[int, int]], done: int, gen: int) -> dict[str, Any]:
@@ -506,7 +402,7 @@ class Snapshotter:
             **({"shard": list(self.shard)} if self.shard[1] > 1 else {}),
             **({"moments": "copies"} if self.moments_in_copies else {}),
         })
-        return {"step": done, "bytes": offset, "seconds": time.perf_counter() - t0, "pinned_bytes": self.pinned_bytes,
+        return {"step": done, "bytes": offset, "seconds": time.perf_counter() - t0, "pinned_bytes": self.stager.pinned_bytes,
                 "fresh": waited or buffer.mapped}
 
 

@@ -18,14 +18,17 @@ bytes with numpy (one core each, outside the GIL).
 
 from __future__ import annotations
 
-from typing import Callable, Iterator
+import logging
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
 
 from unbroken.snapshot.state_bytes import copy_range
 
-__all__ = ["BLOCK_BYTES", "ReadBytes", "Staging"]
+__all__ = ["BLOCK_BYTES", "DEVICE_HEADROOM", "ReadBytes", "Stager", "Staging"]
+
+logger = logging.getLogger(__name__)
 
 ReadBytes = Callable[[memoryview, int, int], None]
 """``read(out, start, stop)``: bytes ``[start, stop)`` of the flat state into ``out``."""
@@ -105,3 +108,136 @@ class Staging:
                 done += take
 
         return read
+
+
+DEVICE_HEADROOM = 0.9
+"""A device staging buffer is used when the training's peak plus the buffer stay under this share of the card."""
+
+
+class Stager:
+    """One worker's staging buffers, and the copies into them: the bytes a snapshot's write reads, copied off
+    the live state so that the next optimizer step may change it.
+
+    - a fixed interval on CUDA (:meth:`stage`): into pinned memory on a side stream, in the writing thread;
+    - ``auto`` on CUDA (:meth:`queue`, then :meth:`land`): queued by the training thread on the side stream,
+      into a device buffer when the card has room beside the training's peak (else straight into pinned
+      memory); the writing thread lands the device buffer in pinned memory;
+    - ``auto`` on the CPU (:meth:`host_copy`): into a host buffer, in the writing thread.
+
+    Each returns the reader of the staged bytes and whether a buffer had to be allocated (that write's seconds
+    are not a steady figure).
+    """
+
+    def __init__(self) -> None:
+        self.stream: Any = None  # CUDA: the side stream of device-to-host copies
+        self.pinned: Staging | None = None  # CUDA: sized to the bytes written
+        self.host: Staging | None = None  # CPU under auto
+        self.device_copy: Staging | None = None  # CUDA under auto, when it fits
+        self._device_ok: bool | None = None
+        self.pinned_bytes = 0
+        """Bytes of pinned host memory held for the copies (0 off CUDA)."""
+        self.device_bytes = 0
+        """Bytes of device memory held for staging (0 unless ``auto`` on CUDA found room)."""
+
+    def host_copy(self, tensors: dict[str, torch.Tensor], ranges: list[tuple[int, int]]) -> tuple[ReadBytes, bool]:
+        """CPU under ``auto``: copy ``ranges`` of the live state into a host buffer (the write reads it later)."""
+        total = sum(hi - lo for lo, hi in ranges)
+        allocated = self.host is None or self.host.total != total
+        if allocated:
+            self.host = None
+            self.host = Staging(total)
+        assert self.host is not None
+        return self.host.reader(self.host.copy_in(tensors, ranges)), allocated
+
+    def stage(self, tensors: dict[str, torch.Tensor], ready: Any,
+              ranges: list[tuple[int, int]]) -> tuple[ReadBytes, bool]:
+        """Copy ``ranges`` of the flat state into the pinned buffer on a side stream of the tensors' device,
+        after ``ready`` (the optimizer step); complete when this returns (an event recorded after the copies on
+        the side stream, synchronized)."""
+        device = next(t.device for t in tensors.values() if t.is_cuda)
+        torch.cuda.set_device(device)  # this thread's current device: no context or stream on another GPU
+        stream = self.side_stream(device)
+        allocated = self.pin(sum(hi - lo for lo, hi in ranges))
+        pinned = self.pinned
+        assert pinned is not None
+        with torch.cuda.stream(stream):
+            stream.wait_event(ready)
+            index = pinned.copy_in(tensors, ranges, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record(stream)
+        copied.synchronize()
+        return pinned.reader(index), allocated
+
+    def queue(self, tensors: dict[str, torch.Tensor], device: torch.device, ready: Any,
+              ranges: list[tuple[int, int]]) -> tuple:
+        """``auto`` on CUDA, in the training thread: queue the copies of ``ranges`` on the side stream after
+        ``ready`` (one Python call per tensor here, none contending for the GIL with the step). The next
+        optimizer step must wait on the device for the event this returns (fifth item). Returns what
+        :meth:`land` needs."""
+        stream = self.side_stream(device)
+        total = sum(hi - lo for lo, hi in ranges)
+        on_device = self.device_room(device, total)
+        allocated = False
+        if on_device and (self.device_copy is None or self.device_copy.total != total):
+            self.device_copy = None
+            with torch.cuda.stream(stream):
+                self.device_copy = Staging(total, device=device)
+            self.device_bytes, allocated = total, True
+        if not on_device:
+            allocated = self.pin(total)  # the fallback: straight to pinned memory (the fence waits for it)
+        first = self.device_copy if on_device else self.pinned
+        assert first is not None
+        with torch.cuda.stream(stream):
+            stream.wait_event(ready)
+            index = first.copy_in(tensors, ranges, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record(stream)
+        return device, first, on_device, index, copied, allocated
+
+    def land(self, device: torch.device, first: Staging, on_device: bool, index: list[tuple[int, int, int]],
+             copied: Any, allocated: bool) -> tuple[ReadBytes, bool]:
+        """The writing thread's side of :meth:`queue`: a device buffer's bytes copied into pinned memory
+        (allocated here the first time, off the training thread, a block at a time), complete when this
+        returns."""
+        torch.cuda.set_device(device)
+        copied.synchronize()
+        if not on_device:
+            return first.reader(index), allocated
+        allocated = self.pin(first.total) or allocated
+        pinned, stream = self.pinned, self.side_stream(device)
+        assert pinned is not None
+
+        def landed() -> None:  # the next block is queued only now: the step's own copies go in between
+            event = torch.cuda.Event()
+            event.record(stream)
+            event.synchronize()
+
+        with torch.cuda.stream(stream):
+            pinned.land(first, landed)
+        return pinned.reader(index), allocated
+
+    def side_stream(self, device: torch.device) -> Any:
+        if self.stream is None or self.stream.device != device:
+            self.stream = torch.cuda.Stream(device=device)
+        return self.stream
+
+    def pin(self, total: int) -> bool:
+        """A pinned buffer of ``total`` bytes (in blocks); True when it had to be allocated."""
+        if self.pinned is not None and self.pinned.total == total:
+            return False
+        self.pinned = None
+        self.pinned = Staging(total, pin=True)
+        self.pinned_bytes = total
+        return True
+
+    def device_room(self, device: torch.device, total: int) -> bool:
+        """Does a device staging buffer of ``total`` bytes fit beside the training's peak (decided once, after
+        the first step's peak is known)?"""
+        if self._device_ok is None:
+            peak = torch.cuda.max_memory_allocated(device)
+            card = torch.cuda.get_device_properties(device).total_memory
+            self._device_ok = peak + total <= DEVICE_HEADROOM * card
+            logger.info("snapshot staging %s: %.2f GiB beside a training peak of %.2f GiB on a %.2f GiB card",
+                        "on the device" if self._device_ok else "in pinned memory only", total / 2**30,
+                        peak / 2**30, card / 2**30)
+        return self._device_ok
