@@ -14,6 +14,9 @@ The same blocks serve the other copies: the device staging buffer lands in
 pinned memory one block at a time (the step's own small copies to the host
 queue behind one copy in flight), and the write threads read the staged
 bytes with numpy (one core each, outside the GIL).
+
+A :class:`Stager` holds one worker's staging buffers (pinned, device, host)
+and makes the copies into them, on a side stream of the device.
 """
 
 from __future__ import annotations
