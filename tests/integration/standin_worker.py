@@ -3,9 +3,10 @@
 Takes the real worker's command line (``--run-dir --worker --world --store
 [--join] [--faults-file F --faults I,J] [--resume]``, or ``--standby --node-rank R``)
 and plays the worker's side of the agent contract through the job store:
-beats, asks to join when joining, signals itself for its faults once the
-progress reaches their step, beats the node's standby counter and claims
-offers as a standby, and exits 0 when the job is done or failed. Every
+writes its stacks on a fence's signal, beats, asks to join when joining,
+signals itself for its faults once the progress reaches their step, beats
+the node's standby counter and claims offers as a standby, and exits 0 when
+the job is done or failed. Every
 incarnation records its argv in ``run_dir/standin/w<id>.<pid>.json``.
 
 Like a worker started as a fresh process it imports torch (the store's
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import faulthandler
 import json
 import os
 import signal
@@ -27,6 +29,7 @@ import sys
 import time
 from pathlib import Path
 
+from unbroken.agent._process import STACK_SIGNAL
 from unbroken.faults.fail_at import fault_selection
 from unbroken.runtime.job_store import JobStore
 from unbroken.runtime.store_backend import job_secret
@@ -76,6 +79,9 @@ def main() -> int:
     ap.add_argument("--standby", action="store_true")
     ap.add_argument("--node-rank", type=int, default=None)
     a = ap.parse_args()
+    # as the real worker, before its first beat: a fence for a hang asks for the stacks first (without a
+    # handler the signal would kill a process that is about to stop, and it would not die of the SIGKILL)
+    faulthandler.register(STACK_SIGNAL, all_threads=True)
     t0 = time.monotonic()
     store = JobStore.connect(a.store, timeout_s=10, secret=job_secret(a.run_dir))
     worker, faults, join = a.worker, a.faults, a.join
