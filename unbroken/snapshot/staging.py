@@ -163,11 +163,7 @@ class Stager:
         allocated = self.pin(sum(hi - lo for lo, hi in ranges))
         pinned = self.pinned
         assert pinned is not None
-        with torch.cuda.stream(stream):
-            stream.wait_event(ready)
-            index = pinned.copy_in(tensors, ranges, non_blocking=True)
-            copied = torch.cuda.Event()
-            copied.record(stream)
+        index, copied = _copy_on(stream, ready, pinned, tensors, ranges)
         copied.synchronize()
         return pinned.reader(index), allocated
 
@@ -190,11 +186,7 @@ class Stager:
             allocated = self.pin(total)  # the fallback: straight to pinned memory (the fence waits for it)
         first = self.device_copy if on_device else self.pinned
         assert first is not None
-        with torch.cuda.stream(stream):
-            stream.wait_event(ready)
-            index = first.copy_in(tensors, ranges, non_blocking=True)
-            copied = torch.cuda.Event()
-            copied.record(stream)
+        index, copied = _copy_on(stream, ready, first, tensors, ranges)
         return device, first, on_device, index, copied, allocated
 
     def land(self, device: torch.device, first: Staging, on_device: bool, index: list[tuple[int, int, int]],
@@ -244,3 +236,15 @@ class Stager:
                         "on the device" if self._device_ok else "in pinned memory only", total / 2**30,
                         peak / 2**30, card / 2**30)
         return self._device_ok
+
+
+def _copy_on(stream: Any, ready: Any, into: Staging, tensors: dict[str, torch.Tensor],
+             ranges: list[tuple[int, int]]) -> tuple[list[tuple[int, int, int]], Any]:
+    """Queue the copies of ``ranges`` into ``into`` on ``stream`` after the event ``ready``; returns their
+    index and an event recorded after them."""
+    with torch.cuda.stream(stream):
+        stream.wait_event(ready)
+        index = into.copy_in(tensors, ranges, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record(stream)
+    return index, copied
