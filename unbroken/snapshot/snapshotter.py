@@ -402,8 +402,8 @@ class Snapshotter:
             **({"shard": list(self.shard)} if self.shard[1] > 1 else {}),
             **({"moments": "copies"} if self.moments_in_copies else {}),
         })
-        return {"step": done, "bytes": offset, "seconds": time.perf_counter() - t0, "pinned_bytes": self.stager.pinned_bytes,
-                "fresh": waited or buffer.mapped}
+        return {"step": done, "bytes": offset, "seconds": time.perf_counter() - t0,
+                "pinned_bytes": self.stager.pinned_bytes, "fresh": waited or buffer.mapped}
 
 
 def byte_ranges(plan: SnapshotPlan, mine: list[tuple[int, int]]) -> list[tuple[int, int]]:

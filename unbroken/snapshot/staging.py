@@ -92,23 +92,18 @@ class Staging:
 
     def reader(self, index: list[tuple[int, int, int]]) -> ReadBytes:
         """The reader of flat-state bytes staged here (a host buffer) at ``index`` ((lo, hi, at) per range)."""
-        arrays = [b.numpy() for b in self.blocks]  # the same memory (pinned or not)
 
         def read(out: memoryview, a: int, b: int) -> None:
             if a >= b:
                 return
             lo, _, at = next(r for r in index if r[0] <= a and b <= r[1])
             dst = np.frombuffer(out, dtype=np.uint8)
-            start = at + a - lo
-            done = 0
-            while done < b - a:
-                i, off = divmod(start + done, self.block)
-                take = min(b - a - done, self.block - off)
-                # numpy's copy: one core, outside the GIL. torch's copy_ would run on a team of intra-op threads
-                # as many as the cores, and the write threads call it at once: cores oversubscribed, the
-                # training thread's kernel launches (and so the GPU) kept waiting
-                np.copyto(dst[done:done + take], arrays[i][off:off + take])
-                done += take
+            for piece, before in self.pieces(at + a - lo, b - a):
+                # numpy's copy (of the same memory, pinned or not): one core, outside the GIL. torch's copy_
+                # would run on a team of intra-op threads as many as the cores, and the write threads call it
+                # at once: cores oversubscribed, the training thread's kernel launches (and so the GPU) kept
+                # waiting
+                np.copyto(dst[before:before + piece.numel()], piece.numpy())
 
         return read
 
