@@ -181,8 +181,13 @@ def test_a_node_lost_with_every_worker_is_rebuilt_from_parity_by_the_surviving_a
     job = run_job(cfg, tmp_path / "run", nodes=2, workers_per_node=2, fail_at=kills)
     check_invariants(job, live=[2, 3])
     [restore] = job.events("job_restore")
+    # Node 0 dies once the job's progress reaches step 8: a worker of node 1 still finishing step 7 then never
+    # snapshots the state after it, and the job restores the newest snapshot both of node 1's workers sealed
+    sealed = [{e["step"] for e in job.events("snapshot_sealed", worker=w) if e["t"] < restore["t"]} for w in (2, 3)]
+    newest = max(sealed[0] & sealed[1])
+    assert newest in (7, 8), sealed
     assert (restore["restored_from"], restore["step"], restore["lost_nodes"], restore["parity_stripes"]) == \
-        ("memory", 8, [0], [0])
+        ("memory", newest, [0], [0])
     assert sorted(e["worker"] for e in job.events("restored")) == [2, 3]
 
 
