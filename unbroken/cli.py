@@ -315,7 +315,7 @@ def _store_url(addr: str | None) -> str | None:
 
 def _check_store_address(addr: str) -> None:
     if addr.startswith(("etcd://", "etcds://")):
-        from unbroken.runtime.etcd_backend import parse_etcd
+        from unbroken.runtime.etcd_cluster import parse_etcd
 
         try:
             parse_etcd(addr)

@@ -51,7 +51,7 @@ from unbroken.config import Config, load_config
 from unbroken.faults.store_loss import STORE_PIDS_ENV
 from unbroken.jsonl import JsonlWriter, read_jsonl
 from unbroken.mecefo.takeover import takeover_policy
-from unbroken.runtime.etcd_backend import parse_etcd
+from unbroken.runtime.etcd_cluster import parse_etcd
 from unbroken.runtime.job_store import JobStore
 from unbroken.runtime.membership import Membership
 from unbroken.runtime.protocol import StepProtocol

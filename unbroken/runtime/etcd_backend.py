@@ -29,7 +29,7 @@ the markers of the thousands of clients a long job sees come and go (one per
 worker, joiner or standby incarnation on ``deaths``, ``joins`` and the beats)
 are deleted by etcd once their client is gone instead of piling up.
 
-Failover: a client talks to one member (chosen by its pid, so the job's
+Failover (:mod:`unbroken.runtime.etcd_cluster`): a client talks to one member (chosen by its pid, so the job's
 clients are spread over the cluster); a member that refuses, resets or does not
 answer within ``REQUEST_TIMEOUT_S`` is left for the next one, until the
 store timeout (``fault.store_timeout_s``: no quorum), saying so every
@@ -52,7 +52,6 @@ import itertools
 import json
 import logging
 import math
-import os
 import time
 import uuid
 from datetime import timedelta
@@ -60,25 +59,14 @@ from typing import Any
 
 import torch.distributed as dist
 
-try:  # an optional dependency: ``pip install unbroken[etcd]``
-    from etcd3gw.client import Etcd3Client
-    from etcd3gw import exceptions as etcd_exceptions
-except ImportError:  # pragma: no cover - reported by EtcdBackend.connect
-    Etcd3Client = None  # type: ignore[assignment,misc]
-    etcd_exceptions = None  # type: ignore[assignment]
-
-from unbroken.runtime.store_backend import (ETCD_SCHEME, ETCD_TLS_ENV, ETCDS_SCHEME, SECRET_ENV, StoreAccessDenied,
-                                            StoreBackend, _namespace, is_etcd_address)
+from unbroken.runtime.etcd_cluster import (Cluster, RequestRefused, StoreUnavailable, is_etcd, parse_etcd,
+                                           tls_files)
+from unbroken.runtime.store_backend import ETCD_SCHEME, SECRET_ENV, StoreAccessDenied, StoreBackend, _namespace
 
 __all__ = ["ETCD_SCHEME", "EtcdBackend", "EtcdGroupStore", "StoreUnavailable", "is_etcd", "parse_etcd"]
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_PREFIX = "/unbroken"
-REQUEST_TIMEOUT_S = 1.0
-"""One HTTP request to one member; past it the next member is tried (a member without quorum answers late)."""
-WAIT_LOG_S = 5.0
-"""While no member answers, a client says so at once and then every this many seconds."""
 WAIT_POLL_S = (0.002, 0.05)
 """A ``get`` of a missing key reads again after this delay, doubling from the first to the second value.
 Not a watch: etcd3gw's watches work through etcd 3.4's gateway (timeouts too) and wake ~5 ms after the put
@@ -96,76 +84,6 @@ MARKER_TTL_S = 30
 long after its last add (the lease is refreshed by its adds, like a worker's liveness lease)."""
 
 
-class StoreUnavailable(dist.DistStoreError):
-    """No member of the etcd cluster answered (with quorum) within the operation's timeout."""
-
-
-class RequestRefused(dist.DistStoreError):
-    """A member answered that the request names a lease that expired (no other member would take it)."""
-
-
-def is_etcd(addr: str) -> bool:
-    return is_etcd_address(addr)
-
-
-def _tls_session(tls: dict[str, str]) -> Any:
-    """An HTTP session that trusts only the job's CA and shows the client's certificate. Not from the
-    environment: requests lets ``REQUESTS_CA_BUNDLE`` (set on many machines) override a session's CA."""
-    import requests
-
-    session = requests.Session()
-    session.trust_env = False
-    session.verify = tls["ca"]
-    session.cert = (tls["cert"], tls["key"])
-    return session
-
-
-def tls_files(addr: str) -> dict[str, str] | None:
-    """The CA, certificate and key files of an ``etcds://`` address (None for ``etcd://``).
-
-    Raises:
-        ValueError: a variable of :data:`ETCD_TLS_ENV` is unset or names no readable file (says which).
-    """
-    if not addr.startswith(ETCDS_SCHEME):
-        return None
-    files, problems = {}, []
-    for what, var in ETCD_TLS_ENV.items():
-        path = os.environ.get(var, "")
-        if not path:
-            problems.append(f"{var} is not set")
-        elif not os.path.isfile(path) or not os.access(path, os.R_OK):
-            problems.append(f"{var}={path!r} is not a readable file")
-        files[what] = path
-    if problems:
-        raise ValueError(f"store {addr}: TLS needs the CA, this client's certificate and its key as PEM files: "
-                         f"{'; '.join(problems)}")
-    return files
-
-
-def parse_etcd(addr: str) -> tuple[list[tuple[str, int]], str]:
-    """``etcd://H:P[,H:P...][/PREFIX]`` → (endpoints, prefix without trailing slash).
-
-    Raises:
-        ValueError: the address is malformed (names it and the expected form).
-    """
-    scheme = ETCDS_SCHEME if addr.startswith(ETCDS_SCHEME) else ETCD_SCHEME
-    body = addr[len(scheme):] if is_etcd(addr) else ""
-    hosts, slash, prefix = body.partition("/")
-    endpoints = []
-    for part in hosts.split(",") if hosts else []:
-        host, _, port = part.strip().rpartition(":")
-        host = host.strip("[]")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            endpoints = []
-            break
-        endpoints.append((host, int(port)))
-    if not endpoints:
-        raise ValueError(f"store address {addr!r}: expected etcd[s]://HOST:PORT[,HOST:PORT...][/PREFIX] with each "
-                         f"PORT in 1..65535, e.g. etcd://10.0.0.1:2379,10.0.0.2:2379,10.0.0.3:2379")
-    prefix = "/" + prefix.strip("/") if slash and prefix.strip("/") else DEFAULT_PREFIX
-    return endpoints, prefix
-
-
 def _b64(data: str | bytes) -> str:
     return base64.b64encode(data.encode() if isinstance(data, str) else data).decode()
 
@@ -180,62 +98,6 @@ def _range_end(prefix: str) -> str:
     return _b64(bytes(raw))
 
 
-class _Cluster:
-    """HTTP clients of the cluster's members; sends a request to one member, moving on when it fails.
-
-    While no member answers (no quorum, or all down) it keeps trying for ``store_timeout_s`` and says so:
-    a warning at once, then every ``WAIT_LOG_S``. Once it gave up, the store counts as lost: later calls
-    try for ``REQUEST_TIMEOUT_S`` only (the clean stop that follows must not wait the whole timeout again),
-    until a call succeeds.
-    """
-
-    def __init__(self, endpoints: list[tuple[str, int]], store_timeout_s: float,
-                 tls: dict[str, str] | None = None) -> None:
-        if Etcd3Client is None:
-            raise ValueError("an etcd:// store needs the etcd client: pip install 'unbroken[etcd]' (etcd3gw)")
-        self.addrs = [f"{h}:{p}" for h, p in endpoints]
-        # TLS: the members' certificates are checked against the job's CA, and this client shows its own.
-        self.clients = [Etcd3Client(host=h, port=p, timeout=REQUEST_TIMEOUT_S, api_path="/v3/",
-                                    **({} if tls is None else {"protocol": "https", "session": _tls_session(tls)}))
-                        for h, p in endpoints]
-        self.current = os.getpid() % len(self.clients)
-        self.round_trips = 0
-        self.store_timeout_s = store_timeout_s
-        self.lost = False
-
-    def call(self, path: str, payload: dict[str, Any]) -> dict[str, Any]:
-        """POST ``payload`` to ``/v3/<path>`` of a live member; raises :class:`StoreUnavailable` at the deadline."""
-        t0 = time.monotonic()
-        limit = REQUEST_TIMEOUT_S if self.lost else self.store_timeout_s
-        last, tries, next_log = "", 0, 0.0
-        while True:
-            client = self.clients[self.current]
-            try:
-                self.round_trips += 1
-                out = client.post(client.get_url(path), json=payload)
-                if next_log and not self.lost:
-                    logger.warning("etcd: %s answers again after %.1f s", self.addrs[self.current],
-                                   time.monotonic() - t0)
-                self.lost = False
-                return out
-            except etcd_exceptions.Etcd3Exception as exc:
-                if "lease not found" in str(exc.detail_text):  # every member would refuse it alike
-                    raise RequestRefused(f"etcd refused {path}: {str(exc.detail_text)[:200]}") from None
-                last = f"{self.addrs[self.current]}: {exc.__class__.__name__} {str(exc)[:200]}"
-            tries += 1
-            waited = time.monotonic() - t0
-            if waited > limit:
-                self.lost = True
-                raise StoreUnavailable(f"no etcd member answered with quorum for {waited:.0f} s (last: {last})")
-            self.current = (self.current + 1) % len(self.clients)
-            if tries % len(self.clients) == 0:  # every member failed once: no quorum, or all are down
-                if waited >= next_log and not self.lost:
-                    logger.warning("etcd: no member answers with quorum for %.0f s (last: %s); still trying, the "
-                                   "job stops after %.0f s (fault.store_timeout_s)", waited, last, limit)
-                    next_log = waited + WAIT_LOG_S
-                time.sleep(min(0.2, max(0.0, limit - waited)))
-
-
 class EtcdBackend(StoreBackend):
     """The job's keys on etcd, under ``PREFIX/<namespace>/`` (module docstring)."""
 
@@ -247,7 +109,7 @@ class EtcdBackend(StoreBackend):
     def __init__(self, addr: str, secret: str, *, timeout_s: float, store_timeout_s: float | None = None) -> None:
         endpoints, prefix = parse_etcd(addr)
         self.addr, self.timeout_s = addr, timeout_s
-        self.cluster = _Cluster(endpoints, timeout_s if store_timeout_s is None else store_timeout_s,
+        self.cluster = Cluster(endpoints, timeout_s if store_timeout_s is None else store_timeout_s,
                                 tls_files(addr))
         self.ns = f"{prefix}/{_namespace(secret)}"
         self._me = uuid.uuid4().hex[:12]

@@ -57,7 +57,8 @@ def read_events(run_dir: str | Path) -> list[dict[str, Any]]:
     return out
 
 
-def check_ledger(run_dir: str | Path, *, n_slots: int, micro_batch: int, steps: int, start_step: int = 0) -> LedgerCheck:
+def check_ledger(run_dir: str | Path, *, n_slots: int, micro_batch: int, steps: int,
+                 start_step: int = 0) -> LedgerCheck:
     """Verify exactly-once training of steps ``[start_step, steps)`` from the event files."""
     records = read_events(run_dir)
     commit_gens: dict[int, set[int]] = defaultdict(set)

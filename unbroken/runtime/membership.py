@@ -42,7 +42,7 @@ from unbroken.mecefo.takeover import NoLiveWorker  # one notion of "nobody is al
 from unbroken.runtime.job_store import JobStore
 from unbroken.runtime.view import View
 
-__all__ = ["EXIT_FENCED", "EXIT_REJOIN", "Fenced", "Membership", "MissedCommit", "NoLiveWorker", "View",
+__all__ = ["EXIT_FENCED", "EXIT_REJOIN", "Fenced", "MemberDied", "Membership", "MissedCommit", "NoLiveWorker", "View",
            "ViewChanged"]
 
 logger = logging.getLogger(__name__)
@@ -76,6 +76,10 @@ class ViewChanged(Exception):
 FIRST_BEAT_FACTOR = 5.0
 """A member that has never beaten is declared dead after this many heartbeat timeouts (a start's grace: on a
 loaded machine a process forked a moment after its peers may not beat for a few seconds)."""
+
+
+class MemberDied(Exception):
+    """The failure detector found dead members of the current view."""
 
 
 class Fenced(Exception):

@@ -31,8 +31,8 @@ from unbroken.runtime.store_seal import (NONCE_LEN, TAG_LEN, Sealer, SealedStore
                                         compare_set_sealed)
 from unbroken.runtime.store_seal import POLL_S as SEAL_POLL_S
 
-__all__ = ["ETCD_SCHEME", "ETCDS_SCHEME", "ETCD_TLS_ENV", "is_etcd_address", "SECRET_ENV", "SECRET_FILE", "StoreAccessDenied", "StoreBackend", "TCPStoreBackend", "job_secret",
-           "new_secret", "save_secret"]
+__all__ = ["ETCD_SCHEME", "ETCDS_SCHEME", "ETCD_TLS_ENV", "is_etcd_address", "SECRET_ENV", "SECRET_FILE",
+           "StoreAccessDenied", "StoreBackend", "TCPStoreBackend", "job_secret", "new_secret", "save_secret"]
 
 ETCD_SCHEME = "etcd://"
 """A store address starting so names an etcd cluster (:mod:`unbroken.runtime.etcd_backend`)."""
