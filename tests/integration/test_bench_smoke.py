@@ -50,3 +50,28 @@ def test_store_benchmark_latency_part(tmp_path, etcd_cluster):
     assert json.loads(out.read_text())["latency_us"] == result["latency_us"]
     assert set(result["latency_us"]) == {"tcp", "etcd"}
     assert all(v > 0 for lat in result["latency_us"].values() for v in lat.values())
+
+
+def test_throughput_reference_benchmark(tmp_path, corpus_overrides):
+    """``--reference`` on the CPU: the plain eager loop, then unbroken with ``every=0`` and every 2 steps, side by
+    side: each unbroken row's ratio to the plain loop, the snapshot overhead on the snapshotting row only, the
+    jobs' records kept and their checkpoints dropped."""
+    out, logs = tmp_path / "ref.json", tmp_path / "logs"
+    result = throughput.main(["--reference", "--workers", "1", "--steps", "6", "--plain", "eager", "--snapshots", "0,2",
+                              "--keep-logs", str(logs), "--out", str(out), *[f"--{o}" for o in corpus_overrides]])
+    assert json.loads(out.read_text())["rows"] == result["rows"]
+    plain, off, on = result["rows"]
+    assert (plain["loop"], plain["compile"]) == ("plain", False)
+    assert [(r["loop"], r["workers"], r["snapshot_every"]) for r in (off, on)] == [("unbroken", 1, 0),
+                                                                                   ("unbroken", 1, 2)]
+    for row in (off, on):
+        assert row["ratio_vs_plain"] == pytest.approx(row["tokens_per_s"] / plain["tokens_per_s"])
+        assert row["ratio_vs_plain_rounds"] == [pytest.approx(row["ratio_vs_plain"])]
+        assert row["mfu"] is None  # no peak FLOP/s is known for a CPU
+    assert "snapshot_overhead" not in off
+    assert on["snapshot_overhead"] == pytest.approx(1 - on["window_tokens_per_s"] / off["window_tokens_per_s"])
+    assert off["snapshots"] == {"every": 0, "taken": 0}
+    assert on["snapshots"]["every"] == 2 and on["snapshots"]["taken"] >= 1
+    assert sorted(p.name for p in logs.iterdir()) == ["w1-s0-r0", "w1-s2-r0"]
+    assert all((logs / name / "summary.json").is_file() and not (logs / name / "checkpoints").exists()
+               for name in ("w1-s0-r0", "w1-s2-r0"))

@@ -174,28 +174,7 @@ class Agent(DeathDuties, FaultDuties, StartDuties):
             if self._spare_since is not None:
                 self._event("spare_took_over", None, waited_s=round(time.monotonic() - self._spare_since, 3),
                             took_over=self.rdv.took_over)
-            cfg = self.rdv.check_config(self.run_dir)
-            self.rdv.check_shared_run_dir(self.run_dir)
-            self.total_steps = int(cfg["train"]["steps"])
-            self._hb_timeout = float(cfg["fault"]["heartbeat_timeout_s"])
-            job_cfg = Config.from_dict(cfg)
-            self.shard_degree = job_cfg.train.shard_degree
-            if self.shard_degree > 1 and self.opts.standby:
-                raise AgentError(f"node {self.node}: --standby with train.shard_degree={self.shard_degree}: a warm "
-                                 "standby is one worker, HSDP restarts whole replicas; drop --standby", 2)
-            try:
-                check_placement(job_cfg.train.device, workers_of(self.node, self.opts.workers_per_node))
-            except ValueError as exc:
-                raise AgentError(f"node {self.node}: {exc}", 2) from None
-            for store in (self.store, self._server):  # from now on the job's own patience with its store
-                if store is not None:
-                    store.set_store_timeout(job_cfg.fault.store_timeout_s)
-            limits = self.opts.startup_limits(heartbeat_timeout_s=self._hb_timeout)
-            self.watch = StartupWatch(self.store, limits, node=self.node)
-            self.restorer = JobRestore(self.store, node=self.node, nnodes=self.opts.nnodes,
-                                       workers_per_node=self.opts.workers_per_node, run_dir=self.run_dir,
-                                       config_hash=config_hash(job_cfg), event=self._event,
-                                       shard_degree=job_cfg.train.shard_degree)
+            cfg, job_cfg, limits = self._take_config()
             if self.opts.resume_memory and not self.store.has_view():
                 self.restorer.first_view(lambda: self.rdv.heartbeat(time.monotonic()), LOOP_S)
             view = self.rdv.initial_view(self.opts.n_workers, self.opts.start_step)
@@ -204,22 +183,7 @@ class Agent(DeathDuties, FaultDuties, StartDuties):
                 self.log.info("the job is already done; nothing to run")
                 return 0
             self._progress = max(self._read_progress(), view.step)
-            self.plan = NodeFaults(self.specs, node=self.node, workers_per_node=self.opts.workers_per_node,
-                                   start_step=self._progress, fired=fired_before(self.run_dir, self.node),
-                                   max_down=cfg["fault"].get("max_down"))
-            self._write_fault_plan()
-            if job_cfg.fault.template:
-                self._start_template(limits)
-            elif self.template is not None:  # started early from an older config
-                self.template.close()
-                self.template = None
-            self._start_workers(view)
-            if self.opts.standby:
-                cmd = self.base_cmd + ["--run-dir", str(self.run_dir), "--world", str(self.opts.n_workers),
-                                       "--store", self.opts.store, "--standby", "--node-rank", str(self.node)]
-                cmd += ["--faults-file", str(self.fault_plan)] if self.fault_plan else []
-                self.standby = Standby(self.store, node=self.node, cmd=cmd, run_dir=self.run_dir, limits=limits,
-                                       launch=self._launch)
+            self._start_node(view, cfg, job_cfg, limits)
             return self._loop()
         except StartRefused as exc:
             raise AgentError(str(exc), 2) from None
@@ -234,6 +198,52 @@ class Agent(DeathDuties, FaultDuties, StartDuties):
                              f"unbroken train --resume {self.run_dir}", 1) from None
         finally:
             self._shutdown()
+
+    def _take_config(self) -> tuple[dict[str, Any], Config, Limits]:
+        """The job's config as this node must run it (refused when it differs or cannot run here), the store's
+        patience set from it, the start-up watch and the restorer made."""
+        cfg = self.rdv.check_config(self.run_dir)
+        self.rdv.check_shared_run_dir(self.run_dir)
+        self.total_steps = int(cfg["train"]["steps"])
+        self._hb_timeout = float(cfg["fault"]["heartbeat_timeout_s"])
+        job_cfg = Config.from_dict(cfg)
+        self.shard_degree = job_cfg.train.shard_degree
+        if self.shard_degree > 1 and self.opts.standby:
+            raise AgentError(f"node {self.node}: --standby with train.shard_degree={self.shard_degree}: a warm "
+                             "standby is one worker, HSDP restarts whole replicas; drop --standby", 2)
+        try:
+            check_placement(job_cfg.train.device, workers_of(self.node, self.opts.workers_per_node))
+        except ValueError as exc:
+            raise AgentError(f"node {self.node}: {exc}", 2) from None
+        for store in (self.store, self._server):  # from now on the job's own patience with its store
+            if store is not None:
+                store.set_store_timeout(job_cfg.fault.store_timeout_s)
+        limits = self.opts.startup_limits(heartbeat_timeout_s=self._hb_timeout)
+        self.watch = StartupWatch(self.store, limits, node=self.node)
+        self.restorer = JobRestore(self.store, node=self.node, nnodes=self.opts.nnodes,
+                                   workers_per_node=self.opts.workers_per_node, run_dir=self.run_dir,
+                                   config_hash=config_hash(job_cfg), event=self._event,
+                                   shard_degree=job_cfg.train.shard_degree)
+        return cfg, job_cfg, limits
+
+    def _start_node(self, view: View, cfg: dict[str, Any], job_cfg: Config, limits: Limits) -> None:
+        """This node's fault plan, template, workers of ``view`` and warm standby."""
+        self.plan = NodeFaults(self.specs, node=self.node, workers_per_node=self.opts.workers_per_node,
+                               start_step=self._progress, fired=fired_before(self.run_dir, self.node),
+                               max_down=cfg["fault"].get("max_down"))
+        self._write_fault_plan()
+        if job_cfg.fault.template:
+            self._start_template(limits)
+        elif self.template is not None:  # started early from an older config
+            self.template.close()
+            self.template = None
+        self._start_workers(view)
+        if self.opts.standby:
+            cmd = self.base_cmd + ["--run-dir", str(self.run_dir), "--world", str(self.opts.n_workers),
+                                   "--store", self.opts.store, "--standby", "--node-rank", str(self.node)]
+            cmd += ["--faults-file", str(self.fault_plan)] if self.fault_plan else []
+            self.standby = Standby(self.store, node=self.node, cmd=cmd, run_dir=self.run_dir, limits=limits,
+                                   launch=self._launch)
 
     def _host_store(self, secret: str) -> JobStore:
         if is_etcd_address(self.opts.store):  # open the job's keys on the cluster; nothing to host

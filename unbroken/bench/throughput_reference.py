@@ -140,27 +140,49 @@ def reference(a: argparse.Namespace) -> dict[str, Any]:
                     _write_partial(a, entries, runs)
                     continue
                 n, every = what
-                run_cfg = _cfg(a, f"train.workers={n}", f"snapshot.every={every}")
-                s = launch_local(run_cfg, Path(tmp) / f"w{n}-s{every}-r{r}")
-                runs[i].append({"loop": "unbroken", "compile": compiled, "workers": n,
-                                "tokens_per_s": s["tokens_per_s"],
-                                **steady_window(Path(s["run_dir"]), a.steps,
-                                                cfg.data.micro_batch * cfg.data.seq_len * n),
-                                "peak_memory_bytes": s.get("peak_memory_bytes"),
-                                "compiled_frames": s.get("compiled_frames"), "snapshot_every": run_cfg.snapshot.every,
-                                "snapshots": s.get("snapshots"), "wall_s": s["wall_s"],
-                                "snapshot_steps": snapshot_split(Path(s["run_dir"]), a.steps)})
-                if a.keep_logs is not None:
-                    _keep_logs(Path(s["run_dir"]), a.keep_logs / f"w{n}-s{every}-r{r}")
-                # its final checkpoint is not read here: not kept beside the next jobs' (16 GB each at llama-1b)
-                shutil.rmtree(Path(s["run_dir"]) / "checkpoints", ignore_errors=True)
-                row = runs[i][-1]
-                print(f"unbroken, {n} worker(s), snapshot.every={every}: {s['tokens_per_s']:,.0f} tokens/s (median), "
-                      f"{row['window_tokens_per_s']:,.0f} over the last half; snapshots {s.get('snapshots')}",
-                      flush=True)
-                if row["snapshot_steps"]:
-                    print("  last half, worker 0: " + split_line(row["snapshot_steps"]), flush=True)
+                runs[i].append(_unbroken_run(a, cfg, n, every, Path(tmp) / f"w{n}-s{every}-r{r}", compiled))
                 _write_partial(a, entries, runs)
+    rows = _rows(runs, gpus, fpt, peak)
+    ac = [{"activation_checkpointing": m, **plain_loop(_cfg(a, f"train.activation_checkpointing={m}"), device,
+                                                        compile=False, steps=max(5, a.steps // 3),
+                                                        activation_checkpointing=m)}
+          for m in (x.strip() for x in a.ac.split(",")) if m]
+    result = {"benchmark": "throughput_reference", "preset": a.preset, "steps": a.steps, "rounds": a.rounds,
+              "precision": a.precision,
+              "device": str(device), "micro_batch": cfg.data.micro_batch, "seq_len": cfg.data.seq_len,
+              "flops_per_token": fpt, "peak_flops": peak, "rows": rows, "activation_checkpointing": ac,
+              "machine": machine_description()}
+    _print(result)
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(result, indent=1))
+    print(f"wrote {a.out}")
+    return result
+
+
+def _unbroken_run(a: argparse.Namespace, cfg: Config, n: int, every: str, run_dir: Path,
+                  compiled: bool) -> dict[str, Any]:
+    """One unbroken job of ``n`` workers with ``snapshot.every=every`` in ``run_dir``: its row (printed)."""
+    run_cfg = _cfg(a, f"train.workers={n}", f"snapshot.every={every}")
+    s = launch_local(run_cfg, run_dir)
+    row = {"loop": "unbroken", "compile": compiled, "workers": n, "tokens_per_s": s["tokens_per_s"],
+           **steady_window(Path(s["run_dir"]), a.steps, cfg.data.micro_batch * cfg.data.seq_len * n),
+           "peak_memory_bytes": s.get("peak_memory_bytes"), "compiled_frames": s.get("compiled_frames"),
+           "snapshot_every": run_cfg.snapshot.every, "snapshots": s.get("snapshots"), "wall_s": s["wall_s"],
+           "snapshot_steps": snapshot_split(Path(s["run_dir"]), a.steps)}
+    if a.keep_logs is not None:
+        _keep_logs(Path(s["run_dir"]), a.keep_logs / run_dir.name)
+    # its final checkpoint is not read here: not kept beside the next jobs' (16 GB each at llama-1b)
+    shutil.rmtree(Path(s["run_dir"]) / "checkpoints", ignore_errors=True)
+    print(f"unbroken, {n} worker(s), snapshot.every={every}: {s['tokens_per_s']:,.0f} tokens/s (median), "
+          f"{row['window_tokens_per_s']:,.0f} over the last half; snapshots {s.get('snapshots')}", flush=True)
+    if row["snapshot_steps"]:
+        print("  last half, worker 0: " + split_line(row["snapshot_steps"]), flush=True)
+    return row
+
+
+def _rows(runs: list[list[dict[str, Any]]], gpus: int, fpt: float, peak: float | None) -> list[dict[str, Any]]:
+    """Each entry's row over the rounds, with its ratio to the plain loop of the same compile setting, its
+    snapshot overhead against ``every=0`` of the same workers, and its MFU."""
     rows = [_mean_row(rs) for rs in runs]
     plain = {r["compile"]: r["tokens_per_s"] for r in rows if r["loop"] == "plain"}
     plain_rounds = {rs[0]["compile"]: [x["tokens_per_s"] for x in rs] for rs in runs if rs[0]["loop"] == "plain"}
@@ -176,20 +198,7 @@ def reference(a: argparse.Namespace) -> dict[str, Any]:
             if r["workers"] in unsnapped and str(r["snapshot_every"]) != "0":
                 r["snapshot_overhead"] = 1.0 - r["window_tokens_per_s"] / unsnapped[r["workers"]]
         r["mfu"] = r["tokens_per_s"] * fpt / (peak * (r["workers"] if gpus else 1)) if peak else None
-    ac = [{"activation_checkpointing": m, **plain_loop(_cfg(a, f"train.activation_checkpointing={m}"), device,
-                                                        compile=False, steps=max(5, a.steps // 3),
-                                                        activation_checkpointing=m)}
-          for m in (x.strip() for x in a.ac.split(",")) if m]
-    result = {"benchmark": "throughput_reference", "preset": a.preset, "steps": a.steps, "rounds": a.rounds,
-              "precision": a.precision,
-              "device": str(device), "micro_batch": cfg.data.micro_batch, "seq_len": cfg.data.seq_len,
-              "flops_per_token": fpt, "peak_flops": peak, "rows": rows, "activation_checkpointing": ac,
-              "machine": machine_description()}
-    _print(result)
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps(result, indent=1))
-    print(f"wrote {a.out}")
-    return result
+    return rows
 
 
 def _mean_row(rounds: list[dict[str, Any]]) -> dict[str, Any]:

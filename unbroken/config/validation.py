@@ -12,6 +12,10 @@ from typing import Any, Callable
 
 from unbroken.config.sections import Config
 
+Need = Callable[[bool, str], None]
+"""``need(condition, message)``: the message is reported unless the condition holds."""
+
+
 def validate(cfg: Config) -> list[str]:
     """Cross-field checks; returns messages (empty when valid)."""
     errs: list[str] = []
@@ -20,7 +24,13 @@ def validate(cfg: Config) -> list[str]:
         if not cond:
             errs.append(msg)
 
-    t, d, o, m, f = cfg.train, cfg.data, cfg.optim, cfg.mecefo, cfg.fault
+    for check in (_train_data_optim, _sharding, _mecefo_fault, _snapshot_model):
+        check(cfg, need)
+    return errs
+
+
+def _train_data_optim(cfg: Config, need: Need) -> None:
+    t, d, o = cfg.train, cfg.data, cfg.optim
     need(t.workers >= 1, f"train.workers={t.workers}: need at least 1 worker")
     need(t.steps >= 1, f"train.steps={t.steps}: need at least 1 step")
     need(t.log_every >= 1, f"train.log_every={t.log_every}: must be >= 1")
@@ -42,6 +52,11 @@ def validate(cfg: Config) -> list[str]:
     need(o.lr > 0, f"optim.lr={o.lr}: must be > 0")
     need(0 <= o.min_lr_ratio <= 1, f"optim.min_lr_ratio={o.min_lr_ratio}: must be in [0, 1]")
     need(o.warmup_steps >= 0, f"optim.warmup_steps={o.warmup_steps}: must be >= 0")
+    need(o.grad_clip >= 0, f"optim.grad_clip={o.grad_clip}: must be >= 0 (0 disables)")
+
+
+def _sharding(cfg: Config, need: Need) -> None:
+    t, o, f = cfg.train, cfg.optim, cfg.fault
     need(not (t.shard_optimizer and o.factory),
          f"train.shard_optimizer=true with optim.factory={o.factory!r}: sharding needs the built-in AdamW; "
          "drop optim.factory or set train.shard_optimizer=false")
@@ -59,7 +74,10 @@ def validate(cfg: Config) -> list[str]:
         need(not o.factory, f"train.shard_degree>1 with optim.factory={o.factory!r}: HSDP needs the built-in AdamW")
         need(f.recovery == "takeover", f"train.shard_degree>1 with fault.recovery={f.recovery!r}: HSDP runs with "
              "fault.recovery='takeover' only")
-    need(o.grad_clip >= 0, f"optim.grad_clip={o.grad_clip}: must be >= 0 (0 disables)")
+
+
+def _mecefo_fault(cfg: Config, need: Need) -> None:
+    t, m, f = cfg.train, cfg.mecefo, cfg.fault
     need(m.rank >= 1, f"mecefo.rank={m.rank}: must be >= 1")
     need(m.tau >= 1, f"mecefo.tau={m.tau}: must be >= 1")
     for key, value, names in (("mecefo.policy", m.policy, _policy_names()),
@@ -83,6 +101,9 @@ def validate(cfg: Config) -> list[str]:
     need(f.progress_timeout_s >= f.heartbeat_timeout_s,
          f"fault.progress_timeout_s={f.progress_timeout_s}: must be >= fault.heartbeat_timeout_s="
          f"{f.heartbeat_timeout_s} (a phase of a step takes longer than a heartbeat)")
+
+
+def _snapshot_model(cfg: Config, need: Need) -> None:
     sn = cfg.snapshot
     need(sn.every == "auto" or (isinstance(sn.every, int) and sn.every >= 0),
          f"snapshot.every={sn.every}: must be auto (the smallest interval that keeps pace) or a number of steps "
@@ -101,7 +122,6 @@ def validate(cfg: Config) -> list[str]:
         cfg.model.preset in MODEL_PRESETS,
         f"model.preset={cfg.model.preset!r}: unknown; valid: {', '.join(MODEL_PRESETS)}",
     )
-    return errs
 
 
 def config_hash(cfg: Config) -> str:

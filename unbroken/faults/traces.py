@@ -446,6 +446,25 @@ def generate_trace(
     if problems:
         raise ValueError("generate_trace: " + "; ".join(problems))
 
+    outages, counts = _draw_outages(p, n_workers, n_steps, step_time_s, seed, min_live, cluster_workers, max_down)
+    return FailureTrace(
+        n_workers=n_workers,
+        n_steps=n_steps,
+        outages=tuple(outages),
+        **counts,
+        max_down=max_down,
+        preset=p,
+        step_time_s=step_time_s,
+        seed=seed,
+        min_live=min_live,
+        cluster_workers=cluster_workers,
+    )
+
+
+def _draw_outages(p: TracePreset, n_workers: int, n_steps: int, step_time_s: float, seed: int, min_live: int,
+                  cluster_workers: int | None, max_down: int | None) -> tuple[list[Outage], dict[str, int]]:
+    """The outages of :func:`generate_trace` (arguments checked), and how many arrivals were dropped, deferred
+    and still pending at the end."""
     outages: list[Outage] = []
     counts = {"dropped": 0, "deferred": 0, "pending_at_end": 0}
     if p.fails:
@@ -482,18 +501,7 @@ def generate_trace(
             worker = up[int(u * len(up))]
             back_at[worker] = end
             outages.append(Outage(worker=worker, start_step=start, end_step=min(end, n_steps)))
-    return FailureTrace(
-        n_workers=n_workers,
-        n_steps=n_steps,
-        outages=tuple(outages),
-        **counts,
-        max_down=max_down,
-        preset=p,
-        step_time_s=step_time_s,
-        seed=seed,
-        min_live=min_live,
-        cluster_workers=cluster_workers,
-    )
+    return outages, counts
 
 
 def _capped_start(back_at: list[int], step: int, max_down: int) -> int:

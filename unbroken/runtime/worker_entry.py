@@ -14,7 +14,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -110,6 +110,12 @@ def run(spec: WorkerSpec, *, store: JobStore | None = None, prepared: Prepared |
         return EXIT_STORE_LOST
     finally:
         membership.stop()
+    _write_report(spec, cfg, trainer, last)
+    return 0
+
+
+def _write_report(spec: WorkerSpec, cfg: Config, trainer: Trainer, last: dict[str, Any]) -> None:
+    """The finished worker's report (``workers/w<id>.json``), read by the launcher's summary."""
     report = {"worker": spec.worker, "steps": cfg.train.steps, "param_digest": trainer.param_digest(),
               "shard_index": trainer.hsdp.index_of(spec.worker) if trainer.hsdp is not None else 0,
               "last": last, "gen": trainer.protocol.view.gen,
@@ -122,7 +128,6 @@ def run(spec: WorkerSpec, *, store: JobStore | None = None, prepared: Prepared |
     tmp = out.with_suffix(".tmp")
     tmp.write_text(json.dumps(report, indent=1))
     os.replace(tmp, out)
-    return 0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
