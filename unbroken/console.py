@@ -199,6 +199,9 @@ def _snapshot_interval(ev: Record, state: RunState) -> str | None:
     state.interval_shown = interval if isinstance(interval, int) else None
     write = ev.get("write_s")
     measured = f"writes of {write:.2f} s" if isinstance(write, (int, float)) else "first snapshot, not measured yet"
+    cost = ev.get("cost_s")
+    if isinstance(cost, (int, float)):
+        measured += f", each costing the training {cost:.3f} s"
     every = "snapshot every step" if ev.get("interval") == 1 else f"snapshot every {ev.get('interval')} steps"
     return f"{every} ({measured}; a whole-job failure goes back at most {ev.get('recovery_point_steps')} steps)"
 

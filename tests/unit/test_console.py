@@ -85,6 +85,10 @@ def test_val_line():
     ({"event": "snapshot_interval", "worker": 0, "step": 30, "interval": 3, "recovery_point_steps": 6,
       "write_s": 0.0123, "step_s": 0.05},
      "step 30  g2  snapshot every 3 steps (writes of 0.01 s; a whole-job failure goes back at most 6 steps)"),
+    ({"event": "snapshot_interval", "worker": 0, "step": 90, "interval": 9, "recovery_point_steps": 18,
+      "write_s": 0.95, "step_s": 0.165, "cost_s": 0.0213},
+     "step 90  g2  snapshot every 9 steps (writes of 0.95 s, each costing the training 0.021 s; a whole-job "
+     "failure goes back at most 18 steps)"),
     ({"event": "snapshot_interval", "worker": 0, "step": 1, "interval": 1, "recovery_point_steps": 2,
       "write_s": None, "step_s": None},
      "step 1  g2  snapshot every step (first snapshot, not measured yet; a whole-job failure goes back at "

@@ -77,6 +77,45 @@ def test_a_proposal_is_the_smallest_interval_that_covers_the_write_with_margin()
     assert MARGIN > 1
 
 
+def test_on_a_gpu_a_snapshot_may_slow_the_steps_around_it_by_at_most_the_budget():
+    """A snapshot's cost to the training (GPU): the step that took it and the next one, against the median of
+    the steps near no snapshot; measured only once the writes are steady and 3 such steps were seen."""
+    c = Cadence()
+    for s in (0.100, 0.101):
+        c.observe_step(s)
+    c.observe_write(0.3)
+    assert c.proposal(in_flight=False) == 4  # 1.25 * 0.3 / 0.1 = 3.75: the fit alone
+    c.observe_step(0.115, "taken")
+    c.observe_step(0.1205, "after")
+    assert c.cost is None and c.proposal(in_flight=False) == 4  # two plain steps: no baseline yet
+    c.observe_step(0.099)
+    c.observe_step(0.115, "taken")
+    c.observe_step(0.1205, "after")
+    # 0.115 + 0.1205 - 2 * 0.100 = 0.0355 s per snapshot, within 2 % of 0.100 s steps: 17.75 of them
+    assert c.cost == pytest.approx(0.0355) and c.proposal(in_flight=False) == 18
+    for _ in range(2):  # the copies got cheap: the median of the last three costs follows, the interval too
+        c.observe_step(0.101, "taken")
+        c.observe_step(0.099, "after")
+    assert c.cost == 0.0 and c.proposal(in_flight=False) == 4
+    c.observe_step(0.400, "taken")  # one slow step (a pause) is outvoted by the two before it
+    c.observe_step(0.100, "after")
+    assert c.cost == 0.0 and c.proposal(in_flight=False) == 4
+    every = Cadence()  # a snapshot every step: each step takes one, none is "after" only: nothing to measure
+    every.observe_write(0.01)
+    for _ in range(8):
+        every.observe_step(0.2, "taken")
+    assert every.cost is None and every.proposal(in_flight=False) == 1
+    early = Cadence()  # the first snapshots allocate their buffers: their steps are not measured
+    for s in (0.1, 0.1, 0.1):
+        early.observe_step(s)
+    early.observe_step(0.9, "taken")
+    early.observe_step(0.5, "after")
+    assert not early.costs
+    cpu = Cadence(shares_cores=True)  # on the CPU the write's own seconds are its cost
+    cpu.observe_write(0.03)
+    assert cpu.cost == 0.03
+
+
 def test_votes_sit_between_the_weights_and_the_loss_and_leave_both_alone():
     torch.manual_seed(0)
     model = build_model("debug", vocab_size=64, seq_len=8)
@@ -180,7 +219,7 @@ def test_a_finished_write_is_joined_at_the_next_proposal_and_its_seconds_count(j
     snap = Snapshotter(job_id=job_id, node=0, worker=0, node_of={0: 0}, every="auto", redundancy="none", parity=1,
                        config_hash="cfg", state=lambda: tensors_of(model, opt), on_event=lambda name, **f: None)
     for _ in range(5):
-        snap.observe_step(1e-6)  # steps far shorter than any write: the proposal must grow
+        snap.observe_step(0, 1e-6)  # steps far shorter than any write: the proposal must grow
     view = View(gen=1, members=(0,), step=0)
     for done in (1, 2, 3):  # the first two write fresh buffers: not steady, not counted
         snap.take(done, view, _summed([1]))
@@ -189,6 +228,25 @@ def test_a_finished_write_is_joined_at_the_next_proposal_and_its_seconds_count(j
         proposal = snap.vote()
         assert snap.taken == done and snap._pending is None
     assert len(snap.cadence.writes) == 1 and proposal == VETO - 1
+    snap.close()
+
+
+def test_the_snapshotter_tells_the_cadence_which_steps_took_a_snapshot_and_which_followed_one(job_id):
+    model, opt = _model_and_optimizer(0)
+    snap = Snapshotter(job_id=job_id, node=0, worker=0, node_of={0: 0}, every="auto", redundancy="none", parity=1,
+                       config_hash="cfg", state=lambda: tensors_of(model, opt), on_event=lambda name, **f: None)
+    view = View(gen=1, members=(0,), step=0)
+    for done in (1, 2, 3):  # the third write is the first steady one
+        snap.take(done, view, _summed([1]))
+        snap._pending.result()
+        snap.vote()
+    for done in (4, 5, 6, 7):  # step 4 follows the snapshot of step 3 (taken before any baseline); then plain
+        snap.observe_step(done, 0.10)
+    assert list(snap.cadence.plain) == [0.10] * 3 and not snap.cadence.costs
+    assert snap.take(8, view, _summed([1]))
+    snap.observe_step(8, 0.13)
+    snap.observe_step(9, 0.12)
+    assert list(snap.cadence.plain) == [0.10] * 3 and list(snap.cadence.costs) == [pytest.approx(0.05)]
     snap.close()
 
 

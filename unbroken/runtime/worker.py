@@ -342,7 +342,7 @@ class Trainer:
                                 generation=view.gen, live_workers=len(view.members),
                                 degraded=sorted(set(range(self.job.n_slots)) - set(view.members)))
             if self.snapshots is not None:
-                self.snapshots.observe_step(now - t_prev)
+                self.snapshots.observe_step(done, now - t_prev)
             t_prev = now
             if view.leader == self.spec.worker:
                 self._lead(done, last, due)

@@ -3,10 +3,14 @@
 Each worker measures what its snapshots cost (the seconds from the optimizer
 step to the seal: staging off the device, coding, writing into shared memory)
 and how long a step takes, and proposes the smallest interval ``n`` whose
-``n`` steps cover its write with a margin and, on a CPU device (where the
-write takes cores from training), whose steps the write costs at most
-:data:`BUDGET` of (:meth:`Cadence.proposal`). A worker
-whose last write is still in flight proposes :data:`VETO` ("not now").
+``n`` steps cover its write with a margin and whose steps the snapshot costs at
+most :data:`BUDGET` of (:meth:`Cadence.proposal`). What a snapshot costs the
+training: on a CPU device the write's seconds (it takes cores from training
+while it runs); on a GPU, whose host cores are otherwise idle, the measured
+slowdown of the step that took it and the step after (queueing the copies, the
+next optimizer step waiting on the device for them, the copies sharing the
+device's memory bandwidth), against the median of the steps near no snapshot.
+A worker whose last write is still in flight proposes :data:`VETO` ("not now").
 
 The proposals travel in the step's gradient buffer, in :data:`VOTE_SLOTS`
 float32 slots after the group weights (:class:`~unbroken.mecefo.gradients.GradLayout`,
@@ -30,10 +34,12 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
+from typing import Literal
 
 import torch
 
-__all__ = ["BUDGET", "MARGIN", "VETO", "VOTE_SLOTS", "Cadence", "auto", "cast", "due", "enabled", "tally"]
+__all__ = ["BUDGET", "MARGIN", "VETO", "VOTE_SLOTS", "Cadence", "StepRole", "auto", "cast", "due", "enabled",
+           "tally"]
 
 VOTE_SLOTS = 64
 """Slots of the gradient buffer that carry the proposals: intervals 1 .. VOTE_SLOTS - 1, and the veto."""
@@ -42,10 +48,16 @@ VETO = VOTE_SLOTS
 MARGIN = 1.25
 """A write must fit in ``n`` steps with this much to spare (step times and writes vary)."""
 BUDGET = 0.02
-"""Where the write competes with training for the same cores (a CPU device), its seconds may cost at most
-this share of the steps it covers."""
+"""A snapshot may cost the training at most this share of the steps of its interval."""
 LOWER = 0.7
 """A proposal comes down only once the need is at most this share of it (no flapping between neighbours)."""
+BASELINE_STEPS = 3
+"""Steps near no snapshot needed before a snapshot's cost to its steps is measured (below an interval of 3 there
+are none: then the write is at most about two steps long, and a copy off a GPU costs a small part of it)."""
+
+StepRole = Literal["plain", "taken", "after"]
+"""A step's place relative to the snapshots: ``taken`` (a snapshot of its state was started at its end),
+``after`` (the step after one, not itself taking one) or ``plain``."""
 
 
 def enabled(every: int | str) -> bool:
@@ -81,22 +93,43 @@ class Cadence:
 
     Args:
         window: how many recent steps and writes the proposal looks at.
-        shares_cores: the write runs on the cores that train (a CPU device): each write's seconds are a cost
-            to the steps, kept within :data:`BUDGET` of them; on a GPU the host's cores are otherwise idle
-            and only the fit counts.
+        shares_cores: the write runs on the cores that train (a CPU device): each write's seconds are its
+            cost to the steps; else (a GPU) its cost is the measured slowdown of the steps around it.
     """
 
     def __init__(self, window: int = 8, *, shares_cores: bool = False) -> None:
         self.shares_cores = shares_cores
         self.steps: deque[float] = deque(maxlen=window)
         self.writes: deque[float] = deque(maxlen=max(2, window // 2))
+        self.plain: deque[float] = deque(maxlen=window)
+        """Recent steps near no snapshot: the baseline of a snapshot's cost."""
+        self.costs: deque[float] = deque(maxlen=3)
+        """Recent snapshots' seconds of slowdown to the step that took them and the next (GPU)."""
         self.interval = 0
         """The interval last decided (0 before the first decision)."""
         self._held = 1
+        self._taken: float | None = None
 
-    def observe_step(self, seconds: float) -> None:
-        if seconds > 0 and math.isfinite(seconds):
-            self.steps.append(seconds)
+    def observe_step(self, seconds: float, role: StepRole = "plain") -> None:
+        """A step's seconds, and where it lies relative to the snapshots (a ``taken`` step followed by an
+        ``after`` step gives one measure of a snapshot's cost, against the median ``plain`` step)."""
+        if not (seconds > 0 and math.isfinite(seconds)):
+            return
+        self.steps.append(seconds)
+        if role == "plain":
+            self.plain.append(seconds)
+        taken, self._taken = self._taken, seconds if role == "taken" else None
+        # measured once the writes are steady: the first snapshots allocate their buffers
+        if role == "after" and taken is not None and self.writes and len(self.plain) >= BASELINE_STEPS:
+            self.costs.append(taken + seconds - 2 * statistics.median(self.plain))
+
+    @property
+    def cost(self) -> float | None:
+        """A snapshot's seconds of cost to the training: the write's (a CPU device), else the median measured
+        slowdown of its two steps (None until measured)."""
+        if self.shares_cores:
+            return max(self.writes) if self.writes else None
+        return max(0.0, statistics.median(self.costs)) if self.costs else None
 
     def observe_write(self, seconds: float) -> None:
         """A steady write's seconds (not one that allocated its buffers or first touched its memory)."""
@@ -106,16 +139,18 @@ class Cadence:
     def proposal(self, in_flight: bool) -> int:
         """The veto while a write is in flight; 1 before any write was measured (take one, to measure it);
         else the smallest ``n`` with ``MARGIN * write <= n * step`` (the slowest recent write, the median
-        step) and, where the write shares the training's cores, ``write <= BUDGET * n * step``; at most
-        ``VETO - 1``; raised at once, lowered only when the need falls to ``LOWER`` of it."""
+        step) and ``cost <= BUDGET * n * step`` (:attr:`cost`, once measured; on a GPU ``step`` is the median
+        step near no snapshot); at most ``VETO - 1``; raised at once, lowered only when the need falls to
+        ``LOWER`` of it."""
         if in_flight:
             return VETO
         if not self.writes or not self.steps:
             return 1
-        write, step = max(self.writes), statistics.median(self.steps)
+        write, step, cost = max(self.writes), statistics.median(self.steps), self.cost
         need = MARGIN * write / step
-        if self.shares_cores:
-            need = max(need, write / (BUDGET * step))
+        if cost is not None:  # a share of the steps as they are without a snapshot, where those were measured
+            plain = statistics.median(self.plain) if len(self.plain) >= BASELINE_STEPS else step
+            need = max(need, cost / (BUDGET * (step if self.shares_cores else plain)))
         need = max(1, min(VETO - 1, math.ceil(need)))
         if need > self._held or need <= LOWER * self._held:  # up at once, down only by a clear margin
             self._held = need

@@ -163,9 +163,11 @@ class Snapshotter:
         if self._pending is not None and self._pending.done():
             self.wait()
 
-    def observe_step(self, seconds: float) -> None:
+    def observe_step(self, done: int, seconds: float) -> None:
+        """The seconds of the step that ended with ``done`` steps (after :meth:`take` for it)."""
         if self.cadence is not None:
-            self.cadence.observe_step(seconds)
+            role = "taken" if self.last_step == done else "after" if self.last_step == done - 1 else "plain"
+            self.cadence.observe_step(seconds, role)
 
     def _due(self, done: int, votes: torch.Tensor | None) -> bool:
         if not self.auto:
@@ -180,11 +182,14 @@ class Snapshotter:
             self.cadence.interval = largest
             write = max(self.cadence.writes) if self.cadence.writes else None
             step = sorted(self.cadence.steps)[len(self.cadence.steps) // 2] if self.cadence.steps else None
-            logger.info("snapshot interval %d steps (auto: writes of %s, steps of %s; a whole-job failure goes back "
-                        "at most %d steps)", largest, f"{write:.3f} s" if write is not None else "not measured yet",
-                        f"{step:.3f} s" if step is not None else "not measured yet", 2 * largest)
+            cost = self.cadence.cost
+            logger.info("snapshot interval %d steps (auto: writes of %s, steps of %s, %s of training per snapshot; "
+                        "a whole-job failure goes back at most %d steps)", largest,
+                        f"{write:.3f} s" if write is not None else "not measured yet",
+                        f"{step:.3f} s" if step is not None else "not measured yet",
+                        f"{cost:.3f} s" if cost is not None else "not measured yet", 2 * largest)
             self.on_event("snapshot_interval", step=done, interval=largest, recovery_point_steps=2 * largest,
-                          write_s=write, step_s=step)
+                          write_s=write, step_s=step, cost_s=cost)
         return due(done, largest)
 
     def take(self, done: int, view: View, votes: torch.Tensor | None = None) -> bool:
@@ -265,14 +270,16 @@ class Snapshotter:
     def summary(self) -> dict[str, Any]:
         """Snapshots sealed by this worker, the last one's step, bytes and seconds; under ``auto`` the interval
         chosen, whether it rests on a measured steady write (``settled``), the steps between the last two
-        snapshots (``spacing_steps``), the recovery point they imply (steps: twice the larger of the two) and
-        the snapshots skipped."""
+        snapshots (``spacing_steps``), the recovery point they imply (steps: twice the larger of the two), what
+        a snapshot costs the training (``cost_s``: :attr:`~unbroken.snapshot.cadence.Cadence.cost`) and the
+        snapshots skipped."""
         out: dict[str, Any] = {"taken": self.taken, **(self.last or {})}
         if self.cadence is not None:
             c = self.cadence
             out.update(every="auto", interval=c.interval, settled=bool(c.writes), spacing_steps=self.spacing,
                        recovery_point_steps=2 * max(c.interval, self.spacing or 0), skipped=self.skipped,
-                       write_s=max(c.writes) if c.writes else None, device_staging_bytes=self.stager.device_bytes,
+                       write_s=max(c.writes) if c.writes else None, cost_s=c.cost,
+                       device_staging_bytes=self.stager.device_bytes,
                        proposal=c.proposal(in_flight=False))
         return out
 
