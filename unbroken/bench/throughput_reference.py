@@ -231,6 +231,14 @@ def _print(result: dict[str, Any]) -> None:
         if len(r.get("ratio_vs_plain_rounds", ())) > 1:
             print(f"unbroken, {r['workers']} worker(s), snapshot.every={r['snapshot_every']}: ratio to the plain loop "
                   f"per round {', '.join(f'{x:.3f}' for x in r['ratio_vs_plain_rounds'])}")
+    for r in result["rows"]:
+        snaps = r.get("snapshots") or {}
+        if snaps.get("every") == "auto":
+            write, cost = snaps.get("write_s"), snaps.get("cost_s")
+            print(f"unbroken, {r['workers']} worker(s), snapshot.every=auto: interval {snaps.get('interval')}, "
+                  f"writes of {f'{write:.3f} s' if write is not None else '(none steady)'}, each costing the "
+                  f"training {f'{cost:.3f} s' if cost is not None else '(not measured)'}; settled "
+                  f"{snaps.get('settled')}, {snaps.get('taken')} taken, {snaps.get('skipped')} skipped")
     for r in result["activation_checkpointing"]:
         mem = f"{r['peak_memory_bytes'] / gb:.1f} GiB" if r.get("peak_memory_bytes") else "-"
         print(f"activation checkpointing {r['activation_checkpointing']:>9}: peak {mem}, "
