@@ -79,7 +79,8 @@ def test_a_proposal_is_the_smallest_interval_that_covers_the_write_with_margin()
 
 def test_on_a_gpu_a_snapshot_may_slow_the_steps_around_it_by_at_most_the_budget():
     """A snapshot's cost to the training (GPU): the step that took it and the next one, against the median of
-    the steps near no snapshot; measured only once the writes are steady and 3 such steps were seen."""
+    the steps near no snapshot; measured once the writes are steady and 3 such steps were seen, and taken as
+    the median of the last 3 snapshots' once there are 3."""
     c = Cadence()
     for s in (0.100, 0.101):
         c.observe_step(s)
@@ -87,10 +88,13 @@ def test_on_a_gpu_a_snapshot_may_slow_the_steps_around_it_by_at_most_the_budget(
     assert c.proposal(in_flight=False) == 4  # 1.25 * 0.3 / 0.1 = 3.75: the fit alone
     c.observe_step(0.115, "taken")
     c.observe_step(0.1205, "after")
-    assert c.cost is None and c.proposal(in_flight=False) == 4  # two plain steps: no baseline yet
+    assert not c.costs  # two plain steps: no baseline yet
     c.observe_step(0.099)
-    c.observe_step(0.115, "taken")
-    c.observe_step(0.1205, "after")
+    for n in (1, 2, 3):
+        c.observe_step(0.115, "taken")
+        c.observe_step(0.1205, "after")
+        if n < 3:
+            assert len(c.costs) == n and c.cost is None and c.proposal(in_flight=False) == 4
     # 0.115 + 0.1205 - 2 * 0.100 = 0.0355 s per snapshot, within 2 % of 0.100 s steps: 17.75 of them
     assert c.cost == pytest.approx(0.0355) and c.proposal(in_flight=False) == 18
     for _ in range(2):  # the copies got cheap: the median of the last three costs follows, the interval too

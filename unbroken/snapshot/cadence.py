@@ -51,6 +51,9 @@ BUDGET = 0.02
 """A snapshot may cost the training at most this share of the steps of its interval."""
 LOWER = 0.7
 """A proposal comes down only once the need is at most this share of it (no flapping between neighbours)."""
+COSTS = 3
+"""Snapshots whose cost to their steps was measured, kept; a cost is taken as their median, and only once there
+are this many (one slow step, a pause or a validation run after a snapshot, must not set the interval)."""
 BASELINE_STEPS = 3
 """Steps near no snapshot needed before a snapshot's cost to its steps is measured (below an interval of 3 there
 are none: then the write is at most about two steps long, and a copy off a GPU costs a small part of it)."""
@@ -103,7 +106,7 @@ class Cadence:
         self.writes: deque[float] = deque(maxlen=max(2, window // 2))
         self.plain: deque[float] = deque(maxlen=window)
         """Recent steps near no snapshot: the baseline of a snapshot's cost."""
-        self.costs: deque[float] = deque(maxlen=3)
+        self.costs: deque[float] = deque(maxlen=COSTS)
         """Recent snapshots' seconds of slowdown to the step that took them and the next (GPU)."""
         self.interval = 0
         """The interval last decided (0 before the first decision)."""
@@ -126,10 +129,10 @@ class Cadence:
     @property
     def cost(self) -> float | None:
         """A snapshot's seconds of cost to the training: the write's (a CPU device), else the median measured
-        slowdown of its two steps (None until measured)."""
+        slowdown of its two steps over the last :data:`COSTS` snapshots (None until that many were measured)."""
         if self.shares_cores:
             return max(self.writes) if self.writes else None
-        return max(0.0, statistics.median(self.costs)) if self.costs else None
+        return max(0.0, statistics.median(self.costs)) if len(self.costs) == COSTS else None
 
     def observe_write(self, seconds: float) -> None:
         """A steady write's seconds (not one that allocated its buffers or first touched its memory)."""
