@@ -20,7 +20,8 @@ from unbroken.config import load_config
 from unbroken.faults.analytics import down_distribution, expected_degraded_fraction, expected_down_fraction
 from unbroken.faults.fail_at import parse_fail_at
 from unbroken.faults.injector import NodeFaults
-from unbroken.faults.traces import FailureTrace, Outage, TracePreset, generate_trace, step_time_for, trace_preset
+from unbroken.faults.trace_presets import TracePreset, trace_preset
+from unbroken.faults.traces import FailureTrace, Outage, generate_trace, step_time_for
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -9,15 +9,8 @@ import numpy as np
 import pytest
 
 from unbroken.faults.analytics import down_distribution, expected_degraded_fraction, expected_down_fraction
-from unbroken.faults.traces import (
-    TRACE_PRESETS,
-    FailureTrace,
-    Outage,
-    TracePreset,
-    generate_trace,
-    step_time_for,
-    trace_preset,
-)
+from unbroken.faults.trace_presets import TRACE_PRESETS, TracePreset, trace_preset
+from unbroken.faults.traces import FailureTrace, Outage, generate_trace, step_time_for
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -51,7 +51,7 @@ worker-steps down.
 
 from __future__ import annotations
 
-from unbroken.faults.traces import TracePreset, cluster_share, resolve_preset, shape_problems
+from unbroken.faults.trace_presets import TracePreset, cluster_share, resolve_preset, shape_problems
 
 __all__ = ["down_distribution", "expected_degraded_fraction", "expected_down_fraction"]
 

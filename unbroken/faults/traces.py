@@ -60,8 +60,9 @@ clock and in a fixed order per arrival (gap, choice, repair, all three even for 
 dropped arrival), so one seed tells the same wall-clock story at every
 resolution, up to rounding.
 
-The long-run fractions a preset gives (an Erlang loss system), with worked
-examples, are in :mod:`unbroken.faults.analytics`.
+The presets, and the checks of a job's shape against them, are in
+:mod:`unbroken.faults.trace_presets`; the long-run fractions a preset gives
+(an Erlang loss system), with worked examples, in :mod:`unbroken.faults.analytics`.
 
 Invariants of a ``FailureTrace``
 --------------------------------
@@ -86,84 +87,12 @@ from typing import Any
 
 import numpy as np
 
-__all__ = [
-    "TRACE_PRESETS",
-    "FailureTrace",
-    "Outage",
-    "TracePreset",
-    "cluster_share",
-    "generate_trace",
-    "resolve_preset",
-    "shape_problems",
-    "step_time_for",
-    "trace_preset",
-]
+from unbroken.faults.trace_presets import SECONDS_PER_HOUR, TracePreset, cluster_share, resolve_preset, shape_problems
 
-_SECONDS_PER_HOUR = 3600.0
+__all__ = ["FailureTrace", "Outage", "generate_trace", "step_time_for"]
+
 _JSON_FORMAT = "unbroken.failure_trace"
 _JSON_VERSION = 1
-
-
-@dataclass(frozen=True, kw_only=True)
-class TracePreset:
-    """A failure regime.
-
-    Attributes:
-        name: preset name, recorded in traces for provenance.
-        mtbf_hours: mean time between failures of the whole cluster (by
-            default the job), in hours; ``math.inf`` means nothing ever fails.
-        mttr_hours: mean repair time of a failed worker, in hours (finite, > 0;
-            may be 0 only when nothing fails).
-    """
-
-    name: str
-    mtbf_hours: float
-    mttr_hours: float
-
-    def __post_init__(self) -> None:
-        problems = []
-        if not self.name:
-            problems.append("name must be a non-empty string")
-        if not self.mtbf_hours > 0:  # also rejects NaN
-            problems.append(f"mtbf_hours={self.mtbf_hours!r} must be > 0 (math.inf for no failures)")
-        if self.fails and not (0 < self.mttr_hours < math.inf):
-            problems.append(f"mttr_hours={self.mttr_hours!r} must be a finite number > 0")
-        if not self.fails and not self.mttr_hours >= 0:
-            problems.append(f"mttr_hours={self.mttr_hours!r} must be >= 0")
-        if problems:
-            raise ValueError(f"invalid TracePreset {self.name!r}: " + "; ".join(problems))
-
-    @property
-    def fails(self) -> bool:
-        """Whether any failure can happen under this preset."""
-        return math.isfinite(self.mtbf_hours)
-
-
-# MeCeFO's low / mid / high regimes, plus a harsher one and a failure-free baseline.
-TRACE_PRESETS: dict[str, TracePreset] = {
-    p.name: p
-    for p in (
-        TracePreset(name="none", mtbf_hours=math.inf, mttr_hours=0.0),
-        TracePreset(name="low", mtbf_hours=2.0, mttr_hours=4.0),
-        TracePreset(name="mid", mtbf_hours=1.0, mttr_hours=3.0),
-        TracePreset(name="high", mtbf_hours=0.5, mttr_hours=2.0),
-        TracePreset(name="extreme", mtbf_hours=0.25, mttr_hours=1.0),
-    )
-}
-
-
-def trace_preset(name: str) -> TracePreset:
-    """Return the preset called ``name``.
-
-    Raises:
-        ValueError: unknown name; the message lists the valid ones.
-    """
-    try:
-        return TRACE_PRESETS[name]
-    except KeyError:
-        raise ValueError(
-            f"unknown failure trace {name!r}; expected one of {', '.join(TRACE_PRESETS)}"
-        ) from None
 
 
 def step_time_for(n_steps: int, job_hours: float = 24.0) -> float:
@@ -179,7 +108,7 @@ def step_time_for(n_steps: int, job_hours: float = 24.0) -> float:
         problems.append(f"job_hours={job_hours!r} must be a finite number > 0")
     if problems:
         raise ValueError("step_time_for: " + "; ".join(problems))
-    return job_hours * _SECONDS_PER_HOUR / n_steps
+    return job_hours * SECONDS_PER_HOUR / n_steps
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -366,46 +295,6 @@ class FailureTrace:
             raise ValueError(f"malformed failure trace JSON: {e!r}") from e
 
 
-def resolve_preset(preset: str | TracePreset) -> TracePreset:
-    """``preset`` itself, or the preset of that name."""
-    return preset if isinstance(preset, TracePreset) else trace_preset(preset)
-
-
-def shape_problems(p: TracePreset, n_workers: int, min_live: int, cluster_workers: int | None,
-                   max_down: int | None = None) -> list[str]:
-    """What is wrong with drawing ``p`` for this job shape (empty when nothing is)."""
-    problems = []
-    if max_down is not None and not (
-        isinstance(max_down, int) and not isinstance(max_down, bool) and 0 <= max_down < max(n_workers, 1)
-    ):
-        problems.append(
-            f"max_down={max_down!r} must be an integer in 0..{n_workers - 1} (fewer than n_workers={n_workers}: "
-            "someone must stay up to take over); None for no cap"
-        )
-    if cluster_workers is not None and not (
-        isinstance(cluster_workers, int) and not isinstance(cluster_workers, bool) and cluster_workers >= n_workers
-    ):
-        problems.append(
-            f"cluster_workers={cluster_workers!r} must be an integer >= n_workers={n_workers} "
-            "(the job's workers are part of the cluster); None for the job alone"
-        )
-    if n_workers < 1:
-        problems.append(f"n_workers={n_workers} must be >= 1")
-    elif p.fails and n_workers < 2:
-        problems.append(
-            f"n_workers={n_workers} with failure trace {p.name!r}: no one to take over; "
-            "use n_workers >= 2 or trace 'none'"
-        )
-    if min_live < 0:
-        problems.append(f"min_live={min_live} must be >= 0")
-    elif p.fails and n_workers >= 2 and min_live >= n_workers:
-        problems.append(
-            f"min_live={min_live} with n_workers={n_workers} would drop every failure; "
-            f"use min_live <= {n_workers - 1}"
-        )
-    return problems
-
-
 def generate_trace(
     preset: str | TracePreset,
     *,
@@ -469,8 +358,8 @@ def _draw_outages(p: TracePreset, n_workers: int, n_steps: int, step_time_s: flo
     counts = {"dropped": 0, "deferred": 0, "pending_at_end": 0}
     if p.fails:
         rng = np.random.default_rng(seed)
-        mtbf_s = p.mtbf_hours * _SECONDS_PER_HOUR * cluster_share(n_workers, cluster_workers)
-        mttr_s = p.mttr_hours * _SECONDS_PER_HOUR
+        mtbf_s = p.mtbf_hours * SECONDS_PER_HOUR * cluster_share(n_workers, cluster_workers)
+        mttr_s = p.mttr_hours * SECONDS_PER_HOUR
         horizon_s = n_steps * step_time_s
         back_at = [0] * n_workers  # first step each worker is up again
         queue_head = 0  # deferred arrivals strike in arrival order: none before this step
@@ -519,8 +408,3 @@ def _capped_start(back_at: list[int], step: int, max_down: int) -> int:
         return step
     # The (len - max_down + 1)-th return brings the count below the cap.
     return ends[len(ends) - max_down]
-
-
-def cluster_share(n_workers: int, cluster_workers: int | None) -> float:
-    """``N / n``: how much longer the job waits between failures than the whole cluster."""
-    return 1.0 if cluster_workers is None else cluster_workers / n_workers

@@ -55,7 +55,8 @@ import torch
 from safetensors.torch import save_file
 
 from unbroken.config import Config, config_hash
-from unbroken.faults.traces import FailureTrace, generate_trace, step_time_for, trace_preset
+from unbroken.faults.trace_presets import trace_preset
+from unbroken.faults.traces import FailureTrace, generate_trace, step_time_for
 from unbroken.job.builder import Job, build_job
 from unbroken.job.metrics import MetricsWriter, train_record
 from unbroken.job.run_dir import prepare_out_dir
