@@ -43,16 +43,17 @@ import torch.distributed as dist
 from unbroken.agent.agent_server import ServedAgent, agent_server
 from unbroken.agent.events import EventMerger
 from unbroken.agent.options import RESTART_POLICIES
-from unbroken.config import Config, config_hash
+from unbroken.config import Config
 from unbroken.faults.fail_at import FaultSpec, parse_fail_at, trace_to_faults, write_fault_plan
 from unbroken.faults.injector import check_faults
 from unbroken.faults.store_loss import StoreFaults, store_lost_message
 from unbroken.faults.traces import FailureTrace, generate_trace, step_time_for
-from unbroken.jsonl import JsonlTail, read_jsonl
+from unbroken.jsonl import JsonlTail
 from unbroken.runtime.checkpoint import CheckpointError, latest_checkpoint, read_commit
 from unbroken.snapshot.capacity import check_snapshot_config
 from unbroken.agent.preflight import _truncate_metrics, preflight, prepare_run_dir
 from unbroken.agent.resume_point import resume_point
+from unbroken.agent.run_summary import summarise
 from unbroken.job.references import anchor_references
 from unbroken.models.factory import check_placement
 from unbroken.agent._replacer import NodeReplacer, spare_count
@@ -188,7 +189,7 @@ def _launch(host: StoreHost, cfg: Config, run_dir: Path, *, overwrite: bool, res
                              secret=secret, replace_lost_nodes_s=replace_lost_nodes_s, spare_nodes=spare_nodes,
                              store_faults=store_faults,
                              resume_memory=resume and not mode.restarts_job)
-    summary = _summarise(run_dir, cfg, info, time.time() - t0, resume_from, nodes=nodes, t0=t0)
+    summary = summarise(run_dir, cfg, info, time.time() - t0, resume_from, nodes=nodes, t0=t0)
     if mode.restarts_job:
         summary["job_restarts"] = restarts
         summary["steps_redone"] = sum(r["failed_at_step"] - r["restarted_from_step"] for r in restarts)
@@ -427,77 +428,3 @@ def _log_tail(path: Path, lines: int = 15) -> str:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError as exc:
         return f"(log unreadable: {exc})"
-
-
-def _agent_counts(run_dir: Path, since: float, workers_per_node: int) -> dict[str, int]:
-    """Failures, restarts and injected faults of this launch, from the agents' (and chaos') events."""
-    failures = restarts = injected = handovers = 0
-    for path in sorted((run_dir / "events").glob("agent*.jsonl")):
-        for e in read_jsonl(path):
-            if e.get("kind") != "event" or e.get("t", 0) < since:
-                continue
-            if e["event"] == "worker_exit" and not e.get("clean") and not e.get("stopped_by_agent"):
-                failures += 1
-            elif e["event"] == "fault_injected":
-                injected += 1
-                if e.get("lost_node"):
-                    failures += len(e.get("targets", []))  # a lost node's agent records no exits
-            elif e["event"] == "worker_start" and e.get("join"):
-                restarts += 1
-            elif e["event"] == "standby_assign":
-                handovers += 1
-    for e in read_jsonl(run_dir / "events" / "chaos.jsonl"):
-        if e.get("event") == "fault_injected" and e.get("t", 0) >= since:
-            injected += 1
-            (spec,) = parse_fail_at(e["spec"])
-            if spec.target == "node" and spec.how == "kill":
-                failures += workers_per_node  # the agent went down with them: nobody recorded their exits
-    return {"failures": failures, "restarts": restarts, "faults_injected": injected, "standby_handovers": handovers}
-
-
-def _summarise(run_dir: Path, cfg: Config, info: dict[str, Any], wall_s: float, resume_from: Path | None, *,
-               nodes: int, t0: float) -> dict[str, Any]:
-    records = read_jsonl(run_dir / "metrics.jsonl")
-    train = [r for r in records if r["kind"] == "train"]
-    val = [r for r in records if r["kind"] == "val"]
-    reports = [json.loads(p.read_text()) for p in sorted((run_dir / "workers").glob("w*.json"))]
-    # Under HSDP each worker holds its shard index's part: the workers of one index must agree.
-    per_index: dict[int, set[str]] = {}
-    for r in reports:
-        per_index.setdefault(int(r.get("shard_index", 0)), set()).add(r["param_digest"])
-    agree = bool(per_index) and all(len(d) == 1 for d in per_index.values())
-    digests = sorted(d for ds in per_index.values() for d in ds)
-    steady = [r["tokens_per_s"] for r in train[len(train) // 5 :]] or [0.0]
-    ckpt = latest_checkpoint(run_dir)
-    return {
-        "run_dir": str(run_dir), "config_hash": config_hash(cfg), "workers": cfg.train.workers,
-        "nodes": nodes, "workers_per_node": cfg.train.workers // nodes,
-        "steps": train[-1]["step"] if train else 0, "resumed_from": str(resume_from) if resume_from else None,
-        "final_loss": train[-1]["loss"] if train else None,
-        "val_loss": val[-1]["val_loss"] if val else None, "val_ppl": val[-1]["val_ppl"] if val else None,
-        "tokens_per_s": sorted(steady)[len(steady) // 2], "wall_s": wall_s,
-        "workers_agree": agree, "param_digest": digests[0] if len(digests) == 1 else digests,
-        "checkpoint": str(ckpt) if ckpt else None, **_agent_counts(run_dir, t0, cfg.train.workers // nodes), **info,
-        "peak_memory_bytes": max((r.get("peak_memory_bytes") or 0 for r in reports), default=0) or None,
-        "compiled_frames": max((r.get("compiled_frames", 0) for r in reports), default=0),
-        "snapshots": _snapshot_summary(cfg, reports),
-    }
-
-
-def _snapshot_summary(cfg: Config, reports: list[dict[str, Any]]) -> dict[str, Any]:
-    """The snapshot setting, and under ``auto`` the interval the workers last agreed on, whether every worker had
-    measured a steady write (``settled``: else the interval is the first one, 1, while the first writes into
-    fresh memory are measured), the steps between the last two snapshots, and the recovery point: twice the
-    larger of interval and spacing (a whole-job failure goes back at most that far)."""
-    snaps = [r.get("snapshots") or {} for r in reports]
-    out: dict[str, Any] = {"every": cfg.snapshot.every, "taken": max((s.get("taken", 0) for s in snaps), default=0)}
-    if cfg.snapshot.every == "auto":
-        interval = max((s.get("interval", 0) for s in snaps), default=0)
-        spacing = max((s.get("spacing_steps") or 0 for s in snaps), default=0)
-        writes = [s["write_s"] for s in snaps if s.get("write_s") is not None]
-        out.update(interval=interval, settled=bool(snaps) and all(s.get("settled") for s in snaps),
-                   spacing_steps=spacing or None, recovery_point_steps=2 * max(interval, spacing),
-                   skipped=max((s.get("skipped", 0) for s in snaps), default=0),
-                   slowest_write_s=max(writes) if writes else None,
-                   device_staging_bytes=max((s.get("device_staging_bytes", 0) for s in snaps), default=0))
-    return out
