@@ -151,9 +151,8 @@ class Cadence:
             return 1
         write, step, cost = max(self.writes), statistics.median(self.steps), self.cost
         need = MARGIN * write / step
-        if cost is not None:  # a share of the steps as they are without a snapshot, where those were measured
-            plain = statistics.median(self.plain) if len(self.plain) >= BASELINE_STEPS else step
-            need = max(need, cost / (BUDGET * (step if self.shares_cores else plain)))
+        if cost is not None:  # on a GPU a share of the steps as they are without a snapshot (measured with it)
+            need = max(need, cost / (BUDGET * (step if self.shares_cores else statistics.median(self.plain))))
         need = max(1, min(VETO - 1, math.ceil(need)))
         if need > self._held or need <= LOWER * self._held:  # up at once, down only by a clear margin
             self._held = need
