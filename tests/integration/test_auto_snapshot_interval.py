@@ -44,4 +44,5 @@ def test_auto_interval_is_agreed_and_a_whole_job_kill_restores_within_its_recove
     snaps = job.summary["snapshots"]
     assert snaps["every"] == "auto" and 1 <= snaps["interval"] < 64 and snaps["taken"] >= 1
     assert isinstance(snaps["settled"], bool)
+    assert snaps["cost_s"] == snaps["slowest_write_s"]  # on the CPU a snapshot costs the training its write
     assert snaps["recovery_point_steps"] == 2 * max(snaps["interval"], snaps["spacing_steps"] or 0)

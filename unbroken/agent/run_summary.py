@@ -74,17 +74,19 @@ def summarise(run_dir: Path, cfg: Config, info: dict[str, Any], wall_s: float, r
 def snapshot_summary(cfg: Config, reports: list[dict[str, Any]]) -> dict[str, Any]:
     """The snapshot setting, and under ``auto`` the interval the workers last agreed on, whether every worker had
     measured a steady write (``settled``: else the interval is the first one, 1, while the first writes into
-    fresh memory are measured), the steps between the last two snapshots, and the recovery point: twice the
-    larger of interval and spacing (a whole-job failure goes back at most that far)."""
+    fresh memory are measured), the steps between the last two snapshots, the recovery point (twice the larger
+    of interval and spacing: a whole-job failure goes back at most that far), and the largest of the workers'
+    measured costs of a snapshot to the training (``cost_s``)."""
     snaps = [r.get("snapshots") or {} for r in reports]
     out: dict[str, Any] = {"every": cfg.snapshot.every, "taken": max((s.get("taken", 0) for s in snaps), default=0)}
     if cfg.snapshot.every == "auto":
         interval = max((s.get("interval", 0) for s in snaps), default=0)
         spacing = max((s.get("spacing_steps") or 0 for s in snaps), default=0)
         writes = [s["write_s"] for s in snaps if s.get("write_s") is not None]
+        costs = [s["cost_s"] for s in snaps if s.get("cost_s") is not None]
         out.update(interval=interval, settled=bool(snaps) and all(s.get("settled") for s in snaps),
                    spacing_steps=spacing or None, recovery_point_steps=2 * max(interval, spacing),
                    skipped=max((s.get("skipped", 0) for s in snaps), default=0),
-                   slowest_write_s=max(writes) if writes else None,
+                   slowest_write_s=max(writes) if writes else None, cost_s=max(costs) if costs else None,
                    device_staging_bytes=max((s.get("device_staging_bytes", 0) for s in snaps), default=0))
     return out

@@ -234,7 +234,7 @@ def _print(result: dict[str, Any]) -> None:
     for r in result["rows"]:
         snaps = r.get("snapshots") or {}
         if snaps.get("every") == "auto":
-            write, cost = snaps.get("write_s"), snaps.get("cost_s")
+            write, cost = snaps.get("slowest_write_s"), snaps.get("cost_s")
             print(f"unbroken, {r['workers']} worker(s), snapshot.every=auto: interval {snaps.get('interval')}, "
                   f"writes of {f'{write:.3f} s' if write is not None else '(none steady)'}, each costing the "
                   f"training {f'{cost:.3f} s' if cost is not None else '(not measured)'}; settled "
