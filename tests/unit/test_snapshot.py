@@ -91,7 +91,7 @@ def test_segments_are_private_named_and_sealed(job_id):
     job = _trained()
     events = _snapshot(job_id, job, done=1)
     names = sorted(p.name for p in job_segments(job_id))
-    assert names == sorted(f"unbroken-{job_id}-n{NODE_OF[w]}-w{w}-b1" for w in range(4))
+    assert names == sorted(f"unbroken-{job_id}-n{NODE_OF[w]}-w{w}-b0" for w in range(4))  # a fresh worker: b0
     assert all(oct(p.stat().st_mode & 0o777) == "0o600" for p in job_segments(job_id))
     plan = [e for e in events if e["event"] == "snapshot_plan"][0]
     assert (plan["k"], plan["m"], plan["stripes"], plan["protected"]) == (1, 1, 2, True)
@@ -118,6 +118,79 @@ def test_mapping_a_buffer_ahead_leaves_the_snapshot_it_holds_as_it_was(job_id):
     assert again.mapped and again.is_mapped
     again.close()
     assert path.read_bytes() == before and SealedBuffer.open(path, job_id).seal == seal
+
+
+def _held_steps(job_id: str) -> dict[str, int]:
+    """Segment name -> the step its seal names, for the sealed buffers of ``job_id`` (intact or not)."""
+    out = {}
+    for path in job_segments(job_id):
+        sealed = SealedBuffer.open(path, job_id)
+        if sealed is not None:
+            sealed.verify()
+            out[path.name[-2:]] = sealed.seal["step"]
+    return out
+
+
+def test_a_larger_share_after_a_restore_grows_the_newest_buffer_in_place(job_id):
+    """After a whole-job restore the plan can shrink (fewer members), so every share grows: the first write of
+    the restarted worker goes into its older buffer and maps the other one ahead for the larger size; that
+    other buffer holds the snapshot the job was restored from, and must keep it (sealed, every byte intact)
+    until a later write replaces it, never be unlinked and recreated."""
+    job = _trained()
+    node_of = {0: 0, 1: 1}
+
+    def snapshotter():
+        return Snapshotter(job_id=job_id, node=0, worker=0, node_of=node_of, every=1, redundancy="none", parity=1,
+                           config_hash="cfg", state=lambda: tensors_of(job.model, job.optimizer),
+                           on_event=lambda *a, **k: None, write_threads=2)
+
+    before = snapshotter()  # two members: worker 0 writes half of the state
+    before.take(4, View(gen=1, members=(0, 1), step=4))
+    before.close()
+    assert _held_steps(job_id) == {"b0": 4}
+    small = job_segments(job_id)[0].stat().st_size
+    after = snapshotter()  # restored alone from step 4: its share is the whole state now
+    after.take(5, View(gen=3, members=(0,), step=5))
+    after.wait()
+    assert _held_steps(job_id) == {"b0": 4, "b1": 5}, "the restored-from snapshot survives the map-ahead"
+    assert job_segments(job_id)[0].stat().st_size > small, "and its buffer was grown for the next write"
+    after.take(6, View(gen=3, members=(0,), step=6))
+    after.close()
+    assert _held_steps(job_id) == {"b0": 6, "b1": 5}
+
+
+def test_a_failed_write_leaves_the_newest_snapshot_sealed_and_is_retried_in_its_own_buffer(job_id):
+    """A write that fails (here: a buffer that cannot grow, as on a full /dev/shm) must not flip the double
+    buffer: the next write goes into the same, unsealed or older, buffer, never over the only good copy."""
+    import resource
+
+    big = {"x": torch.zeros(1 << 16)}
+    small = {"x": torch.zeros(1 << 10)}
+    state = {"now": small}
+    events: list[str] = []
+    snap = Snapshotter(job_id=job_id, node=0, worker=0, node_of={0: 0}, every=1, redundancy="none", parity=1,
+                       config_hash="cfg", state=lambda: state["now"], on_event=lambda name, **f: events.append(name))
+    view = View(gen=1, members=(0,), step=1)
+    snap.take(1, view)
+    snap.take(2, view)
+    snap.wait()
+    assert _held_steps(job_id) == {"b0": 1, "b1": 2}
+    old_limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    state["now"] = big  # step 3 needs a larger buffer than the files may grow to
+    resource.setrlimit(resource.RLIMIT_FSIZE, (job_segments(job_id)[0].stat().st_size, old_limit[1]))
+    try:
+        snap.take(3, view)
+        snap.wait()
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, old_limit)
+        signal.signal(signal.SIGXFSZ, old_handler)
+    assert events.count("snapshot_failed") == 1
+    assert _held_steps(job_id) == {"b0": 1, "b1": 2}, "the failed write grew nothing and unsealed nothing"
+    state["now"] = small
+    snap.take(4, view)
+    snap.close()
+    assert _held_steps(job_id) == {"b0": 4, "b1": 2}, "step 4 went where step 3 failed, step 2 kept"
 
 
 def _resident(path) -> int:
@@ -198,7 +271,7 @@ def test_corrupt_buffer_falls_back_to_the_other_buffer_and_says_so(job_id):
         p.grad = torch.ones_like(p)
     job.optimizer.step()
     _snapshot(job_id, job, done=2)
-    victim = segment_dir() / f"unbroken-{job_id}-n0-w0-b0"  # step 2 lives in buffer 0
+    victim = segment_dir() / f"unbroken-{job_id}-n0-w0-b1"  # step 2 lives in buffer 1 (step 1 in buffer 0)
     with open(victim, "r+b") as fh:
         fh.seek(-100, os.SEEK_END)
         byte = fh.read(1)
@@ -206,12 +279,12 @@ def test_corrupt_buffer_falls_back_to_the_other_buffer_and_says_so(job_id):
         fh.write(bytes([byte[0] ^ 0xFF]))
     spec, invs = _spec(job_id)
     assert any("do not match their checksum" in p for p in invs[0]["problems"])
-    # Step 2 is still complete through node 1's parity; lose that too and step 1 (buffer 1) is next.
+    # Step 2 is still complete through node 1's parity; lose that too and step 1 (buffer 0) is next.
     assert spec["step"] == 2 and spec["parity_stripes"] == [0]
     restored, _ = _restore_into(job_id, spec, node=1, members=[2, 3], me=2)
     assert _same_state(job, restored)
     for w in (2, 3):
-        (segment_dir() / f"unbroken-{job_id}-n1-w{w}-b0").unlink()
+        (segment_dir() / f"unbroken-{job_id}-n1-w{w}-b1").unlink()
     spec, _ = _spec(job_id)
     assert spec["step"] == 1
     restored, _ = _restore_into(job_id, spec, node=0, members=[0, 1], me=0)

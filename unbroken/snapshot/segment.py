@@ -208,7 +208,8 @@ class Buffer:
         self._open(size, stop)
 
     def _open(self, size: int, stop: threading.Event | None = None) -> mmap.mmap:
-        """Map the segment with room for ``size`` payload bytes (a fresh segment if it must grow)."""
+        """Map the segment with room for ``size`` payload bytes, growing it in place: what it holds (a sealed
+        snapshot, perhaps the newest) stays readable until :meth:`begin` unseals it."""
         total = HEADER_BYTES + size
         self.mapped = False
         if self._map is not None and len(self._map) >= total:
@@ -216,11 +217,9 @@ class Buffer:
         self.close()
         self.mapped = True
         try:
+            # Grown in place, never replaced: this buffer may hold the newest sealed snapshot (the other
+            # buffer mapped ahead of a write, after a restore whose plan made every share larger).
             fd = _open_own(self.path, os.O_RDWR)
-            if os.fstat(fd).st_size < total:  # growing: rewritten anyway (the other buffer holds the last snapshot)
-                os.close(fd)
-                self.path.unlink()
-                raise FileNotFoundError
         except (FileNotFoundError, SnapshotCorrupt):
             self.path.unlink(missing_ok=True)  # not ours or not a file: replaced by a new one (the folder is private)
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
@@ -229,7 +228,7 @@ class Buffer:
                 # reserve now: a full /dev/shm fails here, not on a page fault
                 os.posix_fallocate(fd, at, min(TOUCH_BYTES, total - at))
                 if stop is not None and stop.is_set():
-                    break  # mapped short: a write into it makes a new one
+                    break  # mapped short: a write into it grows it
             self._fd, self._map = fd, mmap.mmap(fd, os.fstat(fd).st_size, flags=mmap.MAP_SHARED)
         except BaseException:
             os.close(fd)

@@ -3,9 +3,11 @@
 :meth:`Snapshotter.take` is called right after the optimizer step of a step
 (``done`` steps applied). A side thread copies this worker's stripes of the
 live state (:mod:`unbroken.snapshot.plan`), codes them
-(:mod:`unbroken.snapshot.erasure`) and seals them into buffer
-``(done // every) % 2`` of its segment (:mod:`unbroken.snapshot.segment`)
-while the next step computes. :meth:`Snapshotter.wait` joins it; the worker
+(:mod:`unbroken.snapshot.erasure`) and seals them into the buffer of its
+segment (:mod:`unbroken.snapshot.segment`) that does not hold its newest
+sealed snapshot, while the next step computes; the two buffers alternate only
+as writes seal, so a failed write (a full ``/dev/shm``) never costs the last
+good copy. :meth:`Snapshotter.wait` joins it; the worker
 calls it before its all-reduce of the next step completes, so (1) the state
 is never read while the next optimizer step changes it: a snapshot is the
 state of exactly one step, and (2) when step ``s + 1`` commits, every member
@@ -210,10 +212,9 @@ class Snapshotter:
                           nodes=list(plan.nodes), protected=plan.protected, scheme=plan.scheme,
                           **({"shard_index": self.shard[0]} if self.shard[1] > 1 else {}))
         mine = plan.assignment(holders, self.node_of).get(self.worker, [])
-        if self.auto:  # alternate, starting away from this worker's newest sealed snapshot
-            index, self._next = self._next, 1 - self._next
-        else:
-            index = (done // int(self.every)) % 2
+        # Never the buffer holding this worker's newest sealed snapshot: the other one, flipped only once a
+        # write sealed (a failed write leaves its buffer unsealed, and the next write goes there again).
+        index = self._next
         ready, queued = None, None
         device = next((t.device for t in tensors.values() if t.is_cuda), None)
         if device is not None:  # the optimizer step was queued on the compute stream: copy after it
@@ -255,6 +256,7 @@ class Snapshotter:
             return
         try:
             last = pending.result()
+            self._next = 1 - last.pop("index")
         except Exception as exc:  # a full /dev/shm, a coding failure: the job trains on, less protected
             logger.error("snapshot failed: %s", exc)
             self.on_event("snapshot_failed", error=f"{type(exc).__name__}: {exc}")
@@ -409,7 +411,7 @@ class Snapshotter:
             **({"shard": list(self.shard)} if self.shard[1] > 1 else {}),
             **({"moments": "copies"} if self.moments_in_copies else {}),
         })
-        return {"step": done, "bytes": offset, "seconds": time.perf_counter() - t0,
+        return {"step": done, "index": index, "bytes": offset, "seconds": time.perf_counter() - t0,
                 "pinned_bytes": self.stager.pinned_bytes, "fresh": waited or buffer.mapped}
 
 
