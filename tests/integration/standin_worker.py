@@ -48,7 +48,7 @@ def record(run_dir: Path, worker: int, argv: list[str], **extra: object) -> None
     os.replace(tmp, out)
 
 
-def wait_assignment(store: JobStore, node: int, t0: float) -> tuple[int, str] | None:
+def wait_assignment(store: JobStore, node: int, t0: float) -> tuple[int, str, int | None] | None:
     if os.environ.get(IGNORE_SIGTERM_ENV) == "1":
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     store.standby_beat(node)
@@ -73,6 +73,7 @@ def main() -> int:
     ap.add_argument("--world", type=int, required=True)
     ap.add_argument("--store", required=True)
     ap.add_argument("--join", action="store_true")
+    ap.add_argument("--restore-gen", type=int, default=None)
     ap.add_argument("--faults-file", type=Path, default=None)
     ap.add_argument("--faults", default="")
     ap.add_argument("--resume", default=None)
@@ -89,7 +90,7 @@ def main() -> int:
         got = wait_assignment(store, a.node_rank, t0)
         if got is None:
             return 0
-        (worker, faults), join = got, True
+        (worker, faults, _), join = got, True
     assert worker is not None
     pending = list(fault_selection(a.faults_file, faults))
     if join:  # before the record of this incarnation: a test that sees the record may look for the request

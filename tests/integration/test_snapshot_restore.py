@@ -209,6 +209,63 @@ def test_a_member_killed_in_a_restore_admission_is_left_out_and_the_others_resto
     assert all(e["gen"] > restore["gen"] and e["rebuilt"] == 1 and e["received"] == 1 for e in restored)
 
 
+def test_storms_in_a_row_each_restore_from_memory_and_train_every_row_once(tmp_path, corpus_overrides):
+    """Every worker is SIGKILLed in step 9; the job comes back from memory at step 8, and every worker is killed
+    again in step 11, right after it came back; worker 0 kills itself a third time as it enters that second
+    restore. The agents restart each killed worker at once (restart on-failure): a new incarnation starts
+    while the previous restored view is still the current one (its members all dead), and must not enter that
+    view again (its steps were trained: an incarnation that took it for its own trained rows twice, or ran a
+    step with no group). Each storm restores from memory, losing only the steps since the newest seal, and the
+    run ends with every row trained exactly once. (Worker 0 is left out of the second restore and rejoins: the
+    steps in between spread its rows, so the parameters are not bit for bit the uninterrupted run's.)"""
+    cfg = load_config(preset_name="debug", overrides=_overrides(corpus_overrides) + ["snapshot.every=2"])
+    kills = [f"step=9:worker={w}:kill:phase=allreduce" for w in range(4)]
+    kills += [f"step=11:worker={w}:kill:phase=allreduce" for w in range(4)]
+    kills += ["step=10:worker=0:kill:phase=restore"]
+    job = run_job(cfg, tmp_path / "run", nodes=2, workers_per_node=2, fail_at=",".join(kills), restart="on-failure")
+    check_invariants(job, live=[0, 1, 2, 3])
+    restores = sorted(job.events("job_restore"), key=lambda e: e["gen"])
+    assert [(e["restored_from"], e["step"]) for e in restores] == [("memory", 8), ("memory", 10)]
+    assert [e["step"] for e in job.events("fault_self", worker=0, phase="restore")] == [10]
+    first = restores[0]["gen"]
+    # Nobody trained a step in the first restored view after the second storm (its members were all dead).
+    late = [r for r in job.records if r.get("gen") == first and (r.get("kind") == "work" and r["step"] > 11
+                                                                  or r.get("kind") == "commit" and r["step"] >= 11)]
+    assert not late, f"the first restored view trained on after the second storm: {late[:3]}"
+    errors = job.events("worker_error")
+    assert not errors, f"a worker failed with an error of its own: {errors[:2]}"
+
+
+SGD_OPTIMIZER = '''
+import torch
+
+
+def sgd(model, ctx):
+    return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+'''
+
+
+def test_a_users_sgd_with_momentum_comes_back_from_memory_bit_for_bit(tmp_path, corpus_overrides):
+    """A user's own optimizer (SGD with momentum: a state that is not AdamW's): the only worker of a job is
+    killed in step 9, the job comes back from snapshot memory, and ends with the parameters of the same job
+    without the kill, bit for bit (the momentum buffers were snapshotted too); the checkpoint the job wrote at
+    its end holds them, and resumes bit for bit."""
+    script = tmp_path / "opt.py"
+    script.write_text(SGD_OPTIMIZER)
+    overrides = [*corpus_overrides, "train.steps=14", "train.val_every=0", "train.val_batches=1",
+                 f"data.micro_batch={MB}", "data.seq_len=32", "snapshot.every=2", f"optim.factory={script}:sgd"]
+    cfg = load_config(preset_name="debug", overrides=overrides)
+    plain = run_job(cfg, tmp_path / "plain", nodes=1, workers_per_node=1)
+    killed = run_job(cfg, tmp_path / "killed", nodes=1, workers_per_node=1, restart="on-failure",
+                     fail_at="step=9:worker=0:kill:phase=backward")
+    check_invariants(killed, live=[0])
+    [restore] = killed.events("job_restore")
+    assert (restore["restored_from"], restore["step"]) == ("memory", 8)
+    _assert_identical(killed.summary["checkpoint"], checkpoint_params(plain.summary["checkpoint"]))
+    commit = read_commit(killed.summary["checkpoint"])
+    assert any(name.endswith(".momentum_buffer") for name, *_ in commit["state"]), "the checkpoint holds them"
+
+
 BUGGY_OPTIMIZER = '''
 from pathlib import Path
 

@@ -20,6 +20,7 @@ from torch.distributed.fsdp import fully_shard
 from unbroken.runtime.checkpoint import AsyncCheckpointer, load_checkpoint, training_state
 from unbroken.sharding.checkpoint import ShardCheckpointer
 from unbroken.sharding.layout import ShardedModel
+from unbroken.sharding.training_state import layout_of
 
 rank, port, run = int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])
 store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
@@ -50,7 +51,7 @@ parts.save_part(2, 0, *own)
 parts.close()
 if rank == 0:
     ckpt = AsyncCheckpointer(run, config_hash="h")
-    ckpt.save(2, rest, {"loss": 0.0}, shards=(0, *layout.checkpoint_parts()))
+    ckpt.save(2, rest, {"loss": 0.0}, shards=(0, *layout.checkpoint_parts()), layout=layout_of(state))
     ckpt.wait()
 dist.barrier()
 path = run / "checkpoints" / "step_0000002"
@@ -83,6 +84,6 @@ def test_each_rank_writes_its_shards_and_loads_them_back_or_the_whole_tensors(tm
     assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in outs]
     got = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
     assert got[0]["parts"] == ["i0", "i1"] and got[0]["hsdp_parts"] == 2
-    assert set(got[0]["leader_keys"]) == {"optim", "rng"}, "the leader writes no sharded tensor itself"
+    assert set(got[0]["leader_keys"]) == {"group", "optim", "rng"}, "the leader writes no sharded tensor itself"
     assert got[0]["same"] and got[1]["same"], "each rank loads its own shards back, bit for bit"
     assert got[0]["plain"], "a replicated model gets the parts concatenated: the whole tensors"

@@ -128,17 +128,29 @@ def test_specs_fired_in_an_earlier_attempt_do_not_fire_again() -> None:
 
 
 def test_a_self_injected_fault_is_read_back_from_the_end_of_the_workers_event_file(tmp_path) -> None:
-    from unbroken.agent._run_files import last_self_fault_step
+    from unbroken.agent._run_files import last_self_fault
 
-    assert last_self_fault_step(tmp_path, 2) is None  # no file
+    assert last_self_fault(tmp_path, 2) is None  # no file
     events = tmp_path / "events" / "w2.jsonl"
     events.parent.mkdir()
     lines = [{"kind": "commit", "step": s, "pad": "x" * 300} for s in range(40)]  # longer than the tail read
     events.write_text("".join(json.dumps(r) + "\n" for r in lines))
-    assert last_self_fault_step(tmp_path, 2) is None  # last record is not a fault
+    assert last_self_fault(tmp_path, 2) is None  # last record is not a fault
     with events.open("a") as fh:
-        fh.write(json.dumps({"kind": "event", "event": "fault_self", "worker": 2, "step": 6}) + "\n")
-    assert last_self_fault_step(tmp_path, 2) == 6  # the worker was in step 6, whatever the progress says
+        fh.write(json.dumps({"kind": "event", "event": "fault_self", "worker": 2, "step": 6,
+                             "phase": "restore"}) + "\n")
+    assert last_self_fault(tmp_path, 2) == (6, "restore")  # the worker was in step 6, whatever the progress says
     with events.open("a") as fh:
         fh.write('{"kind": "event", "event": "view_ad')  # a torn line is skipped
-    assert last_self_fault_step(tmp_path, 2) == 6
+    assert last_self_fault(tmp_path, 2) == (6, "restore")
+
+
+def test_the_phase_spec_a_worker_named_as_it_killed_itself_is_the_one_spent() -> None:
+    """A restored job trains its steps again: a worker killed at step 11 had also begun step 10, whose restore
+    spec has not fired yet; the spec it named in its last record is spent, the other stays pending."""
+    specs = [fail_at(step=11, worker=0, how="kill", phase="allreduce"),
+             fail_at(step=10, worker=0, how="kill", phase="restore")]
+    plan = NodeFaults(specs, node=0, workers_per_node=2, start_step=0)
+    assert plan.on_death(0, progress=11, fired=(11, "allreduce")).spec == specs[0]
+    assert plan.worker_faults(0, 10) == (1,), "the restore spec still fires in the next restore of step 10"
+    assert plan.on_death(0, progress=11, fired=(10, "restore")).spec == specs[1]

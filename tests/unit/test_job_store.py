@@ -70,12 +70,15 @@ def test_node_registration_and_standby_offer(store):
     assert store.node_released(0)
     store.standby_announce(0, 42)
     assert store.standby_ready_pid(0) == "42"
-    assert store.standby_offer(0, 3, "1,4") and not store.standby_offer(0, 2, "")
-    assert store.standby_settle(0, 3, 42, retract=False) is None, "not claimed yet"
-    assert store.standby_claim(0, 42) == (3, "")  # the second offer rewrote the faults before failing
-    assert store.standby_settle(0, 3, 42, retract=True) is True
+    offer = store.standby_offer(0, 3, "1,4", restore_gen=7)
+    assert offer and not store.standby_offer(0, 2, "")
+    assert store.standby_settle(0, offer, 42, retract=False) is None, "not claimed yet"
+    assert store.standby_claim(0, 42) == (3, "1,4", 7), "the refused second offer changed nothing"
+    assert store.standby_settle(0, offer, 42, retract=True) is True
     assert store.standby_ready_pid(0) is None
-    assert store.standby_offer(0, 5, "") and store.standby_settle(0, 5, 42, retract=True) is False
+    offer = store.standby_offer(0, 5, "")
+    assert offer and store.standby_settle(0, offer, 42, retract=True) is False
+    assert store.standby_claim(0, 42) is None, "a retracted offer cannot be claimed"
 
 
 RACER = """

@@ -106,7 +106,8 @@ def test_state_goes_to_a_joiner_and_comes_back_bit_exact_in_bounded_chunks():
     finally:
         assert child.wait(60) == 0
     state_bytes = sum(p.nbytes + sum(t.nbytes for t in opt.state[p].values()) for p in model.parameters())
-    assert sent.bytes == got.bytes == state_bytes + rng.nbytes, "each tensor once, in its own dtype"
+    groups = 2 * (8 + 16 + 8 + 8)  # lr, betas, eps, weight decay of AdamW's two groups
+    assert sent.bytes == got.bytes == state_bytes + groups + rng.nbytes, "each tensor once, in its own dtype"
     assert len(out.sizes) == sent.broadcasts + 2, "the header (length, JSON) and then the state"
     assert max(out.sizes[2:]) <= CHUNK and sent.broadcasts >= -(-sent.bytes // CHUNK) > 20
     assert sent.buffer_bytes <= CHUNK and got.buffer_bytes <= CHUNK

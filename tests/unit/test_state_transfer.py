@@ -13,6 +13,7 @@ from unbroken.config import OptimConfig
 from unbroken.models import build_model
 from unbroken.models.optim import build_optimizer
 from unbroken.runtime.state_transfer import transfer_state
+from unbroken.sharding.training_state import capture
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -95,8 +96,10 @@ def test_each_tensor_crosses_in_its_own_dtype_in_chunks_no_larger_than_asked():
     chunk = 100_000
     link = _send(model, opt, chunk)
     params = [p for p in model.parameters()]
+    groups = sum(t.nbytes for name, t in capture(model, opt).items() if name.startswith("group."))
+    assert groups == 2 * (8 + 16 + 8 + 8), "lr, betas, eps and weight decay of its two groups (flags are config)"
     expected = sum(p.nbytes for p in params) + sum(
-        t.nbytes for p in params for t in opt.state[p].values()) + torch.get_rng_state().nbytes
+        t.nbytes for p in params for t in opt.state[p].values()) + torch.get_rng_state().nbytes + groups
     data = link.sent[2:]  # after the header's length and bytes
     assert sum(t.numel() for t in data) == expected, "bf16 parameters and moments: 2 bytes a value"
     assert max(t.numel() for t in data) <= chunk and len(data) >= expected // chunk

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from unbroken.agent._job_error import death_error
 from unbroken.agent._process import HANG_HOWS, ForkedChild, describe_exit, dump_stacks, exit_status, remove_pid, send
-from unbroken.agent._run_files import last_self_fault_step, was_admitted
+from unbroken.agent._run_files import last_self_fault, was_admitted
 from unbroken.agent._supervision import Incarnation, Restart, decode_mark
 from unbroken.faults.fail_at import format_fail_at
 from unbroken.faults.injector import DeathCause
@@ -66,8 +66,9 @@ class DeathDuties:
         reason = json.dumps({"by": "agent", "node": self.node, "how": "exit", "code": code, "signal": sig,
                              "error": error, "t": time.time()})
         self.store.mark_dead(w, reason)
-        progress = max(self._read_progress(), last_self_fault_step(self.run_dir, w) or 0)
-        cause = self.plan.on_death(w, progress) if self.plan else DeathCause(injected=False)
+        fired = last_self_fault(self.run_dir, w)
+        progress = max(self._read_progress(), fired[0] if fired is not None else 0)
+        cause = self.plan.on_death(w, progress, fired) if self.plan else DeathCause(injected=False)
         restart = self._schedule_restart(w, inc, cause, now, rejoin=code == EXIT_REJOIN and not cause.injected)
         self._event("worker_exit", w, clean=False, injected=cause.injected, progress=progress,
                     spec=format_fail_at([cause.spec]) if cause.spec else None,
@@ -179,4 +180,4 @@ class DeathDuties:
         self._restored_gen = view.gen
         for w in self.restorer.workers_to_start(view, set(self.workers)):
             self.restarts.pop(w, None)
-            self._start(w, join=True)
+            self._start(w, join=True, restore_gen=view.gen)

@@ -37,16 +37,19 @@ class StartDuties:
         if w not in self.store.current_view().members:
             self.store.clear_dead(w)
 
-    def _start(self: Agent, w: int, *, join: bool, use_standby: bool = True, resume: bool = True) -> None:
+    def _start(self: Agent, w: int, *, join: bool, use_standby: bool = True, resume: bool = True,
+               restore_gen: int | None = None) -> None:
+        """Start worker ``w`` (``restore_gen``: a joiner started for the restored view of that generation)."""
         progress = self._read_progress()
         faults = ",".join(map(str, self.plan.worker_faults(w, progress))) if self.plan else ""
-        if join and use_standby and self.standby is not None and self.standby.assign(w, faults):
+        if join and use_standby and self.standby is not None and self.standby.assign(w, faults, restore_gen):
             self.log.info("worker %d handed to the standby (pid %d)", w, self.standby.proc.pid)
             return
         k = self.incarnations[w] = self.incarnations.get(w, 0) + 1
         cmd = self.base_cmd + ["--run-dir", str(self.run_dir), "--worker", str(w), "--world", str(self.opts.n_workers),
                                "--store", self.opts.store]
         cmd += ["--join"] if join else []
+        cmd += ["--restore-gen", str(restore_gen)] if join and restore_gen is not None else []
         cmd += ["--faults-file", str(self.fault_plan), "--faults", faults] if faults else []
         if self.opts.resume is not None and not join and resume:
             cmd += ["--resume", str(self.opts.resume)]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from unbroken.jsonl import read_jsonl
 
-__all__ = ["fired_before", "last_self_fault_step", "last_worker_record", "write_layout"]
+__all__ = ["fired_before", "last_self_fault", "last_worker_record", "write_layout"]
 
 
 def fired_before(run_dir: Path, node: int) -> set[str]:
@@ -17,14 +17,15 @@ def fired_before(run_dir: Path, node: int) -> set[str]:
     return {e["spec"] for e in events if e.get("event") in ("fault_injected", "worker_exit") and e.get("spec")}
 
 
-def last_self_fault_step(run_dir: Path, worker: int) -> int | None:
-    """The step of the fault ``worker`` injected into itself, when that is the last record of its event file.
+def last_self_fault(run_dir: Path, worker: int) -> tuple[int, str] | None:
+    """The step and phase of the fault ``worker`` injected into itself, when that is the last record of its
+    event file.
 
     The worker writes ``fault_self`` just before the signal, so a worker found dead with it last was in that
     step, although the job's progress (steps committed) may still read the step before.
     """
     last = last_worker_record(run_dir, worker)
-    return int(last["step"]) if last.get("event") == "fault_self" else None
+    return (int(last["step"]), str(last.get("phase"))) if last.get("event") == "fault_self" else None
 
 
 def last_worker_record(run_dir: Path, worker: int) -> dict:

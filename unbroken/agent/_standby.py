@@ -79,7 +79,8 @@ class Standby:
         self._clock = ObserverClock(limits.liveness_s)
         self._next_check = 0.0
         self._dropped: list[subprocess.Popen[bytes]] = []  # SIGKILLed, not reaped yet
-        self._assigned: tuple[int, float, str] | None = None  # (worker, monotonic time of assignment, faults)
+        # (worker, monotonic time of assignment, faults, the offer as written)
+        self._assigned: tuple[int, float, str, str] | None = None
         self._last_start = -RESPAWN_INTERVAL_S
         self._failures = 0
         self.enabled = True
@@ -99,14 +100,16 @@ class Standby:
             return False
         return True
 
-    def assign(self, worker: int, faults: str) -> bool:
-        """Offer ``worker`` to the ready standby; ``False``: none ready, spawn it yourself."""
+    def assign(self, worker: int, faults: str, restore_gen: int | None = None) -> bool:
+        """Offer ``worker`` (started for restored view ``restore_gen``, if given) to the ready standby;
+        ``False``: none ready, spawn it yourself."""
         if not self.ready():
             return False
-        if not self.store.standby_offer(self.node, worker, faults):
+        offer = self.store.standby_offer(self.node, worker, faults, restore_gen)
+        if offer is None:
             logger.warning("[node %d] standby assign key busy; spawning worker %d afresh", self.node, worker)
             return False
-        self._assigned = (worker, time.monotonic(), faults)
+        self._assigned = (worker, time.monotonic(), faults, offer)
         return True
 
     def tick(self, now: float) -> Handover | None:
@@ -166,9 +169,9 @@ class Standby:
 
     def _settle(self, now: float) -> Handover | None:
         assert self._assigned is not None and self.proc is not None
-        worker, t0, faults = self._assigned
+        worker, t0, faults, offer = self._assigned
         retract = now - t0 >= CLAIM_TIMEOUT_S or self.proc.poll() is not None
-        claimed = self.store.standby_settle(self.node, worker, self.proc.pid, retract=retract)
+        claimed = self.store.standby_settle(self.node, offer, self.proc.pid, retract=retract)
         if claimed is None:
             return None
         proc, self._assigned = self.proc, None

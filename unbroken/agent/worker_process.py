@@ -79,6 +79,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--world", type=int, required=True, help="number of slots")
     ap.add_argument("--store", required=True, help="HOST:PORT of the coordination store")
     ap.add_argument("--join", action="store_true", help="join a running job (restart or replacement)")
+    ap.add_argument("--restore-gen", type=int, default=None,
+                    help="with --join: started for the restored view of this generation")
     ap.add_argument("--resume", type=Path, default=None, help="committed checkpoint directory")
     ap.add_argument("--faults-file", type=Path, default=None, help="the job's fault plan (JSON)")
     ap.add_argument("--faults", default="", help="indices of the plan's specs this worker inflicts on itself")
@@ -122,7 +124,8 @@ def main(argv: list[str] | None = None, *, forked: bool = False, prepared: Prepa
                 code = run(got.spec, store=got.store, prepared=got.prepared, setup=_setup(context, faults))
         else:
             spec = WorkerSpec(run_dir=a.run_dir, worker=a.worker, world=a.world, store=a.store, join=a.join,
-                              resume=a.resume, replica_incarnation=a.replica_incarnation)
+                              resume=a.resume, replica_incarnation=a.replica_incarnation,
+                              restore_gen=a.restore_gen)
             code = run(spec, setup=_setup(context, fault_selection(a.faults_file, a.faults)), clock=clock,
                        prepared=prepared)
     except Exception as exc:

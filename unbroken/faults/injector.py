@@ -215,22 +215,33 @@ class NodeFaults:
         """Indices (into the plan) of the phase specs a new incarnation of ``worker`` carries out.
 
         Phase specs of ``worker`` before ``from_step`` are dropped: it was not
-        running at their step, so they can no longer fire (nor explain a death).
+        running at their step, so they can no longer fire (nor explain a death);
+        except ``phase=restore``: a whole-job restore goes back to an earlier step.
         """
-        self._phased = [s for s in self._phased if not (s.index == worker and s.step < from_step)]
+        self._phased = [s for s in self._phased
+                        if not (s.index == worker and s.step < from_step and s.phase != "restore")]
         return tuple(self._index[id(s)] for s in self._phased if s.index == worker)
 
-    def on_death(self, worker: int, progress: int) -> DeathCause:
+    def on_death(self, worker: int, progress: int, fired: tuple[int, str] | None = None) -> DeathCause:
         """Attribute a death of ``worker`` observed at ``progress`` committed steps.
 
-        A signal this node sent wins; otherwise the earliest pending phase spec
-        of the worker whose step has begun (the worker killed itself); otherwise
-        the death is not injected.
+        A signal this node sent wins; otherwise the phase spec the worker named as it killed itself
+        (``fired``: the step and phase of its last record, ``fault_self``), else the earliest pending phase
+        spec of the worker whose step has begun; otherwise the death is not injected. (A restored job
+        trains its steps again: a spec of a later step and an earlier phase spec of the restore point can
+        both have begun, and only the one that fired is spent.)
         """
         spec = self._fired.pop(worker, None)
+        if spec is None and fired is not None:
+            step, phase = fired
+            for i, s in enumerate(self._phased):
+                if s.index == worker and s.step == step and ("forward" if s.phase == "any" else s.phase) == phase:
+                    spec = self._phased.pop(i)
+                    break
         if spec is None:
             for i, s in enumerate(self._phased):
-                if s.index == worker and s.step <= progress:
+                # A restore spec explains only the death it named: its step is behind the progress long after.
+                if s.index == worker and s.step <= progress and s.phase != "restore":
                     spec = self._phased.pop(i)
                     break
         if spec is None:

@@ -2,11 +2,15 @@
 
 Layout of one checkpoint, ``<run>/checkpoints/step_<NNNNNNN>/``:
 - ``model-*.safetensors`` + ``model.safetensors.index.json``: written by DCP's
-  safetensors storage (JSON header + raw bytes). Holds the model parameters
-  (``model.<name>``), AdamW moments (``optim.<name>.exp_avg`` ...) and the CPU
-  RNG state (``rng.cpu``).
-- ``commit.json``: step, config hash, data position and the sha256 of every
-  other file, written last, durably and atomically
+  safetensors storage (JSON header + raw bytes). Holds the training state
+  under the names of :mod:`unbroken.sharding.training_state`: the model
+  parameters (``model.<name>``), the optimizer's state, whatever the optimizer
+  (``optim.<name>.exp_avg`` ..., ``optim.<name>.momentum_buffer`` ...), its
+  param groups' values and the CPU RNG state (``rng.cpu``).
+- ``commit.json``: step, config hash, data position, the state's layout
+  (``state``: name, dtype and shape of every entry, so a fresh optimizer
+  knows what to load) and the sha256 of every other file, written last,
+  durably and atomically
   (:mod:`unbroken.runtime.checkpoint_files`). A directory without it is
   incomplete and is never resumed from.
 
@@ -47,7 +51,7 @@ from unbroken.runtime.checkpoint_files import (
     write_commit,
 )
 from unbroken.dcp import dcp
-from unbroken.sharding.parts import is_sharded, laid_out_as, local_of, local_part
+from unbroken.sharding.training_state import Restorer, capture, layout_of
 
 __all__ = [
     "COMMIT_FILE",
@@ -56,7 +60,6 @@ __all__ = [
     "checkpoint_dir",
     "latest_checkpoint",
     "load_checkpoint",
-    "load_training_state",
     "read_commit",
     "training_state",
     "verify_checkpoint",
@@ -64,74 +67,21 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-ADAM_KEYS = ("exp_avg", "exp_avg_sq", "step")
-
-
-def step_device(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> torch.device:
-    """Where AdamW keeps ``p``'s step count: on the parameter's device when fused or capturable, else the host."""
-    on_device = any(g.get("fused") or g.get("capturable") for g in optimizer.param_groups)
-    return p.device if on_device else torch.device("cpu")
-
 
 def _save_errors() -> tuple[type[BaseException], ...]:
     """What a failed save raises: any error, or DCP's ``CheckpointException`` (a ``BaseException``)."""
     return (Exception, dcp().CheckpointException)
+
+
 DEFAULT_KEEP = 3
 """Committed checkpoints kept when the caller does not say (``train.keep_checkpoints``)."""
 SAVE_TIMEOUT_S = 600.0
 """Longest wait for one checkpoint's files to be written."""
 
 
-def training_state(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer
-) -> dict[str, torch.Tensor]:
-    """Flat name -> tensor view of everything a worker needs to continue, in the model's parameter order (not
-    the order the optimizer's state was created in, which differs between a worker that trained from the start
-    and one that loaded the state: the snapshot holders of one state must lay it out alike)."""
-    state: dict[str, torch.Tensor] = {}
-    params = list(model.named_parameters())
-    for name, p in params:
-        state[f"model.{name}"] = p.detach()
-    for name, p in params:
-        st = optimizer.state.get(p, {})
-        for key in ADAM_KEYS:
-            if key in st:
-                t = st[key]
-                state[f"optim.{name}.{key}"] = t if torch.is_tensor(t) else torch.tensor(float(t))
-    state["rng.cpu"] = torch.get_rng_state()
-    return state
-
-
-def load_training_state(
-    state: dict[str, torch.Tensor], model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, local: bool = False
-) -> None:
-    """Copy a flat state (as produced by :func:`training_state`) into model and optimizer. ``local``: its
-    entries for sharded parameters are already this rank's parts (not whole tensors)."""
-    params = dict(model.named_parameters())
-    part = (lambda t, p: t if is_sharded(p) else local_part(t, p)) if local else local_part
-    with torch.no_grad():
-        for name, p in params.items():
-            local_of(p).copy_(part(state[f"model.{name}"], p))
-    if hasattr(optimizer, "load_full"):  # a sharded optimizer: flat moments, per-parameter steps
-        optimizer.load_full({name: (state.get(f"optim.{name}.exp_avg"), state.get(f"optim.{name}.exp_avg_sq"),
-                                       state.get(f"optim.{name}.step")) for name in params})
-        torch.set_rng_state(state["rng.cpu"].clone())
-        return
-    for name, p in params.items():
-        keys = {k: state.get(f"optim.{name}.{k}") for k in ADAM_KEYS}
-        if all(v is None for v in keys.values()):
-            continue
-        optimizer.state[p] = {
-            "step": keys["step"].clone().float().to(step_device(optimizer, p)),
-            "exp_avg": laid_out_as(p, part(keys["exp_avg"], p).clone().to(local_of(p).device)),
-            "exp_avg_sq": laid_out_as(p, part(keys["exp_avg_sq"], p).clone().to(local_of(p).device)),
-        }
-    torch.set_rng_state(state["rng.cpu"].clone())
-
-
-def whole(t: torch.Tensor) -> torch.Tensor:
-    """An empty tensor of ``t``'s whole shape and dtype (on the host for a DTensor), to load into."""
-    return torch.empty(t.shape, dtype=t.dtype) if is_sharded(t) else t.detach().clone()
+def training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """The training state as a checkpoint holds it (:func:`unbroken.sharding.training_state.capture`)."""
+    return capture(model, optimizer)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,7 +120,7 @@ class AsyncCheckpointer:
         return self._pending.step if self._pending else None
 
     def save(self, step: int, state: dict[str, torch.Tensor], meta: dict[str, Any],
-             shards: tuple[int, list[str], dict[str, Any]] | None = None) -> None:
+             shards: tuple[int, list[str], dict[str, Any]] | None = None, layout: list[list] | None = None) -> None:
         """Stage ``state`` now and write it asynchronously; ``step`` = steps done.
 
         Waits for the previous save first. A storage error is logged and the
@@ -178,11 +128,14 @@ class AsyncCheckpointer:
         (a sharded run: the view's generation, the parts other workers write,
         what the commit records of them) makes the commit wait for every part
         (:func:`unbroken.sharding.checkpoint.collect_shards`): ZeRO-1's ranges
-        of the moments, HSDP's shard indices.
+        of the moments, HSDP's shard indices. ``layout``: the whole state's
+        (:func:`~unbroken.sharding.training_state.layout_of`) when ``state`` is
+        only the leader's part of it (default: ``state``'s).
         """
         self.wait()
         path = checkpoint_dir(self.run_dir, step)
-        commit = {"step": step, "config_hash": self.config_hash, "data_step": step, **meta}
+        commit = {"step": step, "config_hash": self.config_hash, "data_step": step, **meta,
+                  "state": layout if layout is not None else layout_of(state)}
         try:
             remove_checkpoint(path)  # a leftover of an earlier attempt at this step
             path.mkdir(parents=True)
@@ -316,29 +269,38 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     return None
 
 
-def _load_hsdp(path: str | Path, commit: dict[str, Any], model: torch.nn.Module,
-               optimizer: torch.optim.Optimizer) -> None:
-    """Load an HSDP checkpoint: the leader's step counts and RNG, every sharded tensor from the parts."""
-    from unbroken.sharding.checkpoint import load_hsdp_parts
+def _adam_layout(model: torch.nn.Module) -> list[list]:
+    """The layout of a checkpoint whose commit records none (written by an earlier version, AdamW's state):
+    parameters, then each one's moments and step count, then the CPU RNG state."""
+    params = list(model.named_parameters())
+    out = [[f"model.{name}", _dtype(p), list(p.shape)] for name, p in params]
+    for name, p in params:
+        out += [[f"optim.{name}.exp_avg", _dtype(p), list(p.shape)], [f"optim.{name}.exp_avg_sq", _dtype(p),
+                list(p.shape)], [f"optim.{name}.step", "float32", []]]
+    return out + [["rng.cpu", "uint8", [torch.get_rng_state().numel()]]]
 
-    wanted: dict[str, torch.Tensor] = {}
-    rest: dict[str, torch.Tensor] = {"rng.cpu": torch.get_rng_state()}
-    for name, p in model.named_parameters():
-        wanted[f"model.{name}"] = p
-        for key in ("exp_avg", "exp_avg_sq"):
-            wanted[f"optim.{name}.{key}"] = p
-        rest[f"optim.{name}.step"] = torch.zeros((), dtype=torch.float32)
+
+def _dtype(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+def _read(path: str | Path, state: dict[str, torch.Tensor]) -> None:
+    """Fill ``state``'s tensors from the checkpoint's files (DCP's safetensors reader, no pickle)."""
+    if not state:
+        return
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        dcp().load(rest, storage_reader=dcp().HuggingFaceStorageReader(str(path)), no_dist=True)
-    parts, local = load_hsdp_parts(path, int(commit["hsdp_parts"]), wanted)
-    load_training_state({**rest, **parts}, model, optimizer, local=local)
+        dcp().load(state, storage_reader=dcp().HuggingFaceStorageReader(str(path)), no_dist=True)
 
 
 def load_checkpoint(
     path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, config_hash: str
 ) -> dict[str, Any]:
     """Load a committed, verified checkpoint into model and optimizer; returns its commit record.
+
+    The commit's layout (``state``) says what the checkpoint holds, so an optimizer that has no state yet
+    gets all of it. A sharded run's checkpoint holds the moments as flat ranges under ``shards/``, an HSDP
+    run's every sharded tensor as the parts of its shard indices (:mod:`unbroken.sharding.checkpoint`).
 
     Raises:
         CheckpointError: the checkpoint is incomplete, damaged or from another config.
@@ -349,34 +311,36 @@ def load_checkpoint(
             f"{path} was written by a run with config hash {commit['config_hash']}, "
             f"this run has {config_hash}"
         )
-    # Build the full key set (optimizer moments may not exist yet before a first step). A sharded run's
-    # checkpoint holds the moments as flat ranges under shards/, an HSDP run's every sharded tensor as the
-    # parts of its shard indices (unbroken.sharding.checkpoint).
-    if "hsdp_parts" in commit:
-        _load_hsdp(path, commit, model, optimizer)
-        return commit
     sharded = "shards" in commit
-    state = {k: v for k, v in training_state(model, optimizer).items() if not k.endswith(".exp_avg")
-             and not k.endswith(".exp_avg_sq")}
-    for name, p in model.named_parameters():
-        if not sharded:
-            for key in ("exp_avg", "exp_avg_sq"):
-                state.setdefault(f"optim.{name}.{key}", torch.zeros(p.shape, dtype=p.dtype) if is_sharded(p)
-                                 else torch.zeros_like(p))
-        state.setdefault(f"optim.{name}.step", torch.zeros((), dtype=torch.float32))
-    state = {k: whole(v) for k, v in state.items()}  # a model sharded by FSDP2 loads whole tensors, keeps its part
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        dcp().load(state, storage_reader=dcp().HuggingFaceStorageReader(str(path)), no_dist=True)
+    layout = commit.get("state") or _adam_layout(model)
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    moments = [f"optim.{name}.{key}" for name, _ in params for key in ("exp_avg", "exp_avg_sq")]
+    if sharded:  # ZeRO-1's moments: flat ranges under shards/, whatever optimizer wrote or loads them
+        layout = [e for e in layout if e[0] not in moments] + [
+            [f"optim.{name}.{key}", "float32", list(p.shape)] for name, p in params for key in ("exp_avg", "exp_avg_sq")]
+    restorer = Restorer(layout, model, optimizer, torch.device("cpu"), local=False)
+    wanted = {name: torch.empty(shape, dtype=getattr(torch, dtype)) for name, dtype, shape, *_ in layout
+              if not (sharded and name in moments)}
+    parts: dict[str, torch.Tensor] = {}
+    local = False
+    if "hsdp_parts" in commit:  # every sharded tensor from the parts, the rest from the leader's files
+        from unbroken.sharding.checkpoint import hsdp_part_keys, load_hsdp_parts
+
+        held = hsdp_part_keys(path)
+        in_parts = {name: restorer.targets[name] for name in wanted if name in held}
+        parts, local = load_hsdp_parts(path, int(commit["hsdp_parts"]), in_parts)
+        wanted = {name: t for name, t in wanted.items() if name not in in_parts}
+    _read(path, wanted)
+    for name, t in [*wanted.items(), *parts.items()]:
+        restorer.load(name, t, part=local and name in parts)
     if sharded:
         from unbroken.sharding.checkpoint import load_moments
 
-        params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         m, v = load_moments(path, commit["shards"], sum(p.numel() for _, p in params))
         offset = 0
         for name, p in params:
-            state[f"optim.{name}.exp_avg"] = m[offset:offset + p.numel()].view_as(p)
-            state[f"optim.{name}.exp_avg_sq"] = v[offset:offset + p.numel()].view_as(p)
+            restorer.load(f"optim.{name}.exp_avg", m[offset:offset + p.numel()].view_as(p))
+            restorer.load(f"optim.{name}.exp_avg_sq", v[offset:offset + p.numel()].view_as(p))
             offset += p.numel()
-    load_training_state(state, model, optimizer)
+    restorer.finish()
     return commit

@@ -37,8 +37,8 @@ key                           written by                      holds
 ``agent/<R>`` (+ ``/pid``)    agents (CAS)                    the registration token of node ``R``'s agent
 ``hb/agent/<R>``              agents                          the agent's liveness counter
 ``standby/<R>/ready``         node ``R``'s standby            its pid, once warm
-``standby/<R>/assign``        agent, standby (CAS)            ``"<w>"`` offered, ``"claimed:<pid>"`` taken, ``""``
-``standby/<R>/faults``        agent                           the fault indices the standby is to inject
+``standby/<R>/assign``        agent, standby (CAS)            an offer (JSON: worker, fault indices, restored
+                                                              view), ``"claimed:<pid>"`` taken, ``""``
 ``hb/standby/<R>``            node ``R``'s standby            its liveness counter while it waits for an offer
 ``snapinv/<g>/<R>``           node ``R``'s agent              its snapshot memory (sealed buffers) when view ``g`` died
 ``restore/<g>``               agents (CAS)                    the node whose agent restores the job after view ``g``
@@ -432,29 +432,33 @@ class JobStore:
     def standby_clear_ready(self, node: int) -> None:
         self.backend.delete_key(f"standby/{node}/ready")
 
-    def standby_offer(self, node: int, worker: int, faults: str) -> bool:
-        """Offer ``worker`` (with its fault indices) to node ``node``'s standby; False if an offer is pending."""
-        self.backend.set(f"standby/{node}/faults", faults)
-        return self.backend.compare_set(f"standby/{node}/assign", "", str(worker)).decode() == str(worker)
+    def standby_offer(self, node: int, worker: int, faults: str, restore_gen: int | None = None) -> str | None:
+        """Offer ``worker`` (with its fault indices, and the restored view it is started for, if any) to node
+        ``node``'s standby, in one value (a claim takes all of it or nothing); returns the offer (for
+        :meth:`standby_settle`), or None if another offer is pending."""
+        offer = json.dumps({"worker": worker, "faults": faults, "restore_gen": restore_gen}, sort_keys=True)
+        return offer if self.backend.compare_set(f"standby/{node}/assign", "", offer).decode() == offer else None
 
-    def standby_claim(self, node: int, pid: int) -> tuple[int, str] | None:
-        """The standby's side: take a pending offer; returns (worker, fault indices) or None."""
+    def standby_claim(self, node: int, pid: int) -> tuple[int, str, int | None] | None:
+        """The standby's side: take a pending offer; returns (worker, fault indices, restored view) or None."""
         key = f"standby/{node}/assign"
         offer = _opt(self.backend, key)
         me = f"claimed:{pid}"
-        if offer is None or not offer.isdigit() or self.backend.compare_set(key, offer, me).decode() != me:
+        if not offer or not offer.startswith("{") or self.backend.compare_set(key, offer, me).decode() != me:
             return None
-        return int(offer), _opt(self.backend, f"standby/{node}/faults") or ""
+        terms = json.loads(offer)
+        return int(terms["worker"]), str(terms["faults"]), terms["restore_gen"]
 
-    def standby_settle(self, node: int, worker: int, pid: int, *, retract: bool) -> bool | None:
-        """The agent's side of an offer: True claimed by ``pid``, False retracted, None still pending."""
+    def standby_settle(self, node: int, offer: str, pid: int, *, retract: bool) -> bool | None:
+        """The agent's side of ``offer`` (:meth:`standby_offer`): True claimed by ``pid``, False retracted, None
+        still pending."""
         key, claimed = f"standby/{node}/assign", f"claimed:{pid}"
         value = self.backend.get(key).decode()
         if value != claimed:
             if not retract:
                 return None
             # If the claim slipped in just now, the compare-and-set returns it and it is honoured.
-            value = self.backend.compare_set(key, str(worker), "").decode()
+            value = self.backend.compare_set(key, offer, "").decode()
         if value != claimed:
             return False
         self.backend.compare_set(key, claimed, "")

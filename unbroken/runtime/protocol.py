@@ -381,8 +381,14 @@ class StepProtocol(JoinerAdmission):
             raise MemberDied(f"workers {sorted(dead)} of view {self.view.gen} are dead")
 
     def reconfigure_at_start(self, step: int, reason: str) -> None:
-        """The first view could not be formed: move to the next one, before computing anything."""
-        self._reconfigure(step, reason)
+        """The first view could not be formed: move to the next one, before computing anything.
+
+        Raises:
+            Fenced: the view's first step was decided without this worker (it took a view for its own that
+                went on without it): it holds neither that step's state nor its reduction.
+        """
+        if self._reconfigure(step, reason):
+            raise Fenced(f"view {self.view.gen} went past step {step} without worker {self.me}")
         self.need_exchange = True
 
     def _reconfigure(self, step: int, reason: str) -> bool:

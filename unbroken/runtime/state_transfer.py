@@ -1,23 +1,24 @@
 """Training state streamed to a joining worker, tensor by tensor, in bounded chunks.
 
-What crosses: every trainable parameter (``model.parameters()`` order), the
-optimizer state of each (every entry, keys sorted; AdamW: ``exp_avg``,
-``exp_avg_sq``, ``step``), the CPU RNG state and, on CUDA, the RNG state of the
-group's device. The data position needs no transfer: batches are a pure
-function of the step, which the joiner reads from its view.
+What crosses: the training state of :mod:`unbroken.sharding.training_state`,
+the same entries a snapshot or a checkpoint holds (every parameter, the
+optimizer's whole state and its groups' values, the CPU RNG state and, on
+CUDA, the RNG state of the group's device). The data position needs no
+transfer: batches are a pure function of the step, which the joiner reads from
+its view.
 
 How (:func:`transfer_state`): the source first broadcasts a header (JSON bytes,
-no pickle: shapes, dtypes, where each optimizer tensor lives, non-tensor state
-values), so that a receiver whose optimizer holds no state yet creates it
+no pickle: every entry's name, dtype, shape and whether it lives on the group's
+device), so that a receiver whose optimizer holds no state yet creates it
 where the source keeps it. Then every tensor crosses as its raw bytes, in its
 own dtype, on the group's device:
 
 - a contiguous tensor on the group's device of at least ``DIRECT_MIN_BYTES``
   goes *in place*, in slices of at most ``chunk_bytes`` (the source sends views
   of its tensor; a receiver receives into views of its own);
-- everything else (norm gains, step counters, RNG states; tensors kept on the
-  host while the group is on a GPU) is packed into one staging buffer of at
-  most ``chunk_bytes`` on the group's device.
+- everything else (norm gains, step counters, numbers, RNG states; tensors
+  kept on the host while the group is on a GPU) is packed into one staging
+  buffer of at most ``chunk_bytes`` on the group's device.
 
 Sharded parameters (FSDP2's DTensors, inside an HSDP replica) cross as their
 local shards, and so does their optimizer state: rank ``i`` of a live replica
@@ -43,7 +44,9 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-from torch.distributed.tensor import DTensor
+
+from unbroken.sharding.parts import local_of
+from unbroken.sharding.training_state import Restorer, capture
 
 __all__ = ["CHUNK_BYTES", "DIRECT_MIN_BYTES", "Broadcast", "TransferStats", "transfer_state"]
 
@@ -86,6 +89,7 @@ def transfer_state(broadcast: Broadcast, model: torch.nn.Module, optimizer: torc
 
     Raises:
         ValueError: the state was made for a different model, or bad arguments.
+        StateNotCapturable: the source's optimizer keeps a value the schema cannot hold.
         Whatever ``broadcast`` raises (a collective that failed or was abandoned).
     """
     if chunk_bytes < 1:
@@ -93,49 +97,40 @@ def transfer_state(broadcast: Broadcast, model: torch.nn.Module, optimizer: torc
     send = rank == src
     if send and receive:
         raise ValueError(f"rank {rank} is the source and cannot receive its own state")
-    params = [p for p in model.parameters() if p.requires_grad]
-    header = _header(broadcast, src, device, _describe(params, optimizer, device) if send else None)
-    _check_model(header, params, device)
-    plan = _plan(header, device)
-    if send:
-        tensors: list[torch.Tensor] | None = _sources(params, optimizer, header, device)
+    state = {name: local_of(t) for name, t in capture(model, optimizer, device).items()} if send else None
+    header = _header(broadcast, src, device, _describe(state, model, device) if state is not None else None)
+    _check_model(header, model, device)
+    entries = header["entries"]
+    plan = [(_nbytes(dtype, shape), direct and _nbytes(dtype, shape) >= DIRECT_MIN_BYTES)
+            for _, dtype, shape, direct in entries]
+    restorer = None
+    if state is not None:
+        tensors: list[torch.Tensor] | None = [state[name] for name, *_ in entries]
     elif receive:
-        tensors = _destinations(params, optimizer, header, device)
+        on_device = {name for name, _, _, direct in entries if direct}
+        restorer = Restorer([e[:3] for e in entries], model, optimizer, device, on_device=on_device)
+        into = restorer.destinations
+        tensors = [into[name] for name, *_ in entries]
     else:
         tensors = None
     stats = _Stream(broadcast, src, device, chunk_bytes, plan).run(tensors, send)
-    if receive:
-        _load_rng(tensors[-len(header["rng"]):], device)
+    if restorer is not None:
+        restorer.finish()
     return stats
 
 
 # -- header ---------------------------------------------------------------------
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """What of ``t`` this rank holds: a DTensor's local shard, else ``t`` itself."""
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def _describe(params: list[torch.Tensor], optimizer: torch.optim.Optimizer,
-              device: torch.device) -> dict[str, list]:
-    """The source's header: what every rank needs to plan the stream and a receiver to hold it."""
-    state, scalars = [], []
-    for i, p in enumerate(params):
-        for key, value in sorted(optimizer.state.get(p, {}).items()):
-            if isinstance(value, torch.Tensor):
-                local = _local(value)
-                state.append([i, key, _dtype_name(local.dtype), list(local.shape), local.device == _local(p).device])
-            elif isinstance(value, (bool, int, float)):
-                scalars.append([i, key, value])
-            else:
-                raise ValueError(f"optimizer state {key!r} of parameter {i} is a {type(value).__name__}; "
-                                 "only tensors and numbers can be transferred")
-    rng = [torch.get_rng_state().numel()]
-    if device.type == "cuda":
-        rng.append(torch.cuda.get_rng_state(device).numel())
-    return {"params": [[_dtype_name(p.dtype), list(_local(p).shape)] for p in params],
-            "state": state, "scalars": scalars, "rng": rng}
+def _describe(state: dict[str, torch.Tensor], model: torch.nn.Module, device: torch.device) -> dict[str, list]:
+    """The source's header: every entry of the state (:mod:`unbroken.sharding.training_state`: its name, dtype,
+    this rank's shape, and whether it lives on the group's device, contiguous), in the stream's order."""
+    params = {f"model.{name}" for name, _ in model.named_parameters()}
+    entries = []
+    for name, t in state.items():
+        on_device = t.device.type == device.type and t.is_contiguous() and not name.startswith(("rng.", "group."))
+        entries.append([name, _dtype_name(t.dtype), list(t.shape), on_device or name in params])
+    return {"entries": entries}
 
 
 def _header(broadcast: Broadcast, src: int, device: torch.device, header: dict | None) -> dict:
@@ -152,13 +147,15 @@ def _header(broadcast: Broadcast, src: int, device: torch.device, header: dict |
     return json.loads(bytes(raw.cpu().numpy()).decode())
 
 
-def _check_model(header: dict, params: list[torch.Tensor], device: torch.device) -> None:
-    mine = [[_dtype_name(p.dtype), list(_local(p).shape)] for p in params]
-    if mine != header["params"]:
-        raise ValueError(f"state of {len(header['params'])} parameters does not match this model "
-                         f"({len(mine)} parameters, or different shapes or dtypes, or another shard)")
-    off = [i for i, p in enumerate(params)
-           if _local(p).device.type != device.type or not _local(p).is_contiguous()]
+def _check_model(header: dict, model: torch.nn.Module, device: torch.device) -> None:
+    params = list(model.named_parameters())
+    theirs = [[name[len("model."):], dtype, shape] for name, dtype, shape, _ in header["entries"]
+              if name.startswith("model.")]
+    mine = [[name, _dtype_name(p.dtype), list(local_of(p).shape)] for name, p in params]
+    if mine != theirs:
+        raise ValueError(f"state of {len(theirs)} parameters does not match this model "
+                         f"({len(mine)} parameters, or different names, shapes or dtypes, or another shard)")
+    off = [name for name, p in params if local_of(p).device.type != device.type or not local_of(p).is_contiguous()]
     if off:
         raise ValueError(f"parameters {off[:5]} are not contiguous on the group's device {device}")
 
@@ -172,63 +169,6 @@ def _nbytes(dtype: str, shape: list[int]) -> int:
     for s in shape:
         n *= s
     return n
-
-
-def _plan(header: dict, device: torch.device) -> list[tuple[int, bool]]:
-    """``(nbytes, in_place)`` of every tensor of the stream, in order, from the header alone."""
-    plan = [(_nbytes(d, s), True) for d, s in header["params"]]
-    plan += [(_nbytes(d, s), on_param) for _, _, d, s, on_param in header["state"]]
-    plan += [(n, False) for n in header["rng"]]
-    return [(n, direct and n >= DIRECT_MIN_BYTES) for n, direct in plan]
-
-
-# -- the tensors on each side -----------------------------------------------------
-
-
-def _sources(params: list[torch.Tensor], optimizer: torch.optim.Optimizer, header: dict,
-             device: torch.device) -> list[torch.Tensor]:
-    tensors = [_local(p) for p in params]
-    tensors += [_local(optimizer.state[params[i]][key]) for i, key, *_ in header["state"]]
-    tensors.append(torch.get_rng_state())
-    if device.type == "cuda":
-        tensors.append(torch.cuda.get_rng_state(device))
-    return tensors
-
-
-def _destinations(params: list[torch.Tensor], optimizer: torch.optim.Optimizer, header: dict,
-                  device: torch.device) -> list[torch.Tensor]:
-    """The receiver's own tensors, optimizer state created (or reused) as the source holds it."""
-    wanted: dict[int, dict[str, object]] = {}
-    tensors = [_local(p) for p in params]
-    for i, key, dtype, shape, on_param in header["state"]:
-        p = params[i]
-        where = _local(p).device if on_param else torch.device("cpu")
-        have = optimizer.state.get(p, {}).get(key)
-        sharded = isinstance(p, DTensor) and shape == list(p.to_local().shape) and on_param
-        if not (isinstance(have, torch.Tensor) and isinstance(have, DTensor) == sharded
-                and have.dtype == getattr(torch, dtype) and list(_local(have).shape) == shape
-                and _local(have).device == where and _local(have).is_contiguous()):
-            have = torch.empty(shape, dtype=getattr(torch, dtype), device=where)
-            if sharded:  # the moments of a sharded parameter: laid out as the parameter
-                have = DTensor.from_local(have, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(),
-                                          run_check=False)
-        wanted.setdefault(i, {})[key] = have
-        tensors.append(_local(have))
-    for i, key, value in header["scalars"]:
-        wanted.setdefault(i, {})[key] = value
-    for i, p in enumerate(params):
-        if i in wanted:
-            optimizer.state[p] = wanted[i]
-        else:
-            optimizer.state.pop(p, None)
-    tensors += [torch.empty(n, dtype=torch.uint8) for n in header["rng"]]
-    return tensors
-
-
-def _load_rng(states: list[torch.Tensor], device: torch.device) -> None:
-    torch.set_rng_state(states[0])
-    if device.type == "cuda":
-        torch.cuda.set_rng_state(states[1], device)
 
 
 def _bytes_of(t: torch.Tensor) -> torch.Tensor:

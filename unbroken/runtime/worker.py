@@ -44,6 +44,7 @@ from unbroken.runtime.protocol import MemberDied
 from unbroken.runtime.recovery import recovery
 from unbroken.sharding.checkpoint import ShardCheckpointer
 from unbroken.sharding.parts import local_of
+from unbroken.sharding.training_state import check_capturable, layout_of
 from unbroken.sharding.replicas import ReplicaStore
 from unbroken.sharding.state import ShardedState
 from unbroken.snapshot.trainer_hooks import (job_id, load_from_node_memory, memory_rejoin_allowed, memory_rejoin_failed,
@@ -76,6 +77,9 @@ class WorkerSpec:
     resume: Path | None = None
     replica_incarnation: str = "0"
     """HSDP: names this start of the worker's replica (its ranks rendezvous on keys of their own)."""
+    restore_gen: int | None = None
+    """A joiner its agent started for the restored view of this generation (every member of which is a new
+    incarnation): it enters that view even when it is already the current one."""
 
 
 class JoinRefused(RuntimeError):
@@ -232,6 +236,7 @@ class Trainer:
         """Enter the job (first view or as a joiner); returns the first step to train."""
         t0 = time.perf_counter()
         self._check_consistency()
+        check_capturable(self.job.optimizer)  # its groups now, its state after the first step (train)
         if not self.spec.join:
             view = self._wait_view(lambda v: self.spec.worker in v.members)
             try:
@@ -243,10 +248,14 @@ class Trainer:
             self.protocol.need_exchange |= view.restore is not None  # as in the joiner's restore below
             return view.step
         # Only a view newer than the current one can admit this incarnation (it has not asked yet): the current
-        # one may name this worker as a joiner for its predecessor, admitted just before it died. A restored
-        # view names every member afresh: the current one is this incarnation's too.
+        # one may name this worker as a joiner for its predecessor, admitted just before it died, or as a member
+        # of a restored view its predecessor entered (and trained in, or died in, before the agents restored the
+        # job again: entering it would train its steps twice). A worker its agent started for a restored view
+        # (``restore_gen``: it was not running when the view was published) enters that one.
         current = self.store.gen() if self.store.has_view() else -1
-        joins_after, restores_after = current, current - 1
+        joins_after = restores_after = current
+        if self.spec.restore_gen is not None:
+            restores_after = min(current, self.spec.restore_gen - 1)
         self.m.request_join({"pid": os.getpid(), "config_hash": self.hash, "t": time.time(),
                              "memory": self.snapshots is not None and self.protocol.layout.rejoins_from_memory
                              and memory_rejoin_allowed(self.spec.run_dir, self.spec.worker)})
@@ -329,6 +338,8 @@ class Trainer:
             view, done = self.protocol.view, step + 1
             due = self.schedule.due(done)  # every member runs the schedule: a new leader goes on in step
             lr, grad_norm = self.protocol.layout.apply(step, view, self.protocol.group, reduced, last=done == steps)
+            if step == start:
+                check_capturable(self.job.optimizer)  # the state the optimizer made: before anything captures it
             if due and self.cfg.train.shard_optimizer:  # ZeRO-1: every member writes its range of the moments
                 opt = self.job.optimizer
                 with self.m.busy():
@@ -442,13 +453,14 @@ class Trainer:
                 self.schedule.taken()
                 self._write_part(done)
 
-    def _write_part(self, done: int) -> dict[str, torch.Tensor]:
+    def _write_part(self, done: int) -> tuple[dict[str, torch.Tensor], list[list]]:
         """This worker's part of the checkpoint of ``done`` steps (HSDP: its shards), staged now and written in
-        the background; returns what the leader writes itself (the rest)."""
-        rest, own = self.protocol.layout.split(training_state(self.job.model, self.job.optimizer))
+        the background; returns what the leader writes itself (the rest) and the whole state's layout."""
+        state = training_state(self.job.model, self.job.optimizer)
+        rest, own = self.protocol.layout.split(state)
         if own is not None:
             self.shard_checkpoints.save_part(done, self.protocol.view.gen, *own)
-        return rest
+        return rest, layout_of(state)
 
     def _save(self, done: int, last: dict[str, Any]) -> None:
         if self.checkpointer is None:
@@ -457,7 +469,8 @@ class Trainer:
         self.schedule.taken()
         parts = self.protocol.layout.checkpoint_parts()
         shards = (self.protocol.view.gen, *parts) if parts is not None else None
-        self.checkpointer.save(done, self._write_part(done), {"loss": last["loss"]}, shards=shards)
+        rest, layout = self._write_part(done)
+        self.checkpointer.save(done, rest, {"loss": last["loss"]}, shards=shards, layout=layout)
 
     def param_digest(self) -> str:
         """sha256 of every trainable parameter's bytes, in order (one host copy per tensor, hashed in place:

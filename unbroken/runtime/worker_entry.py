@@ -32,6 +32,7 @@ from unbroken.runtime.store_backend import job_secret
 from unbroken.runtime.worker import (EXIT_NO_LIVE_WORKER, EXIT_REFUSED, EXIT_STORE_LOST, JoinRefused, Trainer,
                                      WorkerSpec)
 from unbroken.sharding.state import ShardLost
+from unbroken.sharding.training_state import StateNotCapturable
 
 __all__ = ["Assignment", "load_run_config", "read_run_config", "run", "standby"]
 
@@ -104,6 +105,10 @@ def run(spec: WorkerSpec, *, store: JobStore | None = None, prepared: Prepared |
     except InconsistentJob as exc:
         logger.error("%s", exc)
         store.fail(str(exc))
+        return EXIT_REFUSED
+    except StateNotCapturable as exc:  # the launcher's JobFailed says "the job stopped: ..."
+        logger.error("%s", exc)
+        store.fail(f"stopped: the optimizer's state cannot be snapshotted, checkpointed or handed over: {exc}")
         return EXIT_REFUSED
     except dist.DistStoreError as exc:  # no answer for fault.store_timeout_s: the job stops (its agent says so)
         logger.error("lost the job store %s: %s", spec.store, str(exc).splitlines()[0])
@@ -181,8 +186,9 @@ def standby(run_dir: Path, world: int, store_addr: str, node: int, prepared: Pre
             store.standby_beat(node)
         got = store.standby_claim(node, os.getpid())
         if got is not None:
-            worker, faults = got
+            worker, faults, restore_gen = got
             logger.info("standby of node %d becomes worker %d", node, worker)
-            spec = WorkerSpec(run_dir=run_dir, worker=worker, world=world, store=store_addr, join=True)
+            spec = WorkerSpec(run_dir=run_dir, worker=worker, world=world, store=store_addr, join=True,
+                              restore_gen=restore_gen)
             return Assignment(spec=spec, store=store, prepared=prepared, faults=faults)
         time.sleep(STANDBY_POLL_S)

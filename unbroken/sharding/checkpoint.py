@@ -40,8 +40,8 @@ import torch
 
 from unbroken.dcp import dcp
 
-__all__ = ["SHARD_WAIT_S", "ShardCheckpointer", "collect_shards", "hsdp_part", "load_hsdp_parts", "load_moments",
-           "staging_dir"]
+__all__ = ["SHARD_WAIT_S", "ShardCheckpointer", "collect_shards", "hsdp_part", "hsdp_part_keys", "load_hsdp_parts",
+           "load_moments", "staging_dir"]
 
 logger = logging.getLogger(__name__)
 
@@ -158,6 +158,11 @@ def load_moments(path: str | Path, ranges: list[list[int]], total: int) -> tuple
             dcp().load(part, storage_reader=dcp().HuggingFaceStorageReader(str(Path(path) / "shards" / f"{lo}-{hi}")),
                      no_dist=True)
     return m, v
+
+
+def hsdp_part_keys(path: str | Path) -> set[str]:
+    """The entries an HSDP checkpoint holds in its parts (every tensor its writers held sharded)."""
+    return set(json.loads((Path(path) / "shards" / hsdp_part(0) / PART).read_text())["dims"])
 
 
 def load_hsdp_parts(path: str | Path, k: int, wanted: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], bool]:

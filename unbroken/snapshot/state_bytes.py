@@ -1,10 +1,10 @@
 """The training state as one flat byte string: a JSON layout plus the raw bytes of each tensor.
 
-What is in it: every trainable parameter, its AdamW state (``exp_avg``,
-``exp_avg_sq``, ``step``), the CPU RNG state and, on CUDA, the device's RNG
-state: the names of :func:`unbroken.runtime.checkpoint.training_state`. The
-schedule and the data position need no bytes: both are pure functions of the
-step, which the snapshot's seal records.
+What is in it: the training state of :mod:`unbroken.sharding.training_state`
+(every parameter, the optimizer's whole state and its groups' values, the CPU
+RNG state and, on CUDA, the device's). The schedule and the data position need
+no bytes: both are pure functions of the step, which the snapshot's seal
+records.
 
 Invariants: the layout lists ``[name, dtype, shape, offset, nbytes]`` in one
 fixed order, offsets are contiguous from 0, each tensor keeps its own dtype
@@ -21,15 +21,10 @@ import warnings
 import numpy as np
 import torch
 
-from unbroken.runtime.checkpoint import ADAM_KEYS, step_device, training_state
-from unbroken.sharding.parts import laid_out_as, local_of
+from unbroken.sharding.parts import local_of
+from unbroken.sharding.training_state import Restorer, capture as capture_state
 
 __all__ = ["StateLayout", "StateLoader", "capture", "copy_range", "layout_hash", "tensors_of"]
-
-_DTYPES = {str(d).removeprefix("torch."): d for d in (
-    torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.uint8, torch.int8,
-    torch.bool)}
-
 
 class StateLayout:
     """Where each tensor of the flat state lives: ``entries[i] = [name, dtype, shape, offset, nbytes]``."""
@@ -55,10 +50,7 @@ def tensors_of(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                device: torch.device | None = None) -> dict[str, torch.Tensor]:
     """The live tensors of the state, by name (views, not copies; read them before the next update). Under
     HSDP a parameter and its moments are this rank's shards (FSDP2's local parts)."""
-    state = {name: local_of(t) for name, t in training_state(model, optimizer).items()}
-    if device is not None and device.type == "cuda":
-        state["rng.cuda"] = torch.cuda.get_rng_state(device)
-    return state
+    return {name: local_of(t) for name, t in capture_state(model, optimizer, device).items()}
 
 
 def describe(tensors: dict[str, torch.Tensor]) -> StateLayout:
@@ -113,11 +105,13 @@ def copy_range(tensors: dict[str, torch.Tensor], dst: torch.Tensor, start: int, 
 class StateLoader:
     """Loads a flat state (bytes of ``layout``) into a live model and optimizer as its bytes arrive.
 
-    Each range handed to :meth:`write` goes straight into the tensors it
-    covers (parameters and AdamW moments on their device, created where the
+    Each range handed to :meth:`write` goes straight into the tensors it covers
+    (:class:`~unbroken.sharding.training_state.Restorer`'s destinations: the
+    parameters and the optimizer's state on their device, created where the
     optimizer has none yet), so no copy of the whole state is ever built in
-    host memory; the RNG states are set by :meth:`finish`. A sharded
-    optimizer (one with ``load_full``) takes its moments whole, at the end.
+    host memory; :meth:`finish` installs the optimizer's state, its groups'
+    values and the RNG states. A sharded optimizer (one with ``load_full``)
+    takes its moments whole, at the end.
 
     Raises:
         ValueError: the layout does not fit the model (a parameter missing or of
@@ -126,47 +120,10 @@ class StateLoader:
 
     def __init__(self, layout: list[list], model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  device: torch.device) -> None:
-        self.model, self.optimizer, self.device = model, optimizer, device
-        live = self._live(layout, model, optimizer)
-        self.targets: list[tuple[int, int, torch.Tensor]] = []
-        self.host: dict[str, torch.Tensor] = {}
-        for name, dtype, shape, offset, n in layout:
-            if dtype not in _DTYPES:
-                raise ValueError(f"snapshot tensor {name!r} has unsupported dtype {dtype!r}")
-            t = live.get(name)
-            if t is None:  # an RNG state, a sharded optimizer's moments: on the host, applied by finish()
-                t = self.host[name] = torch.empty(shape, dtype=_DTYPES[dtype])
-            elif t.dtype != _DTYPES[dtype] or tuple(t.shape) != tuple(shape):
-                raise ValueError(f"snapshot does not fit the model: {name!r} is {dtype} {tuple(shape)}, "
-                                 f"the live tensor {str(t.dtype).removeprefix('torch.')} {tuple(t.shape)}")
-            self.targets.append((int(offset), int(n), t.detach().view(-1).view(torch.uint8)))
-
-    @staticmethod
-    def _live(layout: list[list], model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-        """The live tensors the layout's parameters and moments load into (moments created if absent)."""
-        names = {name for name, *_ in layout}
-        params = dict(model.named_parameters())
-        for name, p in params.items():
-            if f"model.{name}" not in names:
-                raise ValueError(f"snapshot does not fit the model: parameter {name!r} missing")
-        live = {f"model.{name}": local_of(p) for name, p in params.items()}  # HSDP: this rank's shards
-        if hasattr(optimizer, "load_full"):
-            return live
-        shapes = {name: (dtype, shape) for name, dtype, shape, *_ in layout}
-        for name, p in params.items():
-            keys = [k for k in ADAM_KEYS if f"optim.{name}.{k}" in names]
-            if not keys:
-                continue
-            st = optimizer.state[p]
-            for k in keys:
-                dtype, shape = shapes[f"optim.{name}.{k}"]
-                have = local_of(st[k]) if torch.is_tensor(st.get(k)) else None
-                if have is None or have.dtype != _DTYPES.get(dtype) or tuple(have.shape) != tuple(shape):
-                    where = step_device(optimizer, p) if k == "step" else local_of(p).device
-                    fresh = torch.zeros(shape, dtype=_DTYPES[dtype], device=where)
-                    st[k] = fresh if k == "step" else laid_out_as(p, fresh)  # a moment is laid out as its parameter
-                live[f"optim.{name}.{k}"] = local_of(st[k])
-        return live
+        self.restorer = Restorer(layout, model, optimizer, device)
+        into = self.restorer.destinations
+        self.targets: list[tuple[int, int, torch.Tensor]] = [
+            (int(offset), int(n), into[name].detach().view(-1).view(torch.uint8)) for name, _, _, offset, n in layout]
 
     def write(self, start: int, data: bytes | bytearray | memoryview) -> None:
         """Bytes ``[start, start + len(data))`` of the flat state into the tensors they belong to."""
@@ -183,14 +140,5 @@ class StateLoader:
                     flat[lo - offset:hi - offset].copy_(src[lo - start:hi - start])
 
     def finish(self) -> None:
-        """Set what is not written in place: the RNG states (and a sharded optimizer's moments)."""
-        params = dict(self.model.named_parameters())
-        if hasattr(self.optimizer, "load_full"):
-            self.optimizer.load_full({name: (self.host.get(f"optim.{name}.exp_avg"),
-                                             self.host.get(f"optim.{name}.exp_avg_sq"),
-                                             self.host.get(f"optim.{name}.step")) for name in params})
-        torch.set_rng_state(self.host["rng.cpu"].clone())
-        if "rng.cuda" in self.host and self.device.type == "cuda":
-            torch.cuda.set_rng_state(self.host["rng.cuda"].clone(), self.device)
-
-
+        """Install what is not written in place: the optimizer's state and groups, the RNG states."""
+        self.restorer.finish()
