@@ -53,3 +53,91 @@ def test_a_template_with_threads_or_a_cuda_context_is_not_forked(monkeypatch):
         template.fork_worker(["x"], "/dev/null", os.getpid(), None, [])
     monkeypatch.setattr(template, "thread_count", lambda: 3)
     assert template.fork_unsafe() == "3 threads"
+
+
+AUDIT = r"""
+import inspect, json, sys
+from pathlib import Path
+import torch
+calls = []
+
+
+def recorded(name, fn):
+    def call(*args, **kwargs):
+        calls.append(name)
+        return fn(*args, **kwargs)
+    return call
+
+
+# Every function of torch.cuda records its call (the real one still runs: this machine has no GPU, so none
+# of them could start a thread here; on a GPU host is_available() alone loads NVML or the driver).
+for name, obj in list(vars(torch.cuda).items()):
+    if inspect.isfunction(obj) or inspect.isbuiltin(obj):
+        setattr(torch.cuda, name, recorded(name, obj))
+from unbroken.agent import template
+prepared, phases = template._prepare(Path(sys.argv[1]))
+why = template.fork_unsafe()
+print(json.dumps({"calls": sorted(set(calls)), "prepared": prepared is not None, "why": why}))
+"""
+
+FLAG_READS = {"is_initialized", "_is_compiled"}
+"""The two torch.cuda functions that read a flag and nothing else (whether a context was made in this process,
+whether torch was built with CUDA): the template's fork check calls the first, torch._dynamo's import the second."""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("device, prepared", [("cuda", False), ("auto", True)])
+def test_the_template_calls_no_cuda_function_whatever_the_device(tmp_path: Path, device: str, prepared: bool):
+    # A CUDA job on a GPU host: the template decides what it prepares from the string alone (a CUDA job's
+    # worker builds its data and model after the fork, on its own GPU); ``auto`` on this CPU build is the CPU.
+    cfg = load_config(preset_name="debug", overrides=[f"train.device={device}"])
+    (tmp_path / "config.json").write_text(json.dumps(cfg.to_dict()))
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    done = subprocess.run([sys.executable, "-c", AUDIT, str(tmp_path)], capture_output=True, text=True,
+                          timeout=100, env=env)
+    assert done.returncode == 0, done.stderr
+    got = json.loads(done.stdout.splitlines()[-1])
+    assert set(got["calls"]) <= FLAG_READS, f"the template called torch.cuda.{sorted(set(got['calls']) - FLAG_READS)}"
+    assert got["prepared"] is prepared and got["why"] is None
+
+
+THREADED_FACTORY = r'''
+import ctypes, threading
+
+started = threading.Event()
+
+
+def _helper() -> None:
+    ctypes.CDLL(None).prctl(15, ctypes.c_char_p(b"odd-helper"), 0, 0, 0)  # PR_SET_NAME: this thread's comm
+    started.set()
+    threading.Event().wait()
+
+
+threading.Thread(target=_helper, daemon=True).start()
+started.wait(10)
+
+
+def make(cfg, device):
+    raise AssertionError("never built: the template refuses before any worker")
+'''
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads thread names in /proc")
+@pytest.mark.timeout(120)
+def test_a_template_that_will_not_fork_names_its_threads(tmp_path: Path):
+    # A library that starts a thread at import (here the job's own data factory module) makes the template
+    # refuse to fork: its ready line says which threads it holds, and so does its log.
+    factory = tmp_path / "threaded_factory.py"
+    factory.write_text(THREADED_FACTORY)
+    cfg = load_config(preset_name="debug", overrides=[f"data.factory={factory}:make"])
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps(cfg.to_dict()))
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    done = subprocess.run([sys.executable, "-m", "unbroken.agent.template", "--run-dir", str(run), "--world", "1"],
+                          capture_output=True, text=True, timeout=100, env=env, stdin=subprocess.DEVNULL)
+    assert done.returncode == 2, done.stderr
+    ready = json.loads(done.stdout.splitlines()[0])
+    assert ready["ready"] is False and ready["why"] == "2 threads"
+    assert len(ready["thread_names"]) == 2 and "odd-helper" in ready["thread_names"], ready
+    assert "2 threads after start-up (" in done.stderr and "odd-helper" in done.stderr

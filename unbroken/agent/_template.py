@@ -239,7 +239,9 @@ class Template:
             self.close()
             raise TemplateFailed(message)
         if not reply.get("ready"):
-            self._lost(f"not fork-safe ({reply.get('why') or str(reply.get('threads')) + ' threads'} after its start)")
+            names = ", ".join(str(n) for n in reply.get("thread_names") or []) or "names unknown"
+            self._lost(f"not fork-safe ({reply.get('why') or str(reply.get('threads')) + ' threads'} after its start: "
+                       f"{names})")
             self.enabled = False  # it would be the same next time
             return
         self.ready = True

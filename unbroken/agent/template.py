@@ -8,7 +8,9 @@ CPU job: the same objects a warm standby prepares); then it answers, one JSON
 line per request on its stdin, with one JSON line on its stdout:
 
 - at start: ``{"ready": true, "pid": P, "prepared": bool, "phases": {...}, "cpu_s": C}``
-  (``C``: the CPU seconds its start took, which its forks no longer spend),
+  (``C``: the CPU seconds its start took, which its forks no longer spend); when it
+  will not fork, ``"ready": false`` with ``why`` and ``thread_names`` (each
+  thread's name, ``/proc/self/task/*/comm``: who started the thread that stops it),
   or ``{"error": "..."}`` and exit 2 when the job cannot start here (an import
   error in a factory module, a broken install): the agent fails the job once
   with that message instead of starting workers that would all die of it;
@@ -30,8 +32,12 @@ worker's entry point with what the template prepared.
 
 Invariants: the template has exactly one thread whenever it forks (checked
 before every fork; it refuses otherwise): no thread pool of torch, OpenMP or
-OpenBLAS, no CUDA context (it never touches a GPU), no process group, no store
-connection; it exits when its agent closes its stdin or dies.
+OpenBLAS, no CUDA context, no process group, no store connection; it exits when
+its agent closes its stdin or dies. It calls no ``torch.cuda`` function but
+``is_initialized`` (which reads a flag): what it prepares is decided from the
+config's ``train.device`` string alone (:func:`unbroken.models.factory.device_kind`;
+on a CUDA build ``is_available`` loads NVML or the driver, which start threads),
+and a CUDA job's worker resolves and binds its GPU after the fork.
 """
 
 from __future__ import annotations
@@ -67,6 +73,23 @@ def thread_count() -> int:
         return 1
 
 
+def thread_names() -> list[str]:
+    """The name of each thread of this process (``/proc/self/task/*/comm``, by thread id; empty where ``/proc``
+    cannot be read): a refusal to fork names them, so a thread that a new image's library starts is found."""
+    names = []
+    try:
+        tids = sorted(os.listdir("/proc/self/task"), key=int)
+    except OSError:
+        return []
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as fh:
+                names.append(fh.read().strip())
+        except OSError:  # the thread ended meanwhile
+            continue
+    return names
+
+
 def fork_unsafe() -> str | None:
     """Why forking this process now would be unsafe (threads beside this one; a CUDA context, which a child
     cannot use), or None."""
@@ -93,7 +116,7 @@ def _prepare(run_dir: Path) -> tuple[Any, dict[str, float]]:
     import unbroken.agent.worker_process  # noqa: F401 (the worker's whole import graph)
     from unbroken.job.builder import prepare
     from unbroken.job.references import resolve_all
-    from unbroken.models.factory import resolve_device
+    from unbroken.models.factory import device_kind
     from unbroken.runtime.worker_entry import read_run_config
 
     phases["imports"] = round(time.perf_counter() - t, 3)
@@ -105,7 +128,9 @@ def _prepare(run_dir: Path) -> tuple[Any, dict[str, float]]:
     phases["config"] = round(time.perf_counter() - t, 3)
     prepared = None
     builtin = not cfg.data.factory and cfg.model.family != "custom"
-    if builtin and resolve_device(cfg.train.device).type == "cpu":
+    # From the config's string alone: resolving a CUDA device here would start NVML's or the driver's threads,
+    # and the template could not fork (a CUDA job's worker resolves and binds its GPU after the fork)
+    if builtin and device_kind(cfg.train.device) == "cpu":
         t = time.perf_counter()
         torch.set_num_threads(1)  # no intra-op pool in a process that forks; each worker sets its own
         prepared = prepare(cfg, torch.device("cpu"))
@@ -198,10 +223,13 @@ def main(argv: list[str] | None = None) -> int:
         _reply(out, {"error": message})
         return 2
     why = fork_unsafe()
+    names = thread_names() if why is not None else []
     _reply(out, {"ready": why is None, "pid": os.getpid(), "threads": thread_count(), "why": why,
+                 **({"thread_names": names} if why is not None else {}),
                  "prepared": prepared is not None, "phases": phases, "cpu_s": round(time.process_time(), 3)})
     if why is not None:
-        print(f"template: {why} after start-up: it will not fork", file=sys.stderr, flush=True)
+        print(f"template: {why} after start-up ({', '.join(names) or 'names unknown'}): it will not fork",
+              file=sys.stderr, flush=True)
         return 2
     for line in sys.stdin:
         try:

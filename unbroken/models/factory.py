@@ -46,6 +46,18 @@ def build_model(
     return model
 
 
+def device_kind(choice: str) -> str:
+    """``"cpu"`` when ``train.device = choice`` surely runs on the CPU, else ``"cuda"`` (the device a worker
+    resolves with :func:`resolve_device`; for ``auto`` on a machine without a GPU that is the CPU still).
+
+    Decided from the string and how torch was built alone: no ``torch.cuda`` call, so no CUDA driver or NVML
+    is loaded and no thread started (a process that forks, the node's template, must have neither).
+    """
+    if choice == "cpu" or (choice == "auto" and not torch.backends.cuda.is_built()):
+        return "cpu"
+    return "cuda"
+
+
 def resolve_device(choice: str, rank: int = 0) -> torch.device:
     """``auto``: the rank's CUDA device when CUDA is available, else CPU.
 
