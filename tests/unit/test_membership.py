@@ -11,7 +11,7 @@ import torch
 
 from unbroken.runtime.job_store import JobStore
 from unbroken.runtime.membership import FIRST_BEAT_FACTOR, Membership, View, beat_interval
-from unbroken.runtime.store_backend import TCPStoreBackend
+from unbroken.runtime.store_backend import EmbeddedBackend
 
 TIMEOUT_S = 0.3
 
@@ -99,11 +99,11 @@ def test_a_request_made_while_the_view_still_names_the_joiner_is_seen_by_the_nex
     assert leader.pending_joins(View(gen=1, members=(0, 1), step=5), 3) == [2]
 
 
-class _Hiccup(TCPStoreBackend):
+class _Hiccup(EmbeddedBackend):
     """The real store, whose answers fail for a while (a store restarting, a network blip)."""
 
-    def __init__(self, real: TCPStoreBackend, failing_s: float) -> None:
-        super().__init__(real.store, real.ns, secret="test")
+    def __init__(self, real: EmbeddedBackend, failing_s: float) -> None:
+        super().__init__(real.client)
         self.until = time.monotonic() + failing_s
         self.errors = 0
 

@@ -1,10 +1,14 @@
-"""Who can reach the job's store: only the job's host address, only with the job's secret."""
+"""Who can reach the job's store: only the job's host address, only with the job's secret, only its launch;
+and whoever reaches the port without them (a torch TCPStore client, a raw socket that guesses, replays a
+recorded connection or tampers with one) reads nothing and changes nothing."""
 
 from __future__ import annotations
 
 import os
 import socket
 import stat
+import threading
+import time
 from datetime import timedelta
 
 import pytest
@@ -12,16 +16,23 @@ import torch.distributed as dist
 
 from unbroken.runtime.job_store import JobStore
 from unbroken.runtime.store_backend import SECRET_ENV, StoreAccessDenied, job_secret, save_secret
+from unbroken.runtime.store_wire import LAUNCH_ENV, MAGIC, NONCE, LAUNCH_LEN
 from unbroken.runtime.view import View
-from unbroken.runtime.store_seal import Sealer
+
+pytestmark = pytest.mark.timeout(60)
+SECRET = "the job's secret"
 
 
 @pytest.fixture()
 def store():
-    s = JobStore.host("127.0.0.1", 0, clients=2, secret="the job's secret")
+    s = JobStore.host("127.0.0.1", 0, clients=2, secret=SECRET)
     s.publish_initial(View(gen=0, members=(0, 1), step=0))
     yield s
-    del s
+    s.close()
+
+
+def _snapshot(store: JobStore) -> dict[str, bytes]:
+    return dict(store.backend.server._data)
 
 
 def test_the_store_listens_on_the_jobs_host_only(store):
@@ -31,22 +42,111 @@ def test_the_store_listens_on_the_jobs_host_only(store):
         socket.create_connection(("127.0.0.2", store.port), timeout=2)
 
 
-def test_a_wrong_secret_is_refused(store):
+def test_a_wrong_secret_or_another_launch_is_refused(store, monkeypatch):
     addr = f"127.0.0.1:{store.port}"
-    assert JobStore.connect(addr, timeout_s=5, secret="the job's secret").gen() == 0
-    with pytest.raises(StoreAccessDenied, match="holds no job under this secret"):
+    assert JobStore.connect(addr, timeout_s=5, secret=SECRET).gen() == 0
+    with pytest.raises(StoreAccessDenied, match="refused this job secret"):
         JobStore.connect(addr, timeout_s=5, secret="a guess")
+    monkeypatch.setenv(LAUNCH_ENV, "0" * 32)  # a process of an earlier launch of the job
+    with pytest.raises(StoreAccessDenied, match=f"serves launch {store.launch}, not this process's launch 0+"):
+        JobStore.connect(addr, timeout_s=5, secret=SECRET)
+    assert store.backend.server.refused == 1, "the wrong secret; the other launch never sent a proof"
 
 
-def test_a_client_without_the_secret_changes_nothing(store):
-    raw = dist.TCPStore("127.0.0.1", store.port, None, is_master=False, timeout=timedelta(seconds=5))
-    for key, value in (("dead/1", "forged"), ("deaths", "1"), ("gen", "7"), ("failed", "forged"),
-                       ("join/1", "{}"), ("done", "1")):
-        raw.set(key, value)
-    assert not store.is_marked_dead(1) and store.deaths() == 0
-    assert store.gen() == 0 and store.failure() is None and not store.is_done()
-    assert store.join_requests([0, 1]) == []
-    assert raw.get("dead/1") == b"forged", "its keys exist, outside the job's namespace"
+def test_a_tcpstore_client_lists_nothing_and_writes_nothing(store):
+    before = _snapshot(store)
+    with pytest.raises((RuntimeError, dist.DistError)):
+        raw = dist.TCPStore("127.0.0.1", store.port, None, is_master=False, timeout=timedelta(seconds=1))
+        raw.list_keys()
+        raw.set("failed", "forged")
+        raw.add("deaths", 1)
+    assert _snapshot(store) == before and store.failure() is None and store.deaths() == 0
+
+
+def _hello(port: int) -> tuple[socket.socket, bytes]:
+    sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+    hello = b""
+    while len(hello) < len(MAGIC) + LAUNCH_LEN + NONCE:
+        hello += sock.recv(64)
+    return sock, hello
+
+
+def test_a_guessed_proof_is_refused_and_nothing_it_sends_afterwards_is_read(store):
+    before = _snapshot(store)
+    sock, hello = _hello(store.port)
+    assert hello.startswith(MAGIC) and store.launch.encode() in hello, "the launch id is public, the key is not"
+    sock.sendall(os.urandom(NONCE + 32))
+    assert sock.recv(1) == b"\0", "refused"
+    try:  # whatever follows goes nowhere: the server closed the connection
+        sock.sendall(b"\x01" * 4096)
+        assert sock.recv(64) == b""
+    except OSError:
+        pass
+    sock.close()
+    assert _snapshot(store) == before
+
+
+class _Recorder:
+    """A man in the middle on loopback: relays one client's connection to the store, records what the client
+    sent, and can flip one byte of the next frame it relays."""
+
+    def __init__(self, port: int) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port, self.target, self.sent, self.flip_next = self.listener.getsockname()[1], port, bytearray(), False
+        threading.Thread(target=self._relay, daemon=True).start()
+
+    def _relay(self) -> None:
+        client, _ = self.listener.accept()
+        server = socket.create_connection(("127.0.0.1", self.target))
+
+        def pipe(src: socket.socket, dst: socket.socket, record: bool) -> None:
+            while data := src.recv(65536):
+                if record:
+                    self.sent += data
+                    if self.flip_next and len(data) > 8:
+                        data = data[:-1] + bytes([data[-1] ^ 1])
+                        self.flip_next = False
+                dst.sendall(data)
+            dst.shutdown(socket.SHUT_RDWR)  # (a close would not wake the other direction's recv)
+
+        threading.Thread(target=pipe, args=(server, client, False), daemon=True).start()
+        pipe(client, server, True)
+
+
+def test_a_recorded_connection_replayed_is_refused_and_a_tampered_frame_ends_its_connection(store):
+    proxy = _Recorder(store.port)
+    client = JobStore.connect(f"127.0.0.1:{proxy.port}", timeout_s=5, secret=SECRET)
+    client.fail("stopped: a genuine write through the recorder")
+    assert store.failure() == "stopped: a genuine write through the recorder"
+    store.backend.delete_key("failed")
+    before = _snapshot(store)
+    replay = socket.create_connection(("127.0.0.1", store.port), timeout=5)
+    replay.recv(len(MAGIC) + LAUNCH_LEN + NONCE)
+    replay.sendall(bytes(proxy.sent))  # the client's handshake and its write, byte for byte
+    assert replay.recv(1) == b"\0", "the server's fresh nonce makes the recorded proof worthless"
+    replay.close()
+    assert _snapshot(store) == before, "the replayed write did not happen"
+    proxy.flip_next = True
+    with pytest.raises(dist.DistStoreError, match="lost"):
+        client.fail("stopped: a tampered write")
+    assert _snapshot(store) == before, "the tampered frame failed its tag: nothing was applied"
+
+
+def test_a_flood_of_connections_is_bounded_and_the_job_still_connects(store):
+    flood = [socket.create_connection(("127.0.0.1", store.port), timeout=5) for _ in range(200)]
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                late = JobStore.connect(f"127.0.0.1:{store.port}", timeout_s=5, secret=SECRET)
+                break
+            except (ConnectionError, StoreAccessDenied, OSError):
+                assert time.monotonic() < deadline, "the job could not connect while the flood lasted"
+                time.sleep(0.2)
+        assert late.gen() == 0
+    finally:
+        for s in flood:
+            s.close()
 
 
 def test_the_secret_file_is_the_owners_alone(tmp_path, monkeypatch):
@@ -64,12 +164,9 @@ def test_the_secret_file_is_the_owners_alone(tmp_path, monkeypatch):
 
 
 def test_a_group_rendezvous_never_holds_the_failure_detectors_reads(store):
-    """A rendezvous blocked on a member that never arrives (a TCPStore client holds its lock for a whole wait)
-    must not stall the main connection's reads: each group's rendezvous has a connection of its own."""
-    import threading
-    import time
-
-    client = JobStore.connect(f"127.0.0.1:{store.port}", timeout_s=10, secret="the job's secret")
+    """A rendezvous blocked on a member that never arrives must not stall the main connection's reads: each
+    group's rendezvous has a connection of its own."""
+    client = JobStore.connect(f"127.0.0.1:{store.port}", timeout_s=10, secret=SECRET)
     rendezvous = client.group_store(7)
     waiting = threading.Event()
 
@@ -90,29 +187,3 @@ def test_a_group_rendezvous_never_holds_the_failure_detectors_reads(store):
         slowest = max(slowest, time.monotonic() - t0)
     thread.join(10)
     assert slowest < 0.5, f"a read of the store waited {slowest:.2f} s behind the rendezvous"
-
-
-def test_a_client_connecting_before_the_host_wrote_the_jobs_marker_waits_for_it():
-    """Node 0 hosting the store without a launcher: node 1 may connect between the store's listening and the
-    job's marker; it must wait, not be told its secret is wrong."""
-    import threading
-
-    from unbroken.runtime.store_backend import READY_KEY, TCPStoreBackend, _namespace
-
-    master = dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False)
-    got: list[object] = []
-
-    def connect() -> None:
-        try:
-            got.append(TCPStoreBackend.connect(f"127.0.0.1:{master.port}", timeout_s=20, secret="late"))
-        except Exception as exc:  # noqa: BLE001 - the assertion below shows it
-            got.append(exc)
-
-    thread = threading.Thread(target=connect, daemon=True)
-    thread.start()
-    thread.join(0.5)
-    assert thread.is_alive() and not got, "the client waits for the host to be ready"
-    master.set(_namespace("late") + "job", Sealer("late").seal("job", "1"))  # what the host does next
-    master.set(READY_KEY, "1")
-    thread.join(20)
-    assert isinstance(got[0], TCPStoreBackend), got

@@ -52,13 +52,17 @@ class StoreHost:
         return JobStore.host(self.cfg.train.host, self.cfg.train.port, clients=self.clients, secret=self.secret)
 
     def close(self) -> None:
-        """On etcd: delete the job's keys (the embedded store goes with this process)."""
-        if self.url and getattr(self, "store", None) is not None:
-            try:
-                self.store.backend.clear()  # type: ignore[attr-defined]
-            except dist.DistError as exc:
-                logger.warning("could not delete the job's keys on %s (%s); once it answers: etcdctl del --prefix %s",
-                               self.url, str(exc).splitlines()[0], self.store.backend.ns)  # type: ignore[attr-defined]
+        """Stop the embedded store (its port is free when this returns); on etcd delete the job's keys."""
+        if getattr(self, "store", None) is None:
+            return
+        if not self.url:
+            self.store.close()
+            return
+        try:
+            self.store.backend.clear()  # type: ignore[attr-defined]
+        except dist.DistError as exc:
+            logger.warning("could not delete the job's keys on %s (%s); once it answers: etcdctl del --prefix %s",
+                           self.url, str(exc).splitlines()[0], self.store.backend.ns)  # type: ignore[attr-defined]
 
     def replace(self, config_text: str) -> JobStore:
         """Close the store (every agent of the attempt is stopped) and host an empty one; returns it.
@@ -68,8 +72,9 @@ class StoreHost:
         """
         if self.url:
             self.store.backend.clear()  # type: ignore[attr-defined]
-        del self.store  # the only reference: the TCPStore server stops and its listening socket closes
-        gc.collect()  # in case a reference cycle (a traceback) still held it
+        self.store.close()  # the embedded store stops and its listening socket closes
+        del self.store
+        gc.collect()
         deadline = time.monotonic() + REHOST_S
         while True:
             try:

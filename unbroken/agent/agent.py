@@ -59,6 +59,7 @@ from unbroken.faults.injector import NodeFaults, workers_of
 from unbroken.jsonl import JsonlWriter
 from unbroken.runtime.job_store import JobStore
 from unbroken.runtime.store_backend import SECRET_ENV, StoreAccessDenied, is_etcd_address, job_secret
+from unbroken.runtime.store_wire import LAUNCH_ENV
 from unbroken.runtime.view import View
 from unbroken.config import Config, config_hash
 from unbroken.snapshot.segment import remove_segments
@@ -160,6 +161,8 @@ class Agent(DeathDuties, FaultDuties, StartDuties):
             self._server = self._host_store(secret) if self.opts.host_store else None
             self.store = JobStore.connect(self.opts.store, timeout_s=self.opts.timeout_s, secret=secret)
         except (ConnectionError, ValueError, StoreAccessDenied) as exc:
+            if self.store.launch is not None:  # the processes this agent starts talk to this launch's store only
+                os.environ[LAUNCH_ENV] = self.store.launch
             raise AgentError(f"node {self.node}: {exc}", 2) from None
         if self.opts.spare and not self._take_a_lost_node():
             return 0

@@ -61,6 +61,7 @@ from unbroken.agent._store_host import StoreHost
 from unbroken.runtime.etcd_cluster import parse_etcd
 from unbroken.runtime.job_store import JobStore
 from unbroken.runtime.store_backend import SECRET_ENV, SECRET_FILE, job_secret, new_secret, save_secret
+from unbroken.runtime.store_wire import LAUNCH_ENV
 from unbroken.runtime.recovery import recovery
 
 logger = logging.getLogger(__name__)
@@ -239,6 +240,7 @@ def _attempt(store: JobStore, addr: str, cfg: Config, run_dir: Path,
     """Run the agents until done (None), failed (message) or, under checkpoint-restart, a death."""
     agents: list[subprocess.Popen[bytes]] = []
     replacer = None
+    agent_args["launch"] = store.launch
     if replace_lost_nodes_s is not None or spare_nodes:
         replacer = NodeReplacer(replace_lost_nodes_s, lambda r: _spawn_agent(r, cfg, run_dir, addr, **agent_args),
                                  run_dir=run_dir)
@@ -298,8 +300,10 @@ def _job_faults(cfg: Config, fail_at: str, nodes: int,
 
 def _spawn_agent(node: int, cfg: Config, run_dir: Path, store_addr: str, *, nodes: int, workers_per_node: int,
                  restart: str, fault_plan: Path | None, standby: bool, start_step: int,
-                 resume_from: Path | None, secret: str, resume_memory: bool = False) -> subprocess.Popen[bytes]:
-    """Start node ``node``'s agent (``-1``: a spare node's)."""
+                 resume_from: Path | None, secret: str, resume_memory: bool = False,
+                 launch: str | None = None) -> subprocess.Popen[bytes]:
+    """Start node ``node``'s agent (``-1``: a spare node's); ``launch``: the embedded store's launch id, which
+    the agent and every process it starts pin."""
     rank = ["--spare"] if node < 0 else ["--node-rank", str(node)]
     cmd = [sys.executable, "-m", "unbroken.agent.command", *rank, "--nnodes", str(nodes),
            "--workers-per-node", str(workers_per_node), "--store", store_addr, "--run-dir", str(run_dir),
@@ -313,7 +317,7 @@ def _spawn_agent(node: int, cfg: Config, run_dir: Path, store_addr: str, *, node
     # The secret travels in the environment (never on argv, which any local user can read). Forked by this
     # process's agent server where it runs (no interpreter and imports per agent), else a fresh process; both
     # in the launcher's process group: a terminal's Ctrl-C reaches the agents, which stop their workers.
-    env = {**os.environ, SECRET_ENV: secret}
+    env = {**os.environ, SECRET_ENV: secret, **({LAUNCH_ENV: launch} if launch else {})}
     server = agent_server() if cfg.fault.template else None
     proc: subprocess.Popen[bytes] | ServedAgent | None = server.spawn(cmd[3:], log=log, env=env) if server else None
     if proc is None:

@@ -20,7 +20,7 @@ from typing import Any
 # Loaded on first use (PEP 562): a process that needs only the store (an agent's stand-in, a tool) does not
 # pay for the protocol's and state transfer's imports (torch.distributed.tensor, half a CPU-second).
 _WHERE = {
-    "JobStore": "job_store", "StoreBackend": "job_store", "TCPStoreBackend": "job_store",
+    "JobStore": "job_store", "StoreBackend": "job_store", "EmbeddedBackend": "store_backend",
     "Fenced": "membership", "Membership": "membership", "ViewChanged": "membership",
     "CollectiveFailed": "process_group", "ViewGroup": "process_group",
     "PHASES": "protocol", "MemberDied": "protocol", "StepProtocol": "protocol",
@@ -46,7 +46,7 @@ __all__ = [
     "Recovery",
     "StepProtocol",
     "StoreBackend",
-    "TCPStoreBackend",
+    "EmbeddedBackend",
     "View",
     "ViewChanged",
     "ViewGroup",

@@ -3,13 +3,15 @@
 This is the only module that names coordination keys or calls the store's
 ``get/set/compare_set/add``; the launcher, the agents, the standby, the step
 protocol and the workers all go through :class:`JobStore`. The backend is a
-:class:`StoreBackend`; today's is torch's ``TCPStore`` (:class:`TCPStoreBackend`),
+:class:`StoreBackend`: the job's embedded store (:class:`EmbeddedBackend`),
 hosted by the launcher (or node 0's agent), or an etcd v3 cluster
 (:class:`~unbroken.runtime.etcd_backend.EtcdBackend`, ``--store etcd://...``).
 
-Access (:mod:`unbroken.runtime.store_backend`): the store listens on the
-job's host only, and every key lives under a namespace derived from the job's
-secret, so a client without it can neither read nor change anything.
+Access (:mod:`unbroken.runtime.store_backend`): the embedded store listens
+on the job's host only and serves only connections that prove they hold the
+job's secret, of its launch, so nobody else can read or change anything; on
+etcd every key lives under a namespace derived from the secret and every
+value is sealed.
 
 Key schema (``<g>`` a view generation, ``<w>`` a worker, ``<R>`` a node rank):
 
@@ -59,7 +61,7 @@ from typing import Any, Literal
 
 import torch.distributed as dist
 
-from unbroken.runtime.store_backend import StoreBackend, TCPStoreBackend, is_etcd_address
+from unbroken.runtime.store_backend import EmbeddedBackend, StoreBackend, is_etcd_address
 from unbroken.runtime.view import View
 
 __all__ = ["JobStore", "Outcome"]
@@ -86,14 +88,14 @@ class JobStore:
 
     @classmethod
     def connect(cls, addr: str, *, timeout_s: float, secret: str, store_timeout_s: float | None = None) -> JobStore:
-        """Connect to the job's store at ``HOST:PORT`` (see :meth:`TCPStoreBackend.connect`) or on the etcd
+        """Connect to the job's store at ``HOST:PORT`` (see :meth:`EmbeddedBackend.connect`) or on the etcd
         cluster of an ``etcd://`` address (see :meth:`~unbroken.runtime.etcd_backend.EtcdBackend.connect`);
         ``store_timeout_s``: see :meth:`set_store_timeout` (None: ``timeout_s``)."""
         if is_etcd_address(addr):
             from unbroken.runtime.etcd_backend import EtcdBackend  # optional dependency, imported on use
 
             return cls(EtcdBackend.connect(addr, timeout_s=timeout_s, secret=secret, store_timeout_s=store_timeout_s))
-        return cls(TCPStoreBackend.connect(addr, timeout_s=timeout_s, secret=secret))
+        return cls(EmbeddedBackend.connect(addr, timeout_s=timeout_s, secret=secret))
 
     @classmethod
     def create_on_etcd(cls, addr: str, *, timeout_s: float, secret: str, job: dict[str, Any]) -> JobStore:
@@ -105,8 +107,19 @@ class JobStore:
 
     @classmethod
     def host(cls, host: str, port: int, *, clients: int, secret: str) -> JobStore:
-        """Host a job's store on ``host`` only (see :meth:`TCPStoreBackend.host`)."""
-        return cls(TCPStoreBackend.host(host, port, clients=clients, secret=secret))
+        """Host a job's store on ``host`` only (see :meth:`EmbeddedBackend.host`); :meth:`close` stops it."""
+        return cls(EmbeddedBackend.host(host, port, clients=clients, secret=secret))
+
+    @property
+    def launch(self) -> str | None:
+        """The launch id of the embedded store (None on etcd): the processes an agent starts pin it."""
+        return getattr(self.backend, "launch", None)
+
+    def close(self) -> None:
+        """Close this connection (and stop the store if this process hosts it)."""
+        close = getattr(self.backend, "close", None)
+        if close is not None:
+            close()
 
     @property
     def port(self) -> int:
@@ -217,6 +230,12 @@ class JobStore:
         if int(decided_step) < step:
             return "stale"  # the generation's keys are gone: the compare-and-set echoed the expected value
         return decided  # type: ignore[return-value]
+
+    def decided(self, gen: int) -> int | None:
+        """The last step decided in generation ``gen`` (``view.step - 1`` until its first vote); None once the
+        generation is pruned."""
+        raw = _opt(self.backend, f"outcome/{gen}")
+        return int(raw.partition(":")[0]) if raw else None
 
     def arrive(self, gen: int) -> int:
         """Count this member in at view ``gen``; returns how many have arrived."""

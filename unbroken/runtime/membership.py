@@ -216,7 +216,7 @@ class Membership:
                 for seen, value, limit, how in ((self._hb_seen, beat, hb_limit, "heartbeat"),
                                                 (self._prog_seen, progress, self.progress_timeout_s, "no progress")):
                     last = seen.get(w)
-                    if value < 0:  # a value not the job's (store_backend.UNSEEN): nothing seen, nothing judged
+                    if value < 0:  # not there yet (store_backend.UNSEEN): nothing seen, nothing judged
                         if last is not None:
                             seen[w] = (last[0], now)
                         continue

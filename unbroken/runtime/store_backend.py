@@ -1,17 +1,20 @@
-"""Where the job store's keys live: the backend interface and torch's ``TCPStore`` behind it.
+"""Where the job store's keys live: the backend interface, and the job's embedded store behind it.
 
-Access. The host listens on the job's host only (``train.host``, loopback by
-default; a socket bound there is handed to the store). ``TCPStore`` has no
-authentication of its own, so every key of the job lives under a namespace
-derived from a per-job secret (:func:`job_secret`: generated at launch, kept in
-``RUN/secret`` with mode 0600, or given in ``UNBROKEN_JOB_SECRET`` for jobs
-spanning machines): a client without the secret cannot name, read or change
-any key of the job, cannot join a process group (their rendezvous keys are in
-the namespace too) and so never receives the training state. A connection
-with a wrong secret is refused at once (:class:`StoreAccessDenied`): the host
-writes a marker under the namespace that only the right secret finds.
+Access. The embedded store (:mod:`unbroken.runtime.store_server`) listens on
+the job's host only (``train.host``, loopback by default) and serves only
+connections that prove they hold the job's secret (:func:`job_secret`:
+generated at launch, kept in ``RUN/secret`` with mode 0600, or given in
+``UNBROKEN_JOB_SECRET`` for jobs spanning machines), and only to processes of
+its launch: a client without the secret cannot list, read, write, delete or
+add to any key, cannot join a process group (their rendezvous goes through the
+store too) and so never receives the training state. A connection with a
+wrong secret is refused at once (:class:`StoreAccessDenied`). An etcd cluster
+(:mod:`unbroken.runtime.etcd_backend`) is reached with etcd's own access
+control; there every key lives under a namespace derived from the secret and
+every value is sealed (:mod:`unbroken.runtime.store_seal`).
 
-Invariant: every key a backend stores for the job is under its namespace.
+Invariant: a backend serves one job; on a shared store (etcd) every key it
+writes is under the job's namespace.
 """
 
 from __future__ import annotations
@@ -19,20 +22,17 @@ from __future__ import annotations
 import hashlib
 import os
 import secrets
-import socket
-import time
 from abc import ABC, abstractmethod
-from datetime import timedelta
 from pathlib import Path
 
 import torch.distributed as dist
 
-from unbroken.runtime.store_seal import (NONCE_LEN, TAG_LEN, Sealer, SealedStore, add_sealed, present,
-                                        compare_set_sealed)
-from unbroken.runtime.store_seal import POLL_S as SEAL_POLL_S
+from unbroken.runtime.store_client import GroupStore, StoreClient
+from unbroken.runtime.store_server import StoreServer
+from unbroken.runtime.store_wire import LAUNCH_ENV, HandshakeRefused, WireError
 
 __all__ = ["ETCD_SCHEME", "ETCDS_SCHEME", "ETCD_TLS_ENV", "is_etcd_address", "SECRET_ENV", "SECRET_FILE",
-           "StoreAccessDenied", "StoreBackend", "TCPStoreBackend", "job_secret", "new_secret", "save_secret"]
+           "StoreAccessDenied", "StoreBackend", "EmbeddedBackend", "job_secret", "new_secret", "save_secret"]
 
 ETCD_SCHEME = "etcd://"
 """A store address starting so names an etcd cluster (:mod:`unbroken.runtime.etcd_backend`)."""
@@ -53,8 +53,8 @@ SECRET_FILE = "secret"
 
 
 UNSEEN = b"-1"
-"""What :meth:`TCPStoreBackend.get_present` reads for a counter whose value is not the job's: no observation
-(a liveness reader treats it as a moment it could not see, never as the counter standing still)."""
+"""What :meth:`EmbeddedBackend.get_present` reads for a missing counter: no observation (a liveness reader
+treats it as a moment it could not see; only a store with leases reads a counter gone as its lease expired)."""
 
 
 class StoreAccessDenied(PermissionError):
@@ -100,14 +100,9 @@ def save_secret(run_dir: Path, secret: str) -> None:
     os.replace(tmp, path)
 
 
-READY_KEY = "unbroken/ready"
-"""Set by the host (outside any namespace) once the job's marker is written: a client waits for it before it
-judges its secret, so one that connects in between is not refused."""
-
-
 def _namespace(secret: str) -> str:
+    """The prefix of a job's keys on a shared store (etcd), derived from its secret."""
     return hashlib.sha256(b"unbroken-job-store\0" + secret.encode()).hexdigest()[:32] + "/"
-
 
 
 class StoreBackend(ABC):
@@ -151,166 +146,118 @@ class StoreBackend(ABC):
         """A ``torch.distributed.Store`` under ``prefix`` for a process group's rendezvous."""
 
 
-class TCPStoreBackend(StoreBackend):
-    """torch's ``TCPStore``, every key under the job's namespace and every value sealed with the job's secret
-    (module docstring; :mod:`unbroken.runtime.store_seal`)."""
+class EmbeddedBackend(StoreBackend):
+    """The job's embedded store (:mod:`unbroken.runtime.store_server`), reached over authenticated connections
+    (:mod:`unbroken.runtime.store_client`): nobody without the secret reads or writes a key, so its values
+    need no seals and it needs no namespace (it serves one launch of one job)."""
 
-    SEEN_LIMIT = 100_000
-    """Authentic values remembered per client (for reads that find a forged value); cleared when exceeded."""
+    def __init__(self, client: StoreClient, server: StoreServer | None = None) -> None:
+        self.client, self.server = client, server
 
-    def __init__(self, store: dist.TCPStore, namespace: str, timeout_s: float = 30.0, *, secret: str) -> None:
-        self.store, self.ns, self.timeout_s = store, namespace, timeout_s
-        self.sealer = Sealer(secret)
-        # The last authentic payload this client read or wrote, per key: where its own add of a forged
-        # counter goes on from (a counter only grows); never used for other keys, whose value may have been
-        # deleted or replaced since.
-        self._seen: dict[str, bytes] = {}
-        # The raw value this client last read or wrote at a key it swaps (counters, votes): tried as the
-        # current one, so a swap on a value nobody else wrote since costs one round trip.
-        self._raw: dict[str, bytes | None] = {}
+    @property
+    def launch(self) -> str:
+        """The launch id of the store (its processes pin it: :data:`~unbroken.runtime.store_wire.LAUNCH_ENV`)."""
+        return self.client.launch
 
-    def _remember(self, key: str, value: bytes, raw: bytes | None = None) -> bytes:
-        if len(self._seen) >= self.SEEN_LIMIT:
-            self._seen.clear()
-            self._raw.clear()
-        self._seen[key] = value
-        if raw is not None:
-            self._raw[key] = raw
-        return value
-
-    def _open(self, key: str, raw: bytes | None) -> bytes | None:
-        """The authentic payload of ``raw``; a forged value is tombstoned (only if still in place)."""
-        value = self.sealer.open(key, raw)
-        if value is not None:
-            return self._remember(key, value)
-        if raw:
-            self.store.compare_set(self.ns + key, raw, b"")
-        return None
+    @property
+    def round_trips(self) -> int:
+        """Requests sent so far on this connection (the benchmarks' store operations)."""
+        return self.client.round_trips
 
     def get(self, key: str) -> bytes:
-        deadline = time.monotonic() + self.timeout_s
-        while (value := self._open(key, self.store.get(self.ns + key))) is None:
-            if time.monotonic() > deadline:
-                raise dist.DistStoreError(f"no value written by this job for store key {key!r} within "
-                                          f"{self.timeout_s:.0f} s")
-            time.sleep(SEAL_POLL_S)
-        return value
+        return self.client.get(key)
 
     def set(self, key: str, value: str) -> None:
-        sealed = self.sealer.seal(key, value)
-        self.store.set(self.ns + key, sealed)
-        self._remember(key, sealed[:-NONCE_LEN - TAG_LEN])
+        self.client.set(key, value)
 
     def compare_set(self, key: str, expected: str, desired: str) -> bytes:
-        value, raw = compare_set_sealed(self.store, key, self.ns + key, expected, desired, self.sealer,
-                                        self._raw.get(key))
-        return self._remember(key, value, raw)
+        return self.client.compare_set(key, expected, desired)
 
     def add(self, key: str, amount: int) -> int:
-        known = int(self._seen.get(key) or 0)
-        value, raw = add_sealed(self.store, key, self.ns + key, amount, self.sealer, known, self._raw.get(key))
-        self._remember(key, str(value).encode(), raw)
-        return value
+        return self.client.add(key, amount)
 
     def check(self, keys: list[str]) -> bool:
-        """Every key holds an authentic value (a forged or tombstoned one is absent)."""
-        if len(keys) == 1:  # one round trip
-            return self._open(keys[0], present(self.store, self.ns + keys[0])) is not None
-        if not self.store.check([self.ns + k for k in keys]):
-            return False
-        return all(self._open(k, self.store.get(self.ns + k)) is not None for k in keys)
+        return self.client.check(keys)
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
-        raws = self.store.multi_get([self.ns + k for k in keys])
-        return [value if (value := self._open(k, raw)) is not None else self.get(k) for k, raw in zip(keys, raws)]
+        return self.client.multi_get(keys)
 
     def get_present(self, keys: list[str]) -> list[bytes | None]:
-        """Counters (which exist from a view's publication on): a forged or tombstoned one reads as
-        :data:`UNSEEN` (-1), no observation: not as gone (which would read as a lease expired), and not
-        as the last authentic value (an attacker rewriting a live worker's counter faster than it beats
-        would make it look silent to every reader, and fenced)."""
-        raws = self.store.multi_get([self.ns + k for k in keys])
-        return [value if (value := self._open(k, raw)) is not None else UNSEEN for k, raw in zip(keys, raws)]
+        """Counters in one round trip, never waiting; a missing one reads :data:`UNSEEN` (no lease here: a
+        counter is missing only before its view is published)."""
+        return [UNSEEN if raw is None else raw for raw in self.client.peek(keys)]
 
     def delete_key(self, key: str) -> bool:
-        self._seen.pop(key, None)
-        self._raw.pop(key, None)
-        return self.store.delete_key(self.ns + key)
+        return self.client.delete_key(key)
 
     def num_keys(self) -> int:
-        return self.store.num_keys()
+        return self.client.num_keys()
 
     @property
     def port(self) -> int:
-        return self.store.port
+        return self.client.port
 
     def group_store(self, prefix: str) -> dist.Store:
-        """A rendezvous store on a connection of its own.
+        """A rendezvous store on a connection of its own: a waiting ``get`` holds only its own connection, so a
+        group's rendezvous never stalls the failure detector's reads (nor a new view's behind an abandoned
+        one's). The connection closes with the group."""
+        client = StoreClient(self.client.host, self.client.port, secret=self._secret, timeout_s=self.client.timeout_s,
+                             launch=self.client.launch)
+        return GroupStore(client, prefix + "/")
 
-        A ``TCPStore`` client holds one lock for a whole blocking ``wait`` or
-        ``get``: a group's rendezvous on the main client would stall the
-        failure detector's reads behind a member that never arrives (and a new
-        view's rendezvous behind an abandoned one's). Each group gets its own
-        connection, closed with the group.
-        """
-        client = dist.TCPStore(self.store.host, self.store.port, None, is_master=False,
-                               timeout=timedelta(seconds=self.timeout_s))
-        return SealedStore(dist.PrefixStore(self.ns + prefix, client), prefix + "/", self.sealer,
-                           self.timeout_s)
+    def close(self) -> None:
+        """Close this connection, and stop the store if this process hosts it."""
+        self.client.close()
+        if self.server is not None:
+            self.server.close()
+            self.server = None
+
+    def __del__(self) -> None:  # the last reference to a hosted store gone: it stops, as a TCPStore did
+        if getattr(self, "server", None) is not None:
+            self.server.close()
 
     @classmethod
-    def connect(cls, addr: str, *, timeout_s: float, secret: str) -> TCPStoreBackend:
-        """A client of the store at ``HOST:PORT`` for the job of ``secret``.
+    def connect(cls, addr: str, *, timeout_s: float, secret: str, launch: str | None = None) -> EmbeddedBackend:
+        """A client of the store at ``HOST:PORT`` for the job of ``secret`` (``launch``: the launch id it must
+        serve; default ``$UNBROKEN_STORE_LAUNCH``, set by an agent for the processes it starts).
 
         Raises:
             ValueError: ``addr`` is not ``HOST:PORT``.
             ConnectionError: nothing answered within ``timeout_s`` (says what to check).
-            StoreAccessDenied: the store holds no job under this secret.
+            StoreAccessDenied: the store refused this secret, or serves another launch of the job.
         """
         host, _, port = addr.rpartition(":")
         if not host or not port.isdigit():
             raise ValueError(f"store address {addr!r} is not HOST:PORT")
+        launch = launch or os.environ.get(LAUNCH_ENV) or None
         try:
-            store = dist.TCPStore(host, int(port), None, is_master=False, timeout=timedelta(seconds=timeout_s))
-        except (RuntimeError, OSError) as exc:
-            raise ConnectionError(
-                f"store {addr} did not answer within {timeout_s:.0f} s ({str(exc).splitlines()[0]}); "
-                f"is the launcher running and the address right?"
-            ) from None
-        try:  # the host may be between listening and writing the job's marker
-            store.wait([READY_KEY], timedelta(seconds=timeout_s))
-        except (RuntimeError, dist.DistStoreError):
-            raise ConnectionError(f"store {addr} answered but never became ready within {timeout_s:.0f} s; "
-                                  f"is it this job's store?") from None
-        backend = cls(store, _namespace(secret), timeout_s, secret=secret)
-        if not backend.check(["job"]):
-            raise StoreAccessDenied(f"store {addr} holds no job under this secret; use the run's {SECRET_FILE} "
-                                    f"file or {SECRET_ENV} of the job you mean")
+            client = StoreClient(host.strip("[]"), int(port), secret=secret, timeout_s=timeout_s, launch=launch)
+        except HandshakeRefused as exc:
+            raise StoreAccessDenied(f"store {addr}: {exc}; use the run's {SECRET_FILE} file or {SECRET_ENV} of "
+                                    f"the job you mean") from None
+        except WireError as exc:
+            raise ConnectionError(f"store {addr} answered but is not this job's store ({exc}); is the address "
+                                  f"right?") from None
+        backend = cls(client)
+        backend._secret = secret
         return backend
 
     @classmethod
-    def host(cls, host: str, port: int, *, clients: int, secret: str) -> TCPStoreBackend:
-        """Host the store on ``host:port`` only (0: a free port), for the job of ``secret``.
+    def host(cls, host: str, port: int, *, clients: int, secret: str) -> EmbeddedBackend:
+        """Host the store on ``host:port`` only (0: a free port), for the job of ``secret``; returns a client of
+        it that also owns it (:meth:`close` stops it).
 
         Raises:
             ValueError: the address cannot be bound (names it and the fix).
         """
-        listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
         try:
-            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            listener.bind((host, port))
-            listener.listen(max(128, 4 * clients))
-            store = dist.TCPStore(host, listener.getsockname()[1], clients + 1, is_master=True,
-                                  timeout=timedelta(seconds=30), wait_for_workers=False,
-                                  master_listen_fd=listener.fileno())
-        except (RuntimeError, OSError) as exc:
-            listener.close()
+            server = StoreServer.listen(host, port, secret, backlog=max(128, 4 * clients))
+        except OSError as exc:
             raise ValueError(
                 f"cannot listen on {host}:{port} ({exc.__class__.__name__}: {str(exc).splitlines()[0]}); "
                 f"the port is probably in use: pick another with --train.port=N or 0 for a free one"
             ) from None
-        listener.detach()  # the store owns the socket now (it closes it when it goes), Python must not
-        backend = cls(store, _namespace(secret), secret=secret)
-        backend.set("job", "1")
-        store.set(READY_KEY, "1")  # last: a client that connected meanwhile now tells a wrong secret from early
+        client = StoreClient(host, server.port, secret=secret, timeout_s=30.0, launch=server.launch)
+        backend = cls(client, server)
+        backend._secret = secret
         return backend

@@ -247,15 +247,8 @@ class Trainer:
                 self.protocol.reconfigure_at_start(view.step, f"{type(exc).__name__}: {exc}")
             self.protocol.need_exchange |= view.restore is not None  # as in the joiner's restore below
             return view.step
-        # Only a view newer than the current one can admit this incarnation (it has not asked yet): the current
-        # one may name this worker as a joiner for its predecessor, admitted just before it died, or as a member
-        # of a restored view its predecessor entered (and trained in, or died in, before the agents restored the
-        # job again: entering it would train its steps twice). A worker its agent started for a restored view
-        # (``restore_gen``: it was not running when the view was published) enters that one.
         current = self.store.gen() if self.store.has_view() else -1
-        joins_after = restores_after = current
-        if self.spec.restore_gen is not None:
-            restores_after = min(current, self.spec.restore_gen - 1)
+        joins_after, restores_after = current, self._restores_after(current)
         self.m.request_join({"pid": os.getpid(), "config_hash": self.hash, "t": time.time(),
                              "memory": self.snapshots is not None and self.protocol.layout.rejoins_from_memory
                              and memory_rejoin_allowed(self.spec.run_dir, self.spec.worker)})
@@ -282,6 +275,27 @@ class Trainer:
         self.events.write({"kind": "event", "event": "rejoined", "worker": self.spec.worker, "gen": view.gen,
                            "step": view.step, "wait_s": time.perf_counter() - t0})
         return view.step
+
+    def _restores_after(self, current: int) -> int:
+        """The newest generation whose restored view this incarnation must not enter.
+
+        Only a view newer than the current one can admit a joiner (it has not asked yet): the current one may
+        name this worker as a joiner for its predecessor, admitted just before it died. A restored view names
+        every member afresh, so the current one is this incarnation's too, unless its predecessor entered it:
+        then its death was marked after the view was published (the restoring agent clears every member's mark
+        first), or a step was decided in it. Entering such a view would train its steps again, or wait for
+        members that are gone; the next restored view is this incarnation's. A worker its agent started for a
+        restored view (``restore_gen``) enters that one.
+        """
+        if self.spec.restore_gen is not None:
+            return min(current, self.spec.restore_gen - 1)
+        if current < 0:
+            return current
+        view = self.store.current_view()
+        if view.restore is None or view.gen != current:
+            return current
+        fresh = self.store.decided(view.gen) == view.step - 1 and not self.store.is_marked_dead(self.spec.worker)
+        return current - 1 if fresh else current
 
     def _restore_failed(self, view: View, exc: Exception) -> bool:
         """The admission of restored ``view`` failed: move to the next view of its step, as in any step.

@@ -1,0 +1,198 @@
+"""A client of the job's embedded store (:mod:`unbroken.runtime.store_server`), and the ``torch.distributed.Store``
+the job's process groups rendezvous on.
+
+One :class:`StoreClient` is one authenticated connection (:mod:`unbroken.runtime.store_wire`), one request at
+a time (a lock serialises threads). A broken connection, a store that does not answer within the operation's
+timeout, or a store that went away raise ``torch.distributed.DistStoreError``, as a lost ``TCPStore`` did:
+the job's code treats them as the store lost. :attr:`StoreClient.round_trips` counts requests (the
+benchmarks' store operations).
+
+Invariant: a client talks only to a store that proved it holds the job's secret, of the launch it pinned.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from unbroken.runtime.store_server import OK, OPS, TIMEOUT
+from unbroken.runtime.store_wire import HandshakeRefused, WireError, client_handshake, pack, store_key, unpack
+
+__all__ = ["GroupStore", "StoreClient"]
+
+SLACK_S = 5.0
+"""A blocking request's socket waits this much longer than the wait the server was asked for."""
+
+
+CONNECT_RETRY_S = (0.02, 0.5)
+"""A refused connection is tried again after this long, doubling from the first value to the second: a
+store's host may start after its clients (node 0 hosting the store on a cluster)."""
+
+
+def _connect(host: str, port: int, timeout_s: float) -> socket.socket:
+    """A TCP connection to ``host:port``, tried until ``timeout_s`` has passed.
+
+    Raises:
+        ConnectionError: nothing accepted it in time (names the address and the last error).
+    """
+    deadline, pause = time.monotonic() + timeout_s, CONNECT_RETRY_S[0]
+    while True:
+        try:
+            return socket.create_connection((host, port), timeout=max(0.1, deadline - time.monotonic()))
+        except OSError as exc:
+            if time.monotonic() + pause > deadline:
+                raise ConnectionError(f"store {host}:{port} did not answer within {timeout_s:.0f} s "
+                                      f"({exc.strerror or exc})") from None
+            time.sleep(pause)
+            pause = min(2 * pause, CONNECT_RETRY_S[1])
+
+
+def _b(value: str | bytes) -> bytes:
+    return value.encode() if isinstance(value, str) else bytes(value)
+
+
+class StoreClient:
+    """One connection to the store at ``host:port`` (module docstring).
+
+    Raises:
+        HandshakeRefused: the store refused the secret, did not prove it holds it, or serves another launch.
+        ConnectionError: nothing answered within ``timeout_s``.
+    """
+
+    def __init__(self, host: str, port: int, *, secret: str, timeout_s: float, launch: str | None = None) -> None:
+        self.host, self.port, self.timeout_s = host, port, timeout_s
+        self._lock = threading.Lock()
+        self.round_trips = 0
+        sock = _connect(host, port, timeout_s)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            self._channel, self.launch = client_handshake(sock, store_key(secret), launch)
+        except WireError:
+            sock.close()
+            raise
+        sock.settimeout(timeout_s)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def _call(self, op: str, items: list[bytes], wait_s: float = 0.0) -> tuple[int, list[bytes]]:
+        with self._lock:
+            self.round_trips += 1
+            try:
+                self._channel.sock.settimeout(self.timeout_s + wait_s + (SLACK_S if wait_s else 0.0))
+                self._channel.send(pack(OPS[op], items))
+                status, reply = unpack(self._channel.recv())
+            except WireError as exc:
+                raise dist.DistStoreError(f"the job's store at {self.host}:{self.port} is lost: {exc}") from None
+        if status not in (OK, TIMEOUT):
+            raise dist.DistStoreError(f"the job's store refused a request: {reply[0].decode(errors='replace')}")
+        return status, reply
+
+    @staticmethod
+    def _ms(seconds: float) -> bytes:
+        return str(max(1, int(seconds * 1000))).encode()
+
+    # -- operations ---------------------------------------------------------------
+
+    def set(self, key: str, value: str | bytes) -> None:
+        self._call("set", [key.encode(), _b(value)])
+
+    def get(self, key: str, timeout_s: float | None = None) -> bytes:
+        """The key's value, waiting for it to exist up to ``timeout_s`` (default: the client's timeout)."""
+        wait = self.timeout_s if timeout_s is None else timeout_s
+        status, reply = self._call("get", [key.encode(), self._ms(wait)], wait)
+        if status == TIMEOUT:
+            raise dist.DistStoreError(f"store key {key!r} did not appear within {wait:.0f} s")
+        return reply[0]
+
+    def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
+        return self._call("cas", [key.encode(), _b(expected), _b(desired)])[1][0]
+
+    def add(self, key: str, amount: int) -> int:
+        return int(self._call("add", [key.encode(), str(int(amount)).encode()])[1][0])
+
+    def check(self, keys: list[str]) -> bool:
+        return self._call("check", [k.encode() for k in keys])[1][0] == b"1"
+
+    def multi_get(self, keys: list[str], timeout_s: float | None = None) -> list[bytes]:
+        wait = self.timeout_s if timeout_s is None else timeout_s
+        status, reply = self._call("mget", [self._ms(wait), *(k.encode() for k in keys)], wait)
+        if status == TIMEOUT:
+            raise dist.DistStoreError(f"store keys {[k.decode() for k in reply]} did not appear within {wait:.0f} s")
+        return reply
+
+    def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
+        self._call("mset", [x for k, v in zip(keys, values) for x in (k.encode(), _b(v))])
+
+    def peek(self, keys: list[str]) -> list[bytes | None]:
+        """Each key's value, None for a missing one, in one round trip without waiting."""
+        return [raw[1:] if raw[:1] == b"1" else None for raw in self._call("peek", [k.encode() for k in keys])[1]]
+
+    def delete_key(self, key: str) -> bool:
+        return self._call("delete", [key.encode()])[1][0] == b"1"
+
+    def num_keys(self) -> int:
+        return int(self._call("nkeys", [])[1][0])
+
+    def wait(self, keys: list[str], timeout_s: float | None = None) -> None:
+        wait = self.timeout_s if timeout_s is None else timeout_s
+        if self._call("wait", [self._ms(wait), *(k.encode() for k in keys)], wait)[0] == TIMEOUT:
+            raise dist.DistStoreError(f"store keys {keys} did not all appear within {wait:.0f} s")
+
+
+class GroupStore(dist.Store):
+    """A process group's rendezvous store: a connection of its own, every key under ``prefix`` (gloo and NCCL
+    call it from C++; a waiting ``get`` blocks only this connection)."""
+
+    def __init__(self, client: StoreClient, prefix: str) -> None:
+        super().__init__()
+        self.client, self.prefix = client, prefix
+
+    def _k(self, key: str) -> str:
+        return self.prefix + key
+
+    def set(self, key: str, value: str | bytes) -> None:
+        self.client.set(self._k(key), value)
+
+    def get(self, key: str) -> bytes:
+        return self.client.get(self._k(key))
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        self.client.wait([self._k(k) for k in keys], None if timeout is None else timeout.total_seconds())
+
+    def check(self, keys: list[str]) -> bool:
+        return self.client.check([self._k(k) for k in keys])
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        return self.client.multi_get([self._k(k) for k in keys])
+
+    def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
+        self.client.multi_set([self._k(k) for k in keys], values)
+
+    def add(self, key: str, amount: int) -> int:
+        return self.client.add(self._k(key), amount)
+
+    def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
+        return self.client.compare_set(self._k(key), expected, desired)
+
+    def delete_key(self, key: str) -> bool:
+        return self.client.delete_key(self._k(key))
+
+    def num_keys(self) -> int:
+        return self.client.num_keys()
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        self.client.timeout_s = timeout.total_seconds()
+
+    def __del__(self) -> None:
+        try:
+            self.client.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown: nothing to do
+            pass
+
+
+__all__ += ["HandshakeRefused"]
