@@ -41,6 +41,13 @@ def _driver(k: int, m: int):  # noqa: ANN202 - pyeclib's ECDriver
     return ECDriver(k=k, m=m, ec_type=EC_TYPE)
 
 
+@functools.lru_cache(maxsize=8)
+def _parity_copies(m: int) -> bool:
+    sample = bytes(range(256)) * 5 + b"unbroken"
+    parity, _ = Coding(1, m).parity(sample, list(range(1, 1 + m)))
+    return all(f[HEADER:HEADER + len(sample)] == sample and not any(f[HEADER + len(sample):]) for f in parity.values())
+
+
 class Coding:
     """``k`` data fragments and ``m`` parity fragments per stripe.
 
@@ -62,6 +69,12 @@ class Coding:
         if self.m == 0 or length == 0:
             return -(-length // self.k)
         return int(_driver(self.k, self.m).get_segment_info(length, length)["fragment_size"]) - HEADER
+
+    def parity_copies_data(self) -> bool:
+        """Whether each parity fragment, past its :data:`HEADER`, is the stripe's bytes themselves: with one data
+        fragment a Vandermonde code's parity rows are all ones (checked on a sample, once per coding), so a
+        node holding only parity restores without decoding."""
+        return self.k == 1 and self.m > 0 and _parity_copies(self.m)
 
     def parity(self, stripe: bytes | bytearray | memoryview, which: list[int]) -> tuple[dict[int, bytes], bytes]:
         """The parity fragments ``which`` (indices ``>= k``) of ``stripe`` and the k data headers (joined).

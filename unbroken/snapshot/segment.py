@@ -57,7 +57,7 @@ import numpy as np
 from zlib_ng import zlib_ng
 
 __all__ = ["HEADER_BYTES", "SHM_DIR", "Buffer", "SealedBuffer", "SnapshotCorrupt", "SnapshotMemoryUnsafe", "crc32",
-           "job_segments", "remove_segments", "segment_dir", "segment_name", "segment_path"]
+           "job_segments", "open_segment", "remove_segments", "segment_dir", "segment_name", "segment_path"]
 
 SHM_DIR = Path(os.environ.get("UNBROKEN_SHM_DIR", "/dev/shm"))
 """Where POSIX shared memory lives (``/dev/shm`` on Linux)."""
@@ -129,6 +129,17 @@ def _open_own(path: Path, flags: int) -> int:
         os.close(fd)
         raise SnapshotCorrupt(f"{path.name}: not a regular file of user {os.getuid()} (owner {st.st_uid})")
     return fd
+
+
+def open_segment(path: Path) -> int:
+    """A read-only descriptor of the segment at ``path``, opened as snapshot memory always is (never through a
+    link; only a regular file of this user's).
+
+    Raises:
+        FileNotFoundError: there is no such segment.
+        SnapshotCorrupt: a link, not a regular file, another user's, or unreadable.
+    """
+    return _open_own(path, os.O_RDONLY)
 
 
 def segment_name(job: str, node: int, worker: int, buffer: int, kind: str = "b") -> str:
@@ -336,11 +347,27 @@ class SealedBuffer:
                 return self.read(offset, length, crc)
         return None
 
-    def verify(self) -> None:
-        """Check every byte the seal describes (raises :class:`SnapshotCorrupt`)."""
-        self.layout()
-        for st, fr, *_ in self.seal["fragments"]:
-            self.fragment(st, fr)
-        for st, *_ in self.seal.get("headers", []):
-            self.headers(st)
+    def ranges(self) -> list[tuple[int, int, int]]:
+        """Every payload range the seal describes, ``(offset, length, crc)``: the layout, the fragments, the
+        headers kept with parity."""
+        s = self.seal
+        return [(int(s["layout_offset"]), int(s["layout_len"]), int(s["layout_crc"]))] + [
+            (int(offset), int(length), int(crc)) for _, _, offset, length, crc in s["fragments"]] + [
+            (int(offset), int(length), int(crc)) for _, offset, length, crc in s.get("headers", [])]
+
+    def verify(self, threads: int = 1) -> None:
+        """Check every byte the seal describes, over a read-only map of the segment, with ``threads`` threads
+        (:func:`unbroken.snapshot.fragment_io.verify_ranges`).
+
+        Raises:
+            SnapshotCorrupt: bytes that do not match their checksum (or the segment is gone, or short).
+        """
+        from unbroken.snapshot.fragment_io import verify_ranges  # local: it imports this module
+
+        try:
+            verify_ranges(self.path, self.ranges(), threads=threads)
+        except FileNotFoundError:
+            raise SnapshotCorrupt(f"{self.path.name}: removed while being read") from None
+        except (KeyError, TypeError, ValueError) as exc:  # a seal keyed with the secret but not of this format
+            raise SnapshotCorrupt(f"{self.path.name}: the seal does not describe its bytes ({exc})") from None
 

@@ -116,9 +116,10 @@ def restore_state(spec: dict[str, Any], *, run_dir: Path, worker: int, world: in
         load_checkpoint(Path(spec["path"]), model, optimizer, config_hash=config_hash)
         return {"restored_from": "checkpoint", "step": spec["step"], "path": spec["path"]}
     node_of = node_map(run_dir, world)
+    on_node = sum(1 for w in members if node_of[w] == node_of[worker])  # they load at once: the cores are shared
     stats = restore_from_memory(shard_spec(spec, shard_index), job=job_id(run_dir), node=node_of[worker],
                                 node_of=node_of, members=members, me=worker, broadcast=broadcast, model=model,
-                                optimizer=optimizer, device=device)
+                                optimizer=optimizer, device=device, threads_sharing=on_node)
     if "moments" in spec:  # written with ZeRO-1: the moments of the same step from the ring copies
         from unbroken.sharding.replicas import restore_moments
 
