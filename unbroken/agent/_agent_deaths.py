@@ -1,7 +1,10 @@
 """The agent's side of deaths: reaping its workers, marking them dead, fencing, scheduling restarts.
 
-A mixin of :class:`unbroken.agent.agent.Agent`. A worker's exit is reaped within one tick, marked dead in
-the store (with the job's own error where it left one) and given a restart per the policy; a worker
+A mixin of :class:`unbroken.agent.agent.Agent`. A worker's death is seen within one tick of the kill, while
+the kernel still tears it down (:mod:`unbroken.agent._exit_watch`: a GPU worker's teardown takes seconds), or
+when it is reaped, whichever comes first; it is then marked dead in the store (with the job's own error where
+it left one) and given a restart per the policy, and a worker seen dying is reaped later (``worker_reaped``,
+with its teardown's seconds); a worker
 someone else marked dead, one that stopped beating before its admission and an HSDP replica's siblings
 are fenced (SIGKILL); when every member of the view is dead the job is restored
 (:mod:`unbroken.agent._restore`).
@@ -11,9 +14,11 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
 import time
 from typing import TYPE_CHECKING, Any
 
+from unbroken.agent._exit_watch import exiting_returncode
 from unbroken.agent._job_error import death_error
 from unbroken.agent._process import HANG_HOWS, ForkedChild, describe_exit, dump_stacks, exit_status, remove_pid, send
 from unbroken.agent._run_files import last_self_fault, was_admitted
@@ -37,17 +42,35 @@ class DeathDuties:
     def _reap(self: Agent, now: float) -> None:
         for w, inc in list(self.workers.items()):
             rc = inc.proc.poll()
+            seen = "reaped"
+            if rc is None and (rc := exiting_returncode(inc.proc.pid)) is not None:
+                seen = "exiting"  # dead from now on; the kernel may take seconds more to let it be reaped
+                self._dying.append((inc, now))
             if rc is not None:
                 del self.workers[w]
-                self._on_exit(inc, rc, now)
+                self._on_exit(inc, rc, now, seen)
+        self._reap_dying(now)
 
-    def _on_exit(self: Agent, inc: Incarnation, rc: int, now: float) -> None:
+    def _reap_dying(self: Agent, now: float, wait_s: float = 0.0) -> None:
+        """Reap the workers seen dying whose teardown is over (``wait_s``: wait that long for the rest)."""
+        deadline = time.monotonic() + wait_s
+        for inc, seen_at in list(self._dying):
+            try:
+                inc.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                continue
+            self._dying.remove((inc, seen_at))
+            self._event("worker_reaped", inc.worker, pid=inc.proc.pid, incarnation=inc.incarnation,
+                        teardown_s=round(time.monotonic() - seen_at, 3))
+
+    def _on_exit(self: Agent, inc: Incarnation, rc: int, now: float, seen: str = "reaped") -> None:
+        """``seen``: ``exiting`` (the kernel tears it down still: :mod:`unbroken.agent._exit_watch`) or ``reaped``."""
         w = inc.worker
         remove_pid(self.run_dir / "pids" / f"w{w}", inc.proc.pid)
         self.watch.forget(w)
         code, sig = exit_status(rc)
         rec: dict[str, Any] = {"pid": inc.proc.pid, "code": code, "signal": sig, "incarnation": inc.incarnation,
-                               "uptime_s": round(now - inc.started, 3),
+                               "uptime_s": round(now - inc.started, 3), "seen": seen,
                                "fenced": inc.fenced or code in (EXIT_FENCED, EXIT_REJOIN), "reason": inc.reason}
         if rc == 0:
             self.finished.add(w)

@@ -4,9 +4,13 @@ When every member of the current view is dead (a job-wide fault: an OOM, a
 bug, a hung collective that forced a kill), each live agent publishes its
 node's snapshot inventory (:func:`unbroken.snapshot.restore.inventory`: the
 sealed, intact buffers; a torn or corrupt one is reported and left out). The
-inventory checks every byte of the node's snapshot memory, and the newest
-checkpoint is verified file by file: both run in a thread of the agent, never
-in its loop, so the agent keeps beating however large the state. The first
+inventory checks every byte of the node's snapshot memory (with several
+threads over a memory map), and the newest checkpoint is verified file by
+file: each runs in a thread of the agent of its own, never in its loop, so the
+agent keeps beating however large the state, and the checkpoint's scan does
+not wait behind the memory's. While either runs, or a decision waits, the
+agent's loop ticks fast (:meth:`JobRestore.busy`), so the decision follows
+the last inventory within milliseconds. The first
 agent to claim the restore waits until every node's inventory is in, except
 those of nodes whose agent stopped beating for ``AGENT_SILENT_S`` (a node
 whose agent is gone is lost with its memory; a beating one is still checking
@@ -69,6 +73,8 @@ AGENT_SILENT_S = 3.0
 INVENTORY_DEADLINE_S = 600.0
 """The longest the restoring agent waits for the inventories of agents that still beat (a node that checks
 terabytes of memory); past it, the restore goes on without them."""
+DECIDE_POLL_S = 0.02
+"""While a decision waits for other nodes' inventories, the store is read this often for them."""
 WATCH_S = 0.1
 """How often an agent whose node's members are all dead looks at the other members' heartbeats."""
 START_GEN = -1
@@ -85,13 +91,15 @@ class JobRestore:
         self.run_dir, self.config_hash, self.event = run_dir, config_hash, event
         self.job = job_id(run_dir, create=True)  # the launcher wrote it; an agent started alone may not have
         self._published: set[int] = set()
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"restore-n{node}")
+        # two threads: the checkpoint's scan (a sha256 of every file) never waits behind the memory's inventory
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"restore-n{node}")
         self._inventories: dict[int, Future[str]] = {}  # gen -> this node's inventory JSON, being computed
         self._checkpoint_found: Future[tuple[int, str] | None] | None = None
         self._agent_beats: dict[int, tuple[int, float]] = {}
         self._deciding: _Pending | None = None
         self._beats: dict[int, tuple[int, float]] = {}
         self._next_watch = 0.0
+        self._next_read = 0.0
 
     # -- after every worker died ------------------------------------------------
 
@@ -101,14 +109,20 @@ class JobRestore:
         if self._deciding is None and self.store.claim_restore(view.gen, self.node):
             now, failures = time.monotonic(), self._failed_restores(view)
             self._claimed(_Pending(view=view, inventories_by=now + INVENTORY_DEADLINE_S,
-                                   not_before=now + restore_backoff(len(failures)), failures=failures))
+                                   not_before=now + restore_backoff(len(failures)), failures=failures, claimed_at=now))
+
+    def busy(self) -> bool:
+        """This node's inventory is being computed, or this agent waits to decide a restore: its loop should
+        tick fast (each tick of the loop's idle pace would delay the restore)."""
+        return bool(self._inventories) or self._deciding is not None
 
     def tick(self, now: float) -> str | None:
         """Decide once the inventories are in; returns a failure message if nothing can be restored."""
         self._publish_ready()
         pending = self._deciding
-        if pending is None or now < pending.not_before or not self._checkpoint_found.done():
+        if pending is None or now < pending.not_before or not self._checkpoint_found.done() or now < self._next_read:
             return None
+        self._next_read = now + DECIDE_POLL_S
         view = pending.view
         invs = self.store.inventories(view.gen if view is not None else START_GEN, self.nnodes)
         if self._waiting_for(invs, now) and now < pending.inventories_by:
@@ -148,7 +162,10 @@ class JobRestore:
             self.store.clear_dead(w)
         self.event("job_restore", None, restored_from=spec["source"], step=spec["step"], gen=new.gen,
                    members=list(members), lost_nodes=lost, parity_stripes=spec.get("parity_stripes", []),
-                   failed_restores=pending.failures, backoff_s=restore_backoff(len(pending.failures)))
+                   failed_restores=pending.failures, backoff_s=restore_backoff(len(pending.failures)),
+                   inventory_s={str(inv["node"]): inv.get("seconds") for inv in inventories},
+                   inventory_bytes={str(inv["node"]): inv.get("bytes") for inv in inventories},
+                   decided_s=round(time.monotonic() - pending.claimed_at, 4))
         logger.warning("node %d: %s (view %d, members %s)", self.node, reason, new.gen, list(members))
         return None
 
@@ -218,7 +235,8 @@ class JobRestore:
         self._publish(START_GEN)
         if self.node == 0 and self.store.claim_restore(START_GEN, self.node):
             now = time.monotonic()
-            self._claimed(_Pending(view=None, inventories_by=now + INVENTORY_DEADLINE_S, not_before=now, failures=[]))
+            self._claimed(_Pending(view=None, inventories_by=now + INVENTORY_DEADLINE_S, not_before=now, failures=[],
+                                   claimed_at=now))
 
     # -- helpers ----------------------------------------------------------------
 
@@ -289,6 +307,8 @@ class _Pending:
     not_before: float
     failures: list[list[str]]
     """See :meth:`JobRestore._failed_restores`."""
+    claimed_at: float
+    """When this agent claimed the decision (its loop's clock)."""
 
 
 def restore_backoff(failed: int) -> float:

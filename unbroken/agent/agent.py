@@ -119,6 +119,7 @@ class Agent(DeathDuties, FaultDuties, StartDuties):
         self.store: JobStore | None = None
         self.events: JsonlWriter | None = None
         self.workers: dict[int, Incarnation] = {}
+        self._dying: list[tuple[Incarnation, float]] = []  # seen dying, not reaped yet (_agent_deaths)
         self.watch: StartupWatch | None = None
         self.restarts: dict[int, Restart] = {}
         self.incarnations: dict[int, int] = {}
@@ -356,9 +357,9 @@ class Agent(DeathDuties, FaultDuties, StartDuties):
             waker.sleep(max(LOOP_S if self._armed() else IDLE_S, self.store.poll_s))
 
     def _armed(self) -> bool:
-        """A fault waits for a step (the progress is polled at :data:`LOOP_S`), or a stopped worker's
-        SIGCONT is due."""
-        return self._waits_for_a_step() or bool(self.stopped)
+        """A fault waits for a step (the progress is polled at :data:`LOOP_S`), a stopped worker's
+        SIGCONT is due, or a restore is being decided."""
+        return self._waits_for_a_step() or bool(self.stopped) or (self.restorer is not None and self.restorer.busy())
 
     def _status(self, now: float) -> int | None:
         """Follow ``done`` / ``failed``; an exit code once this agent's part is over."""
@@ -417,6 +418,7 @@ class Agent(DeathDuties, FaultDuties, StartDuties):
         if self.template is not None:
             self.template.close()
         stop_all([inc.proc for inc in self.workers.values()], grace_s=self.opts.grace_s)
+        self._reap_dying(time.monotonic(), wait_s=10.0)  # exiting already: only the kernel's teardown is left
         for w, inc in self.workers.items():
             remove_pid(self.run_dir / "pids" / f"w{w}", inc.proc.pid)
             code, sig = exit_status(inc.proc.returncode if inc.proc.returncode is not None else -9)
