@@ -75,3 +75,26 @@ def test_throughput_reference_benchmark(tmp_path, corpus_overrides):
     assert sorted(p.name for p in logs.iterdir()) == ["w1-s0-r0", "w1-s2-r0"]
     assert all((logs / name / "summary.json").is_file() and not (logs / name / "checkpoints").exists()
                for name in ("w1-s0-r0", "w1-s2-r0"))
+
+
+def test_recovery_benchmark_reads_each_phase_of_both_parts(tmp_path, corpus_overrides):
+    """``bench recovery`` on one node of two workers: one worker killed, then both; every phase is read from the
+    runs' events, in the order a recovery goes through them."""
+    from unbroken.bench import recovery
+
+    out = tmp_path / "recovery.json"
+    result = recovery.main(["--cases", "debug:1x2", "--steps", "7", "--kill-step", "4", "--snapshot-every", "1",
+                            "--out", str(out), *[f"--{o}" for o in corpus_overrides]])
+    assert json.loads(out.read_text())["rows"] == json.loads(json.dumps(result["rows"], default=str))
+    assert [(r["case"], r["part"], r["killed"]) for r in result["rows"]] == [
+        ("debug:1x2", "one", [1]), ("debug:1x2", "all", [0, 1])]
+    for row in result["rows"]:
+        rec = row["recovery"]
+        assert row["recoveries"] == 1 and rec["workers"] == row["killed"] and rec["kill_step"] == 4
+        assert rec["whole_job"] is (row["part"] == "all")
+        phases = [rec[p] for p in ("death_seen", "decided", "state_loaded", "first_step")]
+        assert all(p is not None for p in phases), rec
+        assert 0 <= rec["death_seen"] <= rec["first_step"] and rec["decided"] <= rec["state_loaded"] <= rec["first_step"]
+        assert 0 < rec["process_ready"] <= rec["first_step"] and rec["median_step_s"] > 0
+    whole = result["rows"][1]["recovery"]
+    assert whole["load"]["how"] == ["restore"] and whole["load"]["bytes"] > 0 and set(whole["inventory_s"]) == {"0"}

@@ -29,6 +29,7 @@ BENCHMARKS: dict[str, Callable[[list[str] | None], dict[str, Any]]] = {
     "soak": _lazy("soak"),
     "hsdp": _lazy("hsdp"),
     "takeover": _lazy("takeover"),
+    "recovery": _lazy("recovery"),
 }
 
 __all__ = ["BENCHMARKS"]

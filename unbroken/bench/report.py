@@ -8,6 +8,9 @@ and ``summary.json`` of a run:
   before it, minus the median step time;
 - rejoins: time from a worker's death (its self-inflicted fault or its agent's
   record of the exit) to its admission back into the job;
+- recoveries: each kill's phases, in seconds after it (death seen, process
+  ready, restore or admission decided, state loaded, first step, steps back at
+  speed: :mod:`unbroken.bench.recovery_phases`);
 - the ledger check (:func:`unbroken.runtime.ledger.check_ledger`): lost steps,
   rows trained never or twice — all must be 0.
 
@@ -29,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from unbroken.bench import report_series as rs
+from unbroken.bench.recovery_phases import recoveries
 from unbroken.jsonl import read_jsonl
 from unbroken.runtime.ledger import check_ledger, read_events
 
@@ -55,7 +59,8 @@ def summarize_run(run_dir: str | Path) -> dict[str, Any]:
         "failures": len(failures), "failure_details": failures,
         "stall_per_failure_s": {"median": statistics.median(stalls) if stalls else None,
                                 "max": max(stalls) if stalls else None},
-        "rejoins": _rejoins(events), "snapshots": _snapshots(run_dir, events), **_ledger(run_dir, cfg, len(train)),
+        "rejoins": _rejoins(events), "recoveries": recoveries(read_events(run_dir)),
+        "snapshots": _snapshots(run_dir, events), **_ledger(run_dir, cfg, len(train)),
     }
 
 
@@ -277,6 +282,7 @@ def _run_text(s: dict[str, Any]) -> str:
             parts.append("start " + ", ".join(f"{k} {v:.2f} s" for k, v in r["start_phases"].items()))
         where = f" ({'; '.join(parts)})" if parts else ""
         lines.append(f"  worker {r['worker']} back at step {r['step']} after {_fmt(r['down_to_back_s'])}{where}")
+    lines += [_recovery_line(r) for r in s.get("recoveries", [])]
     lines += _snapshot_lines(s["snapshots"])
     if s["ledger_ok"] is None:
         lines.append("ledger: none (a simulated run writes no event files)")
@@ -287,6 +293,20 @@ def _run_text(s: dict[str, Any]) -> str:
     lines += [f"  {ex}" for ex in s["ledger_examples"]]
     lines.append(f"picture: {s['figure']}  data: {s['json']}")
     return "\n".join(lines)
+
+
+RECOVERY_PHASES = (("death_seen", "death seen"), ("process_ready", "process ready"), ("decided", "decided"),
+                   ("state_loaded", "state loaded"), ("first_step", "first step"), ("steps_back", "back at speed"))
+
+
+def _recovery_line(r: dict[str, Any]) -> str:
+    """One kill's recovery: each phase's seconds after the kill (``-``: no event for it)."""
+    load = r.get("load") or {}
+    loaded = f" ({load['bytes'] / 1e9:.2f} GB at {load['gb_s']:.2f} GB/s)" if load.get("gb_s") else ""
+    phases = ", ".join(f"{label} +{_fmt(r.get(key))}" + (loaded if key == "state_loaded" else "")
+                       for key, label in RECOVERY_PHASES)
+    what = "whole job" if r.get("whole_job") else f"worker{'s' if len(r['workers']) > 1 else ''} {r['workers']}"
+    return f"  recovery from a kill at step {r.get('kill_step')} ({what}): {phases}"
 
 
 def _snapshot_lines(sn: dict[str, Any]) -> list[str]:

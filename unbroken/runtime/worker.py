@@ -42,6 +42,7 @@ from unbroken.runtime.membership import Fenced, Membership, View, ViewChanged
 from unbroken.runtime.process_group import CollectiveFailed
 from unbroken.runtime.protocol import MemberDied
 from unbroken.runtime.recovery import recovery
+from unbroken.runtime.start_phases import process_age_s
 from unbroken.sharding.checkpoint import ShardCheckpointer
 from unbroken.sharding.parts import local_of
 from unbroken.sharding.training_state import check_capturable, layout_of
@@ -213,6 +214,8 @@ class Trainer:
             memory_rejoin_failed(self.spec.run_dir, self.spec.worker, f"{type(exc).__name__}: {exc}")
             raise
         self._event("rejoin_from_memory", gen=view.gen, **{**done, "seconds": time.perf_counter() - t0})
+        self._event("state_loaded", how="memory", gen=view.gen, step=view.step, bytes=done.get("bytes"),
+                    seconds=done.get("seconds"), gb_s=done.get("gb_s"))
 
     def _restore(self, view: View, broadcast: Callable[[torch.Tensor, int], object]) -> None:
         """Load the state ``view.restore`` names (every member of a restored view does)."""
@@ -227,6 +230,8 @@ class Trainer:
         self.protocol.layout.restored(view.gen)
         self.events.write({"kind": "restore", "step": view.step, "gen": view.gen, "worker": self.spec.worker})
         self._event("restored", **{**done, "gen": view.gen, "step": view.step, "seconds": time.perf_counter() - t0})
+        self._event("state_loaded", how="restore", source=done["restored_from"], gen=view.gen, step=view.step,
+                    bytes=done.get("bytes"), seconds=done.get("seconds"), gb_s=done.get("gb_s"))
         logger.info("restored the state of step %d from %s in %.2f s", view.step, done["restored_from"],
                     time.perf_counter() - t0)
 
@@ -361,6 +366,8 @@ class Trainer:
             if self.snapshots is not None and self.snapshots.take(done, view, self.job.layout.host_votes(reduced)):
                 self.protocol.layout.snapshotted(done)  # ZeRO-1: the moments' copies of this step are kept
             self.events.write({"kind": "commit", "step": step, "gen": view.gen, "worker": self.spec.worker})
+            if step == start and self.spec.join:  # a restarted or replacement worker's first step: its recovery ends
+                self._event("first_step_after_recovery", step=step, gen=view.gen, process_s=process_age_s())
             now = time.perf_counter()
             last = train_record(step=done, loss=self.job.loss(reduced), lr=lr, grad_norm=grad_norm,
                                 step_time_s=now - t_prev, tokens_per_step=self.job.sampler.tokens_per_step,
