@@ -161,9 +161,9 @@ class Agent(DeathDuties, FaultDuties, StartDuties):
             os.environ[SECRET_ENV] = secret  # inherited by the workers this agent starts, never on argv
             self._server = self._host_store(secret) if self.opts.host_store else None
             self.store = JobStore.connect(self.opts.store, timeout_s=self.opts.timeout_s, secret=secret)
-        except (ConnectionError, ValueError, StoreAccessDenied) as exc:
             if self.store.launch is not None:  # the processes this agent starts talk to this launch's store only
                 os.environ[LAUNCH_ENV] = self.store.launch
+        except (ConnectionError, ValueError, StoreAccessDenied) as exc:
             raise AgentError(f"node {self.node}: {exc}", 2) from None
         if self.opts.spare and not self._take_a_lost_node():
             return 0
