@@ -26,6 +26,7 @@ CHECKS: list[tuple[str, list[str], int]] = [
     ("kill_restore", ["kill_restore.py", "--job"], 200),
     ("snapshot_llama1b", ["snapshot_llama1b.py"], 150),
     ("fused_adamw", ["fused_adamw.py"], 60),
+    ("restore_load", ["restore_load.py"], 150),
 ]
 TESTS = ["tests/unit/test_cuda_placement.py", "tests/unit/test_snapshot_staging.py",
          "tests/unit/test_collective_completion.py"]
