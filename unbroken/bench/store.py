@@ -1,4 +1,4 @@
-"""Store benchmark: the embedded ``TCPStore`` and a 3-member etcd cluster, side by side in one run.
+"""Store benchmark: the embedded store and a 3-member etcd cluster, side by side in one run.
 
 ``unbroken bench store --preset tiny --out benchmarks/results/store.json`` starts
 its own etcd cluster on loopback (:class:`~unbroken.bench.etcd_cluster.LocalEtcd`;
@@ -9,7 +9,7 @@ and measures, alternating the two stores so that drift cancels:
    compare-and-set, add, check, multi_get of 4 keys) from a client process;
 2. **failure-free step time**: median step time after warm-up of the same short job
    on each store, ``--repeats`` pairs in ABBA order (TCP, etcd, etcd, TCP, ...): the
-   ratio etcd / TCPStore of each pair, their median (target <= 1.02) and spread;
+   ratio etcd / embedded store of each pair, their median (target <= 1.02) and spread;
    and, exact counts, the requests one worker's heartbeat thread sends per second
    (and how many keep its lease alive);
 3. **store operations per step**: the step protocol's own requests per step
@@ -99,7 +99,7 @@ def _member_pids(cluster: LocalEtcd | None) -> list[int]:
 
 
 def _latency(url: str, ops: int) -> dict[str, dict[str, float]]:
-    """Median microseconds per operation, TCPStore and etcd alternating op by op."""
+    """Median microseconds per operation, the embedded store and etcd alternating op by op."""
     tcp_host = JobStore.host("127.0.0.1", 0, clients=2, secret="bench")
     stores = {"tcp": JobStore.connect(f"127.0.0.1:{tcp_host.port}", timeout_s=10, secret="bench"),
               "etcd": JobStore.create_on_etcd(url, timeout_s=10, secret="bench-latency", job={"bench": "store"})}
@@ -225,7 +225,7 @@ def _run(a: argparse.Namespace, tmp: Path, name: str, cfg: Config, store: str | 
 
 
 def _steady(a: argparse.Namespace, tmp: Path, url: str, pids: list[int]) -> dict[str, Any]:
-    """Failure-free step time: ``--repeats`` pairs of short jobs, TCPStore and etcd alternating in ABBA order
+    """Failure-free step time: ``--repeats`` pairs of short jobs, the embedded store and etcd alternating in ABBA order
     (drift cancels); per-pair ratios, their median and spread; etcd requests per step over two halves."""
     pairs: list[dict[str, Any]] = []
     halves: list[dict[str, float]] = []
@@ -331,10 +331,10 @@ def _print(r: dict[str, Any]) -> None:
     if "latency_us" in r:
         lat = r["latency_us"]
         print("median latency (us):  " + "  ".join(f"{op} {lat['tcp'][op]:.0f}/{lat['etcd'][op]:.0f}"
-                                                   for op in lat["tcp"]) + "  (TCPStore/etcd)")
+                                                   for op in lat["tcp"]) + "  (embedded/etcd)")
     if "steady" in r:
         s = r["steady"]
-        print(f"failure-free step time etcd / TCPStore: {s['ratio_etcd_vs_tcp']:.3f} (median of "
+        print(f"failure-free step time etcd / embedded store: {s['ratio_etcd_vs_tcp']:.3f} (median of "
               f"{len(s['pairs'])} pairs; target <= {s['target']}); medians {s['median_step_s']}")
         print(f"  per-pair ratios (ABBA order): {[round(p['ratio'], 3) for p in s['pairs']]}; "
               f"min {s['ratio_min_max'][0]:.3f}, max {s['ratio_min_max'][1]:.3f}")

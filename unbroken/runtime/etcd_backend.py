@@ -52,6 +52,8 @@ import itertools
 import json
 import logging
 import math
+import os
+import secrets
 import time
 import uuid
 from datetime import timedelta
@@ -59,9 +61,12 @@ from typing import Any
 
 import torch.distributed as dist
 
-from unbroken.runtime.etcd_cluster import (Cluster, RequestRefused, StoreUnavailable, is_etcd, parse_etcd,
-                                           tls_files)
-from unbroken.runtime.store_backend import ETCD_SCHEME, SECRET_ENV, StoreAccessDenied, StoreBackend, _namespace
+from unbroken.runtime.etcd_cluster import (Cluster, RequestRefused, StoreUnavailable, check_transport, is_etcd,
+                                           parse_etcd, tls_files)
+from unbroken.runtime.store_backend import (ETCD_SCHEME, SECRET_ENV, UNSEEN, StoreAccessDenied, StoreBackend,
+                                           _namespace)
+from unbroken.runtime.store_seal import Sealer, launch_key, pointer_key
+from unbroken.runtime.store_wire import LAUNCH_ENV
 
 __all__ = ["ETCD_SCHEME", "EtcdBackend", "EtcdGroupStore", "StoreUnavailable", "is_etcd", "parse_etcd"]
 
@@ -73,8 +78,8 @@ Not a watch: etcd3gw's watches work through etcd 3.4's gateway (timeouts too) an
 against ~45 ms for this backoff (``unbroken bench store --parts watch``), but a job waits for a missing key
 only in a new group's rendezvous (a few per view change, ~10 ms each), and each watch costs a streaming
 connection and two threads, or 100 ms when the key changed before the watch began (etcd's catch-up loop)."""
-COUNTER_CACHE = 256
-"""At most this many counters' last written revisions are remembered by a client."""
+KV_CACHE = 4096
+"""At most this many keys' last read or written versions are remembered by a client."""
 LEASE_REFRESH = 1 / 3
 """A client's lease is refreshed once this fraction of its TTL has passed since the last refresh."""
 MARKER = "\x00add\x00"
@@ -99,22 +104,28 @@ def _range_end(prefix: str) -> str:
 
 
 class EtcdBackend(StoreBackend):
-    """The job's keys on etcd, under ``PREFIX/<namespace>/`` (module docstring)."""
+    """The job's keys on etcd, under ``PREFIX/<namespace>/<launch>/``, every value sealed (module docstring)."""
 
     poll_s = 0.1
     """Each request is an HTTP round trip (1-3 ms, and a raft write for a put) and CPU on every member: loops
     that poll every few milliseconds (agents, launcher, a worker's detector during a collective) would keep
     the cluster busy for nothing, so they poll at most this often (hangs are judged over seconds anyway)."""
 
-    def __init__(self, addr: str, secret: str, *, timeout_s: float, store_timeout_s: float | None = None) -> None:
+    def __init__(self, addr: str, secret: str, *, timeout_s: float, store_timeout_s: float | None = None,
+                 launch: str | None = None, insecure: bool = False) -> None:
         endpoints, prefix = parse_etcd(addr)
-        self.addr, self.timeout_s = addr, timeout_s
+        check_transport(addr, endpoints, insecure)
+        self.addr, self.timeout_s, self.secret = addr, timeout_s, secret
         self.cluster = Cluster(endpoints, timeout_s if store_timeout_s is None else store_timeout_s,
                                 tls_files(addr))
-        self.ns = f"{prefix}/{_namespace(secret)}"
+        self.root = f"{prefix}/{_namespace(secret)}"
+        self.launch = launch or ""
+        self.ns = f"{self.root}{self.launch}/"
+        self.sealer = Sealer(launch_key(secret, self.launch))
         self._me = uuid.uuid4().hex[:12]
         self._seq = itertools.count(1)
-        self._counters: dict[str, dict[str, Any]] = {}  # key -> the kv this client last wrote (add)
+        self._kvs: dict[str, dict[str, Any]] = {}  # key -> the kv this client last read or wrote there
+        self._counted: dict[str, int] = {}  # counter -> the last authentic value this client saw (forged: this)
         self._leased: set[str] = set()  # keys written under this client's lease (lease_keys)
         self._lease_ttl, self._lease_id, self._lease_refreshed = MARKER_TTL_S, "", 0.0
         self.lease_round_trips = 0  # requests that granted or refreshed the lease (the benchmark counts them)
@@ -161,21 +172,77 @@ class EtcdBackend(StoreBackend):
 
     def _read_many(self, keys: list[str]) -> list[dict[str, Any] | None]:
         _, responses = self._txn([], [self._read(k) for k in keys], [])
-        return [self._kv(r) for r in responses]
+        kvs = [self._kv(r) for r in responses]
+        for k, kv in zip(keys, kvs):
+            self._remember(k, kv)
+        return kvs
+
+    def _remember(self, key: str, kv: dict[str, Any] | None) -> None:
+        if len(self._kvs) >= KV_CACHE:
+            self._kvs.clear()  # old generations' keys: bounded, whatever the run's length
+        if kv is None:
+            self._kvs.pop(key, None)
+        else:
+            self._kvs[key] = kv
+
+    def _open(self, key: str, kv: dict[str, Any] | None) -> bytes | None:
+        """The authentic payload of ``kv`` (None: absent, or a value this launch did not write there)."""
+        if kv is None:
+            return None
+        return self.sealer.open(key, _unb64(kv.get("value")), int(kv.get("version", 0)),
+                                int(kv.get("create_revision", 0)))
+
+    def _guard(self, key: str, kv: dict[str, Any] | None) -> dict[str, Any]:
+        """The transaction's compare: the key is still as ``kv`` (absent for None)."""
+        if kv is None:
+            return {"key": self._k(key), "target": "CREATE", "result": "EQUAL", "create_revision": "0"}
+        return {"key": self._k(key), "target": "MOD", "result": "EQUAL", "mod_revision": kv["mod_revision"]}
+
+    def _write(self, key: str, kv: dict[str, Any] | None, payload: bytes, lease: str = "",
+               also: list[dict[str, Any]] | None = None) -> tuple[bool, dict[str, Any] | None]:
+        """Write ``payload`` sealed for the key's next version, if the key is still as ``kv``; returns whether it
+        did and the key's kv now (the one written, or the one found)."""
+        version = int(kv.get("version", 0)) + 1 if kv is not None else 1
+        sealed = self.sealer.seal(key, payload, version)
+        ok, responses, revision = self._txn_rev([self._guard(key, kv)], [self._put(key, sealed, lease), *(also or [])],
+                                                [self._read(key)])
+        if ok:
+            created = kv["create_revision"] if kv is not None else revision
+            now = {"value": _b64(sealed), "mod_revision": revision, "create_revision": created,
+                   "version": str(version)}
+            self.sealer.seen[key] = max(self.sealer.seen.get(key, (0, 0)), (int(created), version))
+        else:
+            now = self._kv(responses[0])
+        self._remember(key, now)
+        return ok, now
 
     def _wait_values(self, keys: list[str], timeout_s: float | None = None) -> list[bytes]:
-        """The keys' values, waiting for missing ones (like ``TCPStore``) up to the timeout."""
+        """The keys' authentic values, waiting for missing ones (like ``TCPStore``) up to the timeout; a key
+        that holds only values this launch did not write for longer than the store timeout stops the job."""
         deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
         delay = WAIT_POLL_S[0]
         while True:
-            kvs = self._read_many(keys)
-            if all(kv is not None for kv in kvs):
-                return [_unb64(kv.get("value")) for kv in kvs]  # type: ignore[union-attr]
+            values = [self._open(k, kv) for k, kv in zip(keys, self._read_many(keys))]
+            if all(v is not None for v in values):
+                return values  # type: ignore[return-value]
+            self._check_forged(keys)
             if time.monotonic() > deadline:
-                missing = [k for k, kv in zip(keys, kvs) if kv is None]
+                missing = [k for k, v in zip(keys, values) if v is None]
                 raise StoreUnavailable(f"etcd keys {missing} did not appear within the timeout")
             time.sleep(delay)
             delay = min(2 * delay, WAIT_POLL_S[1])
+
+    def _check_forged(self, keys: list[str]) -> None:
+        """Raise once a key has held only values this launch did not write for ``fault.store_timeout_s``."""
+        now = time.monotonic()
+        for k in keys:
+            since = self.sealer.bad_since.get(k)
+            if since is not None and now - since > self.cluster.store_timeout_s:
+                raise StoreUnavailable(
+                    f"etcd key {self.ns + k!r} has held only values not written by this launch of the job for "
+                    f"{now - since:.0f} s ({self.sealer.bad.get(k, 0)} read): another process with write access "
+                    f"to the cluster writes the job's keys (a forged or replayed value); give the job an etcd user "
+                    f"of its own on its prefix")
 
     # -- StoreBackend -----------------------------------------------------------
 
@@ -183,68 +250,64 @@ class EtcdBackend(StoreBackend):
         return self._wait_values([key])[0]
 
     def set(self, key: str, value: str | bytes) -> None:
-        self._call("kv/put", {"key": self._k(key), "value": _b64(value)})
+        payload = value.encode() if isinstance(value, str) else bytes(value)
+        kv = self._kvs.get(key) if key in self._kvs else self._read_many([key])[0]
+        while not self._write(key, kv, payload)[0]:
+            kv = self._kvs.get(key)
 
     def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
-        desired_b = desired.encode() if isinstance(desired, str) else desired
-        expected_b = expected.encode() if isinstance(expected, str) else expected
-        absent = {"key": self._k(key), "target": "CREATE", "result": "EQUAL", "create_revision": "0"}
-        equal = {"key": self._k(key), "target": "VALUE", "result": "EQUAL", "value": _b64(expected_b)}
+        """``TCPStore``'s compare-and-set on authentic values: a value this launch did not write counts as absent
+        (and is replaced when ``expected`` is empty); a missing key with a non-empty ``expected`` echoes it."""
+        desired_b = desired.encode() if isinstance(desired, str) else bytes(desired)
+        expected_b = expected.encode() if isinstance(expected, str) else bytes(expected)
+        kv = self._kvs.get(key) if key in self._kvs and self._open(key, self._kvs[key]) == expected_b \
+            else self._read_many([key])[0]
         while True:
-            ok, responses = self._txn([absent if not expected_b else equal], [self._put(key, desired_b)],
-                                      [self._read(key)])
-            if ok:
-                return desired_b
-            kv = self._kv(responses[0])
-            if kv is None:
-                if expected_b:
-                    return expected_b  # TCPStore: a missing key echoes the expected value, creates nothing
-                continue  # deleted between the compare and the read: try again
-            current = _unb64(kv.get("value"))
-            if expected_b or current:
+            current = self._open(key, kv)
+            if current is None and expected_b:
+                return expected_b
+            if current is not None and current != expected_b:
                 return current
-            # Present and empty, expected empty: the compare must be on the value (an absent key fails it).
-            ok, responses = self._txn([equal], [self._put(key, desired_b)], [self._read(key)])
+            ok, kv = self._write(key, kv, desired_b)
             if ok:
                 return desired_b
-            kv = self._kv(responses[0])
-            if kv is not None:
-                return _unb64(kv.get("value"))
 
     def add(self, key: str, amount: int) -> int:
-        # A counter this client wrote last (its own heartbeat) is guarded by the revision it wrote: one round
-        # trip; a stale guess costs one more (the failed transaction returns the current value).
-        kv = self._counters.get(key) if amount else None
-        if kv is None:
-            kv = self._read_many([key])[0]
-        if amount == 0 and kv is not None:
-            return int(_unb64(kv.get("value")) or b"0")
+        """A sealed counter, read and written in one guarded transaction (one round trip when this client wrote
+        it last: its own heartbeat); a value this launch did not write counts as the last one this client saw
+        (a forged value cannot set a counter back)."""
+        kv = self._kvs.get(key) if amount and key in self._kvs else self._read_many([key])[0]
+        if amount == 0 and kv is not None:  # a read (a missing counter is created at 0, as TCPStore's add does)
+            return self._count(key, kv)
         token = f"{self._me}:{next(self._seq)}"
         marker = f"{key}{MARKER}{self._me}"
         while True:
-            base = int(_unb64(kv.get("value")) or b"0") if kv else 0
-            guard = ({"key": self._k(key), "target": "CREATE", "result": "EQUAL", "create_revision": "0"}
-                     if kv is None else
-                     {"key": self._k(key), "target": "MOD", "result": "EQUAL", "mod_revision": kv["mod_revision"]})
-            lease = self._lease() if amount else ""  # the marker's, and the counter's if it is leased
-            puts = [self._put(key, str(base + amount), lease if key in self._leased else "")]
-            puts += [self._put(marker, token, lease)] if amount else []
+            base = self._count(key, kv)
+            lease = self._lease()  # the marker's, and the counter's if it is leased
             try:
-                ok, responses, revision = self._txn_rev([guard], puts, [self._read(key)])
+                ok, kv = self._write(key, kv, str(base + amount).encode(), lease if key in self._leased else "",
+                                     also=[self._put(marker, token, lease)])
             except RequestRefused:
-                if not lease:
-                    raise
                 self._lease_id = ""  # it expired after its refresh (this process stood still): a new one
+                kv = self._read_many([key])[0]
                 continue
             if ok:
-                if amount:
-                    if len(self._counters) >= COUNTER_CACHE:
-                        self._counters.clear()  # old generations' counters: bounded, whatever the run's length
-                    self._counters[key] = {"value": _b64(str(base + amount)), "mod_revision": revision}
+                self._counted[key] = base + amount
                 return base + amount
-            kv = self._kv(responses[0])
-            if amount and self._landed(marker, token):
-                return int(_unb64(kv.get("value")) or b"0") if kv else base + amount
+            if self._landed(marker, token):
+                value = self._open(key, kv)
+                return int(value) if value is not None else base + amount
+
+    def _count(self, key: str, kv: dict[str, Any] | None) -> int:
+        """A counter's value: 0 when absent (never written, or its lease expired), the last value this client
+        saw when it holds a value this launch did not write."""
+        if kv is None:
+            return 0
+        value = self._open(key, kv)
+        if value is None:
+            return self._counted.get(key, 0)
+        self._counted[key] = int(value)
+        return int(value)
 
     def lease_keys(self, keys: list[str], ttl_s: float) -> None:
         """Write ``keys`` (counters this client adds to) under a lease of ``ttl_s`` seconds (whole, at least
@@ -266,32 +329,38 @@ class EtcdBackend(StoreBackend):
             self._lease_id = str(self._call("lease/grant", {"TTL": self._lease_ttl})["ID"])
             self._lease_refreshed = now
             for key in self._leased:
-                self._counters.pop(key, None)  # gone with the old lease, if it expired: read them again
+                self._kvs.pop(key, None)  # gone with the old lease, if it expired: read them again
         return self._lease_id
 
     def get_present(self, keys: list[str]) -> list[bytes | None]:
-        kvs = self._read_many(keys)
-        return [None if kv is None else _unb64(kv.get("value")) for kv in kvs]
+        """Counters without waiting: None for a missing one (its lease expired), :data:`UNSEEN` for one holding
+        a value this launch did not write (no observation: never read as a counter gone or standing still)."""
+        out: list[bytes | None] = []
+        for k, kv in zip(keys, self._read_many(keys)):
+            value = self._open(k, kv)
+            out.append(None if kv is None else value if value is not None else UNSEEN)
+        return out
 
     def _landed(self, marker: str, token: str) -> bool:
         """An earlier try of this add committed although its answer was lost (the retry found our marker)."""
-        kv = self._read_many([marker])[0]
+        _, responses = self._txn([], [self._read(marker)], [])
+        kv = self._kv(responses[0])
         return kv is not None and _unb64(kv.get("value")).decode() == token
 
     def check(self, keys: list[str]) -> bool:
-        return all(kv is not None for kv in self._read_many(keys))
+        return all(self._open(k, kv) is not None for k, kv in zip(keys, self._read_many(keys)))
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
         return self._wait_values(keys)
 
     def delete_key(self, key: str) -> bool:
         # The key and its adders' markers (key + "\x00..."), nothing else: the range [key, key + "\x01").
-        self._counters.pop(key, None)
+        self._kvs.pop(key, None)
         out = self._call("kv/deleterange", {"key": self._k(key), "range_end": _b64(self.ns + key + "\x01")})
         return int(out.get("deleted", 0)) > 0
 
     def num_keys(self) -> int:
-        """The job's keys (adders' markers not counted): one read of the namespace's keys."""
+        """The launch's keys (adders' markers not counted): one read of its namespace's keys."""
         out = self._call("kv/range", {"key": _b64(self.ns), "range_end": _range_end(self.ns), "keys_only": True})
         return sum(1 for kv in out.get("kvs", []) if "\x00" not in _unb64(kv["key"]).decode())
 
@@ -301,23 +370,70 @@ class EtcdBackend(StoreBackend):
     # -- the job's namespace ----------------------------------------------------
 
     def clear(self) -> int:
-        """Delete every key of the job; returns how many went."""
-        self._counters.clear()
+        """Delete every key of this launch, and the job's pointer if it still points here (the job is over);
+        returns how many keys went."""
+        self._kvs.clear()
         out = self._call("kv/deleterange", {"key": _b64(self.ns), "range_end": _range_end(self.ns)})
+        pointer, kv = self._pointer()
+        if pointer is not None and pointer.get("launch") == self.launch:
+            guard = {"key": _b64(self.root + "launch"), "target": "MOD", "result": "EQUAL",
+                     "mod_revision": kv["mod_revision"]}  # type: ignore[index]
+            self._txn([guard], [{"request_delete_range": {"key": _b64(self.root + "launch")}}], [])
         return int(out.get("deleted", 0))
 
-    @classmethod
-    def connect(cls, addr: str, *, timeout_s: float, secret: str, store_timeout_s: float | None = None) -> EtcdBackend:
-        """A client of the job of ``secret`` on the etcd cluster at ``addr``.
+    def _pointer(self) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+        """The job's pointer to its current launch (``PREFIX/<namespace>/launch``: the launch id and who the job
+        is, sealed with a key of the secret alone) if authentic, and its kv."""
+        out = self._call("kv/range", {"key": _b64(self.root + "launch")})
+        kv = (out.get("kvs") or [None])[0]
+        raw = None if kv is None else Sealer(pointer_key(self.secret)).open(
+            "launch", _unb64(kv.get("value")), int(kv.get("version", 0)), int(kv.get("create_revision", 0)))
+        return (json.loads(raw) if raw else None), kv
+
+    def _point_here(self, job: dict[str, Any]) -> None:
+        """Point the job at this launch (guarded by the pointer's revision, retried on a race).
 
         Raises:
-            ValueError: ``addr`` is malformed or etcd3gw is missing.
+            ValueError: the pointer names another job (another run directory) under the same namespace.
+        """
+        while True:
+            current, kv = self._pointer()
+            if current is not None and current.get("job", {}).get("run_dir") != job.get("run_dir"):
+                raise ValueError(
+                    f"store {self.addr}: the prefix {self.root} already holds the keys of another job "
+                    f"({json.dumps(current.get('job'), sort_keys=True)}); give this job its own secret ({SECRET_ENV}) "
+                    f"or prefix (etcd://.../PREFIX), or remove the old keys once that job is over: etcdctl del "
+                    f"--prefix {self.root}")
+            key = _b64(self.root + "launch")
+            version = int(kv["version"]) + 1 if kv else 1
+            guard = ({"key": key, "target": "CREATE", "result": "EQUAL", "create_revision": "0"} if kv is None else
+                     {"key": key, "target": "MOD", "result": "EQUAL", "mod_revision": kv["mod_revision"]})
+            sealed = Sealer(pointer_key(self.secret)).seal("launch", json.dumps({"launch": self.launch, "job": job}),
+                                                           version)
+            if self._txn([guard], [{"request_put": {"key": key, "value": _b64(sealed)}}], [])[0]:
+                return
+
+    @classmethod
+    def connect(cls, addr: str, *, timeout_s: float, secret: str, store_timeout_s: float | None = None,
+                launch: str | None = None, insecure: bool = False) -> EtcdBackend:
+        """A client of the job of ``secret`` on the etcd cluster at ``addr``, for launch ``launch`` (default:
+        ``$UNBROKEN_STORE_LAUNCH``, else the job's current launch, read from its sealed pointer).
+
+        Raises:
+            ValueError: ``addr`` is malformed, plain etcd:// to another host without ``insecure``, or etcd3gw
+                is missing.
             ConnectionError: no member answered within ``timeout_s`` (says what to check).
             StoreAccessDenied: the cluster holds no job under this secret.
         """
-        backend = cls(addr, secret, timeout_s=timeout_s, store_timeout_s=store_timeout_s)
+        launch = launch or os.environ.get(LAUNCH_ENV) or None
         try:
-            present = backend.check(["job"])
+            if launch is None:
+                pointer, _ = cls(addr, secret, timeout_s=timeout_s, store_timeout_s=store_timeout_s,
+                                 insecure=insecure)._pointer()
+                launch = str(pointer["launch"]) if pointer else None
+            backend = cls(addr, secret, timeout_s=timeout_s, store_timeout_s=store_timeout_s, launch=launch,
+                          insecure=insecure)
+            present = launch is not None and backend.check(["job"])
         except StoreUnavailable as exc:
             raise ConnectionError(f"store {addr}: no etcd member answered within {timeout_s:.0f} s ({exc}); "
                                   f"is etcd running there, with quorum, and the address right?") from None
@@ -327,25 +443,23 @@ class EtcdBackend(StoreBackend):
         return backend
 
     @classmethod
-    def create(cls, addr: str, *, timeout_s: float, secret: str, job: dict[str, Any]) -> EtcdBackend:
-        """Open a new job's namespace on the cluster, refusing one that holds another job's keys.
+    def create(cls, addr: str, *, timeout_s: float, secret: str, job: dict[str, Any],
+               insecure: bool = False) -> EtcdBackend:
+        """Open a new launch of a job on the cluster: a namespace of its own, and the job's pointer set to it.
 
-        ``job`` describes this job (run directory, host, pid): a later job whose
-        secret maps to the same namespace is refused with it.
+        ``job`` describes this job (run directory, host, pid): a later job whose secret maps to the same
+        namespace but runs in another run directory is refused with it; a new launch of the same job (a
+        resume) replaces the pointer, and never reads the keys of an earlier launch.
 
         Raises:
-            ValueError: the namespace holds another job's keys (names that job and the fix).
+            ValueError: the namespace is another job's (names that job and the fix), or plain etcd:// to
+                another host without ``insecure``.
             ConnectionError: no member answered within ``timeout_s``.
         """
-        backend = cls(addr, secret, timeout_s=timeout_s)
-        mine = json.dumps(job, sort_keys=True)
+        backend = cls(addr, secret, timeout_s=timeout_s, launch=secrets.token_hex(16), insecure=insecure)
         try:
-            holder = backend.compare_set("job", "", mine).decode()
-            if holder != mine:
-                raise ValueError(
-                    f"store {addr}: the prefix {backend.ns} already holds the keys of another job ({holder}); "
-                    f"give this job its own secret ({SECRET_ENV}) or prefix (etcd://.../PREFIX), or remove the "
-                    f"old keys once that job is over: etcdctl del --prefix {backend.ns}")
+            backend._point_here(job)
+            backend.compare_set("job", "", json.dumps(job, sort_keys=True))
         except StoreUnavailable as exc:
             raise ConnectionError(f"store {addr}: no etcd member answered within {timeout_s:.0f} s ({exc}); "
                                   f"is etcd running there, with quorum, and the address right?") from None

@@ -22,7 +22,8 @@ except ImportError:  # pragma: no cover - reported by EtcdBackend.connect
 
 from unbroken.runtime.store_backend import ETCD_SCHEME, ETCD_TLS_ENV, ETCDS_SCHEME, is_etcd_address
 
-__all__ = ["Cluster", "DEFAULT_PREFIX", "RequestRefused", "StoreUnavailable", "is_etcd", "parse_etcd", "tls_files"]
+__all__ = ["Cluster", "DEFAULT_PREFIX", "INSECURE_ENV", "INSECURE_FLAG", "RequestRefused", "StoreUnavailable", "check_transport",
+           "is_etcd", "parse_etcd", "tls_files"]
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +78,39 @@ def tls_files(addr: str) -> dict[str, str] | None:
         raise ValueError(f"store {addr}: TLS needs the CA, this client's certificate and its key as PEM files: "
                          f"{'; '.join(problems)}")
     return files
+
+
+INSECURE_FLAG = "--store-insecure"
+"""The option that lets a job use plain ``etcd://`` to a cluster on other hosts."""
+INSECURE_ENV = "UNBROKEN_STORE_INSECURE"
+"""Set to ``1`` by that option for the processes the job starts."""
+
+
+def check_transport(addr: str, endpoints: list[tuple[str, int]], insecure: bool) -> None:
+    """Plain ``etcd://`` only to this host's loopback, unless the user said ``--store-insecure``.
+
+    Raises:
+        ValueError: names the remote members, the risk and the two fixes.
+    """
+    if addr.startswith(ETCDS_SCHEME) or insecure or os.environ.get(INSECURE_ENV) == "1":
+        return
+    remote = [f"{h}:{p}" for h, p in endpoints if not _loopback(h)]
+    if remote:
+        raise ValueError(f"store {addr}: plain etcd:// to {', '.join(remote)} sends the job's coordination in the "
+                         f"clear to a cluster anyone on the network may reach; use etcds:// with a client "
+                         f"certificate ({', '.join(ETCD_TLS_ENV.values())}), or pass {INSECURE_FLAG} if the "
+                         f"network is isolated")
+
+
+def _loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def parse_etcd(addr: str) -> tuple[list[tuple[str, int]], str]:

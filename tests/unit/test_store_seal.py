@@ -1,0 +1,251 @@
+"""A writer with access to the job's etcd cluster but without the job's secret (another holder of a client
+certificate of the same CA, or anyone on a plain etcd:// port) changes nothing the job acts on: its values,
+forged or replayed, are read as absent, replaced where the job writes, counted and reported; a key that holds
+nothing else for longer than the store timeout stops the job naming it; another launch's values are never
+read; plain etcd:// to another host needs --store-insecure."""
+
+from __future__ import annotations
+
+import base64
+import logging
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from unbroken.runtime.etcd_backend import EtcdBackend
+from unbroken.runtime.etcd_cluster import INSECURE_ENV, StoreUnavailable
+from unbroken.runtime.job_store import JobStore
+from unbroken.runtime.membership import Membership
+from unbroken.runtime.process_group import ViewGroup
+from unbroken.runtime.store_seal import Sealer
+from unbroken.runtime.store_wire import LAUNCH_ENV
+from unbroken.runtime.view import View
+
+pytestmark = pytest.mark.timeout(120)
+SECRET = "the job's secret"
+
+
+@pytest.fixture()
+def store(etcd_cluster, request):
+    s = JobStore.create_on_etcd(etcd_cluster.url, timeout_s=10, secret=SECRET, job={"run_dir": request.node.name})
+    yield s
+    s.backend.clear()
+
+
+class Writer:
+    """A client of the cluster with write access and no secret: it writes raw values under the job's keys."""
+
+    def __init__(self, store: JobStore) -> None:
+        self.backend: EtcdBackend = store.backend  # type: ignore[assignment]
+
+    def put(self, key: str, value: bytes | str) -> None:
+        raw = value.encode() if isinstance(value, str) else value
+        self.backend._call("kv/put", {"key": self.backend._k(key), "value": base64.b64encode(raw).decode()})
+
+    def plant(self, key: str, value: bytes | str) -> None:
+        """Write where the key is absent (overwriting an authentic value erases it: a denial of service, like
+        deleting keys, that seals do not claim to stop)."""
+        raw = value.encode() if isinstance(value, str) else value
+        k = self.backend._k(key)
+        self.backend._txn([{"key": k, "target": "CREATE", "result": "EQUAL", "create_revision": "0"}],
+                          [{"request_put": {"key": k, "value": base64.b64encode(raw).decode()}}], [])
+
+    def raw(self, key: str) -> bytes:
+        out = self.backend._call("kv/range", {"key": self.backend._k(key)})
+        return base64.b64decode(out["kvs"][0]["value"])
+
+
+def _connect(etcd_cluster) -> JobStore:
+    return JobStore.connect(etcd_cluster.url, timeout_s=10, secret=SECRET)
+
+
+def test_forged_values_of_every_kind_change_nothing(store, etcd_cluster, caplog):
+    view0 = View(gen=0, members=(0, 1, 2), step=0)
+    store.publish_initial(view0)
+    store.beat(1)
+    store.beat(1)
+    attacker = Writer(store)
+    forged = {
+        "view/1": View(gen=1, members=(2,), step=0, reason="forged").to_json(),  # a view dropping 0 and 1
+        "dead/0": '{"by": 2, "how": "forged"}',  # kill a live worker
+        "done": "1",  # end the job
+        "failed": "forged failure",  # fail the job
+        "config": '{"forged": true}',
+        "progress": "999",
+        "join/2": '{"pid": 1}',  # ask for the training state
+        "hb/1": "0",  # a counter set back
+    }
+    with caplog.at_level(logging.WARNING):
+        for key, value in forged.items():
+            attacker.put(key, value)
+        other = _connect(etcd_cluster)
+        for s in (store, other):  # one client that wrote before, one that never did
+            for _ in range(3):
+                assert s.gen() == 0 and s.current_view() == view0
+                assert not s.is_marked_dead(0) and s.dead_mark(0) is None
+                assert not s.is_done() and s.failure() is None and not s.finished()
+                assert s.config() is None and s.progress() is None and s.join_request(2) is None
+        assert store.heartbeats([1]) == [-1], "a forged heartbeat is no observation (neither a value nor gone)"
+        assert store.beat(1) == 3, "and the next beat goes on from the authentic count"
+        assert store.heartbeats([1]) == [3]
+    reports = [r.getMessage() for r in caplog.records if "not written by this launch" in r.getMessage()]
+    # Once per key and client: six keys read by both, hb/1 by one; view/1 by none (gen still says 0).
+    assert len(reports) == 13 and len(set(reports)) == 7
+    assert store.backend.sealer.bad["done"] >= 3, "and every read of it counted"
+    # The job writes over forged values: they are replaced, not obeyed.
+    winner = store.propose(view0, View(gen=1, members=(0, 1), step=0, reason="dead [2]"))
+    assert winner.members == (0, 1) and store.gen() == 1 and store.current_view() == winner
+    assert store.mark_dead(0, '{"by": 1, "how": "heartbeat"}') and other.is_marked_dead(0)
+    store.set_done()
+    assert store.is_done() and other.is_done()
+    assert store.agree_config('{"real": 1}') == '{"real": 1}'
+
+
+def test_a_recorded_value_replayed_is_rejected(store, etcd_cluster):
+    """The writer records the job's sealed ``progress`` of step 5 and writes it back after step 9: the value
+    was sealed for the key's first version and now sits at its third; every reader rejects it."""
+    store.set_progress(5)
+    attacker = Writer(store)
+    recorded = attacker.raw("progress")
+    store.set_progress(9)
+    attacker.put("progress", recorded)
+    assert store.progress() is None and _connect(etcd_cluster).progress() is None
+    assert store.backend.sealer.bad["progress"] >= 1
+    store.set_progress(10)
+    assert store.progress() == 10
+
+
+def test_a_key_holding_only_forged_values_past_the_store_timeout_stops_the_job_naming_it(store):
+    store.publish_initial(View(gen=0, members=(0,), step=0))
+    store.set_store_timeout(1.0)
+    Writer(store).put("items/0/0", "[0, []]")
+    t0 = time.monotonic()
+    with pytest.raises(StoreUnavailable, match=r"items/0/0.* has held only values not written by this launch "
+                                                r".*etcd user of its own"):
+        store.backend.get("items/0/0")
+    assert 1.0 <= time.monotonic() - t0 < 6
+
+
+def test_an_earlier_launch_of_the_job_is_never_read(store, etcd_cluster, monkeypatch, request):
+    """The same secret launched again (a resume, or a user's fixed UNBROKEN_JOB_SECRET): the new launch has keys
+    of its own; what a process of the earlier launch writes (``failed``, ``done``) never reaches it."""
+    store.publish_initial(View(gen=0, members=(0,), step=0))
+    old = _connect(etcd_cluster)
+    relaunch = JobStore.create_on_etcd(etcd_cluster.url, timeout_s=10, secret=SECRET,
+                                       job={"run_dir": request.node.name})
+    try:
+        assert relaunch.backend.launch != store.backend.launch
+        fresh = _connect(etcd_cluster)
+        assert fresh.backend.launch == relaunch.backend.launch, "a process that starts now joins the new launch"
+        old.fail("stopped: the earlier launch's failure")
+        old.set_done()
+        assert relaunch.failure() is None and not relaunch.is_done() and not fresh.finished()
+        monkeypatch.setenv(LAUNCH_ENV, store.backend.launch)  # a process of the earlier launch, pinned to it
+        assert _connect(etcd_cluster).is_done(), "it sees its own launch only"
+    finally:
+        relaunch.backend.clear()
+
+
+def test_another_job_with_the_same_secret_is_refused(store, etcd_cluster):
+    with pytest.raises(ValueError, match="already holds the keys of another job"):
+        JobStore.create_on_etcd(etcd_cluster.url, timeout_s=10, secret=SECRET, job={"run_dir": "/elsewhere"})
+
+
+def test_plain_etcd_to_another_host_needs_store_insecure(monkeypatch):
+    monkeypatch.delenv(INSECURE_ENV, raising=False)
+    with pytest.raises(ValueError, match=r"plain etcd:// to 10\.1\.2\.3:2379 .* etcds:// .* --store-insecure"):
+        EtcdBackend("etcd://127.0.0.1:2379,10.1.2.3:2379", SECRET, timeout_s=1)
+    EtcdBackend("etcd://127.0.0.1:2379,[::1]:2379,localhost:2379", SECRET, timeout_s=1)  # loopback: fine
+    EtcdBackend("etcd://10.1.2.3:2379", SECRET, timeout_s=1, insecure=True)
+    monkeypatch.setenv(INSECURE_ENV, "1")
+    EtcdBackend("etcd://10.1.2.3:2379", SECRET, timeout_s=1)
+
+
+def test_a_live_workers_counters_rewritten_faster_than_it_beats_never_make_it_look_silent(store, etcd_cluster):
+    """Worker 1 beats and advances every 100 ms; the writer rewrites both counters every 10 ms, so a reader
+    mostly finds forged values. Forged reads are no observation: the reader (heartbeat timeout 0.5 s, no
+    progress limit 0.5 s) never judges the live worker silent."""
+    view = View(gen=0, members=(0, 1), step=0)
+    store.publish_initial(view)
+    attacker = Writer(store)
+    writer = _connect(etcd_cluster)
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.is_set():
+            writer.beat(1)
+            writer.advance(1, 1)
+            stop.wait(0.1)
+
+    def forge() -> None:
+        while not stop.is_set():
+            attacker.put("hb/1", "0")
+            attacker.put("prog/1", "0")
+            stop.wait(0.01)
+
+    threads = [threading.Thread(target=beat), threading.Thread(target=forge)]
+    for t in threads:
+        t.start()
+    try:
+        reader = Membership(store, 0, heartbeat_timeout_s=0.5, progress_timeout_s=0.5)
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:
+            assert reader.dead_members(view) == set(), "a live worker judged dead on forged counters"
+            time.sleep(0.05)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(5)
+    assert not store.is_marked_dead(1)
+
+
+def test_a_forged_rendezvous_address_is_never_used(store):
+    """Two ranks build a gloo group on the job's rendezvous store while the writer keeps planting garbage in both
+    ranks' address keys wherever they are absent: the group forms with the authentic addresses and
+    all-reduces."""
+    attacker = Writer(store)
+    stop = threading.Event()
+
+    def forge() -> None:
+        while not stop.is_set():
+            for r in (0, 1):
+                try:
+                    attacker.plant(f"pg/0/0/{r}", b"\x00" * 64)
+                except dist.DistStoreError:
+                    pass
+            stop.wait(0.02)
+
+    thread = threading.Thread(target=forge, daemon=True)
+    thread.start()
+    out: dict[int, torch.Tensor] = {}
+
+    def rank(r: int) -> None:
+        g = ViewGroup(store.group_store(0), gen=0, rank=r, size=2, device=torch.device("cpu"), timeout_s=20)
+        out[r] = g.allreduce(torch.full((4,), float(r + 1)), lambda: None).clone()
+        g.abandon()
+
+    try:
+        threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    finally:
+        stop.set()
+        thread.join(5)
+    assert torch.equal(out[0], torch.full((4,), 3.0)) and torch.equal(out[1], torch.full((4,), 3.0))
+
+
+def test_a_seal_covers_the_key_the_version_and_the_value():
+    sealer = Sealer(b"k" * 32)
+    sealed = sealer.seal("dead/1", "x", 4)
+    assert sealer.open("dead/1", sealed, 4, 10) == b"x"
+    assert sealer.open("dead/2", sealed, 4, 10) is None, "moved to another key"
+    assert sealer.open("dead/1", sealed, 5, 10) is None, "written again: a later version than sealed for"
+    assert sealer.open("dead/1", b"y" + sealed[1:], 4, 10) is None, "another value"
+    assert Sealer(b"o" * 32).open("dead/1", sealed, 4, 10) is None, "another launch's or job's key"
+    assert sealer.open("dead/1", b"", 1, 10) is None
+    assert sealer.bad == {"dead/1": 3, "dead/2": 1}
