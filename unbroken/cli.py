@@ -85,6 +85,8 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
         layout = f"w{cfg.train.workers}" if nodes == 1 else f"{nodes}x{per_node}"
         out = args.out or Path("runs") / f"{_preset(args)}-{layout}"
     _check_writable_dir("--resume" if args.resume is not None else "--out", out)
+    if args.prepare_only:
+        return _prepare_only(args, cfg, out, nodes, per_node)
     console = Console(total=cfg.train.steps, workers=cfg.train.workers, log_every=cfg.train.log_every)
     try:
         summary = launch(cfg, out, nodes=nodes, workers_per_node=per_node, overwrite=args.overwrite,
@@ -101,6 +103,31 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
         print(f"unbroken train: {failure}", file=sys.stderr)
         return 1
     console.summary(summary)
+    return 0
+
+
+def _prepare_only(args: argparse.Namespace, cfg: Config, out: Path, nodes: int, per_node: int) -> int:
+    """``unbroken train --prepare-only``: the run directory for agents a cluster's scheduler starts."""
+    from unbroken.agent.cluster_run import prepare_cluster_run
+
+    agents_own = [flag for flag, on in (("--standby", args.standby), ("--spare-nodes", args.spare_nodes),
+                                        ("--restart", args.restart != "on-failure"),
+                                        ("--fail-at", args.resume is not None and args.fail_at)) if on]
+    if agents_own:
+        raise ValueError(f"--prepare-only with {', '.join(agents_own)}: those are the agents' options; give them to "
+                         f"unbroken agent on each node instead")
+    resume_from, prefix = prepare_cluster_run(cfg, out, nodes=nodes, workers_per_node=per_node,
+                                              overwrite=args.overwrite, resume=args.resume is not None,
+                                              store=_store_url(args.store))
+    if prefix is not None:
+        print(f"the job's keys on {args.store}: prefix {prefix} (once the job is over: etcdctl del --prefix {prefix})")
+    resumes = ""
+    if args.resume is not None:
+        resumes = f" (its agents resume from snapshot memory{f' or {resume_from}' if resume_from else ''}, whichever " \
+                  f"is newer)"
+    print(f"{out}: ready for {nodes} node(s) x {per_node} worker(s){resumes}; on each node: unbroken agent "
+          f"--nnodes {nodes} --workers-per-node {per_node} --run-dir {out} --node-rank R --store HOST:PORT (node 0 "
+          f"adds --host-store), or under srun --from-slurm")
     return 0
 
 
@@ -287,10 +314,13 @@ def cmd_agent(args: argparse.Namespace, overrides: list[str]) -> int:
     if overrides:
         raise ValueError(f"unbroken agent takes no config overrides ({', '.join(overrides)}); "
                          f"it runs the config in RUN_DIR/config.json")
-    _check_store_address(args.store)
+    if args.store is not None:
+        _check_store_address(args.store)
     logging.getLogger("unbroken").setLevel(logging.DEBUG if args.verbose else logging.INFO)
+    opts = options_from(args)
+    args.store = opts.store  # with --from-slurm, the address Slurm's node list gave: the messages below name it
     try:
-        return run_agent(options_from(args))
+        return run_agent(opts)
     except AgentError as exc:
         if exc.code != 2:  # the job failed or was interrupted: not an input error
             print(f"unbroken agent: {exc}", file=sys.stderr)

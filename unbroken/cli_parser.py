@@ -69,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--resume", type=Path, default=None, metavar="RUN_DIR",
                     help="continue RUN_DIR from its job's snapshot memory or its newest committed checkpoint, "
                          "whichever is newer")
+    tr.add_argument("--prepare-only", action="store_true",
+                    help="write the run directory (config, token cache, secret; with --resume: cut back to the "
+                         "resume point) and exit: for agents a cluster's scheduler starts (unbroken agent)")
     _add_cluster_args(tr)
 
     si = sub.add_parser(

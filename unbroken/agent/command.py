@@ -39,11 +39,20 @@ def prestart_template(argv: Sequence[str] | None) -> Template | None:
     ap.add_argument("--spare", action="store_true")
     ap.add_argument("--nnodes", type=int, default=1)
     ap.add_argument("--workers-per-node", type=int, default=1)
+    ap.add_argument("--from-slurm", action="store_true")
     try:
         a, _ = ap.parse_known_args(argv)
         cfg = json.loads((a.run_dir / "config.json").read_text()) if a.run_dir is not None else None
     except (OSError, ValueError, SystemExit):
         return None  # the real parser says what is wrong
+    node = -1 if a.spare else a.node_rank
+    if a.from_slurm:  # a task of srun: its index is the node rank, a spare's lies beyond --nnodes
+        from unbroken.agent.slurm import SLURM_PROCID
+
+        task = os.environ.get(SLURM_PROCID, "")
+        if not task.isdigit():
+            return None  # the real parser says what is wrong
+        node = int(task) if int(task) < a.nnodes else -1
     if not isinstance(cfg, dict) or not cfg.get("fault", {}).get("template", True) or not become_subreaper():
         return None
     # OpenBLAS (loaded with numpy, by torch) starts a thread per core unless told otherwise, and a process
@@ -52,7 +61,7 @@ def prestart_template(argv: Sequence[str] | None) -> Template | None:
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     import unbroken.agent.agent  # noqa: F401 (torch and the agent's modules, before the fork)
 
-    template = Template(run_dir=a.run_dir, node=-1 if a.spare else a.node_rank, world=a.nnodes * a.workers_per_node)
+    template = Template(run_dir=a.run_dir, node=node, world=a.nnodes * a.workers_per_node)
     template.start(time.monotonic(), fork=True)
     return template
 

@@ -9,7 +9,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 from pathlib import Path
+from typing import Mapping
 
 from unbroken.agent._supervision import Limits
 from unbroken.faults.fail_at import FaultSpec, parse_fail_at, read_fault_plan, trace_to_faults
@@ -109,12 +111,14 @@ class AgentOptions:
 
 def add_agent_args(ap: argparse.ArgumentParser) -> None:
     """The agent's options (shared by this module's entry point and ``unbroken agent``)."""
-    ap.add_argument("--node-rank", type=int, default=-1, help="this node's rank R (0..N-1); required unless --spare")
+    ap.add_argument("--node-rank", type=int, default=-1,
+                    help="this node's rank R (0..N-1); required unless --spare or --from-slurm")
     ap.add_argument("--spare", action="store_true",
                     help="a spare node: start and prepare now, take the rank of the first node lost")
     ap.add_argument("--nnodes", type=int, required=True, help="number of nodes N")
     ap.add_argument("--workers-per-node", type=int, required=True, help="workers per node W")
-    ap.add_argument("--store", required=True, help="HOST:PORT of the job's store, or etcd://HOST:PORT[,HOST:PORT...] of its etcd cluster")
+    ap.add_argument("--store", default=None, help="HOST:PORT of the job's store, or etcd://HOST:PORT[,HOST:PORT...] of "
+                    "its etcd cluster; required unless --from-slurm")
     ap.add_argument("--run-dir", type=Path, required=True, help="the run directory (holds config.json)")
     ap.add_argument("--restart", choices=RESTART_POLICIES, default="on-failure",
                     help="restart dead workers as joiners (default on-failure)")
@@ -138,14 +142,44 @@ def add_agent_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--startup-deadline-s", type=float, default=None,
                     help="fence and restart a worker that has not beaten this long after it started, and replace "
                          "a standby not ready by then (default --timeout-s)")
+    ap.add_argument("--from-slurm", action="store_true",
+                    help="a task of srun, one per node: SLURM_PROCID 0..N-1 is the node rank (task 0 hosts the store "
+                         "on the first host of the node list), N..N+S-1 a spare node; a requeued job "
+                         "(SLURM_RESTART_COUNT > 0) resumes")
+    ap.add_argument("--spare-nodes", type=int, default=0, metavar="S",
+                    help="with --from-slurm: the step's last S tasks are spare nodes (SLURM_NTASKS must be N+S)")
+    ap.add_argument("--store-port", type=int, default=None,
+                    help="with --from-slurm and no --store: the store's port on the first host of the node list "
+                         "(default 20000 + SLURM_JOB_ID %% 10000)")
 
 
-def options_from(a: argparse.Namespace) -> AgentOptions:
-    if a.node_rank == -1 and not a.spare:
-        raise ValueError("--node-rank is required (or --spare)")
-    return AgentOptions(spare=a.spare, node_rank=a.node_rank, nnodes=a.nnodes, workers_per_node=a.workers_per_node, store=a.store,
-                        run_dir=a.run_dir, restart=a.restart, restart_delay_s=a.restart_delay_s, fail_at=a.fail_at,
-                        faults_trace=a.faults_trace, faults_file=a.faults_file, standby=a.standby, start_step=a.start_step, resume=a.resume,
-                        resume_memory=a.resume_memory,
-                        timeout_s=a.timeout_s, grace_s=a.grace_s, host_store=a.host_store,
+def options_from(a: argparse.Namespace, env: Mapping[str, str] | None = None) -> AgentOptions:
+    """The options of a parsed command line; with ``--from-slurm``, the place Slurm's environment (``env``,
+    default ``os.environ``) gives this task (:mod:`unbroken.agent.slurm`)."""
+    placed = {"spare": a.spare, "node_rank": a.node_rank, "store": a.store, "host_store": a.host_store,
+              "resume": a.resume, "start_step": a.start_step, "resume_memory": a.resume_memory}
+    if a.from_slurm:
+        given = [flag for flag, on in (("--node-rank", a.node_rank != -1), ("--spare", a.spare),
+                                       ("--host-store", a.host_store)) if on]
+        if given:
+            raise ValueError(f"--from-slurm with {', '.join(given)}: Slurm's task index says which node this is "
+                             f"and whether it hosts the store; drop {', '.join(given)}")
+        from unbroken.agent.slurm import slurm_fields
+
+        placed.update(slurm_fields(os.environ if env is None else env, nnodes=a.nnodes, spare_nodes=a.spare_nodes,
+                                   store=a.store, store_port_flag=a.store_port, run_dir=a.run_dir, resume=a.resume))
+    else:
+        slurm_only = [f for f, on in (("--spare-nodes", a.spare_nodes), ("--store-port", a.store_port is not None)) if on]
+        if slurm_only:
+            raise ValueError(f"{', '.join(slurm_only)} without --from-slurm: a spare started by hand takes --spare, "
+                             f"and --store names the store's HOST:PORT")
+        if a.node_rank == -1 and not a.spare:
+            raise ValueError("--node-rank is required (or --spare)")
+        if a.store is None:
+            raise ValueError("--store is required: HOST:PORT of the job's store, or etcd://HOST:PORT[,...] "
+                             "(or --from-slurm under srun)")
+    return AgentOptions(**placed, nnodes=a.nnodes, workers_per_node=a.workers_per_node, run_dir=a.run_dir,
+                        restart=a.restart, restart_delay_s=a.restart_delay_s, fail_at=a.fail_at,
+                        faults_trace=a.faults_trace, faults_file=a.faults_file, standby=a.standby,
+                        timeout_s=a.timeout_s, grace_s=a.grace_s,
                         startup_liveness_s=a.startup_liveness_s, startup_deadline_s=a.startup_deadline_s)
