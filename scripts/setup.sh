@@ -90,3 +90,19 @@ if ! command -v etcd >/dev/null 2>&1 && [ -z "${UNBROKEN_ETCD:-}" ]; then
              "or put an etcd 3.4+ binary on PATH or in UNBROKEN_ETCD" >&2
     fi
 fi
+# Slurm (slurm-wlm: slurmctld, slurmd, sbatch, srun; munge comes with it) for the test of
+# examples/slurm/train.sbatch on a real Slurm: installed when missing and possible (root, or passwordless sudo,
+# with apt-get); otherwise that test skips and says how to get it.
+if ! PATH="$PATH:/usr/sbin:/sbin" sh -c 'command -v slurmctld && command -v slurmd && command -v sbatch' >/dev/null 2>&1; then
+    sudo_cmd=""
+    [ "$(id -u)" -eq 0 ] || { command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null && sudo_cmd="sudo -n"; }
+    if command -v apt-get >/dev/null 2>&1 && { [ "$(id -u)" -eq 0 ] || [ -n "$sudo_cmd" ]; }; then
+        echo "setup: installing slurm-wlm (apt-get)"
+        apt_install="$sudo_cmd env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends slurm-wlm"
+        $apt_install >/dev/null 2>&1 \
+            || { $sudo_cmd apt-get update -q >/dev/null 2>&1 && $apt_install >/dev/null 2>&1; } \
+            || echo "setup: slurm-wlm could not be installed; the Slurm test will skip" >&2
+    else
+        echo "setup: no Slurm: the Slurm test will skip. Install it as root (apt-get install slurm-wlm)" >&2
+    fi
+fi
