@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -191,6 +192,51 @@ def test_a_failed_write_leaves_the_newest_snapshot_sealed_and_is_retried_in_its_
     snap.take(4, view)
     snap.close()
     assert _held_steps(job_id) == {"b0": 4, "b1": 2}, "step 4 went where step 3 failed, step 2 kept"
+
+
+def test_a_write_longer_than_the_progress_timeout_never_gets_the_waiting_worker_judged_stuck(job_id):
+    """A fixed interval makes the training thread wait for the last snapshot before its next reduction: a first
+    write of 1 GB (its buffer mapped as it goes: several progress timeouts long) must not get a healthy worker
+    judged stuck by its peers (the wait counts as progress, as a validation or a checkpoint's does)."""
+    from unbroken.runtime.job_store import JobStore
+    from unbroken.runtime.membership import Membership
+
+    store = JobStore.host("127.0.0.1", 0, clients=3, secret="s")
+    view = View(gen=0, members=(0, 1), step=0)
+    store.publish_initial(view)
+    addr = f"127.0.0.1:{store.port}"
+    waiting = Membership(store, 0, heartbeat_timeout_s=0.2, progress_timeout_s=0.2,
+                         heartbeat_store=JobStore.connect(addr, timeout_s=10, secret="s"))
+    waiting.start_heartbeat()
+    big = {"x": torch.ones(1 << 28)}
+    snap = Snapshotter(job_id=job_id, node=0, worker=0, node_of={0: 0}, every=1, redundancy="none", parity=1,
+                       config_hash="cfg", state=lambda: big, on_event=lambda *a, **k: None, busy=waiting.busy)
+    peer = Membership(JobStore.connect(addr, timeout_s=10, secret="s"), 1, heartbeat_timeout_s=0.2,
+                      progress_timeout_s=0.2)
+    judged: list[set[int]] = []
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            judged.append(peer.dead_members(view))
+            time.sleep(0.02)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    try:
+        peer.dead_members(view)  # first sight of worker 0's counters
+        snap.take(1, View(gen=0, members=(0,), step=1))
+        watcher.start()
+        t0 = time.monotonic()
+        snap.fence()  # what the worker does before its next reduction
+        waited = time.monotonic() - t0
+    finally:
+        done.set()
+        watcher.join(5)
+        waiting.stop()
+        snap.close()
+        store.close()
+    assert waited > 2 * 0.2, f"the write took {waited:.2f} s: too short to tell"
+    assert judged and not any(judged), "worker 0 was judged stuck while it waited for its snapshot"
 
 
 def _resident(path) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -131,3 +132,69 @@ def test_a_source_lost_mid_transfer_fails_the_receivers_broadcast():
         g.abandon()
     finally:
         assert child.wait(60) == 9
+
+
+STALLING_SOURCE = """
+import os, sys, time, torch
+from pathlib import Path
+from unbroken.config import OptimConfig
+from unbroken.models import build_model
+from unbroken.models.optim import build_optimizer
+from unbroken.runtime.job_store import JobStore
+from unbroken.runtime.process_group import ViewGroup
+from unbroken.runtime.state_transfer import transfer_state
+port, stall_at, marks = int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])
+store = JobStore.connect(f"127.0.0.1:{port}", timeout_s=20, secret="test")
+g = ViewGroup(store.group_store(0), gen=0, rank=1, size=2, device=torch.device("cpu"), timeout_s=20)
+model = build_model("debug", vocab_size=4096, seq_len=8, seed=2)
+o = OptimConfig()
+opt = build_optimizer(model, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
+sent = 0
+def cast(t, src):
+    global sent
+    if sent == stall_at:  # a source that stops mid-transfer (judged dead meanwhile), then goes on
+        (marks / "stalled").touch()
+        while not (marks / "go").exists():
+            time.sleep(0.01)
+    g.broadcast_into(t, src, lambda: None)
+    if sent == stall_at:
+        (marks / "sent").touch()
+    sent += 1
+transfer_state(cast, model, opt, src=1, rank=1, receive=False, device=torch.device("cpu"), chunk_bytes=1 << 18)
+os._exit(0)
+"""
+
+
+def test_an_abandoned_transfers_late_bytes_never_land_in_the_live_state(tmp_path):
+    """The source stalls in the first in-place slice of the embeddings; the joiner gives up on it (its
+    detector raises) and abandons the transfer, then trains on (its parameters change); the source comes back
+    and its broadcast completes into what the joiner posted. The joiner's parameters stay its own: every
+    receive goes into the transfer's own buffer first, copied into the state only once it completed."""
+    store = JobStore.host("127.0.0.1", 0, clients=2, secret="test")
+    child = subprocess.Popen([sys.executable, "-c", STALLING_SOURCE, str(store.port), "2", str(tmp_path)])
+    g = ViewGroup(store.group_store(0), gen=0, rank=0, size=2, device=CPU, timeout_s=20)
+    model = build_model("debug", vocab_size=VOCAB, seq_len=8, seed=3)
+    opt = _optimizer(model)
+    stalled = tmp_path / "stalled"
+
+    def detector() -> None:
+        if stalled.exists() and time.time() - stalled.stat().st_mtime > 0.3:
+            raise CollectiveFailed("the source is judged dead")
+
+    try:
+        with pytest.raises(CollectiveFailed, match="judged dead"):
+            transfer_state(lambda t, src: g.broadcast_into(t, src, detector), model, opt, src=1, rank=0,
+                           receive=True, device=CPU, chunk_bytes=1 << 18)
+        pending = g._pending
+        assert pending is not None, "the receive of the stalled slice is still posted"
+        g.abandon()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.fill_(7.0)  # what the joiner trains on afterwards (a later view, a new state)
+        (tmp_path / "go").touch()
+        pending.wait()  # the late broadcast completed into what was posted
+        assert all(bool((p == 7.0).all()) for p in model.parameters()), "late bytes landed in the live state"
+    finally:
+        child.kill()
+        child.wait(30)
+        store.close()

@@ -78,10 +78,15 @@ class JoinerAdmission:
             self._reconfigure(next_step, f"admission failed: {type(exc).__name__}: {exc}")
 
     def replica_broadcast(self, sender: int, value: int) -> int:
-        """HSDP: ``value`` of worker ``sender``, broadcast over its replica (the others pass -1): the leader's view
-        generation at a step boundary it announced, the final checkpoint's writer's word to its siblings."""
+        """HSDP: ``value`` (>= 0) of worker ``sender``, broadcast over its replica (the others pass -1): the leader's
+        view generation at a step boundary it announced, the final checkpoint's writer's word to its siblings.
+
+        Raises:
+            CollectiveFailed: the broadcast failed, or delivered no value of the sender's (never taken for a
+                generation or a word).
+        """
         got = self.replica.boundary(self.plan.layout.index_of(sender), value)
-        if got == -2:
+        if got < 0:  # failed, or no value of the sender's arrived: never taken for a generation or a word
             raise CollectiveFailed(f"the broadcast from worker {sender} over its replica failed")
         return got
 

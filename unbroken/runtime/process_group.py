@@ -52,6 +52,29 @@ ABORT_DEADLINE_S = 10.0
 """The longest an abort of an NCCL group may take (``ncclCommAbort`` can itself hang)."""
 
 
+def completion_error(work: dist.Work, device: torch.device) -> str | None:
+    """The error a completed ``work`` recorded, or None: the one completion rule of every collective the job
+    waits for (a view's group, a replica's own).
+
+    gloo: its ``wait()`` raises the collective's failure. NCCL: its untimed
+    ``wait()`` raises nothing (it only makes the current stream wait), and
+    ``work.exception()`` cannot cross into Python (torch 2.11: "Unable to
+    convert function return value"): the work's result future tells instead.
+    Its completion check completes it with ``COMM_ERROR`` at once; ``SUCCESS``
+    comes later, from the watchdog, so a result not yet set after completion
+    means no error.
+    """
+    if device.type != "cpu":
+        result = work.get_future_result()
+        if result.done() and (value := int(result.value())) != _WORK_SUCCESS:
+            return f"NCCL reported {_WORK_RESULTS.get(value, value)}"
+    try:
+        work.wait()  # gloo: raises the collective's failure; NCCL: the current stream waits on it
+    except RuntimeError as exc:
+        return str(exc) or type(exc).__name__
+    return None
+
+
 class CollectiveFailed(RuntimeError):
     """A collective errored (typically: a peer's connection closed because it died)."""
 
@@ -262,31 +285,9 @@ class ViewGroup:
         """
         if self._aborted:
             raise CollectiveFailed(f"{what} of view {self.gen} was aborted")
-        error = self._device_error(work) if self.device.type != "cpu" else None
-        if error is None:
-            try:
-                work.wait()  # gloo: raises the collective's failure; NCCL: the current stream waits on it
-            except RuntimeError as exc:
-                error = str(exc)
+        error = completion_error(work, self.device)
         if error is not None:
             raise CollectiveFailed(f"{what} of view {self.gen} failed: {error.splitlines()[0]}") from None
-
-    @staticmethod
-    def _device_error(work: dist.Work) -> str | None:
-        """The error a completed NCCL work recorded, if any.
-
-        NCCL's untimed ``wait()`` raises nothing (it only makes the current
-        stream wait), and ``work.exception()`` cannot cross into Python (torch
-        2.11: "Unable to convert function return value"): the work's result
-        future tells instead. Its completion check completes it with
-        ``COMM_ERROR`` at once; ``SUCCESS`` comes later, from the watchdog,
-        so a result not yet set after completion means no error.
-        """
-        result = work.get_future_result()
-        if not result.done():
-            return None
-        value = int(result.value())
-        return None if value == _WORK_SUCCESS else f"NCCL reported {_WORK_RESULTS.get(value, value)}"
 
     def _post(self, start: Callable[[], dist.Work], what: str) -> dist.Work:
         """Start a collective; an error raised at once (NCCL checks synchronously) is a failed collective."""

@@ -15,7 +15,9 @@ own dtype, on the group's device:
 
 - a contiguous tensor on the group's device of at least ``DIRECT_MIN_BYTES``
   goes *in place*, in slices of at most ``chunk_bytes`` (the source sends views
-  of its tensor; a receiver receives into views of its own);
+  of its tensor; a receiver receives each slice into the stream's buffer and
+  copies it into its own tensor once the broadcast completed, so a broadcast
+  it gave up on, whose source comes back later, never writes its state);
 - everything else (norm gains, step counters, numbers, RNG states; tensors
   kept on the host while the group is on a GPU) is packed into one staging
   buffer of at most ``chunk_bytes`` on the group's device.
@@ -31,7 +33,8 @@ other members take part in each broadcast (a group broadcast needs every rank)
 through a scratch chunk and keep their state untouched.
 
 Invariants: the state arrives bit-exact; no full copy of the state is ever
-made, so the extra memory is one chunk (plus the header) on each side; all
+made, so the extra memory is one chunk (plus the header) on each side; no
+receive is ever posted into a live tensor of the state; all
 ranks derive the same sequence of broadcasts from the header alone; a
 receiver's state is defined only once the call has returned (an interrupted
 transfer is simply redone: loading twice is harmless).
@@ -197,7 +200,16 @@ class _Stream:
             if direct:
                 for a in range(0, nbytes, self.chunk):
                     n = min(self.chunk, nbytes - a)
-                    self._cast(_bytes_of(tensors[i])[a:a + n] if tensors is not None else self._buffer()[:n])
+                    if send:
+                        self._cast(_bytes_of(tensors[i])[a:a + n])
+                        continue
+                    # Into this stream's own buffer, into the state only once the broadcast completed: a
+                    # broadcast given up on (its source judged dead) stays posted in its parked group, and
+                    # whatever arrives later lands in that buffer, never in a tensor trained on since.
+                    buf = self._buffer()[:n]
+                    self._cast(buf)
+                    if tensors is not None:
+                        _bytes_of(tensors[i])[a:a + n].copy_(buf)
             else:
                 self._pack(i, nbytes)
         self._flush()
@@ -234,7 +246,7 @@ class _Stream:
         """The one staging/scratch chunk, sized for the largest use this stream has of it."""
         if self._buf is None:
             packed = sum(n for n, direct in self.plan if not direct)
-            scratch = max((n for n, direct in self.plan if direct), default=0) if self.tensors is None else 0
+            scratch = max((n for n, direct in self.plan if direct), default=0) if not self.send else 0
             size = min(self.chunk, max(packed, scratch))
             self._buf = torch.empty(size, dtype=torch.uint8, device=self.device)
             self.stats.buffer_bytes = size

@@ -128,7 +128,8 @@ class Trainer:
             load_checkpoint(spec.resume, self.job.model, self.job.optimizer, config_hash=self.hash)
         self.events = JsonlWriter(spec.run_dir / "events" / f"w{spec.worker}.jsonl")
         self.snapshots = snapshotter_for(cfg, spec.run_dir, spec.worker, spec.world, self.job.model,
-                                         self.job.optimizer, device, self.hash, self._event, hsdp=self.hsdp)
+                                         self.job.optimizer, device, self.hash, self._event, hsdp=self.hsdp,
+                                         busy=membership.busy)
         if self.snapshots is not None and self.snapshots.auto:  # its proposals ride in each gradient buffer
             self.job = dataclasses.replace(self.job, vote=self.snapshots.vote)
         self.protocol = recovery(cfg.fault.recovery).protocol_class()(

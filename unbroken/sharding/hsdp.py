@@ -220,15 +220,20 @@ class ReplicaSync:
         return done == self.size, flags > 0
 
     def boundary(self, index: int, value: int) -> int:
-        """``value`` of the rank with shard index ``index`` (a broadcast; the others pass anything), or -2
-        (failed)."""
+        """``value`` (>= 0) of the rank with shard index ``index`` (a broadcast; the others pass -1), or -2: the
+        broadcast failed, or what arrived is no sender's value (the placeholder of a rank it never reached)."""
         t = torch.tensor([value], dtype=torch.int64, device=self.device)
         if not self._run(lambda: dist.broadcast(t, group_src=index, group=self.group, async_op=True)):
             return -2
-        return int(t.item())
+        got = int(t.item())
+        return got if got >= 0 else -2
 
     def _run(self, start: Callable[[], dist.Work]) -> bool:
-        """Post a collective and wait until it completed: True, or False (failed, or past the timeout)."""
+        """Post a collective and wait until it completed without error, by the job's one completion rule
+        (:func:`~unbroken.runtime.process_group.completion_error`: on NCCL the work's result, not its future):
+        True, or False (failed, or past the timeout)."""
+        from unbroken.runtime.process_group import completion_error
+
         try:
             work = start()
             deadline = time.monotonic() + self.timeout_s
@@ -240,13 +245,12 @@ class ReplicaSync:
                     try:
                         work.wait(timedelta(seconds=0.02))
                     except RuntimeError:
-                        pass  # timed out, or failed: is_completed() and the wait below decide
+                        pass  # timed out, or failed: is_completed() and the completion rule decide
                 else:
                     time.sleep(0.001)
-            work.wait()
         except RuntimeError:
             return False
-        return True
+        return completion_error(work, self.device) is None
 
 
 def join_replica(store: dist.Store, *, replica: int, incarnation: int | str, index: int, shard_degree: int,

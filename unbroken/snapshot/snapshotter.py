@@ -50,7 +50,8 @@ import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Sequence
+from contextlib import nullcontext
+from typing import Any, Callable, ContextManager, Sequence
 
 import torch
 
@@ -90,6 +91,8 @@ class Snapshotter:
             restore takes such a step only with a copy of every range.
         map_ahead: with several write threads, map the second buffer beside the first write (off: each buffer
             is mapped by its own first write, for comparison).
+        busy: entered around every wait of the calling (training) thread for a write or a staging copy
+            (:meth:`Membership.busy`: its peers then see it progress, however long a write takes).
     """
 
     def __init__(self, *, job_id: str, node: int, worker: int, node_of: dict[int, int], every: int | str,
@@ -97,11 +100,11 @@ class Snapshotter:
                  state: Callable[[], dict[str, torch.Tensor]], on_event: Callable[..., None],
                  write_threads: int = 1, shares_cores: bool = False, shard: tuple[int, int] = (0, 1),
                  holders: Callable[[Sequence[int]], Sequence[int]] = tuple, moments_in_copies: bool = False,
-                 map_ahead: bool = True) -> None:
+                 map_ahead: bool = True, busy: Callable[[], ContextManager[None]] = nullcontext) -> None:
         self.job_id, self.node, self.worker, self.node_of = job_id, node, worker, node_of
         self.shard, self.holders, self.moments_in_copies = shard, holders, moments_in_copies
         self.every, self.redundancy, self.parity, self.config_hash = every, redundancy, parity, config_hash
-        self.state, self.on_event = state, on_event
+        self.state, self.on_event, self.busy = state, on_event, busy
         self.auto = every == "auto"
         self.cadence = Cadence(shares_cores=shares_cores) if self.auto else None
         self.buffers = [Buffer(job_id, node, worker, b) for b in (0, 1)]
@@ -245,7 +248,9 @@ class Snapshotter:
         pending = self._pending
         if pending is None:
             return
-        if not self._staged.wait(STAGE_TIMEOUT_S):
+        with self.busy():
+            staged = self._staged.wait(STAGE_TIMEOUT_S)
+        if not staged:
             logger.error("snapshot staging took more than %.0f s; waiting for the whole snapshot", STAGE_TIMEOUT_S)
             self.wait()
 
@@ -255,7 +260,8 @@ class Snapshotter:
         if pending is None:
             return
         try:
-            last = pending.result()
+            with self.busy():
+                last = pending.result()
             self._next = 1 - last.pop("index")
         except Exception as exc:  # a full /dev/shm, a coding failure: the job trains on, less protected
             logger.error("snapshot failed: %s", exc)

@@ -12,7 +12,8 @@ import json
 import os
 import secrets
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from contextlib import nullcontext
+from typing import TYPE_CHECKING, Any, Callable, ContextManager
 
 import torch
 
@@ -78,7 +79,8 @@ def node_map(run_dir: Path, world: int) -> dict[int, int]:
 
 def snapshotter_for(cfg: Config, run_dir: Path, worker: int, world: int, model: torch.nn.Module,
                     optimizer: torch.optim.Optimizer, device: torch.device, config_hash: str,
-                    on_event: Callable[..., None], hsdp: ReplicaLayout | None = None) -> Snapshotter | None:
+                    on_event: Callable[..., None], hsdp: ReplicaLayout | None = None,
+                    busy: Callable[[], ContextManager[None]] = nullcontext) -> Snapshotter | None:
     """The worker's snapshotter, or None when ``snapshot.every`` is 0. With a sharded optimizer (ZeRO-1) it
     snapshots the replicated state (parameters, steps, RNG) and the ring copies of the moments of the same
     step are kept with it (:mod:`unbroken.sharding.replicas`). Under HSDP (``hsdp``) it snapshots this
@@ -99,7 +101,7 @@ def snapshotter_for(cfg: Config, run_dir: Path, worker: int, world: int, model: 
                        every=cfg.snapshot.every, redundancy=cfg.snapshot.redundancy, parity=cfg.snapshot.parity,
                        config_hash=config_hash, state=lambda: tensors_of(model, optimizer, device),
                        on_event=on_event, write_threads=threads, shares_cores=cpu,
-                       moments_in_copies=cfg.train.shard_optimizer, **shard)
+                       moments_in_copies=cfg.train.shard_optimizer, busy=busy, **shard)
 
 
 def restore_state(spec: dict[str, Any], *, run_dir: Path, worker: int, world: int, members: tuple[int, ...],
