@@ -45,7 +45,7 @@ def test_the_store_listens_on_the_jobs_host_only(store):
 def test_a_wrong_secret_or_another_launch_is_refused(store, monkeypatch):
     addr = f"127.0.0.1:{store.port}"
     assert JobStore.connect(addr, timeout_s=5, secret=SECRET).gen() == 0
-    with pytest.raises(StoreAccessDenied, match="refused this job secret"):
+    with pytest.raises(StoreAccessDenied, match="holds no job under this secret"):
         JobStore.connect(addr, timeout_s=5, secret="a guess")
     monkeypatch.setenv(LAUNCH_ENV, "0" * 32)  # a process of an earlier launch of the job
     with pytest.raises(StoreAccessDenied, match=f"serves launch {store.launch}, not this process's launch 0+"):

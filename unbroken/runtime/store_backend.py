@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from unbroken.runtime.store_client import GroupStore, StoreClient
 from unbroken.runtime.store_server import StoreServer
-from unbroken.runtime.store_wire import LAUNCH_ENV, HandshakeRefused, WireError
+from unbroken.runtime.store_wire import LAUNCH_ENV, HandshakeRefused, OtherLaunch, WireError
 
 __all__ = ["ETCD_SCHEME", "ETCDS_SCHEME", "ETCD_TLS_ENV", "is_etcd_address", "SECRET_ENV", "SECRET_FILE",
            "StoreAccessDenied", "StoreBackend", "EmbeddedBackend", "job_secret", "new_secret", "save_secret"]
@@ -232,12 +232,16 @@ class EmbeddedBackend(StoreBackend):
         launch = launch or os.environ.get(LAUNCH_ENV) or None
         try:
             client = StoreClient(host.strip("[]"), int(port), secret=secret, timeout_s=timeout_s, launch=launch)
-        except HandshakeRefused as exc:
-            raise StoreAccessDenied(f"store {addr}: {exc}; use the run's {SECRET_FILE} file or {SECRET_ENV} of "
-                                    f"the job you mean") from None
-        except WireError as exc:
+        except OtherLaunch as exc:
+            raise StoreAccessDenied(f"store {addr}: {exc}") from None
+        except HandshakeRefused:
+            raise StoreAccessDenied(f"store {addr} holds no job under this secret (it refused this secret's proof); "
+                                    f"use the run's {SECRET_FILE} file or {SECRET_ENV} of the job you mean") from None
+        except WireError as exc:  # (a ConnectionError too: caught first)
             raise ConnectionError(f"store {addr} answered but is not this job's store ({exc}); is the address "
                                   f"right?") from None
+        except ConnectionError as exc:
+            raise ConnectionError(f"{exc}; is the launcher running and the address right?") from None
         backend = cls(client)
         backend._secret = secret
         return backend

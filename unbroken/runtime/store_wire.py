@@ -32,7 +32,7 @@ import os
 import socket
 import struct
 
-__all__ = ["LAUNCH_ENV", "MAX_FRAME", "Channel", "HandshakeRefused", "WireError", "client_handshake", "pack",
+__all__ = ["LAUNCH_ENV", "MAX_FRAME", "Channel", "HandshakeRefused", "OtherLaunch", "WireError", "client_handshake", "pack",
            "server_handshake", "store_key", "unpack"]
 
 MAGIC = b"UBSTORE2"
@@ -50,7 +50,11 @@ class WireError(ConnectionError):
 
 
 class HandshakeRefused(WireError):
-    """The other end does not hold the job's secret (or serves another launch)."""
+    """The other end does not hold the job's secret."""
+
+
+class OtherLaunch(HandshakeRefused):
+    """The store serves another launch of the job than the one this process pinned."""
 
 
 def store_key(secret: str) -> bytes:
@@ -150,8 +154,8 @@ def client_handshake(sock: socket.socket, key: bytes, launch: str | None) -> tup
     launch_b, sn = hello[len(MAGIC):len(MAGIC) + LAUNCH_LEN], hello[len(MAGIC) + LAUNCH_LEN:]
     theirs = launch_b.decode(errors="replace")
     if launch is not None and theirs != launch:
-        raise HandshakeRefused(f"the store serves launch {theirs}, not this process's launch {launch} (a later "
-                               f"or earlier launch of the job holds the address)")
+        raise OtherLaunch(f"the store serves launch {theirs}, not this process's launch {launch} (a later "
+                          f"or earlier launch of the job holds the address)")
     cn = os.urandom(NONCE)
     _send(sock, cn + _mac(key, b"client", launch_b, sn, cn))
     answer = _recv_exact(sock, 1)
