@@ -50,6 +50,7 @@ from typing import Callable
 
 from unbroken.faults.injector import workers_of
 from unbroken.runtime.checkpoint import latest_checkpoint, read_commit
+from unbroken.runtime.membership import SHARD_LOST
 from unbroken.runtime.job_store import JobStore
 from unbroken.runtime.view import View
 from unbroken.snapshot.restore import decide, inventory
@@ -109,7 +110,8 @@ class JobRestore:
         if self._deciding is None and self.store.claim_restore(view.gen, self.node):
             now, failures = time.monotonic(), self._failed_restores(view)
             self._claimed(_Pending(view=view, inventories_by=now + INVENTORY_DEADLINE_S,
-                                   not_before=now + restore_backoff(len(failures)), failures=failures, claimed_at=now))
+                                   not_before=now + restore_backoff(len(failures)), failures=failures, claimed_at=now,
+                                   shard_lost=self._shard_lost(view)))
 
     def busy(self) -> bool:
         """This node's inventory is being computed, or this agent waits to decide a restore: its loop should
@@ -140,6 +142,11 @@ class JobRestore:
             who = f"every member of view {view.gen} {list(view.members)} is dead" if view else "--resume"
             return (f"no live worker left: {who}, and nothing to restore from: no complete snapshot in the "
                     f"memory of nodes {sorted(invs)} and no committed checkpoint under {self.run_dir / 'checkpoints'}")
+        if pending.shard_lost is not None and spec["source"] != "memory":
+            # The members are alive; only their optimizer state is incomplete. Memory had nothing newer than
+            # the checkpoint: going back to it is for the user to decide (--resume), as before.
+            return (f"stopped: {pending.shard_lost}; snapshot memory holds nothing newer than the checkpoint of "
+                    f"step {spec['step']}")
         spec["failures"] = pending.failures  # carried by the views of this step: the next restore counts on
         members = tuple(spec.get("members") or [w for n in sorted(invs) for w in workers_of(n, self.per_node)])
         for w in members:
@@ -288,6 +295,13 @@ class JobRestore:
         errors = sorted({m["error"] for m in marks if isinstance(m, dict) and m.get("error")})
         return [*view.restore.get("failures", []), errors]
 
+    def _shard_lost(self, view: View) -> str | None:
+        """Why the members of ``view`` left, when they all left because an optimizer shard was lost with its
+        copies (:class:`~unbroken.sharding.state.ShardLost`: alive, their state incomplete); else None."""
+        marks = [decode_mark(self.store.dead_mark(w) or "") for w in view.members]
+        lost = [m for m in marks if isinstance(m, dict) and m.get("how") == SHARD_LOST]
+        return str(lost[0].get("error")) if lost and len(lost) == len(marks) else None
+
     def _checkpoint(self) -> tuple[int, str] | None:
         try:
             path = latest_checkpoint(self.run_dir)
@@ -307,6 +321,8 @@ class _Pending:
     not_before: float
     failures: list[list[str]]
     """See :meth:`JobRestore._failed_restores`."""
+    shard_lost: str | None = None
+    """See :meth:`JobRestore._shard_lost`: the restore is one only from memory newer than the checkpoint."""
     claimed_at: float
     """When this agent claimed the decision (its loop's clock)."""
 

@@ -42,7 +42,7 @@ from unbroken.mecefo.takeover import NoLiveWorker  # one notion of "nobody is al
 from unbroken.runtime.job_store import JobStore
 from unbroken.runtime.view import View
 
-__all__ = ["EXIT_FENCED", "EXIT_REJOIN", "Fenced", "MemberDied", "Membership", "MissedCommit", "NoLiveWorker", "View",
+__all__ = ["EXIT_FENCED", "EXIT_REJOIN", "SHARD_LOST", "Fenced", "MemberDied", "Membership", "MissedCommit", "NoLiveWorker", "View",
            "ViewChanged"]
 
 logger = logging.getLogger(__name__)
@@ -65,6 +65,9 @@ beat: later than any observer's own judgement, so an expiry is proof of death, n
 EXIT_FENCED = 3
 """Exit code of a worker that left because it was fenced (not a member of the view)."""
 EXIT_REJOIN = 7
+SHARD_LOST = "shard lost"
+"""The ``how`` of the dead mark a member writes itself when a shard of the state is lost with its copies (it
+leaves, and once every member did, its agents restore the job from snapshot memory)."""
 """Exit code of a healthy worker that left to rejoin with the state (:class:`MissedCommit`): its agent
 starts it again whatever its restart policy."""
 

@@ -26,7 +26,8 @@ from unbroken.job.parallelize import compile_stats
 from unbroken.jsonl import JsonlWriter
 from unbroken.models.factory import bind_device
 from unbroken.runtime.job_store import JobStore
-from unbroken.runtime.membership import EXIT_FENCED, EXIT_REJOIN, Fenced, Membership, MissedCommit, NoLiveWorker
+from unbroken.runtime.membership import (EXIT_FENCED, EXIT_REJOIN, SHARD_LOST, Fenced, Membership, MissedCommit,
+                                         NoLiveWorker)
 from unbroken.runtime.start_phases import StartClock
 from unbroken.runtime.store_backend import job_secret
 from unbroken.runtime.worker import (EXIT_NO_LIVE_WORKER, EXIT_REFUSED, EXIT_STORE_LOST, JoinRefused, Trainer,
@@ -96,8 +97,11 @@ def run(spec: WorkerSpec, *, store: JobStore | None = None, prepared: Prepared |
         store.fail(f"no live worker left: {exc}")
         return EXIT_NO_LIVE_WORKER
     except ShardLost as exc:
-        logger.error("%s", exc)
-        store.fail(f"stopped: {exc}")  # the launcher's JobFailed says "the job stopped: ..."
+        # Every member of the view finds the same shard lost and leaves so: once all did, the agents restore
+        # the job from snapshot memory (or stop it if memory holds nothing newer than the checkpoint).
+        logger.error("%s; leaving for the job to be restored from snapshot memory", exc)
+        store.mark_dead(spec.worker, json.dumps({"by": spec.worker, "how": SHARD_LOST, "error": str(exc),
+                                                 "t": time.time()}))
         return EXIT_NO_LIVE_WORKER
     except JoinRefused as exc:
         logger.error("join refused: %s", exc)
