@@ -198,3 +198,24 @@ def test_memory_of_this_process_is_kept_as_it_is():
     before = data.copy()
     ready_to_overwrite(data.ctypes.data, data.nbytes)  # its pages are its own: mapped, nothing dropped
     assert np.array_equal(data, before)
+
+
+def test_a_trusted_inventory_decides_from_authenticated_seals_and_the_load_finds_the_bad_byte(job_id, monkeypatch):
+    from unbroken.snapshot.segment import SECRET_ENV
+
+    monkeypatch.setenv(SECRET_ENV, "the job's secret")  # every agent and worker of a job has it
+    model, optimizer = _state(seed=1)
+    spec = _snapshot(job_id, model, optimizer)
+    victim = job_segments(job_id, node=0)[0]
+    _, _, offset, length, _ = SealedBuffer.open(victim, job_id).seal["fragments"][0]
+    _flip(victim, HEADER_BYTES + offset + 5)
+    trusted = inventory(job_id, 0, config_hash="cfg", verify=False)
+    assert [s["segment"] for s in trusted["seals"]] == [victim.name] and trusted["bytes"] == 0
+    assert decide([trusted, inventory(job_id, 1, config_hash="cfg", verify=False)], checkpoint=None,
+                  members_of=lambda nodes: list(NODE_OF)) == spec
+    with pytest.raises(SnapshotCorrupt, match=rf"{victim.name}: bytes \[{offset}, {offset + length}\) do not match"):
+        _restore(job_id, spec, seed=7)  # the load checks what the decision trusted
+    checked = inventory(job_id, 0, config_hash="cfg", verify=True)  # the next attempt checks every byte
+    assert checked["seals"] == [] and any(victim.name in p and "do not match" in p for p in checked["problems"])
+    monkeypatch.delenv(SECRET_ENV)  # a reader without the secret cannot trust a seal: it checks every byte
+    assert inventory(job_id, 0, config_hash="cfg", verify=False)["seals"] == []

@@ -22,7 +22,7 @@ SLOW_S = 1.5 * AGENT_SILENT_S
 
 
 def test_a_node_that_checks_its_memory_for_long_keeps_beating_and_is_waited_for(tmp_path, monkeypatch):
-    def slow_inventory(job: str, node: int, *, config_hash: str | None = None) -> dict:
+    def slow_inventory(job: str, node: int, *, config_hash: str | None = None, verify: bool = True) -> dict:
         if node == 1:
             time.sleep(SLOW_S)
         return {"node": node, "seals": [], "layouts": {}, "problems": []}
@@ -72,7 +72,7 @@ def test_a_node_that_checks_its_memory_for_long_keeps_beating_and_is_waited_for(
 
 
 def test_a_node_whose_agent_is_gone_is_not_waited_for(tmp_path, monkeypatch):
-    monkeypatch.setattr(_restore, "inventory", lambda job, node, config_hash=None: {
+    monkeypatch.setattr(_restore, "inventory", lambda job, node, config_hash=None, verify=True: {
         "node": node, "seals": [], "layouts": {}, "problems": []})
     job_id(tmp_path, create=True)
     store = JobStore.host("127.0.0.1", 0, clients=1, secret="test")
@@ -111,3 +111,30 @@ def test_a_silence_mark_made_for_a_view_a_restore_replaced_is_withdrawn(tmp_path
     store.mark_dead(1, "someone else's")
     store.unmark_dead(1, json.dumps({"not": "mine"}))
     assert store.dead_mark(1) == "someone else's"
+
+
+@pytest.mark.parametrize("restored, progress, verify", [
+    (False, None, False),  # a job-wide death of a view that trained: the seals decide, each load checks its bytes
+    (True, 7, True),  # every member of a restored view died before it trained a step: every byte checked now
+    (True, 8, False),  # a restored view that trained on died later: a new story
+])
+def test_the_inventory_checks_every_byte_only_after_a_restore_that_trained_nothing(tmp_path, monkeypatch,
+                                                                                   restored, progress, verify):
+    asked: list[bool] = []
+    monkeypatch.setattr(_restore, "inventory", lambda job, node, config_hash=None, verify=True: asked.append(verify) or {
+        "node": node, "seals": [], "layouts": {}, "problems": []})
+    job_id(tmp_path, create=True)
+    store = JobStore.host("127.0.0.1", 0, clients=1, secret="test")
+    spec = {"source": "memory", "step": 7, "failures": []} if restored else None
+    view = View(gen=3, members=(0,), step=7, restore=spec)
+    store.publish_initial(view)
+    if progress is not None:
+        store.set_progress(progress)
+    restorer = JobRestore(store, node=0, nnodes=1, workers_per_node=1, run_dir=tmp_path, config_hash="h",
+                          event=lambda *args, **fields: None)
+    restorer.all_dead(view)
+    t0 = time.monotonic()
+    while restorer.busy() and restorer.tick(time.monotonic()) is None:
+        assert time.monotonic() - t0 < 10
+        time.sleep(0.01)
+    assert asked == [verify]

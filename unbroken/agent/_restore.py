@@ -3,12 +3,15 @@
 When every member of the current view is dead (a job-wide fault: an OOM, a
 bug, a hung collective that forced a kill), each live agent publishes its
 node's snapshot inventory (:func:`unbroken.snapshot.restore.inventory`: the
-sealed, intact buffers; a torn or corrupt one is reported and left out). The
-inventory checks every byte of the node's snapshot memory (with several
-threads over a memory map), and the newest checkpoint is verified file by
-file: each runs in a thread of the agent of its own, never in its loop, so the
-agent keeps beating however large the state, and the checkpoint's scan does
-not wait behind the memory's. While either runs, or a decision waits, the
+sealed buffers; a torn, foreign or corrupt one is reported and left out). The
+inventory trusts seals authenticated with the job's secret (the workers check
+every byte as they load it); after a restore whose members all died before
+training a step it checks every byte of the node's snapshot memory (with
+several threads over a memory map), so a buffer whose bytes no longer match
+its seal is left out of the next attempt. The newest checkpoint is verified
+file by file. Each runs in a thread of the agent of its own, never in its
+loop, so the agent keeps beating however large the state, and the checkpoint's
+scan does not wait behind the memory's. While either runs, or a decision waits, the
 agent's loop ticks fast (:meth:`JobRestore.busy`), so the decision follows
 the last inventory within milliseconds. The first
 agent to claim the restore waits until every node's inventory is in, except
@@ -105,10 +108,15 @@ class JobRestore:
     # -- after every worker died ------------------------------------------------
 
     def all_dead(self, view: View) -> None:
-        """Every member of ``view`` is dead: publish this node's inventory; maybe claim the restore."""
-        self._publish(view.gen)
+        """Every member of ``view`` is dead: publish this node's inventory; maybe claim the restore.
+
+        The inventory trusts the seals (authenticated with the job's secret; the load checks every byte it
+        reads), unless ``view`` was itself a restore that trained nothing: its load may have met bytes that
+        do not match their seal, and every byte is checked this time (that buffer is then left out)."""
+        failures = self._failed_restores(view) if view.restore is not None else []
+        self._publish(view.gen, verify=bool(failures))
         if self._deciding is None and self.store.claim_restore(view.gen, self.node):
-            now, failures = time.monotonic(), self._failed_restores(view)
+            now = time.monotonic()
             self._claimed(_Pending(view=view, inventories_by=now + INVENTORY_DEADLINE_S,
                                    not_before=now + restore_backoff(len(failures)), failures=failures, claimed_at=now,
                                    shard_lost=self._shard_lost(view)))
@@ -239,7 +247,7 @@ class JobRestore:
 
     def at_start(self) -> None:
         """``--resume``: publish this node's inventory; node 0 decides the first view."""
-        self._publish(START_GEN)
+        self._publish(START_GEN, verify=True)  # memory left by an earlier launch: every byte checked
         if self.node == 0 and self.store.claim_restore(START_GEN, self.node):
             now = time.monotonic()
             self._claimed(_Pending(view=None, inventories_by=now + INVENTORY_DEADLINE_S, not_before=now, failures=[],
@@ -247,12 +255,14 @@ class JobRestore:
 
     # -- helpers ----------------------------------------------------------------
 
-    def _publish(self, gen: int) -> None:
-        """Start checking this node's memory for view ``gen``'s restore (published by :meth:`tick` when done)."""
+    def _publish(self, gen: int, *, verify: bool) -> None:
+        """Start taking this node's inventory for view ``gen``'s restore (published by :meth:`tick` when done);
+        ``verify``: every byte checked (:func:`unbroken.snapshot.restore.inventory`)."""
         if gen in self._published:
             return
         self._published.add(gen)
-        self._inventories[gen] = self._pool.submit(inventory, self.job, self.node, config_hash=self.config_hash)
+        self._inventories[gen] = self._pool.submit(inventory, self.job, self.node, config_hash=self.config_hash,
+                                                   verify=verify)
 
     def _publish_ready(self) -> None:
         """Publish the inventories the thread finished (the store is written from the agent's loop only)."""

@@ -5,9 +5,14 @@ fragments where it holds enough of them, otherwise from surviving nodes'
 fragments and parity), then the newest committed persistent checkpoint.
 
 1. :func:`inventory` (each node's agent): the seals of its node's segments of
-   the job, every byte checked (over a memory map, by several threads:
-   :mod:`unbroken.snapshot.fragment_io`); a torn or corrupt buffer is left out
-   and reported, so the other buffer (an older step) or another source is used.
+   the job; a torn, foreign or corrupt buffer is left out and reported, so the
+   other buffer (an older step) or another source is used. With ``verify``
+   every byte is checked (over a memory map, by several threads:
+   :mod:`unbroken.snapshot.fragment_io`); without it a seal authenticated with
+   the job's secret is trusted for the decision (the seal is written last, so
+   it never describes a torn write) and the bytes are checked as they are
+   loaded: a restore decides in milliseconds, and a mismatch found by the load
+   fails that load (the next attempt's inventory verifies every byte).
 2. :func:`decide` (one agent): the newest step whose snapshot is complete
    among the live nodes' inventories, or the checkpoint if it is newer, as a
    restore spec (JSON) published in the restored view.
@@ -43,14 +48,16 @@ __all__ = ["decide", "inventory", "restorable_steps", "restore_from_memory", "sh
 logger = logging.getLogger(__name__)
 
 
-def inventory(job: str, node: int, *, config_hash: str | None = None, threads: int | None = None) -> dict[str, Any]:
+def inventory(job: str, node: int, *, config_hash: str | None = None, threads: int | None = None,
+              verify: bool = True) -> dict[str, Any]:
     """The node's sealed, intact buffers of ``job``: ``{"seals": [...], "layouts": {...}, "copies": [...],
     "problems": [...], "seconds": S, "bytes": B}``.
 
     Each seal gains ``segment`` (its name). ``copies``: the seals of the node's copies of optimizer shards
     (ZeRO-1: :func:`unbroken.sharding.replicas.copies_inventory`). ``problems`` names each buffer left out
-    and why. Every byte is checked with ``threads`` threads (default: :func:`io_threads`); ``seconds`` and
-    ``bytes``: what that took.
+    and why. With ``verify`` every byte is checked, with ``threads`` threads (default: :func:`io_threads`);
+    without it only a buffer whose seal is not authenticated with the job's secret (this process has none)
+    is (see the module docstring). ``seconds``: what it took; ``bytes``: the bytes checked.
     """
     t0 = time.perf_counter()
     threads = io_threads() if threads is None else threads
@@ -69,8 +76,9 @@ def inventory(job: str, node: int, *, config_hash: str | None = None, threads: i
                 problems.append(f"{path.name}: written under config {buf.seal.get('config_hash')}, "
                                 f"not this job's {config_hash}")
                 continue
-            buf.verify(threads)
-            checked += sum(length for _, length, _ in buf.ranges())
+            if verify or not buf.authenticated:
+                buf.verify(threads)
+                checked += sum(length for _, length, _ in buf.ranges())
             layouts.setdefault(buf.seal["layout_hash"], buf.layout())
             seals.append({**buf.seal, "segment": path.name})
         except SnapshotCorrupt as exc:

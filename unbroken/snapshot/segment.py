@@ -281,6 +281,8 @@ class SealedBuffer:
 
     path: Path
     seal: dict[str, Any]
+    authenticated: bool = False
+    """Its seal's HMAC was checked with the job's secret (the reader has it): the seal is the job's own."""
 
     @classmethod
     def open(cls, path: Path, job: str) -> SealedBuffer | None:
@@ -311,7 +313,7 @@ class SealedBuffer:
             raise SnapshotCorrupt(f"{path.name}: the seal is not a JSON object")
         if seal.get("job") != job:
             raise SnapshotCorrupt(f"{path.name}: sealed by job {seal.get('job')!r}, not {job!r}")
-        return cls(path, seal)
+        return cls(path, seal, authenticated=key is not None)
 
     def read(self, offset: int, length: int, crc: int) -> bytes:
         """Payload bytes ``[offset, offset+length)``, checked against ``crc``.

@@ -173,7 +173,9 @@ def load_from_node_memory(run_dir: Path, worker: int, world: int, step: int, mod
     """
     node_of = node_map(run_dir, world)
     job, node = job_id(run_dir), node_of[worker]
-    inv = inventory(job, node, config_hash=config_hash)
+    # The seals decide (authenticated with the job's secret); the load checks every byte it reads, and a
+    # mismatch makes the next incarnation ask for a transfer (memory_rejoin_failed)
+    inv = inventory(job, node, config_hash=config_hash, verify=False)
     # Only the newest generation's seals of the step: after a restore, seals of the same step from the abandoned
     # timeline (older generations, written by other workers of the node) may still be intact, and complete.
     # Under HSDP only this rank's shard index's, read as a whole state (the others are not its shards).
