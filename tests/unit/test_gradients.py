@@ -80,3 +80,23 @@ def test_rows_outside_micro_batch_rejected():
     with pytest.raises(ValueError, match="outside micro-batch"):
         compute_gradient_sums(model, adapter, GradLayout(model, adapter), [SlotWork(0, (2, 9))],
                               step=0, micro_batch=MB, batch_fn=_batch_fn)
+
+
+def test_the_gradients_are_views_of_the_reduction_buffer_and_nothing_is_copied():
+    """Backward accumulates into the flat buffer itself (DDP's gradient_as_bucket_view): after the sums of two
+    items, every parameter's .grad shares the buffer's storage at its offset, and the sums are the same as
+    those computed item by item."""
+    model = _model()
+    adapter = LlamaAdapter(model)
+    layout = GradLayout(model, adapter)
+    assert layout.views_possible
+    items = [SlotWork(0, (0, MB)), SlotWork(1, (0, 2))]
+    buf = compute_gradient_sums(model, adapter, layout, items, step=1, micro_batch=MB, batch_fn=_batch_fn)
+    storage = buf.untyped_storage().data_ptr()
+    for i, p in enumerate(layout.params):
+        assert p.grad.untyped_storage().data_ptr() == storage, layout.names[i]
+        assert p.grad.data_ptr() == layout.grad_view(buf, i).data_ptr(), layout.names[i]
+    assert layout.copied_bytes == 0
+    one = [compute_gradient_sums(model, adapter, layout, [item], step=1, micro_batch=MB, batch_fn=_batch_fn)
+           for item in items]
+    torch.testing.assert_close(buf[:layout.n_grad], (one[0] + one[1])[:layout.n_grad], rtol=1e-6, atol=1e-7)

@@ -113,6 +113,12 @@ class _Hiccup(EmbeddedBackend):
             raise RuntimeError("store hiccup")
         return super().add(key, amount)
 
+    def adds(self, pairs: list[tuple[str, int]]) -> list[int]:  # a heartbeat's batched round trip
+        if time.monotonic() < self.until:
+            self.errors += 1
+            raise RuntimeError("store hiccup")
+        return super().adds(pairs)
+
 
 def test_the_heartbeat_survives_a_store_hiccup_shorter_than_the_timeout(store):
     flaky = _Hiccup(store.backend, failing_s=0)

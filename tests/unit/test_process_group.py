@@ -19,12 +19,11 @@ from unbroken.runtime.process_group import ViewGroup
 port, late = int(sys.argv[1]), float(sys.argv[2])
 store = JobStore.connect(f"127.0.0.1:{port}", timeout_s=20, secret="test")
 g = ViewGroup(store.group_store(0), gen=0, rank=1, size=2, device=torch.device("cpu"), timeout_s=20)
-x = torch.full((5,), 2.0)
-g.allreduce(x, lambda: None)
+g.allreduce(torch.full((5,), 2.0), lambda: None)  # each a new tensor: the sum lands in it
 if late == 0:
-    g.allreduce(x * 10, lambda: None)
+    g.allreduce(torch.full((5,), 20.0), lambda: None)
 time.sleep(late)
-g.allreduce(x, lambda: None)
+g.allreduce(torch.full((5,), 2.0), lambda: None)
 sys.stdout.flush()
 os._exit(0)  # like a worker: no teardown of live gloo pairs, whose threads abort the process when destroyed
 """
@@ -42,20 +41,19 @@ def _rank0(late_s: float) -> tuple[ViewGroup, subprocess.Popen[bytes]]:
     return g, child
 
 
-def test_allreduce_sums_into_a_reused_group_buffer_and_leaves_the_input_alone():
+def test_allreduce_sums_in_place_into_the_callers_tensor_with_no_copy():
+    """No second gradient-sized buffer: the sum lands in the tensor passed (each step passes a new one)."""
     g, child = _rank0(0)
     try:
         x = torch.full((5,), 1.0)
         a = g.allreduce(x, lambda: None)
-        a_sum, a_ptr = a.clone(), a.data_ptr()
-        b = g.allreduce(x * 10, lambda: None)
-        b_sum, b_ptr = b.clone(), b.data_ptr()
-        g.allreduce(x, lambda: None)
+        y = torch.full((5,), 10.0)
+        b = g.allreduce(y, lambda: None)
+        g.allreduce(torch.full((5,), 1.0), lambda: None)
     finally:
         assert child.wait(30) == 0
-    assert torch.equal(x, torch.full((5,), 1.0)), "the caller's tensor is never written"
-    assert torch.equal(a_sum, torch.full((5,), 3.0)) and torch.equal(b_sum, torch.full((5,), 30.0))
-    assert b_ptr == a_ptr, "the group's buffer is reused from one collective to the next"
+    assert a.data_ptr() == x.data_ptr() and torch.equal(x, torch.full((5,), 3.0)), "summed in the caller's tensor"
+    assert b.data_ptr() == y.data_ptr() and torch.equal(y, torch.full((5,), 30.0))
 
 
 def test_a_collective_missing_a_member_is_abandoned_by_the_check():

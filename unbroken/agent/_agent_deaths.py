@@ -92,7 +92,8 @@ class DeathDuties:
         fired = last_self_fault(self.run_dir, w)
         progress = max(self._read_progress(), fired[0] if fired is not None else 0)
         cause = self.plan.on_death(w, progress, fired) if self.plan else DeathCause(injected=False)
-        restart = self._schedule_restart(w, inc, cause, now, rejoin=code == EXIT_REJOIN and not cause.injected)
+        restart = self._schedule_restart(w, inc, cause, now, rejoin=code == EXIT_REJOIN and not cause.injected,
+                                         killed=sig == signal.SIGKILL)
         self._event("worker_exit", w, clean=False, injected=cause.injected, progress=progress,
                     spec=format_fail_at([cause.spec]) if cause.spec else None,
                     restart_at_step=restart.at_step if restart else None,
@@ -103,9 +104,9 @@ class DeathDuties:
                          f"restart in {self.opts.restart_delay_s:.1f} s")
 
     def _schedule_restart(self: Agent, w: int, inc: Incarnation, cause: DeathCause, now: float,
-                          rejoin: bool = False) -> Restart | None:
+                          rejoin: bool = False, killed: bool = False) -> Restart | None:
         """When to start ``w`` again (None: not). ``rejoin``: it left healthy, only to come back with the state
-        (:data:`EXIT_REJOIN`): started again at once whatever the restart policy."""
+        (:data:`EXIT_REJOIN`): started again at once whatever the restart policy. ``killed``: by SIGKILL."""
         if self._done_at is not None:
             return None
         if rejoin:
@@ -113,7 +114,10 @@ class DeathDuties:
             return r
         if self.opts.restart == "never":
             return None
-        if not cause.injected and now - inc.started < FAST_CRASH_S:
+        # A crash loop is the worker's own failing (an exit code, a fatal signal of its own), not a SIGKILL: a
+        # worker killed again and again from outside (or fenced) comes back every time.
+        crashed = not cause.injected and not inc.fenced and not killed
+        if crashed and now - inc.started < FAST_CRASH_S:
             self.fast_crashes[w] = self.fast_crashes.get(w, 0) + 1
             if self.fast_crashes[w] >= MAX_FAST_CRASHES:
                 self.log.error("worker %d crashed %d times within %.0f s of starting: not restarting it; see %s",

@@ -7,7 +7,8 @@ and ``summary.json`` of a run:
 - stall per failure: the survivors' gap between the step that failed and the one
   before it, minus the median step time;
 - rejoins: time from a worker's death (its self-inflicted fault or its agent's
-  record of the exit) to its admission back into the job;
+  record of the exit) to its admission back into the job, or to the restored
+  view it loaded the state in when the whole job was restored meanwhile;
 - recoveries: each kill's phases, in seconds after it (death seen, process
   ready, restore or admission decided, state loaded, first step, steps back at
   speed: :mod:`unbroken.bench.recovery_phases`);
@@ -157,6 +158,12 @@ def _rejoins(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
             started[e["worker"]] = e
         elif e.get("event") == "template_ready":
             templates[e["node"]] = e
+        elif e.get("event") == "restored" and e.get("worker") in down_since:
+            # A whole-job restore made it a member again (it loaded the state in the restored view): no rejoin
+            # follows, and its time down ends here.
+            since = down_since.pop(e["worker"])
+            out.append({"worker": e["worker"], "step": e["step"], "gen": e["gen"], "down_to_back_s": e["time"] - since,
+                        "started_as": "restore", "template_phases": None, "start_phases": None})
         elif e.get("event") == "rejoined":
             since = down_since.pop(e["worker"], None)
             start = started.get(e["worker"], {})

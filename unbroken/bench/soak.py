@@ -97,7 +97,7 @@ class Chaos:
             return
         if how == STOP:
             self.stopped.append((now + self.rng.uniform(1.0, 10.0), pid))
-        self.sent.append({"t": round(now - t0, 2), "target": role, "pid": pid, "signal": how,
+        self.sent.append({"t": round(now - t0, 2), "wall": time.time(), "target": role, "pid": pid, "signal": how,
                           "committed": self.committed()})
 
     def release(self) -> None:
@@ -169,7 +169,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 def _verdict(a: argparse.Namespace, run: Path, chaos: Chaos, launches: list[dict[str, Any]],
              wall_s: float) -> dict[str, Any]:
+    from unbroken.bench.capacity import summarize as capacity
     from unbroken.bench.report import summarize_run
+    from unbroken.runtime.ledger import read_events
 
     s = summarize_run(run)
     by: dict[str, int] = {}
@@ -186,6 +188,7 @@ def _verdict(a: argparse.Namespace, run: Path, chaos: Chaos, launches: list[dict
         "finished": launches[-1].get("rc") == 0, "launches": launches, "resumes": len(launches) - 1,
         "failures_survived": s["failures"], "restores": s["snapshots"].get("restores", []),
         "ledger": {k: s[k] for k in s if k.startswith(("rows_", "ledger", "exactly"))},
+        "capacity": capacity(read_events(run), chaos.sent),
         "faults": chaos.sent, "run_dir": str(run),
     }
     a.out.parent.mkdir(parents=True, exist_ok=True)
@@ -204,3 +207,21 @@ def _print(r: dict[str, Any]) -> None:
           f"finished: {r['finished']}, resumes: {r['resumes']}")
     print(f"  failures survived {r['failures_survived']}, restores from memory {len(r['restores'])}")
     print(f"  ledger: {json.dumps(r['ledger'])}")
+    c = r["capacity"]
+    q = c["back_s"]
+    print(f"  workers lost {c['losses']}, back {c['back']} ({', '.join(f'{k} {v}' for k, v in c['by_how'].items())}); "
+          f"back at full strength after p50 {_s(q['p50'])}, p90 {_s(q['p90'])}, p99 {_s(q['p99'])}, max {_s(q['max'])}")
+    if c["slower_than_target"]:
+        print(f"  {c['slower_than_target']} back later than {c['target_s']:.0f} s: "
+              f"{c['slower_with_another_loss_meanwhile']} while another worker was lost too (its admission waited "
+              f"for a step boundary, the steps for that loss to be detected), {c['slower_hit_again']} hit again "
+              f"as it came back")
+    for x in c["never_back"]:
+        print(f"  never back: worker {x['worker']} lost at {x['lost_at']:.1f} ({x['cause']})")
+    print(f"  gaps from an exit to the next start: {c['gaps']}, unexplained {len(c['unexplained_gaps'])}")
+    for g in c["unexplained_gaps"][:10]:
+        print(f"    worker {g['worker']}: {g['gap_s']:.1f} s, the agent said {g['why']}")
+
+
+def _s(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f} s"

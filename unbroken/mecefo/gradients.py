@@ -17,6 +17,7 @@ Invariants:
 
 from __future__ import annotations
 
+import logging
 import weakref
 from dataclasses import dataclass
 from typing import Callable, Literal, Sequence
@@ -28,6 +29,8 @@ from unbroken.mecefo.adapter import ModelAdapter
 from unbroken.models.hf_llama import logits_of
 from unbroken.models.precision import autocast
 from unbroken.sharding.parts import laid_out_as, local_of
+
+logger = logging.getLogger(__name__)
 
 Mode = Literal["exact", "approx"]
 BatchFn = Callable[[int, int, tuple[int, int]], tuple[torch.Tensor, torch.Tensor]]
@@ -85,6 +88,10 @@ class GradLayout:
         self.n_votes = votes
         self.size = offset + len(self.group_names) + votes + 2
         self._host: tuple[weakref.ref, int, torch.Tensor] | None = None  # (buffer, version, its scalars on the host)
+        self.copied: set[int] = set()
+        """Parameters whose gradient autograd kept apart from the buffer (:meth:`replaced`)."""
+        self.copied_bytes = 0
+        """Bytes of those gradients: copied into the buffer every step (0 when every gradient is a view)."""
 
     def new_buffer(self, device: torch.device | str = "cpu") -> torch.Tensor:
         return torch.zeros(self.size, dtype=torch.float32, device=device)
@@ -118,6 +125,26 @@ class GradLayout:
         local = local_of(self.params[i])
         return buf[self.offsets[i] : self.offsets[i] + local.numel()].view_as(local)
 
+    @property
+    def views_possible(self) -> bool:
+        """Gradients can be views of the buffer: every parameter is a plain tensor (FSDP2's sharded ones get
+        gradients of their own, reduce-scattered into their shards, and are copied in)."""
+        return not any(local_of(p) is not p for p in self.params)
+
+    def grads_as_views(self, buf: torch.Tensor) -> None:
+        """Make each parameter's ``.grad`` its view of ``buf`` (zeroed): backward accumulates into the buffer."""
+        for i, p in enumerate(self.params):
+            p.grad = self.grad_view(buf, i)
+
+    def replaced(self, i: int) -> None:
+        """Autograd replaced parameter ``i``'s view by a tensor of its own (a gradient of another layout): its
+        gradient is copied in, every step; said once, and counted (:attr:`copied_bytes`)."""
+        if i not in self.copied:
+            self.copied.add(i)
+            self.copied_bytes += 4 * local_of(self.params[i]).numel()
+            logger.warning("the gradient of %s is not a view of the reduction buffer (autograd replaced it): it "
+                           "is copied in every step (%d bytes)", self.names[i], 4 * local_of(self.params[i]).numel())
+
     def set_grad(self, i: int, grad: torch.Tensor | None) -> None:
         """Make ``grad`` (a plain tensor shaped as :meth:`grad_view`) parameter ``i``'s gradient: as the
         local shard of a DTensor gradient laid out as the parameter, for a parameter sharded by FSDP2."""
@@ -143,7 +170,12 @@ def compute_gradient_sums(
 
     Each item's loss is the token-mean cross-entropy over a full micro-batch,
     restricted to the item's rows, so an item of ``rows`` rows carries weight
-    ``rows / micro_batch`` of one slot. Parameter ``.grad`` is used as scratch.
+    ``rows / micro_batch`` of one slot. Each parameter's ``.grad`` is its view of
+    the buffer (:meth:`GradLayout.grads_as_views`, as DDP's
+    ``gradient_as_bucket_view``): autograd accumulates into the buffer itself,
+    nothing is copied and no second gradient-sized tensor exists; a parameter
+    whose ``.grad`` autograd replaced anyway, or one sharded by FSDP2 (its own
+    gradients), is copied in.
     With ``precision="bf16"`` the forward runs under bfloat16 autocast; the
     loss, the gradients and the buffer stay float32
     (:mod:`unbroken.models.precision`). ``loss_fn`` (default
@@ -155,8 +187,12 @@ def compute_gradient_sums(
     """
     for p in layout.params:
         p.grad = None  # before the new buffer: the last step's gradients (views of its buffer) are freed first
-    buf = torch.empty(layout.size, dtype=torch.float32, device=device)
-    buf[layout.n_grad :].zero_()  # the gradients are written whole below: only the scalars start at zero
+    views = layout.views_possible
+    buf = (torch.zeros if views else torch.empty)(layout.size, dtype=torch.float32, device=device)
+    if views:
+        layout.grads_as_views(buf)  # autograd accumulates into the zeroed buffer from the first backward on
+    else:
+        buf[layout.n_grad :].zero_()  # the gradients are copied in whole below: only the scalars start at zero
     weights = layout.weights(buf)
     loss_fn = loss_fn or token_loss_sum
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)  # as a Python float would sum
@@ -183,12 +219,17 @@ def compute_gradient_sums(
         waiting = _scalars_final(buf, loss_sum, tokens, scalars_done)
     into, grads = [], []
     for i, p in enumerate(layout.params):
+        view = layout.grad_view(buf, i)
+        if views and p.grad is not None and p.grad.data_ptr() == view.data_ptr():
+            continue  # accumulated in place: already the buffer
         if p.grad is not None:
-            into.append(layout.grad_view(buf, i))
+            into.append(view)
             grads.append(local_of(p.grad))
+            if views:
+                layout.replaced(i)
             p.grad = None
-        else:
-            layout.grad_view(buf, i).zero_()  # no item reached it (a frozen path, an approximated group)
+        elif not views:
+            view.zero_()  # no item reached it (a frozen path, an approximated group)
     if into:
         torch._foreach_copy_(into, grads)  # one launch for every tensor on a GPU
     del grads

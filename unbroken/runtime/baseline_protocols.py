@@ -24,7 +24,10 @@ class PlainProtocol(StepProtocol):
         self.step = step
         items = [SlotWork(self.me, (0, self.job.micro_batch))]
         local = self._compute(step, items)
-        return self._reduce(step, local, items, check=_watch_nothing), items
+        reduced = self._reduce(step, local, items, check=_watch_nothing)
+        if self.view.leader == self.me:  # no vote here: the leader says how far the job got (agents, launcher)
+            self.store.set_progress(step + 1)
+        return reduced, items
 
     def admit_joiners(self, next_step: int) -> bool:
         return False

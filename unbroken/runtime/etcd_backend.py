@@ -350,6 +350,10 @@ class EtcdBackend(StoreBackend):
     def check(self, keys: list[str]) -> bool:
         return all(self._open(k, kv) is not None for k, kv in zip(keys, self._read_many(keys)))
 
+    def peek(self, keys: list[str]) -> list[bytes | None]:
+        """Authentic values, None for a missing (or foreign) one: one transaction of reads."""
+        return [self._open(k, kv) for k, kv in zip(keys, self._read_many(keys))]
+
     def multi_get(self, keys: list[str]) -> list[bytes]:
         return self._wait_values(keys)
 

@@ -34,7 +34,8 @@ key                           written by                      holds
 ``dead/<w>`` + ``deaths``     agents, observing peers         why ``w`` was declared dead; how many marks so far
 ``join/<w>`` + ``joins``      restarted workers               a join request; how many so far
 ``refused/<w>``               view leader                     why ``w``'s join request was refused
-``progress``                  view leader                     committed steps
+``progress``                  the restoring agent             the step a restore went back to (the committed
+                              (plain data parallelism: leader) steps are read from ``outcome/<g>``)
 ``done`` / ``failed``         leader / agents, workers        the job finished / cannot go on (why)
 ``agent/<R>`` (+ ``/pid``)    agents (CAS)                    the registration token of node ``R``'s agent
 ``hb/agent/<R>``              agents                          the agent's liveness counter
@@ -291,6 +292,12 @@ class JobStore:
     def beat(self, worker: int) -> int:
         return self.backend.add(f"hb/{worker}", 1)
 
+    def pulse(self, worker: int, phases: int) -> int:
+        """A heartbeat of ``worker``, its main thread's ``phases`` more phases, and a read of the job's join
+        requests, in one round trip (a store that batches); returns the join requests so far."""
+        pairs = [(f"hb/{worker}", 1)] + ([(f"prog/{worker}", phases)] if phases else []) + [("joins", 0)]
+        return self.backend.adds(pairs)[-1]
+
     def heartbeats(self, workers: list[int]) -> list[int]:
         """Heartbeat counters (0 for a worker that never beat or whose lease expired; never waits for a key)."""
         return [int(raw or 0) for raw in self.backend.get_present([f"hb/{w}" for w in workers])]
@@ -391,11 +398,19 @@ class JobStore:
     # -- progress and the end ---------------------------------------------------
 
     def set_progress(self, steps: int) -> None:
+        """The job's committed steps are ``steps`` from now on (a restore: its history goes back to that step)."""
         self.backend.set("progress", str(steps))
 
     def progress(self) -> int | None:
-        raw = _opt(self.backend, "progress")
-        return None if raw is None else int(raw)
+        """The steps the job has committed: read from the current view's outcome (the vote that decides a
+        step is all a step writes), or the step a restore set, whichever is later; None before any view."""
+        gen, restored = self.backend.peek(["gen", "progress"])
+        if gen is None:
+            return None if restored is None else int(restored)
+        raw = self.backend.peek([f"outcome/{int(gen)}"])[0]
+        decided_step, _, decided = (raw or b"").decode().partition(":")
+        committed = int(decided_step) + (decided == "commit") if decided_step else 0
+        return max(committed, int(restored) if restored is not None else 0)
 
     def set_done(self) -> None:
         self.backend.set("done", "1")

@@ -49,8 +49,8 @@ logger = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL_S = 0.1
 """The shortest interval between a worker's beats; a longer heartbeat timeout beats less often
-(:func:`beat_interval`: eight beats per timeout, at most every 0.25 s), each beat costing the store three
-round trips."""
+(:func:`beat_interval`: eight beats per timeout, at most every 0.25 s), each beat one store round trip (the
+beat, the progress and the join requests batched: :meth:`JobStore.pulse`; three on a store that cannot)."""
 BEATS_PER_TIMEOUT = 8
 MAX_BEAT_INTERVAL_S = 0.25
 
@@ -157,14 +157,12 @@ class Membership:
             last_ok, delay = time.monotonic(), interval
 
     def _publish(self) -> None:
-        self.heartbeat_store.beat(self.worker)
+        """One round trip (on a store that batches): the beat, the progress since the last, the joins."""
         if self._busy:
             self._busy_ticks += 1
         progress = self._progress + self._busy_ticks
-        if progress != self._published:
-            self.heartbeat_store.advance(self.worker, progress - self._published)
-            self._published = progress
-        self._joins_seen = self.heartbeat_store.joins()
+        self._joins_seen = self.heartbeat_store.pulse(self.worker, progress - self._published)
+        self._published = progress
 
     def advance(self) -> None:
         """The main thread entered a new phase of its work (the heartbeat thread publishes it)."""

@@ -96,7 +96,7 @@ class ViewGroup:
         """
         self.gen, self.rank, self.size, self.device = gen, rank, size, device
         self.timeout = timedelta(seconds=timeout_s)
-        self._buf: torch.Tensor | None = None
+        self._buf: torch.Tensor | None = None  # the tensor of the last all-reduce posted (its late result)
         self._pending: dist.Work | None = None
         self._gathered: torch.Tensor | None = None  # the last all-gather's output (see late_gather)
         self._side: list[dist.Work] = []
@@ -163,23 +163,23 @@ class ViewGroup:
 
     def allreduce(self, tensor: torch.Tensor, check: Callable[[], None],
                   after_post: Callable[[], None] | None = None) -> torch.Tensor:
-        """Sum ``tensor`` over the group; ``check`` may raise to abandon.
+        """Sum ``tensor`` over the group, in place; ``check`` may raise to abandon.
 
-        Returns the group's buffer, valid until the next ``allreduce`` on this
-        group (a group of one returns ``tensor`` itself); ``tensor`` is left untouched. ``after_post`` runs once the
-        collective is in flight (fault injection hook).
+        Returns ``tensor`` holding the sum (a tensor on another device than the group's is moved first). No
+        copy is made: once posted, ``tensor`` is the collective's, and if the attempt is given up on, its
+        contents are undefined (partly reduced) and whatever arrives late lands in it: the caller computes
+        its sums again into a new tensor for the next attempt, and never reuses this one (the parked group
+        keeps it). ``after_post`` runs once the collective is in flight (fault injection hook).
         """
         if _PARKED:
             release_parked()  # every step all-reduces: a parked group goes as soon as its operation ended
-        src = tensor.detach()
-        if self.size == 1:  # no collective, so nothing can write late: the sum is the tensor itself (not copied)
+        buf = tensor.detach()
+        buf = buf if buf.device == self.device else buf.to(self.device)
+        if self.size == 1:  # no collective, so nothing can write late: the sum is the tensor itself
             if after_post is not None:
                 after_post()
-            return src if src.device == self.device else src.to(self.device)
-        if self._buf is None or self._buf.shape != src.shape or self._buf.dtype != src.dtype:
-            self._buf = torch.empty_like(src, device=self.device)
-        buf = self._buf
-        buf.copy_(src)
+            return buf
+        self._buf = buf
         work = self._pending = self._post(lambda: self.pg.allreduce([buf]), "all-reduce")
         if after_post is not None:
             after_post()

@@ -244,14 +244,18 @@ class StepProtocol(JoinerAdmission):
         local: torch.Tensor | None = None
         while True:
             reduced: torch.Tensor | None = None
+            posted = False
             self.layout.discard()
             try:
                 extra = self._exchange(step, items) if self.need_exchange else self._assigned()
                 self.need_exchange = True  # any retry of this step exchanges first
-                if extra or local is None:
-                    buf = self._compute(step, extra)
-                    local = buf if local is None else local + buf
+                if local is None:  # the first attempt, or one after a reduction that used the sums up in place
                     items = items + extra
+                    local = self._compute(step, items)
+                elif extra:
+                    local = local + self._compute(step, extra)
+                    items = items + extra
+                posted = True
                 try:
                     reduced = self._reduce(step, local, items)
                 except (ViewChanged, CollectiveFailed, MemberDied):
@@ -265,6 +269,11 @@ class StepProtocol(JoinerAdmission):
                 self.need_exchange = False
                 return reduced, items
             except (ViewChanged, CollectiveFailed, MemberDied) as exc:
+                if posted:
+                    # Reduced in place, in part or whole, and the abandoned collective may still write into it:
+                    # the next attempt computes this worker's items again, into a new buffer (a failure is rare;
+                    # a second gradient-sized copy every step is not).
+                    local = None
                 if self._reconfigure(step, f"{type(exc).__name__}: {exc}"):
                     reduced = self.layout.missed(step, reduced, self.group,
                                                  lambda what, wait: self._late(step, what, wait))

@@ -124,6 +124,14 @@ class StoreBackend(ABC):
         exist by the job's invariants, read with :meth:`multi_get`)."""
         return list(self.multi_get(keys))
 
+    def peek(self, keys: list[str]) -> list[bytes | None]:
+        """The keys' values, None for a missing one, never waiting (one round trip where the store can)."""
+        return [self.get(k) if self.check([k]) else None for k in keys]
+
+    def adds(self, pairs: list[tuple[str, int]]) -> list[int]:
+        """Several counters' adds (``0``: a read), in order; one round trip where the store can."""
+        return [self.add(k, amount) for k, amount in pairs]
+
     @abstractmethod
     def get(self, key: str) -> bytes: ...
     @abstractmethod
@@ -186,6 +194,13 @@ class EmbeddedBackend(StoreBackend):
         """Counters in one round trip, never waiting; a missing one reads :data:`UNSEEN` (no lease here: a
         counter is missing only before its view is published)."""
         return [UNSEEN if raw is None else raw for raw in self.client.peek(keys)]
+
+    def peek(self, keys: list[str]) -> list[bytes | None]:
+        return self.client.peek(keys)
+
+    def adds(self, pairs: list[tuple[str, int]]) -> list[int]:
+        """One round trip (the store's ``batch``)."""
+        return self.client.adds(pairs)
 
     def delete_key(self, key: str) -> bool:
         return self.client.delete_key(key)

@@ -128,6 +128,17 @@ class StoreClient:
     def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
         self._call("mset", [x for k, v in zip(keys, values) for x in (k.encode(), _b(v))])
 
+    def adds(self, pairs: list[tuple[str, int]]) -> list[int]:
+        """Several counters' adds in one round trip, applied in order, atomically (the store's ``batch``)."""
+        reqs = [pack(OPS["add"], [k.encode(), str(int(a)).encode()]) for k, a in pairs]
+        out = []
+        for raw in self._call("batch", reqs)[1]:
+            status, items = unpack(raw)
+            if status != OK:
+                raise dist.DistStoreError(f"the job's store refused an add: {items[0].decode(errors='replace')}")
+            out.append(int(items[0]))
+        return out
+
     def peek(self, keys: list[str]) -> list[bytes | None]:
         """Each key's value, None for a missing one, in one round trip without waiting."""
         return [raw[1:] if raw[:1] == b"1" else None for raw in self._call("peek", [k.encode() for k in keys])[1]]

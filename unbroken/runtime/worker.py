@@ -374,6 +374,7 @@ class Trainer:
                                 step_time_s=now - t_prev, tokens_per_step=self.job.sampler.tokens_per_step,
                                 generation=view.gen, live_workers=len(view.members),
                                 degraded=sorted(set(range(self.job.n_slots)) - set(view.members)))
+            del reduced  # the step's buffer goes before the next one is allocated (its views, the gradients, too)
             if self.snapshots is not None:
                 self.snapshots.observe_step(done, now - t_prev)
             t_prev = now
@@ -461,7 +462,6 @@ class Trainer:
             self.checkpointer.poll()
             if due == "step" or (due == "time" and self.checkpointer.pending_step is None):  # never waits for time
                 self._save(done, last)
-            self.store.set_progress(done)
 
     def _second(self, done: int, due: Due | None) -> None:
         """HSDP: a rank of the leader's replica joins the collectives of the leader's duties, in their order:
