@@ -76,6 +76,7 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     from unbroken.agent.launcher import AgentFailed, JobFailed, launch
     from unbroken.console import Console
 
+    _allow_insecure_store(args)
     if args.resume is not None:
         cfg, out, extra_faults = _resume_config(args, overrides), args.resume, args.fail_at or ""
     else:
@@ -314,6 +315,7 @@ def cmd_agent(args: argparse.Namespace, overrides: list[str]) -> int:
     if overrides:
         raise ValueError(f"unbroken agent takes no config overrides ({', '.join(overrides)}); "
                          f"it runs the config in RUN_DIR/config.json")
+    _allow_insecure_store(args)
     if args.store is not None:
         _check_store_address(args.store)
     logging.getLogger("unbroken").setLevel(logging.DEBUG if args.verbose else logging.INFO)
@@ -345,10 +347,10 @@ def _store_url(addr: str | None) -> str | None:
 
 def _check_store_address(addr: str) -> None:
     if addr.startswith(("etcd://", "etcds://")):
-        from unbroken.runtime.etcd_cluster import parse_etcd
+        from unbroken.runtime.etcd_cluster import check_transport, parse_etcd
 
         try:
-            parse_etcd(addr)
+            check_transport(addr, parse_etcd(addr)[0], insecure=False)
         except ValueError as exc:
             raise ValueError(f"--store: {exc}") from None
         return
@@ -356,6 +358,14 @@ def _check_store_address(addr: str) -> None:
     if not (sep and host and port.isdigit() and 1 <= int(port) <= 65535):
         raise ValueError(f"--store {addr!r}: expected HOST:PORT with PORT in 1..65535, e.g. --store 10.0.0.1:29500 "
                          f"(the job's train.host and train.port)")
+
+
+def _allow_insecure_store(args: argparse.Namespace) -> None:
+    """``--store-insecure``: plain etcd:// to other hosts, for this process and every one it starts."""
+    if getattr(args, "store_insecure", False):
+        from unbroken.runtime.etcd_cluster import INSECURE_ENV
+
+        os.environ[INSECURE_ENV] = "1"
 
 
 def _store_problem(args: argparse.Namespace, exc: Exception) -> str:

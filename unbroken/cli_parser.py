@@ -140,6 +140,8 @@ def _add_cluster_args(tr: argparse.ArgumentParser) -> None:
                          "taken over by one at once (default 0)")
     tr.add_argument("--restart", choices=("on-failure", "never"), default="on-failure",
                     help="restart dead workers as joiners (default on-failure)")
+    tr.add_argument("--store-insecure", action="store_true",
+                    help="allow plain etcd:// to members on other hosts (an isolated network only)")
     tr.add_argument("--store", default=None, metavar="etcd[s]://HOST:PORT[,...]",
                     help="the job's store on an etcd cluster; etcds:// over TLS with the client certificate named by "
                          "UNBROKEN_ETCD_CA, UNBROKEN_ETCD_CERT and UNBROKEN_ETCD_KEY (default: embedded in this "

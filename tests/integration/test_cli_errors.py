@@ -209,6 +209,9 @@ def test_etcd_store_malformed_or_unreachable(tmp_path, capsys, monkeypatch):
            "is etcd running there, with quorum, and the address right?")
     _fails(capsys, _agent(tmp_path, addr.replace("etcd://", "etcds://")),  # TLS without its files
            "TLS needs the CA, this client's certificate and its key as PEM files: UNBROKEN_ETCD_CA is not set")
+    for argv in (_agent(tmp_path, "etcd://10.1.2.3:2379"),  # in the clear to another host
+                 ["train", "--store", "etcd://127.0.0.1:2379,10.1.2.3:2379", "--out", str(tmp_path / "run")]):
+        _fails(capsys, argv, "plain etcd:// to 10.1.2.3:2379", "use etcds://", "or pass --store-insecure")
 
 
 def test_agent_store_wrong_secret(tmp_path, capsys, monkeypatch):

@@ -119,6 +119,8 @@ def add_agent_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--workers-per-node", type=int, required=True, help="workers per node W")
     ap.add_argument("--store", default=None, help="HOST:PORT of the job's store, or etcd://HOST:PORT[,HOST:PORT...] of "
                     "its etcd cluster; required unless --from-slurm")
+    ap.add_argument("--store-insecure", action="store_true",
+                    help="allow plain etcd:// to members on other hosts (an isolated network only)")
     ap.add_argument("--run-dir", type=Path, required=True, help="the run directory (holds config.json)")
     ap.add_argument("--restart", choices=RESTART_POLICIES, default="on-failure",
                     help="restart dead workers as joiners (default on-failure)")

@@ -68,11 +68,28 @@ def _run(a: argparse.Namespace, tmp: Path, name: str, cfg: Config, **kw: Any) ->
     return out
 
 
+def store_per_step(run_dir: Path) -> dict[str, Any]:
+    """The store's requests per trained step of a failure-free run, from the workers' reports: the main
+    connection's (the step's own: votes, and the leader's duties) and the heartbeat thread's, each a mean over
+    the workers, with the mean time of one request."""
+    out: dict[str, Any] = {}
+    reports = [json.loads(p.read_text()) for p in sorted((Path(run_dir) / "workers").glob("w*.json"))]
+    for conn in ("main", "heartbeat"):
+        rows = [(r["store"][conn], r["store"]["steps"]) for r in reports if r.get("store") and r["store"]["steps"]]
+        if rows:
+            out[f"{conn}_per_step"] = statistics.fmean(u["round_trips"] / n for u, n in rows)
+            trips = sum(u["round_trips"] for u, _ in rows)
+            out[f"{conn}_us_per_request"] = 1e6 * sum(u["seconds"] for u, _ in rows) / trips if trips else None
+    return out
+
+
 def _overhead(a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
-    plain, ft = [], []
+    plain, ft, store = [], [], []
     for rep in range(a.repeats):
         plain.append(_run(a, tmp, f"plain{rep}", _cfg(a, "fault.recovery=restart"))["median_step_s"])
-        ft.append(_run(a, tmp, f"takeover{rep}", _cfg(a))["median_step_s"])
+        run = _run(a, tmp, f"takeover{rep}", _cfg(a))
+        ft.append(run["median_step_s"])
+        store.append(store_per_step(Path(run["run_dir"])))
     # One job whose steps alternate between plain data parallelism (even) and the protocol (odd).
     alt = _cfg(a, "fault.recovery=alternate", "train.log_every=1", f"train.steps={2 * a.steps}")
     run_dir = tmp / "alternate"
@@ -86,7 +103,8 @@ def _overhead(a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                             "takeover_median_s": statistics.median(by_kind[1]),
                             "plain_mean_s": statistics.fmean(by_kind[0]),
                             "takeover_mean_s": statistics.fmean(by_kind[1])},
-            "ratio": statistics.median(by_kind[1]) / statistics.median(by_kind[0]), "target": 1.03}
+            "ratio": statistics.median(by_kind[1]) / statistics.median(by_kind[0]), "target": 1.03,
+            "store_per_step": store}
 
 
 def _failures(a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
@@ -225,6 +243,11 @@ def _print(r: dict[str, Any]) -> None:
         if o["ratio_separate_runs"] is not None:
             print(f"  the same from {len(o['plain_step_s'])} separate runs of each, interleaved: "
                   f"{o['ratio_separate_runs']:.3f}")
+        for s in o.get("store_per_step", []):
+            if s:
+                print(f"  store requests per failure-free step and worker: {s['main_per_step']:.2f} by the step "
+                      f"({s['main_us_per_request'] or 0:.0f} us each), {s['heartbeat_per_step']:.2f} by the "
+                      f"heartbeat thread ({s['heartbeat_us_per_request'] or 0:.0f} us each)")
     if "failures" in r:
         f = r["failures"]
         print(f"stall per crash (s): {[round(x, 3) for x in f['crash_stall_s']]}  (target <= {f['crash_target_s']})")

@@ -111,6 +111,12 @@ class JobStore:
         """Host a job's store on ``host`` only (see :meth:`EmbeddedBackend.host`); :meth:`close` stops it."""
         return cls(EmbeddedBackend.host(host, port, clients=clients, secret=secret))
 
+    def usage(self) -> dict[str, float]:
+        """Requests this connection sent and the seconds they took (``seconds`` where the backend times them)."""
+        b = self.backend
+        return {"round_trips": int(getattr(b, "round_trips", 0)),
+                "seconds": round(float(getattr(getattr(b, "client", None), "seconds", 0.0)), 4)}
+
     @property
     def launch(self) -> str | None:
         """The launch id of the embedded store (None on etcd): the processes an agent starts pin it."""

@@ -67,6 +67,8 @@ class StoreClient:
         self.host, self.port, self.timeout_s = host, port, timeout_s
         self._lock = threading.Lock()
         self.round_trips = 0
+        self.seconds = 0.0
+        """Time spent in requests (sent to answered), summed."""
         sock = _connect(host, port, timeout_s)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
@@ -82,12 +84,15 @@ class StoreClient:
     def _call(self, op: str, items: list[bytes], wait_s: float = 0.0) -> tuple[int, list[bytes]]:
         with self._lock:
             self.round_trips += 1
+            t0 = time.perf_counter()
             try:
                 self._channel.sock.settimeout(self.timeout_s + wait_s + (SLACK_S if wait_s else 0.0))
                 self._channel.send(pack(OPS[op], items))
                 status, reply = unpack(self._channel.recv())
             except WireError as exc:
                 raise dist.DistStoreError(f"the job's store at {self.host}:{self.port} is lost: {exc}") from None
+            finally:
+                self.seconds += time.perf_counter() - t0
         if status not in (OK, TIMEOUT):
             raise dist.DistStoreError(f"the job's store refused a request: {reply[0].decode(errors='replace')}")
         return status, reply

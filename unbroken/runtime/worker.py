@@ -494,6 +494,15 @@ class Trainer:
         rest, layout = self._write_part(done)
         self.checkpointer.save(done, rest, {"loss": last["loss"]}, shards=shards, layout=layout)
 
+    def device_bytes(self) -> dict[str, int]:
+        """The runtime's own memory beside the model and optimizer (on the training device): the step's
+        reduction buffer (the gradients are views of it), gradients copied in beside it, snapshot staging."""
+        layout = self.job.layout
+        staging = self.snapshots.device_bytes if self.snapshots is not None else 0
+        return {"reduction_buffer": 4 * layout.size, "gradients_copied": layout.copied_bytes,
+                "gradients_beside_buffer": 0 if layout.views_possible else 4 * layout.n_grad,
+                "snapshot_staging": staging}
+
     def param_digest(self) -> str:
         """sha256 of every trainable parameter's bytes, in order (one host copy per tensor, hashed in place:
         a large model's digest must fit in the agent's grace after the job is done); under HSDP of this

@@ -87,6 +87,7 @@ def run(spec: WorkerSpec, *, store: JobStore | None = None, prepared: Prepared |
             mark("admission")
             trainer._event("start_phases", join=spec.join, step=first, pid=os.getpid(), **clock.summary())
         last = trainer.train(first)
+        trainer.steps_trained = cfg.train.steps - first
     except MissedCommit as exc:
         logger.warning("leaving to rejoin: %s", exc)
         return EXIT_REJOIN
@@ -131,7 +132,11 @@ def _write_report(spec: WorkerSpec, cfg: Config, trainer: Trainer, last: dict[st
               "snapshots": trainer.snapshots.summary() if trainer.snapshots is not None else {},
               "sharded": trainer.protocol.layout.summary(),
               "peak_memory_bytes": torch.cuda.max_memory_allocated(trainer.job.device)
-              if trainer.job.device.type == "cuda" else None, **compile_stats()}
+              if trainer.job.device.type == "cuda" else None,
+              "device_bytes": trainer.device_bytes(),
+              "store": {"steps": getattr(trainer, "steps_trained", None), "main": trainer.store.usage(),
+                        "heartbeat": trainer.m.heartbeat_store.usage()},
+              **compile_stats()}
     out = spec.run_dir / "workers" / f"w{spec.worker}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".tmp")
