@@ -120,7 +120,7 @@ def test_snapshot_copies_run_on_the_tensors_device_and_stage_only_the_workers_by
         snap.wait()
         thread_device = snap._pool.submit(torch.cuda.current_device).result()
         size = describe(tensors_of(model, opt, dev)).nbytes
-        assert snap._stream.device == dev, "the side stream is on the tensors' device"
+        assert snap.stager.stream.device == dev, "the side stream is on the tensors' device"
         assert thread_device == dev.index, "the copying thread made that device current"
         assert 0 < snap.pinned_bytes <= size // 2 + 1, "a worker stages only what it writes (1/L of the state)"
         assert snap.last is not None and snap.last["pinned_bytes"] == snap.pinned_bytes
@@ -130,10 +130,13 @@ def test_snapshot_copies_run_on_the_tensors_device_and_stage_only_the_workers_by
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_under_auto_a_cuda_snapshot_stages_on_the_device_and_seals_the_state_of_its_step():
-    """``snapshot.every=auto`` on a GPU with room: the fence waits for a device-to-device copy only; the
-    optimizer may then change the state while the copy to the host and the write go on; the seal holds the
-    state of its step, bit for bit."""
+@pytest.mark.parametrize("cap", ["all", "third", "none"])
+def test_under_auto_a_cuda_snapshot_is_copied_off_the_live_state_and_seals_the_state_of_its_step(cap):
+    """``snapshot.every=auto`` on a GPU: the copies run from the live state into pinned memory on a side
+    stream, a tail of at most ``snapshot.device_staging_bytes`` device to device first (before anything was
+    measured, as much as the cap allows: all of it, a third, or none); the fence makes the next optimizer
+    step wait for them on the device; the optimizer then changes the state while the spill lands and the
+    write goes on; the seal holds the state of its step, bit for bit."""
     from unbroken.snapshot.cadence import VOTE_SLOTS, cast
     from unbroken.snapshot.restore import decide, inventory, restore_from_memory
 
@@ -144,10 +147,12 @@ def test_under_auto_a_cuda_snapshot_stages_on_the_device_and_seals_the_state_of_
     for st in opt.state.values():
         st["exp_avg"], st["exp_avg_sq"] = st["exp_avg"].to(dev), st["exp_avg_sq"].to(dev)
     want = {k: v.detach().cpu().clone() for k, v in tensors_of(model, opt, dev).items()}
+    total = describe(tensors_of(model, opt, dev)).nbytes
+    limit = {"all": 2 << 30, "third": total // 3, "none": 0}[cap]
     job = os.urandom(6).hex()
     snap = Snapshotter(job_id=job, node=0, worker=0, node_of={0: 0}, every="auto", redundancy="none", parity=1,
                        config_hash="cfg", state=lambda: tensors_of(model, opt, dev), on_event=lambda *a, **k: None,
-                       write_threads=4)
+                       write_threads=4, device_staging_bytes=limit)
     try:
         votes = torch.zeros(VOTE_SLOTS)
         cast(votes, 1)
@@ -157,7 +162,8 @@ def test_under_auto_a_cuda_snapshot_stages_on_the_device_and_seals_the_state_of_
             for p in model.parameters():
                 p.mul_(0.5)  # the next optimizer step, queued once the fence returned
         snap.wait()
-        assert snap.device_bytes > 0 and snap.device_bytes == snap.pinned_bytes, "staged on the device first"
+        assert snap.device_bytes == min(limit, total) and snap.pinned_bytes == total, "a bounded spill"
+        assert snap.stager.rate is None or snap.stager.rate > 0
         spec = decide([inventory(job, 0, config_hash="cfg")], checkpoint=None, members_of=lambda nodes: [0])
         fresh, fresh_opt = _trained(seed=3)
         fresh.to(dev)

@@ -58,3 +58,39 @@ def test_a_landing_copies_a_block_at_a_time_and_refuses_another_size():
     assert b"".join(b.numpy().tobytes() for b in dst.blocks) == src.blocks[0].numpy().tobytes()
     with pytest.raises(ValueError, match="landing 1000 bytes in a 999-byte staging buffer"):
         Staging(999).land(src, lambda: None)
+
+
+def test_a_share_is_cut_after_its_first_bytes_across_and_between_ranges():
+    from unbroken.snapshot.staging import split_ranges
+
+    ranges = [(0, 10), (20, 30), (40, 45)]
+    assert split_ranges(ranges, 25) == ([(0, 10), (20, 30), (40, 45)], [])
+    assert split_ranges(ranges, 0) == ([], ranges)
+    assert split_ranges(ranges, 10) == ([(0, 10)], [(20, 30), (40, 45)])
+    assert split_ranges(ranges, 14) == ([(0, 10), (20, 24)], [(24, 30), (40, 45)])
+
+
+def test_the_spill_is_what_a_window_cannot_carry_at_most_the_cap():
+    from unbroken.snapshot.staging import WINDOW_MARGIN, Stager
+
+    st = Stager()
+    assert st.spill_for(10_000, 0, 0.1) == 0, "a cap of 0: no device staging at all"
+    assert st.spill_for(10_000, 4_000, 0.1) == 4_000, "nothing measured yet: as much as the cap allows"
+    st.rate = 50_000.0  # bytes per second off the device
+    carried = int(WINDOW_MARGIN * 50_000 * 0.1)
+    assert st.spill_for(10_000, 8_000, 0.1) == 10_000 - carried
+    assert st.spill_for(10_000, 1_000, 0.1) == 1_000, "never more than the cap (the step then waits the rest)"
+    assert st.spill_for(3_000, 8_000, 0.1) == 0, "a share the window carries whole: nothing on the device"
+
+
+def test_a_buffer_lands_at_an_offset_a_block_at_a_time():
+    src = Staging(10, block=4)
+    src.copy_in({"x": torch.arange(10, dtype=torch.uint8)}, [(0, 10)])
+    dst = Staging(25, block=8)
+    waits = []
+    dst.land_at(13, src, lambda: waits.append(1))
+    flat = torch.cat(dst.blocks)
+    assert torch.equal(flat[13:23], torch.arange(10, dtype=torch.uint8))
+    assert len(waits) == 2, "the destination's blocks [8, 16) and [16, 24): one wait after each"
+    with pytest.raises(ValueError, match="landing 10 bytes at 20 of a 25-byte staging buffer"):
+        dst.land_at(20, src, lambda: None)

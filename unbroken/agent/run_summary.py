@@ -66,6 +66,7 @@ def summarise(run_dir: Path, cfg: Config, info: dict[str, Any], wall_s: float, r
         "workers_agree": agree, "param_digest": digests[0] if len(digests) == 1 else digests,
         "checkpoint": str(ckpt) if ckpt else None, **agent_counts(run_dir, t0, cfg.train.workers // nodes), **info,
         "peak_memory_bytes": max((r.get("peak_memory_bytes") or 0 for r in reports), default=0) or None,
+        "device_bytes": _largest(r.get("device_bytes") or {} for r in reports),
         "compiled_frames": max((r.get("compiled_frames", 0) for r in reports), default=0),
         "snapshots": snapshot_summary(cfg, reports),
     }
@@ -89,4 +90,13 @@ def snapshot_summary(cfg: Config, reports: list[dict[str, Any]]) -> dict[str, An
                    skipped=max((s.get("skipped", 0) for s in snaps), default=0),
                    slowest_write_s=max(writes) if writes else None, cost_s=max(costs) if costs else None,
                    device_staging_bytes=max((s.get("device_staging_bytes", 0) for s in snaps), default=0))
+    return out
+
+
+def _largest(parts: Any) -> dict[str, int]:
+    """Per kind, the largest of the workers' own device bytes (their reports' ``device_bytes``)."""
+    out: dict[str, int] = {}
+    for d in parts:
+        for k, v in d.items():
+            out[k] = max(out.get(k, 0), int(v or 0))
     return out

@@ -28,7 +28,10 @@
    host bytes one worker stages per snapshot for ``llama-1b`` and ``llama-7b``
    at 8 workers per node (the whole state before, only the bytes it writes
    now), and the host bytes a restore holds at once (the whole state twice
-   before, one stripe now);
+   before, one stripe now); and the device bytes one worker holds for staging
+   under ``auto`` at 1 and 8 workers per node (its whole share before; now the
+   tail a step window cannot carry, at most ``snapshot.device_staging_bytes``,
+   at stated bandwidth and step-time assumptions);
 9. **contention** (in process, ``--parts contention``): how much a write's threads slow a launch-like
    training thread beside them (:mod:`unbroken.bench.snapshot_contention`);
 10. **first writes** (in process, ``--parts first_writes``): one worker's first writes, which also map its
@@ -250,6 +253,41 @@ def _pinned(nodes: tuple[int, ...] = (2, 4, 16), per_node: int = 8) -> dict[str,
     return out
 
 
+D2H_BYTES_S = 50e9
+"""A GPU's copies to pinned host memory (PCIe 5 x16), the device staging projection's assumption."""
+MFU = 0.4
+TOKENS_PER_GPU = 8 * 1024
+"""The step the device staging projection assumes: 8 x 1024 tokens per GPU at 40 % of an H100's bf16 peak."""
+
+
+def _device_staging(per_node_counts: tuple[int, ...] = (1, 8), nodes: int = 2) -> dict[str, Any]:
+    """Device bytes a worker holds for snapshot staging under ``auto`` (deterministic, from the plan and stated
+    assumptions: :data:`D2H_BYTES_S`, a step of :data:`TOKENS_PER_GPU` at :data:`MFU` of an H100), before (the
+    whole share copied device to device whenever it fitted) and now (the tail a step window cannot carry, at most
+    ``snapshot.device_staging_bytes``), with the step's wait for what is left."""
+    from unbroken.bench.plain_loop import _PEAK_BF16, flops_per_token
+    from unbroken.snapshot.staging import Stager
+
+    out: dict[str, Any] = {}
+    for name in ("llama-1b", "llama-7b"):
+        cfg = preset(name)
+        size, cap = state_bytes(cfg), cfg.snapshot.device_staging_bytes
+        step_s = flops_per_token(cfg) * TOKENS_PER_GPU / (MFU * _PEAK_BF16["H100"])
+        for per_node in per_node_counts:
+            node_of = {w: w // per_node for w in range(nodes * per_node)}
+            plan = plan_for(node_of, node_of, redundancy=cfg.snapshot.redundancy, parity=cfg.snapshot.parity,
+                            state_bytes=size)
+            share = max(sum(b - a for a, b in byte_ranges(plan, m)) for m in plan.assignment(node_of, node_of).values())
+            stager = Stager()
+            stager.rate = D2H_BYTES_S
+            spill = stager.spill_for(share, cap, step_s)
+            left = max(0.0, (share - spill) / D2H_BYTES_S - step_s)
+            out[f"{name} {per_node} per node"] = {
+                "share_gb": share / _GB, "step_s": round(step_s, 4), "device_staging_gb_before": share / _GB,
+                "device_staging_gb": spill / _GB, "cap_gb": cap / _GB, "optimizer_step_waits_s": round(left, 4)}
+    return out
+
+
 def _projection(write_mb_s: float, nodes: int, per_node: int) -> dict[str, Any]:
     out = {}
     for name in ("llama-1b", "llama-7b"):
@@ -285,6 +323,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             result["bytes"] = _bytes(a)
         if "pinned" in parts:
             result["pinned"] = _pinned()
+            result["device_staging"] = _device_staging()
+            for case, r in result["device_staging"].items():
+                print(f"{case}: a {r['share_gb']:.2f} GB share, {r['device_staging_gb']:.2f} GB on the device "
+                      f"(was {r['device_staging_gb_before']:.2f}), the next optimizer step waits "
+                      f"{r['optimizer_step_waits_s']:.3f} s per snapshot (a {r['step_s']:.3f} s step)")
         if "in_process" in parts:
             result["in_process"] = _in_process(a, Path(tmp))
             result["projection"] = _projection(result["in_process"]["write_mb_s_per_worker"], a.nodes,

@@ -167,6 +167,7 @@ def _unbroken_run(a: argparse.Namespace, cfg: Config, n: int, every: str, run_di
     row = {"loop": "unbroken", "compile": compiled, "workers": n, "tokens_per_s": s["tokens_per_s"],
            **steady_window(Path(s["run_dir"]), a.steps, cfg.data.micro_batch * cfg.data.seq_len * n),
            "peak_memory_bytes": s.get("peak_memory_bytes"), "compiled_frames": s.get("compiled_frames"),
+           "runtime_device_bytes": s.get("device_bytes"),
            "snapshot_every": run_cfg.snapshot.every, "snapshots": s.get("snapshots"), "wall_s": s["wall_s"],
            "snapshot_steps": snapshot_split(Path(s["run_dir"]), a.steps)}
     if a.keep_logs is not None:
@@ -175,6 +176,9 @@ def _unbroken_run(a: argparse.Namespace, cfg: Config, n: int, every: str, run_di
     shutil.rmtree(Path(s["run_dir"]) / "checkpoints", ignore_errors=True)
     print(f"unbroken, {n} worker(s), snapshot.every={every}: {s['tokens_per_s']:,.0f} tokens/s (median), "
           f"{row['window_tokens_per_s']:,.0f} over the last half; snapshots {s.get('snapshots')}", flush=True)
+    own = s.get("device_bytes") or {}
+    print("  the runtime's own bytes on the device: " + (", ".join(f"{k.replace('_', ' ')} {v / 2 ** 20:,.1f} MiB"
+                                                              for k, v in own.items()) or "-"), flush=True)
     if row["snapshot_steps"]:
         print("  last half, worker 0: " + split_line(row["snapshot_steps"]), flush=True)
     return row

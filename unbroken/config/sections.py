@@ -238,6 +238,12 @@ class SnapshotConfig:
     ``parity`` nodes), ``replica`` (each node's slices also held by the next node), ``none``."""
     parity: int = 1
     """Nodes whose loss a ``parity`` snapshot survives (< number of nodes)."""
+    device_staging_bytes: int = 2 << 30
+    """On a GPU under ``auto``: the most device memory a worker holds for a snapshot's copy off the device.
+    The bytes are copied from the live state straight into pinned host memory between the optimizer step that
+    made them and the next one; only what that window cannot carry (measured) is first copied device to
+    device into a buffer of at most this size, landed in host memory afterwards. 0: none (the next optimizer
+    step waits for the rest instead)."""
 
 
 SECTIONS: dict[str, type] = {

@@ -109,6 +109,10 @@ def _snapshot_model(cfg: Config, need: Need) -> None:
          f"snapshot.every={sn.every}: must be auto (the smallest interval that keeps pace) or a number of steps "
          ">= 0 (0 disables)")
     need(sn.parity >= 1, f"snapshot.parity={sn.parity}: must be >= 1 (nodes whose loss a snapshot survives)")
+    need(isinstance(sn.device_staging_bytes, int) and not isinstance(sn.device_staging_bytes, bool)
+         and sn.device_staging_bytes >= 0,
+         f"snapshot.device_staging_bytes={sn.device_staging_bytes!r}: must be a number of bytes >= 0 (0: no device "
+         f"staging, the next optimizer step waits for the copy off the device instead)")
     mo = cfg.model
     need(mo.family == "custom" or not mo.factory,
          f"model.factory={mo.factory!r} is set but model.family={mo.family!r}; set model.family='custom'")

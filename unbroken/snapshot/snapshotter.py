@@ -27,12 +27,15 @@ Under ``snapshot.every = auto`` (:mod:`unbroken.snapshot.cadence`) the
 interval is decided every step from the proposals in the reduced gradient
 buffer, and a write may outlive the step. The bytes it writes are first
 *staged* (copied off the live state). On a CUDA device the training thread
-queues those copies on the side stream, into a device buffer when the card
-has room for it beside the training's peak (else straight into pinned
-memory), and the fence before the next reduction (:meth:`Snapshotter.fence`)
-makes the compute stream wait for them: the host never waits, and the
-device waits only for a device-to-device copy; the thread then copies the
-device buffer to pinned memory. On the CPU the thread copies into a host
+queues those copies on the side stream, straight from the live state into
+pinned memory, in the window between the optimizer step that made the state
+and the next one (forward and backward only read it); only the tail that
+window cannot carry (measured) is first copied device to device into a
+buffer of at most ``snapshot.device_staging_bytes``, landed in pinned memory
+by the writing thread (:class:`~unbroken.snapshot.staging.Stager`). The fence
+before the next reduction (:meth:`Snapshotter.fence`) makes the compute
+stream wait for the copies, so the next optimizer step runs after them: the
+host never waits. On the CPU the thread copies into a host
 buffer and the fence waits for that copy. The coding and the write into
 shared memory go on while the next steps compute; a finished write is
 joined at the next proposal, and its steady seconds feed it. A write still
@@ -93,6 +96,8 @@ class Snapshotter:
             is mapped by its own first write, for comparison).
         busy: entered around every wait of the calling (training) thread for a write or a staging copy
             (:meth:`Membership.busy`: its peers then see it progress, however long a write takes).
+        device_staging_bytes: on CUDA under ``auto``, the most device memory the copy off the device may
+            spill into (``snapshot.device_staging_bytes``; see :class:`~unbroken.snapshot.staging.Stager`).
     """
 
     def __init__(self, *, job_id: str, node: int, worker: int, node_of: dict[int, int], every: int | str,
@@ -100,11 +105,13 @@ class Snapshotter:
                  state: Callable[[], dict[str, torch.Tensor]], on_event: Callable[..., None],
                  write_threads: int = 1, shares_cores: bool = False, shard: tuple[int, int] = (0, 1),
                  holders: Callable[[Sequence[int]], Sequence[int]] = tuple, moments_in_copies: bool = False,
-                 map_ahead: bool = True, busy: Callable[[], ContextManager[None]] = nullcontext) -> None:
+                 map_ahead: bool = True, busy: Callable[[], ContextManager[None]] = nullcontext,
+                 device_staging_bytes: int = 2 << 30) -> None:
         self.job_id, self.node, self.worker, self.node_of = job_id, node, worker, node_of
         self.shard, self.holders, self.moments_in_copies = shard, holders, moments_in_copies
         self.every, self.redundancy, self.parity, self.config_hash = every, redundancy, parity, config_hash
         self.state, self.on_event, self.busy = state, on_event, busy
+        self.device_staging_bytes = device_staging_bytes
         self.auto = every == "auto"
         self.cadence = Cadence(shares_cores=shares_cores) if self.auto else None
         self.buffers = [Buffer(job_id, node, worker, b) for b in (0, 1)]
@@ -224,8 +231,11 @@ class Snapshotter:
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(device))
             if self.auto:
-                queued = self.stager.queue(tensors, device, ready, byte_ranges(plan, mine))
-                self._copied = (queued[4], device)
+                steps = sorted(self.cadence.steps) if self.cadence is not None else []
+                window_s = steps[len(steps) // 2] if steps else None  # the median step: the window's length
+                queued = self.stager.queue(tensors, device, ready, byte_ranges(plan, mine),
+                                           cap=self.device_staging_bytes, window_s=window_s)
+                self._copied = (queued[5], device)
         self.spacing = done - self.last_step if self.last_step >= 0 else None
         self.last_step = done
         self._staged.clear()

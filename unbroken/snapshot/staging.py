@@ -29,7 +29,7 @@ import torch
 
 from unbroken.snapshot.state_bytes import copy_range
 
-__all__ = ["BLOCK_BYTES", "DEVICE_HEADROOM", "ReadBytes", "Stager", "Staging"]
+__all__ = ["BLOCK_BYTES", "ReadBytes", "Stager", "Staging", "WINDOW_MARGIN", "split_ranges"]
 
 logger = logging.getLogger(__name__)
 
@@ -85,10 +85,22 @@ class Staging:
         queued on the current stream and ``synchronize`` waits for it before the next one is queued."""
         if src.total != self.total:
             raise ValueError(f"landing {src.total} bytes in a {self.total}-byte staging buffer")
-        for i, dst in enumerate(self.blocks):
-            for piece, before in src.pieces(i * self.block, dst.numel()):
+        self.land_at(0, src, synchronize)
+
+    def land_at(self, at: int, src: "Staging", synchronize: Callable[[], None]) -> None:
+        """Copy all of ``src`` into bytes ``[at, at + src.total)`` of this buffer, a block of this one at a time
+        (each copy queued on the current stream, ``synchronize`` waiting for it before the next)."""
+        if at < 0 or at + src.total > self.total:
+            raise ValueError(f"landing {src.total} bytes at {at} of a {self.total}-byte staging buffer")
+        done = 0
+        while done < src.total:
+            i, off = divmod(at + done, self.block)
+            n = min(src.total - done, self.block - off)
+            dst = self.blocks[i][off:off + n]
+            for piece, before in src.pieces(done, n):
                 dst[before:before + piece.numel()].copy_(piece, non_blocking=True)
             synchronize()
+            done += n
 
     def reader(self, index: list[tuple[int, int, int]]) -> ReadBytes:
         """The reader of flat-state bytes staged here (a host buffer) at ``index`` ((lo, hi, at) per range)."""
@@ -108,8 +120,8 @@ class Staging:
         return read
 
 
-DEVICE_HEADROOM = 0.9
-"""A device staging buffer is used when the training's peak plus the buffer stay under this share of the card."""
+WINDOW_MARGIN = 0.8
+"""Of what a step window carried off the device (measured), this share is counted on for the next one."""
 
 
 class Stager:
@@ -118,8 +130,11 @@ class Stager:
 
     - a fixed interval on CUDA (:meth:`stage`): into pinned memory on a side stream, in the writing thread;
     - ``auto`` on CUDA (:meth:`queue`, then :meth:`land`): queued by the training thread on the side stream,
-      into a device buffer when the card has room beside the training's peak (else straight into pinned
-      memory); the writing thread lands the device buffer in pinned memory;
+      straight from the live state into pinned memory, in the window between the optimizer step that made it
+      and the next one (forward and backward only read the state; that optimizer step waits, on the device,
+      for the copies); only what the window cannot carry (measured: :attr:`rate`) is first copied device to
+      device into a buffer of at most ``cap`` bytes (``snapshot.device_staging_bytes``), which the writing
+      thread lands in pinned memory afterwards;
     - ``auto`` on the CPU (:meth:`host_copy`): into a host buffer, in the writing thread.
 
     Each returns the reader of the staged bytes and whether a buffer had to be allocated (that write's seconds
@@ -130,12 +145,13 @@ class Stager:
         self.stream: Any = None  # CUDA: the side stream of device-to-host copies
         self.pinned: Staging | None = None  # CUDA: sized to the bytes written
         self.host: Staging | None = None  # CPU under auto
-        self.device_copy: Staging | None = None  # CUDA under auto, when it fits
-        self._device_ok: bool | None = None
+        self.device_copy: Staging | None = None  # CUDA under auto: the spill, at most the cap
+        self.rate: float | None = None
+        """Bytes per second the copies from the live state into pinned memory ran at (CUDA, measured)."""
         self.pinned_bytes = 0
         """Bytes of pinned host memory held for the copies (0 off CUDA)."""
         self.device_bytes = 0
-        """Bytes of device memory held for staging (0 unless ``auto`` on CUDA found room)."""
+        """Bytes of device memory held for staging (the spill buffer; 0 unless a window was too short)."""
 
     def host_copy(self, tensors: dict[str, torch.Tensor], ranges: list[tuple[int, int]]) -> tuple[ReadBytes, bool]:
         """CPU under ``auto``: copy ``ranges`` of the live state into a host buffer (the write reads it later)."""
@@ -162,48 +178,75 @@ class Stager:
         copied.synchronize()
         return pinned.reader(index), allocated
 
+    def spill_for(self, total: int, cap: int, window_s: float | None) -> int:
+        """Bytes of a ``total``-byte share to copy device to device first: what a step window of ``window_s``
+        seconds cannot carry at the measured rate, at most ``cap``; before anything was measured, as much as
+        the cap allows (the first window's copy is measured whole the next time)."""
+        if cap <= 0:
+            return 0
+        if self.rate is None or window_s is None:
+            return min(cap, total)
+        return min(cap, max(0, total - int(WINDOW_MARGIN * self.rate * window_s)))
+
     def queue(self, tensors: dict[str, torch.Tensor], device: torch.device, ready: Any,
-              ranges: list[tuple[int, int]]) -> tuple:
-        """``auto`` on CUDA, in the training thread: queue the copies of ``ranges`` on the side stream after
-        ``ready`` (one Python call per tensor here, none contending for the GIL with the step). The next
-        optimizer step must wait on the device for the event this returns (fifth item). Returns what
-        :meth:`land` needs."""
+              ranges: list[tuple[int, int]], *, cap: int, window_s: float | None = None) -> tuple:
+        """``auto`` on CUDA, in the training thread: after ``ready`` (the optimizer step), on the side stream,
+        the last bytes of ``ranges`` that the window cannot carry (:meth:`spill_for`) device to device into the
+        spill buffer, then the rest from the live tensors into pinned memory (one Python call per tensor
+        here). The next optimizer step must wait on the device for the event this returns (sixth item).
+        Returns what :meth:`land` needs."""
         stream = self.side_stream(device)
         total = sum(hi - lo for lo, hi in ranges)
-        on_device = self.device_room(device, total)
-        allocated = False
-        if on_device and (self.device_copy is None or self.device_copy.total != total):
-            self.device_copy = None
-            with torch.cuda.stream(stream):
-                self.device_copy = Staging(total, device=device)
-            self.device_bytes, allocated = total, True
-        if not on_device:
-            allocated = self.pin(total)  # the fallback: straight to pinned memory (the fence waits for it)
-        first = self.device_copy if on_device else self.pinned
-        assert first is not None
-        index, copied = _copy_on(stream, ready, first, tensors, ranges)
-        return device, first, on_device, index, copied, allocated
+        allocated = self.pin(total)
+        spill = self.spill_for(total, cap, window_s)
+        if spill and (self.device_copy is None or self.device_copy.total != spill):
+            self.device_copy, self.device_bytes = None, 0
+            try:
+                with torch.cuda.stream(stream):
+                    self.device_copy = Staging(spill, device=device)
+                self.device_bytes, allocated = spill, True
+            except torch.cuda.OutOfMemoryError:
+                logger.warning("no room on the device for %.2f GiB of snapshot staging: the next optimizer step "
+                               "waits for the copy instead", spill / 2**30)
+                spill = 0
+        head, tail = split_ranges(ranges, total - spill)
+        pinned = self.pinned
+        assert pinned is not None
+        with torch.cuda.stream(stream):
+            stream.wait_event(ready)
+            tail_index = self.device_copy.copy_in(tensors, tail, non_blocking=True) if tail else []
+            start = torch.cuda.Event(enable_timing=True)
+            start.record(stream)
+            head_index = pinned.copy_in(tensors, head, non_blocking=True)
+            copied = torch.cuda.Event(enable_timing=True)
+            copied.record(stream)
+        return device, head_index, tail_index, total - spill, start, copied, allocated
 
-    def land(self, device: torch.device, first: Staging, on_device: bool, index: list[tuple[int, int, int]],
-             copied: Any, allocated: bool) -> tuple[ReadBytes, bool]:
-        """The writing thread's side of :meth:`queue`: a device buffer's bytes copied into pinned memory
-        (allocated here the first time, off the training thread, a block at a time), complete when this
+    def land(self, device: torch.device, head_index: list[tuple[int, int, int]],
+             tail_index: list[tuple[int, int, int]], at_tail: int, start: Any, copied: Any,
+             allocated: bool) -> tuple[ReadBytes, bool]:
+        """The writing thread's side of :meth:`queue`: once its copies are done (their rate measured), the spill
+        buffer's bytes copied into the pinned buffer after the head, a block at a time; complete when this
         returns."""
         torch.cuda.set_device(device)
         copied.synchronize()
-        if not on_device:
-            return first.reader(index), allocated
-        allocated = self.pin(first.total) or allocated
         pinned, stream = self.pinned, self.side_stream(device)
         assert pinned is not None
+        seconds = start.elapsed_time(copied) / 1000
+        if at_tail > 0 and seconds > 0:
+            self.rate = at_tail / seconds
+        if tail_index:
+            spill = self.device_copy
+            assert spill is not None
 
-        def landed() -> None:  # the next block is queued only now: the step's own copies go in between
-            event = torch.cuda.Event()
-            event.record(stream)
-            event.synchronize()
+            def landed() -> None:  # the next block is queued only now: the step's own copies go in between
+                event = torch.cuda.Event()
+                event.record(stream)
+                event.synchronize()
 
-        with torch.cuda.stream(stream):
-            pinned.land(first, landed)
+            with torch.cuda.stream(stream):
+                pinned.land_at(at_tail, spill, landed)
+        index = head_index + [(lo, hi, at + at_tail) for lo, hi, at in tail_index]
         return pinned.reader(index), allocated
 
     def side_stream(self, device: torch.device) -> Any:
@@ -220,17 +263,22 @@ class Stager:
         self.pinned_bytes = total
         return True
 
-    def device_room(self, device: torch.device, total: int) -> bool:
-        """Does a device staging buffer of ``total`` bytes fit beside the training's peak (decided once, after
-        the first step's peak is known)?"""
-        if self._device_ok is None:
-            peak = torch.cuda.max_memory_allocated(device)
-            card = torch.cuda.get_device_properties(device).total_memory
-            self._device_ok = peak + total <= DEVICE_HEADROOM * card
-            logger.info("snapshot staging %s: %.2f GiB beside a training peak of %.2f GiB on a %.2f GiB card",
-                        "on the device" if self._device_ok else "in pinned memory only", total / 2**30,
-                        peak / 2**30, card / 2**30)
-        return self._device_ok
+
+def split_ranges(ranges: list[tuple[int, int]], at: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """``ranges`` (sorted byte ranges) cut after their first ``at`` bytes: (the head, the tail)."""
+    head, tail, seen = [], [], 0
+    for lo, hi in ranges:
+        n = hi - lo
+        if seen + n <= at:
+            head.append((lo, hi))
+        elif seen >= at:
+            tail.append((lo, hi))
+        else:
+            cut = lo + (at - seen)
+            head.append((lo, cut))
+            tail.append((cut, hi))
+        seen += n
+    return head, tail
 
 
 def _copy_on(stream: Any, ready: Any, into: Staging, tensors: dict[str, torch.Tensor],

@@ -101,7 +101,8 @@ def snapshotter_for(cfg: Config, run_dir: Path, worker: int, world: int, model: 
                        every=cfg.snapshot.every, redundancy=cfg.snapshot.redundancy, parity=cfg.snapshot.parity,
                        config_hash=config_hash, state=lambda: tensors_of(model, optimizer, device),
                        on_event=on_event, write_threads=threads, shares_cores=cpu,
-                       moments_in_copies=cfg.train.shard_optimizer, busy=busy, **shard)
+                       moments_in_copies=cfg.train.shard_optimizer, busy=busy,
+                       device_staging_bytes=cfg.snapshot.device_staging_bytes, **shard)
 
 
 def restore_state(spec: dict[str, Any], *, run_dir: Path, worker: int, world: int, members: tuple[int, ...],
