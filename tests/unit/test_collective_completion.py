@@ -72,7 +72,7 @@ class HangingAbortGroup:
 def _gpu_group(pg: object = None) -> ViewGroup:
     """A ViewGroup of a CUDA view without connecting (only its waiting and abort logic run)."""
     g = ViewGroup.__new__(ViewGroup)
-    g.gen, g.rank, g.size, g.device = 3, 0, 2, torch.device("cuda", 0)
+    g.gen, g.rank, g.size, g.device, g.nccl = 3, 0, 2, torch.device("cuda", 0), True
     g.timeout = process_group.timedelta(seconds=20)
     g._buf, g._pending, g._side, g._aborted = torch.zeros(4), None, [], False
     g.pg = pg  # type: ignore[assignment]

@@ -1,4 +1,4 @@
-"""Config and dependency defects: non-finite floats, the removed ``train.backend``, the torch floor."""
+"""Config and dependency defects: non-finite floats, ``train.backend``, the torch floor."""
 
 from __future__ import annotations
 
@@ -64,30 +64,32 @@ def test_store_timeout_is_checked_and_changes_nothing_trained() -> None:
     assert "fault.store_timeout_s=0.0: must be a finite number > 0" in "\n".join(validate(cfg))
     assert config_hash(load_config(overrides=["fault.store_timeout_s=5"])) == config_hash(load_config())
 
-# -- 3. train.backend is gone, old files still load ------------------------------
+# -- 3. train.backend: NCCL on CUDA by default, gloo to share a GPU (a test topology) ------------------------
 
 
-def test_backend_is_no_longer_a_field() -> None:
-    assert "backend" not in Config().to_dict()["train"]
+def test_backend_changes_how_sums_travel_not_what_is_trained() -> None:
+    assert Config().train.backend == "auto"
+    assert config_hash(load_config(overrides=["train.backend=gloo"])) == config_hash(load_config())
     with_it = Config().to_dict()
-    with_it["train"]["backend"] = "nccl"
-    assert config_diff(with_it, Config().to_dict()) == []
+    with_it["train"]["backend"] = "gloo"
+    assert config_diff(with_it, Config().to_dict()) == ["train.backend"]
 
 
-def test_saved_config_and_toml_naming_backend_still_load(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    saved = Config().to_dict()
-    saved["train"]["backend"] = "gloo"
-    saved["train"]["steps"] = 7
-    with caplog.at_level(logging.WARNING, logger="unbroken.config"):
-        cfg = Config.from_dict(saved)
-    expected = Config()
-    expected.train.steps = 7
-    assert cfg == expected and config_hash(cfg) == config_hash(expected)
-    assert "train.backend='gloo' is no longer read (ignored)" in caplog.text
-    toml = tmp_path / "old.toml"
-    toml.write_text('[train]\nbackend = "nccl"\nsteps = 5\n')
-    assert load_config(file=toml).train.steps == 5
-    assert load_config(overrides=["train.backend=auto"]).train.steps == Config().train.steps
+def test_backend_nccl_on_the_cpu_or_gloo_under_sharded_state_on_a_gpu_is_refused() -> None:
+    cfg = Config()
+    cfg.train.device, cfg.train.backend = "cpu", "nccl"
+    assert "train.backend='nccl' with train.device='cpu': NCCL runs on GPUs only" in "\n".join(validate(cfg))
+    cfg.train.device, cfg.train.backend, cfg.train.shard_optimizer = "cuda", "gloo", True
+    assert "train.backend='gloo' on a GPU with train.shard_optimizer" in "\n".join(validate(cfg))
+    with pytest.raises(ValueError, match="train.backend"):
+        load_config(overrides=["train.backend=mpi"])
+
+
+def test_two_workers_may_share_a_gpu_only_over_gloo() -> None:
+    from unbroken.models.factory import placement_problem
+
+    assert "NCCL cannot hold two ranks of one group on one GPU" in placement_problem([0, 1], 1)
+    assert "or train.backend=gloo to share the GPUs" in placement_problem([0, 1], 1)
 
 
 def test_resume_of_a_run_saved_with_backend_is_not_a_different_config(tmp_path: Path) -> None:

@@ -19,7 +19,8 @@ def test_two_workers_on_one_gpu_are_refused_naming_them_and_the_device():
     assert placement_problem([0, 1], 1) == (
         "workers 0 and 1 would both run on cuda:0: NCCL cannot hold two ranks of one group on one GPU, and this "
         "machine has 1 visible (cuda:0..cuda:0) for 2 workers; run at most 1 workers on it "
-        "(--workers / --workers-per-node), or set train.device=cpu")
+        "(--workers / --workers-per-node), set train.device=cpu, or train.backend=gloo to share the GPUs (a test "
+        "topology: gloo reduces through the host)")
     assert placement_problem([0, 1, 2], 2).startswith("workers 0 and 2 would both run on cuda:0")
 
 

@@ -216,7 +216,8 @@ class Agent(DeathDuties, FaultDuties, StartDuties):
             raise AgentError(f"node {self.node}: --standby with train.shard_degree={self.shard_degree}: a warm "
                              "standby is one worker, HSDP restarts whole replicas; drop --standby", 2)
         try:
-            check_placement(job_cfg.train.device, workers_of(self.node, self.opts.workers_per_node))
+            check_placement(job_cfg.train.device, workers_of(self.node, self.opts.workers_per_node),
+                            job_cfg.train.backend)
         except ValueError as exc:
             raise AgentError(f"node {self.node}: {exc}", 2) from None
         for store in (self.store, self._server):  # from now on the job's own patience with its store

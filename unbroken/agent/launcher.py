@@ -143,7 +143,7 @@ def launch(
         restart = "never"  # checkpoint-restart: the launcher restarts the whole job instead
     specs, trace = _job_faults(cfg, fail_at, nodes, workers_per_node)
     info = preflight(cfg)
-    check_placement(cfg.train.device, range(cfg.train.workers))  # every node of a launch runs on this machine
+    check_placement(cfg.train.device, range(cfg.train.workers), cfg.train.backend)  # every node of a launch runs on this machine
     check_snapshot_config(cfg, nodes, workers_per_node, info.get("vocab_size"))
     if cfg.train.shard_degree > 1:
         from unbroken.sharding.hsdp import check_layout

@@ -118,6 +118,10 @@ class TrainConfig:
     incomplete directories older than the newest committed one."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where workers compute; ``auto`` picks CUDA when available."""
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    """The collectives' backend: ``auto`` is NCCL on CUDA and gloo on the CPU. ``gloo`` on CUDA reduces the
+    GPU's tensors through the host and lets several workers share one GPU (a test topology: a one-GPU machine
+    then runs the real multi-worker fault path on CUDA); NCCL needs a GPU per worker."""
     precision: Literal["fp32", "bf16"] = "fp32"
     """``bf16``: forward and backward under bfloat16 autocast (CPU or CUDA) with float32 master
     weights, optimizer moments, loss and gradient reduction; ``fp32``: float32 throughout."""

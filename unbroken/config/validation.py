@@ -24,7 +24,7 @@ def validate(cfg: Config) -> list[str]:
         if not cond:
             errs.append(msg)
 
-    for check in (_train_data_optim, _sharding, _mecefo_fault, _snapshot_model):
+    for check in (_train_data_optim, _backend, _sharding, _mecefo_fault, _snapshot_model):
         check(cfg, need)
     return errs
 
@@ -53,6 +53,16 @@ def _train_data_optim(cfg: Config, need: Need) -> None:
     need(0 <= o.min_lr_ratio <= 1, f"optim.min_lr_ratio={o.min_lr_ratio}: must be in [0, 1]")
     need(o.warmup_steps >= 0, f"optim.warmup_steps={o.warmup_steps}: must be >= 0")
     need(o.grad_clip >= 0, f"optim.grad_clip={o.grad_clip}: must be >= 0 (0 disables)")
+
+
+def _backend(cfg: Config, need: Need) -> None:
+    t = cfg.train
+    need(not (t.backend == "nccl" and t.device == "cpu"),
+         "train.backend='nccl' with train.device='cpu': NCCL runs on GPUs only; use backend auto or gloo")
+    need(not (t.backend == "gloo" and t.device != "cpu" and (t.shard_optimizer or t.shard_degree > 1)),
+         f"train.backend='gloo' on a GPU with {'train.shard_optimizer' if t.shard_optimizer else 'train.shard_degree'}"
+         f": gloo carries the all-reduces and broadcasts of replicated training only (a test topology); use "
+         f"backend auto (NCCL) for sharded state")
 
 
 def _sharding(cfg: Config, need: Need) -> None:
@@ -134,7 +144,7 @@ def config_hash(cfg: Config) -> str:
     # shard_optimizer, shard_degree: where the state lives, not what is trained (the update is the same, element
     # for element; a checkpoint holds whole tensors either way)
     for volatile in ("host", "port", "log_every", "threads_per_worker", "timeout_s", "keep_checkpoints",
-                     "checkpoint_every_s", "shard_optimizer", "shard_degree"):
+                     "checkpoint_every_s", "shard_optimizer", "shard_degree", "backend"):
         d["train"].pop(volatile, None)
     d["data"].pop("cache_dir", None)
     d["model"]["parallelize"] = ""  # HSDP's sharding recipe: where the state lives (as shard_degree)
@@ -156,9 +166,7 @@ def config_diff(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
     return out
 
 
-REMOVED_FIELDS: dict[str, str] = {
-    "train.backend": "the collective backend follows the device (gloo on CPU, NCCL on CUDA)",
-}
+REMOVED_FIELDS: dict[str, str] = {}
 """Fields that no longer exist, and why. A saved ``config.json``, a TOML file or an
 override that still names one loads: the value is ignored with a logged warning
 (it never changed what was trained), and :func:`config_diff` skips it."""

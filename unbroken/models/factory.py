@@ -76,8 +76,9 @@ def resolve_device(choice: str, rank: int = 0) -> torch.device:
     return torch.device("cuda", rank % torch.cuda.device_count())
 
 
-def check_placement(choice: str, workers: Iterable[int]) -> None:
-    """Refuse, before anything starts, a CUDA job whose NCCL groups cannot form on this machine.
+def check_placement(choice: str, workers: Iterable[int], backend: str = "auto") -> None:
+    """Refuse, before anything starts, a CUDA job whose NCCL groups cannot form on this machine (with
+    ``backend='gloo'`` several workers may share a GPU: a test topology).
 
     ``workers``: the worker ids this machine runs. Each gets ``cuda:(w % G)``
     (:func:`resolve_device`); NCCL refuses two ranks of one communicator on one
@@ -93,7 +94,7 @@ def check_placement(choice: str, workers: Iterable[int]) -> None:
     if not torch.cuda.is_available():
         raise ValueError(f"train.device='cuda' but no GPU is visible to the workers (CUDA_VISIBLE_DEVICES="
                          f"{os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')!r}); use 'cpu' or 'auto'")
-    problem = placement_problem(list(workers), torch.cuda.device_count())
+    problem = placement_problem(list(workers), torch.cuda.device_count()) if backend != "gloo" else None
     if problem:
         raise ValueError(problem)
 
@@ -107,7 +108,8 @@ def placement_problem(workers: list[int], gpus: int) -> str | None:
             return (f"workers {seen[index]} and {w} would both run on cuda:{index}: NCCL cannot hold two ranks of "
                     f"one group on one GPU, and this machine has {gpus} visible "
                     f"(cuda:0..cuda:{gpus - 1}) for {len(workers)} workers; run at most {gpus} workers on it "
-                    f"(--workers / --workers-per-node), or set train.device=cpu")
+                    f"(--workers / --workers-per-node), set train.device=cpu, or train.backend=gloo to share "
+                    f"the GPUs (a test topology: gloo reduces through the host)")
         seen[index] = w
     return None
 

@@ -52,7 +52,7 @@ ABORT_DEADLINE_S = 10.0
 """The longest an abort of an NCCL group may take (``ncclCommAbort`` can itself hang)."""
 
 
-def completion_error(work: dist.Work, device: torch.device) -> str | None:
+def completion_error(work: dist.Work, nccl: bool) -> str | None:
     """The error a completed ``work`` recorded, or None: the one completion rule of every collective the job
     waits for (a view's group, a replica's own).
 
@@ -64,7 +64,7 @@ def completion_error(work: dist.Work, device: torch.device) -> str | None:
     comes later, from the watchdog, so a result not yet set after completion
     means no error.
     """
-    if device.type != "cpu":
+    if nccl:
         result = work.get_future_result()
         if result.done() and (value := int(result.value())) != _WORK_SUCCESS:
             return f"NCCL reported {_WORK_RESULTS.get(value, value)}"
@@ -88,13 +88,15 @@ class ViewGroup:
     """The process group of one view."""
 
     def __init__(self, rendezvous: dist.Store, *, gen: int, rank: int, size: int, device: torch.device,
-                 timeout_s: float, check: Callable[[], None] = lambda: None) -> None:
-        """Build the group; ``check`` runs while the members connect and may raise to give up.
+                 timeout_s: float, check: Callable[[], None] = lambda: None, backend: str = "auto") -> None:
+        """Build the group; ``check`` runs while the members connect and may raise to give up. ``backend``:
+        ``auto`` (NCCL on CUDA, gloo else), or ``gloo`` on CUDA too (:func:`collective_backend`).
 
         Raises:
             CollectiveFailed: the members did not all connect within the timeout.
         """
         self.gen, self.rank, self.size, self.device = gen, rank, size, device
+        self.nccl = collective_backend(device, backend) == "nccl"
         self.timeout = timedelta(seconds=timeout_s)
         self._buf: torch.Tensor | None = None  # the tensor of the last all-reduce posted (its late result)
         self._pending: dist.Work | None = None
@@ -117,7 +119,7 @@ class ViewGroup:
 
         def build() -> None:
             try:
-                if self.device.type == "cuda":
+                if self.nccl:
                     opts = dist.ProcessGroupNCCL.Options()
                     opts._timeout = self.timeout
                     pg = dist.ProcessGroupNCCL(rendezvous, self.rank, self.size, opts)
@@ -138,7 +140,7 @@ class ViewGroup:
                 with lock:
                     late = built.pop("pg", None) if "given_up" in built else None
                 if late is not None:
-                    _dispose(late, self.device, self.gen)  # type: ignore[arg-type]
+                    _dispose(late, self.nccl, self.gen)  # type: ignore[arg-type]
 
         thread = threading.Thread(target=build, name=f"group-g{self.gen}", daemon=True)
         thread.start()
@@ -154,7 +156,7 @@ class ViewGroup:
                 built["given_up"] = True
                 stuck = built.pop("pg", None)
             if stuck is not None:
-                _dispose(stuck, self.device, self.gen)  # type: ignore[arg-type]
+                _dispose(stuck, self.nccl, self.gen)  # type: ignore[arg-type]
             raise
         if "error" in built:
             raise CollectiveFailed(f"group of view {self.gen} could not be built: "
@@ -268,7 +270,7 @@ class ViewGroup:
 
     def _nap(self, work: dist.Work) -> None:
         """Sleep a little while ``work`` runs (see :meth:`_poll`)."""
-        if self.device.type == "cpu":
+        if not self.nccl:  # gloo (CPU tensors or CUDA ones): a timed wait returns as soon as it finished
             try:
                 work.wait(timedelta(seconds=CHECK_S))
             except RuntimeError:
@@ -285,7 +287,7 @@ class ViewGroup:
         """
         if self._aborted:
             raise CollectiveFailed(f"{what} of view {self.gen} was aborted")
-        error = completion_error(work, self.device)
+        error = completion_error(work, self.nccl)
         if error is not None:
             raise CollectiveFailed(f"{what} of view {self.gen} failed: {error.splitlines()[0]}") from None
 
@@ -345,7 +347,7 @@ class ViewGroup:
         Raises:
             AbortHung: the NCCL abort did not return within :data:`ABORT_DEADLINE_S`.
         """
-        if self.device.type == "cuda" and self.pg is not None:
+        if self.nccl and self.pg is not None:
             self._abort()
         release_parked()
         if not self._busy():
@@ -434,9 +436,16 @@ def _abort_watched(pg: dist.ProcessGroup, gen: int, limit_s: float) -> bool:
     return returned.wait(limit_s)
 
 
-def _dispose(pg: dist.ProcessGroup, device: torch.device, gen: int) -> None:
+def collective_backend(device: torch.device, choice: str = "auto") -> str:
+    """``nccl`` or ``gloo`` for a group on ``device`` (``train.backend``: ``auto`` is NCCL on CUDA)."""
+    if choice == "auto":
+        return "nccl" if device.type == "cuda" else "gloo"
+    return choice
+
+
+def _dispose(pg: dist.ProcessGroup, nccl: bool, gen: int) -> None:
     """Release a group whose construction was given up on: NCCL is aborted (watched, which ends a
     connection blocked on a dead peer); gloo is dropped (its sockets close, its threads end)."""
-    if device.type == "cuda" and not _abort_watched(pg, gen, ABORT_DEADLINE_S):
+    if nccl and not _abort_watched(pg, gen, ABORT_DEADLINE_S):
         logger.warning("the abort of view %d's half-built NCCL group did not return within %s s", gen,
                        ABORT_DEADLINE_S)

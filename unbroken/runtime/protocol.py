@@ -109,13 +109,15 @@ class StepProtocol(JoinerAdmission):
         events: this worker's ledger and event log.
         timeout_s: the longest any collective or store wait may take.
         config_hash: this job's config hash; a joiner whose request names another is refused.
+        backend: the views' groups' backend (``train.backend``: ``auto``, or ``gloo`` on CUDA too).
     """
 
     def __init__(self, membership: Membership, job: StepJob, *, policy: TakeoverPolicy, events: JsonlWriter,
-                 timeout_s: float, config_hash: str = "") -> None:
+                 timeout_s: float, config_hash: str = "", backend: str = "auto") -> None:
         self.m, self.store, self.job, self.policy = membership, membership.store, job, policy
         self.me = membership.worker
         self.events, self.timeout_s, self.config_hash = events, timeout_s, config_hash
+        self.backend = backend
         self.view: View | None = None
         self.group: ViewGroup | None = None
         self.step: int | None = None
@@ -186,7 +188,7 @@ class StepProtocol(JoinerAdmission):
         name, self.peers = self.plan.peers(self.me, view.members)
         self.group = ViewGroup(self.store.group_store(view.gen, name), gen=view.gen,
                                rank=self.peers.index(self.me), size=len(self.peers), device=self.job.device,
-                               timeout_s=self.timeout_s, check=self._check)
+                               timeout_s=self.timeout_s, check=self._check, backend=self.backend)
         if view.restore is not None and self.restorer is not None:
             self.restorer(view, lambda t, src: self.group.broadcast_into(t, src, self._check))
         if self.me in view.from_memory and self.memory_loader is not None:

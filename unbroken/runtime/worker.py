@@ -134,7 +134,7 @@ class Trainer:
             self.job = dataclasses.replace(self.job, vote=self.snapshots.vote)
         self.protocol = recovery(cfg.fault.recovery).protocol_class()(
             membership, self.job, policy=takeover_policy(cfg.mecefo.policy), events=self.events,
-            timeout_s=cfg.train.timeout_s, config_hash=self.hash)
+            timeout_s=cfg.train.timeout_s, config_hash=self.hash, backend=cfg.train.backend)
         self.metrics: MetricsWriter | None = None
         self.checkpointer: AsyncCheckpointer | None = None
         if self.snapshots is not None:
