@@ -1,4 +1,4 @@
-"""Smoke tests: the throughput, failover and store benchmarks run end to end and write their JSON."""
+"""Smoke tests: the throughput, failover, store and recovery benchmarks run end to end and write their JSON."""
 
 from __future__ import annotations
 
@@ -83,8 +83,8 @@ def test_recovery_benchmark_reads_each_phase_of_both_parts(tmp_path, corpus_over
     from unbroken.bench import recovery
 
     out = tmp_path / "recovery.json"
-    result = recovery.main(["--cases", "debug:1x2", "--steps", "7", "--kill-step", "4", "--snapshot-every", "1",
-                            "--out", str(out), *[f"--{o}" for o in corpus_overrides]])
+    result = recovery.main(["--cases", "debug:1x2", "--parts", "load,one,all", "--steps", "7", "--kill-step", "4",
+                            "--snapshot-every", "1", "--out", str(out), *[f"--{o}" for o in corpus_overrides]])
     assert json.loads(out.read_text())["rows"] == json.loads(json.dumps(result["rows"], default=str))
     assert [(r["case"], r["part"], r["killed"]) for r in result["rows"]] == [
         ("debug:1x2", "one", [1]), ("debug:1x2", "all", [0, 1])]
@@ -98,3 +98,7 @@ def test_recovery_benchmark_reads_each_phase_of_both_parts(tmp_path, corpus_over
         assert 0 < rec["process_ready"] <= rec["first_step"] and rec["median_step_s"] > 0
     whole = result["rows"][1]["recovery"]
     assert whole["load"]["how"] == ["restore"] and whole["load"]["bytes"] > 0 and set(whole["inventory_s"]) == {"0"}
+    load = result["load"]["debug"]  # in its own process: the inventory and the loads, three of each
+    assert load["forked"] == "measured" and load["checked_bytes"] > 2 * load["state_bytes"] > 0
+    assert all(len(load[k]) == 3 and all(x and x > 0 for x in load[k])
+               for k in ("inventory_verify_gb_s", "inventory_seals_s", "load_live_gb_s", "load_forked_gb_s"))

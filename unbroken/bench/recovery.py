@@ -8,7 +8,10 @@ with SIGKILL:
   rejoins at a step boundary, from its node's snapshot memory or a peer's
   transfer, while the others train on);
 - part ``all``: every worker of the job (the agents restore the whole job from
-  snapshot memory). A case of one worker runs ``one`` only: it is the same.
+  snapshot memory). A case of one worker runs ``one`` only: it is the same;
+- part ``load`` (in this process, per preset of the cases): the inventory's and
+  the load's GB/s into the live state and into a forked worker
+  (:mod:`unbroken.bench.recovery_load`).
 
 Each recovery's phases are read from the run's own events
 (:mod:`unbroken.bench.recovery_phases`), in seconds after the kill: death
@@ -33,6 +36,7 @@ from typing import Any
 
 from unbroken.agent.launcher import launch
 from unbroken.bench._args import parse_with_overrides
+from unbroken.bench.recovery_load import load_figures
 from unbroken.bench.recovery_phases import recoveries
 from unbroken.bench.throughput import machine_description
 from unbroken.config import load_config
@@ -43,7 +47,7 @@ __all__ = ["main"]
 CASE_OVERRIDES = {"llama-60m": ["data.seq_len=64", "data.micro_batch=2"]}
 """What a case of a preset needs on top of the command line's overrides (a CPU's step of llama-60m)."""
 PHASES = ("death_seen", "process_ready", "decided", "state_loaded", "first_step", "steps_back")
-PARTS = ("one", "all")
+PARTS = ("one", "all", "load")
 
 
 def _case(text: str) -> tuple[str, int, int]:
@@ -93,10 +97,21 @@ def _table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _load_line(name: str, f: dict[str, Any]) -> str:
+    def gbs(xs: list[float | None]) -> str:
+        return " ".join("-" if x is None else f"{x:.2f}" for x in xs)
+
+    return (f"{name}: {f['state_bytes'] / 1e9:.2f} GB of state, {f['threads']} threads; inventory of every byte "
+            f"({f['checked_bytes'] / 1e9:.2f} GB) {gbs(f['inventory_verify_gb_s'])} GB/s, of the seals "
+            f"{' '.join(f'{s * 1e3:.1f}' for s in f['inventory_seals_s'])} ms; load into the live state "
+            f"{gbs(f['load_live_gb_s'])} GB/s, into a forked worker {gbs(f['load_forked_gb_s']) or f['forked']} GB/s")
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(prog="unbroken bench recovery", description=__doc__.splitlines()[0])
     ap.add_argument("--cases", default="debug:2x2,llama-60m:1x1", help="PRESET:NODESxWORKERS, comma-separated")
-    ap.add_argument("--parts", default="one,all", help="one: the last worker killed; all: every worker")
+    ap.add_argument("--parts", default="load,one,all",
+                    help="load: the state's load in this process; one: the last worker killed; all: every worker")
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--kill-step", type=int, default=11, help="the step during whose backward the kill comes")
     ap.add_argument("--snapshot-every", default="2", help="snapshot.every of the jobs")
@@ -111,18 +126,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         _case(c)  # every malformed case refused before any job runs
     if not 0 < a.kill_step < a.steps:
         ap.error(f"--kill-step={a.kill_step}: a step of the job, between 1 and --steps - 1 ({a.steps - 1})")
-    rows = []
+    rows, loads = [], {}
+    if "load" in parts:
+        for name in dict.fromkeys(_case(c)[0] for c in cases):
+            loads[name] = load_figures(load_config(preset_name=name, overrides=CASE_OVERRIDES.get(name, []) + overrides))
+            print(_load_line(name, loads[name]), flush=True)
+    jobs = [p for p in parts if p != "load"]
     with tempfile.TemporaryDirectory(prefix="unbroken-recovery-") as tmp:
         where = a.keep or Path(tmp)
         for case in cases:
             _, nodes, per = _case(case)
-            for part in parts if nodes * per > 1 else parts[:1]:
+            for part in jobs if nodes * per > 1 else jobs[:1]:
                 rows.append(_run(a, overrides, case, part, where / f"{case.replace(':', '-')}-{part}"))
     result = {"benchmark": "recovery", "cases": cases, "parts": parts, "steps": a.steps, "kill_step": a.kill_step,
-              "snapshot_every": a.snapshot_every, "overrides": overrides, "rows": rows,
+              "snapshot_every": a.snapshot_every, "overrides": overrides, "load": loads, "rows": rows,
               "machine": machine_description()}
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(result, indent=1, default=str))
-    print(_table(rows))
+    if rows:
+        print(_table(rows))
     print(f"wrote {a.out}")
     return result
