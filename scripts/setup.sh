@@ -70,7 +70,7 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
     # [hf] too: the tests (and CI) exercise model.family = hf-llama; [etcd]: the etcd store backend.
     .venv/bin/python -m pip install -q $isolation -e ".[test,hf,etcd]" 2>&1 | grep -v "^WARNING: Location" || true
     # Checked from outside the checkout, so that the source tree on sys.path cannot pass for an install.
-    (venv_python="$PWD/.venv/bin/python"; cd / && "$venv_python" -c "import unbroken, torch, tokenizers, safetensors, rich, pytest_timeout, transformers") \
+    (venv_python="$PWD/.venv/bin/python"; cd / && "$venv_python" -c "import unbroken, torch, tokenizers, safetensors, pytest_timeout, transformers") \
         && [ -x .venv/bin/unbroken ] \
         || { echo "setup: installation incomplete (see pip's messages above)" >&2; exit 1; }
     touch "$stamp"

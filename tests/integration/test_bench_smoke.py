@@ -78,17 +78,27 @@ def test_throughput_reference_benchmark(tmp_path, corpus_overrides):
 
 
 def test_recovery_benchmark_reads_each_phase_of_both_parts(tmp_path, corpus_overrides):
-    """``bench recovery`` on one node of two workers: one worker killed, then both; every phase is read from the
-    runs' events, in the order a recovery goes through them."""
+    """``bench recovery`` on one node of two workers: one worker killed, then both, then a job's end alone; every
+    phase is read from the runs' events, in the order a recovery (and an end) goes through them."""
     from unbroken.bench import recovery
 
     out = tmp_path / "recovery.json"
-    result = recovery.main(["--cases", "debug:1x2", "--parts", "load,one,all", "--steps", "7", "--kill-step", "4",
-                            "--snapshot-every", "1", "--out", str(out), *[f"--{o}" for o in corpus_overrides]])
+    result = recovery.main(["--cases", "debug:1x2", "--parts", "load,one,all,final", "--steps", "7", "--kill-step",
+                            "4", "--snapshot-every", "1", "--checkpoint-dir", str(tmp_path), "--out", str(out),
+                            *[f"--{o}" for o in corpus_overrides]])
     assert json.loads(out.read_text())["rows"] == json.loads(json.dumps(result["rows"], default=str))
     assert [(r["case"], r["part"], r["killed"]) for r in result["rows"]] == [
-        ("debug:1x2", "one", [1]), ("debug:1x2", "all", [0, 1])]
-    for row in result["rows"]:
+        ("debug:1x2", "one", [1]), ("debug:1x2", "all", [0, 1]), ("debug:1x2", "final", [])]
+    for row in result["rows"]:  # every job ends with its final checkpoint, written by the view's leader
+        end = row["end"]
+        assert 0 < end["checkpoint_committed"] <= end["workers_exited"] <= end["job_returned"], end
+        assert end["checkpoint_gb"] > 0 and end["writers"] == 1, end
+    final = result["final"]["debug"]  # in this process: the same state written both ways, three times each
+    assert all(len(final["seconds"][k]) == 3 and all(x > 0 for x in final["seconds"][k]) for k in ("unbroken",
+                                                                                                  "dcp_hf"))
+    assert final["state_bytes"] > 0 and final["directory"] == str(tmp_path) and not list(tmp_path.glob("unbroken-final-*"))
+    assert result["rows"][2]["recovery"] is None and result["rows"][2]["recoveries"] == 0
+    for row in result["rows"][:2]:
         rec = row["recovery"]
         assert row["recoveries"] == 1 and rec["workers"] == row["killed"] and rec["kill_step"] == 4
         assert rec["whole_job"] is (row["part"] == "all")

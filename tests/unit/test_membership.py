@@ -208,7 +208,7 @@ def test_the_leaders_duties_keep_its_progress_ticking_and_a_real_stall_still_cou
         time.sleep(4 * TIMEOUT_S)
 
     trainer = SimpleNamespace(
-        cfg=SimpleNamespace(train=SimpleNamespace(keep_checkpoints=1)), m=leader, store=store,
+        cfg=SimpleNamespace(train=SimpleNamespace(keep_checkpoints=1, steps=100)), m=leader, store=store,
         metrics=SimpleNamespace(step_done=slow), checkpointer=SimpleNamespace(poll=lambda: None, save=slow,
                                                                                pending_step=None),
         schedule=SimpleNamespace(taken=lambda: None), protocol=SimpleNamespace(layout=StateLayout(None), view=view),

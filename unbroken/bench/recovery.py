@@ -11,7 +11,12 @@ with SIGKILL:
   snapshot memory). A case of one worker runs ``one`` only: it is the same;
 - part ``load`` (in this process, per preset of the cases): the inventory's and
   the load's GB/s into the live state and into a forked worker
-  (:mod:`unbroken.bench.recovery_load`).
+  (:mod:`unbroken.bench.recovery_load`);
+- part ``final``: the end of a job without a kill, from the last step's commit
+  to the final checkpoint's commit, the workers' exit and the launcher's
+  return, and (in this process, per preset) the state written as the final
+  checkpoint is and as torch DCP's Hugging Face writer writes it, side by side
+  (:mod:`unbroken.bench.recovery_final`). Every job's row carries its end too.
 
 Each recovery's phases are read from the run's own events
 (:mod:`unbroken.bench.recovery_phases`), in seconds after the kill: death
@@ -31,11 +36,13 @@ import argparse
 import json
 import os
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
 from unbroken.agent.launcher import launch
 from unbroken.bench._args import parse_with_overrides
+from unbroken.bench.recovery_final import end_phases, write_figures
 from unbroken.bench.recovery_load import load_figures
 from unbroken.bench.recovery_phases import recoveries
 from unbroken.bench.throughput import machine_description
@@ -47,7 +54,8 @@ __all__ = ["main"]
 CASE_OVERRIDES = {"llama-60m": ["data.seq_len=64", "data.micro_batch=2"]}
 """What a case of a preset needs on top of the command line's overrides (a CPU's step of llama-60m)."""
 PHASES = ("death_seen", "process_ready", "decided", "state_loaded", "first_step", "steps_back")
-PARTS = ("one", "all", "load")
+PARTS = ("one", "all", "load", "final")
+END = ("checkpoint_committed", "workers_exited", "job_returned")
 
 
 def _case(text: str) -> tuple[str, int, int]:
@@ -68,14 +76,17 @@ def _run(a: argparse.Namespace, overrides: list[str], case: str, part: str, run:
     cfg = load_config(preset_name=name, overrides=CASE_OVERRIDES.get(name, []) + overrides + [
         f"train.steps={a.steps}", "train.val_every=0", "train.val_batches=1",
         f"snapshot.every={a.snapshot_every}", f"train.workers={world}"])
-    killed = [world - 1] if part == "one" else list(range(world))
+    killed = [] if part == "final" else [world - 1] if part == "one" else list(range(world))
     fail_at = ",".join(f"step={a.kill_step}:worker={w}:kill:phase=backward" for w in killed)
     load_before = os.getloadavg()
     summary = launch(cfg, run, nodes=nodes, workers_per_node=per, fail_at=fail_at)
-    found = recoveries(read_events(run))
+    returned = time.time()
+    events = read_events(run)
+    found = recoveries(events)
     return {"case": case, "part": part, "preset": name, "nodes": nodes, "workers_per_node": per,
             "killed": killed, "steps": summary.get("steps"), "load_average": [list(load_before), list(os.getloadavg())],
-            "recovery": found[0] if found else None, "recoveries": len(found)}
+            "recovery": found[0] if found else None, "recoveries": len(found),
+            "end": end_phases(events, a.steps, returned)}
 
 
 def _cell(x: float | None) -> str:
@@ -85,7 +96,7 @@ def _cell(x: float | None) -> str:
 def _table(rows: list[dict[str, Any]]) -> str:
     head = f"{'case':<16}{'part':<5}" + "".join(f"{p:>14}" for p in PHASES) + f"{'load GB/s':>11}{'step s':>8}"
     lines = ["seconds after the kill:", head]
-    for r in rows:
+    for r in (r for r in rows if r["part"] != "final"):
         rec = r["recovery"] or {}
         gbs = (rec.get("load") or {}).get("gb_s")
         lines.append(f"{r['case']:<16}{r['part']:<5}" + "".join(f"{_cell(rec.get(p)):>14}" for p in PHASES)
@@ -94,7 +105,26 @@ def _table(rows: list[dict[str, Any]]) -> str:
             lines.append(f"{'':<21}inventory {rec['inventory_s']} s, decision {rec.get('decision_s')} s after all "
                          f"died; death seen while {'/'.join(rec.get('seen_while', []))}, reaped {_cell(rec.get('reaped')).strip()}")
         lines.append(f"{'':<21}load average {r['load_average'][0][0]:.2f} before, {r['load_average'][1][0]:.2f} after")
+    ended = [r for r in rows if r.get("end")]
+    if ended:
+        lines += ["seconds after the last step's commit:",
+                  f"{'case':<16}{'part':<6}" + "".join(f"{p:>22}" for p in END) + f"{'GB':>8}{'GB/s':>8}{'writers':>9}"]
+        for r in ended:
+            e = r["end"]
+            lines.append(f"{r['case']:<16}{r['part']:<6}" + "".join(f"{_cell(e.get(p)):>22}" for p in END)
+                         + f"{_cell(e.get('checkpoint_gb')):>8}{_cell(e.get('checkpoint_write_gb_s')):>8}"
+                         + f"{e.get('writers') or '-':>9}")
     return "\n".join(lines)
+
+
+def _final_line(name: str, f: dict[str, Any]) -> str:
+    def secs(xs: list[float]) -> str:
+        return " ".join(f"{x:.2f}" for x in xs)
+
+    return (f"{name}: final checkpoint of {f['state_bytes'] / 1e9:.2f} GB into {f['directory']}: unbroken "
+            f"{secs(f['seconds']['unbroken'])} s ({f['gb_s']['unbroken']} GB/s), torch DCP's HF writer with a "
+            f"sha256 pass {secs(f['seconds']['dcp_hf'])} s ({f['gb_s']['dcp_hf']} GB/s); DCP / unbroken "
+            f"{f['dcp_over_unbroken']}x")
 
 
 def _load_line(name: str, f: dict[str, Any]) -> str:
@@ -110,8 +140,11 @@ def _load_line(name: str, f: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(prog="unbroken bench recovery", description=__doc__.splitlines()[0])
     ap.add_argument("--cases", default="debug:2x2,llama-60m:1x1", help="PRESET:NODESxWORKERS, comma-separated")
-    ap.add_argument("--parts", default="load,one,all",
-                    help="load: the state's load in this process; one: the last worker killed; all: every worker")
+    ap.add_argument("--parts", default="load,one,all,final",
+                    help="load: the state's load in this process; one: the last worker killed; all: every worker; "
+                         "final: a job's end and its final checkpoint")
+    ap.add_argument("--checkpoint-dir", type=Path, default=None,
+                    help="where part final writes its in-process checkpoints (default: the temporary directory)")
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--kill-step", type=int, default=11, help="the step during whose backward the kill comes")
     ap.add_argument("--snapshot-every", default="2", help="snapshot.every of the jobs")
@@ -131,15 +164,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for name in dict.fromkeys(_case(c)[0] for c in cases):
             loads[name] = load_figures(load_config(preset_name=name, overrides=CASE_OVERRIDES.get(name, []) + overrides))
             print(_load_line(name, loads[name]), flush=True)
+    finals = {}
+    if "final" in parts:
+        for name in dict.fromkeys(_case(c)[0] for c in cases):
+            finals[name] = write_figures(load_config(preset_name=name, overrides=CASE_OVERRIDES.get(name, []) +
+                                                     overrides), a.checkpoint_dir)
+            print(_final_line(name, finals[name]), flush=True)
     jobs = [p for p in parts if p != "load"]
     with tempfile.TemporaryDirectory(prefix="unbroken-recovery-") as tmp:
         where = a.keep or Path(tmp)
         for case in cases:
             _, nodes, per = _case(case)
-            for part in jobs if nodes * per > 1 else jobs[:1]:
+            for part in jobs if nodes * per > 1 else [p for p in jobs if p != "all"]:
                 rows.append(_run(a, overrides, case, part, where / f"{case.replace(':', '-')}-{part}"))
     result = {"benchmark": "recovery", "cases": cases, "parts": parts, "steps": a.steps, "kill_step": a.kill_step,
-              "snapshot_every": a.snapshot_every, "overrides": overrides, "load": loads, "rows": rows,
+              "snapshot_every": a.snapshot_every, "overrides": overrides, "load": loads, "final": finals, "rows": rows,
               "machine": machine_description()}
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(result, indent=1, default=str))

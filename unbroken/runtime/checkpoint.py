@@ -1,24 +1,30 @@
 """Persistent checkpoints in ``torch.distributed.checkpoint`` format, pickle-free.
 
 Layout of one checkpoint, ``<run>/checkpoints/step_<NNNNNNN>/``:
-- ``model-*.safetensors`` + ``model.safetensors.index.json``: written by DCP's
-  safetensors storage (JSON header + raw bytes). Holds the training state
+- ``model-*.safetensors`` + ``model.safetensors.index.json``: safetensors files
+  (JSON header + raw bytes) written by several threads
+  (:mod:`unbroken.runtime.checkpoint_writer`), read by DCP's Hugging Face
+  reader. Holds the training state
   under the names of :mod:`unbroken.sharding.training_state`: the model
   parameters (``model.<name>``), the optimizer's state, whatever the optimizer
   (``optim.<name>.exp_avg`` ..., ``optim.<name>.momentum_buffer`` ...), its
   param groups' values and the CPU RNG state (``rng.cpu``).
 - ``commit.json``: step, config hash, data position, the state's layout
   (``state``: name, dtype and shape of every entry, so a fresh optimizer
-  knows what to load) and the sha256 of every other file, written last,
+  knows what to load) and the sha256 of every other file (taken while the file
+  was written; a part another worker wrote is hashed here), written last,
   durably and atomically
   (:mod:`unbroken.runtime.checkpoint_files`). A directory without it is
   incomplete and is never resumed from.
 
 Data-parallel state is replicated, so one worker (the view's leader) writes it.
-``dcp.async_save`` stages a copy synchronously; a background thread then
-writes the files, fsyncs and checksums them, commits, and deletes checkpoints
-beyond ``keep``, so training continues while bytes reach the disk and a save
-commits even if its writer stops leading.
+A save during training copies the state into host buffers kept from one save to
+the next (:class:`~unbroken.runtime.checkpoint_writer.HostStage`; pinned for a
+GPU's state); a background thread then writes the files, commits, and deletes
+checkpoints beyond ``keep``, so training continues while bytes reach the disk
+and a save commits even if its writer stops leading. The final checkpoint is
+written from the live state (nothing trains after it): no copy at all on a CPU,
+one pass through pinned blocks on a GPU.
 
 Invariants: loading step ``k`` and training to ``K`` equals training to ``K``;
 a checkpoint is loaded only if its files match the checksums of its commit;
@@ -51,6 +57,7 @@ from unbroken.runtime.checkpoint_files import (
     write_commit,
 )
 from unbroken.dcp import dcp
+from unbroken.runtime.checkpoint_writer import HostStage, Written, write_state, writer_threads
 from unbroken.sharding.training_state import Restorer, capture, layout_of
 
 __all__ = [
@@ -68,9 +75,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-def _save_errors() -> tuple[type[BaseException], ...]:
-    """What a failed save raises: any error, or DCP's ``CheckpointException`` (a ``BaseException``)."""
-    return (Exception, dcp().CheckpointException)
 
 
 DEFAULT_KEEP = 3
@@ -88,7 +92,7 @@ def training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> 
 class _Pending:
     step: int
     path: Path
-    future: Future[bool]
+    future: Future[Written | None]
 
 
 class AsyncCheckpointer:
@@ -111,6 +115,9 @@ class AsyncCheckpointer:
         self.timeout_s = timeout_s
         self.failed_steps: list[int] = []
         """Steps whose checkpoint was not written (storage errors), oldest first."""
+        self.written: dict[int, Written] = {}
+        """What each committed save of this checkpointer wrote (bytes, seconds), by step."""
+        self._stage = HostStage()
         self._pending: _Pending | None = None
         self._pool: ThreadPoolExecutor | None = None
 
@@ -120,7 +127,8 @@ class AsyncCheckpointer:
         return self._pending.step if self._pending else None
 
     def save(self, step: int, state: dict[str, torch.Tensor], meta: dict[str, Any],
-             shards: tuple[int, list[str], dict[str, Any]] | None = None, layout: list[list] | None = None) -> None:
+             shards: tuple[int, list[str], dict[str, Any]] | None = None, layout: list[list] | None = None,
+             live: bool = False) -> None:
         """Stage ``state`` now and write it asynchronously; ``step`` = steps done.
 
         Waits for the previous save first. A storage error is logged and the
@@ -130,7 +138,8 @@ class AsyncCheckpointer:
         (:func:`unbroken.sharding.checkpoint.collect_shards`): ZeRO-1's ranges
         of the moments, HSDP's shard indices. ``layout``: the whole state's
         (:func:`~unbroken.sharding.training_state.layout_of`) when ``state`` is
-        only the leader's part of it (default: ``state``'s).
+        only the leader's part of it (default: ``state``'s). ``live``: ``state`` does not change until
+        :meth:`wait` returns (the final checkpoint): written from it, not from a copy.
         """
         self.wait()
         path = checkpoint_dir(self.run_dir, step)
@@ -139,15 +148,13 @@ class AsyncCheckpointer:
         try:
             remove_checkpoint(path)  # a leftover of an earlier attempt at this step
             path.mkdir(parents=True)
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-                fut = dcp().async_save(state, storage_writer=dcp().HuggingFaceStorageWriter(str(path)), no_dist=True)
-        except _save_errors() as exc:
+            staged = state if live else self._stage.copy(state)
+        except Exception as exc:
             self._failed(step, path, exc)
             return
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
-        self._pending = _Pending(step, path, self._pool.submit(self._finish, step, path, commit, fut, shards))
+        self._pending = _Pending(step, path, self._pool.submit(self._finish, step, path, commit, staged, shards))
 
     def poll(self) -> None:
         """Collect a finished save; raise if it failed for another reason than the storage."""
@@ -177,32 +184,36 @@ class AsyncCheckpointer:
             logger.info("no longer leading: finishing the checkpoint at step %d", self._pending.step)
             self.wait()
 
-    def _finish(self, step: int, path: Path, commit: dict[str, Any], fut: Future[Any],
-                shards: tuple[int, list[str], dict[str, Any]] | None = None) -> bool:
-        """Background: wait for the files, fsync and checksum them, commit, prune. False: not written."""
+    def _finish(self, step: int, path: Path, commit: dict[str, Any], state: dict[str, torch.Tensor],
+                shards: tuple[int, list[str], dict[str, Any]] | None = None) -> Written | None:
+        """Background: write the files (hashed as written), wait for the other workers' parts, commit, prune.
+        None: not written."""
         try:
-            _wait_written(fut, self.timeout_s)
+            written = write_state(path, state)
+            known = dict(written.files)
             if shards is not None:
                 from unbroken.sharding.checkpoint import collect_shards
 
-                collect_shards(self.run_dir, step, shards[0], shards[1], path)
+                known.update(collect_shards(self.run_dir, step, shards[0], shards[1], path))
                 commit.update(shards[2])
-            commit["files"] = seal_files(path)
+            commit["files"] = seal_files(path, known)
             write_commit(path, commit)
-        except _save_errors() as exc:
+        except Exception as exc:
             self._failed(step, path, exc)
-            return False
-        logger.info("checkpoint step %d committed at %s", step, path)
+            return None
+        self.written[step] = written
+        logger.info("checkpoint step %d committed at %s (%.2f GB in %.2f s, %d writers)", step, path,
+                    written.bytes / 1e9, written.seconds, written.threads)
         try:
             prune_checkpoints(path.parent, self.keep)
         except OSError as exc:  # the new checkpoint is safe; old ones stay until the next commit
             logger.warning("could not delete old checkpoints after step %d: %s", step, exc)
-        return True
+        return written
 
     def _failed(self, step: int, path: Path, exc: BaseException) -> None:
         """Log a failed save once and remove its directory; re-raise unless the storage failed."""
         remove_checkpoint(path)
-        err = _storage_error(exc)
+        err = exc if isinstance(exc, OSError) else None
         if err is None and not isinstance(exc, TimeoutError):
             logger.error("checkpoint at step %d not written (%s removed)", step, path)
             raise exc
@@ -210,26 +221,6 @@ class AsyncCheckpointer:
         self.failed_steps.append(step)
         logger.error("checkpoint at step %d not written: %s; removed %s, training goes on and the next "
                      "checkpoint is tried again", step, err, path)
-
-
-def _wait_written(fut: Future[Any], timeout_s: float) -> None:
-    try:
-        fut.result(timeout=timeout_s)
-    except FutureTimeout:
-        if fut.done():
-            raise
-        raise TimeoutError(f"its files were not written within {timeout_s:.0f} s") from None
-
-
-def _storage_error(exc: BaseException) -> OSError | None:
-    """The OS error behind a failed save (disk full, file too large, I/O, timeout), or None."""
-    if isinstance(exc, OSError):
-        return exc
-    if isinstance(exc, dcp().CheckpointException):
-        causes = [e for e, _ in exc.failures.values()]
-        if causes and all(isinstance(e, OSError) for e in causes):
-            return causes[0]  # type: ignore[return-value]
-    return None
 
 
 def verify_checkpoint(path: str | Path) -> dict[str, Any]:
@@ -285,12 +276,14 @@ def _dtype(t: torch.Tensor) -> str:
 
 
 def _read(path: str | Path, state: dict[str, torch.Tensor]) -> None:
-    """Fill ``state``'s tensors from the checkpoint's files (DCP's safetensors reader, no pickle)."""
+    """Fill ``state``'s tensors from the checkpoint's files (DCP's safetensors reader, no pickle; a thread per
+    file up to one per core)."""
     if not state:
         return
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        dcp().load(state, storage_reader=dcp().HuggingFaceStorageReader(str(path)), no_dist=True)
+        dcp().load(state, storage_reader=dcp().HuggingFaceStorageReader(str(path), thread_count=writer_threads()),
+                   no_dist=True)
 
 
 def load_checkpoint(

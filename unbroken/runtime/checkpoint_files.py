@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -105,12 +106,33 @@ def _payload_files(path: Path) -> list[Path]:
                   if f.is_file() and f.name != COMMIT_FILE and not f.name.endswith(_TMP_SUFFIX))
 
 
-def seal_files(path: Path) -> dict[str, str]:
-    """Fsync every file of checkpoint ``path`` and its directories; returns ``{relative path: sha256}``."""
-    digests = {f.relative_to(path).as_posix(): _hash_file(f, sync=True) for f in _payload_files(path)}
-    for d in sorted({f.parent for f in _payload_files(path)} | {path}, key=lambda d: -len(d.parts)):
+def seal_files(path: Path, known: dict[str, str] | None = None) -> dict[str, str]:
+    """Fsync every file of checkpoint ``path`` and its directories; returns ``{relative path: sha256}``.
+
+    ``known``: the digests of files whose writer hashed them as it wrote and fsynced them
+    (:func:`~unbroken.runtime.checkpoint_writer.write_state`); those are not read again. Every other file is
+    read, hashed and fsynced, several at a time."""
+    known = known or {}
+    files = _payload_files(path)
+    rest = [f for f in files if f.relative_to(path).as_posix() not in known]
+    digests = dict(zip((f.relative_to(path).as_posix() for f in rest), _map(lambda f: _hash_file(f, sync=True), rest)))
+    missing = set(known) - {f.relative_to(path).as_posix() for f in files}
+    if missing:
+        raise FileNotFoundError(f"{path}: {sorted(missing)[0]} was written but is gone")
+    digests.update({name: known[name] for name in known})
+    for d in sorted({f.parent for f in files} | {path}, key=lambda d: -len(d.parts)):
         fsync_dir(d)
-    return digests
+    return dict(sorted(digests.items()))
+
+
+def _map(fn: Any, items: list[Any]) -> list[Any]:
+    """``fn`` over ``items`` with a thread per core (hashing and file reads release the GIL), in order."""
+    if len(items) <= 1:
+        return [fn(x) for x in items]
+    from unbroken.runtime.checkpoint_writer import writer_threads
+
+    with ThreadPoolExecutor(max_workers=min(len(items), writer_threads()), thread_name_prefix="checkpoint-hash") as pool:
+        return list(pool.map(fn, items))
 
 
 def write_commit(path: Path, commit: dict[str, Any]) -> None:
@@ -147,7 +169,7 @@ def read_commit(path: str | Path) -> dict[str, Any]:
 
 
 def verify_files(path: str | Path, commit: dict[str, Any]) -> None:
-    """Check every file recorded in ``commit["files"]`` against its sha256.
+    """Check every file recorded in ``commit["files"]`` against its sha256 (several files at a time).
 
     A commit without ``files`` (written before checksums were recorded) is
     accepted with a warning.
@@ -162,11 +184,12 @@ def verify_files(path: str | Path, commit: dict[str, Any]) -> None:
         return
     if not isinstance(files, dict):
         raise CheckpointError(f"{path / COMMIT_FILE}: 'files' must map file names to sha256 digests")
-    for name, want in sorted(files.items()):
-        f = path / name
-        if not f.is_file():
-            raise CheckpointError(f"{f} is missing (recorded in {path / COMMIT_FILE})")
-        got = _hash_file(f, sync=False)
+    names = sorted(files)
+    for name in names:
+        if not (path / name).is_file():
+            raise CheckpointError(f"{path / name} is missing (recorded in {path / COMMIT_FILE})")
+    for name, got in zip(names, _map(lambda n: _hash_file(path / n, sync=False), names)):
+        f, want = path / name, files[name]
         if got != want:
             raise CheckpointError(f"{f} does not match its checksum: sha256 {got}, "
                                   f"{path / COMMIT_FILE} records {want}")

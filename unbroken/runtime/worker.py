@@ -427,6 +427,10 @@ class Trainer:
                         self._save(steps, last)  # the metrics keep what the leader wrote
                 if self.checkpointer is not None:
                     self.checkpointer.wait()
+                    written = self.checkpointer.written.get(steps)
+                    if written is not None:  # this worker wrote it (not an earlier leader)
+                        self._event("final_checkpoint", step=steps, bytes=written.bytes, write_s=round(
+                            written.seconds, 4), gb_s=written.gb_s, writers=written.threads)
                 self.store.set_done()
                 return
             if (self.hsdp is not None and view.leader != writer and self.hsdp.replica_of(writer) ==
@@ -477,11 +481,12 @@ class Trainer:
 
     def _write_part(self, done: int) -> tuple[dict[str, torch.Tensor], list[list]]:
         """This worker's part of the checkpoint of ``done`` steps (HSDP: its shards), staged now and written in
-        the background; returns what the leader writes itself (the rest) and the whole state's layout."""
+        the background (the final one from the live state: no step follows it); returns what the leader writes
+        itself (the rest) and the whole state's layout."""
         state = training_state(self.job.model, self.job.optimizer)
         rest, own = self.protocol.layout.split(state)
         if own is not None:
-            self.shard_checkpoints.save_part(done, self.protocol.view.gen, *own)
+            self.shard_checkpoints.save_part(done, self.protocol.view.gen, *own, live=done == self.cfg.train.steps)
         return rest, layout_of(state)
 
     def _save(self, done: int, last: dict[str, Any]) -> None:
@@ -492,7 +497,8 @@ class Trainer:
         parts = self.protocol.layout.checkpoint_parts()
         shards = (self.protocol.view.gen, *parts) if parts is not None else None
         rest, layout = self._write_part(done)
-        self.checkpointer.save(done, rest, {"loss": last["loss"]}, shards=shards, layout=layout)
+        self.checkpointer.save(done, rest, {"loss": last["loss"]}, shards=shards, layout=layout,
+                               live=done == self.cfg.train.steps)
 
     def device_bytes(self) -> dict[str, int]:
         """The runtime's own memory beside the model and optimizer (on the training device): the step's
@@ -504,13 +510,39 @@ class Trainer:
                 "snapshot_staging": staging}
 
     def param_digest(self) -> str:
-        """sha256 of every trainable parameter's bytes, in order (one host copy per tensor, hashed in place:
-        a large model's digest must fit in the agent's grace after the job is done); under HSDP of this
-        worker's shards (equal across the workers of one shard index)."""
+        """A digest of every trainable parameter's bytes, in order; under HSDP of this worker's shards (equal
+        across the workers of one shard index). On the CPU the sha256 of the bytes where they lie; on a GPU
+        :func:`device_digest` (no copy to the host: the exit waits for nothing but the device)."""
+        params = [local_of(p).detach() for p in self.job.layout.params]
+        if params and params[0].device.type == "cuda":
+            return device_digest(params)
         h = hashlib.sha256()
-        for p in self.job.layout.params:
-            h.update(memoryview(local_of(p).detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()))
+        for p in params:
+            h.update(memoryview(p.contiguous().view(-1).view(torch.uint8).numpy()))
         return h.hexdigest()
+
+
+def device_digest(tensors: list[torch.Tensor], chunk: int = 1 << 26) -> str:
+    """``device:`` and the sha256 of, per tensor, two 64-bit sums computed on its device: of its bytes read as
+    32-bit words (zero-padded), each multiplied by an odd constant that depends on its position, and of the
+    words themselves. Integer sums wrap and do not depend on the order of the reduction, so equal bytes give
+    equal digests; any single changed word changes the first sum. For telling whether workers hold the same
+    parameters, not a cryptographic hash."""
+    h = hashlib.sha256()
+    for t in tensors:
+        raw = t.contiguous().reshape(-1).view(torch.uint8)
+        pad = -raw.numel() % 4
+        if pad:
+            raw = torch.cat([raw, raw.new_zeros(pad)])
+        words = raw.view(torch.int32)
+        weighted = plain = torch.zeros((), dtype=torch.int64, device=t.device)
+        for lo in range(0, words.numel(), chunk):
+            w = words[lo:lo + chunk].to(torch.int64)
+            pos = torch.arange(lo, lo + w.numel(), dtype=torch.int64, device=t.device)
+            weighted = weighted + (w * (pos * -7046029254386353131 | 1)).sum()  # 0x9E3779B97F4A7C15, odd
+            plain = plain + w.sum()
+        h.update(f"{t.dtype}{tuple(t.shape)}:{int(weighted)}:{int(plain)};".encode())
+    return "device:" + h.hexdigest()
 
 
 FINISH_POLL_S = 0.1

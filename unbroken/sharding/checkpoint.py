@@ -1,9 +1,11 @@
 """Persistent checkpoints of a sharded run: every worker writes its part, the leader commits.
 
 Each member writes its range's ``exp_avg`` and ``exp_avg_sq`` (flat float32,
-DCP's safetensors storage, no pickle) asynchronously into a staging directory
+safetensors files by :mod:`unbroken.runtime.checkpoint_writer`, no pickle)
+asynchronously into a staging directory
 ``checkpoints/.shards/step_<N>-g<gen>/<lo>-<hi>/`` and marks it done
-(``shard.json``: step, generation, range). The leader writes the replicated
+(``shard.json``: step, generation, range, the sha256 of every file taken as it
+was written). The leader writes the replicated
 part (parameters, ``step`` counts, RNG) into ``checkpoints/step_<N>/`` as for a
 replicated run; its background thread waits for every range of the view's
 sharding, moves them into ``step_<N>/shards/`` and only then seals the
@@ -39,6 +41,7 @@ from pathlib import Path
 import torch
 
 from unbroken.dcp import dcp
+from unbroken.runtime.checkpoint_writer import HostStage, write_state, writer_threads
 
 __all__ = ["SHARD_WAIT_S", "ShardCheckpointer", "collect_shards", "hsdp_part", "hsdp_part_keys", "load_hsdp_parts",
            "load_moments", "staging_dir"]
@@ -67,32 +70,31 @@ class ShardCheckpointer:
         self.run_dir = Path(run_dir)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-checkpoint")
         self._pending: Future[None] | None = None
+        self._stage = HostStage()
 
     def save(self, step: int, gen: int, lo: int, hi: int, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
         """Stage the range's moments now and write them asynchronously (the previous save is waited for)."""
         self.save_part(step, gen, f"{lo}-{hi}", {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq})
 
     def save_part(self, step: int, gen: int, name: str, state: dict[str, torch.Tensor],
-                  about: dict | None = None) -> None:
-        """Stage part ``name`` (host copies of ``state``) now and write it asynchronously (the previous save is
-        waited for); ``about`` is kept beside it (``part.json``)."""
+                  about: dict | None = None, live: bool = False) -> None:
+        """Stage part ``name`` (host copies of ``state``; ``live``: ``state`` itself, which does not change
+        until :meth:`wait`) now and write it asynchronously (the previous save is waited for); ``about`` is
+        kept beside it (``part.json``)."""
         self.wait()
         out = staging_dir(self.run_dir, step, gen) / name
         shutil.rmtree(out, ignore_errors=True)
         out.mkdir(parents=True)
-        state = {k: v.detach().cpu() for k, v in state.items()}
+        staged = state if live else self._stage.copy(state)
         if about is not None:
             (out / PART).write_text(json.dumps(about))
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-            fut = dcp().async_save(state, storage_writer=dcp().HuggingFaceStorageWriter(str(out)), no_dist=True)
-        self._pending = self._pool.submit(self._finish, out, fut, {"step": step, "gen": gen, "part": name})
+        self._pending = self._pool.submit(self._finish, out, staged, {"step": step, "gen": gen, "part": name})
 
     @staticmethod
-    def _finish(out: Path, fut: Future, marker: dict) -> None:
-        fut.result(timeout=600)
+    def _finish(out: Path, state: dict[str, torch.Tensor], marker: dict) -> None:
+        written = write_state(out, state)  # part.json is hashed (and fsynced) with the commit
         tmp = out / (MARKER + ".tmp")
-        tmp.write_text(json.dumps(marker))
+        tmp.write_text(json.dumps({**marker, "files": written.files}))
         os.replace(tmp, out / MARKER)
 
     def wait(self) -> None:
@@ -109,9 +111,10 @@ class ShardCheckpointer:
 
 
 def collect_shards(run_dir: str | Path, step: int, gen: int, parts: list[str], dest: Path,
-                   timeout_s: float = SHARD_WAIT_S) -> None:
+                   timeout_s: float = SHARD_WAIT_S) -> dict[str, str]:
     """Wait until every part of ``parts`` (a ZeRO-1 range ``lo-hi``, an HSDP shard index ``i<index>``) is staged
-    for ``(step, gen)``, then move them under ``dest/shards``.
+    for ``(step, gen)``, then move them under ``dest/shards``; returns the sha256 of each of their files its
+    writer took as it wrote it (by path relative to ``dest``).
 
     Raises:
         TimeoutError: a part did not arrive in time (its worker died or its disk failed).
@@ -126,13 +129,17 @@ def collect_shards(run_dir: str | Path, step: int, gen: int, parts: list[str], d
         if missing:
             time.sleep(0.01)
     (dest / "shards").mkdir(exist_ok=True)
+    known: dict[str, str] = {}
     for name in parts:
+        marker = json.loads((stage / name / MARKER).read_text())
+        known.update({f"shards/{name}/{f}": digest for f, digest in marker.get("files", {}).items()})
         (stage / name / MARKER).unlink()
         os.replace(stage / name, dest / "shards" / name)
     shutil.rmtree(stage, ignore_errors=True)
     for old in stage.parent.glob("step_*"):  # stages of earlier steps nobody will commit any more
         if old.name < stage.name:
             shutil.rmtree(old, ignore_errors=True)
+    return known
 
 
 def load_moments(path: str | Path, ranges: list[list[int]], total: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -155,8 +162,9 @@ def load_moments(path: str | Path, ranges: list[list[int]], total: int) -> tuple
         part = {"exp_avg": m[lo:hi], "exp_avg_sq": v[lo:hi]}
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-            dcp().load(part, storage_reader=dcp().HuggingFaceStorageReader(str(Path(path) / "shards" / f"{lo}-{hi}")),
-                     no_dist=True)
+            dcp().load(part, storage_reader=dcp().HuggingFaceStorageReader(str(Path(path) / "shards" / f"{lo}-{hi}"),
+                                                                           thread_count=writer_threads()),
+                       no_dist=True)
     return m, v
 
 
