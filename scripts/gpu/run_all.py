@@ -27,9 +27,10 @@ CHECKS: list[tuple[str, list[str], int]] = [
     ("snapshot_llama1b", ["snapshot_llama1b.py"], 150),
     ("fused_adamw", ["fused_adamw.py"], 60),
     ("restore_load", ["restore_load.py"], 150),
+    ("final_checkpoint", ["final_checkpoint.py"], 300),
 ]
 TESTS = ["tests/unit/test_cuda_placement.py", "tests/unit/test_snapshot_staging.py",
-         "tests/unit/test_collective_completion.py"]
+         "tests/unit/test_collective_completion.py", "tests/unit/test_checkpoint_writer.py"]
 
 
 def _run(cmd: list[str], limit: int) -> tuple[int, str, float]:

@@ -125,3 +125,20 @@ def test_the_device_digest_tells_equal_parameters_from_any_changed_word():
     swapped = [t.clone() for t in a]
     swapped[0][[1, 2]] = swapped[0][[2, 1]]
     assert device_digest(swapped) != device_digest(a), "positions count, not only the values"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_cuda_state_goes_through_pinned_blocks_bit_for_bit_and_its_digest_is_the_hosts(tmp_path):
+    state = {k: v.cuda() for k, v in _state().items() if k != "rng.cpu"} | {"rng.cpu": torch.get_rng_state()}
+    written = write_state(tmp_path, state, threads=2, chunk=4096)  # many blocks per tensor: the pipeline turns
+    read = {}
+    for name in written.files:
+        if name.endswith(".safetensors"):
+            with safe_open(str(tmp_path / name), framework="pt") as f:
+                read.update({k: f.get_tensor(k) for k in f.keys()})
+    assert all(torch.equal(read[k], v.cpu()) for k, v in state.items())
+    staged = HostStage().copy(state)
+    assert all(t.is_pinned() == (state[k].device.type == "cuda") for k, t in staged.items())
+    assert all(torch.equal(staged[k], v.cpu()) for k, v in state.items())
+    params = [v for v in state.values() if v.device.type == "cuda"]
+    assert device_digest(params) == device_digest([p.cpu() for p in params])
