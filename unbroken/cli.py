@@ -347,7 +347,7 @@ def _store_url(addr: str | None) -> str | None:
 
 def _check_store_address(addr: str) -> None:
     if addr.startswith(("etcd://", "etcds://")):
-        from unbroken.runtime.etcd_cluster import check_transport, parse_etcd
+        from unbroken.runtime.etcd_client import check_transport, parse_etcd
 
         try:
             check_transport(addr, parse_etcd(addr)[0], insecure=False)
@@ -363,7 +363,7 @@ def _check_store_address(addr: str) -> None:
 def _allow_insecure_store(args: argparse.Namespace) -> None:
     """``--store-insecure``: plain etcd:// to other hosts, for this process and every one it starts."""
     if getattr(args, "store_insecure", False):
-        from unbroken.runtime.etcd_cluster import INSECURE_ENV
+        from unbroken.runtime.etcd_client import INSECURE_ENV
 
         os.environ[INSECURE_ENV] = "1"
 

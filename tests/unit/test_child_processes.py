@@ -121,7 +121,7 @@ def test_the_agent_forks_its_template_only_while_it_runs_no_thread(tmp_path):
     got = _python(f"""
         import json, os, sys, threading, time
         from pathlib import Path
-        from unbroken.agent._template import _fork_template
+        from unbroken.agent.template_client import _fork_template
         cmd = [sys.executable, "-m", "unbroken.agent.template", "--run-dir", {str(tmp_path / "none")!r},
                "--world", "1", "--node-rank", "0"]
         log = Path({str(tmp_path / "template0.log")!r})

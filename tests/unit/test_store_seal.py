@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from unbroken.runtime.etcd_backend import EtcdBackend
-from unbroken.runtime.etcd_cluster import INSECURE_ENV, StoreUnavailable
+from unbroken.runtime.etcd_client import INSECURE_ENV, StoreUnavailable
 from unbroken.runtime.job_store import JobStore
 from unbroken.runtime.membership import Membership
 from unbroken.runtime.process_group import ViewGroup

@@ -51,7 +51,7 @@ from unbroken.agent._process import (ChildWaker, become_subreaper, exit_status, 
                                      write_pid)
 from unbroken.agent._standby import Standby
 from unbroken.agent._supervision import Incarnation, Limits, Restart, StartupWatch
-from unbroken.agent._template import Child, Template, TemplateFailed
+from unbroken.agent.template_client import Child, Template, TemplateFailed
 from unbroken.agent.rendezvous import NodeRegistration, StartRefused, wait_for_lost_node
 from unbroken.agent.options import AgentOptions
 from unbroken.models.factory import check_placement

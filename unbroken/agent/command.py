@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
 from unbroken.agent._process import become_subreaper
-from unbroken.agent._template import Template
+from unbroken.agent.template_client import Template
 
 if TYPE_CHECKING:
     from unbroken.agent.options import AgentOptions

@@ -58,7 +58,7 @@ from unbroken.job.references import anchor_references
 from unbroken.models.factory import check_placement
 from unbroken.agent._replacer import NodeReplacer, spare_count
 from unbroken.agent._store_host import StoreHost
-from unbroken.runtime.etcd_cluster import parse_etcd
+from unbroken.runtime.etcd_client import parse_etcd
 from unbroken.runtime.job_store import JobStore
 from unbroken.runtime.store_backend import SECRET_ENV, SECRET_FILE, job_secret, new_secret, save_secret
 from unbroken.runtime.store_wire import LAUNCH_ENV

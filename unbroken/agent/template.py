@@ -1,7 +1,7 @@
 """A node's template process: imported once, then forked into workers and standbys on demand.
 
 ``python -m unbroken.agent.template --run-dir RUN --world N --node-rank R``,
-started by its agent (:mod:`unbroken.agent._template`). It imports torch and
+started by its agent (:mod:`unbroken.agent.template_client`). It imports torch and
 unbroken, reads the run's config, loads the user's factory modules and, where
 that is safe, prepares the data and the model (built-in data and model on a
 CPU job: the same objects a warm standby prepares); then it answers, one JSON

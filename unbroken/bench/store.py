@@ -1,7 +1,7 @@
 """Store benchmark: the embedded store and a 3-member etcd cluster, side by side in one run.
 
 ``unbroken bench store --preset tiny --out benchmarks/results/store.json`` starts
-its own etcd cluster on loopback (:class:`~unbroken.bench.etcd_cluster.LocalEtcd`;
+its own etcd cluster on loopback (:class:`~unbroken.bench.local_etcd.LocalEtcd`;
 or give ``--store etcd://...`` with ``UNBROKEN_STORE_PIDS`` for the member kill)
 and measures, alternating the two stores so that drift cancels:
 
@@ -44,14 +44,14 @@ import torch
 
 from unbroken.agent.launcher import launch
 from unbroken.bench._args import parse_with_overrides
-from unbroken.bench.etcd_cluster import LocalEtcd
+from unbroken.bench.local_etcd import LocalEtcd
 from unbroken.bench.report import summarize_run
 from unbroken.bench.throughput import machine_description
 from unbroken.config import Config, load_config
 from unbroken.faults.store_loss import STORE_PIDS_ENV
 from unbroken.jsonl import JsonlWriter, read_jsonl
 from unbroken.mecefo.takeover import takeover_policy
-from unbroken.runtime.etcd_cluster import parse_etcd
+from unbroken.runtime.etcd_client import parse_etcd
 from unbroken.runtime.job_store import JobStore
 from unbroken.runtime.membership import Membership
 from unbroken.runtime.protocol import StepProtocol

@@ -29,7 +29,7 @@ the markers of the thousands of clients a long job sees come and go (one per
 worker, joiner or standby incarnation on ``deaths``, ``joins`` and the beats)
 are deleted by etcd once their client is gone instead of piling up.
 
-Failover (:mod:`unbroken.runtime.etcd_cluster`): a client talks to one member (chosen by its pid, so the job's
+Failover (:mod:`unbroken.runtime.etcd_client`): a client talks to one member (chosen by its pid, so the job's
 clients are spread over the cluster); a member that refuses, resets or does not
 answer within ``REQUEST_TIMEOUT_S`` is left for the next one, until the
 store timeout (``fault.store_timeout_s``: no quorum), saying so every
@@ -61,7 +61,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from unbroken.runtime.etcd_cluster import (Cluster, RequestRefused, StoreUnavailable, check_transport, is_etcd,
+from unbroken.runtime.etcd_client import (Cluster, RequestRefused, StoreUnavailable, check_transport, is_etcd,
                                            parse_etcd, tls_files)
 from unbroken.runtime.store_backend import (ETCD_SCHEME, SECRET_ENV, UNSEEN, StoreAccessDenied, StoreBackend,
                                            _namespace)

@@ -24,9 +24,9 @@ import torch
 from unbroken.sharding.parts import local_of
 from unbroken.sharding.training_state import Restorer, capture as capture_state
 
-__all__ = ["StateLayout", "StateLoader", "capture", "copy_range", "layout_hash", "tensors_of"]
+__all__ = ["ByteLayout", "StateLoader", "capture", "copy_range", "layout_hash", "tensors_of"]
 
-class StateLayout:
+class ByteLayout:
     """Where each tensor of the flat state lives: ``entries[i] = [name, dtype, shape, offset, nbytes]``."""
 
     def __init__(self, entries: list[list]) -> None:
@@ -53,14 +53,14 @@ def tensors_of(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     return {name: local_of(t) for name, t in capture_state(model, optimizer, device).items()}
 
 
-def describe(tensors: dict[str, torch.Tensor]) -> StateLayout:
+def describe(tensors: dict[str, torch.Tensor]) -> ByteLayout:
     """The layout of ``tensors`` (in their dict order)."""
     entries, offset = [], 0
     for name, t in tensors.items():
         n = t.numel() * t.element_size()
         entries.append([name, str(t.dtype).removeprefix("torch."), list(t.shape), offset, n])
         offset += n
-    return StateLayout(entries)
+    return ByteLayout(entries)
 
 
 def capture(tensors: dict[str, torch.Tensor], out: memoryview, start: int, stop: int) -> None:
