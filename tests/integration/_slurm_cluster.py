@@ -17,10 +17,11 @@ import getpass
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
+
+from unbroken.bench.local_etcd import free_ports
 
 COMMANDS = ("slurmctld", "slurmd", "sbatch", "srun", "scontrol", "sinfo", "squeue", "scancel")
 INSTALL = "apt-get install slurm-wlm (scripts/setup.sh installs it where it runs as root)"
@@ -33,18 +34,6 @@ TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_
 
 class SlurmUnavailable(RuntimeError):
     """Slurm is not installed here, or its daemons would not start; the message says which and how to fix."""
-
-
-def free_ports(n: int) -> list[int]:
-    """``n`` ports free on loopback now."""
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 class LocalSlurm:

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import requests
 
-__all__ = ["ETCD_ENV", "EtcdNotFound", "LocalEtcd", "etcd_binary"]
+__all__ = ["ETCD_ENV", "EtcdNotFound", "LocalEtcd", "etcd_binary", "free_ports"]
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +55,8 @@ def etcd_binary() -> str:
     return path
 
 
-def _free_ports(n: int) -> list[int]:
+def free_ports(n: int) -> list[int]:
+    """``n`` ports free on loopback now."""
     socks = [socket.socket() for _ in range(n)]
     try:
         for s in socks:
@@ -74,7 +75,7 @@ class LocalEtcd:
             raise ValueError(f"members={members}: need at least 1")
         self.binary = etcd_binary()
         self.dir = Path(tempfile.mkdtemp(prefix="unbroken-etcd-", dir=workdir))
-        ports = _free_ports(2 * members)
+        ports = free_ports(2 * members)
         self.client_ports, self.peer_ports = ports[:members], ports[members:]
         self.names = [f"m{i}" for i in range(members)]
         self.procs: list[subprocess.Popen[bytes] | None] = [None] * members
