@@ -1,4 +1,4 @@
-"""Persistent checkpoints in ``torch.distributed.checkpoint`` format, pickle-free.
+"""Persistent checkpoints: safetensors files that torch DCP's Hugging Face reader loads, pickle-free.
 
 Layout of one checkpoint, ``<run>/checkpoints/step_<NNNNNNN>/``:
 - ``model-*.safetensors`` + ``model.safetensors.index.json``: safetensors files
@@ -73,8 +73,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-
 
 
 DEFAULT_KEEP = 3
