@@ -28,6 +28,7 @@ CHECKS: list[tuple[str, list[str], int]] = [
     ("fused_adamw", ["fused_adamw.py"], 60),
     ("restore_load", ["restore_load.py"], 150),
     ("final_checkpoint", ["final_checkpoint.py"], 300),
+    ("compile_cache", ["compile_cache.py"], 420),
 ]
 TESTS = ["tests/unit/test_cuda_placement.py", "tests/unit/test_snapshot_staging.py",
          "tests/unit/test_collective_completion.py", "tests/unit/test_checkpoint_writer.py"]

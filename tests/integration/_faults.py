@@ -91,10 +91,11 @@ class Job:
 
 
 def run_job(cfg: Config, run_dir: Path, *, nodes: int, workers_per_node: int, fail_at: str = "",
-            restart: str = "never", store: str | None = None,
+            restart: str = "never", store: str | None = None, standby: bool = False,
             on_record: Callable[[dict[str, Any]], None] | None = None,
             on_event: Callable[[dict[str, Any]], None] | None = None) -> Job:
-    """Launch the job (on the etcd cluster ``store``, if given); records every pid the run directory names.
+    """Launch the job (on the etcd cluster ``store``, if given; with a warm standby per node if ``standby``);
+    records every pid the run directory names.
 
     ``on_record`` and ``on_event``: a scenario's own reactions to the run's records and events (as the launcher
     merges them), for faults that follow what the job does rather than its steps.
@@ -108,7 +109,7 @@ def run_job(cfg: Config, run_dir: Path, *, nodes: int, workers_per_node: int, fa
 
     t0 = time.monotonic()
     summary = launch(cfg, run_dir, nodes=nodes, workers_per_node=workers_per_node, fail_at=fail_at,
-                     restart=restart, on_record=seen, on_event=on_event, store=store)
+                     restart=restart, on_record=seen, on_event=on_event, store=store, standby=standby)
     wall = time.monotonic() - t0
     pids.update(_pid_files(run_dir))
     for path in (run_dir / "events").glob("agent*.jsonl"):

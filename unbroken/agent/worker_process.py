@@ -121,7 +121,8 @@ def main(argv: list[str] | None = None, *, forked: bool = False, prepared: Prepa
             else:
                 context.who, worker = f"w{got.spec.worker}", got.spec.worker
                 faults = fault_selection(a.faults_file, got.faults)
-                code = run(got.spec, store=got.store, prepared=got.prepared, setup=_setup(context, faults))
+                code = run(got.spec, store=got.store, prepared=got.prepared, setup=_setup(context, faults),
+                           compilation=got.compilation)
         else:
             spec = WorkerSpec(run_dir=a.run_dir, worker=a.worker, world=a.world, store=a.store, join=a.join,
                               resume=a.resume, replica_incarnation=a.replica_incarnation,

@@ -12,6 +12,9 @@ and ``summary.json`` of a run:
 - recoveries: each kill's phases, in seconds after it (death seen, process
   ready, restore or admission decided, state loaded, first step, steps back at
   speed: :mod:`unbroken.bench.recovery_phases`);
+- compiles (``train.compile``): each process's frames and seconds compiling by
+  its first step, graphs from a cache or built, whether it loaded or wrote the
+  job's compile cache, and a standby's compile ahead;
 - the ledger check (:func:`unbroken.runtime.ledger.check_ledger`): lost steps,
   rows trained never or twice — all must be 0.
 
@@ -60,7 +63,7 @@ def summarize_run(run_dir: str | Path) -> dict[str, Any]:
         "failures": len(failures), "failure_details": failures,
         "stall_per_failure_s": {"median": statistics.median(stalls) if stalls else None,
                                 "max": max(stalls) if stalls else None},
-        "rejoins": _rejoins(events), "recoveries": recoveries(read_events(run_dir)),
+        "rejoins": _rejoins(events), "recoveries": recoveries(read_events(run_dir)), "compiles": _compiles(events),
         "snapshots": _snapshots(run_dir, events), **_ledger(run_dir, cfg, len(train)),
     }
 
@@ -179,6 +182,19 @@ def _rejoins(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def _compiles(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each process's compilation by its first step (its ``compiled`` event), in the order they trained."""
+    out = []
+    for e in events:
+        if e.get("event") == "compiled":
+            written, ahead = e.get("written") or {}, e.get("ahead") or {}
+            out.append({"worker": e["worker"], "pid": e.get("pid"), "step": e.get("step"), "frames": e.get("frames"),
+                        "seconds": e.get("seconds"), "cache_hits": e.get("cache_hits"),
+                        "cache_misses": e.get("cache_misses"), "loaded": bool((e.get("cache") or {}).get("loaded")),
+                        "wrote": bool(written) and "error" not in written, "ahead_s": ahead.get("seconds")})
+    return out
+
+
 def build_report(run_dir: str | Path) -> dict[str, Any]:
     """:func:`summarize_run` plus what the picture shows: run facts, deaths and the per-step series.
 
@@ -290,6 +306,7 @@ def _run_text(s: dict[str, Any]) -> str:
         where = f" ({'; '.join(parts)})" if parts else ""
         lines.append(f"  worker {r['worker']} back at step {r['step']} after {_fmt(r['down_to_back_s'])}{where}")
     lines += [_recovery_line(r) for r in s.get("recoveries", [])]
+    lines += [_compile_line(c) for c in s.get("compiles", [])]
     lines += _snapshot_lines(s["snapshots"])
     if s["ledger_ok"] is None:
         lines.append("ledger: none (a simulated run writes no event files)")
@@ -314,6 +331,16 @@ def _recovery_line(r: dict[str, Any]) -> str:
                        for key, label in RECOVERY_PHASES)
     what = "whole job" if r.get("whole_job") else f"worker{'s' if len(r['workers']) > 1 else ''} {r['workers']}"
     return f"  recovery from a kill at step {r.get('kill_step')} ({what}): {phases}"
+
+
+def _compile_line(c: dict[str, Any]) -> str:
+    """One process's compilation by its first step."""
+    notes = [f"compiled ahead as a standby in {_fmt(c['ahead_s'])}"] if c.get("ahead_s") is not None else []
+    notes += ["loaded the job's compile cache"] if c["loaded"] else []
+    notes += ["wrote the job's compile cache"] if c["wrote"] else []
+    return (f"  compile: worker {c['worker']} (pid {c['pid']}, step {c['step']}): {c['frames']} frames in "
+            f"{_fmt(c['seconds'])}, {c['cache_hits']} graphs from a cache, {c['cache_misses']} built"
+            + (f"; {', '.join(notes)}" if notes else ""))
 
 
 def _snapshot_lines(sn: dict[str, Any]) -> list[str]:

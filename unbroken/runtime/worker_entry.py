@@ -19,8 +19,10 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from unbroken.config import Config
+from unbroken.config import Config, config_hash
 from unbroken.job import Prepared, prepare
+from unbroken.job.compilation import Compilation, compile_ahead
+from unbroken.job.compile_cache import CACHE_FILE
 from unbroken.job.consistency import InconsistentJob
 from unbroken.job.parallelize import compile_stats
 from unbroken.jsonl import JsonlWriter
@@ -54,12 +56,14 @@ def load_run_config(run_dir: Path, world: int) -> Config:
 
 
 def run(spec: WorkerSpec, *, store: JobStore | None = None, prepared: Prepared | None = None,
-        setup: Callable[[Trainer], None] | None = None, clock: StartClock | None = None) -> int:
+        setup: Callable[[Trainer], None] | None = None, clock: StartClock | None = None,
+        compilation: Compilation | None = None) -> int:
     """Run one worker to completion; returns the process exit code.
 
     Args:
         store: an open connection to the job store (a standby has one already).
         prepared: data and model a warm standby built before it knew its worker id.
+        compilation: what a warm standby compiled ahead (its :class:`~unbroken.job.compilation.Compilation`).
         setup: called with the trainer before it starts (the entry point installs
             fault hooks and the log context there).
         clock: the start's phase clock (a cold start's; :mod:`unbroken.runtime.start_phases`), written
@@ -79,6 +83,9 @@ def run(spec: WorkerSpec, *, store: JobStore | None = None, prepared: Prepared |
     mark("store")
     trainer = Trainer(cfg, spec, membership, prepared)
     mark("job")
+    compilation = _compilation(trainer, compilation, secret)
+    if compilation is not None:
+        mark("compile_cache")
     if setup is not None:
         setup(trainer)
     try:
@@ -120,11 +127,48 @@ def run(spec: WorkerSpec, *, store: JobStore | None = None, prepared: Prepared |
         return EXIT_STORE_LOST
     finally:
         membership.stop()
-    _write_report(spec, cfg, trainer, last)
+    _write_report(spec, cfg, trainer, last, compilation)
     return 0
 
 
-def _write_report(spec: WorkerSpec, cfg: Config, trainer: Trainer, last: dict[str, Any]) -> None:
+def _compilation(trainer: Trainer, compilation: Compilation | None, secret: str) -> Compilation | None:
+    """Under ``train.compile``: the job's compile cache loaded before the first step (unless a standby compiled
+    ahead), and after each step the view's leader writes it when it built graphs the cache lacks (its first
+    step's, when it compiled from scratch). The first step's ``compiled`` event says what this process compiled
+    and how long it took."""
+    if compilation is None:
+        compilation = Compilation.of(trainer.cfg, trainer.job.device)
+        if compilation is None:
+            return None
+    compilation.device = trainer.job.device
+    if not compilation.cache["loaded"] and compilation.ahead is None:
+        compilation.load(trainer.spec.run_dir, secret=secret, config_hash=trainer.hash)
+    told = False
+
+    def after_step(step: int) -> None:
+        nonlocal told
+        if trainer.protocol.view.leader == trainer.spec.worker and compilation.should_write():
+            try:
+                with trainer.m.busy():
+                    written = compilation.save(trainer.spec.run_dir, secret=secret, config_hash=trainer.hash,
+                                               writer={"worker": trainer.spec.worker, "pid": os.getpid(),
+                                                       "step": step})
+            except OSError as exc:  # the run goes on compiling as before; later processes compile too
+                compilation.written = {"error": str(exc)}
+                logger.warning("could not write the job's compile cache: %s", exc)
+            else:
+                if written is not None:
+                    trainer._event("compile_cache_written", step=step, **written)
+        if not told:
+            told = True
+            trainer._event("compiled", step=step, pid=os.getpid(), **compilation.stats())
+
+    trainer.protocol.on("confirm", after_step)
+    return compilation
+
+
+def _write_report(spec: WorkerSpec, cfg: Config, trainer: Trainer, last: dict[str, Any],
+                  compilation: Compilation | None) -> None:
     """The finished worker's report (``workers/w<id>.json``), read by the launcher's summary."""
     report = {"worker": spec.worker, "steps": cfg.train.steps, "param_digest": trainer.param_digest(),
               "shard_index": trainer.hsdp.index_of(spec.worker) if trainer.hsdp is not None else 0,
@@ -136,7 +180,7 @@ def _write_report(spec: WorkerSpec, cfg: Config, trainer: Trainer, last: dict[st
               "device_bytes": trainer.device_bytes(),
               "store": {"steps": getattr(trainer, "steps_trained", None), "main": trainer.store.usage(),
                         "heartbeat": trainer.m.heartbeat_store.usage()},
-              **compile_stats()}
+              "compile": compilation.stats() if compilation is not None else None, **compile_stats()}
     out = spec.run_dir / "workers" / f"w{spec.worker}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".tmp")
@@ -153,8 +197,12 @@ class Assignment:
     prepared: Prepared
     faults: str
     """The indices of the fault plan's specs this worker carries out (``"3,7"``; ``""`` for none)."""
+    compilation: Compilation | None = None
+    """What it compiled ahead (None: the job does not compile)."""
 
 
+CACHE_POLL_S = 0.1
+"""How often a standby of a compiling job looks for the job's compile cache before it compiles ahead."""
 STANDBY_POLL_S = 0.02
 """How often a waiting standby looks for an offer: a handover waits at most this long for its claim. The
 job's end is checked once per heartbeat, so a waiting standby sends the store about 80 requests a second
@@ -169,22 +217,26 @@ def standby(run_dir: Path, world: int, store_addr: str, node: int, prepared: Pre
     beat the node's standby counter every heartbeat interval while waiting (a
     standby that stops is replaced by its agent), claim an offer by
     compare-and-set, read the fault indices handed with it. Returns None when
-    the job ends first. Once warm it records ``standby_ready`` with the CPU
+    the job ends first. Under ``train.compile`` it compiles ahead before it announces itself
+    (:func:`_compile_ahead`). Once warm it records ``standby_ready`` with the CPU
     seconds its start took (``events/standby<node>.jsonl``; a standby ``forked`` from the node's template
-    spent little: the template's ``template_ready`` holds the CPU seconds of the imports).
+    spent little: the template's ``template_ready`` holds the CPU seconds of the imports) and what it compiled.
     """
     from unbroken.runtime.membership import HEARTBEAT_INTERVAL_S
 
     cfg = load_run_config(run_dir, world)
     store = JobStore.connect(store_addr, timeout_s=cfg.train.timeout_s, secret=job_secret(run_dir),
                              store_timeout_s=cfg.fault.store_timeout_s)
-    prepared = prepared or prepare(cfg, bind_device(cfg.train.device, node))  # or the template's
+    device = bind_device(cfg.train.device, node)
+    prepared = prepared or prepare(cfg, device)  # or the template's
+    compilation = _compile_ahead(run_dir, cfg, store, prepared, device)
     store.standby_beat(node)  # before the announcement: the agent judges a ready standby by its beats
     store.standby_announce(node, os.getpid())
     # What its start cost the machine (the goodput check charges it to the job when the cores are shared).
     events = JsonlWriter(run_dir / "events" / f"standby{node}.jsonl")
     events.write({"kind": "event", "event": "standby_ready", "node": node, "pid": os.getpid(),
-                  "cpu_s": round(time.process_time(), 3), "forked": forked})
+                  "cpu_s": round(time.process_time(), 3), "forked": forked,
+                  "compile": compilation.stats() if compilation is not None else None})
     events.close()
     next_beat = time.monotonic() + HEARTBEAT_INTERVAL_S
     while True:
@@ -199,5 +251,30 @@ def standby(run_dir: Path, world: int, store_addr: str, node: int, prepared: Pre
             logger.info("standby of node %d becomes worker %d", node, worker)
             spec = WorkerSpec(run_dir=run_dir, worker=worker, world=world, store=store_addr, join=True,
                               restore_gen=restore_gen)
-            return Assignment(spec=spec, store=store, prepared=prepared, faults=faults)
+            return Assignment(spec=spec, store=store, prepared=prepared, faults=faults, compilation=compilation)
         time.sleep(STANDBY_POLL_S)
+
+
+def _compile_ahead(run_dir: Path, cfg: Config, store: JobStore, prepared: Prepared,
+                   device: torch.device) -> Compilation | None:
+    """A standby of a compiling job waits for the job's compile cache (at most half its start-up deadline,
+    ``train.timeout_s``), loads it and compiles ahead on its own device, so the step it takes over with compiles
+    nothing. Without a usable cache it compiles nothing here (a compile from scratch could outlast the deadline):
+    it then loads the cache, or compiles, when it takes over. None: the job does not compile."""
+    compilation = Compilation.of(cfg, device)
+    if compilation is None or cfg.train.shard_degree > 1:  # HSDP: the model compiles sharded, in the trainer
+        return compilation
+    deadline, path = time.monotonic() + cfg.train.timeout_s / 2, run_dir / CACHE_FILE
+    while not path.exists() and time.monotonic() < deadline and not store.finished():
+        time.sleep(CACHE_POLL_S)
+    if compilation.load(run_dir, secret=job_secret(run_dir), config_hash=config_hash(cfg))["loaded"]:
+        try:
+            done = compile_ahead(cfg, prepared, device, compilation)
+        except Exception as exc:  # the standby still serves: it compiles when it takes over, as without a cache
+            logger.warning("compiling ahead failed (%s: %s): compiling when taking over", type(exc).__name__, exc)
+            compilation.ahead = {"error": f"{type(exc).__name__}: {exc}"}
+        else:
+            logger.info("compiled ahead: %d frames in %.2f s", done["frames"], done["seconds"])
+    else:
+        logger.info("no usable compile cache of the job (%s): compiling when taking over", compilation.cache["why"])
+    return compilation

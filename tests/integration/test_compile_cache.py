@@ -1,0 +1,86 @@
+"""Compile once per job: the first compiled step's graphs and kernels are written to the run directory, and every
+later process of the job loads them before its first step.
+
+A job of two workers with ``train.compile`` on (CPU: inductor's C++ kernels) and a warm standby, in an inductor
+cache directory of its own (empty: the first workers compile from scratch). Worker 1 is killed once the standby
+has compiled ahead, and again once the standby, now worker 1, has trained; its third process is a replacement
+(forked from the node's template, or the next standby). The end state is every failover scenario's
+(:func:`_faults.check_invariants`), and:
+
+- the leader wrote the job's compile cache once, after its first compiled step, kernels included;
+- the standby loaded it and compiled ahead (a forward and backward, graphs from the cache), and the step it took
+  over with compiled nothing more;
+- the replacement loaded it and built no graph: every graph it compiled came from the cache, in less time than
+  the first workers' compile from scratch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+from typing import Any
+
+import pytest
+
+from _faults import check_invariants, failover_config, run_job
+from unbroken.bench.report import summarize_run
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+STEPS = 500
+"""Long enough for the standby to load the cache and compile ahead (a few seconds) and for two kills after it; a
+joiner's first step holds the others back meanwhile, so the steps left after the kills never run out."""
+
+
+def test_a_standby_and_a_replacement_load_the_jobs_compile_cache(tmp_path, corpus_overrides, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # inherited by every process
+    # (the first step compiles from scratch on a shared machine: no member may be judged stuck meanwhile)
+    cfg = failover_config(corpus_overrides, STEPS, "train.compile=true", "fault.progress_timeout_s=180")
+    run_dir = tmp_path / "run"
+    lock = threading.Lock()
+    seen: dict[str, Any] = {"w1": [], "standby": None, "killed": []}
+
+    def kill(pid: int) -> None:
+        os.kill(pid, signal.SIGKILL)
+        seen["killed"].append(pid)
+
+    def on_event(e: dict[str, Any]) -> None:
+        with lock:
+            if e.get("event") == "compiled" and e["worker"] == 1:
+                seen["w1"].append(e["pid"])
+                if e["pid"] == seen["standby"] and len(seen["killed"]) == 1:  # it took over and trained
+                    kill(e["pid"])
+            elif e.get("event") == "standby_ready" and ((e.get("compile") or {}).get("ahead") or {}).get("frames"):
+                seen["standby"] = seen["standby"] or e["pid"]
+            if seen["standby"] and seen["w1"] and not seen["killed"]:
+                kill(seen["w1"][0])
+
+    job = run_job(cfg, run_dir, nodes=1, workers_per_node=2, restart="on-failure", on_event=on_event, standby=True)
+    check_invariants(job, live=[0, 1])
+    assert len(seen["killed"]) == 2 and seen["killed"][1] == seen["standby"], seen
+
+    (written,) = job.events("compile_cache_written")
+    assert written["worker"] == 0 and written["kernels"] > 0 and written["artifacts"].get("aot_autograd")
+    (cold,) = job.events("compiled", worker=0)
+    assert cold["cache"] == {"loaded": False, "why": "absent"} and cold["cache_misses"] > 0
+
+    (ready,) = [e for e in job.events("standby_ready") if e["pid"] == seen["standby"]]
+    ahead = ready["compile"]["ahead"]
+    assert ready["compile"]["cache"]["loaded"] and ahead["frames"] > 0 and ahead["cache_hits"] > 0
+    (took_over,) = job.events("compiled", worker=1, pid=seen["standby"])
+    assert took_over["frames"] == ahead["frames"], "the step it took over with compiled nothing more"
+    assert took_over["cache_misses"] == 0
+
+    replacement = json.loads((run_dir / "workers" / "w1.json").read_text())["compile"]
+    assert seen["w1"][-1] not in seen["killed"]
+    loaded = replacement["cache"]["loaded"]
+    assert loaded and replacement["cache"]["artifacts"].get("aot_autograd"), replacement
+    assert replacement["cache_misses"] == 0 and replacement["cache_hits"] > 0
+    assert replacement["seconds"] < cold["seconds"], (replacement["seconds"], cold["seconds"])
+
+    compiles = {c["pid"]: c for c in summarize_run(run_dir)["compiles"]}  # what unbroken report prints
+    assert compiles[cold["pid"]]["wrote"] and not compiles[cold["pid"]]["loaded"]
+    assert compiles[seen["standby"]]["loaded"] and compiles[seen["standby"]]["ahead_s"] is not None
+    assert compiles[seen["w1"][-1]]["loaded"] and compiles[seen["w1"][-1]]["cache_misses"] == 0
