@@ -3,7 +3,7 @@ device and config; anything else is ignored with one warning (the process compil
 reaches torch or inductor's cache directory.
 
 torch's own save and load of the Mega-Cache are stood in for here (what they carry is torch's business; the
-file around it is ours); tests/integration/test_compile_cache.py runs the real ones in a job.
+file around it is ours); tests/integration/test_compile_once_per_job.py runs the real ones in a job.
 """
 
 from __future__ import annotations
