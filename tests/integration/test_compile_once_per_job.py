@@ -10,8 +10,8 @@ has compiled ahead, and again once the standby, now worker 1, has trained; its t
 - the leader wrote the job's compile cache once, after its first compiled step, kernels included;
 - the standby loaded it and compiled ahead (a forward and backward, graphs from the cache), and the step it took
   over with compiled nothing more;
-- the replacement loaded it and built no graph: every graph it compiled came from the cache, in less time than
-  the first workers' compile from scratch.
+- the replacement loaded it and built no graph: every graph it compiled came from the cache
+  (``scripts/gpu/compile_cache.py`` times it).
 """
 
 from __future__ import annotations
@@ -77,8 +77,7 @@ def test_a_standby_and_a_replacement_load_the_jobs_compile_cache(tmp_path, corpu
     assert seen["w1"][-1] not in seen["killed"]
     loaded = replacement["cache"]["loaded"]
     assert loaded and replacement["cache"]["artifacts"].get("aot_autograd"), replacement
-    assert replacement["cache_misses"] == 0 and replacement["cache_hits"] > 0
-    assert replacement["seconds"] < cold["seconds"], (replacement["seconds"], cold["seconds"])
+    assert replacement["cache_misses"] == 0 and replacement["cache_hits"] > 0  # (its seconds: the benchmark's)
 
     compiles = {c["pid"]: c for c in summarize_run(run_dir)["compiles"]}  # what unbroken report prints
     assert compiles[cold["pid"]]["wrote"] and not compiles[cold["pid"]]["loaded"]
