@@ -17,6 +17,7 @@ import getpass
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path

@@ -83,7 +83,9 @@ def test_recovery_benchmark_reads_each_phase_of_both_parts(tmp_path, corpus_over
     from unbroken.bench import recovery
 
     out = tmp_path / "recovery.json"
-    result = recovery.main(["--cases", "debug:1x2", "--parts", "load,one,all,final", "--steps", "7", "--kill-step",
+    # 36 steps after the kill: the killed worker's restart and admission (a second or two on a loaded machine)
+    # come before the job's end, which would leave part one without a recovery to read
+    result = recovery.main(["--cases", "debug:1x2", "--parts", "load,one,all,final", "--steps", "40", "--kill-step",
                             "4", "--snapshot-every", "1", "--checkpoint-dir", str(tmp_path), "--out", str(out),
                             *[f"--{o}" for o in corpus_overrides]])
     assert json.loads(out.read_text())["rows"] == json.loads(json.dumps(result["rows"], default=str))

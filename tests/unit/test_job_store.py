@@ -49,6 +49,32 @@ def test_views_open_their_outcome_and_proposals_agree(store):
     assert store.vote(mine, 5, "commit") == "abort"
 
 
+def test_progress_counts_the_steps_the_views_leader_applied_not_the_ones_decided(store):
+    """A step's outcome is decided by the first member whose all-reduce completed, while others may still be in
+    theirs: the job's progress (what faults "at step N" and the launcher go by) is the applied steps, published
+    by the leader's heartbeat thread (a restore sets it back)."""
+    assert store.progress() is None
+    v0 = View(gen=0, members=(0, 1), step=0)
+    store.publish_initial(v0)
+    assert store.progress() == 0
+    assert store.vote(v0, 0, "commit") == "commit" and store.progress() == 0, "decided, not yet applied"
+    leader = Membership(store, 0, heartbeat_timeout_s=2.0)
+    leader.applied(0, v0.step, 1)
+    leader._publish()
+    assert store.progress() == 1
+    leader.applied(0, v0.step, 3)
+    leader._publish()
+    leader._publish()  # nothing new: nothing added twice
+    assert store.progress() == 3
+    v1 = store.propose(v0, View(gen=1, members=(0,), step=3, reason="dead [1]"))
+    assert store.progress() == 3
+    leader.applied(1, v1.step, 5)
+    leader._publish()
+    assert store.progress() == 5
+    store.set_progress(7)  # a restore's step, later than what the view reached
+    assert store.progress() == 7
+
+
 def test_a_vote_on_a_pruned_view_is_stale_and_creates_nothing(store):
     v0 = View(gen=0, members=(0, 1), step=0)
     store.publish_initial(v0)

@@ -298,11 +298,8 @@ class JobRestore:
 
     def _failed_restores(self, view: View) -> list[list[str]]:
         """The job's own errors of each whole-job death since its last restore committed nothing, oldest
-        first, this death of ``view`` last (``[]`` for a death by signal); empty when ``view`` trained on.
-
-        A view trained on when it decided a step past its first: the outcome of the first is decided before
-        its optimizer step runs, which is where a recurring fault may strike."""
-        if view.restore is None or (self.store.progress() or 0) > view.step + 1:
+        first, this death of ``view`` last (``[]`` for a death by signal); empty when ``view`` trained on."""
+        if view.restore is None or (self.store.progress() or 0) > view.step:
             return []  # no restore, or the restored view applied a step before it died: a new story
         marks = [decode_mark(self.store.dead_mark(w) or "") for w in view.members]
         errors = sorted({m["error"] for m in marks if isinstance(m, dict) and m.get("error")})

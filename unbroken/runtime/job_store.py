@@ -25,6 +25,7 @@ key                           written by                      holds
 ``gen``                       view proposers (CAS)            the current generation
 ``view/<g>``                  view proposers (CAS)            the :class:`View` JSON of generation ``g``
 ``outcome/<g>``               members (CAS)                   ``"<step>:commit|abort"``: the last step decided in ``g``
+``applied/<g>``               view leader's heartbeat thread  steps the leader of ``g`` applied past ``g``'s first
 ``arrive/<g>``                members (add)                   how many members reached view ``g``
 ``items/<g>/<w>``             members                         ``[step, items]`` computed before joining ``g``
 ``pg/<g>/0/<rank>``           gloo's rendezvous               the rank's transport addresses
@@ -34,8 +35,8 @@ key                           written by                      holds
 ``dead/<w>`` + ``deaths``     agents, observing peers         why ``w`` was declared dead; how many marks so far
 ``join/<w>`` + ``joins``      restarted workers               a join request; how many so far
 ``refused/<w>``               view leader                     why ``w``'s join request was refused
-``progress``                  the restoring agent             the step a restore went back to (the committed
-                              (plain data parallelism: leader) steps are read from ``outcome/<g>``)
+``progress``                  the restoring agent             the step a restore went back to (the applied
+                              (plain data parallelism: leader) steps are read from ``view/<g>`` + ``applied/<g>``)
 ``done`` / ``failed``         leader / agents, workers        the job finished / cannot go on (why)
 ``agent/<R>`` (+ ``/pid``)    agents (CAS)                    the registration token of node ``R``'s agent
 ``hb/agent/<R>``              agents                          the agent's liveness counter
@@ -281,7 +282,7 @@ class JobStore:
         for g in range(first, below):
             raw = _opt(self.backend, f"view/{g}")
             members = View.from_json(raw).members if raw else ()
-            keys = [f"view/{g}", f"outcome/{g}", f"arrive/{g}", f"restore/{g}", f"restore/{g}/nodes"]
+            keys = [f"view/{g}", f"outcome/{g}", f"applied/{g}", f"arrive/{g}", f"restore/{g}", f"restore/{g}/nodes"]
             keys += [f"snapinv/{g}/{r}" for r in range(int(_opt(self.backend, f"restore/{g}/nodes") or 0))]
             keys += [f"items/{g}/{w}" for w in members]
             for name in self.group_names:
@@ -298,10 +299,12 @@ class JobStore:
     def beat(self, worker: int) -> int:
         return self.backend.add(f"hb/{worker}", 1)
 
-    def pulse(self, worker: int, phases: int) -> int:
-        """A heartbeat of ``worker``, its main thread's ``phases`` more phases, and a read of the job's join
-        requests, in one round trip (a store that batches); returns the join requests so far."""
-        pairs = [(f"hb/{worker}", 1)] + ([(f"prog/{worker}", phases)] if phases else []) + [("joins", 0)]
+    def pulse(self, worker: int, phases: int, applied: tuple[int, int] | None = None) -> int:
+        """A heartbeat of ``worker``, its main thread's ``phases`` more phases, ``applied = (g, n)``: ``n`` more
+        steps applied by the leader of view ``g``, and a read of the job's join requests, in one round trip (a
+        store that batches); returns the join requests so far."""
+        pairs = [(f"hb/{worker}", 1)] + ([(f"prog/{worker}", phases)] if phases else [])
+        pairs += ([(f"applied/{applied[0]}", applied[1])] if applied and applied[1] else []) + [("joins", 0)]
         return self.backend.adds(pairs)[-1]
 
     def heartbeats(self, workers: list[int]) -> list[int]:
@@ -408,15 +411,18 @@ class JobStore:
         self.backend.set("progress", str(steps))
 
     def progress(self) -> int | None:
-        """The steps the job has committed: read from the current view's outcome (the vote that decides a
-        step is all a step writes), or the step a restore set, whichever is later; None before any view."""
+        """The steps the job has applied: the current view's first step plus the steps its leader applied
+        since (published by the leader's heartbeat thread as it applies them, off the step's path), or the
+        step a restore set, whichever is later; None before any view.
+
+        Applied, not decided: a step's outcome is decided by the first member whose all-reduce completed,
+        while the others may still be in theirs; a fault due "at step N" fires once step N - 1 is applied."""
         gen, restored = self.backend.peek(["gen", "progress"])
         if gen is None:
             return None if restored is None else int(restored)
-        raw = self.backend.peek([f"outcome/{int(gen)}"])[0]
-        decided_step, _, decided = (raw or b"").decode().partition(":")
-        committed = int(decided_step) + (decided == "commit") if decided_step else 0
-        return max(committed, int(restored) if restored is not None else 0)
+        raw, applied = self.backend.peek([f"view/{int(gen)}", f"applied/{int(gen)}"])
+        reached = View.from_json(raw).step + int(applied or 0) if raw else 0
+        return max(reached, int(restored) if restored is not None else 0)
 
     def set_done(self) -> None:
         self.backend.set("done", "1")

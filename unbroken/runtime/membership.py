@@ -121,6 +121,9 @@ class Membership:
         self._deaths_seen = -1
         self._dead: set[int] = set()
         self._stop = threading.Event()
+        self._wake = threading.Event()  # set by stop() and by a leader's applied step: publish now
+        self._applied: tuple[int, int] = (-1, 0)  # (view gen, steps its leader applied past its first): this one's
+        self._applied_published: tuple[int, int] = (-1, 0)
         self._hb_thread: threading.Thread | None = None
         self._joins_seen = 0  # the ``joins`` counter as last read by the heartbeat thread
         self._joins_checked = -1  # the counter value at the last check that found no request
@@ -143,7 +146,11 @@ class Membership:
         """Beat every interval; on a store error retry with backoff until the hang timeout has passed."""
         interval = beat_interval(self.heartbeat_timeout_s)
         last_ok, delay = time.monotonic(), interval
-        while not self._stop.wait(delay):
+        while True:
+            self._wake.wait(delay)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
             try:
                 self._publish()
             except Exception as exc:  # the store did not answer: a hiccup, or it is gone for good
@@ -157,12 +164,24 @@ class Membership:
             last_ok, delay = time.monotonic(), interval
 
     def _publish(self) -> None:
-        """One round trip (on a store that batches): the beat, the progress since the last, the joins."""
+        """One round trip (on a store that batches): the beat, the progress since the last, the steps applied
+        by the leader since the last (:meth:`applied`), the joins."""
         if self._busy:
             self._busy_ticks += 1
         progress = self._progress + self._busy_ticks
-        self._joins_seen = self.heartbeat_store.pulse(self.worker, progress - self._published)
+        gen, steps = self._applied
+        done = self._applied_published[1] if self._applied_published[0] == gen else 0
+        self._joins_seen = self.heartbeat_store.pulse(self.worker, progress - self._published,
+                                                      (gen, steps - done) if gen >= 0 else None)
         self._published = progress
+        self._applied_published = (gen, steps)
+
+    def applied(self, gen: int, first: int, done: int) -> None:
+        """The leader of view ``gen`` (whose first step is ``first``) applied step ``done - 1``: the heartbeat
+        thread publishes it at once, off the step's path (agents fire faults and the launcher measures progress
+        by it: :meth:`JobStore.progress`)."""
+        self._applied = (gen, done - first)
+        self._wake.set()
 
     def advance(self) -> None:
         """The main thread entered a new phase of its work (the heartbeat thread publishes it)."""
@@ -181,6 +200,7 @@ class Membership:
 
     def stop(self) -> None:
         self._stop.set()
+        self._wake.set()
 
     # -- failure detection --------------------------------------------------
 

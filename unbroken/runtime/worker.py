@@ -358,6 +358,8 @@ class Trainer:
             view, done = self.protocol.view, step + 1
             due = self.schedule.due(done)  # every member runs the schedule: a new leader goes on in step
             lr, grad_norm = self.protocol.layout.apply(step, view, self.protocol.group, reduced, last=done == steps)
+            if view.leader == self.spec.worker:
+                self.m.applied(view.gen, view.step, done)  # how far the job got (agents' faults, the launcher)
             if step == start:
                 check_capturable(self.job.optimizer)  # the state the optimizer made: before anything captures it
             if due and self.cfg.train.shard_optimizer:  # ZeRO-1: every member writes its range of the moments
