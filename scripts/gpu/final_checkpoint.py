@@ -31,7 +31,7 @@ from unbroken.config import load_config
 from unbroken.dcp import dcp
 from unbroken.job.builder import build_job
 from unbroken.runtime.checkpoint_writer import write_state
-from unbroken.runtime.worker import device_digest
+from unbroken.runtime.digest import device_digest
 from unbroken.sharding.training_state import capture
 
 

@@ -21,7 +21,7 @@ from unbroken.runtime.checkpoint_writer import (
     safetensors_header,
     write_state,
 )
-from unbroken.runtime.worker import device_digest
+from unbroken.runtime.digest import device_digest
 
 MiB = 1 << 20
 

@@ -20,7 +20,6 @@ the view's first member writes metrics, progress and checkpoints.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
 import os
 import time
@@ -38,6 +37,7 @@ from unbroken.models.factory import bind_device, place_model
 from unbroken.runtime.checkpoint import AsyncCheckpointer, load_checkpoint, training_state
 from unbroken.runtime.checkpoint_files import COMMIT_FILE, checkpoint_dir
 from unbroken.runtime.checkpoint_schedule import CheckpointSchedule, Due, newest_checkpoint_age_s
+from unbroken.runtime.digest import param_digest
 from unbroken.runtime.membership import Fenced, Membership, View, ViewChanged
 from unbroken.runtime.process_group import CollectiveFailed
 from unbroken.runtime.protocol import MemberDied
@@ -513,38 +513,8 @@ class Trainer:
 
     def param_digest(self) -> str:
         """A digest of every trainable parameter's bytes, in order; under HSDP of this worker's shards (equal
-        across the workers of one shard index). On the CPU the sha256 of the bytes where they lie; on a GPU
-        :func:`device_digest` (no copy to the host: the exit waits for nothing but the device)."""
-        params = [local_of(p).detach() for p in self.job.layout.params]
-        if params and params[0].device.type == "cuda":
-            return device_digest(params)
-        h = hashlib.sha256()
-        for p in params:
-            h.update(memoryview(p.contiguous().view(-1).view(torch.uint8).numpy()))
-        return h.hexdigest()
-
-
-def device_digest(tensors: list[torch.Tensor], chunk: int = 1 << 26) -> str:
-    """``device:`` and the sha256 of, per tensor, two 64-bit sums computed on its device: of its bytes read as
-    32-bit words (zero-padded), each multiplied by an odd constant that depends on its position, and of the
-    words themselves. Integer sums wrap and do not depend on the order of the reduction, so equal bytes give
-    equal digests; any single changed word changes the first sum. For telling whether workers hold the same
-    parameters, not a cryptographic hash."""
-    h = hashlib.sha256()
-    for t in tensors:
-        raw = t.contiguous().reshape(-1).view(torch.uint8)
-        pad = -raw.numel() % 4
-        if pad:
-            raw = torch.cat([raw, raw.new_zeros(pad)])
-        words = raw.view(torch.int32)
-        weighted = plain = torch.zeros((), dtype=torch.int64, device=t.device)
-        for lo in range(0, words.numel(), chunk):
-            w = words[lo:lo + chunk].to(torch.int64)
-            pos = torch.arange(lo, lo + w.numel(), dtype=torch.int64, device=t.device)
-            weighted = weighted + (w * (pos * -7046029254386353131 | 1)).sum()  # 0x9E3779B97F4A7C15, odd
-            plain = plain + w.sum()
-        h.update(f"{t.dtype}{tuple(t.shape)}:{int(weighted)}:{int(plain)};".encode())
-    return "device:" + h.hexdigest()
+        across the workers of one shard index): :func:`~unbroken.runtime.digest.param_digest`."""
+        return param_digest([local_of(p).detach() for p in self.job.layout.params])
 
 
 FINISH_POLL_S = 0.1
