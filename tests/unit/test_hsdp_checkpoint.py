@@ -87,3 +87,33 @@ def test_each_rank_writes_its_shards_and_loads_them_back_or_the_whole_tensors(tm
     assert set(got[0]["leader_keys"]) == {"group", "optim", "rng"}, "the leader writes no sharded tensor itself"
     assert got[0]["same"] and got[1]["same"], "each rank loads its own shards back, bit for bit"
     assert got[0]["plain"], "a replicated model gets the parts concatenated: the whole tensors"
+
+
+def test_the_parts_a_takeover_writes_are_staged_apart_from_the_dead_writers(tmp_path):
+    """The final checkpoint's writer died after its replica staged its parts; the replica taking over stages its
+    own under its own writer and commits them alone (a part being rewritten under the other stage can never be
+    read half gone), and the dead writer's stage is removed."""
+    import hashlib
+
+    import torch
+
+    from unbroken.sharding.checkpoint import ShardCheckpointer, collect_shards, staging_dir
+
+    dead, taker = ShardCheckpointer(tmp_path), ShardCheckpointer(tmp_path)
+    for name, value in (("i0", 1.0), ("i1", 2.0)):
+        dead.save_part(24, "4w0", name, {"w": torch.full((3,), value)}, about={"dims": {"w": 0}})
+        dead.wait()
+        taker.save_part(24, "4w2", name, {"w": torch.full((3,), 10 * value)}, about={"dims": {"w": 0}})
+        taker.wait()
+    dest = tmp_path / "checkpoints" / "step_0000024"
+    dest.mkdir(parents=True)
+    known = collect_shards(tmp_path, 24, "4w2", ["i0", "i1"], dest)
+    assert sorted(known) == [f"shards/{p}/{f}" for p in ("i0", "i1")
+                             for f in ("model-00001-of-00001.safetensors", "model.safetensors.index.json")]
+    assert all(hashlib.sha256((dest / f).read_bytes()).hexdigest() == d for f, d in known.items())
+    from safetensors.torch import load_file
+
+    assert load_file(dest / "shards" / "i1" / "model-00001-of-00001.safetensors")["w"].tolist() == [20.0] * 3
+    assert not staging_dir(tmp_path, 24, "4w0").exists() and not staging_dir(tmp_path, 24, "4w2").exists()
+    dead.close()
+    taker.close()

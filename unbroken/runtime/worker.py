@@ -439,7 +439,7 @@ class Trainer:
                     self.hsdp.replica_of(self.spec.worker)):
                 # HSDP: a rank of the replica that writes in the leader's stead writes its part, once
                 if self.protocol.replica_broadcast(writer, -1):
-                    self._write_part(steps)
+                    self._write_part(steps, writer)
                 while not self.store.is_done() and not self.m.dead_members(view) & {writer}:
                     time.sleep(FINISH_POLL_S)
                 continue
@@ -479,17 +479,24 @@ class Trainer:
                 self.job.validation_loss()
             if due == "step":
                 self.schedule.taken()
-                self._write_part(done)
+                self._write_part(done, self.protocol.view.leader)
 
-    def _write_part(self, done: int) -> tuple[dict[str, torch.Tensor], list[list]]:
-        """This worker's part of the checkpoint of ``done`` steps (HSDP: its shards), staged now and written in
-        the background (the final one from the live state: no step follows it); returns what the leader writes
-        itself (the rest) and the whole state's layout."""
+    def _write_part(self, done: int, writer: int) -> tuple[dict[str, torch.Tensor], list[list]]:
+        """This worker's part of the checkpoint of ``done`` steps that ``writer`` commits (HSDP: its shards),
+        staged now and written in the background (the final one from the live state: no step follows it);
+        returns what the writer writes itself (the rest) and the whole state's layout."""
         state = training_state(self.job.model, self.job.optimizer)
         rest, own = self.protocol.layout.split(state)
         if own is not None:
-            self.shard_checkpoints.save_part(done, self.protocol.view.gen, *own, live=done == self.cfg.train.steps)
+            self.shard_checkpoints.save_part(done, self._stage(writer), *own, live=done == self.cfg.train.steps)
         return rest, layout_of(state)
+
+    def _stage(self, writer: int) -> int | str:
+        """Where the parts of a checkpoint ``writer`` commits are staged: by the view's generation (ZeRO-1's
+        ranges, which every member writes whoever commits), and under HSDP by the writer too (the replica that
+        takes over the final checkpoint from a dead leader writes its parts apart from the dead one's)."""
+        gen = self.protocol.view.gen
+        return f"{gen}w{writer}" if self.hsdp is not None else gen
 
     def _save(self, done: int, last: dict[str, Any]) -> None:
         if self.checkpointer is None:
@@ -497,8 +504,8 @@ class Trainer:
                                                   keep=self.cfg.train.keep_checkpoints)
         self.schedule.taken()
         parts = self.protocol.layout.checkpoint_parts()
-        shards = (self.protocol.view.gen, *parts) if parts is not None else None
-        rest, layout = self._write_part(done)
+        shards = (self._stage(self.spec.worker), *parts) if parts is not None else None
+        rest, layout = self._write_part(done, self.spec.worker)
         self.checkpointer.save(done, rest, {"loss": last["loss"]}, shards=shards, layout=layout,
                                live=done == self.cfg.train.steps)
 

@@ -59,7 +59,8 @@ def hsdp_part(index: int) -> str:
     return f"i{index}"
 
 
-def staging_dir(run_dir: str | Path, step: int, gen: int) -> Path:
+def staging_dir(run_dir: str | Path, step: int, gen: int | str) -> Path:
+    """``gen``: the view's generation, or a stage of its own within it (:meth:`Trainer._stage`)."""
     return Path(run_dir) / "checkpoints" / ".shards" / f"step_{step:07d}-g{gen}"
 
 
@@ -72,11 +73,11 @@ class ShardCheckpointer:
         self._pending: Future[None] | None = None
         self._stage = HostStage()
 
-    def save(self, step: int, gen: int, lo: int, hi: int, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
+    def save(self, step: int, gen: int | str, lo: int, hi: int, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
         """Stage the range's moments now and write them asynchronously (the previous save is waited for)."""
         self.save_part(step, gen, f"{lo}-{hi}", {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq})
 
-    def save_part(self, step: int, gen: int, name: str, state: dict[str, torch.Tensor],
+    def save_part(self, step: int, gen: int | str, name: str, state: dict[str, torch.Tensor],
                   about: dict | None = None, live: bool = False) -> None:
         """Stage part ``name`` (host copies of ``state``; ``live``: ``state`` itself, which does not change
         until :meth:`wait`) now and write it asynchronously (the previous save is waited for); ``about`` is
@@ -110,7 +111,7 @@ class ShardCheckpointer:
         self._pool.shutdown(wait=True)
 
 
-def collect_shards(run_dir: str | Path, step: int, gen: int, parts: list[str], dest: Path,
+def collect_shards(run_dir: str | Path, step: int, gen: int | str, parts: list[str], dest: Path,
                    timeout_s: float = SHARD_WAIT_S) -> dict[str, str]:
     """Wait until every part of ``parts`` (a ZeRO-1 range ``lo-hi``, an HSDP shard index ``i<index>``) is staged
     for ``(step, gen)``, then move them under ``dest/shards``; returns the sha256 of each of their files its
