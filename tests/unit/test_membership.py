@@ -212,11 +212,13 @@ def test_the_leaders_duties_keep_its_progress_ticking_and_a_real_stall_still_cou
         metrics=SimpleNamespace(step_done=slow), checkpointer=SimpleNamespace(poll=lambda: None, save=slow,
                                                                                pending_step=None),
         schedule=SimpleNamespace(taken=lambda: None), protocol=SimpleNamespace(layout=StateLayout(None), view=view),
-        job=SimpleNamespace(val_sampler=None, model=torch.nn.Linear(1, 1), optimizer=None), hash="h")
+        job=SimpleNamespace(val_sampler=None, model=torch.nn.Linear(1, 1), optimizer=None), hash="h",
+        spec=SimpleNamespace(worker=0))
     trainer.job.optimizer = torch.optim.AdamW(trainer.job.model.parameters())
     trainer.hsdp = None
     trainer._save = lambda done, last: Trainer._save(trainer, done, last)
-    trainer._write_part = lambda done: Trainer._write_part(trainer, done)
+    trainer._write_part = lambda done, writer: Trainer._write_part(trainer, done, writer)
+    trainer._stage = lambda writer: Trainer._stage(trainer, writer)
     thread = threading.Thread(target=watch, daemon=True)
     thread.start()
     try:
