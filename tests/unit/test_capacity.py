@@ -39,3 +39,22 @@ def test_a_gap_longer_than_the_agent_said_is_unexplained():
     s = summarize(EVENTS)
     assert s["losses"] == 3 and s["back"] == 2 and len(s["never_back"]) == 1
     assert s["slower_than_target"] == 1 and len(s["unexplained_gaps"]) == 1
+
+
+def test_a_member_stopped_and_continued_before_anything_noticed_is_back_when_continued():
+    events = [
+        _e(1.0, "worker_start", 0, pid=10), _e(1.0, "worker_start", 1, pid=11), _e(1.0, "worker_start", 2, pid=12),
+        _e(2.0, "view_adopted", 0, gen=1, members=[0, 1]), _e(2.0, "view_adopted", 1, gen=1, members=[0, 1]),
+        # worker 2 is a joiner, not a member, when it is stopped: it is back only when admitted
+        _e(12.0, "view_adopted", 2, gen=2, members=[0, 1, 2], joiners=[2], reason="rejoin [2]"),
+        _e(22.5, "fence", 1),  # worker 1's second stall was noticed before its continue's slack ran out
+        _e(23.0, "worker_exit", 1, clean=False, restart_in_s=0.0, pid=11),
+        _e(23.1, "worker_start", 1, pid=13),
+        _e(25.0, "view_adopted", 1, gen=3, members=[0, 1, 2], joiners=[1], reason="rejoin [1]"),
+    ]
+    faults = [{"pid": 11, "wall": 5.0, "signal": "SIGSTOP", "cont_wall": 6.5},
+              {"pid": 12, "wall": 8.0, "signal": "SIGSTOP", "cont_wall": 9.0},
+              {"pid": 11, "wall": 20.0, "signal": "SIGSTOP", "cont_wall": 22.0}]
+    got = [(x["worker"], x["lost_at"], x["back_s"], x["how"]) for x in losses(events, faults)]
+    assert got == [(1, 5.0, 1.5, "continued"), (2, 8.0, 4.0, "rejoin"), (1, 20.0, 5.0, "rejoin")]
+    assert summarize(events, faults)["by_how"] == {"rejoin": 2, "restore": 0, "view": 0, "continued": 1}

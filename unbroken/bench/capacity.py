@@ -6,6 +6,9 @@ own fault, an injected one naming it, its agent's fence, its exit; or, from outs
 sent to its process: ``faults``) and ends when ``w`` adopts a view it is a member of again (admitted as a
 joiner, a member of a restored view, or of the next view of a step it survived): the worker is back and
 the job at its strength. A whole-job restore ends the losses of every member it names that loads the state.
+A member stopped from outside (SIGSTOP) and continued (the fault's ``cont_wall``) before anything recorded
+its loss (a fence, an exit, a view without it, up to ``SLACK_S`` after the continue) was a stall the job rode
+through: that loss ends when it was continued (``continued``).
 
 A gap is the time from a worker's unclean exit to its next start (a process of its agent's, or a standby
 handed the worker). Each is explained by what the agent recorded: the restart it scheduled
@@ -65,16 +68,37 @@ def losses(events: list[dict[str, Any]], faults: list[dict[str, Any]] = ()) -> l
             starts += [(_t(e), int(x), "node fault") for x in e["targets"]]
     backs = sorted((_t(e), int(e["worker"]), _how(e)) for e in events
                    if e.get("event") == "view_adopted" and e.get("worker") in (e.get("members") or []))
+    views = [(_t(e), -1, (int(e.get("gen", 0)), tuple(e.get("members") or ()))) for e in events
+             if e.get("event") == "view_adopted"]
+    conts = [(float(f["cont_wall"]) + SLACK_S, pid_of[f["pid"]], float(f["cont_wall"])) for f in faults
+             if f.get("signal") == "SIGSTOP" and f.get("cont_wall") is not None and f.get("pid") in pid_of]
     out: list[dict[str, Any]] = []
     open_: dict[int, dict[str, Any]] = {}
-    for t, kind, w, what in sorted([(t, 0, w, c) for t, w, c in starts] + [(t, 1, w, h) for t, w, h in backs]):
-        if kind == 0:
+    view: tuple[int, tuple[int, ...]] = (-1, ())
+    for t, kind, w, what in sorted([(t, 0, w, c) for t, w, c in starts] + [(t, 1, w, h) for t, w, h in backs]
+                                   + [(t, 2, w, c) for t, w, c in conts] + [(t, 3, -1, v) for t, _, v in views]):
+        if kind == 3:  # a view: members it leaves out were noticed lost
+            view = max(view, what)
+            for loss in open_.values():
+                loss["noticed"] = loss["noticed"] or loss["worker"] not in what[1]
+        elif kind == 0:
             if w not in open_:
-                open_[w] = {"worker": w, "lost_at": t, "cause": what, "back_at": None, "back_s": None, "how": None}
+                open_[w] = {"worker": w, "lost_at": t, "cause": what, "back_at": None, "back_s": None, "how": None,
+                            "noticed": not what.endswith("from outside"),
+                            "member": w in view[1]}
                 out.append(open_[w])
+            elif not what.endswith("from outside"):
+                open_[w]["noticed"] = True
+        elif kind == 2:  # continued: a member stalled and resumed before the job noticed it had stopped
+            loss = open_.get(w)
+            if loss is not None and loss["member"] and not loss["noticed"] and loss["cause"] == "SIGSTOP from outside":
+                open_.pop(w)
+                loss.update(back_at=what, back_s=round(what - loss["lost_at"], 3), how="continued")
         elif w in open_:
             loss = open_.pop(w)
             loss.update(back_at=t, back_s=round(t - loss["lost_at"], 3), how=what)
+    for loss in out:
+        del loss["noticed"], loss["member"]
     for loss in out:  # what else was lost meanwhile: a joiner waits for a step boundary, which waits for them
         end = loss["back_at"] if loss["back_at"] is not None else float("inf")
         loss["meanwhile"] = sorted({x["worker"] for x in out if x is not loss and loss["lost_at"] <= x["lost_at"] < end})
@@ -134,6 +158,6 @@ def summarize(events: list[dict[str, Any]], faults: list[dict[str, Any]] = ()) -
             "slower_hit_again": sum(1 for x in slow if x["hit_again"]),
             "back_s": {"p50": q(0.5), "p90": q(0.9), "p99": q(0.99), "max": back[-1] if back else None,
                        "mean": round(statistics.fmean(back), 3) if back else None},
-            "by_how": {h: sum(1 for x in ls if x["how"] == h) for h in ("rejoin", "restore", "view")},
+            "by_how": {h: sum(1 for x in ls if x["how"] == h) for h in ("rejoin", "restore", "view", "continued")},
             "gaps": len(gs), "unexplained_gaps": [g for g in gs if not g["explained"]],
             "slowest": sorted(ls, key=lambda x: -(x["back_s"] or 0.0))[:10]}

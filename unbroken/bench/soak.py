@@ -84,7 +84,7 @@ class Chaos:
         now = time.monotonic()
         for at, pid in [s for s in self.stopped if s[0] <= now]:
             self.stopped.remove((at, pid))
-            send(pid, signal.SIGCONT)
+            self._continue(pid)
         if len(self.sent) >= self.a.faults or now < self.next_at:
             return
         self.next_at = now + self.rng.uniform(*self.a.interval)
@@ -103,8 +103,16 @@ class Chaos:
     def release(self) -> None:
         """Continue every process still stopped (the soak is ending)."""
         for _, pid in self.stopped:
-            send(pid, signal.SIGCONT)
+            self._continue(pid)
         self.stopped.clear()
+
+    def _continue(self, pid: int) -> None:
+        """SIGCONT to a process this soak stopped; its fault record keeps when (``cont_wall``)."""
+        if send(pid, signal.SIGCONT):
+            for f in reversed(self.sent):
+                if f["pid"] == pid and f["signal"] == STOP:
+                    f.setdefault("cont_wall", time.time())
+                    break
 
 
 def _launch(cmd: list[str], log: Path) -> subprocess.Popen:
