@@ -39,7 +39,7 @@ from typing import Any
 
 from unbroken.bench._args import parse_with_overrides
 from unbroken.bench._final_eval import full_split_validation
-from unbroken.bench.throughput import machine_description
+from unbroken.bench.machine import machine_description
 from unbroken.config import Config, load_config
 from unbroken.mecefo.takeover import POLICIES
 

@@ -45,7 +45,7 @@ from unbroken.bench._args import parse_with_overrides
 from unbroken.bench.recovery_final import end_phases, write_figures
 from unbroken.bench.recovery_load import load_figures
 from unbroken.bench.recovery_phases import recoveries
-from unbroken.bench.throughput import machine_description
+from unbroken.bench.machine import machine_description
 from unbroken.config import load_config
 from unbroken.runtime.ledger import read_events
 

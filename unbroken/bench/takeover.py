@@ -35,7 +35,7 @@ from typing import Any, Callable
 import torch
 
 from unbroken.bench._args import parse_with_overrides
-from unbroken.bench.throughput import machine_description
+from unbroken.bench.machine import machine_description
 from unbroken.config import load_config
 from unbroken.job.builder import build_job
 from unbroken.job.parallelize import compile_stats, resolve_compile

@@ -24,24 +24,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import tempfile
 from pathlib import Path
 from typing import Any
 
 from unbroken.bench._args import parse_with_overrides
+from unbroken.bench.machine import machine_description
 from unbroken.config import load_config
 from unbroken.agent.launcher import launch_local
-
-
-def machine_description() -> dict[str, Any]:
-    import torch
-
-    return {
-        "cpu_count": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-        "torch": torch.__version__, "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-    }
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

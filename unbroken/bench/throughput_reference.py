@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from unbroken.agent.launcher import launch_local
+from unbroken.bench.machine import machine_description
 from unbroken.bench.plain_loop import flops_per_token, peak_flops, plain_loop
 from unbroken.config import Config, load_config
 from unbroken.job.parallelize import resolve_compile
@@ -109,8 +110,6 @@ def _cfg(a: argparse.Namespace, *extra: str) -> Config:
 
 def reference(a: argparse.Namespace) -> dict[str, Any]:
     """Run the reference rows; returns the JSON written to ``a.out``."""
-    from unbroken.bench.throughput import machine_description
-
     if a.precision not in ("fp32", "bf16"):
         raise ValueError(f"--precision {a.precision!r}: --reference takes one precision, fp32 or bf16")
     cfg = _cfg(a)
