@@ -203,6 +203,16 @@ class ForkedChild:
         return self.returncode
 
 
+def close_pipes(proc: subprocess.Popen[bytes]) -> None:
+    """Close a child's stdin and stdout (each may already be closed or absent)."""
+    for pipe in (proc.stdin, proc.stdout):
+        try:
+            if pipe is not None:
+                pipe.close()
+        except OSError:
+            pass
+
+
 def log_line(path: Path, line: str) -> None:
     """Append a ``--- <time> <line>`` header to a child's log (one per incarnation)."""
     path.parent.mkdir(parents=True, exist_ok=True)

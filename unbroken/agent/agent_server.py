@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from unbroken.agent._process import ChildWaker, ForkedChild, LineBuffer, run_forked
+from unbroken.agent._process import ChildWaker, ForkedChild, LineBuffer, close_pipes, run_forked
 
 logger = logging.getLogger(__name__)
 
@@ -237,12 +237,7 @@ class AgentServer:
     def close(self) -> None:
         """Close the server's input: it exits, leaving any agent running as it is."""
         self.ready = False
-        for pipe in (self.proc.stdin, self.proc.stdout):
-            try:
-                if pipe is not None:
-                    pipe.close()
-            except OSError:
-                pass
+        close_pipes(self.proc)
         try:
             self.proc.wait(timeout=10.0)
         except subprocess.TimeoutExpired:

@@ -32,8 +32,8 @@ import time
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Sequence
 
-from unbroken.agent._process import (PARENT_ENV, ForkedChild, LineBuffer, child_env, describe_exit, log_line, run_forked, send,
-                                     set_name, spawn)
+from unbroken.agent._process import (PARENT_ENV, ForkedChild, LineBuffer, child_env, close_pipes, describe_exit,
+                                     log_line, run_forked, send, set_name, spawn)
 
 logger = logging.getLogger(__name__)
 
@@ -272,12 +272,7 @@ class Template:
             self.proc.wait(timeout=10.0)
         except subprocess.TimeoutExpired:
             pass
-        for pipe in (self.proc.stdin, self.proc.stdout):
-            try:
-                if pipe is not None:
-                    pipe.close()
-            except OSError:
-                pass
+        close_pipes(self.proc)  # type: ignore[arg-type]
         self.proc = None
 
     def _read(self, timeout_s: float) -> dict[str, Any] | None:
