@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -20,13 +22,15 @@ if _OWN or "UNBROKEN_CACHE_DIR" not in os.environ:
 _SESSION_SHM = Path(tempfile.mkdtemp(prefix="unbroken-test-shm-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
 if _OWN or "UNBROKEN_SHM_DIR" not in os.environ:
     os.environ["UNBROKEN_SHM_DIR"] = str(_SESSION_SHM)
+# Every process that imports this file (an xdist controller too, which runs no fixture) removes the folders it
+# made when it exits: nothing of a test session stays in /tmp or /dev/shm.
+for _made in (_SESSION_CACHE, _SESSION_SHM):
+    atexit.register(shutil.rmtree, _made, True)
 
 
 @pytest.fixture(scope="session", autouse=True)
 def _session_shared_memory():
     yield
-    import shutil
-
     shutil.rmtree(_SESSION_SHM, ignore_errors=True)
 
 CORPUS_BYTES = 1_500_000
