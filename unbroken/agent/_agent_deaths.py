@@ -3,7 +3,7 @@
 A mixin of :class:`unbroken.agent.agent.Agent`. A worker's death is seen within one tick of the kill, while
 the kernel still tears it down (:mod:`unbroken.agent._exit_watch`: a GPU worker's teardown takes seconds), or
 when it is reaped, whichever comes first; it is then marked dead in the store (with the job's own error where
-it left one) and given a restart per the policy, and a worker seen dying is reaped later (``worker_reaped``,
+it left one) and given a restart per the policy (:mod:`unbroken.agent.restarts`), and a worker seen dying is reaped later (``worker_reaped``,
 with its teardown's seconds); a worker
 someone else marked dead, one that stopped beating before its admission and an HSDP replica's siblings
 are fenced (SIGKILL); when every member of the view is dead the job is restored
@@ -22,7 +22,7 @@ from unbroken.agent._exit_watch import exiting_returncode
 from unbroken.agent._job_error import death_error
 from unbroken.agent._process import HANG_HOWS, ForkedChild, describe_exit, dump_stacks, exit_status, remove_pid, send
 from unbroken.agent._run_files import last_self_fault, was_admitted
-from unbroken.agent._supervision import Incarnation, Restart, decode_mark
+from unbroken.agent._supervision import Incarnation, decode_mark
 from unbroken.faults.fail_at import format_fail_at
 from unbroken.faults.injector import DeathCause
 from unbroken.runtime.membership import EXIT_FENCED, EXIT_REJOIN
@@ -30,10 +30,7 @@ from unbroken.runtime.membership import EXIT_FENCED, EXIT_REJOIN
 if TYPE_CHECKING:
     from unbroken.agent.agent import Agent
 
-__all__ = ["DeathDuties", "FAST_CRASH_S", "MAX_FAST_CRASHES"]
-
-FAST_CRASH_S = 10.0
-MAX_FAST_CRASHES = 5
+__all__ = ["DeathDuties"]
 
 
 class DeathDuties:
@@ -92,8 +89,11 @@ class DeathDuties:
         fired = last_self_fault(self.run_dir, w)
         progress = max(self._read_progress(), fired[0] if fired is not None else 0)
         cause = self.plan.on_death(w, progress, fired) if self.plan else DeathCause(injected=False)
-        restart = self._schedule_restart(w, inc, cause, now, rejoin=code == EXIT_REJOIN and not cause.injected,
-                                         killed=sig == signal.SIGKILL)
+        # A crash loop is the worker's own failing (an exit code, a fatal signal of its own), not a SIGKILL: a
+        # worker killed again and again from outside (or fenced) comes back every time.
+        restart = None if self._done_at is not None else self.restarts.schedule(
+            w, now=now, started=inc.started, crashed=not cause.injected and not inc.fenced and sig != signal.SIGKILL,
+            back_step=cause.back_step, total_steps=self.total_steps, rejoin=code == EXIT_REJOIN and not cause.injected)
         self._event("worker_exit", w, clean=False, injected=cause.injected, progress=progress,
                     spec=format_fail_at([cause.spec]) if cause.spec else None,
                     restart_at_step=restart.at_step if restart else None,
@@ -102,37 +102,6 @@ class DeathDuties:
                          "not restarting" if restart is None else
                          f"restart at step {restart.at_step}" if restart.at_step is not None else
                          f"restart in {self.opts.restart_delay_s:.1f} s")
-
-    def _schedule_restart(self: Agent, w: int, inc: Incarnation, cause: DeathCause, now: float,
-                          rejoin: bool = False, killed: bool = False) -> Restart | None:
-        """When to start ``w`` again (None: not). ``rejoin``: it left healthy, only to come back with the state
-        (:data:`EXIT_REJOIN`): started again at once whatever the restart policy. ``killed``: by SIGKILL."""
-        if self._done_at is not None:
-            return None
-        if rejoin:
-            r = self.restarts[w] = Restart(at_time=now)
-            return r
-        if self.opts.restart == "never":
-            return None
-        # A crash loop is the worker's own failing (an exit code, a fatal signal of its own), not a SIGKILL: a
-        # worker killed again and again from outside (or fenced) comes back every time.
-        crashed = not cause.injected and not inc.fenced and not killed
-        if crashed and now - inc.started < FAST_CRASH_S:
-            self.fast_crashes[w] = self.fast_crashes.get(w, 0) + 1
-            if self.fast_crashes[w] >= MAX_FAST_CRASHES:
-                self.log.error("worker %d crashed %d times within %.0f s of starting: not restarting it; see %s",
-                               w, self.fast_crashes[w], FAST_CRASH_S, self.run_dir / "logs" / f"w{w}.log")
-                return None
-        else:
-            self.fast_crashes[w] = 0
-        if cause.back_step is not None:
-            if cause.back_step >= self.total_steps:
-                return None  # back only when the run is over (an outage cut at the end of a trace)
-            r = Restart(at_step=cause.back_step)
-        else:
-            r = Restart(at_time=now + self.opts.restart_delay_s)
-        self.restarts[w] = r
-        return r
 
     def _fence(self: Agent) -> None:
         """SIGKILL any running worker of this node that someone marked dead after it started."""
@@ -206,5 +175,5 @@ class DeathDuties:
         view = self.store.current_view()
         self._restored_gen = view.gen
         for w in self.restorer.workers_to_start(view, set(self.workers)):
-            self.restarts.pop(w, None)
+            self.restarts.cancel(w)
             self._start(w, join=True, restore_gen=view.gen)

@@ -34,7 +34,7 @@ class FaultDuties:
     def _waits_for_a_step(self: Agent) -> bool:
         """A fault, or a restart, fires at a step still to come."""
         return self.plan is not None and (self.plan.next_step is not None or
-                                          any(r.at_step is not None for r in self.restarts.values()))
+                                          self.restarts.waits_for_a_step())
 
     def _inject(self: Agent, now: float) -> None:
         if self._waits_for_a_step():

@@ -24,11 +24,9 @@ class StartDuties:
     """Starts and adopts workers (the agent's loop calls :meth:`_restart_due` and :meth:`_standby_tick`)."""
 
     def _restart_due(self: Agent, now: float) -> None:
-        for w, r in list(self.restarts.items()):
-            if (r.at_step is not None and self._progress >= r.at_step) or (r.at_time is not None and now >= r.at_time):
-                del self.restarts[w]
-                self._clear_stale_mark(w)
-                self._start(w, join=True)
+        for w in self.restarts.due(now=now, progress=self._progress):
+            self._clear_stale_mark(w)
+            self._start(w, join=True)
 
     def _clear_stale_mark(self: Agent, w: int) -> None:
         """Delete ``dead/<w>`` once the survivors' view excludes ``w``: the mark has done its job."""

@@ -50,7 +50,8 @@ from unbroken.agent._run_files import fired_before, write_layout
 from unbroken.agent._process import (ChildWaker, become_subreaper, exit_status, remove_pid, spawn, stop_all,
                                      write_pid)
 from unbroken.agent._standby import Standby
-from unbroken.agent._supervision import Incarnation, Limits, Restart, StartupWatch
+from unbroken.agent._supervision import Incarnation, Limits, StartupWatch
+from unbroken.agent.restarts import Restarts
 from unbroken.agent.template_client import Child, Template, TemplateFailed
 from unbroken.agent.rendezvous import NodeRegistration, StartRefused, wait_for_lost_node
 from unbroken.agent.options import AgentOptions
@@ -121,9 +122,9 @@ class Agent(DeathDuties, FaultDuties, StartDuties):
         self.workers: dict[int, Incarnation] = {}
         self._dying: list[tuple[Incarnation, float]] = []  # seen dying, not reaped yet (_agent_deaths)
         self.watch: StartupWatch | None = None
-        self.restarts: dict[int, Restart] = {}
+        self.restarts = Restarts(policy=opts.restart, delay_s=opts.restart_delay_s, log=self.log,
+                                 logs_dir=opts.run_dir / "logs")
         self.incarnations: dict[int, int] = {}
-        self.fast_crashes: dict[int, int] = {}
         self.finished: set[int] = set()
         self.stopped: list[tuple[float, int, subprocess.Popen[bytes]]] = []  # SIGCONT timers
         self.standby: Standby | None = None
