@@ -257,11 +257,12 @@ class NodeRegistration:
                                f"prepared (or copy the run's config.json there)")
         mine = json.loads(path.read_text())
         if self.node == 0:
-            job = self.store.agree_config(json.dumps(mine))
+            job: str | None = self.store.agree_config(json.dumps(mine))
         else:
             self.wait_for(lambda: self.store.config() is not None,
                           "node 0 (or the launcher) has not published the job's config")
             job = self.store.config()
+        assert job is not None  # waited for above
         theirs = json.loads(job)
         diff = [f for f in config_diff(theirs, mine) if f not in PER_MACHINE_FIELDS]
         if diff:
@@ -292,11 +293,12 @@ class NodeRegistration:
                 fh.flush()
                 os.fsync(fh.fileno())
             os.replace(tmp, path)
-            job = self.store.agree_run_dir_token(token)
+            job: str | None = self.store.agree_run_dir_token(token)
         else:
             self.wait_for(lambda: self.store.run_dir_token() is not None,
                           "node 0 has not published its run directory's token")
             job = self.store.run_dir_token()
+        assert job is not None  # waited for above
         deadline = time.monotonic() + RUN_DIR_VISIBLE_S  # a shared filesystem may show a new file late
         while True:
             try:

@@ -267,7 +267,7 @@ class Template:
     def _stop(self) -> None:
         """SIGKILL the template (it holds nothing), reap it, close its pipes."""
         assert self.proc is not None
-        send(self.proc, signal.SIGKILL)  # type: ignore[arg-type] (a _ForkedTemplate has what send uses)
+        send(self.proc, signal.SIGKILL)  # type: ignore[arg-type]  # a _ForkedTemplate has what send uses
         try:
             self.proc.wait(timeout=10.0)
         except subprocess.TimeoutExpired:

@@ -26,7 +26,7 @@ run has ``back_s`` None and says why (no later start, or a start that never adop
 from __future__ import annotations
 
 import statistics
-from typing import Any
+from typing import Any, Sequence
 
 __all__ = ["SLACK_S", "gaps", "losses", "summarize"]
 
@@ -50,7 +50,7 @@ def _pids(events: list[dict[str, Any]]) -> dict[int, int]:
     return out
 
 
-def losses(events: list[dict[str, Any]], faults: list[dict[str, Any]] = ()) -> list[dict[str, Any]]:
+def losses(events: list[dict[str, Any]], faults: Sequence[dict[str, Any]] = ()) -> list[dict[str, Any]]:
     """Each loss of a worker (module docstring): ``worker``, ``lost_at``, ``back_at``, ``back_s``, ``how``
     (rejoin, restore, view) and ``cause`` (the first record of it)."""
     pid_of = _pids(events)
@@ -75,8 +75,10 @@ def losses(events: list[dict[str, Any]], faults: list[dict[str, Any]] = ()) -> l
     out: list[dict[str, Any]] = []
     open_: dict[int, dict[str, Any]] = {}
     view: tuple[int, tuple[int, ...]] = (-1, ())
-    for t, kind, w, what in sorted([(t, 0, w, c) for t, w, c in starts] + [(t, 1, w, h) for t, w, h in backs]
-                                   + [(t, 2, w, c) for t, w, c in conts] + [(t, 3, -1, v) for t, _, v in views]):
+    timeline: list[tuple[float, int, int, Any]] = (  # (time, kind, worker, what), kinds in the order below
+        [(t, 0, w, c) for t, w, c in starts] + [(t, 1, w, h) for t, w, h in backs]
+        + [(t, 2, w, c) for t, w, c in conts] + [(t, 3, -1, v) for t, _, v in views])
+    for t, kind, w, what in sorted(timeline):
         if kind == 3:  # a view: members it leaves out were noticed lost
             view = max(view, what)
             for loss in open_.values():
@@ -90,10 +92,11 @@ def losses(events: list[dict[str, Any]], faults: list[dict[str, Any]] = ()) -> l
             elif not what.endswith("from outside"):
                 open_[w]["noticed"] = True
         elif kind == 2:  # continued: a member stalled and resumed before the job noticed it had stopped
-            loss = open_.get(w)
-            if loss is not None and loss["member"] and not loss["noticed"] and loss["cause"] == "SIGSTOP from outside":
+            stalled = open_.get(w)
+            if stalled is not None and stalled["member"] and not stalled["noticed"] \
+                    and stalled["cause"] == "SIGSTOP from outside":
                 open_.pop(w)
-                loss.update(back_at=what, back_s=round(what - loss["lost_at"], 3), how="continued")
+                stalled.update(back_at=what, back_s=round(what - stalled["lost_at"], 3), how="continued")
         elif w in open_:
             loss = open_.pop(w)
             loss.update(back_at=t, back_s=round(t - loss["lost_at"], 3), how=what)
@@ -143,7 +146,7 @@ def gaps(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def summarize(events: list[dict[str, Any]], faults: list[dict[str, Any]] = ()) -> dict[str, Any]:
+def summarize(events: list[dict[str, Any]], faults: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
     """Losses and gaps in figures: count, back within 5 s at p50/p90/p99, those never back, unexplained gaps."""
     ls, gs = losses(events, faults), gaps(events)
     back = sorted(x["back_s"] for x in ls if x["back_s"] is not None)

@@ -215,7 +215,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--store", default=None, metavar="etcd://HOST:PORT[,...]",
                     help="every job's store on this etcd cluster (default: embedded); see also unbroken bench store")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/failover.json"))
-    a, a.overrides = parse_with_overrides(ap, argv)
+    a, overrides = parse_with_overrides(ap, argv)
+    a.overrides = overrides
     parts = {"overhead": _overhead, "failures": _failures, "node": _node, "trace": _trace}
     unknown = set(a.parts.split(",")) - set(parts)
     if unknown:

@@ -68,9 +68,10 @@ def _first(events: Iterable[Event], after: float, until: float, **match: Any) ->
 
 def _latest(found: list[Event | None], kill: float, at: Any = None) -> float | None:
     """The latest of the events' times (or ``at(event)``) after ``kill``; None when any is missing."""
-    if not found or any(e is None for e in found):
+    present = [e for e in found if e is not None]
+    if not found or len(present) < len(found):
         return None
-    return round(max((at(e) if at else e["time"]) for e in found) - kill, 4)
+    return round(max((at(e) if at else e["time"]) for e in present) - kill, 4)
 
 
 def _commits(events: list[Event]) -> list[tuple[float, int, list[int]]]:

@@ -50,7 +50,7 @@ _SIGNAL_KIND = {"SIGKILL": "crash", "SIGTERM": "crash", "SIGSTOP": "hang"}
 
 def when(e: Record) -> float:
     """An event's wall-clock time: the agent's ``t`` where it has one, else the writer's ``time``."""
-    return float(e.get("t", e.get("time", 0.0)))
+    return float(e["t"] if "t" in e else e.get("time", 0.0))
 
 
 def _events(records: Iterable[Record]) -> list[Record]:
@@ -125,7 +125,9 @@ def rejoin_windows(records: Iterable[Record], *, steps: int) -> list[tuple[int, 
     opened: dict[int, int] = {}
     out = []
     for e in _events(records):
-        w = e.get("worker")
+        if e.get("worker") is None:
+            continue
+        w = int(e["worker"])
         if e.get("event") == "worker_start" and e.get("join") and w not in opened:
             opened[w] = int(e.get("progress") or 0)
         elif e.get("event") == "rejoined" and w in opened:

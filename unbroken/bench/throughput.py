@@ -56,7 +56,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--keep-logs", type=Path, default=None,
                     help="with --reference: copy each unbroken job's metrics, events, summary and logs (not its "
                          "checkpoints) into this folder")
-    a, a.overrides = parse_with_overrides(ap, argv)
+    a, overrides = parse_with_overrides(ap, argv)
+    a.overrides = overrides
     a.workers_given, a.workers = a.workers is not None, a.workers or "1,2,4"
     if a.rounds < 1:
         ap.error("--rounds: at least 1")

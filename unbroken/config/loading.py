@@ -14,7 +14,7 @@ import sys
 import types
 import typing
 from pathlib import Path
-from typing import Any, Literal, get_args, get_origin
+from typing import Any, Literal, Sequence, get_args, get_origin
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -28,7 +28,7 @@ from unbroken.config.validation import _REGISTRY_CHOICES, REMOVED_FIELDS, valida
 logger = logging.getLogger(__name__)
 
 def load_config(
-    *, preset_name: str = "debug", file: str | Path | None = None, overrides: list[str] = ()
+    *, preset_name: str = "debug", file: str | Path | None = None, overrides: Sequence[str] = ()
 ) -> Config:
     """Preset, then a TOML file, then ``section.field=value`` overrides.
 
@@ -43,7 +43,7 @@ def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
     return _load(Config.from_dict(cfg.to_dict()), None, overrides)
 
 
-def _load(cfg: Config, file: str | Path | None, overrides: list[str]) -> Config:
+def _load(cfg: Config, file: str | Path | None, overrides: Sequence[str]) -> Config:
     errors: list[str] = []
     if file is not None:
         path = Path(file)

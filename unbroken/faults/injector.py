@@ -51,6 +51,7 @@ spec's ``back`` is used.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import signal
 from dataclasses import dataclass
@@ -265,10 +266,10 @@ class PhaseFaults:
         self.specs = tuple(specs)
         self.record = record
 
-    def install(self, on: Callable[[str, Callable[[int], None]], None]) -> None:
+    def install(self, on: Callable[[Any, Callable[[int], None]], None]) -> None:
         """Register a hook for every phase some spec names."""
         for phase in sorted({"forward" if s.phase == "any" else s.phase for s in self.specs}):
-            on(phase, lambda step, phase=phase: self._fire(phase, step))
+            on(phase, functools.partial(self._fire, phase))
 
     def _fire(self, phase: str, step: int) -> None:
         for s in self.specs:

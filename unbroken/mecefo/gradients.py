@@ -55,7 +55,7 @@ class SlotWork:
         return self.rows[1] - self.rows[0]
 
 
-def slot_rows(items: list[SlotWork]) -> list[list[object]]:
+def slot_rows(items: Sequence[SlotWork]) -> list[list[object]]:
     """Items as ``[slot, first_row, end_row, mode]`` rows: the format of the ledger, the exchange and the metrics."""
     return [[i.slot, *i.rows, i.mode] for i in items]
 

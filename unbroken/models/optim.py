@@ -44,7 +44,8 @@ def build_optimizer(
     reduced gradient stay bit-identical; otherwise ``foreach=False`` keeps the
     arithmetic order identical across processes and runs (the CPU default).
     """
-    decay, no_decay = [], []
+    decay: list[torch.nn.Parameter] = []
+    no_decay: list[torch.nn.Parameter] = []
     for _, p in model.named_parameters():
         if not p.requires_grad:
             continue

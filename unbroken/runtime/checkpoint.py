@@ -211,14 +211,12 @@ class AsyncCheckpointer:
     def _failed(self, step: int, path: Path, exc: BaseException) -> None:
         """Log a failed save once and remove its directory; re-raise unless the storage failed."""
         remove_checkpoint(path)
-        err = exc if isinstance(exc, OSError) else None
-        if err is None and not isinstance(exc, TimeoutError):
+        if not isinstance(exc, (OSError, TimeoutError)):
             logger.error("checkpoint at step %d not written (%s removed)", step, path)
             raise exc
-        err = err or exc
         self.failed_steps.append(step)
         logger.error("checkpoint at step %d not written: %s; removed %s, training goes on and the next "
-                     "checkpoint is tried again", step, err, path)
+                     "checkpoint is tried again", step, exc, path)
 
 
 def verify_checkpoint(path: str | Path) -> dict[str, Any]:

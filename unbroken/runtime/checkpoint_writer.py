@@ -112,7 +112,7 @@ def safetensors_header(entries: list[tuple[str, torch.Tensor]], metadata: dict[s
 def _host_bytes(t: torch.Tensor) -> memoryview:
     """The bytes of a CPU tensor, without a copy when it is contiguous."""
     flat = t.detach().contiguous().reshape(-1)
-    return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
+    return flat.view(torch.uint8).numpy().data if flat.numel() else memoryview(b"")
 
 
 class _Sink:
@@ -155,7 +155,7 @@ class _DeviceReader:
     def _drain(self, i: int, span: tuple[int, int], ev: torch.cuda.Event, sink: _Sink) -> None:
         ev.synchronize()
         block = self.blocks[i % 2]
-        sink.put(memoryview(block[:span[1] - span[0]].numpy()))
+        sink.put(block[:span[1] - span[0]].numpy().data)
         # the next copy into this block is issued only after this write returned (program order)
 
 

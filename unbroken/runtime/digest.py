@@ -20,7 +20,7 @@ def param_digest(params: list[torch.Tensor]) -> str:
         return device_digest(params)
     h = hashlib.sha256()
     for p in params:
-        h.update(memoryview(p.detach().contiguous().view(-1).view(torch.uint8).numpy()))
+        h.update(p.detach().contiguous().view(-1).view(torch.uint8).numpy().data)
     return h.hexdigest()
 
 

@@ -208,7 +208,7 @@ class EtcdBackend(StoreBackend):
                                                 [self._read(key)])
         if ok:
             created = kv["create_revision"] if kv is not None else revision
-            now = {"value": _b64(sealed), "mod_revision": revision, "create_revision": created,
+            now: dict[str, Any] | None = {"value": _b64(sealed), "mod_revision": revision, "create_revision": created,
                    "version": str(version)}
             self.sealer.seen[key] = max(self.sealer.seen.get(key, (0, 0)), (int(created), version))
         else:

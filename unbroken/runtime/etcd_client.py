@@ -122,7 +122,7 @@ def parse_etcd(addr: str) -> tuple[list[tuple[str, int]], str]:
     scheme = ETCDS_SCHEME if addr.startswith(ETCDS_SCHEME) else ETCD_SCHEME
     body = addr[len(scheme):] if is_etcd(addr) else ""
     hosts, slash, prefix = body.partition("/")
-    endpoints = []
+    endpoints: list[tuple[str, int]] = []
     for part in hosts.split(",") if hosts else []:
         host, _, port = part.strip().rpartition(":")
         host = host.strip("[]")

@@ -324,8 +324,8 @@ class JobStore:
         """(heartbeat, progress) counters of members of a published view, in one round trip; None for a
         member whose counters are gone: its lease expired (it stopped beating long ago)."""
         raw = self.backend.get_present([f"{k}/{w}" for w in members for k in ("hb", "prog")])
-        return [None if raw[2 * i] is None or raw[2 * i + 1] is None else (int(raw[2 * i]), int(raw[2 * i + 1]))
-                for i in range(len(members))]
+        pairs = [(raw[2 * i], raw[2 * i + 1]) for i in range(len(members))]
+        return [None if hb is None or prog is None else (int(hb), int(prog)) for hb, prog in pairs]
 
     def mark_dead(self, worker: int, reason: str) -> bool:
         """Declare ``worker`` dead (first mark wins); True if this call made the mark."""

@@ -75,7 +75,9 @@ def check_ledger(run_dir: str | Path, *, n_slots: int, micro_batch: int, steps: 
             commit_gens[r["step"]].add(r["gen"])
         elif r.get("kind") == "work":
             work[(r["step"], r["gen"])].extend((r["worker"], item) for item in r["items"])
-    lost, conflicting, examples = [], [], []
+    lost: list[int] = []
+    conflicting: list[int] = []
+    examples: list[str] = []
     never = twice = approx = degraded = 0
     for step in range(start_step, steps):
         gens = commit_gens.get(step, set())

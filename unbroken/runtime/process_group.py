@@ -65,7 +65,7 @@ def completion_error(work: dist.Work, nccl: bool) -> str | None:
     means no error.
     """
     if nccl:
-        result = work.get_future_result()
+        result = work.get_future_result()  # type: ignore[attr-defined]  # NCCL's Work has it (torch >= 2.5)
         if result.done() and (value := int(result.value())) != _WORK_SUCCESS:
             return f"NCCL reported {_WORK_RESULTS.get(value, value)}"
     try:
@@ -122,18 +122,18 @@ class ViewGroup:
                 if self.nccl:
                     opts = dist.ProcessGroupNCCL.Options()
                     opts._timeout = self.timeout
-                    pg = dist.ProcessGroupNCCL(rendezvous, self.rank, self.size, opts)
+                    nccl_pg = dist.ProcessGroupNCCL(rendezvous, self.rank, self.size, opts)
                     with lock:
-                        built["pg"] = pg
+                        built["pg"] = nccl_pg
                         if "given_up" in built:
                             return
                     # NCCL connects lazily, inside the first collective, which would block the caller
                     # beyond any check if a peer died meanwhile: connect here, in the watched thread.
-                    pg.eager_connect_single_device(self.device)
+                    nccl_pg.eager_connect_single_device(self.device)
                 else:
-                    pg = dist.ProcessGroupGloo(rendezvous, self.rank, self.size, self.timeout)
+                    gloo_pg = dist.ProcessGroupGloo(rendezvous, self.rank, self.size, self.timeout)
                     with lock:
-                        built["pg"] = pg
+                        built["pg"] = gloo_pg
             except Exception as exc:  # handed to the caller below
                 built["error"] = exc
             finally:

@@ -201,6 +201,7 @@ class _Stream:
                 for a in range(0, nbytes, self.chunk):
                     n = min(self.chunk, nbytes - a)
                     if send:
+                        assert tensors is not None  # a source sends its own
                         self._cast(_bytes_of(tensors[i])[a:a + n])
                         continue
                     # Into this stream's own buffer, into the state only once the broadcast completed: a
@@ -230,6 +231,7 @@ class _Stream:
             return
         buf = self._buffer()
         if self.send:
+            assert self.tensors is not None  # a source sends its own
             pos = 0
             for i, a, n in self._pending:
                 buf[pos:pos + n].copy_(_bytes_of(self.tensors[i])[a:a + n])

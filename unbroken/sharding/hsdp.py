@@ -263,7 +263,9 @@ def join_replica(store: dist.Store, *, replica: int, incarnation: int | str, ind
     prefix = dist.PrefixStore(f"replica/{replica}/{incarnation}", store)
     dist.init_process_group(backend, store=prefix, rank=index, world_size=shard_degree,
                             timeout=timedelta(seconds=timeout_s))
-    return DeviceMesh.from_group(dist.group.WORLD, device.type)
+    world = dist.group.WORLD
+    assert world is not None  # formed just above
+    return DeviceMesh.from_group(world, device.type)
 
 
 def fsdp_llama(model: torch.nn.Module, mesh: DeviceMesh) -> None:

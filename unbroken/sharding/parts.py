@@ -20,7 +20,7 @@ def is_sharded(t: torch.Tensor) -> bool:
 
 def local_of(t: torch.Tensor) -> torch.Tensor:
     """The local part of ``t``: its shard for a DTensor, else ``t``."""
-    return t.to_local() if is_sharded(t) else t  # type: ignore[operator]
+    return t.to_local() if is_sharded(t) else t  # type: ignore[attr-defined]  # a DTensor
 
 
 def local_part(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

@@ -81,10 +81,11 @@ class DeviceBlocks:
         mine = self._mine()
         i = mine.next
         mine.next = (i + 1) % RING
-        if mine.events[i] is not None:
-            mine.events[i].synchronize()  # the copies that read this block are done
+        event = mine.events[i]
+        if event is not None:
+            event.synchronize()  # the copies that read this block are done
         block = mine.blocks[i]
-        view = memoryview(block.numpy())[:n]
+        view = block.numpy().data[:n]
         if os.preadv(fd, [view], at) != n:
             raise SnapshotCorrupt(f"{name}: shorter than its seal says (removed or truncated while read)")
         crc = crc32(view)

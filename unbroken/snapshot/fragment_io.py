@@ -180,7 +180,7 @@ def _host_view(flat: torch.Tensor, lo: int, hi: int) -> memoryview:
     """Bytes ``[lo, hi)`` of a host tensor's flat view, to be overwritten whole by a read (made cheap to write
     first: :func:`~unbroken.snapshot.overwrite_pages.ready_to_overwrite`)."""
     ready_to_overwrite(flat.data_ptr() + lo, hi - lo)
-    return memoryview(flat[lo:hi].numpy())
+    return flat[lo:hi].numpy().data
 
 
 def _read_into(fd: int, buffers: list[memoryview], at: int, name: str) -> None:

@@ -26,6 +26,7 @@ import mmap
 import os
 import struct
 import sys
+from typing import Callable
 
 __all__ = ["ready_to_overwrite"]
 
@@ -36,7 +37,7 @@ _EXCLUSIVE = 1 << 56
 PAGE = mmap.PAGESIZE
 
 
-def _madvise() -> ctypes._CFuncPtr | None:
+def _madvise() -> Callable[..., int] | None:
     if not sys.platform.startswith("linux"):
         return None
     try:

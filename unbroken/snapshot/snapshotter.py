@@ -59,7 +59,7 @@ from typing import Any, Callable, ContextManager, Sequence
 import torch
 
 from unbroken.runtime.view import View
-from unbroken.snapshot.cadence import VETO, Cadence, due, tally
+from unbroken.snapshot.cadence import VETO, Cadence, StepRole, due, tally
 from unbroken.snapshot.erasure import HEADER, Coding
 from unbroken.snapshot.plan import SnapshotPlan, plan_for
 from unbroken.snapshot.segment import Buffer, SealedBuffer, SnapshotCorrupt, crc32
@@ -178,7 +178,7 @@ class Snapshotter:
     def observe_step(self, done: int, seconds: float) -> None:
         """The seconds of the step that ended with ``done`` steps (after :meth:`take` for it)."""
         if self.cadence is not None:
-            role = "taken" if self.last_step == done else "after" if self.last_step == done - 1 else "plain"
+            role: StepRole = "taken" if self.last_step == done else "after" if self.last_step == done - 1 else "plain"
             self.cadence.observe_step(seconds, role)
 
     def _due(self, done: int, votes: torch.Tensor | None) -> bool:

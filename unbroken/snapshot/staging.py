@@ -214,7 +214,9 @@ class Stager:
         assert pinned is not None
         with torch.cuda.stream(stream):
             stream.wait_event(ready)
-            tail_index = self.device_copy.copy_in(tensors, tail, non_blocking=True) if tail else []
+            spill_buffer = self.device_copy
+            assert not tail or spill_buffer is not None  # a tail is what the spill buffer holds
+            tail_index = spill_buffer.copy_in(tensors, tail, non_blocking=True) if tail and spill_buffer else []
             start = torch.cuda.Event(enable_timing=True)
             start.record(stream)
             head_index = pinned.copy_in(tensors, head, non_blocking=True)

@@ -89,7 +89,7 @@ def snapshotter_for(cfg: Config, run_dir: Path, worker: int, world: int, model: 
     on a CPU device one."""
     if not enabled(cfg.snapshot.every):
         return None
-    shard = {}
+    shard: dict[str, Any] = {}
     if hsdp is not None and hsdp.shard_degree > 1:
         index = hsdp.index_of(worker)
         shard = {"shard": (index, hsdp.shard_degree), "holders": lambda members: hsdp.shard_peers(index, members)}
