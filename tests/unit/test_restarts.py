@@ -30,7 +30,8 @@ def test_a_death_comes_back_after_the_delay_and_an_outage_at_its_end_step():
 def test_never_starts_nobody_but_a_worker_that_left_to_rejoin():
     r = _restarts("never")
     assert r.schedule(1, now=5.0, started=0.0, crashed=True, back_step=None, total_steps=50) is None
-    assert r.schedule(1, now=5.0, started=0.0, crashed=False, back_step=None, total_steps=50, rejoin=True).at_time == 5.0
+    back = r.schedule(1, now=5.0, started=0.0, crashed=False, back_step=None, total_steps=50, rejoin=True)
+    assert back is not None and back.at_time == 5.0
     assert r.due(now=5.0, progress=0) == [1]
 
 

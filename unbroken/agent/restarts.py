@@ -2,8 +2,9 @@
 
 An object the agent holds (:attr:`unbroken.agent.agent.Agent.restarts`); it decides and remembers, the agent
 starts. A worker that left healthy only to come back with the state (a rejoin) is started again at once
-whatever the policy; otherwise ``never`` starts nobody and, under ``on-failure``, an outage of a fault trace brings the worker back at
-the step it ends (never when that is past the run's last step), and any other death after the delay.
+whatever the policy; otherwise ``never`` starts nobody and, under ``on-failure``, an outage of a fault trace
+brings the worker back at the step it ends (never when that is past the run's last step), and any other death
+after the delay.
 
 Invariants: at most one restart is pending per worker (a later decision replaces it); a worker that crashed
 by itself (an exit code or a signal of its own, not a SIGKILL, a fence or an injected fault)
