@@ -171,7 +171,8 @@ def _takeover(ev: Record, state: RunState) -> str:
 def _worker_start(ev: Record, state: RunState) -> str | None:
     if not ev.get("join"):
         return None  # the run's first workers
-    how = "from the warm standby" if ev.get("standby") else "cold"
+    how = ("from the warm standby" if ev.get("standby") else "forked from its node's template" if ev.get("forked")
+           else "as a fresh process")
     return f"worker {ev.get('worker')} restarted {how} (incarnation {ev.get('incarnation')}), asks to join"
 
 
