@@ -117,3 +117,23 @@ def test_the_parts_a_takeover_writes_are_staged_apart_from_the_dead_writers(tmp_
     assert not staging_dir(tmp_path, 24, "4w0").exists() and not staging_dir(tmp_path, 24, "4w2").exists()
     dead.close()
     taker.close()
+
+
+def test_a_commit_removes_the_stages_before_its_own_in_number_order(tmp_path):
+    """Stages order by (step, generation, writer) as numbers: committing generation 12 removes generation 3's
+    stage of the same step and every earlier step's, and keeps what comes after it (a later generation's)."""
+    import torch
+
+    from unbroken.sharding.checkpoint import ShardCheckpointer, collect_shards, staging_dir
+
+    writer = ShardCheckpointer(tmp_path)
+    for step, gen in ((9, 30), (10, 3), (10, 12), (10, 13), (11, 1)):
+        writer.save_part(step, gen, "0-3", {"exp_avg": torch.zeros(3), "exp_avg_sq": torch.zeros(3)})
+        writer.wait()
+    (tmp_path / "checkpoints" / ".shards" / "notes").mkdir()
+    dest = tmp_path / "checkpoints" / "step_0000010"
+    dest.mkdir(parents=True)
+    collect_shards(tmp_path, 10, 12, ["0-3"], dest)
+    left = sorted(p.name for p in (tmp_path / "checkpoints" / ".shards").iterdir())
+    assert left == ["notes", staging_dir(tmp_path, 10, 13).name, staging_dir(tmp_path, 11, 1).name]
+    writer.close()

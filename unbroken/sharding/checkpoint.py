@@ -32,7 +32,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
+import sys
 import time
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -57,6 +59,9 @@ PART = "part.json"
 def hsdp_part(index: int) -> str:
     """The name of shard index ``index``'s part of an HSDP checkpoint."""
     return f"i{index}"
+
+
+_STAGE = re.compile(r"step_(\d+)-g(\d+)(?:w(\d+))?")
 
 
 def staging_dir(run_dir: str | Path, step: int, gen: int | str) -> Path:
@@ -111,6 +116,17 @@ class ShardCheckpointer:
         self._pool.shutdown(wait=True)
 
 
+def _stage_order(name: str) -> tuple[int, int, int]:
+    """``(step, generation, writer)`` of a staging directory's name (:func:`staging_dir`: ``step_<N>-g<gen>`` or
+    ``step_<N>-g<gen>w<writer>``, writer -1 without one), compared as numbers (``g12`` after ``g3``); a name of
+    another form orders after every stage (never removed as an earlier one)."""
+    match = _STAGE.fullmatch(name)
+    if match is None:
+        return (sys.maxsize, 0, 0)
+    step, gen, writer = match.groups()
+    return (int(step), int(gen), int(writer) if writer is not None else -1)
+
+
 def collect_shards(run_dir: str | Path, step: int, gen: int | str, parts: list[str], dest: Path,
                    timeout_s: float = SHARD_WAIT_S) -> dict[str, str]:
     """Wait until every part of ``parts`` (a ZeRO-1 range ``lo-hi``, an HSDP shard index ``i<index>``) is staged
@@ -138,7 +154,7 @@ def collect_shards(run_dir: str | Path, step: int, gen: int | str, parts: list[s
         os.replace(stage / name, dest / "shards" / name)
     shutil.rmtree(stage, ignore_errors=True)
     for old in stage.parent.glob("step_*"):  # stages of earlier steps nobody will commit any more
-        if old.name < stage.name:
+        if _stage_order(old.name) < _stage_order(stage.name):
             shutil.rmtree(old, ignore_errors=True)
     return known
 
