@@ -239,7 +239,7 @@ class LlamaAdapter:
         before = self.basis.svd_count
         for parts in self._parts:
             for name in parts.ffn_linears:
-                self.basis.get(name, self.model.get_submodule(name).weight, step=step)
+                self.basis.get(name, _weight(self.model, name), step=step)
         return self.basis.svd_count - before
 
     def _approx_block_forward(self, block: torch.nn.Module, parts: BlockParts, x_BTD: torch.Tensor,
@@ -290,9 +290,16 @@ def has_blocks(model: torch.nn.Module) -> bool:
     return any(_kind_of(m) is not None for m in model.modules())
 
 
+def _weight(model: torch.nn.Module, name: str) -> torch.Tensor:
+    """The weight of linear ``name`` of ``model``."""
+    weight = model.get_submodule(name).weight
+    assert isinstance(weight, torch.Tensor), f"{name}.weight is not a tensor"
+    return weight
+
+
 def _find_blocks(model: torch.nn.Module) -> list[BlockParts]:
     """Every block of a known kind in ``model`` with its parts' qualified names."""
-    found = []
+    found: list[BlockParts] = []
     for name, module in model.named_modules():
         kind = _kind_of(module)
         if kind is None:
@@ -312,7 +319,7 @@ def _find_blocks(model: torch.nn.Module) -> list[BlockParts]:
 
 def _check_ffn_weights(model: torch.nn.Module, blocks: list[BlockParts], rank: int) -> None:
     """Reject ranks no FFN weight can supply and biases the low-rank path would drop."""
-    shapes = {}
+    shapes: dict[str, tuple[int, ...]] = {}
     for parts in blocks:
         for name in parts.ffn_linears:
             linear = model.get_submodule(name)
@@ -331,10 +338,11 @@ def _check_ffn_weights(model: torch.nn.Module, blocks: list[BlockParts], rank: i
 def _install_dispatch(model: torch.nn.Module, blocks: list[BlockParts]) -> _Switch:
     """Give each block a dispatching forward, or join the switch already installed."""
     installed = [model.get_submodule(p.block).__dict__.get("forward") for p in blocks]
-    if all(isinstance(f, _BlockForward) for f in installed):
-        switches = {id(f.switch) for f in installed}
+    forwards = [f for f in installed if isinstance(f, _BlockForward)]
+    if len(forwards) == len(installed):
+        switches = {id(f.switch) for f in forwards}
         assert len(switches) == 1, "blocks of one model dispatch through different switches"
-        return installed[0].switch
+        return forwards[0].switch
     assert not any(isinstance(f, _BlockForward) for f in installed), "partially adapted model"
     switch = _Switch()
     for parts in blocks:

@@ -159,8 +159,9 @@ class EmbeddedBackend(StoreBackend):
     (:mod:`unbroken.runtime.store_client`): nobody without the secret reads or writes a key, so its values
     need no seals and it needs no namespace (it serves one launch of one job)."""
 
-    def __init__(self, client: StoreClient, server: StoreServer | None = None) -> None:
-        self.client, self.server = client, server
+    def __init__(self, client: StoreClient, secret: str, server: StoreServer | None = None) -> None:
+        """``secret``: the job's, which opens the further connections of :meth:`group_store`."""
+        self.client, self._secret, self.server = client, secret, server
 
     @property
     def launch(self) -> str:
@@ -228,8 +229,9 @@ class EmbeddedBackend(StoreBackend):
             self.server = None
 
     def __del__(self) -> None:  # the last reference to a hosted store gone: it stops, as a TCPStore did
-        if getattr(self, "server", None) is not None:
-            self.server.close()
+        server = getattr(self, "server", None)
+        if server is not None:
+            server.close()
 
     @classmethod
     def connect(cls, addr: str, *, timeout_s: float, secret: str, launch: str | None = None) -> EmbeddedBackend:
@@ -257,9 +259,7 @@ class EmbeddedBackend(StoreBackend):
                                   f"right?") from None
         except ConnectionError as exc:
             raise ConnectionError(f"{exc}; is the launcher running and the address right?") from None
-        backend = cls(client)
-        backend._secret = secret
-        return backend
+        return cls(client, secret)
 
     @classmethod
     def host(cls, host: str, port: int, *, clients: int, secret: str) -> EmbeddedBackend:
@@ -277,6 +277,4 @@ class EmbeddedBackend(StoreBackend):
                 f"the port is probably in use: pick another with --train.port=N or 0 for a free one"
             ) from None
         client = StoreClient(host, server.port, secret=secret, timeout_s=30.0, launch=server.launch)
-        backend = cls(client, server)
-        backend._secret = secret
-        return backend
+        return cls(client, secret, server)

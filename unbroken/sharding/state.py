@@ -153,7 +153,7 @@ class ShardedState(StateLayout):
     def commit(self, step: int, view: Any, group: Any, *, replicate: bool = True) -> tuple[float, float]:
         """Install committed step ``step``; start sending the new moments to the ring buddy (unless
         ``replicate`` is False: the job's last step). Returns (lr, grad norm)."""
-        if not self.ready(step):
+        if self._pending is None or not self.ready(step):
             raise RuntimeError(f"step {step} was not proposed here")
         _, proposal, flat, lr, norm, reduced = self._pending
         self._pending = None
@@ -181,6 +181,7 @@ class ShardedState(StateLayout):
     def _send_copies(self, done: int, view: Any, group: Any) -> None:
         """Every member: one all-to-all in which each sends its range's moments to its ring buddy only."""
         sharding = self.active
+        assert sharding is not None  # called for an active sharding only
         buddies = ring_buddies(sharding.members, self.node_of)
         if not buddies:
             return

@@ -240,9 +240,9 @@ class Restorer:
         """Install what is not written in place: the optimizer's state and numbers (a sharded optimizer's
         moments whole), the group values, the RNG states."""
         if hasattr(self.optimizer, "load_full"):  # ZeRO-1's optimizer: flat moments, per-parameter steps
-            t = self.targets
-            self.optimizer.load_full({name: (t.get(f"optim.{name}.exp_avg"), t.get(f"optim.{name}.exp_avg_sq"),
-                                             t.get(f"optim.{name}.step")) for name in self.params})
+            got = self.targets
+            self.optimizer.load_full({name: (got.get(f"optim.{name}.exp_avg"), got.get(f"optim.{name}.exp_avg_sq"),
+                                             got.get(f"optim.{name}.step")) for name in self.params})
         else:
             numbers: dict[str, dict[str, Any]] = {}
             for name, t in self.targets.items():

@@ -65,7 +65,8 @@ def inventory(job: str, node: int, *, config_hash: str | None = None, threads: i
     from unbroken.sharding.replicas import copies_inventory
 
     copies, problems = copies_inventory(job, node)
-    seals, layouts = [], {}
+    seals: list[dict[str, Any]] = []
+    layouts: dict[str, Any] = {}
     for path in job_segments(job, node):
         try:
             buf = SealedBuffer.open(path, job)
@@ -312,12 +313,23 @@ class _Loader:
         parity = next((fr for fr in chosen if fr >= self.plan.k), None)
         if parity is not None:  # the headers kept with that parity fragment travel with it
             nd, seg = frags[parity]
-            hdrs = self._share(self.plan.k * HEADER, nd, lambda: self.segment(seg).headers(st))
-        got = {}
+
+            def headers(seg: str = seg, parity: int = parity) -> bytes:
+                kept = self.segment(seg).headers(st)
+                if kept is None:
+                    raise SnapshotCorrupt(f"{seg} holds parity fragment {parity} of stripe {st} of the snapshot of "
+                                          f"step {self.spec['step']} without the data fragments' headers it needs")
+                return kept
+
+            hdrs = self._share(self.plan.k * HEADER, nd, headers)
+        got: dict[int, bytes] = {}
         for fr in chosen:
             nd, seg = frags[fr]
-            got[fr] = self._share(int(self.spec["fragment_lengths"][f"{st}/{fr}"]), nd,
-                                  lambda seg=seg, fr=fr: self.segment(seg).fragment(st, fr))
+
+            def fragment(seg: str = seg, fr: int = fr) -> bytes:  # read by the holder's member only
+                return self.segment(seg).fragment(st, fr)
+
+            got[fr] = self._share(int(self.spec["fragment_lengths"][f"{st}/{fr}"]), nd, fragment)
         self.stats["received"] += 1
         self.stats["rebuilt"] += parity is not None
         return self.coding.decode(got, length, hdrs)
