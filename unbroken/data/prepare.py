@@ -29,6 +29,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -141,7 +142,7 @@ def _split_text(corpus: TextCorpus, val_fraction: float) -> tuple[TextCorpus, Te
 def _prepare_text(train_corpus: TextCorpus, val_corpus: TextCorpus, *, vocab_size: int, cache_dir: Path,
                   token_dtype: str | None) -> tuple[np.ndarray, np.ndarray, str, str]:
     tokenizer = load_or_train_tokenizer(train_corpus, vocab_size=vocab_size, cache_dir=cache_dir)
-    common = dict(cache_dir=cache_dir, vocab_size=vocab_size, token_dtype=token_dtype)
+    common: dict[str, Any] = dict(cache_dir=cache_dir, vocab_size=vocab_size, token_dtype=token_dtype)
     train = load_or_build_token_cache(train_corpus, tokenizer, split="train", **common)
     val = load_or_build_token_cache(val_corpus, tokenizer, split="val", **common)
     assert tokenizer.path is not None

@@ -75,7 +75,7 @@ def down_distribution(
         return (1.0,)
     rho = p.mttr_hours / (p.mtbf_hours * cluster_share(n_workers, cluster_workers))
     capped = max_down is not None and max_down <= n_workers - min_live
-    top = max_down if capped else n_workers - min_live
+    top = max_down if capped and max_down is not None else n_workers - min_live
     if capped and rho >= top:
         return tuple(float(k == top) for k in range(top + 1))  # the queue of deferred failures never empties
     weights = [1.0]

@@ -46,7 +46,7 @@ from unbroken.models.llama import TransformerBlock
 __all__ = ["GROUP_NAMES", "BlockKind", "BlockParts", "ExactOnlyAdapter", "LlamaAdapter", "ModelAdapter",
            "NoAdapter", "adapter_for", "component_of", "has_blocks", "transformer_blocks"]
 
-GROUP_NAMES = ("rest", "attention")
+GROUP_NAMES: tuple[str, ...] = ("rest", "attention")
 MODES = ("exact", "approx")
 FFN_LINEARS = ("w1", "w2", "w3")
 

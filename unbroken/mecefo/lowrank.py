@@ -26,6 +26,8 @@ width m, R rank r.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
@@ -115,7 +117,7 @@ class _LowRankLinear(torch.autograd.Function):
     """``y = x W^T`` with the weight gradient projected onto ``V``; saves ``x V``."""
 
     @staticmethod
-    def forward(ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor, weight: torch.Tensor,
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor,
                 v_IR: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, weight)
         # Only what backward needs: X V replaces X when the weight wants a gradient.
@@ -127,7 +129,7 @@ class _LowRankLinear(torch.autograd.Function):
         return y
 
     @staticmethod
-    def backward(ctx: torch.autograd.function.FunctionCtx,
+    def backward(ctx: Any,
                  g_y: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
         xv, weight = ctx.saved_tensors
         v_IR = ctx.v_IR

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -179,7 +180,7 @@ MODEL_PRESETS: dict[str, Callable[[], ModelArgs]] = {
 }
 
 
-def model_args(name: str, **overrides: object) -> ModelArgs:
+def model_args(name: str, **overrides: Any) -> ModelArgs:
     """Return preset ``name`` with ``overrides`` applied (validated again).
 
     Raises:
@@ -319,6 +320,9 @@ class TransformerBlock(nn.Module):
 
 class Transformer(nn.Module):
     """LLaMA-style decoder: embeddings, ``n_layers`` blocks, final norm, untied output."""
+
+    rope_cos: torch.Tensor  # buffers (not saved): the rotary tables, per position and pair
+    rope_sin: torch.Tensor
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
