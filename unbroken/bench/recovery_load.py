@@ -35,7 +35,7 @@ from unbroken.config import Config
 from unbroken.job.builder import build_job, prepare
 from unbroken.models.factory import resolve_device
 from unbroken.runtime.view import View
-from unbroken.snapshot.restore import decide, inventory, restore_from_memory
+from unbroken.snapshot.restore import alone, decide, inventory, restore_from_memory
 from unbroken.snapshot.segment import SECRET_ENV, remove_segments
 from unbroken.snapshot.snapshotter import Snapshotter
 from unbroken.snapshot.state_bytes import tensors_of
@@ -57,7 +57,7 @@ def _forked_load(spec: dict[str, Any], cfg: Config, prepared: Any, job: str, dev
         try:
             os.close(r)
             fresh = build_job(cfg, device, prepared)
-            stats = restore_from_memory(spec, job=job, node=0, node_of={0: 0}, members=(0,), me=0, broadcast=None,
+            stats = restore_from_memory(spec, job=job, node=0, node_of={0: 0}, members=(0,), me=0, broadcast=alone,
                                         model=fresh.model, optimizer=fresh.optimizer, device=device)
             os.write(w, json.dumps({"seconds": stats["seconds"]}).encode())
             code = 0
@@ -126,7 +126,8 @@ def _measure(cfg: Config, repeats: int) -> dict[str, Any]:
             checked.append(inv["bytes"] / inv["seconds"] / 1e9)
             trusted.append(inventory(ident, 0, config_hash="bench", verify=False)["seconds"])
         spec = decide([inv], checkpoint=None, members_of=lambda nodes: [0])
-        live = [restore_from_memory(spec, job=ident, node=0, node_of={0: 0}, members=(0,), me=0, broadcast=None,
+        assert spec is not None, "the snapshots just taken are not restorable"
+        live = [restore_from_memory(spec, job=ident, node=0, node_of={0: 0}, members=(0,), me=0, broadcast=alone,
                                     model=job.model, optimizer=job.optimizer, device=device)
                 for _ in range(repeats)]
         state = live[0]["bytes"]

@@ -66,7 +66,8 @@ def _bytes(a: argparse.Namespace, name: str) -> dict[str, Any]:
 
     cfg = _cfg(a, name, "train.shard_optimizer=true")
     job = build_job(cfg, torch.device("cpu"))
-    opt: ShardedAdamW = job.optimizer
+    opt = job.optimizer
+    assert isinstance(opt, ShardedAdamW)  # train.shard_optimizer=true
     m = cfg.train.workers
     node_of = {w: w // a.workers_per_node for w in range(m)}
     sharding, buddies = Sharding(tuple(range(m)), opt.total), ring_buddies(range(m), node_of)
@@ -104,7 +105,8 @@ def _job(a: argparse.Namespace, tmp: Path, run_name: str, cfg: Config, **kw: Any
 
 
 def _steady(a: argparse.Namespace, tmp: Path, name: str) -> dict[str, Any]:
-    ratios, medians = [], {"replicated": [], "sharded": []}
+    ratios: list[float] = []
+    medians: dict[str, list[float]] = {"replicated": [], "sharded": []}
     for i in range(a.pairs):
         rep = _job(a, tmp, f"replicated-{i}", _cfg(a, name))["median_step_s"]
         sh = _job(a, tmp, f"sharded-{i}", _cfg(a, name, "train.shard_optimizer=true"))["median_step_s"]
@@ -117,7 +119,7 @@ def _steady(a: argparse.Namespace, tmp: Path, name: str) -> dict[str, Any]:
 
 def _crash(a: argparse.Namespace, tmp: Path, name: str) -> dict[str, Any]:
     at = a.steps // 2
-    out = {}
+    out: dict[str, Any] = {}
     for kind, extra in (("replicated", ()), ("sharded", ("train.shard_optimizer=true",))):
         run = _job(a, tmp, f"crash-{kind}", _cfg(a, name, "mecefo.policy=spread", *extra), restart="never",
                    fail_at=f"step={at}:worker=1:kill:phase=forward")["run"]
@@ -159,7 +161,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--pairs", type=int, default=2, help="alternating replicated/sharded job pairs (steady)")
     ap.add_argument("--parts", default="bytes,steady,crash,restore", help="which measurements to run")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/sharded.json"))
-    a, a.overrides = parse_with_overrides(ap, argv)
+    a, overrides = parse_with_overrides(ap, argv)
+    a.overrides = overrides
     parts, names = a.parts.split(","), a.presets.split(",")
     unknown = set(parts) - {"bytes", "steady", "crash", "restore"}
     if unknown:

@@ -118,7 +118,7 @@ def _in_process(a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     """Coding throughput and restore times on the preset's real state (one process)."""
     from unbroken.runtime.checkpoint import AsyncCheckpointer, latest_checkpoint, load_checkpoint, training_state
     from unbroken.runtime.view import View
-    from unbroken.snapshot.restore import decide, inventory, restore_from_memory
+    from unbroken.snapshot.restore import alone, decide, inventory, restore_from_memory
     from unbroken.snapshot.segment import remove_segments
     from unbroken.snapshot.snapshotter import Snapshotter
     from unbroken.snapshot.state_bytes import tensors_of
@@ -147,7 +147,7 @@ def _in_process(a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         s.take(1, view)
         s.wait()
     write_s = (time.perf_counter() - t0) / len(snaps)
-    written = sum(s.last["bytes"] for s in snaps) / len(snaps)
+    written = sum((s.last or {})["bytes"] for s in snaps) / len(snaps)
     for s in snaps:
         s.close()
     try:
@@ -156,13 +156,14 @@ def _in_process(a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         for source, nodes in (("own_memory", list(range(a.nodes))), ("parity_rebuild", list(range(1, a.nodes)))):
             invs = [inventory(job, n, config_hash="bench") for n in nodes]
             spec = decide(invs, checkpoint=None, members_of=lambda ns: [w for w in node_of if node_of[w] in ns])
+            assert spec is not None, f"the snapshot just taken is not restorable from {source}"
             node = nodes[-1] if source == "parity_rebuild" else 0
             mem = [w for w in node_of if node_of[w] == node]
             times = []
             for _ in range(3):  # the median of three: the first pays for page faults and the coder's set-up
                 t0 = time.perf_counter()
                 restore_from_memory(spec, job=job, node=node, node_of=node_of, members=tuple(mem), me=mem[0],
-                                    broadcast=None, model=fresh_model, optimizer=fresh_opt,
+                                    broadcast=alone, model=fresh_model, optimizer=fresh_opt,
                                     device=torch.device("cpu"))
                 times.append(time.perf_counter() - t0)
             out[source] = statistics.median(times)
@@ -172,6 +173,7 @@ def _in_process(a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     saver.save(1, training_state(model, opt), {"loss": 0.0})
     saver.wait()
     ckpt = latest_checkpoint(tmp / "dcp-run")
+    assert ckpt is not None, "the checkpoint just written is not found"
     times = []
     for _ in range(3):  # verified (sha256 of every file) and loaded, as a restart does; warm page cache
         t0 = time.perf_counter()
@@ -309,7 +311,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     help="which measurements to run")
     ap.add_argument("--first-writes-mb", type=int, default=1024, help="state of the first_writes part (MiB)")
     ap.add_argument("--out", type=Path, default=None, help="default benchmarks/results/snapshot_PRESET.json")
-    a, a.overrides = parse_with_overrides(ap, argv)
+    a, overrides = parse_with_overrides(ap, argv)
+    a.overrides = overrides
     parts = a.parts.split(",")
     valid = ("bytes", "pinned", "in_process", "contention", "first_writes", "overhead", "kill", "rejoin")
     unknown = set(parts) - set(valid)

@@ -37,7 +37,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import requests
 import torch
@@ -54,7 +54,7 @@ from unbroken.mecefo.takeover import takeover_policy
 from unbroken.runtime.etcd_client import parse_etcd
 from unbroken.runtime.job_store import JobStore
 from unbroken.runtime.membership import Membership
-from unbroken.runtime.protocol import StepProtocol
+from unbroken.runtime.protocol import StepJob, StepProtocol
 from unbroken.runtime.view import View
 
 __all__ = ["main"]
@@ -142,7 +142,7 @@ def _protocol_requests(url: str, tmp: Path) -> dict[str, float]:
         store = JobStore.create_on_etcd(url, timeout_s=10, secret=f"bench-protocol-{steps}", job={"bench": "store"})
         m = Membership(store, 0, heartbeat_timeout_s=5.0)
         store.beat(0)
-        p = StepProtocol(m, _ConstantJob(), policy=takeover_policy("spread"), timeout_s=10,
+        p = StepProtocol(m, cast(StepJob, _ConstantJob()), policy=takeover_policy("spread"), timeout_s=10,
                          events=JsonlWriter(tmp / f"protocol{steps}.jsonl"))
         store.publish_initial(View(gen=0, members=(0,), step=0))
         p.adopt(store.current_view())
@@ -228,7 +228,7 @@ def _steady(a: argparse.Namespace, tmp: Path, url: str, pids: list[int]) -> dict
     """Failure-free step time: ``--repeats`` pairs of short jobs, the embedded store and etcd alternating in ABBA order
     (drift cancels); per-pair ratios, their median and spread; etcd requests per step over two halves."""
     pairs: list[dict[str, Any]] = []
-    halves: list[dict[str, float]] = []
+    halves: list[dict[str, Any]] = []
     workers = a.nodes * a.workers_per_node
     for rep in range(a.repeats):
         medians: dict[str, float] = {}
@@ -299,7 +299,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--store", default=None, help="an etcd cluster to use (default: start 3 members on loopback)")
     ap.add_argument("--parts", default="latency,steady,faults", help="which measurements to run")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/store.json"))
-    a, a.overrides = parse_with_overrides(ap, argv)
+    a, overrides = parse_with_overrides(ap, argv)
+    a.overrides = overrides
     unknown = set(a.parts.split(",")) - {"latency", "steady", "faults", "watch"}
     if unknown:
         raise ValueError(f"--parts: unknown {', '.join(sorted(unknown))}; valid: latency, steady, faults, watch")

@@ -43,7 +43,7 @@ from unbroken.snapshot.plan import SnapshotPlan, complete_steps
 from unbroken.snapshot.segment import SealedBuffer, SnapshotCorrupt, job_segments, segment_path
 from unbroken.snapshot.state_bytes import StateLoader
 
-__all__ = ["decide", "inventory", "restorable_steps", "restore_from_memory", "shard_spec"]
+__all__ = ["alone", "decide", "inventory", "restorable_steps", "restore_from_memory", "shard_spec"]
 
 logger = logging.getLogger(__name__)
 
@@ -155,6 +155,10 @@ def shard_spec(spec: dict[str, Any], index: int) -> dict[str, Any]:
 
 
 Broadcast = Callable[[torch.Tensor, int], object]
+
+
+def alone(t: torch.Tensor, src: int) -> None:
+    """The broadcast of a restore one process makes by itself (every read is its own): nothing to send."""
 
 
 def restore_from_memory(spec: dict[str, Any], *, job: str, node: int, node_of: dict[int, int],
