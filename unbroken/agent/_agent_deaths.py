@@ -5,8 +5,8 @@ the kernel still tears it down (:mod:`unbroken.agent._exit_watch`: a GPU worker'
 when it is reaped, whichever comes first; it is then marked dead in the store (with the job's own error where
 it left one) and given a restart per the policy (:mod:`unbroken.agent.restarts`), and a worker seen dying is
 reaped later (``worker_reaped``, with its teardown's seconds); a worker someone else marked dead, one that
-stopped beating before its admission and an HSDP replica's siblings are fenced (SIGKILL); when every member of the view is dead the job is restored
-(:mod:`unbroken.agent._restore`).
+stopped beating before its admission and an HSDP replica's siblings are fenced (SIGKILL); when every member
+of the view is dead the job is restored (:mod:`unbroken.agent._restore`).
 """
 
 from __future__ import annotations

@@ -165,7 +165,8 @@ def _rejoins(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
             # A whole-job restore made it a member again (it loaded the state in the restored view): no rejoin
             # follows, and its time down ends here.
             down_at = down_since.pop(e["worker"])
-            out.append({"worker": e["worker"], "step": e["step"], "gen": e["gen"], "down_to_back_s": e["time"] - down_at,
+            out.append({"worker": e["worker"], "step": e["step"], "gen": e["gen"],
+                        "down_to_back_s": e["time"] - down_at,
                         "started_as": "restore", "template_phases": None, "start_phases": None})
         elif e.get("event") == "rejoined":
             since = down_since.pop(e["worker"], None)

@@ -126,7 +126,8 @@ def reference(a: argparse.Namespace) -> dict[str, Any]:
     if compiled and True not in modes:
         modes.append(True)  # unbroken compiles: its ratio needs the compiled plain loop
     settings = [x.strip() for x in a.snapshots.split(",") if x.strip()] or [str(cfg.snapshot.every)]
-    entries: list[tuple[str, Any]] = [("plain", mode) for mode in modes] + [("unbroken", (n, every)) for n in counts for every in settings]
+    entries: list[tuple[str, Any]] = ([("plain", mode) for mode in modes]
+                                      + [("unbroken", (n, every)) for n in counts for every in settings])
     runs: list[list[dict[str, Any]]] = [[] for _ in entries]  # each entry's row of every round
     with tempfile.TemporaryDirectory(prefix="unbroken-bench-ref-") as tmp:
         for r in range(a.rounds):
