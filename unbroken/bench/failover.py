@@ -42,7 +42,7 @@ from typing import Any
 
 from unbroken.agent.launcher import launch
 from unbroken.bench.report import summarize_run
-from unbroken.bench.throughput import machine_description
+from unbroken.bench.machine import machine_description
 from unbroken.bench._args import parse_with_overrides
 from unbroken.config import Config, load_config
 from unbroken.runtime.recovery import recovery

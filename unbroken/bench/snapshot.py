@@ -54,7 +54,7 @@ import torch
 
 from unbroken.agent.launcher import launch
 from unbroken.bench._args import parse_with_overrides
-from unbroken.bench.throughput import machine_description
+from unbroken.bench.machine import machine_description
 from unbroken.config import Config, load_config, preset
 from unbroken.jsonl import read_jsonl
 from unbroken.runtime.ledger import read_events

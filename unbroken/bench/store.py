@@ -46,7 +46,7 @@ from unbroken.agent.launcher import launch
 from unbroken.bench._args import parse_with_overrides
 from unbroken.bench.local_etcd import LocalEtcd
 from unbroken.bench.report import summarize_run
-from unbroken.bench.throughput import machine_description
+from unbroken.bench.machine import machine_description
 from unbroken.config import Config, load_config
 from unbroken.faults.store_loss import STORE_PIDS_ENV
 from unbroken.jsonl import JsonlWriter, read_jsonl

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from unbroken.agent.launcher import launch_local
+from unbroken.bench.failover import store_per_step
 from unbroken.bench.machine import machine_description
 from unbroken.bench.plain_loop import flops_per_token, peak_flops, plain_loop
 from unbroken.config import Config, load_config
@@ -169,7 +170,8 @@ def _unbroken_run(a: argparse.Namespace, cfg: Config, n: int, every: str, run_di
            "peak_memory_bytes": s.get("peak_memory_bytes"), "compiled_frames": s.get("compiled_frames"),
            "runtime_device_bytes": s.get("device_bytes"),
            "snapshot_every": run_cfg.snapshot.every, "snapshots": s.get("snapshots"), "wall_s": s["wall_s"],
-           "snapshot_steps": snapshot_split(Path(s["run_dir"]), a.steps)}
+           "snapshot_steps": snapshot_split(Path(s["run_dir"]), a.steps),
+           "store_per_step": store_per_step(Path(s["run_dir"]))}
     if a.keep_logs is not None:
         _keep_logs(Path(s["run_dir"]), a.keep_logs / run_dir.name)
     # its final checkpoint is not read here: not kept beside the next jobs' (16 GB each at llama-1b)
@@ -181,6 +183,10 @@ def _unbroken_run(a: argparse.Namespace, cfg: Config, n: int, every: str, run_di
                                                               for k, v in own.items()) or "-"), flush=True)
     if row["snapshot_steps"]:
         print("  last half, worker 0: " + split_line(row["snapshot_steps"]), flush=True)
+    store = row["store_per_step"]
+    if store.get("main_per_step") is not None:
+        print(f"  store requests per step and worker: {store['main_per_step']:.2f} by the step, "
+              f"{store.get('heartbeat_per_step') or 0:.2f} by the heartbeat thread", flush=True)
     return row
 
 
