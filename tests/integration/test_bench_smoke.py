@@ -68,6 +68,7 @@ def test_throughput_reference_benchmark(tmp_path, corpus_overrides):
         assert row["ratio_vs_plain"] == pytest.approx(row["tokens_per_s"] / plain["tokens_per_s"])
         assert row["ratio_vs_plain_rounds"] == [pytest.approx(row["ratio_vs_plain"])]
         assert row["mfu"] is None  # no peak FLOP/s is known for a CPU
+        assert row["store_per_step"]["main_per_step"] > 0, "the step's store requests, from the worker's report"
     assert "snapshot_overhead" not in off
     assert on["snapshot_overhead"] == pytest.approx(1 - on["window_tokens_per_s"] / off["window_tokens_per_s"])
     assert off["snapshots"] == {"every": 0, "taken": 0}
