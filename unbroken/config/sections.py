@@ -9,6 +9,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from unbroken.config.fields import raise_all, set_field
+from unbroken.config.validation import validate
+
 
 @dataclass(kw_only=True)
 class ModelConfig:
@@ -279,9 +282,6 @@ class Config:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Config:
         """Build from nested dicts, validating every field; all errors at once."""
-        from unbroken.config.loading import _raise_all, _set_field  # local: loading imports this module
-        from unbroken.config.validation import validate
-
         cfg = cls()
         errors: list[str] = []
         for section, values in data.items():
@@ -292,9 +292,9 @@ class Config:
                 errors.append(f"section {section!r} must be a table, got {values!r}")
                 continue
             for name, value in values.items():
-                err = _set_field(getattr(cfg, section), section, name, value, from_text=False)
+                err = set_field(getattr(cfg, section), section, name, value, from_text=False)
                 if err:
                     errors.append(err)
         errors += validate(cfg)
-        _raise_all(errors)
+        raise_all(errors)
         return cfg

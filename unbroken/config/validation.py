@@ -8,9 +8,10 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-from unbroken.config.sections import Config
+if TYPE_CHECKING:
+    from unbroken.config.sections import Config
 
 Need = Callable[[bool, str], None]
 """``need(condition, message)``: the message is reported unless the condition holds."""
