@@ -69,7 +69,7 @@ def _rank(argv: list[str]) -> None:
     mode, rank, port, out, preset, steps = argv[0], int(argv[1]), int(argv[2]), Path(argv[3]), argv[4], int(argv[5])
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=120))
-    model = build_model(preset, vocab_size=VOCAB, seq_len=SEQ, seed=0)
+    model: torch.nn.Module = build_model(preset, vocab_size=VOCAB, seq_len=SEQ, seed=0)
     replica, index = divmod(rank, SHARDS)
     cpu = torch.device("cpu")
     if mode.startswith("unbroken"):
@@ -113,7 +113,8 @@ def _rank(argv: list[str]) -> None:
         opt.step()
         opt.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - t0)
-    full = torch.cat([p.detach().full_tensor().reshape(-1) for p in model.parameters()])
+    full = torch.cat([p.detach().full_tensor().reshape(-1)  # type: ignore[attr-defined]  # a DTensor
+                      for p in model.parameters()])
     (out.with_suffix(".bin")).write_bytes(full.numpy().tobytes())
     out.with_suffix(".json").write_text(json.dumps({"step_s": times,
                                                     "local_numel": GradientShards(model).numel}))

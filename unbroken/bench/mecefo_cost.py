@@ -35,13 +35,14 @@ import statistics
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from unbroken.config import MecefoConfig
-from unbroken.mecefo.adapter import LlamaAdapter
+from unbroken.mecefo.adapter import LlamaAdapter, linear_weight
 from unbroken.mecefo.costs import COMPONENTS, SavedBytes, count_flops, relative_errors, svd_flops_per_refresh
-from unbroken.mecefo.gradients import BatchFn, GradLayout, SlotWork, apply_reduced, compute_gradient_sums
+from unbroken.mecefo.gradients import BatchFn, GradLayout, Mode, SlotWork, apply_reduced, compute_gradient_sums
 from unbroken.mecefo.takeover import POLICIES  # the policies this benchmark reports (its callers read it here)
 from unbroken.models import Transformer, model_args
 
@@ -138,7 +139,7 @@ def _measure_modes(preset: str, n_layers: int, mb: int, seq: int, a: argparse.Na
     model = _model(preset, seq, a.seed, n_layers=n_layers)
     adapter = LlamaAdapter(model, rank=rank, tau=a.tau)
     adapter.prepare(0)  # SVDs outside the counted region; they are added analytically
-    kinds = {"approx": (adapter, "approx", mb)}
+    kinds: dict[str, tuple[LlamaAdapter, Mode, int]] = {"approx": (adapter, "approx", mb)}
     if full:
         stored = LlamaAdapter(model, rank=rank, tau=a.tau, recompute=False)
         stored.basis = adapter.basis  # same rank and tau: share the bases instead of redoing the SVDs
@@ -246,11 +247,11 @@ def _summary(samples: list[dict[str, float]]) -> dict[str, dict[str, float]]:
 def _set_ffn(model: Transformer, weights: dict[str, torch.Tensor]) -> None:
     with torch.no_grad():
         for name, w in weights.items():
-            model.get_submodule(name).weight.copy_(w)
+            linear_weight(model, name).copy_(w)
 
 
 def _ffn_weights(model: Transformer, adapter: LlamaAdapter) -> dict[str, torch.Tensor]:
-    return {name: model.get_submodule(name).weight.detach().clone()
+    return {name: linear_weight(model, name).detach().clone()
             for parts in adapter.blocks() for name in parts.ffn_linears}
 
 
@@ -313,7 +314,7 @@ def _check(model: Transformer, adapters: dict[int, LlamaAdapter], layout: GradLa
            a: argparse.Namespace) -> None:
     """Errors at ``step`` for every rank and basis age; appends to ``samples[(rank, age)]``."""
 
-    def run(slot: int, mode: str, adapter: LlamaAdapter) -> torch.Tensor:
+    def run(slot: int, mode: Mode, adapter: LlamaAdapter) -> torch.Tensor:
         return _run(model, adapter, [SlotWork(slot, (0, mb), mode)], step=step, micro_batch=mb,
                     batch_fn=batch_fn, layout=layout)
 
@@ -329,7 +330,7 @@ def _check(model: Transformer, adapters: dict[int, LlamaAdapter], layout: GradLa
             adapter.prepare(step)
             _set_ffn(model, current)
             approx = {s: run(s, "approx", adapter) for s in (f_slot, f_slot + 1)}
-            sample = {"microbatch": relative_errors(layout, approx[f_slot], exact[f_slot])}
+            sample: dict[str, Any] = {"microbatch": relative_errors(layout, approx[f_slot], exact[f_slot])}
             for n in a.n:
                 ref = refs[n]
                 neighbor = ref - exact[f_slot] - exact[f_slot + 1] + approx[f_slot] + approx[f_slot + 1]
@@ -368,7 +369,8 @@ def _wall(preset: str, a: argparse.Namespace) -> dict:
     med = {k: statistics.median(v) for k, v in times.items()}
     best = {k: min(v) for k, v in times.items()}  # less sensitive to a shared machine's bursts
     svd_per_step = svd_s / a.tau
-    out = {"shape": {"micro_batch": mb, "seq_len": seq, "threads": torch.get_num_threads(), "reps": a.wall_reps},
+    out: dict[str, Any] = {"shape": {"micro_batch": mb, "seq_len": seq, "threads": torch.get_num_threads(),
+                                     "reps": a.wall_reps},
            "normal_s": med["normal"], "svd_refresh_s": svd_s, "ratios": {}}
     for name in work:
         if name == "normal":

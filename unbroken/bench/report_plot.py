@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from matplotlib.artist import Artist
 from matplotlib.axes import Axes
 from matplotlib.colors import ListedColormap
 from matplotlib.figure import Figure
@@ -37,7 +38,7 @@ DEATH_STYLE = {"crash": ("X", "#b71c1c"), "hang": ("s", "#6a1b9a"), "block": ("D
 """Marker and colour of each kind of death (:data:`unbroken.bench.report_series.DEATH_KINDS`)."""
 REJOIN_STYLE = ("^", "#0d47a1")
 SLOT_COLORS = {rs.COVERED_EXACT: "#42a5f5", rs.COVERED_APPROX: "#fb8c00", rs.OWN_APPROX: "#ffe0b2"}
-LEGEND = {"loc": "upper left", "bbox_to_anchor": (1.01, 1.0), "fontsize": 9, "frameon": False, "borderaxespad": 0}
+LEGEND: dict[str, Any] = {"loc": "upper left", "bbox_to_anchor": (1.01, 1.0), "fontsize": 9, "frameon": False, "borderaxespad": 0}
 
 
 @dataclass(frozen=True)
@@ -122,7 +123,7 @@ def _timeline(ax: Axes, r: dict[str, Any]) -> None:
                     fontsize=9, va="bottom", annotation_clip=False)
     order = list(DEATH_STYLE)
     kinds = sorted({d["kind"] for d in r["deaths"]}, key=lambda k: order.index(k) if k in order else len(order))
-    handles = [Patch(color=STATE_COLORS[s], label=s) for s in rs.STATES]
+    handles: list[Artist] = [Patch(color=STATE_COLORS[s], label=s) for s in rs.STATES]
     handles += [_marker(*DEATH_STYLE.get(k, ("o", "#000000")), f"death: {k}") for k in kinds]
     handles += [_marker(*REJOIN_STYLE, "rejoin")] if r["rejoin_steps"] else []
     ax.legend(handles=handles, **LEGEND)

@@ -44,7 +44,7 @@ from unbroken.mecefo.lowrank import LowRankBasis, lowrank_linear
 from unbroken.models.llama import TransformerBlock
 
 __all__ = ["GROUP_NAMES", "BlockKind", "BlockParts", "ExactOnlyAdapter", "LlamaAdapter", "ModelAdapter",
-           "NoAdapter", "adapter_for", "component_of", "has_blocks", "transformer_blocks"]
+           "NoAdapter", "adapter_for", "component_of", "has_blocks", "linear_weight", "transformer_blocks"]
 
 GROUP_NAMES: tuple[str, ...] = ("rest", "attention")
 MODES = ("exact", "approx")
@@ -239,7 +239,7 @@ class LlamaAdapter:
         before = self.basis.svd_count
         for parts in self._parts:
             for name in parts.ffn_linears:
-                self.basis.get(name, _weight(self.model, name), step=step)
+                self.basis.get(name, linear_weight(self.model, name), step=step)
         return self.basis.svd_count - before
 
     def _approx_block_forward(self, block: torch.nn.Module, parts: BlockParts, x_BTD: torch.Tensor,
@@ -290,7 +290,7 @@ def has_blocks(model: torch.nn.Module) -> bool:
     return any(_kind_of(m) is not None for m in model.modules())
 
 
-def _weight(model: torch.nn.Module, name: str) -> torch.Tensor:
+def linear_weight(model: torch.nn.Module, name: str) -> torch.Tensor:
     """The weight of linear ``name`` of ``model``."""
     weight = model.get_submodule(name).weight
     assert isinstance(weight, torch.Tensor), f"{name}.weight is not a tensor"
