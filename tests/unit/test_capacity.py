@@ -39,6 +39,8 @@ def test_a_gap_longer_than_the_agent_said_is_unexplained():
     s = summarize(EVENTS)
     assert s["losses"] == 3 and s["back"] == 2 and len(s["never_back"]) == 1
     assert s["slower_than_target"] == 1 and len(s["unexplained_gaps"]) == 1
+    assert [x["worker"] for x in s["slower_for_no_reason_found"]] == [2], \
+        "worker 2 came back late with no other loss and no new fault meanwhile: named for a look"
 
 
 def test_a_member_stopped_and_continued_before_anything_noticed_is_back_when_continued():

@@ -159,6 +159,7 @@ def summarize(events: list[dict[str, Any]], faults: Sequence[dict[str, Any]] = (
             "slower_than_target": len(slow), "target_s": BACK_TARGET_S,
             "slower_with_another_loss_meanwhile": sum(1 for x in slow if x["meanwhile"]),
             "slower_hit_again": sum(1 for x in slow if x["hit_again"]),
+            "slower_for_no_reason_found": [x for x in slow if not x["meanwhile"] and not x["hit_again"]],
             "back_s": {"p50": q(0.5), "p90": q(0.9), "p99": q(0.99), "max": back[-1] if back else None,
                        "mean": round(statistics.fmean(back), 3) if back else None},
             "by_how": {h: sum(1 for x in ls if x["how"] == h) for h in ("rejoin", "restore", "view", "continued")},

@@ -224,6 +224,9 @@ def _print(r: dict[str, Any]) -> None:
               f"{c['slower_with_another_loss_meanwhile']} while another worker was lost too (its admission waited "
               f"for a step boundary, the steps for that loss to be detected), {c['slower_hit_again']} hit again "
               f"as it came back")
+        for x in c.get("slower_for_no_reason_found", [])[:10]:
+            print(f"    no other loss and no new fault meanwhile: worker {x['worker']} back after {x['back_s']:.2f} s "
+                  f"({x['cause']}, {x['how']})")
     for x in c["never_back"]:
         print(f"  never back: worker {x['worker']} lost at {x['lost_at']:.1f} ({x['cause']})")
     print(f"  gaps from an exit to the next start: {c['gaps']}, unexplained {len(c['unexplained_gaps'])}")
