@@ -103,7 +103,7 @@ class _Hiccup(EmbeddedBackend):
     """The real store, whose answers fail for a while (a store restarting, a network blip)."""
 
     def __init__(self, real: EmbeddedBackend, failing_s: float) -> None:
-        super().__init__(real.client)
+        super().__init__(real.client, real._secret)
         self.until = time.monotonic() + failing_s
         self.errors = 0
 
