@@ -29,7 +29,7 @@ import torch
 
 from unbroken.models import build_model
 from unbroken.runtime.view import View
-from unbroken.snapshot.restore import decide, inventory, restore_from_memory
+from unbroken.snapshot.restore import alone, decide, inventory, restore_from_memory
 from unbroken.snapshot.segment import remove_segments
 from unbroken.snapshot.snapshotter import Snapshotter
 from unbroken.snapshot.state_bytes import tensors_of
@@ -118,7 +118,7 @@ def main() -> None:
                 for p in model.parameters():
                     p.add_(1.0)  # the restore must overwrite every byte
             t0 = time.perf_counter()
-            stats = restore_from_memory(spec, job=job, node=0, node_of={0: 0}, members=(0,), me=0, broadcast=None,
+            stats = restore_from_memory(spec, job=job, node=0, node_of={0: 0}, members=(0,), me=0, broadcast=alone,
                                         model=model, optimizer=opt, device=dev)
             restore_s = time.perf_counter() - t0
             want = json.loads((out / f"digest-{spec['step']}.json").read_text())

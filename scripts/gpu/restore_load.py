@@ -28,7 +28,7 @@ import torch
 from unbroken.config import load_config
 from unbroken.job.builder import build_job
 from unbroken.runtime.view import View
-from unbroken.snapshot.restore import decide, inventory, restore_from_memory
+from unbroken.snapshot.restore import alone, decide, inventory, restore_from_memory
 from unbroken.snapshot.segment import remove_segments
 from unbroken.snapshot.snapshotter import Snapshotter
 from unbroken.snapshot.state_bytes import tensors_of
@@ -71,7 +71,7 @@ def _restore_check(preset: str, dev: torch.device) -> dict[str, object]:
         loads = []
         for _ in range(3):
             stats = restore_from_memory(spec, job=ident, node=0, node_of=node_of, members=(0,), me=0,
-                                        broadcast=None, model=fresh.model, optimizer=fresh.optimizer, device=dev)
+                                        broadcast=alone, model=fresh.model, optimizer=fresh.optimizer, device=dev)
             loads.append(stats["gb_s"])
             if len(loads) == 1:
                 want, got = tensors_of(job.model, job.optimizer, dev), tensors_of(fresh.model, fresh.optimizer, dev)

@@ -158,7 +158,15 @@ Broadcast = Callable[[torch.Tensor, int], object]
 
 
 def alone(t: torch.Tensor, src: int) -> None:
-    """The broadcast of a restore one process makes by itself (every read is its own): nothing to send."""
+    """The broadcast of a restore one process makes by itself, as the first of ``members`` (every read is its
+    own): nothing to send. Asked to receive from another member, it raises rather than leave ``t`` unwritten.
+
+    Raises:
+        RuntimeError: ``src`` is not 0.
+    """
+    if src != 0:
+        raise RuntimeError(f"a restore made by one process alone needs bytes from member {src}: it has no group "
+                           f"to receive them over")
 
 
 def restore_from_memory(spec: dict[str, Any], *, job: str, node: int, node_of: dict[int, int],
