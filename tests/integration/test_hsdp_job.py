@@ -97,16 +97,15 @@ def test_a_dead_rank_takes_its_replica_down_the_step_is_finished_and_the_replica
     assert takeover["worker"] == 2 and takeover["leader"] == 0
     assert job.summary["steps"] == STEPS and job.summary["checkpoint"].endswith(f"step_{STEPS:07d}")
 
-    # Each death took its sibling down: fenced by its agent, not by a timeout. Worker 2 at step 5; at step 15
-    # worker 1, or worker 0 when worker 1 died first of its broken all-gather and its agent reaped it before
-    # the dying worker 0 (it then fenced worker 0 for it); worker 1 again after the last step unless it had
-    # already left when its agent reaped worker 0.
+    # Each death took its sibling down: fenced by its agent, not by a timeout. At step 5 worker 2, or worker 3
+    # when worker 2 died first of its broken all-gather and its agent reaped it before the dying worker 3 (it
+    # then fenced worker 3 for it); at step 15 worker 1, or worker 0 likewise; worker 1 again after the last
+    # step unless it had already left when its agent reaped worker 0.
     fences = [(e["time"], e["worker"]) for e in job.records
               if e.get("event") == "fence" and e["reason"].get("how") == "replica"]
     (at15,) = [e["time"] for e in job.events("fault_self") if e["step"] == 15]
-    assert [w for t, w in fences if t < at15] == [2], fences
+    assert [w for t, w in fences if t < at15] in ([2], [3]), fences
     assert [w for t, w in fences if t >= at15][:1] in ([1], [0]), fences
-    assert {w for _, w in fences} <= {0, 1, 2}, fences
 
     # The step of each failure was finished by the other replica, rank i taking slot 2r + i. Worker 3 dies just
     # after posting its part of the cross-replica reduction: a two-rank reduction of this size may complete in
