@@ -153,6 +153,9 @@ def test_a_larger_share_after_a_restore_grows_the_newest_buffer_in_place(job_id)
     after = snapshotter()  # restored alone from step 4: its share is the whole state now
     after.take(5, View(gen=3, members=(0,), step=5))
     after.wait()
+    reserving = after._reserving  # the map-ahead of buffer 0 runs on a write thread beside the write: wait for it
+    assert reserving is not None and reserving[0] == 0
+    reserving[1].result()
     assert _held_steps(job_id) == {"b0": 4, "b1": 5}, "the restored-from snapshot survives the map-ahead"
     assert job_segments(job_id)[0].stat().st_size > small, "and its buffer was grown for the next write"
     after.take(6, View(gen=3, members=(0,), step=6))
