@@ -41,6 +41,8 @@ from typing import Any
 
 import torch
 
+from unbroken.runtime.derived_keys import derive_key
+
 __all__ = ["CACHE_FILE", "cache_key", "identity", "load_compile_cache", "save_compile_cache"]
 
 logger = logging.getLogger(__name__)
@@ -61,7 +63,7 @@ class CacheRefused(ValueError):
 
 def cache_key(secret: str) -> bytes:
     """The key of the cache file's MAC, derived from the job's secret (never the secret itself)."""
-    return hashlib.sha256(b"unbroken-compile-cache\0" + secret.encode()).digest()
+    return derive_key(secret, b"unbroken-compile-cache")
 
 
 def identity(device: torch.device) -> dict[str, str | None]:

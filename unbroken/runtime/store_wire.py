@@ -32,6 +32,8 @@ import os
 import socket
 import struct
 
+from unbroken.runtime.derived_keys import derive_key
+
 __all__ = ["LAUNCH_ENV", "MAX_FRAME", "Channel", "HandshakeRefused", "OtherLaunch", "WireError", "client_handshake", "pack",
            "server_handshake", "store_key", "unpack"]
 
@@ -59,7 +61,7 @@ class OtherLaunch(HandshakeRefused):
 
 def store_key(secret: str) -> bytes:
     """The key of a job's store connections, derived from its secret (never the secret itself)."""
-    return hashlib.sha256(b"unbroken-store-auth\0" + secret.encode()).digest()
+    return derive_key(secret, b"unbroken-store-auth")
 
 
 def _mac(key: bytes, *parts: bytes) -> bytes:

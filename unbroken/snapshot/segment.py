@@ -37,7 +37,6 @@ as absent and reports. Writers create new segments ``O_EXCL|O_NOFOLLOW``.
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import json
 import mmap
@@ -55,6 +54,8 @@ import numpy as np
 # zlib's CRC-32 (the same values), computed with the CPU's carry-less multiply at several times zlib's
 # speed (and, as zlib's, outside the GIL): with zlib the checksum of every byte bounded a snapshot's write
 from zlib_ng import zlib_ng
+
+from unbroken.runtime.derived_keys import derive_key
 
 __all__ = ["HEADER_BYTES", "SHM_DIR", "Buffer", "SealedBuffer", "SnapshotCorrupt", "SnapshotMemoryUnsafe", "crc32",
            "job_segments", "open_segment", "remove_segments", "segment_dir", "segment_name", "segment_path"]
@@ -109,7 +110,7 @@ def segment_path(name: str) -> Path:
 
 def _seal_key() -> bytes | None:
     secret = os.environ.get(SECRET_ENV)
-    return hashlib.sha256(b"unbroken-snapshot-seal\0" + secret.encode()).digest() if secret else None
+    return derive_key(secret, b"unbroken-snapshot-seal") if secret else None
 
 
 def _open_own(path: Path, flags: int) -> int:
