@@ -119,7 +119,7 @@ def seal_files(path: Path, known: dict[str, str] | None = None) -> dict[str, str
     missing = set(known) - {f.relative_to(path).as_posix() for f in files}
     if missing:
         raise FileNotFoundError(f"{path}: {sorted(missing)[0]} was written but is gone")
-    digests.update({name: known[name] for name in known})
+    digests.update(known)
     for d in sorted({f.parent for f in files} | {path}, key=lambda d: -len(d.parts)):
         fsync_dir(d)
     return dict(sorted(digests.items()))
