@@ -4,7 +4,9 @@ later process of the job loads them before its first step.
 A job of two workers with ``train.compile`` on (CPU: inductor's C++ kernels) and a warm standby, in an inductor
 cache directory of its own (empty: the first workers compile from scratch). Worker 1 is killed once the standby
 has compiled ahead, and again once the standby, now worker 1, has trained; its third process is a replacement
-(forked from the node's template, or the next standby). The end state is every failover scenario's
+(forked from the node's template, or the next standby). The scenario waits for each of these events however slow
+the machine: the members are frozen while the standby compiles ahead, and worker 0 is let run only in short slices
+while a process it must admit gets ready, so the job cannot run out of steps first. The end state is every failover scenario's
 (:func:`_faults.check_invariants`), and:
 
 - the leader wrote the job's compile cache once, after its first compiled step, kernels included;
@@ -30,17 +32,64 @@ from unbroken.bench.report import summarize_run
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 STEPS = 500
-"""Long enough for the standby to load the cache and compile ahead (a few seconds) and for two kills after it; a
-joiner's first step holds the others back meanwhile, so the steps left after the kills never run out."""
+"""More steps than the scenario needs; it does not count on them: the job is held while it waits (below)."""
+HOLD_S = 200.0
+"""The heartbeat and progress timeouts: the scenario freezes members while the standby compiles ahead and while
+the replacement starts, and no peer may be judged hung meanwhile (kills are seen by the agent, not by a timeout)."""
+
+
+class _Hold:
+    """Keeps worker 0 from running out of steps while a process it waits for gets ready, however slow the machine:
+    frozen (SIGSTOP) while nothing needs it, or let run one short slice at a time while a joiner needs it for its
+    admission, until :meth:`release`."""
+
+    def __init__(self) -> None:
+        self.released = threading.Event()
+        self.thread: threading.Thread | None = None
+
+    def freeze(self, pids: list[int]) -> None:
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+
+    def trickle(self, pid: int) -> None:
+        """Let ``pid`` run a slice of 20 ms in every 200 ms until released (the joiner's admission needs it)."""
+
+        def run() -> None:
+            while not self.released.is_set():
+                _signal(pid, signal.SIGCONT)
+                if self.released.wait(0.02):
+                    break
+                _signal(pid, signal.SIGSTOP)
+                self.released.wait(0.18)
+            _signal(pid, signal.SIGCONT)
+
+        self.released.clear()
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+
+    def release(self, pids: list[int]) -> None:
+        self.released.set()
+        if self.thread is not None:
+            self.thread.join(timeout=10)
+        for pid in pids:
+            _signal(pid, signal.SIGCONT)
+
+
+def _signal(pid: int, sig: signal.Signals) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
 
 
 def test_a_standby_and_a_replacement_load_the_jobs_compile_cache(tmp_path, corpus_overrides, monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # inherited by every process
-    # (the first step compiles from scratch on a shared machine: no member may be judged stuck meanwhile)
-    cfg = failover_config(corpus_overrides, STEPS, "train.compile=true", "fault.progress_timeout_s=180")
+    cfg = failover_config(corpus_overrides, STEPS, "train.compile=true", f"fault.progress_timeout_s={HOLD_S}",
+                          f"fault.heartbeat_timeout_s={HOLD_S}")
     run_dir = tmp_path / "run"
     lock = threading.Lock()
-    seen: dict[str, Any] = {"w1": [], "standby": None, "killed": []}
+    seen: dict[str, Any] = {"w0": None, "w1": [], "standby": None, "killed": [], "frozen": False}
+    hold = _Hold()
 
     def kill(pid: int) -> None:
         os.kill(pid, signal.SIGKILL)
@@ -48,16 +97,36 @@ def test_a_standby_and_a_replacement_load_the_jobs_compile_cache(tmp_path, corpu
 
     def on_event(e: dict[str, Any]) -> None:
         with lock:
-            if e.get("event") == "compiled" and e["worker"] == 1:
+            if e.get("event") == "compiled" and e["worker"] == 0:
+                seen["w0"] = seen["w0"] or e["pid"]
+            elif e.get("event") == "compiled" and e["worker"] == 1:
                 seen["w1"].append(e["pid"])
+                if len(seen["killed"]) == 2 and e["pid"] not in seen["killed"]:
+                    hold.release([seen["w0"]])  # the replacement was admitted and trained
                 if e["pid"] == seen["standby"] and len(seen["killed"]) == 1:  # it took over and trained
+                    # Worker 0 holds back until the replacement is admitted, so the job cannot end before.
+                    hold.release([])
+                    hold.freeze([seen["w0"]])
                     kill(e["pid"])
+                    hold.trickle(seen["w0"])
             elif e.get("event") == "standby_ready" and ((e.get("compile") or {}).get("ahead") or {}).get("frames"):
                 seen["standby"] = seen["standby"] or e["pid"]
+            elif (e.get("event") == "start_phases" and e.get("worker") == 1 and len(seen["killed"]) == 2
+                  and e.get("pid") not in seen["killed"]):
+                hold.release([seen["w0"]])  # the replacement (a fork) was admitted
+            if seen["w0"] and seen["w1"] and not seen["standby"] and not seen["frozen"] and not seen["killed"]:
+                # Both trained a compiled step (the cache is written): frozen until the standby compiled ahead.
+                seen["frozen"] = True
+                hold.freeze([seen["w0"], seen["w1"][0]])
             if seen["standby"] and seen["w1"] and not seen["killed"]:
                 kill(seen["w1"][0])
+                hold.trickle(seen["w0"])  # until the standby took over and trained
 
-    job = run_job(cfg, run_dir, nodes=1, workers_per_node=2, restart="on-failure", on_event=on_event, standby=True)
+    try:
+        job = run_job(cfg, run_dir, nodes=1, workers_per_node=2, restart="on-failure", on_event=on_event,
+                      standby=True)
+    finally:
+        hold.release([seen["w0"]] if seen["w0"] else [])
     check_invariants(job, live=[0, 1])
     assert len(seen["killed"]) == 2 and seen["killed"][1] == seen["standby"], seen
 
