@@ -16,7 +16,9 @@ import torch.distributed as dist
 
 from unbroken.runtime.job_store import JobStore
 from unbroken.runtime.store_backend import SECRET_ENV, StoreAccessDenied, job_secret, save_secret
-from unbroken.runtime.store_wire import LAUNCH_ENV, MAGIC, NONCE, LAUNCH_LEN
+from unbroken.runtime import store_server
+from unbroken.runtime.store_server import MAX_PENDING, OK, OPS
+from unbroken.runtime.store_wire import LAUNCH_ENV, LAUNCH_LEN, MAGIC, NONCE, client_handshake, pack, store_key, unpack
 from unbroken.runtime.view import View
 
 pytestmark = pytest.mark.timeout(60)
@@ -145,6 +147,37 @@ def test_a_flood_of_connections_is_bounded_and_the_job_still_connects(store):
                 time.sleep(0.2)
         assert late.gen() == 0
     finally:
+        for s in flood:
+            s.close()
+
+
+def _received(sock: socket.socket, n: int) -> bytes:
+    """``sock``'s first ``n`` bytes, or fewer if the peer closed first."""
+    got = b""
+    while len(got) < n and (more := sock.recv(n - len(got))):
+        got += more
+    return got
+
+
+def test_a_flood_never_drops_a_handshake_the_job_has_begun(store, monkeypatch):
+    """Nothing tells the job's slow handshake from an outsider's idle connection: past the bound the newest
+    connection is turned away, never one already authenticating (the job's own could be the oldest)."""
+    monkeypatch.setattr(store_server, "HANDSHAKE_S", 60.0)  # the job's handshake may wait as long as this test
+    hello_len = len(MAGIC) + LAUNCH_LEN + NONCE
+    job = socket.create_connection(("127.0.0.1", store.port), timeout=30)
+    peeked = job.recv(hello_len, socket.MSG_PEEK | socket.MSG_WAITALL)  # left for the handshake to read
+    assert len(peeked) == hello_len, "admitted: its hello came"
+    flood = [socket.create_connection(("127.0.0.1", store.port), timeout=30) for _ in range(2 * MAX_PENDING)]
+    try:
+        # Once each flood connection has its hello or is closed, the server has decided on every one of them.
+        seen = [len(_received(s, hello_len)) for s in flood]
+        channel, _ = client_handshake(job, store_key(SECRET), store.launch)
+        channel.send(pack(OPS["add"], [b"n", b"7"]))
+        assert unpack(channel.recv()) == (OK, [b"7"]), "the job's begun handshake went through the flood"
+        assert seen == [hello_len] * (MAX_PENDING - 1) + [0] * (MAX_PENDING + 1), "the newest turned away"
+        assert store.backend.server.turned_away == MAX_PENDING + 1
+    finally:
+        job.close()
         for s in flood:
             s.close()
 

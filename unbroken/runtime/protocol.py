@@ -56,6 +56,7 @@ from unbroken.runtime.membership import (Fenced, MemberDied, Membership, MissedC
                                        ViewChanged)
 from unbroken.runtime.process_group import CollectiveFailed, ViewGroup
 from unbroken.runtime.state_transfer import transfer_state
+from unbroken.runtime.store_backend import GroupStoreUnavailable
 from unbroken.runtime.work_plan import SlotPlan
 from unbroken.sharding.layout import StateLayout
 
@@ -167,8 +168,8 @@ class StepProtocol(JoinerAdmission):
 
         Raises:
             Fenced: this worker is not a member.
-            MemberDied, ViewChanged, CollectiveFailed: the view cannot be formed;
-                the caller moves on to a newer one.
+            MemberDied, ViewChanged, CollectiveFailed: the view cannot be formed (CollectiveFailed too when
+                the store refused its group's rendezvous connection); the caller moves on to a newer one.
         """
         if self.me not in view.members:
             raise Fenced(f"worker {self.me} is not a member of view {view.gen}")
@@ -186,7 +187,11 @@ class StepProtocol(JoinerAdmission):
             self.before_admission()  # sealed before arriving: a joiner reads only once everyone has arrived
         self._arrive(view)
         name, self.peers = self.plan.peers(self.me, view.members)
-        self.group = ViewGroup(self.store.group_store(view.gen, name), gen=view.gen,
+        try:
+            rendezvous = self.store.group_store(view.gen, name)
+        except GroupStoreUnavailable as exc:  # this view fails, as for a member that never connected
+            raise CollectiveFailed(f"view {view.gen}'s group: {exc}") from None
+        self.group = ViewGroup(rendezvous, gen=view.gen,
                                rank=self.peers.index(self.me), size=len(self.peers), device=self.job.device,
                                timeout_s=self.timeout_s, check=self._check, backend=self.backend)
         if view.restore is not None and self.restorer is not None:

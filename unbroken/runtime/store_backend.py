@@ -20,6 +20,7 @@ writes is under the job's namespace.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import secrets
 from abc import ABC, abstractmethod
@@ -29,10 +30,13 @@ import torch.distributed as dist
 
 from unbroken.runtime.store_client import GroupStore, StoreClient
 from unbroken.runtime.store_server import StoreServer
-from unbroken.runtime.store_wire import LAUNCH_ENV, HandshakeRefused, OtherLaunch, WireError
+from unbroken.runtime.store_wire import LAUNCH_ENV, HandshakeRefused, OtherLaunch, TurnedAway, WireError
 
 __all__ = ["ETCD_SCHEME", "ETCDS_SCHEME", "ETCD_TLS_ENV", "is_etcd_address", "SECRET_ENV", "SECRET_FILE",
-           "StoreAccessDenied", "StoreBackend", "EmbeddedBackend", "job_secret", "new_secret", "save_secret"]
+           "GROUP_CONNECT_TRIES", "GroupStoreUnavailable", "StoreAccessDenied", "StoreBackend", "EmbeddedBackend",
+           "job_secret", "new_secret", "save_secret"]
+
+logger = logging.getLogger(__name__)
 
 ETCD_SCHEME = "etcd://"
 """A store address starting so names an etcd cluster (:mod:`unbroken.runtime.etcd_backend`)."""
@@ -50,6 +54,17 @@ SECRET_ENV = "UNBROKEN_JOB_SECRET"
 """Environment variable holding the job's secret (agents pass it to their workers this way, never on argv)."""
 SECRET_FILE = "secret"
 """The secret's file in the run directory (mode 0600)."""
+
+
+GROUP_CONNECT_TRIES = 3
+"""Tries at a process group's rendezvous connection before its view is given up (each within the client's
+timeout): a store that refused or dropped one handshake may take the next; one that refuses them all fails
+the view, not the worker (:class:`GroupStoreUnavailable`)."""
+
+
+class GroupStoreUnavailable(dist.DistStoreError):
+    """No rendezvous connection for a view's process group in :data:`GROUP_CONNECT_TRIES` tries: the view cannot
+    be formed (the step protocol moves on to a newer one, as for a member that never connected)."""
 
 
 UNSEEN = b"-1"
@@ -216,10 +231,24 @@ class EmbeddedBackend(StoreBackend):
     def group_store(self, prefix: str) -> dist.Store:
         """A rendezvous store on a connection of its own: a waiting ``get`` holds only its own connection, so a
         group's rendezvous never stalls the failure detector's reads (nor a new view's behind an abandoned
-        one's). The connection closes with the group."""
-        client = StoreClient(self.client.host, self.client.port, secret=self._secret, timeout_s=self.client.timeout_s,
-                             launch=self.client.launch)
-        return GroupStore(client, prefix + "/")
+        one's). The connection closes with the group.
+
+        Raises:
+            GroupStoreUnavailable: no connection in :data:`GROUP_CONNECT_TRIES` tries (handshakes refused or
+                broken, nothing answering).
+        """
+        errors = []
+        for _ in range(GROUP_CONNECT_TRIES):
+            try:
+                client = StoreClient(self.client.host, self.client.port, secret=self._secret,
+                                     timeout_s=self.client.timeout_s, launch=self.client.launch)
+            except ConnectionError as exc:  # HandshakeRefused, TurnedAway, WireError: one connection's fate
+                logger.warning("the rendezvous connection of %s failed (%s: %s)", prefix, type(exc).__name__, exc)
+                errors.append(f"{type(exc).__name__}: {exc}")
+                continue
+            return GroupStore(client, prefix + "/")
+        raise GroupStoreUnavailable(f"no rendezvous connection for {prefix} in {GROUP_CONNECT_TRIES} tries "
+                                    f"({'; '.join(errors)})")
 
     def close(self) -> None:
         """Close this connection, and stop the store if this process hosts it."""
@@ -251,6 +280,9 @@ class EmbeddedBackend(StoreBackend):
             client = StoreClient(host.strip("[]"), int(port), secret=secret, timeout_s=timeout_s, launch=launch)
         except OtherLaunch as exc:
             raise StoreAccessDenied(f"store {addr}: {exc}") from None
+        except TurnedAway as exc:
+            raise ConnectionError(f"store {addr} turned every connection away for {timeout_s:.0f} s (too many "
+                                  f"connections authenticating at once: {exc})") from None
         except HandshakeRefused:
             raise StoreAccessDenied(f"store {addr} holds no job under this secret (it refused this secret's proof); "
                                     f"use the run's {SECRET_FILE} file or {SECRET_ENV} of the job you mean") from None

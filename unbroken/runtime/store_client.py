@@ -1,13 +1,21 @@
 """A client of the job's embedded store (:mod:`unbroken.runtime.store_server`), and the ``torch.distributed.Store``
 the job's process groups rendezvous on.
 
-One :class:`StoreClient` is one authenticated connection (:mod:`unbroken.runtime.store_wire`), one request at
-a time (a lock serialises threads). A broken connection, a store that does not answer within the operation's
-timeout, or a store that went away raise ``torch.distributed.DistStoreError``, as a lost ``TCPStore`` did:
-the job's code treats them as the store lost. :attr:`StoreClient.round_trips` counts requests (the
-benchmarks' store operations).
+One :class:`StoreClient` is one authenticated connection at a time (:mod:`unbroken.runtime.store_wire`), one
+request at a time (a lock serialises threads). A broken connection, a store that does not answer within the
+operation's timeout, or a store that went away raise ``torch.distributed.DistStoreError``, as a lost
+``TCPStore`` did: the job's code treats them as the store lost. :attr:`StoreClient.round_trips` counts
+requests (the benchmarks' store operations).
 
-Invariant: a client talks only to a store that proved it holds the job's secret, of the launch it pinned.
+A connection whose request failed (no answer in time, broken mid-reply) is closed and never used again: the
+late answer to that request would otherwise be read, authenticated, as the answer to the next one (the frames'
+numbers follow the requests, not the answers awaited), and every answer after it would be shifted by one.
+The next request opens a fresh authenticated connection to the same launch (one try: a store that refuses it
+is lost, one that does not answer in time fails that request too).
+
+Invariants: a client talks only to a store that proved it holds the job's secret, of the launch it pinned
+(the first connection's, for every later one); no answer is read on a connection after one of its requests
+failed.
 """
 
 from __future__ import annotations
@@ -20,7 +28,8 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from unbroken.runtime.store_server import OK, OPS, TIMEOUT
-from unbroken.runtime.store_wire import HandshakeRefused, WireError, client_handshake, pack, store_key, unpack
+from unbroken.runtime.store_wire import (Channel, HandshakeRefused, TurnedAway, WireError, client_handshake, pack,
+                                         store_key, unpack)
 
 __all__ = ["GroupStore", "StoreClient"]
 
@@ -33,8 +42,8 @@ CONNECT_RETRY_S = (0.02, 0.5)
 store's host may start after its clients (node 0 hosting the store on a cluster)."""
 
 
-def _connect(host: str, port: int, timeout_s: float) -> socket.socket:
-    """A TCP connection to ``host:port``, tried until ``timeout_s`` has passed.
+def _connect(host: str, port: int, timeout_s: float, *, retry: bool = True) -> socket.socket:
+    """A TCP connection to ``host:port``, tried until ``timeout_s`` has passed (once if not ``retry``).
 
     Raises:
         ConnectionError: nothing accepted it in time (names the address and the last error).
@@ -44,11 +53,41 @@ def _connect(host: str, port: int, timeout_s: float) -> socket.socket:
         try:
             return socket.create_connection((host, port), timeout=max(0.1, deadline - time.monotonic()))
         except OSError as exc:
-            if time.monotonic() + pause > deadline:
+            if not retry or time.monotonic() + pause > deadline:
                 raise ConnectionError(f"store {host}:{port} did not answer within {timeout_s:.0f} s "
                                       f"({exc.strerror or exc})") from None
             time.sleep(pause)
             pause = min(2 * pause, CONNECT_RETRY_S[1])
+
+
+def _open(host: str, port: int, key: bytes, launch: str | None, timeout_s: float, *,
+          retry: bool) -> tuple[Channel, str]:
+    """An authenticated connection to ``host:port`` (and the launch it serves), within ``timeout_s``. A store
+    that turned the connection away (too many authenticating) is tried again until then; a refused TCP
+    connection too if ``retry``.
+
+    Raises:
+        HandshakeRefused: the store refused the secret, did not prove it holds it, or serves another launch.
+        WireError: not the job's store, or no hello within ``timeout_s`` (TurnedAway: every try turned away).
+        ConnectionError: nothing accepted a connection in time.
+    """
+    deadline, pause = time.monotonic() + timeout_s, CONNECT_RETRY_S[0]
+    while True:
+        sock = _connect(host, port, max(0.1, deadline - time.monotonic()), retry=retry)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            channel, theirs = client_handshake(sock, key, launch)
+        except TurnedAway:
+            sock.close()
+            if time.monotonic() + pause > deadline:
+                raise
+            time.sleep(pause)
+            pause = min(2 * pause, CONNECT_RETRY_S[1])
+            continue
+        except WireError:
+            sock.close()
+            raise
+        return channel, theirs
 
 
 def _b(value: str | bytes) -> bytes:
@@ -65,31 +104,49 @@ class StoreClient:
 
     def __init__(self, host: str, port: int, *, secret: str, timeout_s: float, launch: str | None = None) -> None:
         self.host, self.port, self.timeout_s = host, port, timeout_s
+        self._key = store_key(secret)
         self._lock = threading.Lock()
+        self._closed = False
         self.round_trips = 0
         self.seconds = 0.0
         """Time spent in requests (sent to answered), summed."""
-        sock = _connect(host, port, timeout_s)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        try:
-            self._channel, self.launch = client_handshake(sock, store_key(secret), launch)
-        except WireError:
-            sock.close()
-            raise
-        sock.settimeout(timeout_s)
+        self.reconnects = 0
+        """Connections opened in place of one whose request failed (module docstring)."""
+        channel, self.launch = _open(host, port, self._key, launch, timeout_s, retry=True)
+        self._channel: Channel | None = channel
 
     def close(self) -> None:
-        self._channel.close()
+        self._closed = True
+        channel, self._channel = self._channel, None
+        if channel is not None:
+            channel.close()
+
+    def _channel_for_request(self) -> Channel:
+        """The open connection, or a fresh one in place of a failed one (module docstring)."""
+        if self._channel is None:
+            if self._closed:
+                raise dist.DistStoreError(f"the connection to the job's store at {self.host}:{self.port} is closed")
+            try:
+                self._channel, _ = _open(self.host, self.port, self._key, self.launch, self.timeout_s, retry=False)
+            except ConnectionError as exc:  # WireError and HandshakeRefused too
+                raise dist.DistStoreError(f"the job's store at {self.host}:{self.port} is lost: {exc}") from None
+            self.reconnects += 1
+        return self._channel
 
     def _call(self, op: str, items: list[bytes], wait_s: float = 0.0) -> tuple[int, list[bytes]]:
         with self._lock:
             self.round_trips += 1
             t0 = time.perf_counter()
             try:
-                self._channel.sock.settimeout(self.timeout_s + wait_s + (SLACK_S if wait_s else 0.0))
-                self._channel.send(pack(OPS[op], items))
-                status, reply = unpack(self._channel.recv())
+                channel = self._channel_for_request()
+                channel.sock.settimeout(self.timeout_s + wait_s + (SLACK_S if wait_s else 0.0))
+                channel.send(pack(OPS[op], items))
+                status, reply = unpack(channel.recv())
             except WireError as exc:
+                # Its answer may still come: this connection is never read again (module docstring).
+                channel.close()
+                if self._channel is channel:
+                    self._channel = None
                 raise dist.DistStoreError(f"the job's store at {self.host}:{self.port} is lost: {exc}") from None
             finally:
                 self.seconds += time.perf_counter() - t0

@@ -18,10 +18,14 @@ with respect to other clients.
 
 Invariants: the store holds one launch of one job (a new launch is a new
 server, with a new launch id); a refused or broken connection changes
-nothing; unauthenticated connections are bounded (``MAX_PENDING``: past it
-the oldest one is dropped, so a flood of idle connections delays a job's new
-connection by no more than its own handshake), each for ``HANDSHAKE_S`` at
-most.
+nothing; unauthenticated connections are bounded (``MAX_PENDING``), each for
+``HANDSHAKE_S`` at most, and one admitted to authenticate is never dropped for
+another: past the bound the newest is turned away (closed before the hello),
+never a pending one. Nothing tells an outsider's idle connection from a job's
+slow one before its proof arrives, so any rule that drops a pending connection
+lets a flood drop the job's own mid-handshake; a connection turned away at the
+door is one the job's client tries again (:class:`~unbroken.runtime.store_wire.TurnedAway`),
+as it does a full backlog.
 """
 
 from __future__ import annotations
@@ -31,7 +35,6 @@ import secrets
 import socket
 import threading
 import time
-from collections import deque
 from typing import Callable
 
 from unbroken.runtime.store_wire import (Channel, HandshakeRefused, WireError, pack, server_handshake, store_key,
@@ -49,7 +52,7 @@ OK, TIMEOUT, ERROR = 0, 1, 2
 HANDSHAKE_S = 5.0
 """How long a new connection may take to authenticate."""
 MAX_PENDING = 64
-"""Connections still authenticating at once; a newer one drops the oldest."""
+"""Connections still authenticating at once; past it a new one is turned away (module docstring)."""
 
 
 class StoreServer:
@@ -62,9 +65,11 @@ class StoreServer:
         self.port: int = sock.getsockname()[1]
         self.refused = 0
         """Connections refused so far (they did not hold the secret)."""
+        self.turned_away = 0
+        """Connections closed before their hello so far (:data:`MAX_PENDING` were authenticating)."""
         self._data: dict[str, bytes] = {}
         self._changed = threading.Condition()
-        self._pending: deque[socket.socket] = deque()  # connections still authenticating, oldest first
+        self._pending: set[socket.socket] = set()  # connections still authenticating
         self._conns: set[socket.socket] = set()
         self._closed = threading.Event()
         self._ops: dict[int, Callable[[list[bytes]], tuple[int, list[bytes]]]] = {
@@ -120,13 +125,16 @@ class StoreServer:
             except OSError:
                 return
             with self._changed:
-                self._pending.append(conn)
-                if len(self._pending) > MAX_PENDING:  # a flood: the oldest unauthenticated connection goes
-                    oldest = self._pending.popleft()
-                    try:
-                        oldest.shutdown(socket.SHUT_RDWR)
-                    except OSError:
-                        pass
+                full = len(self._pending) >= MAX_PENDING
+                if not full:
+                    self._pending.add(conn)
+            if full:  # the newest goes, never one already authenticating (module docstring)
+                self.turned_away += 1
+                conn.close()
+                if self.turned_away == 1 or self.turned_away % 1000 == 0:
+                    logger.warning("the job's store turned away %d connection(s): %d were still authenticating",
+                                   self.turned_away, MAX_PENDING)
+                continue
             threading.Thread(target=self._serve, args=(conn,), name="store-conn", daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
@@ -144,8 +152,7 @@ class StoreServer:
                 return
             finally:
                 with self._changed:
-                    if conn in self._pending:
-                        self._pending.remove(conn)
+                    self._pending.discard(conn)
             conn.settimeout(None)
             with self._changed:
                 if self._closed.is_set():

@@ -34,8 +34,8 @@ import struct
 
 from unbroken.runtime.derived_keys import derive_key
 
-__all__ = ["LAUNCH_ENV", "MAX_FRAME", "Channel", "HandshakeRefused", "OtherLaunch", "WireError", "client_handshake", "pack",
-           "server_handshake", "store_key", "unpack"]
+__all__ = ["LAUNCH_ENV", "MAX_FRAME", "Channel", "HandshakeRefused", "OtherLaunch", "TurnedAway", "WireError",
+           "client_handshake", "pack", "server_handshake", "store_key", "unpack"]
 
 MAGIC = b"UBSTORE2"
 NONCE = 16
@@ -59,6 +59,11 @@ class OtherLaunch(HandshakeRefused):
     """The store serves another launch of the job than the one this process pinned."""
 
 
+class TurnedAway(WireError):
+    """The store closed a new connection before its hello: as many connections as it authenticates at once
+    are still authenticating (a flood, or a burst of the job's own); a later try may get in."""
+
+
 def store_key(secret: str) -> bytes:
     """The key of a job's store connections, derived from its secret (never the secret itself)."""
     return derive_key(secret, b"unbroken-store-auth")
@@ -68,7 +73,8 @@ def _mac(key: bytes, *parts: bytes) -> bytes:
     return hmac.new(key, b"\0".join(parts), hashlib.sha256).digest()
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
+def _recv_exact(sock: socket.socket, n: int, closed: type[WireError] = WireError) -> bytes:
+    """``n`` bytes; ``closed`` is raised for a connection the peer closed (the others: :class:`WireError`)."""
     chunks, got = [], 0
     while got < n:
         try:
@@ -78,7 +84,7 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
         except OSError as exc:
             raise WireError(f"the connection to the store broke ({exc.strerror or exc})") from None
         if not chunk:
-            raise WireError("the store closed the connection")
+            raise closed("the store closed the connection")
         chunks.append(chunk)
         got += len(chunk)
     return b"".join(chunks)
@@ -148,9 +154,11 @@ def client_handshake(sock: socket.socket, key: bytes, launch: str | None) -> tup
     Raises:
         HandshakeRefused: the server refused this secret, proved no knowledge of it, or serves another
             launch than ``launch`` (when given).
+        TurnedAway: the store closed the connection before its hello (too many still authenticating).
         WireError: not a store of this kind, or the connection broke.
     """
-    hello = _recv_exact(sock, len(MAGIC) + LAUNCH_LEN + NONCE)
+    hello = _recv_exact(sock, 1, closed=TurnedAway)
+    hello += _recv_exact(sock, len(MAGIC) + LAUNCH_LEN + NONCE - 1)
     if hello[:len(MAGIC)] != MAGIC:
         raise WireError("the address is not an unbroken job store (or one of another version)")
     launch_b, sn = hello[len(MAGIC):len(MAGIC) + LAUNCH_LEN], hello[len(MAGIC) + LAUNCH_LEN:]
