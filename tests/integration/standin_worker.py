@@ -14,7 +14,9 @@ client is torch's) before it connects and beats, so a process stopped in its
 first second never beats; it imports nothing of the trainer.
 ``STANDIN_STANDBY_IGNORES_SIGTERM=1`` (inherited through the agent) makes a
 standby ignore SIGTERM until it becomes a worker: an agent that waited for it
-to exit would block.
+to exit would block. ``STANDIN_STANDBY_CLAIM_GATE=PATH`` makes a standby
+claim nothing while ``PATH`` does not exist (it beats on): an offer stays
+pending for as long as a test needs.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ SIGNALS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "term": signal.SIGTER
 DEADLINE_S = 120.0  # never outlive a broken test
 BEAT_S = 0.1  # as the real worker's heartbeat thread and standby
 IGNORE_SIGTERM_ENV = "STANDIN_STANDBY_IGNORES_SIGTERM"
+CLAIM_GATE_ENV = "STANDIN_STANDBY_CLAIM_GATE"
 
 
 def record(run_dir: Path, worker: int, argv: list[str], **extra: object) -> None:
@@ -54,11 +57,12 @@ def wait_assignment(store: JobStore, node: int, t0: float) -> tuple[int, str, in
     store.standby_beat(node)
     store.standby_announce(node, os.getpid())
     next_beat = time.monotonic() + BEAT_S
+    gate = os.environ.get(CLAIM_GATE_ENV)
     while time.monotonic() - t0 < DEADLINE_S and not store.finished():
         if time.monotonic() >= next_beat:
             next_beat = time.monotonic() + BEAT_S
             store.standby_beat(node)
-        got = store.standby_claim(node, os.getpid())
+        got = store.standby_claim(node, os.getpid()) if gate is None or os.path.exists(gate) else None
         if got is not None:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a worker now
             return got

@@ -4,11 +4,13 @@ Around the stand-in worker of ``test_agent.py`` (the test plays the rest of the
 job and admits nobody, so a restarted worker stays a joiner waiting for
 admission): a worker hung before it is admitted is fenced and restarted by its
 agent; a member is left to its peers; a hung standby is replaced and never
-waited for; the agent's loop keeps beating throughout.
+waited for; a worker offered to the standby is not started beside it by a
+restore; the agent's loop keeps beating throughout.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -23,6 +25,7 @@ from test_agent import Job, alive, running_job, until
 from unbroken.agent._standby import CLAIM_TIMEOUT_S, OFFER_SILENCE_S
 from unbroken.runtime.job_store import JobStore
 from unbroken.runtime.store_backend import job_secret
+from unbroken.runtime.view import View
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
 
@@ -188,3 +191,61 @@ def test_agent_loop_never_waits_for_a_stopped_standby(job: Job) -> None:
           f"(median {sorted(gaps)[len(gaps) // 2] * 1000:.0f} ms)")
     job.store.set_done()
     assert agent.wait(timeout=15) == 0
+
+
+def running(pid: int) -> bool:
+    """``pid`` runs (a zombie, dead and not reaped yet, does not: ``os.kill(pid, 0)`` would say it does)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def test_a_worker_offered_to_the_standby_is_not_started_again_by_a_restore(job: Job) -> None:
+    """Worker 0 dies and is handed to the standby; before the standby claims it (the claim is held back by a
+    gate), a whole-job restore publishes a view naming worker 0. The agent withdraws the offer before it
+    starts worker 0 for the restored view, so the standby, let through after that, claims nothing: worker 0
+    has exactly one process, the one the agent records (two would both enter the view, and the unrecorded one
+    would never be fenced or stopped)."""
+    gate = job.run_dir / "claim_gate"
+    agent = job.agent("--standby", "--restart", "on-failure", env={"STANDIN_STANDBY_CLAIM_GATE": str(gate)})
+    pids = job.started(0, 1)
+    until(lambda: job.store.standby_ready_pid(0) is not None, 20.0)
+    standby = int(job.store.standby_ready_pid(0))
+    os.kill(pids[0], signal.SIGKILL)
+    until(lambda: job.store.backend.get("standby/0/assign").startswith(b"{"), 20.0, poll_s=0.001)  # offer pending
+    job.store.clear_dead(0)  # as the restoring agent does, then the restored view
+    job.store.propose(job.store.view(0), View(gen=1, members=(0, 1), step=0, reason="restored (test)",
+                                              restore={"source": "memory", "step": 0}))
+
+    def starts() -> list[dict]:
+        return [e for e in job.events(event="worker_start") if e["worker"] == 0]
+
+    # Either the agent withdrew the offer, or (before) it started worker 0 beside the pending offer; had the
+    # claim timed out first, the agent spawned worker 0 afresh, once.
+    until(lambda: job.events(event="standby_withdrawn") or len(starts()) >= 2, 20.0)
+    gate.touch()
+
+    def settled() -> bool:
+        recorded = job.pid(0)
+        return (job.store.backend.get("standby/0/assign") == b"" and recorded is not None
+                and (job.run_dir / "standin" / f"w0.{recorded}.json").exists())
+
+    until(settled, 20.0)
+    until(lambda: job.events(event="standby_assign") or job.events(event="standby_withdrawn")
+          or "did not claim worker 0" in job.output(agent), 20.0)
+    # Every process started as worker 0 (the agent's starts, and the stand-ins that say they are worker 0)
+    records = [json.loads(p.read_text())["pid"] for p in (job.run_dir / "standin").glob("w0.*.json")]
+    live = sorted({pid for pid in records + [e["pid"] for e in starts()] if running(pid)})
+    assert live == [job.pid(0)], f"worker 0 has processes {live}, its agent records {job.pid(0)}"
+    assert running(pids[1]) and job.pid(1) == pids[1], "worker 1 was never stopped"
+    (withdrawn,) = job.events(event="standby_withdrawn") or [None]
+    if withdrawn is not None:  # the usual order: the standby stays one, unassigned
+        assert withdrawn["gen"] == 1 and not withdrawn["claimed"]
+        assert running(standby) and job.store.standby_ready_pid(0) == str(standby)
+        (restart,) = [e for e in starts() if e["incarnation"] == 2]
+        assert restart["pid"] == job.pid(0) and not restart["standby"]
+        assert "--restore-gen" in json.loads((job.run_dir / "standin" / f"w0.{job.pid(0)}.json").read_text())["argv"]
+    job.store.set_done()
+    assert agent.wait(timeout=15) == 0
+

@@ -175,4 +175,14 @@ class DeathDuties:
         self._restored_gen = view.gen
         for w in self.restorer.workers_to_start(view, set(self.workers)):
             self.restarts.cancel(w)
+            if self.standby is not None and self.standby.offered == w:
+                # Handed to the standby, not claimed yet: one owner of "which process is w". The offer is
+                # withdrawn (compare-and-set) before w is started here; if the standby's claim won, it is w.
+                handover = self.standby.withdraw(time.monotonic())
+                self._event("standby_withdrawn", w, gen=view.gen, claimed=handover.proc is not None)
+                if handover.proc is not None:
+                    self._take_handover(handover)
+                    continue
+                self._start(w, join=True, use_standby=False, restore_gen=view.gen)
+                continue
             self._start(w, join=True, restore_gen=view.gen)

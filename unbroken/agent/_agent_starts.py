@@ -7,11 +7,13 @@ start is recorded (pid file, ``worker_start`` event, the startup watch).
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import time
 from typing import TYPE_CHECKING
 
-from unbroken.agent._process import ForkedChild, log_line, write_pid
+from unbroken.agent._process import ForkedChild, log_line, send, write_pid
+from unbroken.agent._standby import Handover
 from unbroken.agent._supervision import Incarnation
 
 if TYPE_CHECKING:
@@ -37,7 +39,11 @@ class StartDuties:
 
     def _start(self: Agent, w: int, *, join: bool, use_standby: bool = True, resume: bool = True,
                restore_gen: int | None = None) -> None:
-        """Start worker ``w`` (``restore_gen``: a joiner started for the restored view of that generation)."""
+        """Start worker ``w`` (``restore_gen``: a joiner started for the restored view of that generation);
+        never a second process for a worker that has one, or whose offer to the standby is pending."""
+        if w in self.workers or (self.standby is not None and self.standby.offered == w):
+            self.log.error("worker %d not started again: it has a process (or an offer to the standby)", w)
+            return
         progress = self._read_progress()
         faults = ",".join(map(str, self.plan.worker_faults(w, progress))) if self.plan else ""
         if join and use_standby and self.standby is not None and self.standby.assign(w, faults, restore_gen):
@@ -62,6 +68,17 @@ class StartDuties:
     def _adopt(self: Agent, w: int, proc: subprocess.Popen[bytes], *, join: bool, incarnation: int, standby: bool,
                faults: str) -> None:
         now = time.monotonic()
+        if (old := self.workers.get(w)) is not None:
+            # Never overwrite a record: its process would run on unsupervised, never fenced nor reaped. The
+            # newcomer loses: SIGKILLed, and reaped by the loop like any worker seen dying.
+            loser = Incarnation(worker=w, proc=proc, incarnation=incarnation, join=join, started=now,
+                                mark_at_spawn=None, fenced=True, reason={"how": "duplicate", "kept": old.proc.pid})
+            send(proc, signal.SIGKILL)
+            self._dying.append((loser, now))
+            self._event("fence", w, pid=proc.pid, reason=loser.reason)
+            self.log.error("worker %d has a process (pid %d): its second one (pid %d) stopped", w, old.proc.pid,
+                           proc.pid)
+            return
         self.workers[w] = Incarnation(worker=w, proc=proc, incarnation=incarnation, join=join, started=now,
                                       mark_at_spawn=self._mark(w))
         self.watch.watch(w, now, join=join)
@@ -76,11 +93,14 @@ class StartDuties:
     def _standby_tick(self: Agent, now: float) -> None:
         assert self.standby is not None
         handover = self.standby.tick(now)
-        if handover is None:
-            return
+        if handover is not None:
+            self._take_handover(handover)
+
+    def _take_handover(self: Agent, handover: Handover) -> None:
+        """The standby became the worker (adopted), or did not (the worker is started afresh)."""
         w = handover.worker
         if handover.proc is None:
-            self._start(w, join=True, use_standby=False)
+            self._start(w, join=True, use_standby=False, restore_gen=handover.restore_gen)
             return
         k = self.incarnations[w] = self.incarnations.get(w, 0) + 1
         log_line(self.run_dir / "logs" / f"w{w}.log", f"node {self.node} worker {w} incarnation {k} (join): "

@@ -20,10 +20,14 @@ store's ``standby_*`` methods (keys ``standby/<R>/...``):
   ``--worker <id> --join``; the agent then resets the offer to "".
   An offer not claimed within ``CLAIM_TIMEOUT_S`` is retracted by
   compare-and-set back to "", so exactly one of "claimed" or "retracted" wins.
+  An offer whose worker a whole-job restore names meanwhile is withdrawn the
+  same way before the agent starts that worker itself (:meth:`Standby.withdraw`;
+  the standby stays one), or, if the claim won, the standby is that worker.
 
 Invariants: at most one live standby process and one assignment per node at
 a time; an unclaimed assignment never leaves a worker without a process (the
-agent spawns it afresh); a standby that keeps dying or hanging is given up on,
+agent spawns it afresh), and a worker with an offer pending is never started
+by anyone else (one process per worker); a standby that keeps dying or hanging is given up on,
 not restarted in a loop; nothing here waits for a process: a standby that is
 let go (unclaimed, hung, or the job is over) holds no state, so it is
 SIGKILLed and reaped by a later tick.
@@ -31,6 +35,7 @@ SIGKILLed and reaped by a later tick.
 
 from __future__ import annotations
 
+import json
 import logging
 import signal
 import subprocess
@@ -64,6 +69,8 @@ class Handover:
     wait_s: float
     faults: str = ""
     """The faults handed to the standby with the assignment (what it will inject)."""
+    restore_gen: int | None = None
+    """The restored view the worker was started for (the offer's), if any."""
 
 
 class Standby:
@@ -174,15 +181,39 @@ class Standby:
         claimed = self.store.standby_settle(self.node, offer, self.proc.pid, retract=retract)
         if claimed is None:
             return None
-        proc, self._assigned = self.proc, None
         self._last_start = -RESPAWN_INTERVAL_S  # a used standby is replaced at once
         if claimed:
-            self.proc = None
-            remove_pid(self._pid_file, proc.pid)
-            return Handover(worker=worker, proc=proc, wait_s=now - t0, faults=faults)
+            return self._handed(now)
+        proc, self._assigned = self.proc, None
         self._drop(proc)
         self._lost(f"did not claim worker {worker} within {CLAIM_TIMEOUT_S:.1f} s: killed; replacing it")
-        return Handover(worker=worker, proc=None, wait_s=now - t0)
+        return Handover(worker=worker, proc=None, wait_s=now - t0, restore_gen=_restore_gen(offer))
+
+    @property
+    def offered(self) -> int | None:
+        """The worker of the offer pending (neither claimed nor retracted yet), if any."""
+        return self._assigned[0] if self._assigned is not None else None
+
+    def withdraw(self, now: float) -> Handover:
+        """Settle the pending offer at once (its worker must be started otherwise: a restored view names it):
+        retracted by compare-and-set, so the standby can no longer claim it and stays a standby (it did nothing
+        wrong); or, if its claim came first, honoured (``proc``: the standby is that worker now)."""
+        assert self._assigned is not None and self.proc is not None, "no offer pending"
+        worker, t0, _, offer = self._assigned
+        if self.store.standby_settle(self.node, offer, self.proc.pid, retract=True):
+            self._last_start = -RESPAWN_INTERVAL_S  # a used standby is replaced at once
+            return self._handed(now)
+        self._assigned = None
+        logger.info("[node %d] offer of worker %d withdrawn from standby pid %d", self.node, worker, self.proc.pid)
+        return Handover(worker=worker, proc=None, wait_s=now - t0, restore_gen=_restore_gen(offer))
+
+    def _handed(self, now: float) -> Handover:
+        """The standby claimed the offer it was made (``_assigned`` still set): it is that worker now."""
+        assert self._assigned is not None and self.proc is not None
+        worker, t0, faults, offer = self._assigned
+        proc, self.proc, self._assigned = self.proc, None, None
+        remove_pid(self._pid_file, proc.pid)
+        return Handover(worker=worker, proc=proc, wait_s=now - t0, faults=faults, restore_gen=_restore_gen(offer))
 
     def _drop(self, proc: subprocess.Popen[bytes]) -> None:
         """SIGKILL a standby that holds no state; a later tick reaps it."""
@@ -216,3 +247,9 @@ class Standby:
             except subprocess.TimeoutExpired:
                 logger.error("[node %d] standby pid %d survived SIGKILL for 10 s", self.node, proc.pid)
         self._reap()
+
+
+def _restore_gen(offer: str) -> int | None:
+    """The restored view an offer (:meth:`JobStore.standby_offer`'s JSON, written by this agent) was made for."""
+    gen = json.loads(offer).get("restore_gen")
+    return int(gen) if gen is not None else None
