@@ -195,3 +195,36 @@ def test_the_leader_writes_the_cache_the_job_lacks_then_again_only_once_it_built
             loaded.close()
     finally:
         compilation.close()
+
+
+def test_a_cache_that_cannot_be_written_for_any_reason_is_logged_once_and_never_ends_the_writer(
+        tmp_path, monkeypatch, caplog):
+    """The cache is an optimisation: torch failing to serialise its artifacts (not an OSError) must not end the
+    view's leader after its vote, nor the next leader after it."""
+    import collections
+
+    import torch._dynamo.utils
+
+    from unbroken.job import compilation as compilation_module
+
+    def save_fails() -> None:
+        raise RuntimeError("an artifact torch cannot serialise")
+
+    monkeypatch.setattr(torch.compiler, "save_cache_artifacts", save_fails)
+    counters: collections.defaultdict = collections.defaultdict(collections.Counter)
+    monkeypatch.setattr(torch._dynamo.utils, "counters", counters)
+    counters["frames"]["ok"] += 1
+    compilation = Compilation(CPU)
+    try:
+        with caplog.at_level(logging.DEBUG, logger=compilation_module.__name__):
+            for _ in range(3):  # each time after a graph no cache held
+                counters["aot_autograd"]["autograd_cache_miss"] += 1
+                assert compilation.should_write()
+                assert compilation.save(tmp_path, secret=SECRET, config_hash=HASH, writer={"worker": 0}) is None
+                assert not compilation.should_write(), "not tried again before another graph is built"
+    finally:
+        compilation.close()
+    assert compilation.written == {"error": "RuntimeError: an artifact torch cannot serialise"}
+    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "could not write the job's compile cache" in warnings[0].getMessage()
+    assert not (tmp_path / CACHE_FILE).exists() and list(tmp_path.iterdir()) == []

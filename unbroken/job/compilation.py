@@ -53,6 +53,7 @@ class Compilation:
         """AOTAutograd's cache misses when this process last wrote the job's cache or loaded it (None: neither)."""
         self.ahead: dict[str, Any] | None = None
         """A standby's :func:`compile_ahead`: frames and seconds."""
+        self._write_failed = False  # a failure to write the cache was logged already (it is logged once)
         self._handler = callback_handler
         callback_handler.register_start_callback(self._start)
         callback_handler.register_end_callback(self._end)
@@ -97,14 +98,25 @@ class Compilation:
 
     def save(self, run_dir: Path, *, secret: str, config_hash: str, writer: dict[str, Any]) -> dict[str, Any] | None:
         """Write the job's compile cache from every graph this process compiled or found in a cache; returns what
-        was written.
+        was written, None when nothing was.
 
-        Raises:
-            OSError: the file could not be written (it is not tried again before another graph is built).
+        Never raises: the cache only spares later processes their compiling, so whatever fails writing it
+        (the disk, torch's own serialisation of its artifacts) leaves the run going and later processes
+        compiling as this one did. The first failure is logged (a warning), the later ones of this process
+        only at debug level; :attr:`written` holds the error. It is not tried again before another graph is
+        built.
         """
         self._built_when_written = self.stats()["cache_misses"]
-        self.written = save_compile_cache(run_dir / CACHE_FILE, secret=secret, config_hash=config_hash,
-                                          device=self.device, writer=writer)
+        try:
+            self.written = save_compile_cache(run_dir / CACHE_FILE, secret=secret, config_hash=config_hash,
+                                              device=self.device, writer=writer)
+        except Exception as exc:  # noqa: BLE001 - an optimisation's failure must never end a worker
+            self.written = {"error": f"{type(exc).__name__}: {exc}"}
+            log = logger.debug if self._write_failed else logger.warning
+            log("could not write the job's compile cache (%s): the run goes on, later processes compile as this "
+                "one did", self.written["error"], exc_info=not self._write_failed)
+            self._write_failed = True
+            return None
         if self.written is not None:
             logger.info("wrote the job's compile cache: %.1f MB (%d kernels) in %.2f s",
                         self.written["bytes"] / 1e6, self.written["kernels"], self.written["seconds"])

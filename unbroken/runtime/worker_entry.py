@@ -148,17 +148,11 @@ def _compilation(trainer: Trainer, compilation: Compilation | None, secret: str)
     def after_step(step: int) -> None:
         nonlocal told
         if trainer.protocol.view.leader == trainer.spec.worker and compilation.should_write():
-            try:
-                with trainer.m.busy():
-                    written = compilation.save(trainer.spec.run_dir, secret=secret, config_hash=trainer.hash,
-                                               writer={"worker": trainer.spec.worker, "pid": os.getpid(),
-                                                       "step": step})
-            except OSError as exc:  # the run goes on compiling as before; later processes compile too
-                compilation.written = {"error": str(exc)}
-                logger.warning("could not write the job's compile cache: %s", exc)
-            else:
-                if written is not None:
-                    trainer._event("compile_cache_written", step=step, **written)
+            with trainer.m.busy():  # (save never raises: a cache not written leaves later processes compiling)
+                written = compilation.save(trainer.spec.run_dir, secret=secret, config_hash=trainer.hash,
+                                           writer={"worker": trainer.spec.worker, "pid": os.getpid(), "step": step})
+            if written is not None:
+                trainer._event("compile_cache_written", step=step, **written)
         if not told:
             told = True
             trainer._event("compiled", step=step, pid=os.getpid(), **compilation.stats())
