@@ -129,6 +129,9 @@ class Agent(DeathDuties, FaultDuties, StartDuties):
         self.stopped: list[tuple[float, int, subprocess.Popen[bytes]]] = []  # SIGCONT timers
         self.standby: Standby | None = None
         self.template = template
+        self.child_env: dict[str, str] = {}
+        """What the environment of each process this agent starts must hold beyond its template's: the job's
+        secret and the store's launch id (:meth:`_join_store`)."""
         self.plan: NodeFaults | None = None
         self.interrupted: int | None = None  # set by the signal handler of run_agent
         self.rdv: NodeRegistration | None = None
@@ -157,15 +160,7 @@ class Agent(DeathDuties, FaultDuties, StartDuties):
         Raises:
             AgentError: refusal (code 2) or failure (code 1, 130, 143); the message says why.
         """
-        try:
-            secret = job_secret(self.run_dir, create=self.opts.host_store)
-            os.environ[SECRET_ENV] = secret  # inherited by the workers this agent starts, never on argv
-            self._server = self._host_store(secret) if self.opts.host_store else None
-            self.store = JobStore.connect(self.opts.store, timeout_s=self.opts.timeout_s, secret=secret)
-            if self.store.launch is not None:  # the processes this agent starts talk to this launch's store only
-                os.environ[LAUNCH_ENV] = self.store.launch
-        except (ConnectionError, ValueError, StoreAccessDenied) as exc:
-            raise AgentError(f"node {self.node}: {exc}", 2) from None
+        self._join_store()
         if self.opts.spare and not self._take_a_lost_node():
             return 0
         self.rdv = NodeRegistration(self.store, self.node, timeout_s=self.opts.timeout_s,
@@ -251,6 +246,24 @@ class Agent(DeathDuties, FaultDuties, StartDuties):
             self.standby = Standby(self.store, node=self.node, cmd=cmd, run_dir=self.run_dir, limits=limits,
                                    launch=self._launch)
 
+    def _join_store(self) -> None:
+        """Connect to the job's store (hosting it first with ``--host-store``); every process this agent starts
+        holds the job's secret and pins the store's launch (:attr:`child_env`).
+
+        Raises:
+            AgentError: (code 2) no secret, no store at the address, or a store that refused this job.
+        """
+        try:
+            secret = job_secret(self.run_dir, create=self.opts.host_store)
+            os.environ[SECRET_ENV] = secret  # inherited by the workers this agent starts, never on argv
+            self._server = self._host_store(secret) if self.opts.host_store else None
+            self.store = JobStore.connect(self.opts.store, timeout_s=self.opts.timeout_s, secret=secret)
+        except (ConnectionError, ValueError, StoreAccessDenied) as exc:
+            raise AgentError(f"node {self.node}: {exc}", 2) from None
+        self.child_env = {SECRET_ENV: secret}
+        if self.store.launch is not None:  # the processes this agent starts talk to this launch's store only
+            os.environ[LAUNCH_ENV] = self.child_env[LAUNCH_ENV] = self.store.launch
+
     def _host_store(self, secret: str) -> JobStore:
         if is_etcd_address(self.opts.store):  # open the job's keys on the cluster; nothing to host
             job = {"run_dir": str(self.run_dir.resolve()), "host": socket.gethostname(), "pid": os.getpid()}
@@ -301,7 +314,9 @@ class Agent(DeathDuties, FaultDuties, StartDuties):
         """Start a worker's or standby's process: forked from the template when it is ready."""
         if self.template is None:
             return spawn(cmd, log=log, header=header)
-        return self.template.launch(cmd, log=log, header=header, env={SECRET_ENV: os.environ[SECRET_ENV]})
+        # Its template may have forked before this agent connected (``unbroken agent`` starts it first): the
+        # secret and the launch id go with each request, or the worker would accept any launch at the address.
+        return self.template.launch(cmd, log=log, header=header, env=self.child_env)
 
     def _start_workers(self, view: View) -> None:
         for w in self.rdv.mark_predecessors_dead():

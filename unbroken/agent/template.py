@@ -17,8 +17,9 @@ line per request on its stdin, with one JSON line on its stdout:
 - ``{"argv": [...], "log": PATH, "env": {...}}`` -> ``{"pid": W}``: a worker
   (or standby) ``python -m unbroken.agent.worker_process ARGV`` now runs as
   process ``W``, its output appended to ``PATH``, with ``env`` added to the
-  template's environment (the job secret: the template may start before its
-  agent has read it); or ``{"error": "..."}`` (the agent then
+  template's environment (the job secret and the launch id its store
+  connections pin: the template may start before its agent has read the one
+  and connected to learn the other); or ``{"error": "..."}`` (the agent then
   spawns a fresh process).
 
 How a worker is made: the template forks an intermediate process, which forks
