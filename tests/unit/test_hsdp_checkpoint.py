@@ -137,3 +137,23 @@ def test_a_commit_removes_the_stages_before_its_own_in_number_order(tmp_path):
     left = sorted(p.name for p in (tmp_path / "checkpoints" / ".shards").iterdir())
     assert left == ["notes", staging_dir(tmp_path, 10, 13).name, staging_dir(tmp_path, 11, 1).name]
     writer.close()
+
+
+def test_a_takeover_by_a_lower_writer_removes_the_dead_writers_stage(tmp_path):
+    """Whatever the ids, the committed final checkpoint leaves no other writer's stage of its step and generation
+    behind (worker 1's replica commits after worker 3's died having staged its parts); a later generation's stage
+    of the step stays."""
+    import torch
+
+    from unbroken.sharding.checkpoint import ShardCheckpointer, collect_shards, staging_dir
+
+    writer = ShardCheckpointer(tmp_path)
+    for gen in ("4w3", "4w1", "5w0"):
+        writer.save_part(24, gen, "i0", {"w": torch.zeros(3)}, about={"dims": {"w": 0}})
+        writer.wait()
+    dest = tmp_path / "checkpoints" / "step_0000024"
+    dest.mkdir(parents=True)
+    collect_shards(tmp_path, 24, "4w1", ["i0"], dest)
+    left = sorted(p.name for p in (tmp_path / "checkpoints" / ".shards").iterdir())
+    assert left == [staging_dir(tmp_path, 24, "5w0").name], "the dead writer's stage was left behind"
+    writer.close()

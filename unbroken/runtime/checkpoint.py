@@ -26,21 +26,30 @@ and a save commits even if its writer stops leading. The final checkpoint is
 written from the live state (nothing trains after it): no copy at all on a CPU,
 one pass through pinned blocks on a GPU.
 
+One save is written at a time (:class:`~unbroken.runtime.checkpoint_slot.WriteSlot`).
+A save waits for the previous write first, up to 2 × ``timeout_s``; if that
+write still runs (a slow file system), the save is skipped (one log line,
+``skipped_steps``, the ``on_skip`` callback) rather than copied into the host
+buffers that write still reads, and the next due checkpoint is tried again.
+The final checkpoint (live, no buffer) is never skipped: it gives the older
+write up and follows it. A :meth:`~AsyncCheckpointer.wait` that runs out of
+patience gives the write up: it counts as not written (``failed_steps``) and
+never commits.
+
 Invariants: loading step ``k`` and training to ``K`` equals training to ``K``;
 a checkpoint is loaded only if its files match the checksums of its commit;
-a save that fails on the storage (disk full, file too large, I/O error) is
-logged once, its directory removed, and training goes on.
+a committed checkpoint holds one step's state (its buffers are never copied
+into while it is written); a save that fails on the storage (disk full, file
+too large, I/O error) is logged once, its directory removed, and training
+goes on.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import warnings
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout  # not the builtin before 3.11
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -57,7 +66,8 @@ from unbroken.runtime.checkpoint_files import (
     write_commit,
 )
 from unbroken.dcp import dcp
-from unbroken.runtime.checkpoint_writer import HostStage, Written, write_state, writer_threads
+from unbroken.runtime.checkpoint_slot import WriteClaim, WriteSlot
+from unbroken.runtime.checkpoint_writer import Written, write_state, writer_threads
 from unbroken.sharding.training_state import Restorer, capture, layout_of
 
 __all__ = [
@@ -78,19 +88,12 @@ logger = logging.getLogger(__name__)
 DEFAULT_KEEP = 3
 """Committed checkpoints kept when the caller does not say (``train.keep_checkpoints``)."""
 SAVE_TIMEOUT_S = 600.0
-"""Longest wait for one checkpoint's files to be written."""
+"""Longest wait for one checkpoint's files to be written (a save waits twice this for the previous one)."""
 
 
 def training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
     """The training state as a checkpoint holds it (:func:`unbroken.sharding.training_state.capture`)."""
     return capture(model, optimizer)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Pending:
-    step: int
-    path: Path
-    future: Future[Written | None]
 
 
 class AsyncCheckpointer:
@@ -101,10 +104,11 @@ class AsyncCheckpointer:
         config_hash: recorded in each commit; a load checks it.
         keep: committed checkpoints kept after each commit (``train.keep_checkpoints``).
         timeout_s: longest wait for one save's files (then it counts as not written).
+        on_skip: called with ``step=`` and ``writing=`` (the step still being written) when a save is skipped.
     """
 
     def __init__(self, run_dir: str | Path, *, config_hash: str, keep: int = DEFAULT_KEEP,
-                 timeout_s: float = SAVE_TIMEOUT_S) -> None:
+                 timeout_s: float = SAVE_TIMEOUT_S, on_skip: Callable[..., None] | None = None) -> None:
         if keep < 1:
             raise ValueError(f"keep={keep}: must be >= 1 (train.keep_checkpoints)")
         self.run_dir = Path(run_dir)
@@ -112,24 +116,27 @@ class AsyncCheckpointer:
         self.keep = keep
         self.timeout_s = timeout_s
         self.failed_steps: list[int] = []
-        """Steps whose checkpoint was not written (storage errors), oldest first."""
+        """Steps whose checkpoint was not written (storage errors, writes given up on), oldest first."""
+        self.skipped_steps: list[int] = []
+        """Steps whose save was skipped: the previous write still ran."""
         self.written: dict[int, Written] = {}
         """What each committed save of this checkpointer wrote (bytes, seconds), by step."""
-        self._stage = HostStage()
-        self._pending: _Pending | None = None
-        self._pool: ThreadPoolExecutor | None = None
+        self.on_skip = on_skip
+        self._slot = WriteSlot("checkpoint")
 
     @property
     def pending_step(self) -> int | None:
         """The step of the save still in flight or not yet collected, or None."""
-        return self._pending.step if self._pending else None
+        return self._slot.pending.step if self._slot.pending else None
 
     def save(self, step: int, state: dict[str, torch.Tensor], meta: dict[str, Any],
              shards: tuple[int, list[str], dict[str, Any]] | None = None, layout: list[list] | None = None,
              live: bool = False) -> None:
         """Stage ``state`` now and write it asynchronously; ``step`` = steps done.
 
-        Waits for the previous save first. A storage error is logged and the
+        Waits for the previous save first (up to 2 × ``timeout_s``; still running,
+        it goes on and this save is skipped: logged, ``skipped_steps``, ``on_skip``).
+        A storage error is logged and the
         save dropped (training goes on; the next save tries again). ``shards``
         (a sharded run: the view's generation, the parts other workers write,
         what the commit records of them) makes the commit wait for every part
@@ -137,40 +144,55 @@ class AsyncCheckpointer:
         of the moments, HSDP's shard indices. ``layout``: the whole state's
         (:func:`~unbroken.sharding.training_state.layout_of`) when ``state`` is
         only the leader's part of it (default: ``state``'s). ``live``: ``state`` does not change until
-        :meth:`wait` returns (the final checkpoint): written from it, not from a copy.
+        :meth:`wait` returns (the final checkpoint): written from it, not from a copy, never skipped (a
+        previous write still running is given up on, and this one follows it).
         """
-        self.wait()
+        writing = self._slot.settle(2 * self.timeout_s)
+        if writing is not None and not live:
+            self.skipped_steps.append(step)
+            logger.warning("checkpoint at step %d skipped: the checkpoint at step %d is still being written after "
+                           "%.0f s (from the host buffers this save would copy into)", step, writing,
+                           2 * self.timeout_s)
+            if self.on_skip is not None:
+                self.on_skip(step=step, writing=writing)
+            return
+        if writing is not None:  # the final state needs no buffer and supersedes the older step: that one goes
+            self._give_up(writing)
         path = checkpoint_dir(self.run_dir, step)
         commit = {"step": step, "config_hash": self.config_hash, "data_step": step, **meta,
                   "state": layout if layout is not None else layout_of(state)}
         try:
             remove_checkpoint(path)  # a leftover of an earlier attempt at this step
             path.mkdir(parents=True)
-            staged = state if live else self._stage.copy(state)
+            staged = state if live else self._slot.stage.copy(state)
         except Exception as exc:
             self._failed(step, path, exc)
             return
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
-        self._pending = _Pending(step, path, self._pool.submit(self._finish, step, path, commit, staged, shards))
+        self._slot.submit(step, self._finish, step, path, commit, staged, shards, reads_stage=not live)
 
     def poll(self) -> None:
         """Collect a finished save; raise if it failed for another reason than the storage."""
-        if self._pending and self._pending.future.done():
+        pending = self._slot.pending
+        if pending is not None and pending.future.done():
             self.wait()
 
     def wait(self) -> None:
-        """Block until the pending save is committed (or has failed and been logged)."""
-        pending, self._pending = self._pending, None
-        if pending is None:
-            return
-        try:
-            pending.future.result(timeout=2 * self.timeout_s)
-        except FutureTimeout:
-            if pending.future.done():
-                raise
-            logger.error("checkpoint at step %d still not on disk after %.0f s; not waiting for it any longer",
-                         pending.step, 2 * self.timeout_s)
+        """Block until the pending save is committed (or has failed and been logged), at most 2 × ``timeout_s``;
+        a save still not on disk then is given up on: it counts as not written and never commits."""
+        step = self.pending_step
+        if step is not None and not self._slot.wait(2 * self.timeout_s):
+            self._give_up(step)
+
+    def _give_up(self, step: int) -> None:
+        """Stop waiting for the save of ``step``, still running: it never commits (unless its commit is under way)."""
+        outcome = self._slot.give_up()
+        if outcome:
+            self.failed_steps.append(step)
+            logger.error("checkpoint at step %d still not on disk after %.0f s: given up on, it will not be "
+                         "committed", step, 2 * self.timeout_s)
+        elif outcome is False:
+            logger.error("checkpoint at step %d: its commit still not on disk after %.0f s; not waiting for it "
+                         "any longer", step, 2 * self.timeout_s)
 
     def handover(self) -> None:
         """This worker no longer leads the view: finish (wait for and commit) its pending save now.
@@ -178,14 +200,15 @@ class AsyncCheckpointer:
         The save then lands before the new leader's saves and retention run,
         not at the end of the run.
         """
-        if self._pending is not None:
-            logger.info("no longer leading: finishing the checkpoint at step %d", self._pending.step)
+        pending = self._slot.pending
+        if pending is not None and not pending.given_up:
+            logger.info("no longer leading: finishing the checkpoint at step %d", pending.step)
             self.wait()
 
     def _finish(self, step: int, path: Path, commit: dict[str, Any], state: dict[str, torch.Tensor],
-                shards: tuple[int, list[str], dict[str, Any]] | None = None) -> Written | None:
+                shards: tuple[int, list[str], dict[str, Any]] | None, claim: WriteClaim) -> Written | None:
         """Background: write the files (hashed as written), wait for the other workers' parts, commit, prune.
-        None: not written."""
+        None: not written (a storage error, or given up on before its commit)."""
         try:
             written = write_state(path, state)
             known = dict(written.files)
@@ -195,6 +218,10 @@ class AsyncCheckpointer:
                 known.update(collect_shards(self.run_dir, step, shards[0], shards[1], path))
                 commit.update(shards[2])
             commit["files"] = seal_files(path, known)
+            if not claim.commit():
+                remove_checkpoint(path)
+                logger.warning("checkpoint at step %d given up on before its commit: %s removed", step, path)
+                return None
             write_commit(path, commit)
         except Exception as exc:
             self._failed(step, path, exc)
@@ -214,7 +241,8 @@ class AsyncCheckpointer:
         if not isinstance(exc, (OSError, TimeoutError)):
             logger.error("checkpoint at step %d not written (%s removed)", step, path)
             raise exc
-        self.failed_steps.append(step)
+        if step not in self.failed_steps:  # a write given up on is counted once, by the waiter or here
+            self.failed_steps.append(step)
         logger.error("checkpoint at step %d not written: %s; removed %s, training goes on and the next "
                      "checkpoint is tried again", step, exc, path)
 

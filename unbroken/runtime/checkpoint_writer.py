@@ -16,7 +16,8 @@ one save to the next; pinned when the state is on a GPU).
 
 Invariants: a file's recorded sha256 is over exactly the bytes written to it; every file is fsynced before
 :func:`write_state` returns; a tensor whose dtype safetensors cannot name is refused by name before any byte
-is written.
+is written; a :class:`HostStage` is never copied into while the write it was lent to is still running
+(:class:`StageBusy`): that write would hash and commit another step's bytes as its own.
 """
 
 from __future__ import annotations
@@ -27,13 +28,14 @@ import json
 import os
 import struct
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import torch
 
-__all__ = ["INDEX_FILE", "HostStage", "Written", "file_groups", "safetensors_header", "write_state", "writer_threads"]
+__all__ = ["INDEX_FILE", "HostStage", "StageBusy", "Written", "file_groups", "safetensors_header", "write_state",
+           "writer_threads"]
 
 INDEX_FILE = "model.safetensors.index.json"
 CHUNK_BYTES = 64 << 20
@@ -219,20 +221,41 @@ def write_state(path: str | Path, state: dict[str, torch.Tensor], *, threads: in
                    threads=n)
 
 
+class StageBusy(RuntimeError):
+    """A :class:`HostStage` was to be copied into while the write reading its buffers still runs."""
+
+
 class HostStage:
     """Host copies of a state for a save written while training goes on, kept from one save to the next
     (the same names, dtypes and shapes reuse their buffer; a CUDA state's are pinned, copied asynchronously
-    and waited for once)."""
+    and waited for once). The write of a copy is lent the buffers (:meth:`lend`) until it ends."""
 
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
+        self._reader: Future[Any] | None = None
 
     @property
     def bytes(self) -> int:
         return sum(_nbytes(t) for t in self._buffers.values())
 
+    @property
+    def busy(self) -> bool:
+        """The write the buffers were lent to still runs."""
+        return self._reader is not None and not self._reader.done()
+
+    def lend(self, write: Future[Any]) -> None:
+        """``write`` reads the copies :meth:`copy` last returned until it is done; no copy is taken meanwhile."""
+        self._reader = write
+
     def copy(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Host copies of ``state``'s tensors, taken now."""
+        """Host copies of ``state``'s tensors, taken now.
+
+        Raises:
+            StageBusy: the write the buffers were lent to still runs (wait for it, or skip this save).
+        """
+        if self.busy:
+            raise StageBusy("the host buffers of a checkpoint are still being written; a copy now would put "
+                            "another step's state under that checkpoint's checksums")
         out: dict[str, torch.Tensor] = {}
         cuda = None
         for name, t in state.items():

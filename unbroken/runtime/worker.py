@@ -20,6 +20,7 @@ the view's first member writes metrics, progress and checkpoints.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import time
@@ -159,8 +160,8 @@ class Trainer:
                 self.job, worker=spec.worker, node_of=node_of, on_event=self._event,
                 replicas=ReplicaStore(job_id(spec.run_dir), node_of[spec.worker], spec.worker))
         # Workers that write parts of a checkpoint: ZeRO-1's ranges of the moments, HSDP's shards.
-        self.shard_checkpoints = (ShardCheckpointer(spec.run_dir) if cfg.train.shard_optimizer or self.hsdp
-                                  else None)
+        self.shard_checkpoints = (ShardCheckpointer(spec.run_dir, on_skip=self._skipped("part"))
+                                  if cfg.train.shard_optimizer or self.hsdp else None)
         t = cfg.train  # a sharded run checkpoints by steps only: its members must agree on the step
         by_steps = t.shard_optimizer or t.shard_degree > 1
         self.schedule = CheckpointSchedule(every=t.checkpoint_every, steps=t.steps,
@@ -194,6 +195,11 @@ class Trainer:
 
     def _event(self, event: str, **fields: Any) -> None:
         self.events.write({"kind": "event", "event": event, "worker": self.spec.worker, "t": time.time(), **fields})
+
+    def _skipped(self, what: str) -> Callable[..., None]:
+        """The ``checkpoint_skipped`` event of a save of ``what`` (the leader's ``state``, a worker's ``part``)
+        skipped because its previous write still ran (``step=``, ``writing=``: a slow file system)."""
+        return functools.partial(self._event, "checkpoint_skipped", what=what)
 
     def _memory_rejoin_ok(self, joiner: int, view: View, step: int) -> bool:
         """Leader: ``joiner`` loads the state of ``step`` from its node's memory (no transfer) when its
@@ -462,7 +468,7 @@ class Trainer:
             if self.metrics is None:
                 self.metrics = MetricsWriter.for_run(self.spec.run_dir / "metrics.jsonl", self.cfg)
                 self.checkpointer = AsyncCheckpointer(self.spec.run_dir, config_hash=self.hash,
-                                                      keep=t.keep_checkpoints)
+                                                      keep=t.keep_checkpoints, on_skip=self._skipped("state"))
             # Validation on the leader only: it must not depend on who else is alive.
             self.metrics.step_done(last, self.job.validation_loss if self.job.val_sampler is not None else None)
             self.checkpointer.poll()
@@ -501,7 +507,7 @@ class Trainer:
     def _save(self, done: int, last: dict[str, Any]) -> None:
         if self.checkpointer is None:
             self.checkpointer = AsyncCheckpointer(self.spec.run_dir, config_hash=self.hash,
-                                                  keep=self.cfg.train.keep_checkpoints)
+                                                  keep=self.cfg.train.keep_checkpoints, on_skip=self._skipped("state"))
         self.schedule.taken()
         parts = self.protocol.layout.checkpoint_parts()
         shards = (self._stage(self.spec.worker), *parts) if parts is not None else None

@@ -13,6 +13,18 @@ checksums of all files and writes ``commit.json`` (with ``"shards": [[lo, hi],
 ...]``). A range that does not arrive (its worker died meanwhile) leaves the
 checkpoint uncommitted; the next one is tried as usual.
 
+A worker writes one part at a time (:class:`~unbroken.runtime.checkpoint_slot.WriteSlot`):
+a save waits up to ``timeout_s`` for its previous part's write, and if that
+still runs it is skipped (logged, ``skipped_steps``, ``on_skip``) rather than
+copied into the host buffers the write still reads; the leader's commit of
+that step then lacks the part and is not made. A part given up on
+(:meth:`ShardCheckpointer.wait` out of patience) never writes its marker.
+
+A commit removes every stage it supersedes: those of earlier steps, and those
+of its own step in the same or an earlier generation, whoever's writer
+(a replica that took the final checkpoint over from a dead leader, whatever
+their ids, leaves no stage of the dead one's behind).
+
 Loading (:func:`load_moments`) reassembles the flat moments from whatever
 ranges a checkpoint holds, so a sharded checkpoint resumes under any worker
 count, and replicated and sharded runs resume from each other's checkpoints.
@@ -37,21 +49,25 @@ import shutil
 import sys
 import time
 import warnings
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 from unbroken.dcp import dcp
-from unbroken.runtime.checkpoint_writer import HostStage, write_state, writer_threads
+from unbroken.runtime.checkpoint_slot import WriteClaim, WriteSlot
+from unbroken.runtime.checkpoint_writer import write_state, writer_threads
 
-__all__ = ["SHARD_WAIT_S", "ShardCheckpointer", "collect_shards", "hsdp_part", "hsdp_part_keys", "load_hsdp_parts",
-           "load_moments", "staging_dir"]
+__all__ = ["PART_TIMEOUT_S", "SHARD_WAIT_S", "ShardCheckpointer", "collect_shards", "hsdp_part", "hsdp_part_keys",
+           "load_hsdp_parts", "load_moments", "staging_dir"]
 
 logger = logging.getLogger(__name__)
 
 SHARD_WAIT_S = 60.0
 """Longest the leader waits for the other members' ranges of one checkpoint."""
+PART_TIMEOUT_S = 600.0
+"""Longest a worker waits for its previous part's write (before a save, which is skipped if it still runs,
+and at the end)."""
 MARKER = "shard.json"
 PART = "part.json"
 
@@ -70,13 +86,23 @@ def staging_dir(run_dir: str | Path, step: int, gen: int | str) -> Path:
 
 
 class ShardCheckpointer:
-    """One worker's half of a sharded checkpoint: its range's moments, written in the background."""
+    """One worker's half of a sharded checkpoint: its range's moments, written in the background.
 
-    def __init__(self, run_dir: str | Path) -> None:
+    Args:
+        run_dir: the run directory.
+        timeout_s: longest wait for the previous part's write (then a save is skipped; at the end, the part is
+            given up on).
+        on_skip: called with ``step=`` and ``writing=`` (the step still being written) when a save is skipped.
+    """
+
+    def __init__(self, run_dir: str | Path, *, timeout_s: float = PART_TIMEOUT_S,
+                 on_skip: Callable[..., None] | None = None) -> None:
         self.run_dir = Path(run_dir)
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-checkpoint")
-        self._pending: Future[None] | None = None
-        self._stage = HostStage()
+        self.timeout_s = timeout_s
+        self.on_skip = on_skip
+        self.skipped_steps: list[int] = []
+        """Steps whose part was not saved: the previous part's write still ran."""
+        self._slot = WriteSlot("shard-checkpoint")
 
     def save(self, step: int, gen: int | str, lo: int, hi: int, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
         """Stage the range's moments now and write them asynchronously (the previous save is waited for)."""
@@ -85,35 +111,63 @@ class ShardCheckpointer:
     def save_part(self, step: int, gen: int | str, name: str, state: dict[str, torch.Tensor],
                   about: dict | None = None, live: bool = False) -> None:
         """Stage part ``name`` (host copies of ``state``; ``live``: ``state`` itself, which does not change
-        until :meth:`wait`) now and write it asynchronously (the previous save is waited for); ``about`` is
-        kept beside it (``part.json``)."""
-        self.wait()
+        until :meth:`wait`) now and write it asynchronously; ``about`` is kept beside it (``part.json``).
+
+        The previous part's write is waited for first (up to ``timeout_s``); if it still runs, this save is
+        skipped (``live``: the previous part is given up on instead, and this one follows it)."""
+        writing = self._slot.settle(self.timeout_s)
+        if writing is not None and not live:
+            self.skipped_steps.append(step)
+            logger.warning("checkpoint part %s of step %d skipped: the part of step %d is still being written after "
+                           "%.0f s (from the host buffers this save would copy into)", name, step, writing,
+                           self.timeout_s)
+            if self.on_skip is not None:
+                self.on_skip(step=step, writing=writing)
+            return
+        if writing is not None:  # the final part needs no buffer and supersedes the older one
+            self._give_up(writing)
         out = staging_dir(self.run_dir, step, gen) / name
         shutil.rmtree(out, ignore_errors=True)
         out.mkdir(parents=True)
-        staged = state if live else self._stage.copy(state)
+        staged = state if live else self._slot.stage.copy(state)
         if about is not None:
             (out / PART).write_text(json.dumps(about))
-        self._pending = self._pool.submit(self._finish, out, staged, {"step": step, "gen": gen, "part": name})
+        self._slot.submit(step, self._finish, out, staged, {"step": step, "gen": gen, "part": name},
+                          reads_stage=not live)
 
     @staticmethod
-    def _finish(out: Path, state: dict[str, torch.Tensor], marker: dict) -> None:
-        written = write_state(out, state)  # part.json is hashed (and fsynced) with the commit
-        tmp = out / (MARKER + ".tmp")
-        tmp.write_text(json.dumps({**marker, "files": written.files}))
-        os.replace(tmp, out / MARKER)
+    def _finish(out: Path, state: dict[str, torch.Tensor], marker: dict, claim: WriteClaim) -> None:
+        """Background: write the part, then its marker unless it was given up on (then remove it). A failure is
+        logged: the leader's commit then lacks this part, and the checkpoint is not committed."""
+        try:
+            written = write_state(out, state)  # part.json is hashed (and fsynced) with the commit
+            if not claim.commit():
+                shutil.rmtree(out, ignore_errors=True)
+                logger.warning("checkpoint part %s of step %d given up on before its marker: removed", marker["part"],
+                               marker["step"])
+                return
+            tmp = out / (MARKER + ".tmp")
+            tmp.write_text(json.dumps({**marker, "files": written.files}))
+            os.replace(tmp, out / MARKER)
+        except Exception as exc:
+            logger.error("checkpoint part %s of step %d not written: %s", marker["part"], marker["step"], exc)
 
     def wait(self) -> None:
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            try:
-                pending.result(timeout=600)
-            except Exception as exc:  # the leader's commit then lacks this range: the checkpoint is not committed
-                logger.error("optimizer shard not written for the checkpoint: %s", exc)
+        """Block until the pending part is written (or has failed and been logged), at most ``timeout_s``; a part
+        still not written then is given up on: it never writes its marker."""
+        step = self._slot.pending.step if self._slot.pending else None
+        if step is not None and not self._slot.wait(self.timeout_s):
+            self._give_up(step)
+
+    def _give_up(self, step: int) -> None:
+        outcome = self._slot.give_up()
+        if outcome is not None:
+            logger.error("checkpoint part of step %d still not written after %.0f s: %s", step, self.timeout_s,
+                         "given up on, it will not be marked done" if outcome else "its marker is being written")
 
     def close(self) -> None:
         self.wait()
-        self._pool.shutdown(wait=True)
+        self._slot.close()
 
 
 def _stage_order(name: str) -> tuple[int, int, int]:
@@ -131,7 +185,8 @@ def collect_shards(run_dir: str | Path, step: int, gen: int | str, parts: list[s
                    timeout_s: float = SHARD_WAIT_S) -> dict[str, str]:
     """Wait until every part of ``parts`` (a ZeRO-1 range ``lo-hi``, an HSDP shard index ``i<index>``) is staged
     for ``(step, gen)``, then move them under ``dest/shards``; returns the sha256 of each of their files its
-    writer took as it wrote it (by path relative to ``dest``).
+    writer took as it wrote it (by path relative to ``dest``). Every stage this commit supersedes is removed:
+    earlier steps', and this step's of this or an earlier generation, whoever's writer.
 
     Raises:
         TimeoutError: a part did not arrive in time (its worker died or its disk failed).
@@ -153,8 +208,12 @@ def collect_shards(run_dir: str | Path, step: int, gen: int | str, parts: list[s
         (stage / name / MARKER).unlink()
         os.replace(stage / name, dest / "shards" / name)
     shutil.rmtree(stage, ignore_errors=True)
-    for old in stage.parent.glob("step_*"):  # stages of earlier steps nobody will commit any more
-        if _stage_order(old.name) < _stage_order(stage.name):
+    own = _stage_order(stage.name)[:2]
+    for old in stage.parent.glob("step_*"):
+        # earlier steps', and this step's of this or an earlier generation by any writer (a replica taking the
+        # final checkpoint over from a dead leader stages apart from it, whichever id is lower): nobody commits
+        # them any more; a later generation's stage of this step may be a save in flight
+        if _stage_order(old.name)[:2] <= own:
             shutil.rmtree(old, ignore_errors=True)
     return known
 
