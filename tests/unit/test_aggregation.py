@@ -116,14 +116,14 @@ def _tiny_model() -> torch.nn.Module:
 def test_apply_step_equals_manual_formula(grad_clip):
     model = _tiny_model()
     layout = GradLayout(model, _TwoGroups())
-    assert layout.n_grad == 5 and layout.size == 5 + 2 + 2
+    assert layout.n_grad == 5 and layout.size == 5 + 2 + 3
     # Three workers of a 4-slot neighbor step with slot 2 dead: workers 0 and 1 exact,
     # worker 3 covers slot 2, both approximated (no attention sum, weight 0 for it).
-    # Layout: [attention (2), ffn (3), weight rest, weight attention, loss_sum, tokens].
+    # Layout: [attention (2), ffn (3), weight rest, weight attention, admit, loss_sum, tokens].
     bufs = [
-        torch.tensor([1.0, 2.0, 1.0, 1.0, 1.0, 1.0, 1.0, 5.0, 10.0]),
-        torch.tensor([3.0, 6.0, 2.0, 2.0, 2.0, 1.0, 1.0, 7.0, 10.0]),
-        torch.tensor([0.0, 0.0, 9.0, 9.0, 9.0, 2.0, 0.0, 8.0, 20.0]),
+        torch.tensor([1.0, 2.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.0, 5.0, 10.0]),
+        torch.tensor([3.0, 6.0, 2.0, 2.0, 2.0, 1.0, 1.0, 0.0, 7.0, 10.0]),
+        torch.tensor([0.0, 0.0, 9.0, 9.0, 9.0, 2.0, 0.0, 0.0, 8.0, 20.0]),
     ]
     total = sum(bufs)
     assert layout.weights(total).tolist() == [4.0, 2.0]

@@ -63,10 +63,13 @@ def slot_rows(items: Sequence[SlotWork]) -> list[list[object]]:
 class GradLayout:
     """Where each trainable parameter's gradient sits in the flat buffer.
 
-    The buffer is ``[grads..., weight per group..., votes..., loss_sum, token_count]``,
+    The buffer is ``[grads..., weight per group..., votes..., admit, loss_sum, token_count]``,
     all float32, so one all-reduce carries everything a step needs. ``votes``
     slots (none unless asked) carry small non-negative counts every worker adds
-    to (:mod:`unbroken.snapshot.cadence`: the snapshot interval's proposals).
+    to (:mod:`unbroken.snapshot.cadence`: the snapshot interval's proposals);
+    ``admit`` is the view leader's word that the boundary after the step admits
+    joiners (:mod:`unbroken.runtime.admission`): every member that holds the
+    reduced buffer reads the same word.
     """
 
     def __init__(self, model: torch.nn.Module, adapter: ModelAdapter, *, votes: int = 0) -> None:
@@ -86,7 +89,7 @@ class GradLayout:
         self.group_names = adapter.group_names
         self.n_grad = offset
         self.n_votes = votes
-        self.size = offset + len(self.group_names) + votes + 2
+        self.size = offset + len(self.group_names) + votes + 3
         self._host: tuple[weakref.ref, int, torch.Tensor] | None = None  # (buffer, version, its scalars on the host)
         self.copied: set[int] = set()
         """Parameters whose gradient autograd kept apart from the buffer (:meth:`replaced`)."""
@@ -113,6 +116,16 @@ class GradLayout:
     def host_votes(self, buf: torch.Tensor) -> torch.Tensor:
         at = len(self.group_names)
         return self.scalars(buf)[at : at + self.n_votes]
+
+    def admit(self, buf: torch.Tensor) -> torch.Tensor:
+        """``buf``'s admission word (one element, a view): set by the view's leader before the reduction."""
+        at = self.n_grad + len(self.group_names) + self.n_votes
+        return buf[at : at + 1]
+
+    def admitted(self, buf: torch.Tensor) -> bool:
+        """Whether reduced ``buf`` says the boundary after its step admits joiners (read from the host copy
+        :func:`apply_step` made, when it is of ``buf``)."""
+        return bool(self.scalars(buf)[-3] > 0)
 
     def loss_sum(self, buf: torch.Tensor) -> float:
         return float(self.scalars(buf)[-2])

@@ -51,7 +51,7 @@ import torch
 from unbroken.jsonl import JsonlWriter
 from unbroken.mecefo.gradients import SlotWork, slot_rows
 from unbroken.mecefo.takeover import TakeoverPolicy
-from unbroken.runtime.admission import JoinerAdmission
+from unbroken.runtime.admission import AdmissionWord, JoinerAdmission
 from unbroken.runtime.membership import (Fenced, MemberDied, Membership, MissedCommit, NoLiveWorker, View,
                                        ViewChanged)
 from unbroken.runtime.process_group import CollectiveFailed, ViewGroup
@@ -129,6 +129,10 @@ class StepProtocol(JoinerAdmission):
         self._voted = -1  # the last step this worker saw committed under the current view
         self._same_view_retries = 0
         self._admits = False  # HSDP: the leader announced, in this attempt's replica sync, that it admits joiners
+        self._admit_next = False  # the committed step's reduction announced an admission at its boundary
+        self.announcer: AdmissionWord | None = None
+        """Where a reduction buffer carries the leader's announcement of an admission (the job's gradient
+        layout; None: the leader admits at once, aborting the members' next step)."""
         self._next_check = 0.0
         self.restorer: Callable[[View, Callable[[torch.Tensor, int], object]], None] | None = None
         """Loads the state a restored view names (``view.restore``), in :meth:`adopt` (the trainer sets it)."""
@@ -325,6 +329,7 @@ class StepProtocol(JoinerAdmission):
         # a crash fails it at once anyway, and a hang takes the heartbeat timeout.
         self._next_check = time.monotonic() + self._check_every
         self.layout.before_reduction(check or self._check)  # ZeRO-1: the last step's shard copies sealed first
+        self.announce(local)
         return self.group.allreduce(local, check or self._check, lambda: self._phase("allreduce", step))
 
     def _replica_word(self, step: int, ok: bool) -> None:

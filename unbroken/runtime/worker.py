@@ -136,6 +136,7 @@ class Trainer:
         self.protocol = recovery(cfg.fault.recovery).protocol_class()(
             membership, self.job, policy=takeover_policy(cfg.mecefo.policy), events=self.events,
             timeout_s=cfg.train.timeout_s, config_hash=self.hash, backend=cfg.train.backend)
+        self.protocol.announcer = self.job.layout  # admissions announced in the reduction (runtime/admission.py)
         self.metrics: MetricsWriter | None = None
         self.checkpointer: AsyncCheckpointer | None = None
         if self.snapshots is not None:
@@ -364,6 +365,7 @@ class Trainer:
             view, done = self.protocol.view, step + 1
             due = self.schedule.due(done)  # every member runs the schedule: a new leader goes on in step
             lr, grad_norm = self.protocol.layout.apply(step, view, self.protocol.group, reduced, last=done == steps)
+            self.protocol.announced(reduced)  # whether this step's boundary admits joiners: every member alike
             if view.leader == self.spec.worker:
                 self.m.applied(view.gen, view.step, done)  # how far the job got (agents' faults, the launcher)
             if step == start:
