@@ -1,6 +1,7 @@
 """A reduction given up on, then retried, on a real store and a real two-process gloo group: the all-reduce sums
-in place into the step's buffer, so the retry computes this worker's sums again, and the step's result is
-bit for bit the undisturbed one. This process is worker 0, a child process worker 1."""
+in place into the step's buffer, so the retry starts from the copy of this worker's sums kept on the host before
+the reduction was posted (it does not compute them again), and the step's result is bit for bit the
+undisturbed one. This process is worker 0, a child process worker 1."""
 
 from __future__ import annotations
 
@@ -66,7 +67,7 @@ os._exit(0)
 """
 
 
-def test_a_retried_reduction_computes_its_sums_again_and_equals_the_undisturbed_step(tmp_path: Path):
+def test_a_retried_reduction_starts_from_the_kept_sums_and_equals_the_undisturbed_step(tmp_path: Path):
     store = JobStore.host("127.0.0.1", 0, clients=4, secret="test")
     store.publish_initial(View(gen=0, members=(0, 1), step=0))
     procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(store.port), str(w), str(tmp_path)])
@@ -80,5 +81,6 @@ def test_a_retried_reduction_computes_its_sums_again_and_equals_the_undisturbed_
     got = [json.loads((tmp_path / f"w{w}.json").read_text()) for w in (0, 1)]
     want = [[3.0 * (step + 1)] * 5 for step in range(3)]  # (1 + 2) x (step + 1): each worker's sums, once
     assert got[0]["sums"] == got[1]["sums"] == want, "a retry reduced the sums once, not the partial sum again"
-    assert got[0]["computed"] == got[1]["computed"] == 4, "step 1's sums computed again for the retry"
+    assert got[0]["computed"] == got[1]["computed"] == 3, \
+        "step 1's retry reduced the sums kept before its first reduction, without computing them again"
     assert got[0]["gen"] == got[1]["gen"] == 1, "the retry ran in the next view of the same members"

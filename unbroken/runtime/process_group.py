@@ -169,9 +169,9 @@ class ViewGroup:
 
         Returns ``tensor`` holding the sum (a tensor on another device than the group's is moved first). No
         copy is made: once posted, ``tensor`` is the collective's, and if the attempt is given up on, its
-        contents are undefined (partly reduced) and whatever arrives late lands in it: the caller computes
-        its sums again into a new tensor for the next attempt, and never reuses this one (the parked group
-        keeps it). ``after_post`` runs once the collective is in flight (fault injection hook).
+        contents are undefined (partly reduced) and whatever arrives late lands in it: the caller starts the
+        next attempt from a copy it made before posting, or computes its sums again into a new tensor, and
+        never reuses this one (the parked group keeps it). ``after_post`` runs once the collective is in flight (fault injection hook).
         """
         if _PARKED:
             release_parked()  # every step all-reduces: a parked group goes as soon as its operation ended

@@ -130,6 +130,7 @@ class StepProtocol(JoinerAdmission):
         self._same_view_retries = 0
         self._admits = False  # HSDP: the leader announced, in this attempt's replica sync, that it admits joiners
         self._admit_next = False  # the committed step's reduction announced an admission at its boundary
+        self._spare: torch.Tensor | None = None  # the host copy of the sums posted last (see _keep)
         self.announcer: AdmissionWord | None = None
         """Where a reduction buffer carries the leader's announcement of an admission (the job's gradient
         layout; None: the leader admits at once, aborting the members' next step)."""
@@ -266,6 +267,7 @@ class StepProtocol(JoinerAdmission):
                 elif extra:
                     local = local + self._compute(step, extra)
                     items = items + extra
+                kept = self._keep(local)
                 posted = True
                 try:
                     reduced = self._reduce(step, local, items)
@@ -282,9 +284,10 @@ class StepProtocol(JoinerAdmission):
             except (ViewChanged, CollectiveFailed, MemberDied) as exc:
                 if posted:
                     # Reduced in place, in part or whole, and the abandoned collective may still write into it:
-                    # the next attempt computes this worker's items again, into a new buffer (a failure is rare;
-                    # a second gradient-sized copy every step is not).
-                    local = None
+                    # the next attempt starts from the copy kept on the host, else computes this worker's items
+                    # again, into a new buffer (on a GPU a second gradient-sized buffer every step costs more
+                    # than a failure's recomputation).
+                    local, self._spare = kept, None
                 if self._reconfigure(step, f"{type(exc).__name__}: {exc}"):
                     reduced = self.layout.missed(step, reduced, self.group,
                                                  lambda what, wait: self._late(step, what, wait))
@@ -294,6 +297,17 @@ class StepProtocol(JoinerAdmission):
                                            "state") from None
                     self.need_exchange = False
                     return reduced, items
+
+    def _keep(self, local: torch.Tensor) -> torch.Tensor | None:
+        """A copy of ``local`` before its reduction is posted, when it lives in host memory (a CPU run): a
+        retry of the step then adds only the rows it must take over, instead of computing its own again
+        (which costs the survivors a whole step more per failure). None on a GPU: device memory is not spent
+        on protection (DESIGN.md)."""
+        if local.device.type != "cpu":
+            return None
+        if self._spare is None or self._spare.shape != local.shape:
+            self._spare = torch.empty_like(local)  # one buffer reused every step, replaced only after a failure
+        return self._spare.copy_(local)
 
     def _late(self, step: int, what: str, wait: Callable[[float], Any]) -> Any:
         """A false alarm: this worker gave up, the others committed; its own ``what`` (the all-reduce, ZeRO-1's
