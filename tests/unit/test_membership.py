@@ -236,3 +236,31 @@ def test_a_worker_beats_eight_times_per_heartbeat_timeout_between_100_and_250_ms
     assert beat_interval(2.0) == 0.25, "the default timeout: 4 beats a second, 8 per timeout"
     assert beat_interval(1.6) == 0.2
     assert beat_interval(0.5) == 0.1 and beat_interval(30.0) == 0.25
+
+
+def test_a_gap_the_observers_own_heartbeat_beat_through_keeps_the_clocks(store):
+    """An observer busy computing between two looks, its heartbeat thread answered by the store all along, was not
+    blind: a peer whose counter has not moved since the first look is dead at the second once the silence lasts
+    the timeout (not a timeout after the second look); a peer beating meanwhile is not."""
+    timeout = 2.0
+    view = View(gen=0, members=(0, 1, 2), step=0)
+    store.publish_initial(view)
+    for w in view.members:
+        store.beat(w)
+    observer, beating = (Membership(store, w, heartbeat_timeout_s=timeout) for w in (0, 2))
+    observer.start_heartbeat()
+    beating.start_heartbeat()
+    try:
+        while True:  # a round in which the observer's own heartbeat stalled (a loaded machine) proves nothing
+            first = time.monotonic()
+            assert 1 not in observer.dead_members(view)
+            time.sleep(timeout * 1.5)
+            dead = observer.dead_members(view)
+            if observer._beat_through(first, time.monotonic()):
+                break
+        assert dead == {1}
+        mark = json.loads(store.dead_mark(1))
+        assert mark["how"] == "heartbeat" and mark["silent_s"] >= timeout
+    finally:
+        observer.stop()
+        beating.stop()

@@ -20,7 +20,12 @@ incarnation (its agent kills it: fencing); heartbeat liveness is judged on the
 observer's own clock (counter changes), so no clock agreement is needed, and
 only over time the observer itself kept watching: after a gap in its own
 observations (it was not scheduled, or the store stalled) the clocks restart,
-so a stall of the observer or of the store never gets peers declared dead.
+so a stall of the observer or of the store never gets peers declared dead. A gap
+its own heartbeat thread beat through (the store answered it, this process ran:
+its main thread was only busy computing) is no such stall: a counter that has
+not moved since the observer last saw it was silent all along, and the clock
+runs on (a hang is found a timeout after the last beat, not a timeout after the
+observer's next wait began).
 On etcd the counters also live under the worker's lease (TTL
 ``LEASE_TTL_FACTOR`` heartbeat timeouts, refreshed by the beats): a dead
 worker's keys expire by themselves, and a member whose counters are gone is
@@ -118,6 +123,8 @@ class Membership:
         self._busy = 0  # nesting depth of busy() blocks of the main thread
         self._busy_ticks = 0  # progress the heartbeat thread counted for them
         self._last_watch = -math.inf
+        self._last_pulse = -math.inf  # when the heartbeat thread's last pulse was answered (monotonic)
+        self._pulse_gap_end = math.inf  # when its last gap of more than half a timeout between pulses ended
         self._deaths_seen = -1
         self._dead: set[int] = set()
         self._stop = threading.Event()
@@ -153,6 +160,10 @@ class Membership:
                 return
             try:
                 self._publish()
+                answered = time.monotonic()
+                if answered - self._last_pulse > self.heartbeat_timeout_s / 2:
+                    self._pulse_gap_end = answered
+                self._last_pulse = answered
             except Exception as exc:  # the store did not answer: a hiccup, or it is gone for good
                 if time.monotonic() - last_ok > self.heartbeat_timeout_s:
                     logger.error("heartbeat stopped: no store answer for %.1f s (%s)",
@@ -225,7 +236,8 @@ class Membership:
             # Silence counts only while this observer kept watching: if it was itself stalled (not
             # scheduled, or the store did not answer), nobody's heartbeat could be seen, so the clocks
             # restart instead of blaming the others for the observer's own gap.
-            blind = (before - self._last_watch > self.heartbeat_timeout_s / 2
+            blind = ((before - self._last_watch > self.heartbeat_timeout_s / 2
+                      and not self._beat_through(self._last_watch, before))
                      or now - before > self.heartbeat_timeout_s / 2)
             self._last_watch = now
             for w, counted in zip(others, counters):
@@ -247,6 +259,12 @@ class Membership:
                         self.mark_dead(w, json.dumps({"by": self.worker, "how": how,
                                                       "silent_s": round(before - last[1], 3)}))
         return self._dead & set(view.members)
+
+    def _beat_through(self, since: float, until: float) -> bool:
+        """Did this worker's heartbeat thread get answers from the store all through ``since .. until``, never
+        more than half a timeout apart? Then the observer was not blind meanwhile (module docstring)."""
+        return (self._hb_thread is not None and self._pulse_gap_end <= since
+                and until - self._last_pulse <= self.heartbeat_timeout_s / 2)
 
     def forget_dead(self, worker: int) -> None:
         """A new incarnation of ``worker`` joined: judge it afresh (its mark, if one lands, read anew)."""
