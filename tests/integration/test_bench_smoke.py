@@ -34,6 +34,25 @@ def test_failover_benchmark_overhead_part(tmp_path, corpus_overrides):
     assert result["overhead"]["alternating"]["steps_each"] == 6
 
 
+def test_failover_benchmark_stall_part(tmp_path, corpus_overrides):
+    """One crash run and one hang run of the stall part: each fault's stall, the normal step and the target side
+    by side, in the JSON too; no attempt aborted by a rejoin, nothing lost."""
+    out = tmp_path / "stall.json"
+    result = failover.main(["--steps", "40", "--parts", "stall", "--crash-runs", "1", "--hang-runs", "1",
+                            "--nodes", "3", "--workers-per-node", "1", "--out", str(out),
+                            *[f"--{o}" for o in corpus_overrides]])
+    stall = result["stall"]
+    assert json.loads(out.read_text())["stall"]["crash"]["median_stall_s"] == stall["crash"]["median_stall_s"]
+    assert stall["fault_step"] == 25 and stall["heartbeat_timeout_s"] == 0.5
+    for kind in ("crash", "hang"):
+        k = stall[kind]
+        assert len(k["runs"]) == 1 and len(k["runs"][0]["stall_s"]) == 1, f"the {kind} was one failure"
+        assert k["median_stall_s"] == k["runs"][0]["stall_s"][0] and k["normal_step_s"] > 0
+        assert k["admission_aborts"] == 0 and k["lost_steps"] == 0 and k["ledger_ok"]
+    assert stall["crash"]["target_s"] == pytest.approx(stall["crash"]["normal_step_s"] / 2 + 0.05)
+    assert stall["hang"]["target_s"] == pytest.approx(0.8)
+
+
 def test_bench_rejects_unknown_arguments(capsys):
     with pytest.raises(SystemExit):
         throughput.main(["--bogus", "1"])
