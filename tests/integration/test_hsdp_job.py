@@ -11,6 +11,9 @@ sharded by a recipe of the user's (``model.parallelize``):
   replica 0 is back;
 - worker 0, the leader again, dies after the last step with the final checkpoint begun: replica 1 writes
   it in its stead, each of its two ranks writing its part;
+- replica 1 lost while replica 0's restarted ranks are being admitted (before the admitting view's first step
+  commits): only ranks still waiting for the state are left, and the agents restore the job from snapshot
+  memory by themselves;
 - at the end: every ``(step, slot, row)`` trained exactly once, the workers of each shard index hold the
   same shards, and (under ``spread``, exact) the final checkpoint (its parts joined) equals plain
   single-process training on the same batches to float tolerance; under ``neighbor`` the covering replica
@@ -19,10 +22,15 @@ sharded by a recipe of the user's (``model.parallelize``):
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
+from pathlib import Path
+
 import pytest
 import torch
 
-from _faults import MICRO_BATCH, _ours_alive, failover_config, run_job
+from _faults import MICRO_BATCH, _ours_alive, check_invariants, failover_config, run_job
 from _reference import checkpoint_params, reference_train
 from unbroken.agent.launcher import JobFailed, launch
 from unbroken.config import Config
@@ -197,3 +205,93 @@ def test_a_whole_job_killed_restores_its_shards_from_memory_and_resumes_unsharde
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-3, atol=1e-4, msg=name)
 
+
+
+# As RECIPE, and a process started after the first four (a restarted rank: 4 marks already there when its recipe
+# runs) writes a file at its first forward pass, the first step it trains after its admission, and waits there
+# until the test releases it: its step cannot commit meanwhile.
+HOLDING_RECIPE = RECIPE + """
+FIRST, RELEASED = {first!r}, {released!r}
+_restarted = []
+
+def _hold_first_forward(module, args):
+    if not _restarted:
+        return
+    _restarted.clear()
+    open(os.path.join(FIRST, str(os.getpid())), "w").close()
+    deadline = time.monotonic() + 120
+    while not os.path.exists(RELEASED) and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+def holding_recipe(model, mesh):
+    if len(os.listdir(MARKS)) >= 4:
+        _restarted.append(True)
+    recipe(model, mesh)
+    model.register_forward_pre_hook(_hold_first_forward)
+"""
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+@pytest.mark.timeout(300)
+def test_a_replica_lost_while_the_other_is_admitted_restores_the_job_from_memory_by_itself(tmp_path,
+                                                                                         corpus_overrides):
+    """2 nodes x 2 workers, 2 replicas of 2 ranks, a snapshot every step. Worker 0 dies in step 3 (replica 0
+    goes down, and comes back as two joiners); once replica 1 admitted them and both are in the first step after
+    their admission (held there, so the step cannot commit), replica 1's two ranks are killed. The admitting
+    view's step never committed, so only workers still waiting for the state are left: nobody is left to hand
+    it over. They leave marked dead, and the agents restore the job from snapshot memory by themselves, as when
+    every worker dies, instead of stopping for a human; the run finishes, every step trained exactly once, the
+    workers agreeing."""
+    marks, first, released = tmp_path / "recipe_called", tmp_path / "first_forward", tmp_path / "released"
+    marks.mkdir()
+    first.mkdir()
+    (tmp_path / "recipe.py").write_text(HOLDING_RECIPE.format(marks=str(marks), first=str(first),
+                                                              released=str(released)))
+    cfg = failover_config(corpus_overrides, STEPS, "mecefo.policy=spread", "train.shard_degree=2",
+                          "snapshot.every=1", "train.checkpoint_every_s=0",
+                          f"model.parallelize={tmp_path / 'recipe.py'}:holding_recipe", QUIET)
+    run = tmp_path / "run"
+    killed: list[int] = []
+    stop = threading.Event()
+
+    def kill_replica_1_when_replica_0_is_admitted() -> None:
+        while len(list(first.iterdir())) < 2 and not stop.wait(0.01):
+            pass
+        if stop.is_set():
+            return
+        for w in (2, 3):
+            pid = int((run / "pids" / f"w{w}").read_text())
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+        while any(_running(pid) for pid in killed) and not stop.wait(0.01):
+            pass
+        released.touch()
+
+    killer = threading.Thread(target=kill_replica_1_when_replica_0_is_admitted, daemon=True)
+    killer.start()
+    try:
+        job = run_job(cfg, run, nodes=2, workers_per_node=2, restart="on-failure",
+                      fail_at="step=3:worker=0:kill:phase=forward")
+    finally:
+        stop.set()
+        released.touch()
+        killer.join(timeout=10)
+    assert len(killed) == 2, "replica 0 was never admitted back"
+    check_invariants(job, live=[0, 1, 2, 3])
+    admitted = min(e["step"] for e in job.events("view_adopted", worker=0) if e["joiners"] == [0, 1])
+    # Replica 0's ranks, left with nobody to hand them the state, left marked dead (by themselves, or fenced
+    # by their agent on that mark or with their sibling), and the job was restored from memory.
+    left = [e for e in job.records if e.get("event") == "worker_exit" and e.get("worker") in (0, 1)
+            and e.get("incarnation") == 2]
+    assert sorted(e["worker"] for e in left) == [0, 1], left
+    marked = [e for e in job.events("fence") if e["worker"] in (0, 1) and e["reason"].get("how") == "no live worker"]
+    assert any(e["code"] == 4 for e in left) or marked, (left, marked)
+    restores = job.events("job_restore")
+    assert [e["restored_from"] for e in restores] == ["memory"] and restores[0]["step"] <= admitted, restores
+    assert sorted(e["worker"] for e in job.events("restored")) == [0, 1, 2, 3]

@@ -18,7 +18,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from unbroken.agent._exit_watch import exiting_returncode
-from unbroken.agent._job_error import death_error
+from unbroken.agent._job_error import CONSEQUENCE_EXIT_CODES, death_error
 from unbroken.agent._process import HANG_HOWS, ForkedChild, describe_exit, dump_stacks, exit_status, remove_pid, send
 from unbroken.agent._run_files import last_self_fault, was_admitted
 from unbroken.agent._supervision import Incarnation, decode_mark
@@ -88,10 +88,12 @@ class DeathDuties:
         fired = last_self_fault(self.run_dir, w)
         progress = max(self._read_progress(), fired[0] if fired is not None else 0)
         cause = self.plan.on_death(w, progress, fired) if self.plan else DeathCause(injected=False)
-        # A crash loop is the worker's own failing (an exit code, a fatal signal of its own), not a SIGKILL: a
-        # worker killed again and again from outside (or fenced) comes back every time.
+        # A crash loop is the worker's own failing (an exit code, a fatal signal of its own), not a SIGKILL nor an
+        # exit that follows from another's failure: a worker killed again and again from outside (or fenced, or
+        # left with nobody to hand it the state) comes back every time.
         restart = None if self._done_at is not None else self.restarts.schedule(
-            w, now=now, started=inc.started, crashed=not cause.injected and not inc.fenced and sig != signal.SIGKILL,
+            w, now=now, started=inc.started, crashed=not cause.injected and not inc.fenced and sig != signal.SIGKILL
+            and code not in CONSEQUENCE_EXIT_CODES,
             back_step=cause.back_step, total_steps=self.total_steps, rejoin=code == EXIT_REJOIN and not cause.injected)
         self._event("worker_exit", w, clean=False, injected=cause.injected, progress=progress,
                     spec=format_fail_at([cause.spec]) if cause.spec else None,

@@ -39,7 +39,7 @@ from unbroken.runtime.checkpoint import AsyncCheckpointer, load_checkpoint, trai
 from unbroken.runtime.checkpoint_files import COMMIT_FILE, checkpoint_dir
 from unbroken.runtime.checkpoint_schedule import CheckpointSchedule, Due, newest_checkpoint_age_s
 from unbroken.runtime.digest import param_digest
-from unbroken.runtime.membership import Fenced, Membership, View, ViewChanged
+from unbroken.runtime.membership import Fenced, Membership, NoLiveWorker, View, ViewChanged
 from unbroken.runtime.process_group import CollectiveFailed
 from unbroken.runtime.protocol import MemberDied
 from unbroken.runtime.recovery import recovery
@@ -265,10 +265,11 @@ class Trainer:
         self.m.request_join({"pid": os.getpid(), "config_hash": self.hash, "t": time.time(),
                              "memory": self.snapshots is not None and self.protocol.layout.rejoins_from_memory
                              and memory_rejoin_allowed(self.spec.run_dir, self.spec.worker)})
+        failed: View | None = None  # the view whose admission of this incarnation failed last
         while True:
-            view = self._wait_view(lambda v, j=joins_after, r=restores_after: (
+            view = self._wait_view(lambda v, j=joins_after, r=restores_after, f=failed: (
                 v.gen > j and self.spec.worker in v.joiners) or (
-                v.gen > r and v.restore is not None and self.spec.worker in v.members))
+                v.gen > r and v.restore is not None and self.spec.worker in v.members) or self._stranded(v, f))
             try:
                 self.protocol.adopt(view)
             except (CollectiveFailed, ViewChanged, MemberDied) as exc:
@@ -276,6 +277,7 @@ class Trainer:
                     # Someone died during the admission: the next view of that step admits us again.
                     logger.warning("admission in view %d failed (%s); waiting for the next", view.gen, exc)
                     joins_after = restores_after = view.gen
+                    failed = view if view.restore is None else None
                     continue
             if view.restore is not None:
                 # The job came back from a snapshot: a member like any other. It exchanges first, as a member
@@ -309,6 +311,24 @@ class Trainer:
             return current
         fresh = self.store.decided(view.gen) == view.step - 1 and not self.store.is_marked_dead(self.spec.worker)
         return current - 1 if fresh else current
+
+    def _stranded(self, current: View, failed: View | None) -> bool:
+        """False, unless ``current`` is the view whose admission of this joiner failed and every member of it
+        that held the state is marked dead: nobody is left to propose the next view of its step, and its
+        joiners would wait for good.
+
+        Raises:
+            NoLiveWorker: then. The joiner leaves marked dead (:mod:`unbroken.runtime.worker_entry`); once
+                every member of the view is, the agents restore the job from snapshot memory, as when every
+                worker dies.
+        """
+        if failed is None or current.gen != failed.gen:
+            return False
+        holders = tuple(w for w in current.members if w not in current.joiners)
+        if not self.store.all_marked_dead(holders):
+            return False
+        raise NoLiveWorker(f"only workers still waiting for the state are left: view {current.gen}'s members "
+                           f"{list(holders)} that held it are dead")
 
     def _restore_failed(self, view: View, exc: Exception) -> bool:
         """The admission of restored ``view`` failed: move to the next view of its step, as in any step.

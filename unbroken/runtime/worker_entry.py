@@ -41,6 +41,10 @@ __all__ = ["Assignment", "load_run_config", "read_run_config", "run", "standby"]
 
 logger = logging.getLogger(__name__)
 
+NO_LIVE_WORKER = "no live worker"
+"""The ``how`` of the mark a worker leaves on itself when nobody is left to hand it the state (a joiner whose
+view's holders all died) or its own replica left the view: the job is restored, not failed, by the agents."""
+
 
 def read_run_config(run_dir: Path) -> Config:
     """The run's config, nothing else done (the node's template reads it so: it must stay one thread)."""
@@ -102,7 +106,12 @@ def run(spec: WorkerSpec, *, store: JobStore | None = None, prepared: Prepared |
         logger.error("fenced: %s", exc)
         return EXIT_FENCED
     except NoLiveWorker as exc:
-        store.fail(f"no live worker left: {exc}")
+        # Nobody is left to hand the state over (or this worker left the view with its replica): it leaves
+        # marked dead, as for a lost shard below. Once every member of the view is, the agents restore the job
+        # from snapshot memory or the checkpoint, or stop it if neither holds anything.
+        logger.error("%s; leaving for the job to be restored", exc)
+        store.mark_dead(spec.worker, json.dumps({"by": spec.worker, "how": NO_LIVE_WORKER, "detail": str(exc),
+                                                 "t": time.time()}))
         return EXIT_NO_LIVE_WORKER
     except ShardLost as exc:
         # Every member of the view finds the same shard lost and leaves so: once all did, the agents restore
