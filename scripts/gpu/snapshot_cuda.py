@@ -71,7 +71,7 @@ def main() -> None:
                 p.add_(torch.randn_like(p))
         invs = [inventory(job, n, config_hash="gpu") for n in (0, 1)]
         spec = decide(invs, checkpoint=None, members_of=lambda ns: [w for w in node_of if node_of[w] in ns])
-        stats = restore_from_memory(spec, job=job, node=0, node_of=node_of, members=(0, 1), me=0, broadcast=alone,
+        stats = restore_from_memory(spec, job=job, node=0, node_of=node_of, members=(0,), me=0, broadcast=alone,
                                     model=fresh, optimizer=fresh_opt, device=dev)
         a, b = tensors_of(model, opt, dev), tensors_of(fresh, fresh_opt, dev)
         exact = a.keys() == b.keys() and all(torch.equal(a[k].cpu(), b[k].cpu()) and a[k].dtype == b[k].dtype

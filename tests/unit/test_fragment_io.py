@@ -18,7 +18,7 @@ from unbroken.runtime.view import View
 from unbroken.snapshot import fragment_io
 from unbroken.snapshot.overwrite_pages import ready_to_overwrite
 from unbroken.snapshot.fragment_io import FragmentRead, load_fragments
-from unbroken.snapshot.restore import decide, inventory, restore_from_memory
+from unbroken.snapshot.restore import alone, decide, inventory, restore_from_memory
 from unbroken.snapshot.segment import HEADER_BYTES, SealedBuffer, SnapshotCorrupt, job_segments
 from unbroken.snapshot.snapshotter import Snapshotter
 from unbroken.snapshot.state_bytes import tensors_of
@@ -58,8 +58,8 @@ def _snapshot(job_id: str, model: torch.nn.Module, optimizer: torch.optim.Optimi
 def _restore(job_id: str, spec: dict, seed: int, node: int = 0) -> tuple[tuple[torch.nn.Module, torch.optim.Optimizer],
                                                                         dict]:
     model, optimizer = _state(seed)  # another state: every byte must be overwritten
-    stats = restore_from_memory(spec, job=job_id, node=node, node_of=NODE_OF, members=(0, 1), me=node,
-                                broadcast=None, model=model, optimizer=optimizer, device=torch.device("cpu"))
+    stats = restore_from_memory(spec, job=job_id, node=node, node_of=NODE_OF, members=(node,), me=node,
+                                broadcast=alone, model=model, optimizer=optimizer, device=torch.device("cpu"))
     return (model, optimizer), stats
 
 

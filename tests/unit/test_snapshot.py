@@ -23,7 +23,7 @@ from unbroken.runtime.view import View
 from unbroken.snapshot.capacity import check_snapshot_config, node_bytes, state_bytes
 from unbroken.snapshot.erasure import Coding, ErasureError
 from unbroken.snapshot.plan import plan_for
-from unbroken.snapshot.restore import decide, inventory, restore_from_memory
+from unbroken.snapshot.restore import alone, decide, inventory, restore_from_memory
 from unbroken.snapshot.segment import SealedBuffer, SnapshotCorrupt, job_segments, remove_segments, segment_dir
 from unbroken.snapshot.snapshotter import Snapshotter
 from unbroken.snapshot.state_bytes import tensors_of
@@ -75,10 +75,11 @@ def _spec(job_id: str, nodes=(0, 1), checkpoint=None):
     return decide(invs, checkpoint=checkpoint, members_of=lambda ns: [w for w in NODE_OF if NODE_OF[w] in ns]), invs
 
 
-def _restore_into(job_id: str, spec, node: int, members, me: int):
+def _restore_into(job_id: str, spec, node: int, me: int):
+    """Worker ``me`` loads as one process alone (the other workers of its node would load alike)."""
     fresh = _trained(seed=99)  # different state: the restore must overwrite every byte
-    stats = restore_from_memory(spec, job=job_id, node=node, node_of=NODE_OF, members=tuple(members), me=me,
-                                broadcast=None, model=fresh.model, optimizer=fresh.optimizer,
+    stats = restore_from_memory(spec, job=job_id, node=node, node_of=NODE_OF, members=(me,), me=me,
+                                broadcast=alone, model=fresh.model, optimizer=fresh.optimizer,
                                 device=torch.device("cpu"))
     return fresh, stats
 
@@ -285,7 +286,7 @@ def test_restore_from_own_memory_is_exact(job_id, redundancy):
     _snapshot(job_id, job, done=1, redundancy=redundancy)
     spec, _ = _spec(job_id)
     assert spec["source"] == "memory" and spec["step"] == 1
-    restored, stats = _restore_into(job_id, spec, node=0, members=[0, 1], me=0)
+    restored, stats = _restore_into(job_id, spec, node=0, me=0)
     assert _same_state(job, restored)
     # Parity rotates over the nodes: node 0 holds stripe 0's data and stripe 1's parity.
     assert stats["local"] == 2 and stats["rebuilt"] == (1 if redundancy == "parity" else 0)
@@ -297,7 +298,7 @@ def test_parity_rebuilds_a_lost_node_exactly(job_id):
     remove_segments(job_id, node=0)  # node 0 and its memory are gone
     spec, _ = _spec(job_id, nodes=(1,))
     assert spec["members"] == [2, 3] and spec["parity_stripes"] == [0]  # stripe 1's data lives on node 1
-    restored, stats = _restore_into(job_id, spec, node=1, members=[2, 3], me=2)
+    restored, stats = _restore_into(job_id, spec, node=1, me=2)
     assert _same_state(job, restored) and stats["rebuilt"] == 1
 
 
@@ -330,13 +331,13 @@ def test_corrupt_buffer_falls_back_to_the_other_buffer_and_says_so(job_id):
     assert any("do not match their checksum" in p for p in invs[0]["problems"])
     # Step 2 is still complete through node 1's parity; lose that too and step 1 (buffer 0) is next.
     assert spec["step"] == 2 and spec["parity_stripes"] == [0]
-    restored, _ = _restore_into(job_id, spec, node=1, members=[2, 3], me=2)
+    restored, _ = _restore_into(job_id, spec, node=1, me=2)
     assert _same_state(job, restored)
     for w in (2, 3):
         (segment_dir() / f"unbroken-{job_id}-n1-w{w}-b1").unlink()
     spec, _ = _spec(job_id)
     assert spec["step"] == 1
-    restored, _ = _restore_into(job_id, spec, node=0, members=[0, 1], me=0)
+    restored, _ = _restore_into(job_id, spec, node=0, me=0)
     assert _same_state(older, restored)
 
 

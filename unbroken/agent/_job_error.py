@@ -13,6 +13,12 @@ agent's fencing), by silence (a heartbeat that stopped), or an exit that is
 the consequence of another's failure (fenced, no live worker left, the store
 lost) is not the job's error and has no signature.
 
+An error about the data a worker read rather than the worker itself (its
+snapshot memory damaged beyond what the restore's load rebuilds:
+``SnapshotCorrupt``) is the job's error too, but never evidence against the
+process it ran in (:func:`is_data_error`): two forked workers that fail to
+load the same damaged memory say nothing about forking.
+
 Invariant: a signature names what failed and where, never when or in whom, so
 the same fault in two incarnations gives the same signature.
 """
@@ -27,13 +33,15 @@ from pathlib import Path
 from unbroken.agent._run_files import last_worker_record
 from unbroken.jsonl import JsonlWriter
 
-__all__ = ["CONSEQUENCE_EXIT_CODES", "SELF_SIGNALS", "death_error", "record_error"]
+__all__ = ["CONSEQUENCE_EXIT_CODES", "DATA_ERRORS", "SELF_SIGNALS", "death_error", "is_data_error", "record_error"]
 
 SELF_SIGNALS = frozenset({signal.SIGSEGV, signal.SIGABRT, signal.SIGBUS, signal.SIGFPE, signal.SIGILL})
 """Signals a process raises on itself when its own code fails (a crash in native code, an abort)."""
 CONSEQUENCE_EXIT_CODES = frozenset({3, 4, 6, 7})
 """A worker's exits that follow from someone else's failure: fenced, no live worker left, the job store lost,
 left to rejoin after a peer died mid-collective (:mod:`unbroken.runtime.worker`)."""
+DATA_ERRORS = frozenset({"SnapshotCorrupt"})
+"""Exception types that say the data a worker read was bad (:func:`is_data_error`), not the worker."""
 
 
 def record_error(run_dir: Path, worker: int, exc: BaseException) -> None:
@@ -60,3 +68,9 @@ def death_error(run_dir: Path, worker: int, code: int | None, sig: int | None) -
         return f"{last.get('error')} at {last.get('where')}"
     return f"exit code {code}"
 
+
+
+def is_data_error(error: str) -> bool:
+    """Whether the signature ``error`` (:func:`death_error`) is of an exception about the data the worker read
+    (:data:`DATA_ERRORS`): no sign that the way the worker was started is at fault."""
+    return error.split(" ", 1)[0] in DATA_ERRORS

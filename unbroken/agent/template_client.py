@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Sequence
 
+from unbroken.agent._job_error import is_data_error
 from unbroken.agent._process import (PARENT_ENV, ForkedChild, LineBuffer, child_env, close_pipes, describe_exit,
                                      log_line, run_forked, send, set_name, spawn)
 
@@ -166,7 +167,12 @@ class Template:
         signature, :func:`unbroken.agent._job_error.death_error`). The same error twice in a row from forked workers:
         the fork itself may be the cause (a library that cannot start in a forked child), so the node starts
         its workers as fresh processes from now on. An error of the job's own recurs there, and the job's
-        handling of it goes on as before."""
+        handling of it goes on as before. An error about the data a worker read (damaged snapshot memory:
+        :func:`~unbroken.agent._job_error.is_data_error`) says nothing about the fork and is not counted."""
+        if is_data_error(error):
+            logger.info("[node %d] a forked worker failed on the data it read (%s): the template is kept",
+                        self.node, error)
+            return
         if error != self._fork_error:
             self._fork_error = error
             return

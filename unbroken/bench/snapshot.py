@@ -162,7 +162,7 @@ def _in_process(a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             times = []
             for _ in range(3):  # the median of three: the first pays for page faults and the coder's set-up
                 t0 = time.perf_counter()
-                restore_from_memory(spec, job=job, node=node, node_of=node_of, members=tuple(mem), me=mem[0],
+                restore_from_memory(spec, job=job, node=node, node_of=node_of, members=(mem[0],), me=mem[0],
                                     broadcast=alone, model=fresh_model, optimizer=fresh_opt,
                                     device=torch.device("cpu"))
                 times.append(time.perf_counter() - t0)

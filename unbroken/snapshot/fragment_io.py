@@ -25,8 +25,10 @@ compared with the seal's.
 
 Invariants: every byte loaded or verified is checked against the seal's CRC;
 a mismatch raises :class:`~unbroken.snapshot.segment.SnapshotCorrupt` naming
-the segment and the range (a load may then have written part of it into the
-tensors: the restore fails as a whole, as it always did); a segment is opened
+the segment and the range, or, in a load given ``on_mismatch`` (a restore's),
+is handed to it once every read is done (the bytes it wrote into the tensors
+are wrong: the restore writes that stripe again, rebuilt from other
+fragments: :mod:`unbroken.snapshot._load_damage`); a segment is opened
 as snapshot memory always is (never through a link, only a regular file of
 this user's); when :func:`load_fragments` returns, every copy it queued on a
 device has completed.
@@ -235,15 +237,18 @@ def _open_all(reads: Sequence[FragmentRead], fds: dict[Path, int]) -> None:
 
 
 def load_fragments(reads: Sequence[FragmentRead], targets: Targets, *, threads: int = 1,
-                   device: torch.device | None = None) -> int:
+                   device: torch.device | None = None,
+                   on_mismatch: Callable[[FragmentRead], None] | None = None) -> int:
     """Load the fragments ``reads`` into the tensors of ``targets``; returns the state bytes written.
 
     A host tensor is read into directly; with a CUDA ``device`` the bytes pass through pinned blocks and are
     copied to each device tensor asynchronously (:class:`~unbroken.snapshot.device_blocks.DeviceBlocks`), all
-    complete on return.
+    complete on return. ``on_mismatch``: called with each read whose bytes do not match the seal's CRC
+    (its bytes in the tensors are then wrong: the caller writes them again) instead of raising.
 
     Raises:
-        SnapshotCorrupt: a fragment's bytes do not match the seal's CRC, or its segment is gone or short.
+        SnapshotCorrupt: a fragment's bytes do not match the seal's CRC (without ``on_mismatch``), or its
+            segment is gone or short.
     """
     fds: dict[Path, int] = {}
     blocks = None
@@ -263,7 +268,9 @@ def load_fragments(reads: Sequence[FragmentRead], targets: Targets, *, threads: 
         for fd in fds.values():
             os.close(fd)
     for r, have in zip(reads, got):
-        if have != r.crc:
+        if have != r.crc and on_mismatch is not None:
+            on_mismatch(r)
+        elif have != r.crc:
             raise SnapshotCorrupt(f"{r.path.name}: bytes [{r.offset}, {r.offset + r.length}) do not match their "
                                   f"checksum")
     return sum(r.useful for r in reads)

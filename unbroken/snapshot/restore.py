@@ -12,7 +12,8 @@ fragments and parity), then the newest committed persistent checkpoint.
    the job's secret is trusted for the decision (the seal is written last, so
    it never describes a torn write) and the bytes are checked as they are
    loaded: a restore decides in milliseconds, and a mismatch found by the load
-   fails that load (the next attempt's inventory verifies every byte).
+   is rebuilt in that load from other fragments (step 3); only one they
+   cannot rebuild fails it (the next attempt's inventory verifies every byte).
 2. :func:`decide` (one agent): the newest step whose snapshot is complete
    among the live nodes' inventories, or the checkpoint if it is newer, as a
    restore spec (JSON) published in the restored view.
@@ -27,6 +28,12 @@ fragments and parity), then the newest committed persistent checkpoint.
    copied asynchronously), each checked against its CRC as it is read
    (:func:`unbroken.snapshot.fragment_io.load_fragments`); any other stripe is
    decoded and written one at a time: host memory never holds the whole state.
+   A fragment found damaged as it is read (its bytes no longer match their
+   checksum) does not end the load: once every stripe is loaded the members
+   agree on what was damaged, and load each stripe fed by a damaged fragment
+   again, from the fragments left: another holder's, or the parity
+   (:mod:`unbroken.snapshot._load_damage`). Only a stripe those can no longer
+   decode fails the load.
 """
 
 from __future__ import annotations
@@ -37,7 +44,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from unbroken.snapshot.erasure import HEADER, Coding
+from unbroken.snapshot._load_damage import Damage, Damaged, agree, undecodable
+from unbroken.snapshot.erasure import HEADER, Coding, ErasureError
 from unbroken.snapshot.fragment_io import FragmentRead, io_threads, load_fragments
 from unbroken.snapshot.plan import SnapshotPlan, complete_steps
 from unbroken.snapshot.segment import SealedBuffer, SnapshotCorrupt, job_segments, segment_path
@@ -178,10 +186,12 @@ def restore_from_memory(spec: dict[str, Any], *, job: str, node: int, node_of: d
     Every member derives the same sequence of broadcasts from ``spec`` alone (the stripes it reads from its
     own node's data fragments, loaded after the others, take none).
     Returns what was done: ``local`` / ``received`` / ``rebuilt`` / ``sent`` stripe counts and bytes,
-    ``bytes`` (the state's), ``seconds`` and ``gb_s`` (bytes loaded into the tensors per second).
+    ``bytes`` (the state's), ``seconds`` and ``gb_s`` (bytes loaded into the tensors per second);
+    ``damaged``: the fragments this member found damaged (segment, byte range, why), ``reloaded``: the
+    stripes loaded again without the damaged fragments (every member's count).
 
     Raises:
-        SnapshotCorrupt: a fragment's bytes no longer match their checksum.
+        SnapshotCorrupt: damaged fragments leave a stripe that the fragments left cannot decode.
         Whatever ``broadcast`` raises.
     """
     t0 = time.perf_counter()
@@ -196,12 +206,15 @@ def restore_from_memory(spec: dict[str, Any], *, job: str, node: int, node_of: d
         else:
             state.write(loader.plan.stripe_range(st)[0], loader.stripe(st))
     if direct:
-        load_fragments(direct, state.targets, threads=io_threads(threads_sharing), device=device)
+        load_fragments(direct, state.targets, threads=io_threads(threads_sharing), device=device,
+                       on_mismatch=loader.mismatch)
+    loader.reload_damaged(state)
     state.finish()
     seconds = time.perf_counter() - t0
     nbytes = loader.plan.state_bytes
-    return {**loader.stats, "bytes": nbytes, "seconds": seconds, "gb_s": round(nbytes / max(seconds, 1e-9) / 1e9, 3),
-            "threads": io_threads(threads_sharing), "step": spec["step"]}
+    return {**loader.stats, "damaged": loader.damage.found, "bytes": nbytes, "seconds": seconds,
+            "gb_s": round(nbytes / max(seconds, 1e-9) / 1e9, 3), "threads": io_threads(threads_sharing),
+            "step": spec["step"]}
 
 
 class _Loader:
@@ -219,7 +232,10 @@ class _Loader:
         self.nodes = sorted({node_of[w] for w in members})
         self.first_on = {nd: min(w for w in members if node_of[w] == nd) for nd in self.nodes}
         self.opened: dict[str, SealedBuffer] = {}
-        self.stats = {"local": 0, "received": 0, "rebuilt": 0, "sent": 0, "bytes_received": 0}
+        self.stats = {"local": 0, "received": 0, "rebuilt": 0, "sent": 0, "bytes_received": 0, "reloaded": 0}
+        self.damage = Damage(step=int(spec["step"]), stripes=self.plan.stripes, fragments=self.coding.n)
+        self.direct_of: dict[tuple[str, int], tuple[int, int]] = {}
+        """``(segment, offset)`` of each fragment read straight into the state -> its ``(stripe, fragment)``."""
 
     def segment(self, seg: str) -> SealedBuffer:
         if seg not in self.opened:
@@ -231,6 +247,62 @@ class _Loader:
                 raise SnapshotCorrupt(f"{seg}: no longer holds the snapshot of step {self.spec['step']}")
             self.opened[seg] = buf
         return self.opened[seg]
+
+    def read(self, st: int, fr: int) -> bytes:
+        """Fragment ``fr`` of stripe ``st``, from the segment holding it.
+
+        Raises:
+            Damaged: it could not be read as sealed (recorded: the stripe is loaded again without it).
+        """
+        return self._read(st, fr, headers=False) or b""
+
+    def _read(self, st: int, fr: int, *, headers: bool) -> bytes | None:
+        """Fragment ``fr`` of stripe ``st``, or (``headers``) the data fragments' headers kept with it (None: none
+        were kept); :meth:`read`'s errors."""
+        try:
+            buf = self.segment(self.where[st][fr][1])
+            return buf.headers(st) if headers else buf.fragment(st, fr)
+        except SnapshotCorrupt as exc:
+            self.damage.lost(st, fr, str(exc))
+            raise Damaged from exc
+
+    def mismatch(self, read: FragmentRead) -> None:
+        """A fragment read straight into the state does not match its checksum (:func:`load_fragments`)."""
+        st, fr = self.direct_of[(read.path.name, read.offset)]
+        self.damage.lost(st, fr, f"{read.path.name}: bytes [{read.offset}, {read.offset + read.length}) do not "
+                                 f"match their checksum")
+
+    def reload_damaged(self, state: StateLoader) -> None:
+        """Load again, in rounds, every stripe some member loaded from a damaged fragment, without the damaged
+        fragments (:mod:`unbroken.snapshot._load_damage`); every member calls it once all stripes are loaded.
+
+        Raises:
+            SnapshotCorrupt: a round with tainted stripes found no new damage, or the fragments left cannot
+                decode a tainted stripe.
+        """
+        known: set[tuple[int, int]] = set()
+        while True:
+            agree(self.damage, broadcast=self.broadcast, members=self.members, me=self.me, device=self.device)
+            tainted, new = sorted(self.damage.tainted), self.damage.bad - known
+            if not tainted:
+                return
+            if not new:
+                raise undecodable(self.damage, SnapshotCorrupt(
+                    f"stripes {tainted} of the snapshot of step {self.spec['step']} could not be decoded, and no "
+                    f"fragment of theirs was found damaged"))
+            known |= new
+            for st, fr in new:
+                self.where.get(st, {}).pop(fr, None)
+            self.damage.tainted.clear()
+            for st in tainted:
+                try:
+                    data = self.stripe(st)
+                except SnapshotCorrupt as exc:
+                    raise undecodable(self.damage, exc) from exc
+                state.write(self.plan.stripe_range(st)[0], data)
+                self.stats["reloaded"] += 1
+            logger.warning("restore of step %d: stripes %s loaded again without the damaged fragments %s",
+                           self.spec["step"], tainted, sorted(new))
 
     def own_data(self, st: int) -> list[FragmentRead] | None:
         """Stripe ``st``'s bytes as fragments of this node to read straight into the state, when every node
@@ -250,11 +322,16 @@ class _Loader:
         chunk = self.coding.chunk(hi - lo)
         reads = []
         for i, fr in enumerate(chosen):
-            buf = self.segment(self.where[st][fr][1])
+            try:
+                buf = self.segment(self.where[st][fr][1])
+            except SnapshotCorrupt as exc:  # gone, or rewritten: the stripe is loaded again without it
+                self.damage.lost(st, fr, str(exc))
+                return []
             entry = next((e for e in buf.seal["fragments"] if e[0] == st and e[1] == fr), None)
             if entry is None:
                 raise SnapshotCorrupt(f"{buf.path.name} holds no fragment {fr} of stripe {st}")
             start, length = lo + i * chunk, int(entry[3])
+            self.direct_of[(buf.path.name, int(entry[2]))] = (st, fr)
             reads.append(FragmentRead(path=buf.path, offset=int(entry[2]), length=length, crc=int(entry[4]),
                                       start=start, useful=max(0, min(length - skip, hi - start)), skip=skip))
         self.stats["local"] += 1
@@ -275,12 +352,22 @@ class _Loader:
         return self._gather(st, frags, hi - lo)
 
     def _decode_here(self, st: int, held: set[int], length: int) -> bytes:
+        """Stripe ``st`` from fragments ``held`` of this node; zeros if one is damaged (the stripe is tainted)."""
         chosen = _prefer_data(held, self.plan.k)
         self.stats["rebuilt"] += any(fr >= self.plan.k for fr in chosen)
-        hdrs = next((h for fr in chosen if fr >= self.plan.k
-                     and (h := self.segment(self.where[st][fr][1]).headers(st))), None)
-        frags = {fr: self.segment(self.where[st][fr][1]).fragment(st, fr) for fr in chosen}
-        return self.coding.decode(frags, length, hdrs)
+        try:
+            hdrs = next((h for fr in chosen if fr >= self.plan.k and (h := self._read(st, fr, headers=True))), None)
+            frags = {fr: self.read(st, fr) for fr in chosen}
+        except Damaged:
+            return bytes(length)
+        return self._decode(st, frags, length, hdrs)
+
+    def _decode(self, st: int, frags: dict[int, bytes], length: int, hdrs: bytes | None) -> bytes:
+        try:
+            return self.coding.decode(frags, length, hdrs)
+        except ErasureError as exc:  # bytes a member sent in place of a damaged fragment, or a coder's failure
+            self.damage.taint(st, str(exc))
+            return bytes(length)
 
     def _send(self, st: int, held: set[int], sender: int, length: int) -> bytes:
         out = torch.empty(length, dtype=torch.uint8, device=self.device)
@@ -300,7 +387,11 @@ class _Loader:
         t = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         sender = self.first_on[holder_node]
         if self.me == sender:
-            t.copy_(torch.frombuffer(bytearray(read()), dtype=torch.uint8))
+            try:
+                data = read()
+            except Damaged:  # the others still receive (zeros): every member makes the same broadcasts
+                data = bytes(nbytes)
+            t.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
         self.broadcast(t, self.members.index(sender))
         self.stats["bytes_received"] += nbytes if self.me != sender else 0
         return t.cpu().numpy().tobytes()
@@ -327,10 +418,12 @@ class _Loader:
             nd, seg = frags[parity]
 
             def headers(seg: str = seg, parity: int = parity) -> bytes:
-                kept = self.segment(seg).headers(st)
+                kept = self._read(st, parity, headers=True)
                 if kept is None:
-                    raise SnapshotCorrupt(f"{seg} holds parity fragment {parity} of stripe {st} of the snapshot of "
-                                          f"step {self.spec['step']} without the data fragments' headers it needs")
+                    self.damage.lost(st, parity, f"{seg} holds parity fragment {parity} of stripe {st} of the "
+                                                 f"snapshot of step {self.spec['step']} without the data "
+                                                 f"fragments' headers it needs")
+                    raise Damaged
                 return kept
 
             hdrs = self._share(self.plan.k * HEADER, nd, headers)
@@ -338,13 +431,13 @@ class _Loader:
         for fr in chosen:
             nd, seg = frags[fr]
 
-            def fragment(seg: str = seg, fr: int = fr) -> bytes:  # read by the holder's member only
-                return self.segment(seg).fragment(st, fr)
+            def fragment(fr: int = fr) -> bytes:  # read by the holder's member only
+                return self.read(st, fr)
 
             got[fr] = self._share(int(self.spec["fragment_lengths"][f"{st}/{fr}"]), nd, fragment)
         self.stats["received"] += 1
         self.stats["rebuilt"] += parity is not None
-        return self.coding.decode(got, length, hdrs)
+        return self._decode(st, got, length, hdrs)
 
 
 def _prefer_data(held: set[int], k: int) -> list[int]:
