@@ -15,7 +15,9 @@ import dataclasses
 import functools
 import os
 import re
+import signal
 import socket
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -90,17 +92,92 @@ class Job:
         return max(self.events("view_adopted"), key=lambda e: e["gen"])
 
 
+class Pace:
+    """Holds a job back while a restarted worker gets ready, so that the job cannot run out of steps first however
+    slow the machine: from a joiner's start (``worker_start`` with ``join``, or a standby handed a worker) until it
+    is admitted (``rejoined``) or gone (``worker_exit``), every other worker the job started runs only a slice of
+    :attr:`SLICE_S` in every :attr:`PERIOD_S` (SIGSTOP / SIGCONT), while the joiner runs freely.
+
+    The pause is far below the heartbeat timeout (a stopped member is not judged hung), and a joiner's admission
+    still goes through its members, only slower. Pass it as ``run_job(..., pace=True)``; it sees the launcher's
+    merged events.
+    """
+
+    SLICE_S = 0.02
+    PERIOD_S = 0.2
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pids: dict[int, int] = {}
+        """Worker -> the pid of its newest process."""
+        self._waiting: dict[int, int] = {}
+        """Joiners not admitted yet: worker -> pid."""
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="pace", daemon=True)
+        self._thread.start()
+
+    def __call__(self, e: dict[str, Any]) -> None:
+        name, w, pid = e.get("event"), e.get("worker"), e.get("pid")
+        with self._lock:
+            if name in ("worker_start", "standby_assign") and isinstance(w, int) and isinstance(pid, int):
+                self._pids[w] = pid
+                if e.get("join") or name == "standby_assign":
+                    self._waiting[w] = pid
+            elif name == "rejoined" or (name == "worker_exit" and self._waiting.get(w) == e.get("pid")):
+                self._waiting.pop(w, None)
+
+    def _others(self) -> list[int]:
+        with self._lock:
+            if not self._waiting:
+                return []
+            return [pid for w, pid in self._pids.items() if w not in self._waiting]
+
+    def _run(self) -> None:
+        while not self._done.is_set():
+            held = self._others()
+            if not held:
+                self._done.wait(self.SLICE_S)
+                continue
+            _signal_all(held, signal.SIGSTOP)
+            self._done.wait(self.PERIOD_S - self.SLICE_S)
+            _signal_all(held, signal.SIGCONT)
+            self._done.wait(self.SLICE_S)
+
+    def close(self) -> None:
+        self._done.set()
+        self._thread.join(timeout=10)
+        with self._lock:
+            _signal_all(list(self._pids.values()), signal.SIGCONT)
+
+
+def _signal_all(pids: list[int], sig: signal.Signals) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
 def run_job(cfg: Config, run_dir: Path, *, nodes: int, workers_per_node: int, fail_at: str = "",
             restart: str = "never", store: str | None = None, standby: bool = False,
             on_record: Callable[[dict[str, Any]], None] | None = None,
-            on_event: Callable[[dict[str, Any]], None] | None = None) -> Job:
+            on_event: Callable[[dict[str, Any]], None] | None = None, pace: bool = False) -> Job:
     """Launch the job (on the etcd cluster ``store``, if given; with a warm standby per node if ``standby``);
     records every pid the run directory names.
 
     ``on_record`` and ``on_event``: a scenario's own reactions to the run's records and events (as the launcher
-    merges them), for faults that follow what the job does rather than its steps.
+    merges them), for faults that follow what the job does rather than its steps. ``pace``: the job is held back
+    while a restarted worker gets ready (:class:`Pace`), for scenarios that need it back before the end.
     """
     pids: set[int] = set()
+    pacer = Pace() if pace else None
+    if pacer is not None:
+        user_on_event = on_event
+
+        def on_event(e: dict[str, Any]) -> None:
+            pacer(e)
+            if user_on_event is not None:
+                user_on_event(e)
 
     def seen(record: dict[str, Any]) -> None:
         pids.update(_pid_files(run_dir))
@@ -108,8 +185,12 @@ def run_job(cfg: Config, run_dir: Path, *, nodes: int, workers_per_node: int, fa
             on_record(record)
 
     t0 = time.monotonic()
-    summary = launch(cfg, run_dir, nodes=nodes, workers_per_node=workers_per_node, fail_at=fail_at,
-                     restart=restart, on_record=seen, on_event=on_event, store=store, standby=standby)
+    try:
+        summary = launch(cfg, run_dir, nodes=nodes, workers_per_node=workers_per_node, fail_at=fail_at,
+                         restart=restart, on_record=seen, on_event=on_event, store=store, standby=standby)
+    finally:
+        if pacer is not None:
+            pacer.close()
     wall = time.monotonic() - t0
     pids.update(_pid_files(run_dir))
     for path in (run_dir / "events").glob("agent*.jsonl"):

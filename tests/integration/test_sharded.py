@@ -44,13 +44,14 @@ CONFIRMED = 30
 """Worker 3 dies right after its commit vote of this step, for good."""
 SECOND = 80
 """Worker 2 dies here (worker 1, forked from its node's template once step 5 is committed, has usually
-rejoined by then; the test holds either way) and stays dead."""
+rejoined by then; the test holds either way) and stays dead. The job is held back while worker 1 gets ready
+(``pace``), so it is back before the end however slow the machine."""
 
 
 def test_failures_at_the_sharded_phases_rebuild_the_range_from_its_copy(tmp_path, corpus_overrides):
     cfg = failover_config(corpus_overrides, STEPS, "train.shard_optimizer=true", "mecefo.policy=spread",
                           "train.checkpoint_every=20", "train.keep_checkpoints=20")
-    job = run_job(cfg, tmp_path / "run", nodes=2, workers_per_node=2, restart="on-failure",
+    job = run_job(cfg, tmp_path / "run", nodes=2, workers_per_node=2, restart="on-failure", pace=True,
                   fail_at=f"step=3:worker=1:kill:phase=allgather:back=5,"
                           f"step={CONFIRMED}:worker=3:kill:phase=confirm:back={STEPS},"
                           f"step={SECOND}:worker=2:kill:phase=update:back={STEPS}")

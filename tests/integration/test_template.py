@@ -36,9 +36,9 @@ from unbroken.jsonl import read_jsonl
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 STEPS = 400
-"""Long enough for a template to be replaced and two workers to rejoin mid-run (node 1's agent is killed near
-step 90 with the cores to itself: a fresh worker's start and a fresh template's are the slow part; under the
-whole suite's load they once missed the end of a 300-step run)."""
+"""Steps of a run in which a template is replaced and two workers rejoin mid-run; the job is held back while a
+restarted worker gets ready (``pace``: a fresh worker's start and a fresh template's are the slow part), so the
+rejoins do not depend on how fast the machine is."""
 
 
 def _pid(run_dir: Any, name: str) -> int:
@@ -85,7 +85,7 @@ def test_template_loss_fallback_and_agent_loss(tmp_path, corpus_overrides):
                     seen["both_back"] = True
 
     job = run_job(cfg, run_dir, nodes=2, workers_per_node=2, restart="on-failure", on_record=on_record,
-                  on_event=on_event)
+                  on_event=on_event, pace=True)
     assert seen["killed"] == ["template0", "w1", "w0", "agent1"], seen
     check_invariants(job, live=[0, 1])
 
