@@ -147,6 +147,15 @@ def test_text_output_and_json(job, reported, capsys):
     assert printed["series"] == reported["series"] and printed["ledger_ok"] is True
 
 
+def test_the_report_shows_what_the_snapshots_protect_against_from_the_start(job, reported):
+    """The launch records it before any agent starts (``snapshot_protection``): one node has no other to hold
+    parity, so the run is shown unprotected against a node loss."""
+    guard = reported["snapshots"]["protection"]
+    assert guard is not None and guard["protected"] is False and guard["nodes"] == 1
+    assert f"UNPROTECTED: {guard['message']}" in reported["printed"]
+    assert guard["t"] < min(e["t"] for e in read_jsonl(job.run_dir / "events" / "agent0.jsonl"))
+
+
 def test_overlay_with_a_failure_free_run(job, reported, failure_free, capsys):
     assert cli_main(["report", str(job.run_dir), str(failure_free)]) == 0
     text = capsys.readouterr().out

@@ -32,6 +32,7 @@ from unbroken.job.references import anchor_references
 from unbroken.runtime.job_store import JobStore
 from unbroken.runtime.store_backend import SECRET_FILE, StoreAccessDenied, job_secret, new_secret, save_secret
 from unbroken.snapshot.capacity import check_snapshot_config
+from unbroken.snapshot.protection import announce as announce_protection
 
 __all__ = ["prepare_cluster_run"]
 
@@ -69,6 +70,7 @@ def prepare_cluster_run(cfg: Config, run_dir: Path, *, nodes: int, workers_per_n
     secret = job_secret(run_dir) if resume and (run_dir / SECRET_FILE).is_file() else new_secret()
     resume_from = prepare_run_dir(run_dir, cfg, overwrite=overwrite, resume=resume)
     save_secret(run_dir, secret)
+    announce_protection(cfg, run_dir, nodes, workers_per_node)
     prefix = None
     if store is not None:
         prefix = open_job_keys(store, secret=secret, run_dir=run_dir, timeout_s=cfg.train.timeout_s, resume=resume)

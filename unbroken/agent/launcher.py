@@ -51,6 +51,7 @@ from unbroken.faults.traces import FailureTrace, generate_trace, step_time_for
 from unbroken.jsonl import JsonlTail
 from unbroken.runtime.checkpoint import CheckpointError, latest_checkpoint, read_commit
 from unbroken.snapshot.capacity import check_snapshot_config
+from unbroken.snapshot.protection import announce as announce_protection
 from unbroken.agent.preflight import _truncate_metrics, preflight, prepare_run_dir
 from unbroken.agent.resume_point import resume_point
 from unbroken.agent.run_summary import summarise
@@ -178,6 +179,7 @@ def _launch(host: StoreHost, cfg: Config, run_dir: Path, *, overwrite: bool, res
     mode, secret = recovery(cfg.fault.recovery), host.secret
     resume_from = prepare_run_dir(run_dir, cfg, overwrite=overwrite, resume=resume)
     save_secret(run_dir, secret)
+    announce_protection(cfg, run_dir, nodes, workers_per_node)
     host.store.publish_config((run_dir / "config.json").read_text())
     if trace is not None:
         (run_dir / "fault_trace.json").write_text(json.dumps(trace.to_json(), indent=1))

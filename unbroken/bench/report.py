@@ -69,7 +69,9 @@ def summarize_run(run_dir: str | Path) -> dict[str, Any]:
 
 
 def _snapshots(run_dir: Path, events: list[dict[str, Any]]) -> dict[str, Any]:
-    """Snapshots taken (workers' reports), restores and where from, parity rebuilds, fallbacks."""
+    """Snapshots taken (workers' reports), restores and where from, parity rebuilds, fallbacks, and what the
+    snapshots protect the job against (the launch's ``snapshot_protection`` event, the newest: None before it
+    was written)."""
     taken = []
     for path in sorted((run_dir / "workers").glob("w*.json")):
         taken.append(json.loads(path.read_text()).get("snapshots", {}).get("taken", 0))
@@ -77,9 +79,11 @@ def _snapshots(run_dir: Path, events: list[dict[str, Any]]) -> dict[str, Any]:
                  "parity_stripes": e.get("parity_stripes", [])} for e in events if e.get("event") == "job_restore"]
     loaded = [{k: e.get(k) for k in ("worker", "gen", "step", "restored_from", "local", "received", "rebuilt", "seconds")}
               for e in events if e.get("event") == "restored"]
-    plans = {e["gen"]: {k: e.get(k) for k in ("gen", "k", "m", "stripes", "protected")}
+    plans = {e["gen"]: {k: e.get(k) for k in ("gen", "k", "m", "stripes", "groups", "protected")}
              for e in events if e.get("event") == "snapshot_plan"}
+    protection = [e for e in events if e.get("event") == "snapshot_protection"]
     return {"taken_per_worker": taken, "plans": [plans[g] for g in sorted(plans)],
+            "protection": max(protection, key=lambda e: e.get("t", 0.0), default=None),
             "restores": restores, "loaded": loaded,
             "fallbacks": [e["problem"] for e in events if e.get("event") == "snapshot_fallback"],
             "failed": [e["error"] for e in events if e.get("event") == "snapshot_failed"]}
@@ -348,6 +352,9 @@ def _snapshot_lines(sn: dict[str, Any]) -> list[str]:
     taken = sn["taken_per_worker"]
     lines = [f"snapshots: {max(taken) if taken else 0} taken per worker"
              + (f", {len(sn['restores'])} whole-job restore(s)" if sn["restores"] else "")]
+    guard = sn.get("protection")
+    if guard is not None:  # UNPROTECTED in capitals: the one line of the report that must not be missed
+        lines.append(f"  {'protected' if guard['protected'] else 'UNPROTECTED'}: {guard['message']}")
     for r in sn["restores"]:
         lost = f", nodes {r['lost_nodes']} lost" if r["lost_nodes"] else ""
         rebuilt = f", stripes {r['parity_stripes']} rebuilt from parity" if r["parity_stripes"] else ""
@@ -366,6 +373,7 @@ HEADLINE: tuple[tuple[str, Any], ...] = (
     ("stall max", lambda s: _fmt(s["stall_per_failure_s"]["max"])),
     ("rejoins", lambda s: len(s["rejoins"])),
     ("job restores", lambda s: len(s["snapshots"]["restores"])),
+    ("snapshots", lambda s: _protection(s["snapshots"].get("protection"))),
     ("lost steps", lambda s: _dash(s["lost_steps"])),
     ("degraded steps", lambda s: _dash(s["degraded_steps"])),
     ("approx rows", lambda s: _dash(s["approx_rows"])),
@@ -385,6 +393,11 @@ def _comparison_text(result: dict[str, Any]) -> str:
     lines += [f"{label:<18}" + "".join(f"{c:>{width}}" for c in row) for (label, _), row in zip(HEADLINE, cells)]
     lines.append(f"picture: {result['figure']}")
     return "\n".join(lines)
+
+
+def _protection(guard: dict[str, Any] | None) -> str:
+    """``protected``, ``UNPROTECTED``, or ``-`` for a run without the launch's event (simulated, or older)."""
+    return "-" if guard is None else "protected" if guard["protected"] else "UNPROTECTED"
 
 
 def _fmt(x: float | None) -> str:

@@ -126,7 +126,7 @@ def _in_process(a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     cfg = _cfg(a)
     model, opt = _state(cfg)
     raw = os.urandom(int(state_bytes(cfg)))
-    k = max(1, a.nodes - cfg.snapshot.parity)
+    k = max(1, min(a.nodes, cfg.snapshot.group_nodes) - cfg.snapshot.parity)  # one coding group's
     coding = Coding(k, cfg.snapshot.parity)
     t0 = time.perf_counter()
     parity, headers = coding.parity(raw, list(range(coding.k, coding.n)))
@@ -139,7 +139,8 @@ def _in_process(a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     job = os.urandom(6).hex()
     node_of = {w: w // a.workers_per_node for w in range(a.nodes * a.workers_per_node)}
     snaps = [Snapshotter(job_id=job, node=node_of[w], worker=w, node_of=node_of, every=1,
-                         redundancy=cfg.snapshot.redundancy, parity=cfg.snapshot.parity, config_hash="bench",
+                         redundancy=cfg.snapshot.redundancy, parity=cfg.snapshot.parity,
+                         group_nodes=cfg.snapshot.group_nodes, config_hash="bench",
                          state=lambda: tensors_of(model, opt), on_event=lambda *x, **y: None) for w in node_of]
     view = View(gen=0, members=tuple(node_of), step=1)
     t0 = time.perf_counter()
@@ -241,7 +242,7 @@ def _pinned(nodes: tuple[int, ...] = (2, 4, 16), per_node: int = 8) -> dict[str,
         for n in nodes:
             node_of = {w: w // per_node for w in range(n * per_node)}
             plan = plan_for(node_of, node_of, redundancy=cfg.snapshot.redundancy, parity=cfg.snapshot.parity,
-                            state_bytes=size)
+                            state_bytes=size, group_nodes=cfg.snapshot.group_nodes)
             staged = [sum(b - a for a, b in byte_ranges(plan, m)) for m in plan.assignment(node_of, node_of).values()]
             stripe = -(-size // plan.stripes)
             out[f"{name} {n}x{per_node}"] = {
@@ -278,7 +279,7 @@ def _device_staging(per_node_counts: tuple[int, ...] = (1, 8), nodes: int = 2) -
         for per_node in per_node_counts:
             node_of = {w: w // per_node for w in range(nodes * per_node)}
             plan = plan_for(node_of, node_of, redundancy=cfg.snapshot.redundancy, parity=cfg.snapshot.parity,
-                            state_bytes=size)
+                            state_bytes=size, group_nodes=cfg.snapshot.group_nodes)
             share = max(sum(b - a for a, b in byte_ranges(plan, m)) for m in plan.assignment(node_of, node_of).values())
             stager = Stager()
             stager.rate = D2H_BYTES_S

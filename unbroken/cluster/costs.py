@@ -39,7 +39,9 @@ count, both computed from the presets; ``G`` the data-parallel workers.
 * protocol overhead: an absolute time per step (a store round trip), ``(ratio
   - 1) * measured step``, added to the target's step;
 * snapshot: each worker writes its unique slice ``S_t / G`` (times the parity
-  factor ``N / (N - 1)`` over ``N = G / workers_per_node`` nodes) at the
+  factor ``g / (g - 1)``, ``g`` the nodes of the largest coding group of
+  ``N = G / workers_per_node`` nodes: ``N`` up to 16, ``snapshot.group_nodes``'
+  default) at the
   measured per-worker write rate ``S_m / (4 * write_s)`` (or ``--snapshot-gbs``);
   the share of that write that lands on the step is the measured
   ``added_s / write_s`` (at most 1);

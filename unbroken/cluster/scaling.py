@@ -11,6 +11,7 @@ import logging
 from dataclasses import dataclass, fields
 
 from unbroken.cluster.costs import Figure, MeasuredCosts, model_size
+from unbroken.snapshot.plan import GROUP_NODES
 
 __all__ = ["SimCosts", "TargetHardware", "scale_costs"]
 
@@ -105,13 +106,15 @@ def scale_costs(m: MeasuredCosts, *, model: str, workers: int, workers_per_node:
         step = Figure(v, "s", f"rule 6 * {params:.4g} params * {hw.seq_len} tokens * {hw.rows} rows / "
                               f"({hw.gpu_tflops:g} TFLOP/s * mfu {hw.mfu:g})  [parameters]")
     proto = m.get("protocol.added_s")
-    per_worker = s_t / workers * n_t / (n_t - 1)
+    g_t = -(-n_t // -(-n_t // GROUP_NODES))  # the largest coding group of n_t nodes (snapshot.plan)
+    per_worker = s_t / workers * g_t / (g_t - 1)
     write_s, added_s = m.get("snapshot.write_s"), m.get("snapshot.added_s")
     n_m = max(2.0, m.get("snapshot.nodes").value)  # parity factor N/(N-1) of the measured layout
     rate = hw.snapshot_gbs * _GB if hw.snapshot_gbs else (s_m / w_m * n_m / (n_m - 1)) / write_s.value
     critical = min(1.0, added_s.value / write_s.value)
     snap = Figure(per_worker / rate * critical, "s/step",
-                  f"rule {per_worker / 1e6:.4g} MB per worker (S/G * N/(N-1)) / {rate / 1e6:.4g} MB/s "
+                  f"rule {per_worker / 1e6:.4g} MB per worker (S/G * g/(g-1), g = {g_t} nodes a coding group) / "
+                  f"{rate / 1e6:.4g} MB/s "
                   f"({'parameter --snapshot-gbs' if hw.snapshot_gbs else write_s.source}) * on-step share "
                   f"{critical:.3g} ({added_s.source})")
     writers = hw.ckpt_writers or workers

@@ -242,9 +242,16 @@ class SnapshotConfig:
     ``every`` steps); under ``auto`` the write overlaps the following steps."""
     redundancy: Literal["parity", "replica", "none"] = "parity"
     """Protection across nodes: ``parity`` (Reed-Solomon erasure coding, survives the loss of
-    ``parity`` nodes), ``replica`` (each node's slices also held by the next node), ``none``."""
+    ``parity`` nodes of each coding group), ``replica`` (each node's slices also held by the next node), ``none``."""
     parity: int = 1
-    """Nodes whose loss a ``parity`` snapshot survives (< number of nodes)."""
+    """Nodes of each coding group (see ``group_nodes``) whose loss a ``parity`` snapshot survives (< number of
+    nodes; at most ``group_nodes // 2 - 1``)."""
+    group_nodes: int = 16
+    """``parity``: the most nodes one stripe is coded over (2 .. 256: the coder's limit is 256 fragments, one a
+    node). A job on more nodes is split into ``ceil(nodes / group_nodes)`` groups of as even sizes as possible
+    (they differ by at most one node), each coding its own share of the state with ``parity`` parity fragments:
+    the snapshot survives the loss of up to ``parity`` nodes in every group. Smaller groups survive more losses
+    across the job, larger ones hold less parity (``parity / (group - parity)`` of the state)."""
     device_staging_bytes: int = 2 << 30
     """On a GPU under ``auto``: the most device memory a worker holds for a snapshot's copy off the device.
     The bytes are copied from the live state straight into pinned host memory between the optimizer step that

@@ -114,12 +114,37 @@ def _mecefo_fault(cfg: Config, need: Need) -> None:
          f"{f.heartbeat_timeout_s} (a phase of a step takes longer than a heartbeat)")
 
 
+MAX_GROUP_NODES = 256
+"""The most nodes a stripe is coded over: ISA-L's Reed-Solomon (pyeclib ``isa_l_rs_vand``) codes at most 256
+fragments, one a node (``unbroken.snapshot.erasure.MAX_FRAGMENTS``)."""
+
+
+def _snapshot_groups(cfg: Config, need: Need) -> None:
+    """``snapshot.group_nodes`` in the coder's range, and every group of an even split of a larger job (each holds
+    more than ``group_nodes / 2 - 1`` nodes) big enough for ``parity`` parity fragments and one data fragment."""
+    sn = cfg.snapshot
+    g, p = sn.group_nodes, sn.parity
+    if not (isinstance(g, int) and 2 <= g <= MAX_GROUP_NODES):
+        need(False, f"snapshot.group_nodes={g!r}: must be a number of nodes in 2..{MAX_GROUP_NODES} (the most "
+                    f"nodes one stripe is coded over: the coder, isa_l_rs_vand, codes at most {MAX_GROUP_NODES} "
+                    f"fragments, one a node)")
+        return
+    if sn.redundancy == "parity" and p >= 1:
+        least = 2 * (p + 1)
+        larger = f"snapshot.group_nodes in {least}..{MAX_GROUP_NODES} or " if least <= MAX_GROUP_NODES else ""
+        need(g >= least,
+             f"snapshot.group_nodes={g} is too small for snapshot.parity={p}: a job on more than {g} nodes is "
+             f"split into groups of at least {g // 2} nodes, each needing {p} parity and one data fragment; set "
+             f"{larger}snapshot.parity <= {max(1, g // 2 - 1)}")
+
+
 def _snapshot_model(cfg: Config, need: Need) -> None:
     sn = cfg.snapshot
     need(sn.every == "auto" or (isinstance(sn.every, int) and sn.every >= 0),
          f"snapshot.every={sn.every}: must be auto (the smallest interval that keeps pace) or a number of steps "
          ">= 0 (0 disables)")
     need(sn.parity >= 1, f"snapshot.parity={sn.parity}: must be >= 1 (nodes whose loss a snapshot survives)")
+    _snapshot_groups(cfg, need)
     need(isinstance(sn.device_staging_bytes, int) and not isinstance(sn.device_staging_bytes, bool)
          and sn.device_staging_bytes >= 0,
          f"snapshot.device_staging_bytes={sn.device_staging_bytes!r}: must be a number of bytes >= 0 (0: no device "

@@ -3,7 +3,8 @@
 A node holds two buffers (the newest sealed snapshot and the one being
 written) of its share of the coded state: about ``(1 + m/k) * S / N`` each
 (``S`` the state: parameters and both AdamW moments, 12 bytes per fp32
-parameter; see :mod:`unbroken.snapshot.plan` for ``k``, ``m``).
+parameter; see :mod:`unbroken.snapshot.plan` for ``k``, ``m`` and the coding
+groups: a node of the smallest group holds the most, the figure checked).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from unbroken.models.llama import count_parameters, model_args
 from unbroken.snapshot.cadence import enabled
 from unbroken.snapshot.erasure import HEADER
 from unbroken.snapshot.plan import plan_for
+from unbroken.snapshot.protection import check_coding
 from unbroken.snapshot.segment import HEADER_BYTES, SHM_DIR, segment_dir
 
 __all__ = ["check_snapshot_config", "node_bytes", "state_bytes"]
@@ -38,10 +40,14 @@ def node_bytes(cfg: Config, nodes: int, workers_per_node: int, vocab_size: int |
     node_of = {w: w // workers_per_node for w in range(nodes * workers_per_node)}
     s = cfg.snapshot
     plan = plan_for(node_of, node_of, redundancy=s.redundancy, parity=s.parity,
-                    state_bytes=state_bytes(cfg, vocab_size))
+                    state_bytes=state_bytes(cfg, vocab_size), group_nodes=s.group_nodes)
     per_stripe = -(-plan.state_bytes // plan.stripes)
-    fragment = -(-per_stripe // plan.k) + (2 * HEADER * plan.k if plan.m else 0)  # parity: its header, the data's
-    held = plan.stripes * len(plan.fragments_of(plan.nodes[0], 0)) * fragment
+    held = 0
+    for group in plan.groups:  # a node of the smallest group (the largest fragments) holds the most
+        first = plan.stripes_of(group[0])[0]
+        k = plan.k_of(first)
+        fragment = -(-per_stripe // k) + (2 * HEADER * k if plan.m else 0)  # parity: its header, the data's
+        held = max(held, plan.group_stripes * len(plan.fragments_of(group[0], first)) * fragment)
     return 2 * (held + workers_per_node * (HEADER_BYTES + (64 << 10)))
 
 
@@ -51,12 +57,14 @@ def check_snapshot_config(cfg: Config, nodes: int, workers_per_node: int, vocab_
     Raises:
         ValueError: ``snapshot.parity`` not below the node count (of a job on more than one node: on one
             node there is no other to hold parity, and snapshots protect against worker failures only),
+            a coding group the coder cannot build (:func:`unbroken.snapshot.protection.check_coding`),
             or too little free shared memory
             (says how much is needed and what to change).
     """
     s = cfg.snapshot
     if not enabled(s.every):
         return 0
+    check_coding(cfg, nodes, workers_per_node)  # whatever the model: the coding does not depend on its size
     if cfg.model.family == "custom" or cfg.model.hf_path:
         # The state's size is known only once the model is built: a full /dev/shm is then reported by the
         # first snapshot (an event and a log line) and training goes on without snapshots.

@@ -22,12 +22,15 @@ from __future__ import annotations
 
 import functools
 
-__all__ = ["EC_TYPE", "HEADER", "Coding", "ErasureError"]
+__all__ = ["EC_TYPE", "HEADER", "MAX_FRAGMENTS", "Coding", "ErasureError"]
 
 EC_TYPE = "isa_l_rs_vand"
 """pyeclib backend: ISA-L Reed-Solomon (Vandermonde), bundled with the pyeclib wheel."""
 HEADER = 80
 """Bytes of liberasurecode's header at the front of each pyeclib fragment."""
+MAX_FRAGMENTS = 256
+"""The most fragments (``k + m``) ISA-L's Reed-Solomon codes a stripe into (GF(2^8)): a larger coding is refused
+by the backend. A stripe's fragments are one a node of its coding group (:mod:`unbroken.snapshot.plan`)."""
 
 
 class ErasureError(RuntimeError):
@@ -52,12 +55,15 @@ class Coding:
     """``k`` data fragments and ``m`` parity fragments per stripe.
 
     Raises:
-        ValueError: ``k < 1`` or ``m < 0``.
+        ValueError: ``k < 1`` or ``m < 0``, or (``m > 0``) ``k + m`` above :data:`MAX_FRAGMENTS`.
     """
 
     def __init__(self, k: int, m: int) -> None:
         if k < 1 or m < 0:
             raise ValueError(f"erasure coding needs k >= 1 and m >= 0, got k={k}, m={m}")
+        if m and k + m > MAX_FRAGMENTS:
+            raise ValueError(f"erasure coding into k + m = {k} + {m} fragments: {EC_TYPE} codes at most "
+                             f"{MAX_FRAGMENTS}; code over fewer nodes (snapshot.group_nodes)")
         self.k, self.m = k, m
 
     @property

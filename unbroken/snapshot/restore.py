@@ -17,7 +17,10 @@ fragments and parity), then the newest committed persistent checkpoint.
 2. :func:`decide` (one agent): the newest step whose snapshot is complete
    among the live nodes' inventories, or the checkpoint if it is newer, as a
    restore spec (JSON) published in the restored view.
-3. :func:`restore_from_memory` (every worker of that view): per stripe, the
+3. :func:`restore_from_memory` (every worker of that view): a stripe's
+   fragments are all on the nodes of its coding group (``plan.groups``, ``k``
+   that group's: :mod:`unbroken.snapshot.plan`), so it is rebuilt within that
+   group, from its fragments alone. Per stripe, the
    fragments are read from the worker's own node where it holds ``k`` of them;
    otherwise the first member on a node that can decode sends the stripe over
    the view's group; if no node can alone, each needed fragment is sent by a
@@ -45,7 +48,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from unbroken.snapshot._load_damage import Damage, Damaged, agree, undecodable
-from unbroken.snapshot.erasure import HEADER, Coding, ErasureError
+from unbroken.snapshot.erasure import HEADER, ErasureError
 from unbroken.snapshot.fragment_io import FragmentRead, io_threads, load_fragments
 from unbroken.snapshot.plan import SnapshotPlan, complete_steps
 from unbroken.snapshot.segment import SealedBuffer, SnapshotCorrupt, job_segments, segment_path
@@ -147,7 +150,7 @@ def _part(held: dict[tuple[int, int], dict[str, Any]], layouts: dict[str, Any]) 
     """What the workers of one shard index read: its plan, layout, holders and fragment lengths."""
     some = next(iter(held.values()))
     plan = SnapshotPlan.from_json(some["plan"])
-    rebuilt = [st for st in range(plan.stripes) if not all((st, f) in held for f in range(plan.k))]
+    rebuilt = [st for st in range(plan.stripes) if not all((st, f) in held for f in range(plan.k_of(st)))]
     return {"gen": some["gen"], "layout_hash": some["layout_hash"], "layout": layouts[some["layout_hash"]],
             "plan": some["plan"], "parity_stripes": rebuilt,
             "holders": sorted([st, fr, s["node"], s["segment"]] for (st, fr), s in held.items()),
@@ -225,15 +228,17 @@ class _Loader:
         self.spec, self.job, self.node, self.me, self.members = spec, job, node, me, members
         self.broadcast, self.device = broadcast, device
         self.plan = SnapshotPlan.from_json(spec["plan"])
-        self.coding = Coding(self.plan.k, self.plan.m)
         self.where: dict[int, dict[int, tuple[int, str]]] = {}
         for st, fr, nd, seg in spec["holders"]:
             self.where.setdefault(st, {})[fr] = (nd, seg)
         self.nodes = sorted({node_of[w] for w in members})
-        self.first_on = {nd: min(w for w in members if node_of[w] == nd) for nd in self.nodes}
+        self.first_on: dict[int, int] = {}
+        for w in sorted(members):  # one pass: a view may have thousands of nodes
+            self.first_on.setdefault(node_of[w], w)
         self.opened: dict[str, SealedBuffer] = {}
         self.stats = {"local": 0, "received": 0, "rebuilt": 0, "sent": 0, "bytes_received": 0, "reloaded": 0}
-        self.damage = Damage(step=int(spec["step"]), stripes=self.plan.stripes, fragments=self.coding.n)
+        self.damage = Damage(step=int(spec["step"]), stripes=self.plan.stripes,
+                             fragments=max(len(g) for g in self.plan.groups))  # the largest group's k + m
         self.direct_of: dict[tuple[str, int], tuple[int, int]] = {}
         """``(segment, offset)`` of each fragment read straight into the state -> its ``(stripe, fragment)``."""
 
@@ -309,17 +314,17 @@ class _Loader:
         decodes the stripe from its own memory and this one holds its data fragments, or a parity fragment that
         is the data itself (k = 1); else None (decoded, or sent, by :meth:`stripe`)."""
         lo, hi = self.plan.stripe_range(st)
-        frags = self.where.get(st, {})
-        on_node = {nd: {fr for fr, (n2, _) in frags.items() if n2 == nd} for nd in self.nodes}
-        if any(len(on_node[nd]) < self.plan.k for nd in self.nodes):
+        k, coding = self.plan.k_of(st), self.plan.coding(st)
+        on_node = self._on_node(st)
+        if len(self._able(on_node, k)) < len(self.nodes):
             return None
-        if set(range(self.plan.k)) <= on_node[self.node]:
-            chosen, skip = list(range(self.plan.k)), 0
-        elif self.coding.parity_copies_data():
+        if set(range(k)) <= on_node[self.node]:
+            chosen, skip = list(range(k)), 0
+        elif coding.parity_copies_data():
             chosen, skip = [min(on_node[self.node])], HEADER
         else:
             return None
-        chunk = self.coding.chunk(hi - lo)
+        chunk = coding.chunk(hi - lo)
         reads = []
         for i, fr in enumerate(chosen):
             try:
@@ -342,8 +347,8 @@ class _Loader:
         """Stripe ``st``: from this node's memory, from the one node that can decode it, or from fragments."""
         lo, hi = self.plan.stripe_range(st)
         frags = self.where.get(st, {})
-        on_node = {nd: {fr for fr, (n2, _) in frags.items() if n2 == nd} for nd in self.nodes}
-        able = [nd for nd in self.nodes if len(on_node[nd]) >= self.plan.k]
+        on_node = self._on_node(st)
+        able = self._able(on_node, self.plan.k_of(st))
         if len(able) == len(self.nodes):  # every node decodes from its own memory
             self.stats["local"] += 1
             return self._decode_here(st, on_node[self.node], hi - lo)
@@ -351,12 +356,24 @@ class _Loader:
             return self._send(st, on_node[able[0]], self.first_on[able[0]], hi - lo)
         return self._gather(st, frags, hi - lo)
 
+    def _on_node(self, st: int) -> dict[int, set[int]]:
+        """node -> the fragments of stripe ``st`` it holds (only its group's nodes hold any)."""
+        out: dict[int, set[int]] = {}
+        for fr, (nd, _) in self.where.get(st, {}).items():
+            out.setdefault(nd, set()).add(fr)
+        return out
+
+    def _able(self, on_node: dict[int, set[int]], k: int) -> list[int]:
+        """The nodes with a live member that hold ``k`` fragments of a stripe (can decode it alone), in order."""
+        return sorted(nd for nd, held in on_node.items() if nd in self.first_on and len(held) >= k)
+
     def _decode_here(self, st: int, held: set[int], length: int) -> bytes:
         """Stripe ``st`` from fragments ``held`` of this node; zeros if one is damaged (the stripe is tainted)."""
-        chosen = _prefer_data(held, self.plan.k)
-        self.stats["rebuilt"] += any(fr >= self.plan.k for fr in chosen)
+        k = self.plan.k_of(st)
+        chosen = _prefer_data(held, k)
+        self.stats["rebuilt"] += any(fr >= k for fr in chosen)
         try:
-            hdrs = next((h for fr in chosen if fr >= self.plan.k and (h := self._read(st, fr, headers=True))), None)
+            hdrs = next((h for fr in chosen if fr >= k and (h := self._read(st, fr, headers=True))), None)
             frags = {fr: self.read(st, fr) for fr in chosen}
         except Damaged:
             return bytes(length)
@@ -364,7 +381,7 @@ class _Loader:
 
     def _decode(self, st: int, frags: dict[int, bytes], length: int, hdrs: bytes | None) -> bytes:
         try:
-            return self.coding.decode(frags, length, hdrs)
+            return self.plan.coding(st).decode(frags, length, hdrs)
         except ErasureError as exc:  # bytes a member sent in place of a damaged fragment, or a coder's failure
             self.damage.taint(st, str(exc))
             return bytes(length)
@@ -405,15 +422,19 @@ class _Loader:
         Raises:
             SnapshotCorrupt: the nodes with live members hold fewer than ``k`` fragments of the stripe.
         """
+        k = self.plan.k_of(st)  # of the stripe's coding group: only its nodes hold fragments of it
         live = {fr: held for fr, held in frags.items() if held[0] in self.first_on}
-        if len(live) < self.plan.k:
+        if len(live) < k:
+            group = self.plan.groups[self.plan.group_of(st)]
+            alive = [nd for nd in group if nd in self.first_on]
             raise SnapshotCorrupt(
                 f"stripe {st} of the snapshot of step {self.spec['step']} can no longer be decoded: it needs "
-                f"{self.plan.k} fragments, the nodes with live members {self.nodes} hold {len(live)} "
-                f"({sorted(live)}); its fragments are on nodes {sorted({nd for nd, _ in frags.values()})}")
-        chosen = _prefer_data(set(live), self.plan.k)
+                f"{k} fragments, the nodes with live members {alive} hold {len(live)} ({sorted(live)}); its "
+                f"fragments are on nodes {sorted({nd for nd, _ in frags.values()})} of its coding group "
+                f"{list(group)}")
+        chosen = _prefer_data(set(live), k)
         hdrs = None
-        parity = next((fr for fr in chosen if fr >= self.plan.k), None)
+        parity = next((fr for fr in chosen if fr >= k), None)
         if parity is not None:  # the headers kept with that parity fragment travel with it
             nd, seg = frags[parity]
 
@@ -426,7 +447,7 @@ class _Loader:
                     raise Damaged
                 return kept
 
-            hdrs = self._share(self.plan.k * HEADER, nd, headers)
+            hdrs = self._share(k * HEADER, nd, headers)
         got: dict[int, bytes] = {}
         for fr in chosen:
             nd, seg = frags[fr]

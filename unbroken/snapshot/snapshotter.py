@@ -60,8 +60,8 @@ import torch
 
 from unbroken.runtime.view import View
 from unbroken.snapshot.cadence import VETO, Cadence, StepRole, due, tally
-from unbroken.snapshot.erasure import HEADER, Coding
-from unbroken.snapshot.plan import SnapshotPlan, plan_for
+from unbroken.snapshot.erasure import HEADER
+from unbroken.snapshot.plan import GROUP_NODES, SnapshotPlan, plan_for
 from unbroken.snapshot.segment import Buffer, SealedBuffer, SnapshotCorrupt, crc32
 from unbroken.snapshot.staging import ReadBytes, Stager
 from unbroken.snapshot.state_bytes import capture, describe, layout_hash
@@ -80,7 +80,8 @@ class Snapshotter:
     Args:
         job_id, node, worker: name the segments.
         node_of: worker id -> node (every worker of the job).
-        every, redundancy, parity: the ``snapshot`` config section (``every``: steps, or ``"auto"``).
+        every, redundancy, parity, group_nodes: the ``snapshot`` config section (``every``: steps, or
+            ``"auto"``).
         config_hash: recorded in each seal.
         state: returns the live tensors of the state (model, optimizer, RNG) by name.
         on_event: receives snapshot events (errors, plan changes, the interval chosen).
@@ -101,7 +102,7 @@ class Snapshotter:
     """
 
     def __init__(self, *, job_id: str, node: int, worker: int, node_of: dict[int, int], every: int | str,
-                 redundancy: str, parity: int, config_hash: str,
+                 redundancy: str, parity: int, config_hash: str, group_nodes: int = GROUP_NODES,
                  state: Callable[[], dict[str, torch.Tensor]], on_event: Callable[..., None],
                  write_threads: int = 1, shares_cores: bool = False, shard: tuple[int, int] = (0, 1),
                  holders: Callable[[Sequence[int]], Sequence[int]] = tuple, moments_in_copies: bool = False,
@@ -110,6 +111,7 @@ class Snapshotter:
         self.job_id, self.node, self.worker, self.node_of = job_id, node, worker, node_of
         self.shard, self.holders, self.moments_in_copies = shard, holders, moments_in_copies
         self.every, self.redundancy, self.parity, self.config_hash = every, redundancy, parity, config_hash
+        self.group_nodes = group_nodes
         self.state, self.on_event, self.busy = state, on_event, busy
         self.device_staging_bytes = device_staging_bytes
         self.auto = every == "auto"
@@ -215,13 +217,15 @@ class Snapshotter:
         layout = describe(tensors)
         holders = self.holders(view.members)
         plan = plan_for(holders, self.node_of, redundancy=self.redundancy, parity=self.parity,
-                        state_bytes=layout.nbytes)
+                        state_bytes=layout.nbytes, group_nodes=self.group_nodes)
         if view.gen != self._plan_gen:
             self._plan_gen = view.gen
             self.on_event("snapshot_plan", gen=view.gen, step=done, k=plan.k, m=plan.m, stripes=plan.stripes,
-                          nodes=list(plan.nodes), protected=plan.protected, scheme=plan.scheme,
+                          nodes=list(plan.nodes), groups=[len(g) for g in plan.groups],
+                          protected=plan.protected, scheme=plan.scheme,
                           **({"shard_index": self.shard[0]} if self.shard[1] > 1 else {}))
-        mine = plan.assignment(holders, self.node_of).get(self.worker, [])
+        # A node's assignment depends only on its own live workers: not every node's computed (thousands)
+        mine = plan.assignment([w for w in holders if self.node_of[w] == self.node], self.node_of).get(self.worker, [])
         # Never the buffer holding this worker's newest sealed snapshot: the other one, flipped only once a
         # write sealed (a failed write leaves its buffer unsealed, and the next write goes there again).
         index = self._next
@@ -370,7 +374,6 @@ class Snapshotter:
                mine: list[tuple[int, int]], done: int, gen: int) -> dict[str, Any]:
         t0 = time.perf_counter()
         buffer = self.buffers[index]
-        coding = Coding(plan.k, plan.m)
         layout_raw = json.dumps(layout, separators=(",", ":")).encode()
         by_stripe: dict[int, list[int]] = {}
         for stripe, frag in mine:
@@ -380,14 +383,14 @@ class Snapshotter:
         offset = len(layout_raw)
         for stripe, frags in sorted(by_stripe.items()):
             lo, hi = plan.stripe_range(stripe)
-            chunk = coding.chunk(hi - lo)
+            k, chunk = plan.k_of(stripe), plan.coding(stripe).chunk(hi - lo)
             for frag in sorted(frags):
-                size = chunk if frag < plan.k else chunk + HEADER
+                size = chunk if frag < k else chunk + HEADER
                 places.setdefault(stripe, []).append((frag, offset, size))
                 offset += size
-            if any(f >= plan.k for f in frags):
-                places[stripe].append((-1, offset, HEADER * plan.k))  # -1: the data fragments' headers
-                offset += HEADER * plan.k
+            if any(f >= k for f in frags):
+                places[stripe].append((-1, offset, HEADER * k))  # -1: the data fragments' headers
+                offset += HEADER * k
         waited = self._reserve_other(index, offset)
         area = buffer.begin(offset)
         area[:len(layout_raw)] = layout_raw
@@ -395,11 +398,12 @@ class Snapshotter:
         def fill(stripe: int) -> list[tuple[int, list[int]]]:
             """Write one stripe's places; their seal entries (-1 first for headers)."""
             lo, hi = plan.stripe_range(stripe)
+            coding = plan.coding(stripe)  # its group's
             chunk = coding.chunk(hi - lo)
             entries, encoded = [], None
             for frag, at, size in places[stripe]:
                 out = area[at:at + size]
-                if 0 <= frag < plan.k:  # a data fragment is the stripe's own bytes: straight from the state
+                if 0 <= frag < coding.k:  # a data fragment is the stripe's own bytes: straight from the state
                     a, b = lo + frag * chunk, min(lo + (frag + 1) * chunk, hi)
                     read(out[:max(0, b - a)], a, b)
                     out[max(0, b - a):] = bytes(size - max(0, b - a))
@@ -407,7 +411,7 @@ class Snapshotter:
                     if encoded is None:
                         staging = bytearray(hi - lo)
                         read(memoryview(staging), lo, hi)
-                        encoded = coding.parity(staging, [f for f in by_stripe[stripe] if f >= plan.k])
+                        encoded = coding.parity(staging, [f for f in by_stripe[stripe] if f >= coding.k])
                     parity, hdrs = encoded
                     out[:] = hdrs if frag < 0 else parity[frag]
                 entries.append((frag, [stripe, at, size, crc32(out)] if frag < 0
@@ -437,14 +441,13 @@ def byte_ranges(plan: SnapshotPlan, mine: list[tuple[int, int]]) -> list[tuple[i
     A data fragment is its own bytes of the stripe; a parity fragment needs the
     whole stripe.
     """
-    coding = Coding(plan.k, plan.m)
     spans = []
     for stripe, frag in mine:
         lo, hi = plan.stripe_range(stripe)
-        if frag >= plan.k:
+        if frag >= plan.k_of(stripe):
             spans.append((lo, hi))
         else:
-            chunk = coding.chunk(hi - lo)
+            chunk = plan.coding(stripe).chunk(hi - lo)
             a, b = lo + frag * chunk, min(lo + (frag + 1) * chunk, hi)
             if a < b:
                 spans.append((a, b))

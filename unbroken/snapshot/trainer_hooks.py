@@ -99,7 +99,8 @@ def snapshotter_for(cfg: Config, run_dir: Path, worker: int, world: int, model: 
     threads = 1 if cpu else write_threads(on_node)
     return Snapshotter(job_id=job_id(run_dir), node=node_of[worker], worker=worker, node_of=node_of,
                        every=cfg.snapshot.every, redundancy=cfg.snapshot.redundancy, parity=cfg.snapshot.parity,
-                       config_hash=config_hash, state=lambda: tensors_of(model, optimizer, device),
+                       group_nodes=cfg.snapshot.group_nodes, config_hash=config_hash,
+                       state=lambda: tensors_of(model, optimizer, device),
                        on_event=on_event, write_threads=threads, shares_cores=cpu,
                        moments_in_copies=cfg.train.shard_optimizer, busy=busy,
                        device_staging_bytes=cfg.snapshot.device_staging_bytes, **shard)
@@ -159,8 +160,9 @@ def memory_rejoin_possible(cfg: Config, run_dir: Path, world: int, joiner: int, 
         members = hsdp.shard_peers(hsdp.index_of(joiner), members)
     if not any(node_of[w] == node_of[joiner] for w in members):
         return False  # nobody on its node snapshotted that step
-    plan = plan_for(members, node_of, redundancy=s.redundancy, parity=s.parity, state_bytes=1)
-    return all(len(plan.fragments_of(node_of[joiner], i)) >= plan.k for i in range(plan.stripes))
+    plan = plan_for(members, node_of, redundancy=s.redundancy, parity=s.parity, state_bytes=1,
+                    group_nodes=s.group_nodes)
+    return all(len(plan.fragments_of(node_of[joiner], i)) >= plan.k_of(i) for i in range(plan.stripes))
 
 
 def load_from_node_memory(run_dir: Path, worker: int, world: int, step: int, model: torch.nn.Module,
