@@ -7,6 +7,7 @@ read; plain etcd:// to another host needs --store-insecure."""
 from __future__ import annotations
 
 import base64
+import json
 import logging
 import threading
 import time
@@ -17,10 +18,10 @@ import torch.distributed as dist
 
 from unbroken.runtime.etcd_backend import EtcdBackend
 from unbroken.runtime.etcd_client import INSECURE_ENV, StoreUnavailable
-from unbroken.runtime.job_store import JobStore
+from unbroken.runtime.job_store import JobStore, StoreKeyLost
 from unbroken.runtime.membership import Membership
 from unbroken.runtime.process_group import ViewGroup
-from unbroken.runtime.store_seal import Sealer
+from unbroken.runtime.store_seal import PENDING_S, SEEN_KEYS, Sealer
 from unbroken.runtime.store_wire import LAUNCH_ENV
 from unbroken.runtime.view import View
 
@@ -52,6 +53,14 @@ class Writer:
         k = self.backend._k(key)
         self.backend._txn([{"key": k, "target": "CREATE", "result": "EQUAL", "create_revision": "0"}],
                           [{"request_put": {"key": k, "value": base64.b64encode(raw).decode()}}], [])
+
+    def delete(self, key: str) -> None:
+        self.backend._call("kv/deleterange", {"key": self.backend._k(key)})
+
+    def replay(self, key: str, recorded: bytes) -> None:
+        """Delete the key and write ``recorded`` (its first value) there: the key's version is 1 again."""
+        self.delete(key)
+        self.plant(key, recorded)
 
     def raw(self, key: str) -> bytes:
         out = self.backend._call("kv/range", {"key": self.backend._k(key)})
@@ -88,7 +97,7 @@ def test_forged_values_of_every_kind_change_nothing(store, etcd_cluster, caplog)
                 assert not s.is_marked_dead(0) and s.dead_mark(0) is None
                 assert not s.is_done() and s.failure() is None and not s.finished()
                 assert s.config() is None and s.progress() == 0 and s.join_request(2) is None  # not the forged 999
-        assert store.heartbeats([1]) == [-1], "a forged heartbeat is no observation (neither a value nor gone)"
+        assert store.heartbeats([1]) == [2], "a forged heartbeat reads as the last authentic one before it"
         assert store.beat(1) == 3, "and the next beat goes on from the authentic count"
         assert store.heartbeats([1]) == [3]
     reports = [r.getMessage() for r in caplog.records if "not written by this launch" in r.getMessage()]
@@ -116,6 +125,93 @@ def test_a_recorded_value_replayed_is_rejected(store, etcd_cluster):
     assert store.backend.sealer.bad["progress"] >= 1
     store.set_progress(10)
     assert store.progress() == 10
+
+
+def test_a_first_value_replayed_after_a_delete_never_splits_a_decision(store, etcd_cluster):
+    """Member A votes ``commit`` for view 0's first step; the writer deletes ``outcome/0`` and writes back its
+    first value ("-1:commit", recorded before): member B's ``abort`` must not win, it waits and stops naming the
+    key. The same replays of ``gen``, ``dead/1`` and ``refused/2`` read as absent to every reader."""
+    view = View(gen=0, members=(0, 1), step=0)
+    store.publish_initial(view)
+    attacker = Writer(store)
+    first = {k: attacker.raw(k) for k in ("outcome/0", "gen")}
+    b = _connect(etcd_cluster)
+    assert store.vote(view, 0, "commit", after=-1) == "commit"
+    store.propose(view, View(gen=1, members=(0, 1), step=1))
+    assert store.mark_dead(1, "first") and b.is_marked_dead(1)
+    first["dead/1"] = attacker.raw("dead/1")
+    store.clear_dead(1)
+    store.refuse_join(2, "refused once")
+    first["refused/2"] = attacker.raw("refused/2")
+    store.request_join(2, {"pid": 1})  # deletes the refusal
+    for key, raw in first.items():
+        attacker.replay(key, raw)
+    b.set_store_timeout(1.0)
+    t0 = time.monotonic()
+    with pytest.raises(StoreKeyLost, match=r"outcome/0.*deleted or overwrote it"):
+        b.vote(view, 0, "abort", after=-1)
+    assert time.monotonic() - t0 >= 1.0
+    for reader in (store, b, _connect(etcd_cluster)):
+        assert reader.decided(0) is None and not reader.has_view()
+        assert not reader.is_marked_dead(1) and reader.join_refusal(2) is None
+
+
+def test_a_deleted_outcome_key_is_no_fence_but_a_pruned_one_is(store, etcd_cluster):
+    """A vote whose outcome key another writer deleted waits (and stops past the store timeout) instead of
+    reading "stale", which fences the voter; once ``pruned`` says the view is gone, "stale" is right."""
+    view = View(gen=0, members=(0, 1), step=0)
+    store.publish_initial(view)
+    Writer(store).delete("outcome/0")
+    store.set_store_timeout(0.5)
+    with pytest.raises(StoreKeyLost):
+        store.vote(view, 0, "commit", after=-1)
+    store.propose(view, View(gen=1, members=(0, 1), step=0))
+    assert store.prune(1) == 1
+    assert _connect(etcd_cluster).vote(view, 0, "commit", after=-1) == "stale"
+
+
+def test_deleted_and_forged_counters_never_kill_a_live_worker_nor_hide_a_silent_one(store, etcd_cluster):
+    """Between worker 1's beats the writer forges its counters, replays their recorded first values after a
+    delete, and deletes them: an observer never marks it dead (no single read kills, and its beats are
+    changes). Once it stops beating, the writer forging its counters all along cannot keep it alive: the
+    observer marks it dead a heartbeat timeout after the last authentic change it saw."""
+    view = View(gen=0, members=(0, 1), step=0)
+    store.publish_initial(view)
+    attacker = Writer(store)
+    recorded = {k: attacker.raw(k) for k in ("hb/1", "prog/1")}
+    worker = _connect(etcd_cluster)
+    worker.lease_liveness(1, 10.0)
+    observer = Membership(store, 0, heartbeat_timeout_s=10.0, progress_timeout_s=10.0)
+    for i in range(10):
+        worker.beat(1)
+        worker.advance(1, 1)
+        assert observer.dead_members(view) == set()
+        for key in ("hb/1", "prog/1"):
+            [attacker.put, attacker.replay, lambda k, _: attacker.delete(k)][i % 3](key, recorded[key])
+        assert observer.dead_members(view) == set(), f"a live worker judged dead on {i % 3}"
+    assert not store.is_marked_dead(1)
+    stop = threading.Event()
+
+    def forge() -> None:
+        while not stop.is_set():
+            attacker.put("hb/1", "99")
+            attacker.put("prog/1", "99")
+            attacker.replay("hb/1", recorded["hb/1"])
+            stop.wait(0.01)
+
+    forger = threading.Thread(target=forge)
+    forger.start()
+    try:
+        watcher = Membership(store, 0, heartbeat_timeout_s=1.0, progress_timeout_s=1.0)
+        t0 = time.monotonic()
+        while watcher.dead_members(view) == set() and time.monotonic() - t0 < 20:
+            time.sleep(0.05)
+    finally:
+        stop.set()
+        forger.join(5)
+    assert watcher.dead_members(view) == {1}, "a silent worker hidden by forged counters"
+    mark = json.loads(store.dead_mark(1))
+    assert mark["how"] in ("heartbeat", "no progress") and mark["silent_s"] >= 1.0
 
 
 def test_a_key_holding_only_forged_values_past_the_store_timeout_stops_the_job_naming_it(store):
@@ -239,13 +335,36 @@ def test_a_forged_rendezvous_address_is_never_used(store):
     assert torch.equal(out[0], torch.full((4,), 3.0)) and torch.equal(out[1], torch.full((4,), 3.0))
 
 
-def test_a_seal_covers_the_key_the_version_and_the_value():
+def test_a_seal_covers_the_key_the_version_the_creation_and_the_value():
     sealer = Sealer(b"k" * 32)
-    sealed = sealer.seal("dead/1", "x", 4)
+    sealed = sealer.seal("dead/1", "x", 4, 10)
     assert sealer.open("dead/1", sealed, 4, 10) == b"x"
     assert sealer.open("dead/2", sealed, 4, 10) is None, "moved to another key"
     assert sealer.open("dead/1", sealed, 5, 10) is None, "written again: a later version than sealed for"
+    assert sealer.open("dead/1", sealed, 4, 11) is None, "the key deleted and created again"
     assert sealer.open("dead/1", b"y" + sealed[1:], 4, 10) is None, "another value"
     assert Sealer(b"o" * 32).open("dead/1", sealed, 4, 10) is None, "another launch's or job's key"
     assert sealer.open("dead/1", b"", 1, 10) is None
-    assert sealer.bad == {"dead/1": 3, "dead/2": 1}
+
+
+def test_a_first_value_replayed_into_the_key_created_again_opens_for_no_reader():
+    """A key's first value (version 1, created at revision 7) written back after a delete sits at version 1 of
+    a key created later: rejected by a reader that saw the key before and by one that never did; a create that
+    lost its guess of the revision is not reported until it stayed ``PENDING_S``, a replay then is."""
+    writer, fresh = Sealer(b"k" * 32), Sealer(b"k" * 32)
+    first = writer.seal("outcome/3", "4:commit", 1, 7)
+    assert writer.open("outcome/3", first, 1, 7) == b"4:commit"
+    assert writer.open("outcome/3", writer.seal("outcome/3", "5:commit", 2, 7), 2, 7) == b"5:commit"
+    assert writer.open("outcome/3", first, 1, 12) is None and fresh.open("outcome/3", first, 1, 12) is None
+    assert fresh.bad == {}, "not reported at once: a create being written again looks the same"
+    fresh.bad_since["outcome/3"] -= PENDING_S
+    assert fresh.open("outcome/3", first, 1, 12) is None and fresh.bad == {"outcome/3": 1}
+    assert fresh.open("outcome/3", writer.seal("outcome/3", "4:commit", 2, 12), 2, 12) == b"4:commit"
+
+
+def test_a_readers_records_are_bounded():
+    sealer = Sealer(b"k" * 32)
+    for i in range(3 * SEEN_KEYS):
+        assert sealer.open(f"view/{i}", sealer.seal(f"view/{i}", "v", 1, i + 1), 1, i + 1) == b"v"
+        assert sealer.open(f"items/{i}", b"forged", 1, i + 1) is None
+    assert len(sealer.seen) <= SEEN_KEYS and len(sealer.bad) <= SEEN_KEYS and len(sealer.bad_since) <= SEEN_KEYS

@@ -82,6 +82,9 @@ KV_CACHE = 4096
 """At most this many keys' last read or written versions are remembered by a client."""
 LEASE_REFRESH = 1 / 3
 """A client's lease is refreshed once this fraction of its TTL has passed since the last refresh."""
+HISTORY_READS = 16
+"""A counter read holding a value this launch did not write is read back through its history this many values
+at most (only then: one more round trip each) for the newest value that is (:meth:`EtcdBackend._last_authentic`)."""
 MARKER = "\x00add\x00"
 """An adder's marker key is the counter's key + this + the adder's id (sorted right after the counter)."""
 MARKER_TTL_S = 30
@@ -129,6 +132,7 @@ class EtcdBackend(StoreBackend):
         self._leased: set[str] = set()  # keys written under this client's lease (lease_keys)
         self._lease_ttl, self._lease_id, self._lease_refreshed = MARKER_TTL_S, "", 0.0
         self.lease_round_trips = 0  # requests that granted or refreshed the lease (the benchmark counts them)
+        self._revision = 0  # the newest store revision any answer reported
 
     # -- plumbing ---------------------------------------------------------------
 
@@ -138,7 +142,10 @@ class EtcdBackend(StoreBackend):
         return self.cluster.round_trips
 
     def _call(self, path: str, payload: dict[str, Any]) -> dict[str, Any]:
-        return self.cluster.call(path, payload)
+        out = self.cluster.call(path, payload)
+        # The newest revision this client saw: a create is sealed for the next one (_write).
+        self._revision = max(self._revision, int(out.get("header", {}).get("revision", 0) or 0))
+        return out
 
     def set_store_timeout(self, seconds: float) -> None:
         """Wait up to ``seconds`` for a quorum before an operation fails (``fault.store_timeout_s``)."""
@@ -199,18 +206,35 @@ class EtcdBackend(StoreBackend):
         return {"key": self._k(key), "target": "MOD", "result": "EQUAL", "mod_revision": kv["mod_revision"]}
 
     def _write(self, key: str, kv: dict[str, Any] | None, payload: bytes, lease: str = "",
-               also: list[dict[str, Any]] | None = None) -> tuple[bool, dict[str, Any] | None]:
+               also: list[dict[str, Any]] | None = None) -> tuple[bool | None, dict[str, Any] | None]:
         """Write ``payload`` sealed for the key's next version, if the key is still as ``kv``; returns whether it
-        did and the key's kv now (the one written, or the one found)."""
+        did and the key's kv now (the one written, or the one found).
+
+        A create is sealed for the revision after the newest this client saw (it cannot know its own); when
+        another write came first, the value is written again at version 2, sealed for the revision the create
+        got (store_seal). If another writer replaced the key in between, returns None: nothing of this write
+        stayed, but ``also`` was written."""
         version = int(kv.get("version", 0)) + 1 if kv is not None else 1
-        sealed = self.sealer.seal(key, payload, version)
+        created = int(kv["create_revision"]) if kv is not None else self._revision + 1
+        sealed = self.sealer.seal(key, payload, version, created)
         ok, responses, revision = self._txn_rev([self._guard(key, kv)], [self._put(key, sealed, lease), *(also or [])],
                                                 [self._read(key)])
+        if ok and kv is None and int(revision) != created:
+            first = {"mod_revision": revision, "create_revision": revision, "version": "1"}
+            created, version = int(revision), 2
+            sealed = self.sealer.seal(key, payload, version, created)
+            ok, responses, revision = self._txn_rev([self._guard(key, first)], [self._put(key, sealed, lease)],
+                                                    [self._read(key)])
+            found = None if ok else self._kv(responses[0])
+            if found is not None and _unb64(found.get("value")) == sealed:
+                ok, revision = True, found["mod_revision"]  # it landed; the answer was lost and sent again
+            elif not ok:
+                self._remember(key, found)
+                return None, found
         if ok:
-            created = kv["create_revision"] if kv is not None else revision
-            now: dict[str, Any] | None = {"value": _b64(sealed), "mod_revision": revision, "create_revision": created,
-                   "version": str(version)}
-            self.sealer.seen[key] = max(self.sealer.seen.get(key, (0, 0)), (int(created), version))
+            now: dict[str, Any] | None = {"value": _b64(sealed), "mod_revision": revision,
+                                          "create_revision": str(created), "version": str(version)}
+            self.sealer.accepted(key, created, version)
         else:
             now = self._kv(responses[0])
         self._remember(key, now)
@@ -279,9 +303,9 @@ class EtcdBackend(StoreBackend):
         kv = self._kvs.get(key) if amount and key in self._kvs else self._read_many([key])[0]
         if amount == 0 and kv is not None:  # a read (a missing counter is created at 0, as TCPStore's add does)
             return self._count(key, kv)
-        token = f"{self._me}:{next(self._seq)}"
         marker = f"{key}{MARKER}{self._me}"
         while True:
+            token = f"{self._me}:{next(self._seq)}"  # one per try: a lost create's marker is not this try's
             base = self._count(key, kv)
             lease = self._lease()  # the marker's, and the counter's if it is leased
             try:
@@ -294,7 +318,7 @@ class EtcdBackend(StoreBackend):
             if ok:
                 self._counted[key] = base + amount
                 return base + amount
-            if self._landed(marker, token):
+            if ok is not None and self._landed(marker, token):
                 value = self._open(key, kv)
                 return int(value) if value is not None else base + amount
 
@@ -338,8 +362,31 @@ class EtcdBackend(StoreBackend):
         out: list[bytes | None] = []
         for k, kv in zip(keys, self._read_many(keys)):
             value = self._open(k, kv)
+            if kv is not None and value is None:
+                value = self._last_authentic(k, kv)
             out.append(None if kv is None else value if value is not None else UNSEEN)
         return out
+
+    def _last_authentic(self, key: str, kv: dict[str, Any]) -> bytes | None:
+        """The newest authentic value of ``key`` before its current one (not authentic), read back through the
+        key's history (at most ``HISTORY_READS`` values; None past that, or where etcd compacted it): a writer
+        that overwrites a live worker's counters faster than it beats cannot hide its beats from a reader, and
+        the history holds nothing newer that this launch did not write."""
+        revision = int(kv["mod_revision"]) - 1
+        for _ in range(HISTORY_READS):
+            try:
+                old = (self._call("kv/range", {"key": self._k(key), "revision": str(revision)}).get("kvs") or [None])[0]
+            except RequestRefused:
+                return None  # compacted
+            if old is None or revision <= 0:
+                return None
+            if (int(old.get("create_revision", 0)), int(old.get("version", 0))) < self.sealer.seen.get(key, (0, 0)):
+                return None  # older than what this reader already saw there: nothing newer was authentic
+            value = self._open(key, old)
+            if value is not None:
+                return value
+            revision = int(old["mod_revision"]) - 1
+        return None
 
     def _landed(self, marker: str, token: str) -> bool:
         """An earlier try of this add committed although its answer was lost (the retry found our marker)."""
@@ -412,10 +459,12 @@ class EtcdBackend(StoreBackend):
             version = int(kv["version"]) + 1 if kv else 1
             guard = ({"key": key, "target": "CREATE", "result": "EQUAL", "create_revision": "0"} if kv is None else
                      {"key": key, "target": "MOD", "result": "EQUAL", "mod_revision": kv["mod_revision"]})
+            created = int(kv["create_revision"]) if kv else self._revision + 1
             sealed = Sealer(pointer_key(self.secret)).seal("launch", json.dumps({"launch": self.launch, "job": job}),
-                                                           version)
-            if self._txn([guard], [{"request_put": {"key": key, "value": _b64(sealed)}}], [])[0]:
-                return
+                                                           version, created)
+            ok, _, revision = self._txn_rev([guard], [{"request_put": {"key": key, "value": _b64(sealed)}}], [])
+            if ok and (kv is not None or int(revision) == created):
+                return  # else a create sealed for a revision another write took: written again at version 2
 
     @classmethod
     def connect(cls, addr: str, *, timeout_s: float, secret: str, store_timeout_s: float | None = None,

@@ -176,7 +176,7 @@ class Cluster:
                 self.lost = False
                 return out
             except etcd_exceptions.Etcd3Exception as exc:
-                if "lease not found" in str(exc.detail_text):  # every member would refuse it alike
+                if any(why in str(exc.detail_text) for why in ("lease not found", "compacted")):  # every member alike
                     raise RequestRefused(f"etcd refused {path}: {str(exc.detail_text)[:200]}") from None
                 last = f"{self.addrs[self.current]}: {exc.__class__.__name__} {str(exc)[:200]}"
             tries += 1

@@ -30,6 +30,7 @@ key                           written by                      holds
 ``items/<g>/<w>``             members                         ``[step, items]`` computed before joining ``g``
 ``pg/<g>/0/<rank>``           gloo's rendezvous               the rank's transport addresses
 ``pruned``                    view leaders                    every generation below this one is deleted
+                                                              (written before its keys go)
 ``hb/<w>``                    worker's heartbeat thread       liveness counter (etcd: under the worker's lease)
 ``prog/<w>``                  worker's heartbeat thread       progress counter of its main thread (phases entered)
 ``dead/<w>`` + ``deaths``     agents, observing peers         why ``w`` was declared dead; how many marks so far
@@ -59,6 +60,7 @@ all left the older ones: they all completed that step's all-reduce).
 from __future__ import annotations
 
 import json
+import time
 from typing import Any, Literal
 
 import torch.distributed as dist
@@ -66,14 +68,24 @@ import torch.distributed as dist
 from unbroken.runtime.store_backend import EmbeddedBackend, StoreBackend, is_etcd_address
 from unbroken.runtime.view import View
 
-__all__ = ["JobStore", "Outcome"]
+__all__ = ["JobStore", "Outcome", "StoreKeyLost"]
 
 CURRENT_VIEW_READS = 100
 """A view replaced and pruned between reading ``gen`` and reading it is read again, this many times at most
 (each retry sees a newer generation; a missing view can only be a race that the next read wins)."""
 
+LOST_KEY_POLL_S = 0.1
+"""A vote that finds its view's outcome key gone (not pruned) reads it again after this long."""
+STORE_TIMEOUT_S = 60.0
+"""How long a job waits for a key another writer deleted before it stops (``fault.store_timeout_s``'s default)."""
+
 Outcome = Literal["commit", "abort", "stale"]
 """A vote's result; ``stale``: the generation was pruned, so the voter is far behind (fenced)."""
+
+class StoreKeyLost(dist.DistStoreError):
+    """A key the job needs to decide held nothing the job wrote for the store timeout (deleted or overwritten by
+    another writer): the job stops rather than decide without it."""
+
 
 def _opt(backend: StoreBackend, key: str) -> str | None:
     # get() on a missing key blocks until the store's timeout: check first.
@@ -85,6 +97,8 @@ class JobStore:
 
     def __init__(self, backend: StoreBackend) -> None:
         self.backend = backend
+        self.store_timeout_s = STORE_TIMEOUT_S
+        """How long a vote waits for its outcome key if another writer deleted it (:meth:`set_store_timeout`)."""
         self.group_names: tuple[str, ...] = ("",)
         """The names of each view's process groups (:meth:`group_store`), for :meth:`prune`."""
 
@@ -140,6 +154,7 @@ class JobStore:
         """Let an operation wait up to ``seconds`` for an unanswering store (etcd without quorum) before it
         raises a ``torch.distributed.DistStoreError`` (``fault.store_timeout_s``)."""
         self.backend.set_store_timeout(seconds)
+        self.store_timeout_s = seconds
 
     @property
     def poll_s(self) -> float:
@@ -228,16 +243,35 @@ class JobStore:
         ``step - 1``; ``view.step - 1`` for a view's first) committed in ``g``,
         so the compare-and-set from ``"<after>:commit"`` decides ``step``
         exactly once. A later step already decided means ``step`` committed
-        (nobody goes past an uncommitted step).
+        (nobody goes past an uncommitted step). A key that holds nothing this
+        launch wrote is "stale" only once ``pruned`` covers the view; else
+        another writer deleted it, and the vote waits for it (a decision must
+        not be taken twice) up to the store timeout.
+
+        Raises:
+            StoreKeyLost: the outcome key stayed gone (not pruned) for the store timeout.
         """
         after = step - 1 if after is None else after
-        raw = self.backend.compare_set(f"outcome/{view.gen}", f"{after}:commit", f"{step}:{outcome}").decode()
-        decided_step, _, decided = raw.partition(":")
-        if int(decided_step) > step:
-            return "commit"
-        if int(decided_step) < step:
-            return "stale"  # the generation's keys are gone: the compare-and-set echoed the expected value
-        return decided  # type: ignore[return-value]
+        key = f"outcome/{view.gen}"
+        deadline = time.monotonic() + self.store_timeout_s
+        while True:
+            raw = self.backend.compare_set(key, f"{after}:commit", f"{step}:{outcome}").decode()
+            decided_step, _, decided = raw.partition(":")
+            if int(decided_step) > step:
+                return "commit"
+            if int(decided_step) == step:
+                return decided  # type: ignore[return-value]
+            # Echoed: the key holds nothing this launch wrote. Pruned (``pruned`` is written before any key
+            # goes), the voter is far behind; else another writer deleted or overwrote it, and deciding
+            # without it could contradict what a member already read there: wait, and stop past the timeout.
+            if int(_opt(self.backend, "pruned") or 0) > view.gen:
+                return "stale"
+            if time.monotonic() > deadline:
+                raise StoreKeyLost(f"store key {key!r} (the decisions of view {view.gen}) has held nothing this "
+                                   f"launch wrote for {self.store_timeout_s:.0f} s: another process with write "
+                                   f"access to the store deleted or overwrote it; give the job a store of its own "
+                                   f"(an etcd user on its prefix)")
+            time.sleep(LOST_KEY_POLL_S)
 
     def decided(self, gen: int) -> int | None:
         """The last step decided in generation ``gen`` (``view.step - 1`` until its first vote); None once the
@@ -279,6 +313,10 @@ class JobStore:
         module docstring for why no member still needs them).
         """
         first = int(_opt(self.backend, "pruned") or 0)
+        if below > first:
+            # Written first: a voter that finds its outcome key gone tells pruning from another writer's
+            # delete by it (vote). A leader lost mid-prune leaves the rest of its keys (a bounded leak).
+            self.backend.set("pruned", str(below))
         for g in range(first, below):
             raw = _opt(self.backend, f"view/{g}")
             members = View.from_json(raw).members if raw else ()
@@ -290,8 +328,6 @@ class JobStore:
                 keys.append(f"pg/{g}{name}/0")  # NCCL's unique id (its first communicator's counter)
             for key in keys:
                 self.backend.delete_key(key)
-        if below > first:
-            self.backend.set("pruned", str(below))
         return max(0, below - first)
 
     # -- liveness ---------------------------------------------------------------

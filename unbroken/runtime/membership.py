@@ -26,11 +26,14 @@ its main thread was only busy computing) is no such stall: a counter that has
 not moved since the observer last saw it was silent all along, and the clock
 runs on (a hang is found a timeout after the last beat, not a timeout after the
 observer's next wait began).
-On etcd the counters also live under the worker's lease (TTL
-``LEASE_TTL_FACTOR`` heartbeat timeouts, refreshed by the beats): a dead
-worker's keys expire by themselves, and a member whose counters are gone is
-dead whatever the observer's own clock says (etcd extends leases across a
-leader change and cannot expire them without quorum: no store stall expires one).
+A counter that is gone, or holds a value this launch did not write (etcd:
+another writer deleted or forged it), is no observation: it neither kills at
+once nor restarts the clock, which runs from the last change of an authentic
+value this observer saw; so a deleted or forged key never marks a live worker
+dead (its next beat is a change) and never hides a silent one past the
+heartbeat timeout. On etcd the counters also live under the worker's lease
+(TTL ``LEASE_TTL_FACTOR`` heartbeat timeouts, refreshed by the beats): a dead
+worker's keys expire by themselves, judged as silence like any other.
 """
 
 from __future__ import annotations
@@ -241,24 +244,29 @@ class Membership:
                      or now - before > self.heartbeat_timeout_s / 2)
             self._last_watch = now
             for w, counted in zip(others, counters):
-                if counted is None:  # its lease expired: the store itself saw it silent for long
-                    self.mark_dead(w, json.dumps({"by": self.worker, "how": "lease expired"}))
-                    continue
-                beat, progress = counted
-                hb_limit = self.heartbeat_timeout_s if beat else self.first_beat_timeout_s
-                for seen, value, limit, how in ((self._hb_seen, beat, hb_limit, "heartbeat"),
-                                                (self._prog_seen, progress, self.progress_timeout_s, "no progress")):
-                    last = seen.get(w)
-                    if value < 0:  # not there yet (store_backend.UNSEEN): nothing seen, nothing judged
-                        if last is not None:
-                            seen[w] = (last[0], now)
-                        continue
-                    if last is None or last[0] != value or blind:
-                        seen[w] = (value, now)
-                    elif before - last[1] > limit and w not in self._dead:
-                        self.mark_dead(w, json.dumps({"by": self.worker, "how": how,
-                                                      "silent_s": round(before - last[1], 3)}))
+                self._judge(w, counted, before, now, blind)
         return self._dead & set(view.members)
+
+    def _judge(self, w: int, counted: tuple[int, int] | None, before: float, now: float, blind: bool) -> None:
+        """Judge member ``w`` on its counters read at ``before .. now`` (None: gone; negative: not authentic).
+
+        Silence is measured from the last change of an authentic counter this observer saw: a counter gone
+        (its lease expired, or deleted by another writer) or holding a value this launch did not write is no
+        observation, so it neither kills at once nor restarts the clock; a live worker's next beat is a change."""
+        beat, progress = counted if counted is not None else (-1, -1)
+        last_beat = self._hb_seen.get(w)
+        known = beat if beat >= 0 else (last_beat[0] if last_beat is not None else 0)
+        # A counter gone from a published view's member (created at 0 when the view opened) beat before.
+        hb_limit = self.heartbeat_timeout_s if known > 0 or counted is None else self.first_beat_timeout_s
+        for seen, value, limit, how in ((self._hb_seen, beat, hb_limit, "heartbeat"),
+                                        (self._prog_seen, progress, self.progress_timeout_s, "no progress")):
+            last = seen.get(w)
+            if last is None or blind or (value >= 0 and last[0] != value):
+                seen[w] = (value if value >= 0 else (last[0] if last is not None else -1), now)
+            elif before - last[1] > limit and w not in self._dead:
+                self.mark_dead(w, json.dumps({"by": self.worker, "how": how, "silent_s": round(before - last[1], 3),
+                                              **({} if value >= 0 else {"counter": "gone" if counted is None
+                                                                        else "not authentic"})}))
 
     def _beat_through(self, since: float, until: float) -> bool:
         """Did this worker's heartbeat thread get answers from the store all through ``since .. until``, never
