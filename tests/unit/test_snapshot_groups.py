@@ -81,8 +81,8 @@ def test_up_to_group_nodes_the_plan_is_the_one_of_a_job_without_groups():
 
 @pytest.mark.parametrize("parity", [1, 2, 4])
 def test_a_stripe_of_a_group_decodes_with_any_parity_fragments_lost(parity):
-    """A group of the default size, the real coder: every choice of ``parity`` lost fragments among the first
-    eight (data and parity alike) leaves the stripe decodable, exactly."""
+    """A group of the default size, the real coder: every choice of ``parity`` lost fragments (data and parity
+    alike) leaves the stripe decodable, exactly."""
     node_of = _whole_job(40, 1)  # 3 groups of 14, 13 and 13 nodes
     plan = plan_for(node_of, node_of, redundancy="parity", parity=parity, state_bytes=3 * 50_001)
     assert sorted(len(g) for g in plan.groups) == [13, 13, 14]
@@ -95,8 +95,7 @@ def test_a_stripe_of_a_group_decodes_with_any_parity_fragments_lost(parity):
     raw = data.ljust(k * chunk, b"\0")
     parity_frags, headers = coding.parity(data, list(range(k, k + parity)))
     fragments = {i: raw[i * chunk:(i + 1) * chunk] for i in range(k)} | parity_frags
-    candidates = list(range(k - 4, k + parity))  # the last data fragments and every parity fragment
-    for lost in itertools.combinations(candidates, parity):
+    for lost in itertools.combinations(range(k + parity), parity):
         left = {i: f for i, f in fragments.items() if i not in lost}
         assert coding.decode(left, len(data), headers) == data, lost
 
@@ -192,6 +191,9 @@ def test_group_settings_the_coder_cannot_build_are_refused_naming_the_field_and_
     with pytest.raises(ValueError, match=r"snapshot.group_nodes=8 is too small for snapshot.parity=4: .* set "
                                          r"snapshot.group_nodes in 10\.\.256 or snapshot.parity <= 3"):
         load_config(preset_name="debug", overrides=["snapshot.group_nodes=8", "snapshot.parity=4"])
+    with pytest.raises(ValueError, match=r"snapshot.parity=5: must be in 1\.\.4 \(the coder, isa_l_rs_vand, cannot "
+                                         r"rebuild a stripe from every choice of 5 or more lost fragments\)"):
+        load_config(preset_name="debug", overrides=["snapshot.parity=5"])
     assert load_config(preset_name="debug").snapshot.group_nodes == GROUP_NODES
     assert load_config(preset_name="debug", overrides=["snapshot.group_nodes=256"]).snapshot.group_nodes == 256
     cfg = preset("debug")
