@@ -21,6 +21,9 @@ def test_throughput_benchmark(tmp_path, corpus_overrides):
     assert all(r["tokens_per_s"] > 0 and r["scaling_vs_first"] == 1.0 for r in result["rows"])
     fp32, bf16 = result["rows"]
     assert bf16["bf16_vs_fp32"] == pytest.approx(bf16["tokens_per_s"] / fp32["tokens_per_s"])
+    for r in result["rows"]:  # a step's peak holds its own reduction buffer, not the last step's beside it
+        assert r["held"]["reduction_buffers"] == 1, r["held"]
+        assert r["held"]["held_bytes"] >= r["held"]["buffer_bytes"], "the step's buffer itself was seen"
 
 
 def test_failover_benchmark_overhead_part(tmp_path, corpus_overrides):

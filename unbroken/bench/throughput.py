@@ -6,7 +6,11 @@ invocation, and reports the median steady-state tokens/s (the first fifth of
 steps is warm-up and dropped) and the scaling ratio against the smallest count.
 With ``--precision fp32,bf16`` each worker count runs in both precisions, one
 right after the other, and each bf16 row carries its ratio to the fp32 row of
-the same count (``bf16_vs_fp32``).
+the same count (``bf16_vs_fp32``). Each row also carries what the runtime held
+beside the model and optimizer right after its second step's backward pass
+(:mod:`unbroken.runtime.held_memory`, the largest of its workers): the live
+reduction buffers (one, whatever the count) and every byte held, against the
+size of one buffer.
 
 ``--reference`` compares unbroken with what a user would run instead, in the
 same invocation, on the same model and batch shape (:mod:`unbroken.bench.plain_loop`):
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -32,6 +37,7 @@ from unbroken.bench._args import parse_with_overrides
 from unbroken.bench.machine import machine_description
 from unbroken.config import load_config
 from unbroken.agent.launcher import launch_local
+from unbroken.runtime.held_memory import HELD_ENV
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -71,7 +77,37 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     precisions = [p.strip() for p in a.precision.split(",") if p.strip()]
     if not precisions or any(p not in ("fp32", "bf16") for p in precisions):
         raise ValueError(f"--precision {a.precision!r}: need comma-separated fp32 and/or bf16")
-    rows = []
+    rows: list[dict[str, Any]] = []
+    before, os.environ[HELD_ENV] = os.environ.get(HELD_ENV), "1"  # the workers measure what they hold
+    try:
+        _runs(a, counts, precisions, rows)
+    finally:
+        if before is None:
+            del os.environ[HELD_ENV]
+        else:
+            os.environ[HELD_ENV] = before
+    _ratios(rows)
+    result = {"benchmark": "throughput", "preset": a.preset, "steps": a.steps, "rows": rows,
+              "machine": machine_description()}
+    print(f"{'workers':>8} {'precision':>9} {'tokens/s':>12} {'scaling':>8} {'efficiency':>10} {'bf16/fp32':>9}")
+    for r in rows:
+        ratio = f"{r['bf16_vs_fp32']:.2f}" if "bf16_vs_fp32" in r else "-"
+        print(f"{r['workers']:>8} {r['precision']:>9} {r['tokens_per_s']:>12,.0f} {r['scaling_vs_first']:>8.2f} "
+              f"{r['efficiency']:>10.2f} {ratio:>9}")
+    for r in rows:
+        if (h := r["held"]) is not None:
+            print(f"{r['workers']} worker(s), {r['precision']}, after step 2's backward: {h['reduction_buffers']} "
+                  f"reduction buffer(s) of {h['buffer_bytes'] / 2 ** 20:.1f} MiB live; held beside model and "
+                  f"optimizer {h['held_bytes'] / h['buffer_bytes']:.2f} x one buffer (the CPU's retry copy "
+                  f"{h['retry_copy_bytes'] / h['buffer_bytes']:.2f} of it)")
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(result, indent=1))
+    print(f"wrote {a.out}")
+    return result
+
+
+def _runs(a: argparse.Namespace, counts: list[int], precisions: list[str], rows: list[dict[str, Any]]) -> None:
+    """Train each count in each precision, one after the other, appending its row to ``rows``."""
     with tempfile.TemporaryDirectory(prefix="unbroken-bench-") as tmp:
         for n in counts:
             for precision in precisions:  # side by side: both precisions of a count back to back
@@ -83,19 +119,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 s = launch_local(cfg, Path(tmp) / f"w{n}-{precision}")
                 rows.append({"workers": n, "precision": precision, "tokens_per_s": s["tokens_per_s"],
                              "wall_s": s["wall_s"], "final_loss": s["final_loss"],
-                             "global_batch_tokens": n * cfg.data.micro_batch * cfg.data.seq_len})
-    _ratios(rows)
-    result = {"benchmark": "throughput", "preset": a.preset, "steps": a.steps, "rows": rows,
-              "machine": machine_description()}
-    print(f"{'workers':>8} {'precision':>9} {'tokens/s':>12} {'scaling':>8} {'efficiency':>10} {'bf16/fp32':>9}")
-    for r in rows:
-        ratio = f"{r['bf16_vs_fp32']:.2f}" if "bf16_vs_fp32" in r else "-"
-        print(f"{r['workers']:>8} {r['precision']:>9} {r['tokens_per_s']:>12,.0f} {r['scaling_vs_first']:>8.2f} "
-              f"{r['efficiency']:>10.2f} {ratio:>9}")
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps(result, indent=1))
-    print(f"wrote {a.out}")
-    return result
+                             "global_batch_tokens": n * cfg.data.micro_batch * cfg.data.seq_len,
+                             "held": _held(Path(s["run_dir"]))})
+
+
+def _held(run_dir: Path) -> dict[str, int] | None:
+    """The largest of each of the workers' held figures (their reports' ``held_at_backward``)."""
+    held = [h for f in sorted((run_dir / "workers").glob("w*.json"))
+            if (h := json.loads(f.read_text()).get("held_at_backward"))]
+    return {k: max(h[k] for h in held) for k in held[0]} if held else None
 
 
 def _ratios(rows: list[dict[str, Any]]) -> None:

@@ -16,11 +16,16 @@ destroyed at once (its sockets, threads and buffer released); gloo with an
 operation still blocked on a silent peer is parked until that peer is fenced
 (killed), which unblocks it, and destroyed then; NCCL is aborted, from a
 thread given :data:`ABORT_DEADLINE_S` (an abort that hangs makes the worker
-leave and rejoin, :class:`AbortHung`). Every
-collective works on a buffer owned by the group, never on the caller's tensor,
-so a late write by an abandoned operation can never corrupt state: the buffer
-is reused from one step to the next (no allocation, no page faults on the hot
-path) and goes with its group.
+leave and rejoin, :class:`AbortHung`). An all-reduce sums in place in the caller's tensor (the step's reduction
+buffer, nothing copied); every other collective works on a buffer of its own,
+never on the caller's tensor. The group holds the buffer of its last
+all-reduce and the output of its last all-gather only while that operation
+is pending: an abandoned operation's late write lands in the buffer the
+group (or the parked group) still holds, which the caller no longer reads,
+never in a later step's; once the operation completes the group lets go,
+so a step's buffers die with the caller's last reference, before the next
+step allocates its own (with two or more members no second gradient-sized
+buffer lives through a step).
 """
 
 from __future__ import annotations
@@ -98,9 +103,9 @@ class ViewGroup:
         self.gen, self.rank, self.size, self.device = gen, rank, size, device
         self.nccl = collective_backend(device, backend) == "nccl"
         self.timeout = timedelta(seconds=timeout_s)
-        self._buf: torch.Tensor | None = None  # the tensor of the last all-reduce posted (its late result)
+        self._buf: torch.Tensor | None = None  # the tensor of an all-reduce posted, until it completes
         self._pending: dist.Work | None = None
-        self._gathered: torch.Tensor | None = None  # the last all-gather's output (see late_gather)
+        self._gathered: torch.Tensor | None = None  # an all-gather's output, until it completes (late_gather)
         self._side: list[dist.Work] = []
         self._aborted = False
         t0 = time.perf_counter()
@@ -186,6 +191,7 @@ class ViewGroup:
         if after_post is not None:
             after_post()
         self._poll(work, check, "all-reduce")
+        self._buf = None  # completed: nothing writes into it any more, the caller alone holds the sum
         return buf
 
     def broadcast(self, tensor: torch.Tensor, src: int, check: Callable[[], None]) -> torch.Tensor:
@@ -216,6 +222,7 @@ class ViewGroup:
         if after_post is not None:
             after_post()
         self._poll(work, check, "all-gather")
+        self._gathered = None  # completed: the caller alone holds it
         return out
 
     def post_alltoall(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int],
@@ -306,12 +313,18 @@ class ViewGroup:
         may still complete, and then the buffer holds the same reduced gradient
         as everybody's. None if it failed or is still pending.
         """
-        return self._buf if self._buf is not None and self._late(timeout_s, "all-reduce") else None
+        if self._buf is None or not self._late(timeout_s, "all-reduce"):
+            return None
+        buf, self._buf = self._buf, None  # handed out once: the caller alone holds it now
+        return buf
 
     def late_gather(self, timeout_s: float) -> torch.Tensor | None:
         """The output of an all-gather given up on, if it completes well within ``timeout_s`` (see
         :meth:`late_result`: with a sharded optimizer the vote follows the all-gather)."""
-        return self._gathered if self._gathered is not None and self._late(timeout_s, "all-gather") else None
+        if self._gathered is None or not self._late(timeout_s, "all-gather"):
+            return None
+        out, self._gathered = self._gathered, None
+        return out
 
     def _late(self, timeout_s: float, what: str) -> bool:
         """Did the pending collective, given up on, complete (without error) within ``timeout_s``?"""

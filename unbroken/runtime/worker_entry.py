@@ -27,6 +27,7 @@ from unbroken.job.consistency import InconsistentJob
 from unbroken.job.parallelize import compile_stats
 from unbroken.jsonl import JsonlWriter
 from unbroken.models.factory import bind_device
+from unbroken.runtime.held_memory import HELD_ENV, HeldMemory
 from unbroken.runtime.job_store import JobStore
 from unbroken.runtime.membership import (EXIT_FENCED, EXIT_REJOIN, SHARD_LOST, Fenced, Membership, MissedCommit,
                                          NoLiveWorker)
@@ -92,6 +93,7 @@ def run(spec: WorkerSpec, *, store: JobStore | None = None, prepared: Prepared |
         mark("compile_cache")
     if setup is not None:
         setup(trainer)
+    held = HeldMemory(trainer).install() if os.environ.get(HELD_ENV) else None
     try:
         first = trainer.start()
         if clock is not None:
@@ -136,7 +138,7 @@ def run(spec: WorkerSpec, *, store: JobStore | None = None, prepared: Prepared |
         return EXIT_STORE_LOST
     finally:
         membership.stop()
-    _write_report(spec, cfg, trainer, last, compilation)
+    _write_report(spec, cfg, trainer, last, compilation, held)
     return 0
 
 
@@ -171,7 +173,7 @@ def _compilation(trainer: Trainer, compilation: Compilation | None, secret: str)
 
 
 def _write_report(spec: WorkerSpec, cfg: Config, trainer: Trainer, last: dict[str, Any],
-                  compilation: Compilation | None) -> None:
+                  compilation: Compilation | None, held: HeldMemory | None = None) -> None:
     """The finished worker's report (``workers/w<id>.json``), read by the launcher's summary."""
     report = {"worker": spec.worker, "steps": cfg.train.steps, "param_digest": trainer.param_digest(),
               "shard_index": trainer.hsdp.index_of(spec.worker) if trainer.hsdp is not None else 0,
@@ -181,6 +183,7 @@ def _write_report(spec: WorkerSpec, cfg: Config, trainer: Trainer, last: dict[st
               "peak_memory_bytes": torch.cuda.max_memory_allocated(trainer.job.device)
               if trainer.job.device.type == "cuda" else None,
               "device_bytes": trainer.device_bytes(),
+              "held_at_backward": held.result if held is not None else None,
               "store": {"steps": getattr(trainer, "steps_trained", None), "main": trainer.store.usage(),
                         "heartbeat": trainer.m.heartbeat_store.usage()},
               "compile": compilation.stats() if compilation is not None else None, **compile_stats()}
