@@ -207,27 +207,52 @@ def test_a_whole_job_killed_restores_its_shards_from_memory_and_resumes_unsharde
 
 
 
-# As RECIPE, and a process started after the first four (a restarted rank: 4 marks already there when its recipe
-# runs) writes a file at its first forward pass, the first step it trains after its admission, and waits there
-# until the test releases it: its step cannot commit meanwhile.
+# As RECIPE, and paced on events, not on the machine's speed:
+# - a process started after the first four (a restarted rank: 4 marks already there when its recipe runs) says
+#   when its main thread waits to be admitted (its join request is in), and at its first forward pass, the first
+#   step it trains after its admission, writes a file and waits there until the test releases it: that step
+#   cannot commit meanwhile;
+# - one of the first four, once restarted ranks are built, does not go on with a step until two of them wait to
+#   be admitted, so they are admitted with steps left however loaded the machine is.
 HOLDING_RECIPE = RECIPE + """
-FIRST, RELEASED = {first!r}, {released!r}
+import sys
+import threading
+
+FIRST, RELEASED, WAITING = {first!r}, {released!r}, {waiting!r}
 _restarted = []
 
-def _hold_first_forward(module, args):
-    if not _restarted:
-        return
-    _restarted.clear()
-    open(os.path.join(FIRST, str(os.getpid())), "w").close()
+def _say_when_waiting_for_admission(main):
     deadline = time.monotonic() + 120
-    while not os.path.exists(RELEASED) and time.monotonic() < deadline:
+    while time.monotonic() < deadline:
+        frame = sys._current_frames().get(main)
+        while frame is not None and frame.f_code.co_name != "_wait_view":
+            frame = frame.f_back
+        if frame is not None:
+            open(os.path.join(WAITING, str(os.getpid())), "w").close()
+            return
         time.sleep(0.01)
+
+def _hold(module, args):
+    if not _restarted:
+        deadline = time.monotonic() + 120
+        while (len(os.listdir(MARKS)) > 4 and len(os.listdir(WAITING)) < 2
+               and time.monotonic() < deadline):
+            time.sleep(0.01)
+        return
+    if _restarted[0]:
+        _restarted[0] = False
+        open(os.path.join(FIRST, str(os.getpid())), "w").close()
+        deadline = time.monotonic() + 120
+        while not os.path.exists(RELEASED) and time.monotonic() < deadline:
+            time.sleep(0.01)
 
 def holding_recipe(model, mesh):
     if len(os.listdir(MARKS)) >= 4:
         _restarted.append(True)
+        threading.Thread(target=_say_when_waiting_for_admission, args=(threading.main_thread().ident,),
+                         daemon=True).start()
     recipe(model, mesh)
-    model.register_forward_pre_hook(_hold_first_forward)
+    model.register_forward_pre_hook(_hold)
 """
 
 
@@ -249,10 +274,11 @@ def test_a_replica_lost_while_the_other_is_admitted_restores_the_job_from_memory
     every worker dies, instead of stopping for a human; the run finishes, every step trained exactly once, the
     workers agreeing."""
     marks, first, released = tmp_path / "recipe_called", tmp_path / "first_forward", tmp_path / "released"
-    marks.mkdir()
-    first.mkdir()
+    waiting = tmp_path / "waiting_for_admission"
+    for folder in (marks, first, waiting):
+        folder.mkdir()
     (tmp_path / "recipe.py").write_text(HOLDING_RECIPE.format(marks=str(marks), first=str(first),
-                                                              released=str(released)))
+                                                              released=str(released), waiting=str(waiting)))
     cfg = failover_config(corpus_overrides, STEPS, "mecefo.policy=spread", "train.shard_degree=2",
                           "snapshot.every=1", "train.checkpoint_every_s=0",
                           f"model.parallelize={tmp_path / 'recipe.py'}:holding_recipe", QUIET)
@@ -276,10 +302,8 @@ def test_a_replica_lost_while_the_other_is_admitted_restores_the_job_from_memory
     killer = threading.Thread(target=kill_replica_1_when_replica_0_is_admitted, daemon=True)
     killer.start()
     try:
-        # pace: replica 1 is held back while replica 0's ranks start and wait, so they are admitted with
-        # steps left however loaded the machine is
         job = run_job(cfg, run, nodes=2, workers_per_node=2, restart="on-failure",
-                      fail_at="step=3:worker=0:kill:phase=forward", pace=True)
+                      fail_at="step=3:worker=0:kill:phase=forward")
     finally:
         stop.set()
         released.touch()
