@@ -1,8 +1,8 @@
 """Chaos soak: a job under a long run of random outside faults, and whether it lost anything.
 
 ``unbroken bench soak`` starts ``unbroken train`` (default ``debug``, 4 workers
-on 2 nodes, a warm standby per node) and plays a hostile environment beside
-it, the way an operator would try it: every ``--interval A B`` seconds
+on 2 nodes, a warm standby per node unless ``--no-standby``) and plays a
+hostile environment beside it, the way an operator would try it: every ``--interval A B`` seconds
 (uniform, seeded) it picks one live process among the job's workers (whatever
 incarnation: a worker in its stride, a joiner still starting or loading, a
 standby promoted a moment ago) and standbys (the pids the run directory's
@@ -132,6 +132,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--stop-share", type=float, default=1 / 3, help="share of SIGSTOP among faults (default 1/3)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-resumes", type=int, default=5)
+    ap.add_argument("--no-standby", action="store_true",
+                    help="no warm standby per node (an HSDP job, train.shard_degree > 1, restarts whole replicas)")
     ap.add_argument("--timeout-s", type=float, default=3600.0)
     ap.add_argument("--run-dir", type=Path, default=Path("runs/soak"))
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/soak.json"))
@@ -143,8 +145,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     log = run.parent / f"{run.name}.log"
     log.write_text("")
     base = [sys.executable, "-c", "import sys; from unbroken.cli import main; sys.exit(main())", "train"]
+    standby = [] if a.no_standby else ["--standby"]
     first = base + ["--preset", a.preset, "--steps", str(a.steps), "--nodes", str(a.nodes), "--workers",
-                    str(a.workers), "--standby", "--out", str(run), "--overwrite"] + [f"--{o}" for o in overrides]
+                    str(a.workers), *standby, "--out", str(run), "--overwrite"] + [f"--{o}" for o in overrides]
     chaos, t0 = Chaos(run, a), time.monotonic()
     launches: list[dict[str, Any]] = []
     proc = _launch(first, log)
@@ -161,7 +164,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 if len(launches) > a.max_resumes:
                     break
                 chaos.release()
-                proc = _launch(base + ["--resume", str(run), "--standby"], log)
+                proc = _launch(base + ["--resume", str(run), *standby], log)
                 launches.append({"t": round(time.monotonic() - t0, 2), "resume": True})
                 continue
             if chaos.committed() > 0 or launches[-1]["resume"]:
