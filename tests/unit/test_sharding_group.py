@@ -26,6 +26,7 @@ import torch.multiprocessing as mp
 from unbroken.mecefo.adapter import ExactOnlyAdapter
 from unbroken.mecefo.gradients import GradLayout, apply_step
 from unbroken.models.optim import build_optimizer
+from unbroken.runtime.held_memory import held_storages
 from unbroken.runtime.process_group import ViewGroup
 from unbroken.runtime.view import View
 from unbroken.sharding import ShardedAdamW
@@ -78,6 +79,7 @@ def _member(rank: int, store_path: str, out: str, job: str, early: bool) -> None
                       lambda t, src: group.broadcast_into(t, src, none))
 
     adopt(view, group)
+    whole = 0  # the most gradient-sized tensors alive after a committed step (its reduced buffer, or a copy)
     for step in range(STEPS):
         if step == LEAVE_AFTER + 1:  # worker 1 is gone: the survivors form view 1
             state.settle(none)
@@ -98,12 +100,13 @@ def _member(rank: int, store_path: str, out: str, job: str, early: bool) -> None
                 if early:
                     os._exit(0)  # committed elsewhere, its copy of this step never sent
         state.commit(step, view, group, replicate=step < STEPS - 1)
+        whole = max(whole, held_storages(torch.device("cpu"), []).count(4 * layout.size))
         if rank == 1 and step == LEAVE_AFTER:
             state.seal_replicas(none)  # its own copy of the step reached its buddy
             os._exit(0)
     result = {"params": [p.detach().reshape(-1).tolist() for p in model.parameters()],
               "range": [opt.lo, opt.hi], "exp_avg": opt.exp_avg.tolist(), "exp_avg_sq": opt.exp_avg_sq.tolist(),
-              "summary": state.summary()}
+              "summary": state.summary(), "gradient_sized_kept": whole}
     Path(out, f"w{rank}.json").write_text(json.dumps(result))
 
 
@@ -145,6 +148,7 @@ def test_survivors_reshard_from_ring_copies_bit_for_bit(tmp_path: Path, early: b
         assert torch.equal(torch.tensor(got["exp_avg"]), want_m[lo:hi])
         assert torch.equal(torch.tensor(got["exp_avg_sq"]), want_v[lo:hi])
         assert got["summary"]["members"] == [0, 2, 3]
+        assert got["gradient_sized_kept"] == 0, "a step's replay keeps the copies' ranges only, not the whole gradient"
     assert sorted(covered) == [(0, covered[0][1]), (covered[0][1], covered[1][1]), (covered[1][1], want_m.numel())]
     # worker 3 (worker 1's buddy on the other node) sent worker 1's range in the re-shard
     assert json.loads((tmp_path / "w3.json").read_text())["summary"]["ranges_from_copies"] == 1

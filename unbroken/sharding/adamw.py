@@ -131,17 +131,24 @@ class ShardedAdamW(torch.optim.Optimizer):
             st = self.state[p]
             st["step"] = st.get("step", torch.tensor(0.0)) + 1.0
 
-    def replay_moments(self, lo: int, hi: int, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
-        """Advance the moments of ``[lo, hi)`` by one step on the current ``.grad``, in place (a replica
-        one step behind catches up with the reduced gradient every member kept)."""
-        betas = {id(p): self._group[id(p)]["betas"] for p in self.flat}
+    def range_grads(self, lo: int, hi: int) -> list[torch.Tensor | None]:
+        """A copy of the current ``.grad`` over ``[lo, hi)``, one tensor per piece (:meth:`pieces`; None where
+        the parameter has no gradient): what :meth:`replay_moments` needs of a step, and nothing more."""
+        return [None if (g := self.flat[i].grad) is None else g.detach().reshape(-1)[a:b].clone()
+                for i, a, b, _ in self.pieces(lo, hi)]
+
+    def replay_moments(self, lo: int, hi: int, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                       grads: list[torch.Tensor | None] | None = None) -> None:
+        """Advance the moments of ``[lo, hi)`` by one step, in place (a replica one step behind catches up),
+        on ``grads`` (:meth:`range_grads` of that step, kept by the replica's holder), by default the current
+        ``.grad``."""
+        grads = self.range_grads(lo, hi) if grads is None else grads
         with torch.no_grad():
-            for i, a, b, at in self.pieces(lo, hi):
-                p = self.flat[i]
-                if p.grad is None:
+            for (i, a, b, at), g in zip(self.pieces(lo, hi), grads, strict=True):
+                if g is None:
                     continue
-                beta1, beta2 = betas[id(p)]
-                _moments(exp_avg[at:at + b - a], exp_avg_sq[at:at + b - a], p.grad.reshape(-1)[a:b], beta1, beta2)
+                beta1, beta2 = self._group[id(self.flat[i])]["betas"]
+                _moments(exp_avg[at:at + b - a], exp_avg_sq[at:at + b - a], g, beta1, beta2)
 
     def _step_of(self, p: torch.Tensor) -> float:
         st = self.state.get(p)

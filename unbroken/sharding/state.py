@@ -11,19 +11,21 @@ Per step ``s`` (:mod:`unbroken.runtime.protocol`):
    AdamW on the member's range (out of place), then an all-gather of the new
    parameters; only a member whose all-gather completed votes ``commit``;
 3. once committed, :meth:`ShardedState.commit` installs the parameters and the
-   range's moments, keeps the reduced buffer (one step's replay), and sends
-   the new moments to the ring buddy while the next step computes.
+   range's moments, keeps the step's gradient over the ranges whose copies
+   this member holds (one step's replay: about 1/m of the gradient, never the
+   reduced buffer, which dies with the step), and sends the new moments to the
+   ring buddy while the next step computes.
 
 When the view changes (:meth:`ShardedState.reshard`, inside ``adopt``), the
 members of the new view move the moments of the last committed step from the
 old ranges to the new ones: each old range is broadcast by its owner, or, if
 the owner is gone, by the buddy holding its copy; a copy one step behind is
-brought forward with the kept reduced gradient (the moments' update needs
-nothing else). The old ranges stay held until the first step of the new view
-commits, so a view that fails while forming is re-sharded again from them. A
-range with neither its owner nor its copy left (more failures than the ring
-covers) raises :class:`ShardLost`: the job stops, ``--resume`` continues from
-the persistent checkpoint.
+brought forward with the gradient its holder kept of that range (the
+moments' update needs nothing else). The old ranges stay held until the
+first step of the new view commits, so a view that fails while forming is
+re-sharded again from them. A range with neither its owner nor its copy left
+(more failures than the ring covers) raises :class:`ShardLost`: the job
+stops, ``--resume`` continues from the persistent checkpoint.
 """
 
 from __future__ import annotations
@@ -44,6 +46,10 @@ from unbroken.sharding.replicas import ReplicaStore
 __all__ = ["ShardLost", "ShardedState"]
 
 logger = logging.getLogger(__name__)
+
+Kept = dict[int, tuple[int, int, list[torch.Tensor | None]]]
+"""Per owner whose copy this worker holds: its range ``(lo, hi)`` and a step's gradient over it
+(:meth:`~unbroken.sharding.adamw.ShardedAdamW.range_grads`)."""
 
 
 class ShardLost(Exception):
@@ -72,10 +78,11 @@ class ShardedState(StateLayout):
         self.held: tuple[Sharding | None, int, int, torch.Tensor, torch.Tensor] = (
             None, 0, self.opt.total, self.opt.exp_avg, self.opt.exp_avg_sq)
         """The last committed step's sharding and this worker's range and moments under it."""
-        self.last_reduced: tuple[int, torch.Tensor] | None = None
-        self._pending: tuple[int, Proposal, torch.Tensor, float, float, torch.Tensor] | None = None
+        self.last_grads: tuple[int, Kept] | None = None
+        """The last committed step and its gradient over the ranges whose copies this worker holds."""
+        self._pending: tuple[int, Proposal, torch.Tensor, float, float, Kept] | None = None
         # A proposal whose all-gather was given up on (its step may still commit, and the gather complete late).
-        self._ungathered: tuple[int, Proposal, Sharding, float, float, torch.Tensor] | None = None
+        self._ungathered: tuple[int, Proposal, Sharding, float, float, Kept] | None = None
         self._outgoing: dict[str, Any] | None = None
         self._snapshotted = -1
         """The last step whose snapshot was taken: its copies are pinned (kept with the snapshot)."""
@@ -123,7 +130,7 @@ class ShardedState(StateLayout):
         set_lr(self.opt, lr)
         proposal = self.opt.propose()
         sharding = self._sharding
-        self._ungathered = (step, proposal, sharding, lr, norm, reduced.detach().clone())
+        self._ungathered = (step, proposal, sharding, lr, norm, self._kept(sharding))
         gathered = group.allgather(proposal.params, sharding.padded, check, lambda: on_phase("allgather"))
         self._gathered(gathered)
 
@@ -141,10 +148,10 @@ class ShardedState(StateLayout):
 
     def _gathered(self, gathered: torch.Tensor) -> None:
         assert self._ungathered is not None
-        step, proposal, sharding, lr, norm, reduced = self._ungathered
+        step, proposal, sharding, lr, norm, kept = self._ungathered
         flat = torch.cat([gathered[r * sharding.padded:r * sharding.padded + hi - lo]
                           for r, (_, lo, hi) in enumerate(sharding.ranges())])
-        self._pending, self._ungathered = (step, proposal, flat, lr, norm, reduced), None
+        self._pending, self._ungathered = (step, proposal, flat, lr, norm, kept), None
 
     def ready(self, step: int) -> bool:
         """Has this worker's update and all-gather of ``step`` completed (it may apply the step)?"""
@@ -155,11 +162,11 @@ class ShardedState(StateLayout):
         ``replicate`` is False: the job's last step). Returns (lr, grad norm)."""
         if self._pending is None or not self.ready(step):
             raise RuntimeError(f"step {step} was not proposed here")
-        _, proposal, flat, lr, norm, reduced = self._pending
+        _, proposal, flat, lr, norm, kept = self._pending
         self._pending = None
         self.opt.commit(proposal, flat)
         self.held = (self.active, self.opt.lo, self.opt.hi, self.opt.exp_avg, self.opt.exp_avg_sq)
-        self.last_reduced = (step, reduced)
+        self.last_grads = (step, kept)
         if self.active is not None and replicate:
             try:
                 self._send_copies(step + 1, view, group)
@@ -175,6 +182,15 @@ class ShardedState(StateLayout):
         params = [p for p in layout.params if p.grad is not None]
         clip = self.job.cfg.optim.grad_clip
         return float(torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"), foreach=False))
+
+    def _kept(self, sharding: Sharding) -> Kept:
+        """The current (clipped) gradient over each range whose copy this worker receives under ``sharding``:
+        all a replay of the step needs here (:meth:`_range_data`). Nothing when the ranges are not shared."""
+        if self.active is None:
+            return {}
+        buddies = ring_buddies(sharding.members, self.node_of)
+        return {o: (lo, hi, self.opt.range_grads(lo, hi))
+                for o in sharding.members if buddies.get(o) == self.me for lo, hi in [sharding.range_of(o)]}
 
     # -- the ring ---------------------------------------------------------------------
 
@@ -235,7 +251,7 @@ class ShardedState(StateLayout):
         if restored_gen is not None:
             self.replicas.forget_before(restored_gen)
         self.held = (None, 0, self.opt.total, self.opt.exp_avg, self.opt.exp_avg_sq)
-        self.active, self.last_reduced, self._pending, self._outgoing = None, None, None, None
+        self.active, self.last_grads, self._pending, self._outgoing = None, None, None, None
         self._ungathered = None
 
     def checkpoint_parts(self) -> tuple[list[str], dict[str, Any]]:
@@ -337,10 +353,10 @@ class ShardedState(StateLayout):
         done = got[0] if got else None
         if got is not None and done == view.step:
             return got[1].to(self.opt.exp_avg.device)
-        if got is not None and done == view.step - 1 and self.last_reduced and self.last_reduced[0] == done:
+        kept = self.last_grads[1].get(owner) if self.last_grads and self.last_grads[0] == done else None
+        if got is not None and done == view.step - 1 and kept is not None and kept[:2] == (lo, hi):
             data = got[1].to(self.opt.exp_avg.device).clone()
-            self._gradients(self.last_reduced[1])
-            self.opt.replay_moments(lo, hi, data[:hi - lo], data[hi - lo:])
+            self.opt.replay_moments(lo, hi, data[:hi - lo], data[hi - lo:], kept[2])
             self._replayed.append(owner)
             return data
         raise ShardLost(f"worker {self.me} holds no usable copy of worker {owner}'s optimizer shard after "
