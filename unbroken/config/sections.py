@@ -244,9 +244,8 @@ class SnapshotConfig:
     """Protection across nodes: ``parity`` (Reed-Solomon erasure coding, survives the loss of
     ``parity`` nodes of each coding group), ``replica`` (each node's slices also held by the next node), ``none``."""
     parity: int = 1
-    """Nodes of each coding group (see ``group_nodes``) whose loss a ``parity`` snapshot survives (1..4: the
-    coder cannot rebuild from every choice of 5 lost fragments; < number of nodes; at most
-    ``group_nodes // 2 - 1``)."""
+    """Nodes of each coding group (see ``group_nodes``) whose loss a ``parity`` snapshot survives (< number of
+    nodes; at most ``group_nodes // 2 - 1``)."""
     group_nodes: int = 16
     """``parity``: the most nodes one stripe is coded over (2 .. 256: the coder's limit is 256 fragments, one a
     node). A job on more nodes is split into ``ceil(nodes / group_nodes)`` groups of as even sizes as possible

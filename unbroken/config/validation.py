@@ -115,12 +115,8 @@ def _mecefo_fault(cfg: Config, need: Need) -> None:
 
 
 MAX_GROUP_NODES = 256
-"""The most nodes a stripe is coded over: ISA-L's Reed-Solomon (pyeclib ``isa_l_rs_vand``) codes at most 256
-fragments, one a node (``unbroken.snapshot.erasure.MAX_FRAGMENTS``)."""
-MAX_PARITY = 4
-"""The most parity fragments ``isa_l_rs_vand`` rebuilds from whichever fragments are lost: its Vandermonde matrix
-has singular submatrices from 5 parity rows on (with k = 11, m = 5, 14 of the 4,368 choices of 5 lost fragments
-cannot be decoded; none with m <= 4)."""
+"""The most nodes a stripe is coded over: ISA-L's Reed-Solomon (GF(2^8)) codes at most 256 fragments, one a node
+(``unbroken.snapshot.erasure.MAX_FRAGMENTS``)."""
 
 
 def _snapshot_groups(cfg: Config, need: Need) -> None:
@@ -130,14 +126,10 @@ def _snapshot_groups(cfg: Config, need: Need) -> None:
     g, p = sn.group_nodes, sn.parity
     if not (isinstance(g, int) and 2 <= g <= MAX_GROUP_NODES):
         need(False, f"snapshot.group_nodes={g!r}: must be a number of nodes in 2..{MAX_GROUP_NODES} (the most "
-                    f"nodes one stripe is coded over: the coder, isa_l_rs_vand, codes at most {MAX_GROUP_NODES} "
+                    f"nodes one stripe is coded over: the coder, ISA-L's Reed-Solomon, codes at most {MAX_GROUP_NODES} "
                     f"fragments, one a node)")
         return
     if sn.redundancy == "parity" and p >= 1:
-        need(p <= MAX_PARITY,
-             f"snapshot.parity={p}: must be in 1..{MAX_PARITY} (the coder, isa_l_rs_vand, cannot rebuild a stripe "
-             f"from every choice of {MAX_PARITY + 1} or more lost fragments); lose fewer nodes per group to each "
-             f"snapshot with smaller snapshot.group_nodes instead")
         least = 2 * (p + 1)
         larger = f"snapshot.group_nodes in {least}..{MAX_GROUP_NODES} or " if least <= MAX_GROUP_NODES else ""
         need(g >= least,

@@ -320,7 +320,7 @@ class _Loader:
             return None
         if set(range(k)) <= on_node[self.node]:
             chosen, skip = list(range(k)), 0
-        elif coding.parity_copies_data():
+        elif coding.parity_copies_data(min(on_node[self.node])):
             chosen, skip = [min(on_node[self.node])], HEADER
         else:
             return None
