@@ -192,6 +192,7 @@ def _verdict(a: argparse.Namespace, run: Path, chaos: Chaos, launches: list[dict
     committed = chaos.committed()
     result = {
         "benchmark": "soak", "preset": a.preset, "nodes": a.nodes, "workers": a.workers, "seed": a.seed,
+        "standby": not a.no_standby,
         "interval_s": list(a.interval), "stop_share": a.stop_share, "wall_s": round(wall_s, 1),
         "faults_sent": len(chaos.sent), "faults_by_kind": by,
         "faults_window_s": chaos.sent[-1]["t"] if chaos.sent else 0.0,
@@ -212,7 +213,8 @@ def _verdict(a: argparse.Namespace, run: Path, chaos: Chaos, launches: list[dict
 def _print(r: dict[str, Any]) -> None:
     print(f"chaos soak: {r['faults_sent']} outside faults in {r['faults_window_s']:.0f} s "
           f"({', '.join(f'{v} {k}' for k, v in sorted(r['faults_by_kind'].items()))})")
-    print(f"  job: {r['nodes']} nodes x {r['workers'] // r['nodes']} workers + a standby each, {r['preset']}, "
+    standby = " + a standby each" if r.get("standby", True) else ""
+    print(f"  job: {r['nodes']} nodes x {r['workers'] // r['nodes']} workers{standby}, {r['preset']}, "
           f"{r['steps']} steps; wall {r['wall_s']:.0f} s")
     print(f"  committed {r['committed']} of {r['steps']} steps (lost {r['lost_steps']}), "
           f"finished: {r['finished']}, resumes: {r['resumes']}")
