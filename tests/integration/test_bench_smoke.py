@@ -52,6 +52,8 @@ def test_failover_benchmark_stall_part(tmp_path, corpus_overrides):
         assert len(k["runs"]) == 1 and len(k["runs"][0]["stall_s"]) == 1, f"the {kind} was one failure"
         assert k["median_stall_s"] == k["runs"][0]["stall_s"][0] and k["normal_step_s"] > 0
         assert k["admission_aborts"] == 0 and k["lost_steps"] == 0 and k["ledger_ok"]
+        run = k["runs"][0]
+        assert run["detect_s"] >= 0 and run["recover_s"] > 0, "where the stall went, from the run's records"
     assert stall["crash"]["target_s"] == pytest.approx(stall["crash"]["normal_step_s"] / 2 + 0.05)
     assert stall["hang"]["target_s"] == pytest.approx(0.8)
 

@@ -7,7 +7,8 @@ fault: worker 1 SIGKILLed (``--crash-runs`` runs) or SIGSTOPped (``--hang-runs``
 back (forked from its node's template) one step later. Per run, from ``unbroken report``'s figures: the stall
 (the gap between the survivors' applied steps around the fault, minus a normal step), the normal step, the
 time from the fault to the worker's rejoin and its admission phase, the members' stall at the rejoin step,
-and the attempts the rejoin aborted (replaced by the admitting view: the target is none).
+the attempts the rejoin aborted (replaced by the admitting view: the target is none), and where the stall
+went (the fault to the first attempt given up, then to the step's commit in the new view).
 
 Targets: a crash costs the survivors at most the dead worker's share of a step spread over them plus 50 ms
 (``normal / (n - 1) + 0.05``), in the median of the runs; a hang at most the heartbeat timeout plus 0.3 s.
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from unbroken.jsonl import read_jsonl
+from unbroken.runtime.ledger import read_events
 
 __all__ = ["CRASH_MARGIN_S", "HANG_MARGIN_S", "print_stall", "stall_part"]
 
@@ -37,12 +39,27 @@ Run = Callable[..., dict[str, Any]]
 def _admission_aborts(run_dir: Path) -> int:
     """Attempts replaced by a view that admits a returning worker (each aborted a step the members had in
     flight), from the workers' events."""
-    events = [e for p in sorted((run_dir / "workers").glob("w*.jsonl")) for e in read_jsonl(p)
-              if e.get("kind") == "event"]
+    events = [e for e in read_events(run_dir) if e.get("kind") == "event"]
     rejoin_views = {(e["step"], e["gen"]) for e in events
                     if e.get("event") == "view_adopted" and str(e.get("reason", "")).startswith("rejoin")}
     return len({(e["step"], e["gen"]) for e in events
                 if e.get("event") == "attempt_aborted" and (e["step"], e["gen"] + 1) in rejoin_views})
+
+
+def _phases(run_dir: Path) -> dict[str, float | None]:
+    """Where the fault's stall went, from the run's records: ``detect_s``, from the fault to the first member
+    giving up on its attempt; ``recover_s``, from there to the last member's commit of that step (the new
+    view, the rows taken over, the reduction)."""
+    records = sorted((r for r in read_events(run_dir) if "time" in r), key=lambda r: r["time"])
+    fault = next((r for r in records if r.get("event") == "fault_injected"), None)
+    aborted = next((r for r in records if fault is not None and r.get("event") == "attempt_aborted"
+                    and r["time"] >= fault["time"]), None)
+    if fault is None or aborted is None:
+        return {"detect_s": None, "recover_s": None}
+    commits = [r["time"] for r in records if r.get("kind") == "commit" and r["step"] == aborted["step"]
+               and r["gen"] > aborted["gen"]]
+    return {"detect_s": aborted["time"] - fault["time"],
+            "recover_s": max(commits) - aborted["time"] if commits else None}
 
 
 def _figures(run: dict[str, Any]) -> dict[str, Any]:
@@ -59,7 +76,7 @@ def _figures(run: dict[str, Any]) -> dict[str, Any]:
                         is not None],
         "rejoin_stall_s": [at[x["step"]] - at[x["step"] - 1] - report["normal_step_s"] for x in rejoins
                            if x["step"] in at and x["step"] - 1 in at],
-        "admission_aborts": _admission_aborts(run_dir),
+        "admission_aborts": _admission_aborts(run_dir), **_phases(run_dir),
         "lost_steps": report["lost_steps"], "ledger_ok": report["ledger_ok"],
     }
 
@@ -67,7 +84,13 @@ def _figures(run: dict[str, Any]) -> dict[str, Any]:
 def _summary(rows: list[dict[str, Any]], target: Callable[[float], float]) -> dict[str, Any]:
     stalls = [s for r in rows for s in r["stall_s"]]
     normal = statistics.median(r["normal_step_s"] for r in rows)
+
+    def median(key: str) -> float | None:
+        got = [r[key] for r in rows if r[key] is not None]
+        return statistics.median(got) if got else None
+
     return {"runs": rows, "median_stall_s": statistics.median(stalls) if stalls else None,
+            "median_detect_s": median("detect_s"), "median_recover_s": median("recover_s"),
             "normal_step_s": normal, "target_s": target(normal),
             "median_back_s": statistics.median(b for r in rows for b in r["back_s"]) if any(
                 r["back_s"] for r in rows) else None,
@@ -108,6 +131,10 @@ def print_stall(s: dict[str, Any]) -> None:
               f"{', heartbeat timeout %.2f s' % s['heartbeat_timeout_s'] if kind == 'hang' else ''}): "
               f"median {'-' if median is None else f'{median:.3f}'} s, normal step {k['normal_step_s']:.3f} s, "
               f"target <= {k['target_s']:.3f} s  (each: {stalls})")
+        detect, recover = k["median_detect_s"], k["median_recover_s"]
+        if detect is not None and recover is not None:
+            print(f"  medians: fault -> first attempt given up {detect:.3f} s, -> the step committed in the new view "
+                  f"{recover:.3f} s more")
         back = k["median_back_s"]
         print(f"  worker back after {'-' if back is None else f'{back:.2f}'} s (median); attempts a rejoin aborted: "
               f"{k['admission_aborts']}; lost steps {k['lost_steps']}, ledger {'OK' if k['ledger_ok'] else 'BAD'}")

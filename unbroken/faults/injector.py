@@ -10,7 +10,8 @@ line in ``metrics.jsonl``) holds ``p``, the number of committed steps: step
 ``p`` is the one in flight. A spec with ``step=s`` fires as soon as
 ``p >= s``, i.e. during step ``s``, or at once if the observer only learns of
 the progress late. ``back=b`` restarts the failed worker(s) once ``p >= b``: they
-are admitted at the first step boundary after their process is ready.
+are admitted at the end of the first step whose reduction the leader posted
+after their process asked to join.
 
 Layout. Worker ``w`` lives on node ``w // workers_per_node``; node ``R`` owns
 workers ``R*W .. R*W + W - 1``.
