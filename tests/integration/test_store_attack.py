@@ -11,6 +11,7 @@ refused.
 
 from __future__ import annotations
 
+import base64
 import os
 import socket
 import threading
@@ -24,7 +25,7 @@ from unbroken.runtime.job_store import JobStore
 from unbroken.runtime.store_backend import job_secret
 from unbroken.runtime.store_wire import LAUNCH_LEN, MAGIC, NONCE
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 STEPS = 40
 HELLO = len(MAGIC) + LAUNCH_LEN + NONCE
@@ -147,3 +148,104 @@ def test_an_attacker_who_reaches_the_port_changes_nothing(tmp_path, corpus_overr
     [(attacker, _)] = attackers
     assert all(n > 0 for n in attacker.tried.values()), attacker.tried
     assert attacker.accepted == 0, "no attempt of the attacker was ever accepted"
+
+
+class EtcdAttacker:
+    """A client of the job's etcd cluster without the job's secret: it finds the job's keys by listing the
+    cluster, and after every write of the job to a worker's counter it writes a forged value over it, except
+    every ``EVERY``-th time, when it deletes the counter or writes back the counter's first value after a delete
+    (a deleted counter is silence: deleting it after every beat for a whole heartbeat timeout would be a death
+    by design, which docs/store.md says); it also plants forged death marks, refusals and ``deaths`` counts.
+    Paced by the job's own writes, so whatever the machine's speed it answers each of them."""
+
+    ACTIONS = ("forge", "replay", "delete")
+    EVERY = 8
+
+    def __init__(self, url: str, workers: list[int]) -> None:
+        from unbroken.runtime.etcd_backend import EtcdBackend
+
+        self.backend = EtcdBackend(url, "not the job's secret", timeout_s=10)
+        self.workers = workers
+        self.done = {a: 0 for a in (*self.ACTIONS, "plant")}
+        self.first: dict[str, bytes] = {}
+        self.last: dict[str, str] = {}  # key -> mod_revision of the job's write the attacker answered last
+        self.stop = threading.Event()
+        self.ns = ""
+
+    def _k(self, key: str) -> str:
+        return base64.b64encode((self.ns + key).encode()).decode()
+
+    def _kv(self, key: str) -> dict | None:
+        return (self.backend._call("kv/range", {"key": self._k(key)}).get("kvs") or [None])[0]
+
+    def _put(self, key: str, raw: bytes, *, create: bool = False) -> None:
+        put = {"request_put": {"key": self._k(key), "value": base64.b64encode(raw).decode()}}
+        guard = [{"key": self._k(key), "target": "CREATE", "result": "EQUAL", "create_revision": "0"}] if create else []
+        self.backend._call("kv/txn", {"compare": guard, "success": [put], "failure": []})
+
+    def _delete(self, key: str) -> None:
+        self.backend._call("kv/deleterange", {"key": self._k(key)})
+
+    def _find_namespace(self) -> None:
+        out = self.backend._call("kv/range", {"key": base64.b64encode(b"/unbroken/").decode(),
+                                              "range_end": base64.b64encode(b"/unbroken0").decode(), "keys_only": True})
+        for kv in out.get("kvs", []):
+            key = base64.b64decode(kv["key"]).decode(errors="replace")
+            if key.endswith("/hb/0"):
+                self.ns = key[:-len("hb/0")]
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            if not self.ns:
+                self._find_namespace()
+            else:
+                for w in self.workers:
+                    for key in (f"hb/{w}", f"prog/{w}"):
+                        self._answer(key)
+                    self._put(f"dead/{w}", b'{"by": 9, "how": "forged"}', create=True)
+                    self._put(f"refused/{w}", b"forged refusal", create=True)
+                    self._put("deaths", b"1000")
+                    self.done["plant"] += 1
+            self.stop.wait(0.01)
+
+    def _answer(self, key: str) -> None:
+        """One action on ``key`` if the job wrote it since the attacker's last one."""
+        kv = self._kv(key)
+        if kv is None or kv["mod_revision"] == self.last.get(key) or len(base64.b64decode(kv["value"])) < 24:
+            return  # gone, already answered, or not the job's value (the attacker's own)
+        self.first.setdefault(key, base64.b64decode(kv["value"]))
+        n = sum(self.done[a] for a in self.ACTIONS)
+        action = "forge" if n % self.EVERY else ("replay", "delete")[n // self.EVERY % 2]
+        if action == "forge":
+            self._put(key, b"99")
+        else:
+            self._delete(key)
+            if action == "replay":
+                self._put(key, self.first[key], create=True)
+        self.last[key] = kv["mod_revision"]
+        self.done[action] += 1
+
+
+def test_a_writer_without_the_secret_on_etcd_never_fences_a_live_worker(tmp_path, corpus_overrides, etcd_cluster):
+    """A 2-node x 1-worker job on a real 3-member etcd cluster while :class:`EtcdAttacker` deletes, forges and
+    replays its workers' counters after every beat and plants death marks: the job ends as every scenario must
+    (:func:`_faults.check_invariants`: every step, the ledger exactly once, identical parameters), no worker is
+    marked dead or fenced, and the attacker did every kind of thing many times."""
+    cfg = failover_config(corpus_overrides, STEPS, "fault.heartbeat_timeout_s=2.5", "fault.progress_timeout_s=6.0",
+                          "train.timeout_s=30")
+    attacker = EtcdAttacker(etcd_cluster.url, [0, 1])
+    thread = threading.Thread(target=attacker.run, daemon=True)
+    thread.start()
+    try:
+        job = run_job(cfg, tmp_path / "run", nodes=2, workers_per_node=1, store=etcd_cluster.url)
+    finally:
+        attacker.stop.set()
+        thread.join(30)
+    check_invariants(job, live=[0, 1])
+    assert job.summary["failures"] == 0, "the attack made no worker fail"
+    assert not job.events("fence") and not job.events("attempt_aborted"), "no live worker fenced"
+    assert not job.events("worker_exit", clean=False)
+    marks = [line for log in (job.run_dir / "logs").glob("w*.log") for line in log.read_text().splitlines()
+             if "declared worker" in line]
+    assert not marks, "no worker was marked dead, not even once the job was done"
+    assert all(n >= 3 for n in attacker.done.values()), attacker.done

@@ -324,9 +324,11 @@ class EtcdBackend(StoreBackend):
 
     def _count(self, key: str, kv: dict[str, Any] | None) -> int:
         """A counter's value: 0 when absent (never written, or its lease expired), the last value this client
-        saw when it holds a value this launch did not write."""
+        saw when it holds a value this launch did not write. A counter of this client's lease (its own heartbeat
+        and progress) goes on from its last value when absent too: another writer deleting it must not send it
+        back to values an observer already saw (a beat that repeats a value is no change)."""
         if kv is None:
-            return 0
+            return self._counted.get(key, 0) if key in self._leased else 0
         value = self._open(key, kv)
         if value is None:
             return self._counted.get(key, 0)

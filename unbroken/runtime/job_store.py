@@ -356,12 +356,13 @@ class JobStore:
         """Count ``phases`` more phases entered by ``worker``'s main thread."""
         return self.backend.add(f"prog/{worker}", phases)
 
-    def liveness(self, members: tuple[int, ...] | list[int]) -> list[tuple[int, int] | None]:
-        """(heartbeat, progress) counters of members of a published view, in one round trip; None for a
-        member whose counters are gone: its lease expired (it stopped beating long ago)."""
-        raw = self.backend.get_present([f"{k}/{w}" for w in members for k in ("hb", "prog")])
-        pairs = [(raw[2 * i], raw[2 * i + 1]) for i in range(len(members))]
-        return [None if hb is None or prog is None else (int(hb), int(prog)) for hb, prog in pairs]
+    def liveness(self, members: tuple[int, ...] | list[int]) -> list[tuple[int | None, int | None]]:
+        """(heartbeat, progress) counters of members of a published view, in one round trip; None for a counter
+        that is gone (its lease expired, or another writer deleted it), negative for one holding a value this
+        launch did not write (:data:`~unbroken.runtime.store_backend.UNSEEN`)."""
+        values = [None if raw is None else int(raw)
+                  for raw in self.backend.get_present([f"{k}/{w}" for w in members for k in ("hb", "prog")])]
+        return [(values[2 * i], values[2 * i + 1]) for i in range(len(members))]
 
     def mark_dead(self, worker: int, reason: str) -> bool:
         """Declare ``worker`` dead (first mark wins); True if this call made the mark."""

@@ -121,6 +121,8 @@ class Membership:
         self.progress_timeout_s = progress_timeout_s if progress_timeout_s is not None else math.inf
         self._hb_seen: dict[int, tuple[int, float]] = {}
         self._prog_seen: dict[int, tuple[int, float]] = {}
+        self._unseen: dict[tuple[str, int], float] = {}
+        """(counter, member): since when every read of it gave no observation (gone, or not authentic)."""
         self._progress = 0  # phases the main thread entered (written by it, published by the heartbeat thread)
         self._published = 0
         self._busy = 0  # nesting depth of busy() blocks of the main thread
@@ -243,30 +245,39 @@ class Membership:
             blind = ((before - self._last_watch > self.heartbeat_timeout_s / 2
                       and not self._beat_through(self._last_watch, before))
                      or now - before > self.heartbeat_timeout_s / 2)
+            # A look long after the previous one (even one the heartbeat thread beat through) starts a new
+            # streak of reads without observation (_judge): the reads in between are not there to count.
+            watched = before - self._last_watch <= self.heartbeat_timeout_s / 2
             self._last_watch = now
             for w, counted in zip(others, counters):
-                self._judge(w, counted, before, now, blind)
+                self._judge(w, counted, before, now, blind, watched)
         return self._dead & set(view.members)
 
-    def _judge(self, w: int, counted: tuple[int, int] | None, before: float, now: float, blind: bool) -> None:
+    def _judge(self, w: int, counted: tuple[int | None, int | None], before: float, now: float, blind: bool,
+               watched: bool) -> None:
         """Judge member ``w`` on its counters read at ``before .. now`` (None: gone; negative: not authentic).
 
         Silence is measured from the last change of an authentic counter this observer saw: a counter gone
         (its lease expired, or deleted by another writer) or holding a value this launch did not write is no
-        observation, so it neither kills at once nor restarts the clock; a live worker's next beat is a change."""
-        beat, progress = counted if counted is not None else (-1, -1)
+        observation, so it neither kills at once nor restarts the clock; a live worker's next beat is a change.
+        Nor does one such read conclude a long silence the observer did not watch (its last look long ago): it
+        judges only once the counter has given no observation for the limit itself."""
         last_beat = self._hb_seen.get(w)
-        known = beat if beat >= 0 else (last_beat[0] if last_beat is not None else 0)
+        known = counted[0] if counted[0] is not None and counted[0] >= 0 else (last_beat[0] if last_beat else 0)
         # A counter gone from a published view's member (created at 0 when the view opened) beat before.
-        hb_limit = self.heartbeat_timeout_s if known > 0 or counted is None else self.first_beat_timeout_s
-        for seen, value, limit, how in ((self._hb_seen, beat, hb_limit, "heartbeat"),
-                                        (self._prog_seen, progress, self.progress_timeout_s, "no progress")):
+        hb_limit = self.heartbeat_timeout_s if known > 0 or counted[0] is None else self.first_beat_timeout_s
+        for seen, got, limit, how in ((self._hb_seen, counted[0], hb_limit, "heartbeat"),
+                                      (self._prog_seen, counted[1], self.progress_timeout_s, "no progress")):
+            value = -1 if got is None else got
             last = seen.get(w)
+            if value >= 0 or blind or not watched:
+                self._unseen.pop((how, w), None)
+            unseen = before if value >= 0 else self._unseen.setdefault((how, w), before)
             if last is None or blind or (value >= 0 and last[0] != value):
                 seen[w] = (value if value >= 0 else (last[0] if last is not None else -1), now)
-            elif before - last[1] > limit and w not in self._dead:
+            elif before - last[1] > limit and (value >= 0 or before - unseen > limit) and w not in self._dead:
                 self.mark_dead(w, json.dumps({"by": self.worker, "how": how, "silent_s": round(before - last[1], 3),
-                                              **({} if value >= 0 else {"counter": "gone" if counted is None
+                                              **({} if value >= 0 else {"counter": "gone" if got is None
                                                                         else "not authentic"})}))
 
     def _beat_through(self, since: float, until: float) -> bool:
@@ -281,6 +292,8 @@ class Membership:
         self._deaths_seen = -1
         self._hb_seen.pop(worker, None)
         self._prog_seen.pop(worker, None)
+        for how in ("heartbeat", "no progress"):
+            self._unseen.pop((how, worker), None)
 
     # -- joins --------------------------------------------------------------
 
