@@ -29,9 +29,12 @@ observer's next wait began).
 A counter that is gone, or holds a value this launch did not write (etcd:
 another writer deleted or forged it), is no observation: it neither kills at
 once nor restarts the clock, which runs from the last change of an authentic
-value this observer saw; so a deleted or forged key never marks a live worker
-dead (its next beat is a change) and never hides a silent one past the
-heartbeat timeout. On etcd the counters also live under the worker's lease
+value this observer saw, and such reads decide a silence only once they
+have gone on, watched (looks less than half a timeout apart), for the limit
+themselves; so a deleted or forged key never marks a live worker dead (its
+next beat is a change) and never hides a silent one past two heartbeat
+timeouts (one where the forged counter's history shows its last authentic
+value: EtcdBackend.get_present). On etcd the counters also live under the worker's lease
 (TTL ``LEASE_TTL_FACTOR`` heartbeat timeouts, refreshed by the beats): a dead
 worker's keys expire by themselves, judged as silence like any other.
 """

@@ -69,7 +69,8 @@ class GroupStoreUnavailable(dist.DistStoreError):
 
 UNSEEN = b"-1"
 """What :meth:`EmbeddedBackend.get_present` reads for a missing counter: no observation (a liveness reader
-treats it as a moment it could not see; only a store with leases reads a counter gone as its lease expired)."""
+treats it as a moment it could not see; a counter gone from a store with leases is no observation either:
+its lease expired, or another writer deleted it, and the silence is judged on the reader's own clock)."""
 
 
 class StoreAccessDenied(PermissionError):
