@@ -8,8 +8,10 @@ first ``seq_len`` tokens are the inputs and its last ``seq_len`` the targets.
 Row ``r`` of the micro-batch of ``(step, slot)`` has the global index
 ``g = (step * n_slots + slot) * micro_batch + r``, lies in epoch
 ``e = g // n_windows`` at position ``g % n_windows``, and reads window
-``perm_e[g % n_windows]`` with
-``perm_e = np.random.default_rng([seed, e]).permutation(n_windows)``.
+``pi_e(g % n_windows)``, where ``pi_e`` is the permutation of the windows
+keyed by ``(seed, e)`` (:func:`unbroken.data.shuffle.shuffled`, a Feistel
+network with cycle-walking): computed for the rows asked for, never stored, so
+a sampler costs O(1) memory whatever the corpus size.
 
 Invariants (what the fault-tolerant runtime builds on):
 
@@ -25,14 +27,12 @@ Invariants (what the fault-tolerant runtime builds on):
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
 from collections.abc import Iterator
 
 import numpy as np
 import torch
 
-_PERM_CACHE_EPOCHS = 4  # a step touches at most two epochs; a few more cover look-ahead
+from unbroken.data.shuffle import shuffled
 
 
 def _check_tokens(tokens: np.ndarray) -> None:
@@ -84,8 +84,6 @@ class BatchSampler:
                 f"corpus too small: {len(tokens)} tokens give {self._n_windows} windows of seq_len={seq_len}, "
                 f"but one global batch needs {rows_per_step} (n_slots={n_slots} x micro_batch={micro_batch}), "
                 f"i.e. at least {rows_per_step * self.seq_len + 1} tokens; use more data or smaller sizes")
-        self._perms: OrderedDict[int, np.ndarray] = OrderedDict()
-        self._lock = threading.Lock()  # prefetch threads may share a sampler
 
     @property
     def n_windows(self) -> int:
@@ -96,19 +94,6 @@ class BatchSampler:
     def tokens_per_step(self) -> int:
         """Input tokens in one global batch (all slots)."""
         return self.n_slots * self.micro_batch * self.seq_len
-
-    def _perm(self, epoch: int) -> np.ndarray:
-        with self._lock:
-            perm = self._perms.get(epoch)
-            if perm is not None:
-                self._perms.move_to_end(epoch)
-                return perm
-        perm = np.random.default_rng([self.seed, epoch]).permutation(self._n_windows)
-        with self._lock:
-            self._perms[epoch] = perm
-            while len(self._perms) > _PERM_CACHE_EPOCHS:
-                self._perms.popitem(last=False)
-        return perm
 
     def _row_range(self, rows: tuple[int, int] | None) -> tuple[int, int]:
         if rows is None:
@@ -138,7 +123,7 @@ class BatchSampler:
         out = np.empty(len(g), dtype=np.int64)
         for e in np.unique(epochs):  # a micro-batch straddles at most a few epochs
             mask = epochs == e
-            out[mask] = self._perm(int(e))[pos[mask]]
+            out[mask] = shuffled(pos[mask], self._n_windows, self.seed, int(e))
         return out
 
     def batch(self, step: int, slot: int, rows: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,9 +9,10 @@ rows of ``(step, slot)`` must be a pure function of ``(step, slot, rows)``.
 - A map-style dataset (``len(ds)`` and ``ds[i]``, each row ``seq_len + 1``
   token ids) is wrapped by :class:`MapDatasetSource`, which reads it in a
   seeded order: global row ``g = (step * n_slots + slot) * micro_batch + r`` is
-  row ``perm_e[g mod N]`` of epoch ``e = g div N``, where ``perm_e`` is a
-  permutation of the ``N`` rows seeded with ``(seed, e)``; every epoch visits
-  every row once. Row ``i`` gives inputs ``ds[i][:-1]`` and targets ``ds[i][1:]``.
+  row ``pi_e(g mod N)`` of epoch ``e = g div N``, where ``pi_e`` is the
+  permutation of the ``N`` rows keyed by ``(seed, e)``
+  (:func:`unbroken.data.shuffle.shuffled`, computed per row in O(1) memory);
+  every epoch visits every row once. Row ``i`` gives inputs ``ds[i][:-1]`` and targets ``ds[i][1:]``.
 
 Invariant: ``batch(step, slot, (a, b))`` stacked over a partition of
 ``[0, micro_batch)`` equals ``batch(step, slot, (0, micro_batch))``.
@@ -19,17 +20,14 @@ Invariant: ``batch(step, slot, (a, b))`` stacked over a partition of
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
 
+from unbroken.data.shuffle import shuffled
+
 __all__ = ["DataSource", "MapDatasetSource", "as_source"]
-
-_PERM_CACHE = 4
-
 
 @runtime_checkable
 class DataSource(Protocol):
@@ -59,8 +57,6 @@ class MapDatasetSource:
         self.vocab_size: int | None = getattr(dataset, "vocab_size", None)
         first = _row(dataset, 0)
         self.seq_len = int(first.numel()) - 1
-        self._perms: OrderedDict[int, np.ndarray] = OrderedDict()
-        self._lock = threading.Lock()
 
     @property
     def tokens_per_step(self) -> int:
@@ -78,19 +74,12 @@ class MapDatasetSource:
                              f"0 <= slot < {self.n_slots}, 0 <= a < b <= {self.micro_batch}")
         g = (step * self.n_slots + slot) * self.micro_batch + np.arange(a, b, dtype=np.int64)
         epochs, pos = np.divmod(g, self.n_rows)
-        picked = [int(self._perm(int(e))[p]) for e, p in zip(epochs, pos)]
-        rows_BT = torch.stack([_row(self.dataset, i, self.seq_len + 1) for i in picked])
+        picked = np.empty(len(g), dtype=np.int64)
+        for e in np.unique(epochs):  # a micro-batch straddles at most a few epochs
+            mask = epochs == e
+            picked[mask] = shuffled(pos[mask], self.n_rows, self.seed, int(e))
+        rows_BT = torch.stack([_row(self.dataset, i, self.seq_len + 1) for i in picked.tolist()])
         return rows_BT[:, :-1].contiguous(), rows_BT[:, 1:].contiguous()
-
-    def _perm(self, epoch: int) -> np.ndarray:
-        with self._lock:
-            perm = self._perms.get(epoch)
-            if perm is None:
-                perm = np.random.default_rng([self.seed, epoch]).permutation(self.n_rows)
-                self._perms[epoch] = perm
-                while len(self._perms) > _PERM_CACHE:
-                    self._perms.popitem(last=False)
-            return perm
 
 
 def _row(dataset: Any, i: int, length: int | None = None) -> torch.Tensor:
