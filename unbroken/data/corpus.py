@@ -9,6 +9,8 @@ Sources, selected by a string:
 - a directory: every ``*.txt`` file below it (recursive).
 - a ``.bin`` file (raw little-endian uint16/uint32 tokens) or a ``.npy`` file
   (uint16/uint32) of pre-tokenized tokens.
+- a directory of such files and Megatron ``.bin``/``.idx`` pairs, read as one
+  stream (:mod:`unbroken.data.shards`).
 
 Invariants:
 
@@ -51,6 +53,7 @@ _ACCEPTED = (
     "or a pre-tokenized .bin/.npy file of uint16/uint32 tokens"
 )
 _FINGERPRINT_TAG = b"unbroken-corpus-v1\0"
+CHECK_CHUNK = 1 << 24  # tokens read at a time by the vocabulary check
 
 
 @dataclass(frozen=True)
@@ -318,6 +321,30 @@ def _map_tokens(path: Path, meta: dict, dtype: str | None) -> np.ndarray:
     return np.memmap(path, dtype=np_dtype, mode="r")
 
 
+def _chunked_max(tokens: np.ndarray) -> tuple[int, int]:
+    """(max token, offset of its first occurrence), reading :data:`CHECK_CHUNK` tokens at a time."""
+    best, where = -1, -1
+    for a in range(0, len(tokens), CHECK_CHUNK):
+        chunk = np.asarray(tokens[a:a + CHECK_CHUNK])
+        m = int(chunk.max())
+        if m > best:
+            best, where = m, a + int(chunk.argmax())
+    return best, where
+
+
+def check_token_range(tokens: np.ndarray, vocab_size: int, where: Path, byte_base: int = 0) -> None:
+    """Refuse a token ``>= vocab_size``, naming the file, the token's offset and its byte offset.
+
+    Raises:
+        ValueError: such a token exists (the message gives the first largest one).
+    """
+    top, offset = _chunked_max(tokens)
+    if top >= vocab_size:
+        byte = byte_base + offset * tokens.dtype.itemsize
+        raise ValueError(f"{where}: max token {top} is >= vocab_size {vocab_size} (token offset {offset}, "
+                         f"byte {byte}); state the right vocabulary size (> {top}) or re-tokenize the shard")
+
+
 def open_token_file(
     path: str | os.PathLike[str], *, dtype: str | None = None, vocab_size: int | None = None
 ) -> TokenFile:
@@ -331,7 +358,8 @@ def open_token_file(
 
     Raises:
         ValueError: missing file, unknown suffix, unknown/unsupported dtype,
-            unknown vocabulary size, empty file, or a token ``>= vocab_size``.
+            unknown vocabulary size, empty file, or a token ``>= vocab_size``
+            (the message gives its offset).
     """
     path = Path(path)
     if not path.exists():
@@ -343,10 +371,7 @@ def open_token_file(
     vocab = _resolve_vocab(path, meta, vocab_size)
     if len(tokens) == 0:
         raise ValueError(f"{path}: empty file; a token file needs at least one token")
-    max_token = int(tokens.max())
-    if max_token >= vocab:
-        raise ValueError(f"{path}: max token {max_token} is >= vocab_size {vocab}; "
-                         f"state the right vocabulary size (> {max_token})")
+    check_token_range(tokens, vocab, path, byte_base=int(getattr(tokens, "offset", 0)))
     h = hashlib.sha256(_FINGERPRINT_TAG + f"{tokens.dtype.name}:{vocab}\0".encode())
     with path.open("rb") as f:
         for chunk in iter(lambda: f.read(1 << 22), b""):

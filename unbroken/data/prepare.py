@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from unbroken.data.corpus import TextCorpus, check_val_fraction, is_token_file, open_text_corpus, open_token_file
+from unbroken.data.shards import ShardedTokens, is_shard_directory, open_shard_directory
 from unbroken.data.token_cache import load_or_build_token_cache, token_dtype_for
 from unbroken.data.tokenizer import check_vocab_size, load_or_train_tokenizer
 
@@ -50,7 +51,7 @@ class PreparedData:
     """Token streams ready for the samplers.
 
     Attributes:
-        train: training tokens, 1-D read-only (memmap).
+        train: training tokens, 1-D read-only (memmap; over many shards, a ShardedTokens).
         val: validation tokens, 1-D read-only (may be empty).
         vocab_size: the model's vocabulary size; every token is below it.
         tokenizer_path: the tokenizer JSON (None for pre-tokenized sources).
@@ -58,8 +59,8 @@ class PreparedData:
         source: ``"stdlib"`` or the resolved path of the source.
     """
 
-    train: np.ndarray
-    val: np.ndarray
+    train: np.ndarray | ShardedTokens
+    val: np.ndarray | ShardedTokens
     vocab_size: int
     tokenizer_path: str | None
     fingerprint: str
@@ -107,7 +108,7 @@ def cache_lock(cache_dir: str | os.PathLike[str], timeout_s: float = LOCK_TIMEOU
         os.close(fd)
 
 
-def _streams_fingerprint(train: np.ndarray, val: np.ndarray, *parts: str) -> str:
+def _streams_fingerprint(train: np.ndarray | ShardedTokens, val: np.ndarray | ShardedTokens, *parts: str) -> str:
     h = hashlib.sha256("\0".join(parts).encode())
     h.update(f"{train.dtype.name}:{len(train)}:{val.dtype.name}:{len(val)}".encode())
     return h.hexdigest()
@@ -123,6 +124,21 @@ def _prepare_tokens_file(source: str, *, vocab_size: int, val_fraction: float, t
     logger.info("using pre-tokenized %s: %d train / %d val tokens", source, len(train), len(val))
     return PreparedData(train=train, val=val, vocab_size=token_file.vocab_size, tokenizer_path=None,
                         fingerprint=fp, source=str(token_file.path.resolve()))
+
+
+def _prepare_shards(source: str, *, vocab_size: int, val_fraction: float, token_dtype: str | None,
+                    max_bytes: int | None) -> PreparedData:
+    if max_bytes is not None:
+        raise ValueError(f"max_bytes={max_bytes} applies to text sources only, not the shard directory {source}")
+    tokens, vocab, shards_fp = open_shard_directory(source, dtype=token_dtype, vocab_size=vocab_size)
+    cut = len(tokens) - int(len(tokens) * val_fraction)  # the tail of the stream is validation, as for one file
+    train, val = tokens[:cut], tokens[cut:]
+    assert isinstance(train, ShardedTokens) and isinstance(val, ShardedTokens)
+    fp = _streams_fingerprint(train, val, shards_fp, repr(val_fraction))
+    logger.info("using %d pre-tokenized shards in %s: %d train / %d val tokens", len(tokens.parts), source,
+                len(train), len(val))
+    return PreparedData(train=train, val=val, vocab_size=vocab, tokenizer_path=None, fingerprint=fp,
+                        source=str(Path(source).resolve()))
 
 
 def _split_text(corpus: TextCorpus, val_fraction: float) -> tuple[TextCorpus, TextCorpus]:
@@ -163,8 +179,10 @@ def prepare_data(
     """Build or reuse the tokenizer and the train/val token caches of a corpus.
 
     Args:
-        source: ``"stdlib"``, a directory of ``*.txt`` files, or a
-            pre-tokenized ``.bin``/``.npy`` file (see :mod:`unbroken.data.corpus`).
+        source: ``"stdlib"``, a directory of ``*.txt`` files, a
+            pre-tokenized ``.bin``/``.npy`` file (see :mod:`unbroken.data.corpus`),
+            or a directory of such shards and Megatron ``.bin``/``.idx`` pairs
+            (:mod:`unbroken.data.shards`; the tail of their concatenation is validation).
         vocab_size: tokenizer size for text sources; for a token file, its
             vocabulary size unless its sidecar states one.
         val_fraction: share held out for validation, in ``[0, 1)`` (by
@@ -188,6 +206,9 @@ def prepare_data(
     if is_token_file(source):
         return _prepare_tokens_file(source, vocab_size=vocab_size, val_fraction=val_fraction,
                                     token_dtype=token_dtype, max_bytes=max_bytes)
+    if is_shard_directory(source):
+        return _prepare_shards(source, vocab_size=vocab_size, val_fraction=val_fraction,
+                               token_dtype=token_dtype, max_bytes=max_bytes)
     check_vocab_size(vocab_size)
     token_dtype_for(vocab_size, token_dtype)  # reject a bad dtype before any work
     start = time.perf_counter()

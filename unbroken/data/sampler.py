@@ -32,10 +32,13 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
+from unbroken.data.shards import ShardedTokens
 from unbroken.data.shuffle import shuffled
 
 
-def _check_tokens(tokens: np.ndarray) -> None:
+def _check_tokens(tokens: np.ndarray | ShardedTokens) -> None:
+    if isinstance(tokens, ShardedTokens):
+        return
     if not isinstance(tokens, np.ndarray) or tokens.ndim != 1 or tokens.dtype.kind not in "ui":
         raise ValueError(f"tokens must be a 1-D integer numpy array, got "
                          f"{type(tokens).__name__} {getattr(tokens, 'dtype', '')} {getattr(tokens, 'shape', '')}")
@@ -47,7 +50,8 @@ def _check_positive(**values: int) -> None:
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
 
 
-def _gather(tokens: np.ndarray, windows: np.ndarray, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _gather(tokens: np.ndarray | ShardedTokens, windows: np.ndarray,
+            seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Inputs and targets (int64, ``[len(windows), seq_len]``) of the given windows."""
     idx = windows.astype(np.int64)[:, None] * seq_len + np.arange(seq_len + 1, dtype=np.int64)
     rows = torch.from_numpy(np.asarray(tokens[idx]).astype(np.int64))
@@ -58,7 +62,8 @@ class BatchSampler:
     """Deterministic, stateless training batches per (step, slot).
 
     Args:
-        tokens: the training token stream (1-D integer array, memmap welcome).
+        tokens: the training token stream (1-D integer array, memmap welcome, or a
+            :class:`~unbroken.data.shards.ShardedTokens` over many shards).
         seed: selects the shuffling of every epoch.
         n_slots: data-parallel slots per step.
         micro_batch: rows per (step, slot).
@@ -69,7 +74,8 @@ class BatchSampler:
             micro_batch`` windows in ``tokens``.
     """
 
-    def __init__(self, tokens: np.ndarray, *, seed: int, n_slots: int, micro_batch: int, seq_len: int) -> None:
+    def __init__(self, tokens: np.ndarray | ShardedTokens, *, seed: int, n_slots: int, micro_batch: int,
+                 seq_len: int) -> None:
         _check_tokens(tokens)
         _check_positive(seq_len=seq_len, micro_batch=micro_batch, n_slots=n_slots)
         self.tokens = tokens
@@ -170,7 +176,8 @@ class ValidationSampler:
         ValueError: non-positive sizes, or fewer than ``batch_size`` windows.
     """
 
-    def __init__(self, tokens: np.ndarray, *, seq_len: int, batch_size: int, max_batches: int | None = None) -> None:
+    def __init__(self, tokens: np.ndarray | ShardedTokens, *, seq_len: int, batch_size: int,
+                 max_batches: int | None = None) -> None:
         _check_tokens(tokens)
         _check_positive(seq_len=seq_len, batch_size=batch_size)
         if max_batches is not None:
