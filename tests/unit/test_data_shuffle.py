@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from unbroken.data import BatchSampler
-from unbroken.data.shuffle import shuffled
+from unbroken.data.shuffle import shuffled, shuffled_range
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -47,6 +47,8 @@ def test_a_permutation_equal_to_its_definition_in_any_chunks(n: int) -> None:
         assert whole.tolist() == [_reference(p, n, seed, epoch) for p in range(n)]
         chunks = [shuffled(np.arange(a, min(a + 5, n)), n, seed, epoch) for a in range(0, n, 5)]
         assert np.array_equal(np.concatenate(chunks), whole)
+        ranges = [shuffled_range(a, min(a + 3, n), n, seed, epoch) for a in range(0, n, 3)]
+        assert np.array_equal(np.concatenate(ranges), whole)
 
 
 def test_epochs_and_seeds_differ() -> None:

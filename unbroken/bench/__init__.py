@@ -30,6 +30,7 @@ BENCHMARKS: dict[str, Callable[[list[str] | None], dict[str, Any]]] = {
     "hsdp": _lazy("hsdp"),
     "takeover": _lazy("takeover"),
     "recovery": _lazy("recovery"),
+    "data-sampler": _lazy("data_sampler"),
 }
 
 __all__ = ["BENCHMARKS"]

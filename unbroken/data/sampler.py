@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from unbroken.data.shards import ShardedTokens
-from unbroken.data.shuffle import shuffled
+from unbroken.data.shuffle import shuffled, shuffled_range
 
 
 def _check_tokens(tokens: np.ndarray | ShardedTokens) -> None:
@@ -53,9 +53,13 @@ def _check_positive(**values: int) -> None:
 def _gather(tokens: np.ndarray | ShardedTokens, windows: np.ndarray,
             seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Inputs and targets (int64, ``[len(windows), seq_len]``) of the given windows."""
-    idx = windows.astype(np.int64)[:, None] * seq_len + np.arange(seq_len + 1, dtype=np.int64)
-    rows = torch.from_numpy(np.asarray(tokens[idx]).astype(np.int64))
-    return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+    # A window is a contiguous run of tokens: one slice copy each beats fancy indexing several times over.
+    rows = np.empty((len(windows), seq_len + 1), dtype=np.int64)
+    read = tokens.read if isinstance(tokens, ShardedTokens) else (lambda a, b: tokens[a:b])
+    for i, w in enumerate(windows.tolist()):
+        rows[i] = read(w * seq_len, w * seq_len + seq_len + 1)
+    rows_BT = torch.from_numpy(rows)
+    return rows_BT[:, :-1].contiguous(), rows_BT[:, 1:].contiguous()
 
 
 class BatchSampler:
@@ -124,7 +128,11 @@ class BatchSampler:
         if not isinstance(slot, (int, np.integer)) or not 0 <= slot < self.n_slots:
             raise ValueError(f"slot must be an integer in [0, {self.n_slots}), got {slot!r}")
         a, b = self._row_range(rows)
-        g = (int(step) * self.n_slots + int(slot)) * self.micro_batch + np.arange(a, b, dtype=np.int64)
+        g0 = (int(step) * self.n_slots + int(slot)) * self.micro_batch + a
+        e0, p0 = divmod(g0, self._n_windows)
+        if p0 + (b - a) <= self._n_windows:  # the common case: all rows in one epoch
+            return shuffled_range(p0, p0 + b - a, self._n_windows, self.seed, e0)
+        g = g0 + np.arange(b - a, dtype=np.int64)
         epochs, pos = np.divmod(g, self._n_windows)
         out = np.empty(len(g), dtype=np.int64)
         for e in np.unique(epochs):  # a micro-batch straddles at most a few epochs

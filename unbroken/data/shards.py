@@ -84,6 +84,14 @@ class ShardedTokens:
             out[mask] = self.parts[int(s)][flat[mask] - self.starts[s]]
         return out.reshape(idx.shape)
 
+    def read(self, start: int, stop: int) -> np.ndarray:
+        """Tokens ``[start, stop)`` as one array (copied only when the range crosses shards)."""
+        s = int(np.searchsorted(self.starts, start, side="right")) - 1
+        lo = start - int(self.starts[s])
+        if stop <= self.starts[s + 1]:
+            return self.parts[s][lo:lo + stop - start]
+        return np.asarray(self[np.arange(start, stop, dtype=np.int64)])
+
     def _slice(self, key: slice) -> ShardedTokens:
         start, stop, step = key.indices(len(self))
         if step != 1:

@@ -32,7 +32,7 @@ import hashlib
 
 import numpy as np
 
-__all__ = ["ROUNDS", "round_keys", "shuffled"]
+__all__ = ["ROUNDS", "round_keys", "shuffled", "shuffled_range"]
 
 ROUNDS = 6  # 4 rounds already give a pseudo-random permutation (Luby-Rackoff); 2 more for margin on tiny domains
 
@@ -114,3 +114,16 @@ def shuffled(positions: np.ndarray, n: int, seed: int, epoch: int) -> np.ndarray
         out[walking] = _encrypt(out[walking], keys, h)
         walking = walking[out[walking] >= limit]
     return out.astype(np.int64)
+
+
+def shuffled_range(start: int, stop: int, n: int, seed: int, epoch: int) -> np.ndarray:
+    """``shuffled(np.arange(start, stop), n, seed, epoch)``, without numpy's per-call costs for a few rows.
+
+    Raises:
+        ValueError: as :func:`shuffled`.
+    """
+    if not 1 <= int(n) < 1 << 62:
+        raise ValueError(f"shuffle domain n={n!r} must be in [1, 2**62)")
+    if stop - start >= _SMALL or not 0 <= start <= stop <= n:
+        return shuffled(np.arange(start, stop, dtype=np.int64), n, seed, epoch)
+    return _shuffled_ints(list(range(start, stop)), int(n), round_keys(seed, epoch), _half_bits(n))
