@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from unbroken.data.corpus import TextCorpus, check_val_fraction, is_token_file, open_text_corpus, open_token_file
+from unbroken.data.pretrained import PretrainedTokenizer
 from unbroken.data.shards import ShardedTokens, is_shard_directory, open_shard_directory
 from unbroken.data.token_cache import load_or_build_token_cache, token_dtype_for
 from unbroken.data.tokenizer import check_vocab_size, load_or_train_tokenizer
@@ -156,8 +157,9 @@ def _split_text(corpus: TextCorpus, val_fraction: float) -> tuple[TextCorpus, Te
 
 
 def _prepare_text(train_corpus: TextCorpus, val_corpus: TextCorpus, *, vocab_size: int, cache_dir: Path,
-                  token_dtype: str | None) -> tuple[np.ndarray, np.ndarray, str, str]:
-    tokenizer = load_or_train_tokenizer(train_corpus, vocab_size=vocab_size, cache_dir=cache_dir)
+                  token_dtype: str | None,
+                  pretrained: PretrainedTokenizer | None) -> tuple[np.ndarray, np.ndarray, str, str]:
+    tokenizer = pretrained or load_or_train_tokenizer(train_corpus, vocab_size=vocab_size, cache_dir=cache_dir)
     common: dict[str, Any] = dict(cache_dir=cache_dir, vocab_size=vocab_size, token_dtype=token_dtype)
     train = load_or_build_token_cache(train_corpus, tokenizer, split="train", **common)
     val = load_or_build_token_cache(val_corpus, tokenizer, split="val", **common)
@@ -175,6 +177,7 @@ def prepare_data(
     cache_dir: str | os.PathLike[str] | None = None,
     token_dtype: str | None = None,
     max_bytes: int | None = None,
+    tokenizer: str | None = None,
 ) -> PreparedData:
     """Build or reuse the tokenizer and the train/val token caches of a corpus.
 
@@ -194,6 +197,10 @@ def prepare_data(
             (default: the smallest that holds ``vocab_size``).
         max_bytes: keep only the first text documents (by name) up to this many
             bytes, for quick tests and benchmarks.
+        tokenizer: a ``tokenizer.json`` or a local Hugging Face model directory
+            holding one (:mod:`unbroken.data.pretrained`): text is tokenized
+            with it instead of a trained BPE, and the vocabulary size is its
+            size (``vocab_size`` is then ignored, for token files too).
 
     Returns:
         The prepared streams; text sources map cached files read-only.
@@ -203,13 +210,17 @@ def prepare_data(
         TimeoutError: another process held the cache lock too long.
     """
     check_val_fraction(val_fraction)
+    pretrained = PretrainedTokenizer(tokenizer) if tokenizer else None
+    if pretrained is not None:
+        vocab_size = pretrained.vocab_size
     if is_token_file(source):
         return _prepare_tokens_file(source, vocab_size=vocab_size, val_fraction=val_fraction,
                                     token_dtype=token_dtype, max_bytes=max_bytes)
     if is_shard_directory(source):
         return _prepare_shards(source, vocab_size=vocab_size, val_fraction=val_fraction,
                                token_dtype=token_dtype, max_bytes=max_bytes)
-    check_vocab_size(vocab_size)
+    if pretrained is None:
+        check_vocab_size(vocab_size)
     token_dtype_for(vocab_size, token_dtype)  # reject a bad dtype before any work
     start = time.perf_counter()
     corpus = open_text_corpus(source)
@@ -220,7 +231,8 @@ def prepare_data(
     train_corpus, val_corpus = _split_text(corpus, val_fraction)
     with cache_lock(cache):
         train, val, tokenizer_path, fp = _prepare_text(train_corpus, val_corpus, vocab_size=vocab_size,
-                                                       cache_dir=cache, token_dtype=token_dtype)
+                                                       cache_dir=cache, token_dtype=token_dtype,
+                                                       pretrained=pretrained)
     logger.info("data ready in %.1f s: %s, %d train / %d val tokens, vocab %d",
                 time.perf_counter() - start, corpus.source, len(train), len(val), vocab_size)
     resolved = source if source == "stdlib" else str(Path(source).resolve())

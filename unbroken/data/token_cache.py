@@ -25,6 +25,7 @@ import numpy as np
 
 from unbroken.data._atomic import atomic_write_bytes, atomic_writer
 from unbroken.data.corpus import TOKEN_DTYPES, TextCorpus, sidecar_path
+from unbroken.data.pretrained import PretrainedTokenizer
 from unbroken.data.tokenizer import BPETokenizer
 
 logger = logging.getLogger(__name__)
@@ -91,7 +92,7 @@ def open_token_cache(path: str | os.PathLike[str], *, expect: dict[str, object] 
 
 def build_token_cache(
     corpus: TextCorpus,
-    tokenizer: BPETokenizer,
+    tokenizer: BPETokenizer | PretrainedTokenizer,
     path: str | os.PathLike[str],
     *,
     split: str,
@@ -143,7 +144,7 @@ def build_token_cache(
 
 def load_or_build_token_cache(
     corpus: TextCorpus,
-    tokenizer: BPETokenizer,
+    tokenizer: BPETokenizer | PretrainedTokenizer,
     *,
     cache_dir: str | os.PathLike[str],
     split: str,
