@@ -46,7 +46,8 @@ class DataConfig:
 
     source: str = "stdlib"
     """``stdlib`` (the interpreter's own sources), a directory of ``.txt`` files,
-    or a pre-tokenized ``.bin``/``.npy`` token file."""
+    a pre-tokenized ``.bin``/``.npy`` token file, or a directory of such shards and Megatron
+    ``.bin``/``.idx`` pairs (docs/data.md)."""
     vocab_size: int = 4096
     """BPE vocabulary trained on text sources; the stated vocabulary of a token file."""
     seq_len: int = 128
@@ -64,6 +65,10 @@ class DataConfig:
     factory: str = ""
     """``module:function`` or ``/path/file.py:function`` returning the training data (a source with
     ``batch(step, slot, rows)`` or a map-style dataset of token rows); empty: ``data.source``."""
+    tokenizer: str = ""
+    """A ``tokenizer.json`` or a local Hugging Face model directory holding one: text sources are tokenized
+    with it instead of a trained BPE, and the vocabulary is its size (``vocab_size`` is then ignored);
+    empty: train a BPE."""
 
 
 @dataclass(kw_only=True)

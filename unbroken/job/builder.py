@@ -96,7 +96,8 @@ def build_data(cfg: Config, device: torch.device | None = None) -> TrainData:
         return user_data(cfg, device or torch.device("cpu"))
     d = cfg.data
     return prepare_data(source=d.source, vocab_size=d.vocab_size, val_fraction=d.val_fraction,
-                        cache_dir=d.cache_dir, token_dtype=d.token_dtype, max_bytes=d.max_bytes)
+                        cache_dir=d.cache_dir, token_dtype=d.token_dtype, max_bytes=d.max_bytes,
+                        tokenizer=d.tokenizer or None)
 
 
 def build_samplers(cfg: Config, data: TrainData) -> tuple[Any, Any]:
