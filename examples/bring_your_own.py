@@ -105,6 +105,7 @@ def config(args: argparse.Namespace) -> unbroken.Config:
     cfg.train.checkpoint_every = 0
     cfg.data.micro_batch, cfg.data.seq_len = 4, SEQ_LEN
     cfg.optim.lr, cfg.optim.warmup_steps = 3e-3, 5
+    cfg.optim.schedule = "cosine"  # named: the job sets build_optimizer's rate every step (else it keeps its own)
     if args.hf_path:
         cfg.model.family, cfg.model.hf_path, cfg.model.preset = "hf-llama", str(args.hf_path), "debug"
     return cfg

@@ -160,9 +160,10 @@ RESUME_CONFLICTS = (("preset", "--preset"), ("config", "--config"), ("workers", 
                     ("overwrite", "--overwrite"))
 """Options of a new run that ``--resume`` cannot take (the run keeps its saved config and directory)."""
 RESUME_OVERRIDES = ("train.shard_optimizer", "train.shard_degree", "model.parallelize", "train.checkpoint_every_s",
-                    "fault.store_timeout_s")
+                    "fault.store_timeout_s", "train.steps")
 """Config fields ``--resume`` may change: where the state lives (and HSDP's sharding recipe), how often it is
-checkpointed by time, and how long to wait for the store, not what is trained."""
+checkpointed by time, and how long to wait for the store, not what is trained; and ``train.steps``, which extends
+(or shortens) the run beyond the step it resumes from (``optim.schedule=wsd`` keeps its stable phase going)."""
 
 
 def _resume_config(args: argparse.Namespace, overrides: list[str]) -> Config:
@@ -201,7 +202,10 @@ def _resume_config(args: argparse.Namespace, overrides: list[str]) -> Config:
         from unbroken.config.loading import apply_overrides
 
         cfg = apply_overrides(cfg, allowed)
-    resume_point(run, cfg)  # snapshot memory or a committed checkpoint, else NothingToResume naming both
+    point = resume_point(run, cfg)  # snapshot memory or a committed checkpoint, else NothingToResume naming both
+    if cfg.train.steps <= point.step:
+        raise ValueError(f"--resume {run}: train.steps={cfg.train.steps}, but the run has trained {point.step} steps "
+                         f"already; give --train.steps={point.step + 1} or more")
     return cfg
 
 

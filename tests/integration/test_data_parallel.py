@@ -11,6 +11,7 @@ import torch
 from _reference import checkpoint_params, reference_train
 from unbroken.config import load_config
 from unbroken.agent.launcher import launch_local
+from unbroken.cli import main
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -54,3 +55,27 @@ def test_resume_equals_uninterrupted(tmp_path, corpus_overrides):
     steps = [json.loads(line)["step"] for line in (part / "metrics.jsonl").read_text().splitlines()
              if json.loads(line)["kind"] == "train"]
     assert steps == list(range(1, 9)), "metrics must hold each step once after a resume"
+
+
+def test_resume_with_more_steps_extends_a_wsd_run_as_if_it_had_been_planned(tmp_path, corpus_overrides, capsys):
+    """An 8-step WSD run, resumed from its step-4 checkpoint with train.steps=12, trains exactly the 12-step run:
+    steps 0-3 were in the stable phase of both, and the decay moved to the new end."""
+    wsd = ("optim.schedule=wsd", "optim.decay_steps=2", "train.checkpoint_every=4")
+    launch_local(_cfg(corpus_overrides, 2, 8, *wsd), tmp_path / "short")
+    shutil.rmtree(tmp_path / "short" / "checkpoints" / "step_0000008")
+    (tmp_path / "short" / "summary.json").unlink()
+    longer = _cfg(corpus_overrides, 2, 12, *wsd)
+    resumed = launch_local(longer, tmp_path / "short", resume=True)
+    assert resumed["resumed_from"].endswith("step_0000004") and resumed["steps"] == 12
+    full = launch_local(longer, tmp_path / "full")
+    assert resumed["param_digest"] == full["param_digest"], "the extended run differs from one planned that long"
+    saved = json.loads((tmp_path / "short" / "config.json").read_text())
+    assert saved["train"]["steps"] == 12
+    lrs = [r["lr"] for r in map(json.loads, (tmp_path / "short" / "metrics.jsonl").read_text().splitlines())
+           if r["kind"] == "train"]
+    assert lrs == [r["lr"] for r in map(json.loads, (tmp_path / "full" / "metrics.jsonl").read_text().splitlines())
+                   if r["kind"] == "train"]
+    # the CLI takes --train.steps with --resume, and refuses a run no longer than what it has trained
+    assert main(["train", "--resume", str(tmp_path / "short"), "--train.steps=12"]) == 2
+    assert "train.steps=12, but the run has trained 12 steps already; give --train.steps=13 or more" in \
+        capsys.readouterr().err

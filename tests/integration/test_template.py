@@ -132,7 +132,9 @@ def test_a_template_that_cannot_load_the_job_fails_it_once(tmp_path, corpus_over
     assert message.startswith("the job stopped: node ")
     assert message.count(f"loading {factory} (line 8) failed: ImportError: libbroken.so") == 1, message
     events = [e for p in (tmp_path / "run" / "events").glob("*.jsonl") for e in read_jsonl(p)]
-    assert {e["event"] for e in events if e.get("kind") == "event"} <= {"template_failed", "template_ready"}
+    # (the launch's own record of what snapshots protect is written before any agent starts)
+    assert {e["event"] for e in events if e.get("kind") == "event"} <= {"template_failed", "template_ready",
+                                                                         "snapshot_protection"}
     assert any(e.get("event") == "template_failed" for e in events)
     assert not list((tmp_path / "run" / "logs").glob("w*.log")), "no worker was started"
 

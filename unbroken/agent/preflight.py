@@ -93,7 +93,7 @@ def prepare_run_dir(run_dir: Path, cfg: Config, *, overwrite: bool, resume: bool
 _VOLATILE = {"train.host", "train.port", "train.log_every", "train.threads_per_worker", "train.timeout_s",
              "train.keep_checkpoints", "train.checkpoint_every_s", "train.shard_optimizer", "train.shard_degree",
              "data.cache_dir", "model.parallelize",
-             "fault.store_timeout_s", "fault.template"}
+             "fault.store_timeout_s", "fault.template", "train.steps"}
 
 
 def _truncate_metrics(path: Path, step: int) -> None:

@@ -73,14 +73,24 @@ class DataConfig:
 
 @dataclass(kw_only=True)
 class OptimConfig:
-    """AdamW with linear warm-up and cosine decay."""
+    """AdamW and the learning-rate schedule (docs/configuration.md, "Learning-rate schedules")."""
 
     lr: float = 3e-3
     """Peak learning rate."""
+    schedule: Literal["auto", "cosine", "wsd", "linear", "constant", "none"] = "auto"
+    """``cosine``: warm-up, then cosine decay to the floor at ``train.steps``; ``wsd``: warm-up, the peak,
+    then ``decay_steps`` of decay ending at the floor on the last step (a longer ``train.steps`` keeps the
+    peak going); ``linear``: as cosine with a straight line; ``constant``: warm-up, then the peak;
+    ``none``: the optimizer keeps its own learning rate (``optim.factory`` only); ``auto``: ``cosine`` for
+    the built-in AdamW, ``none`` for ``optim.factory``."""
     min_lr_ratio: float = 0.1
-    """Final learning rate as a fraction of the peak."""
+    """Final learning rate as a fraction of the peak (cosine, wsd, linear)."""
     warmup_steps: int = 20
     """Linear warm-up length."""
+    decay_steps: int = 0
+    """``wsd``: steps of the final decay, the last ones of ``train.steps`` (>= 1; 0 with other schedules)."""
+    decay_shape: Literal["linear", "cosine", "sqrt"] = "linear"
+    """``wsd``: the decay's shape; ``sqrt`` is ``1 - sqrt(progress)``."""
     weight_decay: float = 0.1
     """Decoupled weight decay on matrices (not on norms)."""
     beta1: float = 0.9
@@ -93,7 +103,8 @@ class OptimConfig:
     """Clip the global gradient norm to this value (0 disables)."""
     factory: str = ""
     """``module:function`` or ``/path/file.py:function`` called with ``(model, context)`` returning the
-    optimizer; empty: AdamW from this section. The schedule above sets its learning rate every step."""
+    optimizer; empty: AdamW from this section. It keeps its own learning rate unless ``optim.schedule``
+    names a schedule, which then sets it every step."""
 
 
 @dataclass(kw_only=True)

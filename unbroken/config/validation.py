@@ -53,7 +53,24 @@ def _train_data_optim(cfg: Config, need: Need) -> None:
     need(o.lr > 0, f"optim.lr={o.lr}: must be > 0")
     need(0 <= o.min_lr_ratio <= 1, f"optim.min_lr_ratio={o.min_lr_ratio}: must be in [0, 1]")
     need(o.warmup_steps >= 0, f"optim.warmup_steps={o.warmup_steps}: must be >= 0")
+    _schedule(cfg, need)
     need(o.grad_clip >= 0, f"optim.grad_clip={o.grad_clip}: must be >= 0 (0 disables)")
+
+
+def _schedule(cfg: Config, need: Need) -> None:
+    o, steps = cfg.optim, cfg.train.steps
+    need(o.schedule != "none" or bool(o.factory),
+         "optim.schedule='none' keeps the optimizer's own learning rate, which the built-in AdamW does not have; "
+         "use optim.schedule='constant' (or set optim.factory)")
+    if o.schedule != "wsd":
+        need(o.decay_steps == 0, f"optim.decay_steps={o.decay_steps} with optim.schedule={o.schedule!r}: "
+             "decay_steps is for optim.schedule='wsd' only; set it to 0 or use wsd")
+        return
+    need(o.decay_steps >= 1, f"optim.decay_steps={o.decay_steps}: optim.schedule='wsd' needs >= 1 (the steps of "
+         "its final decay)")
+    need(o.warmup_steps + o.decay_steps <= steps,
+         f"optim.warmup_steps={o.warmup_steps} + optim.decay_steps={o.decay_steps} > train.steps={steps}: "
+         "warm-up and decay must fit in the run; shorten them or raise train.steps")
 
 
 def _backend(cfg: Config, need: Need) -> None:
@@ -168,9 +185,10 @@ def config_hash(cfg: Config) -> str:
     """Stable hash of everything that changes what is trained (not ports or logging)."""
     d = cfg.to_dict()
     # shard_optimizer, shard_degree: where the state lives, not what is trained (the update is the same, element
-    # for element; a checkpoint holds whole tensors either way)
+    # for element; a checkpoint holds whole tensors either way). steps: how far to train; --resume may extend a
+    # run, whose checkpoints and snapshots must then still load (the schedule's dependence on it is documented)
     for volatile in ("host", "port", "log_every", "threads_per_worker", "timeout_s", "keep_checkpoints",
-                     "checkpoint_every_s", "shard_optimizer", "shard_degree", "backend"):
+                     "checkpoint_every_s", "shard_optimizer", "shard_degree", "backend", "steps"):
         d["train"].pop(volatile, None)
     d["data"].pop("cache_dir", None)
     d["model"]["parallelize"] = ""  # HSDP's sharding recipe: where the state lives (as shard_degree)

@@ -18,15 +18,14 @@ what was trained; nothing here talks to ``torch.distributed``.
 from unbroken.job.builder import (
     Job,
     Prepared,
-    Schedule,
     build_data,
     build_job,
     build_samplers,
     check_model_fits,
     data_info,
     prepare,
-    schedule_for,
 )
+from unbroken.job.schedule import Schedule, schedule_for
 from unbroken.job.metrics import MetricsWriter, train_record, val_record
 
 __all__ = [

@@ -1,4 +1,5 @@
-"""The one builder of a training job: config → data, samplers, model, adapter, optimizer, schedule.
+"""The one builder of a training job: config → data, samplers, model, adapter, optimizer, schedule
+(:mod:`unbroken.job.schedule`).
 
 The trainer (:mod:`unbroken.runtime.worker`), the single-process simulator
 (:mod:`unbroken.job.simulator`) and the launchers' preflight
@@ -25,51 +26,30 @@ approximates refuses at build time.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
-from unbroken.config import Config, OptimConfig
+from unbroken.config import Config
 from unbroken.data import BatchSampler, PreparedData, prepare_data
 from unbroken.job.user_parts import BuildContext, CheckedSource, user_data, user_model, user_optimizer
 from unbroken.mecefo.adapter import ExactOnlyAdapter, LlamaAdapter, adapter_for
 from unbroken.job.parallelize import parallelize, resolve_compile
+from unbroken.job.schedule import Schedule, schedule_for
 from unbroken.mecefo.gradients import GradLayout, LossFn, SlotWork, apply_step, compute_gradient_sums, token_loss_sum
 from unbroken.mecefo.takeover import takeover_policy
 from unbroken.models import build_model, model_args, validation_loss
-from unbroken.models.optim import build_optimizer, lr_at
+from unbroken.models.optim import build_optimizer
 from unbroken.models.precision import check_precision
 from unbroken.snapshot.cadence import VOTE_SLOTS, cast
 from unbroken.snapshot.cadence import auto as auto_cadence
 
+logger = logging.getLogger(__name__)
+
 TrainData = PreparedData | CheckedSource
 """Our prepared corpus, or the user's source (``data.factory``)."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class Schedule:
-    """The learning rate of every step: linear warm-up, then cosine decay to ``lr * min_lr_ratio``."""
-
-    lr: float
-    warmup_steps: int
-    min_lr_ratio: float
-    total_steps: int
-
-    @classmethod
-    def from_config(cls, optim: OptimConfig, total_steps: int) -> Schedule:
-        return cls(lr=optim.lr, warmup_steps=optim.warmup_steps, min_lr_ratio=optim.min_lr_ratio,
-                   total_steps=total_steps)
-
-    def __call__(self, step: int) -> float:
-        """Learning rate of optimizer step ``step`` (0-based)."""
-        return lr_at(step, lr=self.lr, warmup_steps=self.warmup_steps, min_lr_ratio=self.min_lr_ratio,
-                     total_steps=self.total_steps)
-
-
-def schedule_for(cfg: Config) -> Schedule:
-    """The run's schedule: the ``optim`` section over ``train.steps`` steps."""
-    return Schedule.from_config(cfg.optim, cfg.train.steps)
 
 
 def check_model_fits(cfg: Config) -> None:
@@ -131,9 +111,13 @@ def check_model_parts(cfg: Config, data: TrainData) -> None:
     anything is written.
 
     Raises:
+    Also says, in one logged line, what sets the run's learning rate (the job's schedule, or the optimizer
+    of ``optim.factory`` itself).
+
         ValueError: naming the field, the value and the fix.
     """
     m = cfg.model
+    logger.info("%s", schedule_for(cfg).describe())
     if m.family == "hf-llama":
         from unbroken.models.hf_llama import check_hf_dir, require_transformers  # optional dependency
 
@@ -270,9 +254,12 @@ class Job:
                 unit.reshard()
 
     def apply(self, step: int, reduced: torch.Tensor) -> tuple[float, float]:
-        """Apply the reduced buffer of ``step`` (schedule's lr, clipping, AdamW); returns (lr, grad norm)."""
-        lr = self.schedule(step)
-        return lr, apply_step(self.layout, reduced, self.optimizer, lr=lr, grad_clip=self.cfg.optim.grad_clip)
+        """Apply the reduced buffer of ``step`` (schedule's lr, clipping, AdamW); returns (lr, grad norm).
+
+        Under schedule ``none`` the optimizer's own rate stays, and the first group's is the one returned."""
+        lr = self.schedule(step) if self.schedule.sets_lr else None
+        norm = apply_step(self.layout, reduced, self.optimizer, lr=lr, grad_clip=self.cfg.optim.grad_clip)
+        return (lr if lr is not None else float(self.optimizer.param_groups[0]["lr"])), norm
 
     def loss(self, reduced: torch.Tensor) -> float:
         """The step's token-mean training loss, from a reduced buffer."""

@@ -264,9 +264,10 @@ def token_loss_sum(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def apply_step(
-    layout: GradLayout, buf: torch.Tensor, optimizer: torch.optim.Optimizer, *, lr: float, grad_clip: float
+    layout: GradLayout, buf: torch.Tensor, optimizer: torch.optim.Optimizer, *, lr: float | None, grad_clip: float
 ) -> float:
-    """Apply one reduced step: gradients from ``buf``, clip, set lr, optimizer step.
+    """Apply one reduced step: gradients from ``buf``, clip, set lr (None: the optimizer keeps its own), optimizer
+    step.
 
     A fused torch optimizer given a buffer whose groups share one weight divides and clips inside its
     kernel (:func:`_step_scaled`); otherwise each group's sum is divided into new tensors and clipped
@@ -275,8 +276,9 @@ def apply_step(
     Returns:
         The global gradient norm before clipping.
     """
-    for group in optimizer.param_groups:
-        group["lr"] = lr
+    if lr is not None:
+        for group in optimizer.param_groups:
+            group["lr"] = lr
     max_norm = grad_clip if grad_clip > 0 else float("inf")
     if _scales_gradients(optimizer, layout):
         norm_of_mean = _step_scaled(layout, buf, optimizer, max_norm)
