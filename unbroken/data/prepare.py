@@ -23,17 +23,19 @@ import contextlib
 import errno
 import fcntl
 import hashlib
+import json
 import logging
 import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
 from unbroken.data.corpus import TextCorpus, check_val_fraction, is_token_file, open_text_corpus, open_token_file
+from unbroken.data.blend import Blend, parse_blend
 from unbroken.data.pretrained import PretrainedTokenizer
 from unbroken.data.shards import ShardedTokens, is_shard_directory, open_shard_directory
 from unbroken.data.token_cache import load_or_build_token_cache, token_dtype_for
@@ -41,6 +43,7 @@ from unbroken.data.tokenizer import check_vocab_size, load_or_train_tokenizer
 
 logger = logging.getLogger(__name__)
 
+Stream = np.ndarray | ShardedTokens
 CACHE_DIR_ENV = "UNBROKEN_CACHE_DIR"
 DEFAULT_CACHE_DIR = Path("~/.cache/unbroken")
 LOCK_TIMEOUT_S = 600.0
@@ -60,8 +63,8 @@ class PreparedData:
         source: ``"stdlib"`` or the resolved path of the source.
     """
 
-    train: np.ndarray | ShardedTokens
-    val: np.ndarray | ShardedTokens
+    train: np.ndarray | ShardedTokens | Blend
+    val: np.ndarray | ShardedTokens | Blend
     vocab_size: int
     tokenizer_path: str | None
     fingerprint: str
@@ -142,6 +145,25 @@ def _prepare_shards(source: str, *, vocab_size: int, val_fraction: float, token_
                         source=str(Path(source).resolve()))
 
 
+def _prepare_blend(spec: dict[str, float], *, vocab_size: int, val_fraction: float, token_dtype: str | None,
+                   max_bytes: int | None) -> PreparedData:
+    parts = []
+    for path in spec:
+        if not (is_token_file(path) or is_shard_directory(path)):
+            raise ValueError(f"blend source {path}: not a .bin/.npy token file or a shard directory; a blend "
+                             "mixes pre-tokenized sources (tokenize text into shards first, docs/data.md)")
+        prepare = _prepare_tokens_file if is_token_file(path) else _prepare_shards
+        parts.append(prepare(path, vocab_size=vocab_size, val_fraction=val_fraction, token_dtype=token_dtype,
+                             max_bytes=max_bytes))
+    weights, names = list(spec.values()), [p.source for p in parts]
+    # A source is one file or one shard directory, never itself a blend.
+    train = Blend([cast(Stream, p.train) for p in parts], weights, names)
+    val = Blend([cast(Stream, p.val) for p in parts], weights, names)
+    fp = hashlib.sha256(json.dumps([[p.fingerprint, w] for p, w in zip(parts, weights)]).encode()).hexdigest()
+    return PreparedData(train=train, val=val, vocab_size=max(p.vocab_size for p in parts), tokenizer_path=None,
+                        fingerprint=fp, source=json.dumps(dict(zip(names, weights))))
+
+
 def _split_text(corpus: TextCorpus, val_fraction: float) -> tuple[TextCorpus, TextCorpus]:
     train_corpus, val_corpus = corpus.split(val_fraction)
     if len(train_corpus) == 0:
@@ -185,7 +207,9 @@ def prepare_data(
         source: ``"stdlib"``, a directory of ``*.txt`` files, a
             pre-tokenized ``.bin``/``.npy`` file (see :mod:`unbroken.data.corpus`),
             or a directory of such shards and Megatron ``.bin``/``.idx`` pairs
-            (:mod:`unbroken.data.shards`; the tail of their concatenation is validation).
+            (:mod:`unbroken.data.shards`; the tail of their concatenation is validation),
+            or a JSON object ``{path: weight}`` of such sources blended by weight
+            (:mod:`unbroken.data.blend`; each source's tail is its validation).
         vocab_size: tokenizer size for text sources; for a token file, its
             vocabulary size unless its sidecar states one.
         val_fraction: share held out for validation, in ``[0, 1)`` (by
@@ -213,6 +237,10 @@ def prepare_data(
     pretrained = PretrainedTokenizer(tokenizer) if tokenizer else None
     if pretrained is not None:
         vocab_size = pretrained.vocab_size
+    blend = parse_blend(source)
+    if blend is not None:
+        return _prepare_blend(blend, vocab_size=vocab_size, val_fraction=val_fraction, token_dtype=token_dtype,
+                              max_bytes=max_bytes)
     if is_token_file(source):
         return _prepare_tokens_file(source, vocab_size=vocab_size, val_fraction=val_fraction,
                                     token_dtype=token_dtype, max_bytes=max_bytes)

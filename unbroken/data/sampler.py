@@ -28,6 +28,7 @@ Invariants (what the fault-tolerant runtime builds on):
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -77,6 +78,14 @@ class BatchSampler:
         ValueError: a non-positive size, or fewer than ``n_slots *
             micro_batch`` windows in ``tokens``.
     """
+
+    def __new__(cls, tokens: Any, **kwargs: Any) -> Any:
+        # A weighted blend of sources (unbroken.data.blend) gets its own sampler with the same interface,
+        # so every caller builds a sampler the same way whatever data.source is.
+        from unbroken.data.blend import Blend, BlendSampler
+        if isinstance(tokens, Blend):
+            return BlendSampler(tokens, **kwargs)
+        return super().__new__(cls)
 
     def __init__(self, tokens: np.ndarray | ShardedTokens, *, seed: int, n_slots: int, micro_batch: int,
                  seq_len: int) -> None:
