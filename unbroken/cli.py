@@ -412,6 +412,16 @@ def cmd_report(args: argparse.Namespace, overrides: list[str]) -> int:
     return 1 if result["ledger_ok"] is False else 0
 
 
+def cmd_export(args: argparse.Namespace, overrides: list[str]) -> int:
+    from unbroken.models.export import export_hf
+
+    if overrides:
+        raise ValueError(f"unbroken export takes no config overrides ({', '.join(overrides)})")
+    path = export_hf(args.run_dir, args.hf, dtype=args.dtype, step=args.step)
+    print(f"exported {path} to {args.hf}")
+    return 0
+
+
 def cmd_simulate_cluster(args: argparse.Namespace, overrides: list[str]) -> int:
     from unbroken.cluster.command import main as simulate_cluster_main
 
@@ -429,6 +439,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace, list[str]], int]] = {
     "agent": cmd_agent,
     "chaos": cmd_chaos,
     "report": cmd_report,
+    "export": cmd_export,
     "demo": cmd_demo,
     "simulate-cluster": cmd_simulate_cluster,
 }

@@ -115,6 +115,15 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("run_dirs", type=Path, nargs="+", metavar="RUN_DIR", help="run directory; a second to compare")
     rp.add_argument("--json", action="store_true", help="print JSON")
 
+    ex = sub.add_parser("export", help="write a committed checkpoint as a Hugging Face Llama directory",
+                        description="Write a committed checkpoint of a run (the newest intact one by default) as a "
+                        "directory transformers.AutoModelForCausalLM.from_pretrained loads: config.json, "
+                        "model.safetensors (model weights only), generation_config.json, the run's tokenizer.json.")
+    ex.add_argument("run_dir", type=Path, metavar="RUN", help="run directory")
+    ex.add_argument("--hf", type=Path, required=True, metavar="OUT", help="directory to write (must not exist)")
+    ex.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32", help="weights' dtype (default fp32)")
+    ex.add_argument("--step", type=int, default=None, metavar="N", help="the checkpoint of step N (default: newest)")
+
     be = sub.add_parser("bench", help="run a benchmark (prints a table, writes JSON)",
                         description="Benchmarks; each prints ratios measured side by side and writes JSON.")
     be.add_argument("name", help="benchmark name, e.g. throughput")

@@ -28,6 +28,10 @@ class ModelConfig:
     hf_path: str | None = None
     """``hf-llama`` only: a local directory written by ``save_pretrained`` (safetensors weights;
     nothing is ever downloaded). None: a fresh model of the preset's shape."""
+    init_from: str | None = None
+    """``llama`` only: start from these Hugging Face Llama weights instead of a random draw: a directory
+    written by ``unbroken export --hf`` or ``save_pretrained`` (its ``*.safetensors``), or one safetensors
+    file with Hugging Face's names. Shapes must be the preset's (docs/own-model.md). None: random."""
     factory: str = ""
     """``custom`` only: ``module:function`` or ``/path/file.py:function`` returning the model
     (called in every worker with a :class:`unbroken.BuildContext`)."""

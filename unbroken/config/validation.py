@@ -173,6 +173,9 @@ def _snapshot_model(cfg: Config, need: Need) -> None:
          "model.family='custom' needs model.factory ('module:function' returning the model)")
     need(mo.family == "hf-llama" or mo.hf_path is None,
          f"model.hf_path={mo.hf_path!r} is set but model.family={mo.family!r}; set model.family='hf-llama'")
+    need(mo.family == "llama" or mo.init_from is None,
+         f"model.init_from={mo.init_from!r} is set but model.family={mo.family!r}; it starts the built-in "
+         "llama (model.family='llama'); with hf-llama give model.hf_path")
     from unbroken.models import MODEL_PRESETS  # local: keeps `import unbroken.config` light
 
     need(

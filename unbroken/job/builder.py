@@ -110,14 +110,14 @@ def check_model_parts(cfg: Config, data: TrainData) -> None:
     without LLaMA blocks under a policy that approximates, is reported before
     anything is written.
 
-    Raises:
     Also says, in one logged line, what sets the run's learning rate (the job's schedule, or the optimizer
     of ``optim.factory`` itself).
 
+    Raises:
         ValueError: naming the field, the value and the fix.
     """
-    m = cfg.model
     logger.info("%s", schedule_for(cfg).describe())
+    m = cfg.model
     if m.family == "hf-llama":
         from unbroken.models.hf_llama import check_hf_dir, require_transformers  # optional dependency
 
@@ -183,8 +183,13 @@ def _build_model(cfg: Config, data: TrainData, device: torch.device) -> torch.nn
         if m.max_seq_len is not None:
             overrides["max_seq_len"] = m.max_seq_len
         return build_hf_llama(model_args(m.preset, **overrides), seed=cfg.train.seed, device=device)
-    return build_model(m.preset, vocab_size=vocab, seq_len=cfg.data.seq_len,
-                       max_seq_len=m.max_seq_len, seed=cfg.train.seed, device=device)
+    model = build_model(m.preset, vocab_size=vocab, seq_len=cfg.data.seq_len,
+                        max_seq_len=m.max_seq_len, seed=cfg.train.seed, device=device)
+    if m.init_from is not None:
+        from unbroken.models.hf_import import load_hf_weights
+
+        load_hf_weights(model, m.init_from)
+    return model
 
 
 @dataclass(kw_only=True)
