@@ -66,6 +66,12 @@ if rank == 0:
     load_checkpoint(path, flat, flat_opt, config_hash="h")
     flat_state = training_state(flat, flat_opt)
     plain_ok = all(torch.equal(flat_state[k], whole[k]) for k in whole if k != "rng.cpu")
+    from unbroken.models.export import read_model_weights  # what unbroken export --hf reads: whole parameters
+
+    exported = read_model_weights(path)
+    plain_ok = plain_ok and sorted(exported) == sorted(k.removeprefix("model.") for k in whole
+                                                      if k.startswith("model.")) and all(
+        torch.equal(t, whole["model." + k]) for k, t in exported.items())
 files = sorted(p.name for p in (path / "shards").iterdir())
 commit = json.loads((path / "commit.json").read_text())
 print(json.dumps({"same": same, "plain": plain_ok, "parts": files, "hsdp_parts": commit.get("hsdp_parts"),
@@ -86,7 +92,7 @@ def test_each_rank_writes_its_shards_and_loads_them_back_or_the_whole_tensors(tm
     assert got[0]["parts"] == ["i0", "i1"] and got[0]["hsdp_parts"] == 2
     assert set(got[0]["leader_keys"]) == {"group", "optim", "rng"}, "the leader writes no sharded tensor itself"
     assert got[0]["same"] and got[1]["same"], "each rank loads its own shards back, bit for bit"
-    assert got[0]["plain"], "a replicated model gets the parts concatenated: the whole tensors"
+    assert got[0]["plain"], "a replicated model (and unbroken export) gets the parts concatenated: the whole tensors"
 
 
 def test_the_parts_a_takeover_writes_are_staged_apart_from_the_dead_writers(tmp_path):
