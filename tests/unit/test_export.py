@@ -124,3 +124,15 @@ def test_init_from_is_a_llama_field_and_the_job_builds_from_it(tmp_path):
     cfg = load_config(preset_name="debug", overrides=[f"model.init_from={tmp_path / 'hf'}", f"data.seq_len={SEQ}"])
     built = _build_model(cfg, SimpleNamespace(vocab_size=VOCAB), torch.device("cpu"))  # only its vocabulary is read
     assert all(torch.equal(p, dict(model.named_parameters())[n]) for n, p in built.named_parameters())
+
+
+def test_the_runs_tokenizer_json_is_copied_in(tmp_path):
+    run, _ = _run(tmp_path, steps=1)
+    tokenizer = tmp_path / "tok" / "tokenizer.json"
+    tokenizer.parent.mkdir()
+    tokenizer.write_text('{"version": "1.0", "model": {"type": "BPE"}}')
+    saved = json.loads((run / "config.json").read_text())
+    saved["data"]["tokenizer"] = str(tokenizer.parent)  # a model directory holding one, as data.tokenizer allows
+    (run / "config.json").write_text(json.dumps(saved))
+    export_hf(run, tmp_path / "hf")
+    assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == tokenizer.read_bytes()
