@@ -206,19 +206,20 @@ class EtcdBackend(StoreBackend):
         return {"key": self._k(key), "target": "MOD", "result": "EQUAL", "mod_revision": kv["mod_revision"]}
 
     def _write(self, key: str, kv: dict[str, Any] | None, payload: bytes, lease: str = "",
-               also: list[dict[str, Any]] | None = None) -> tuple[bool | None, dict[str, Any] | None]:
+               also: list[dict[str, Any]] | None = None,
+               guards: list[dict[str, Any]] | None = None) -> tuple[bool | None, dict[str, Any] | None]:
         """Write ``payload`` sealed for the key's next version, if the key is still as ``kv``; returns whether it
         did and the key's kv now (the one written, or the one found).
 
         A create is sealed for the revision after the newest this client saw (it cannot know its own); when
         another write came first, the value is written again at version 2, sealed for the revision the create
         got (store_seal). If another writer replaced the key in between, returns None: nothing of this write
-        stayed, but ``also`` was written."""
+        stayed, but ``also`` was written. ``guards``: more compares the write needs."""
         version = int(kv.get("version", 0)) + 1 if kv is not None else 1
         created = int(kv["create_revision"]) if kv is not None else self._revision + 1
         sealed = self.sealer.seal(key, payload, version, created)
-        ok, responses, revision = self._txn_rev([self._guard(key, kv)], [self._put(key, sealed, lease), *(also or [])],
-                                                [self._read(key)])
+        ok, responses, revision = self._txn_rev([self._guard(key, kv), *(guards or [])],
+                                                [self._put(key, sealed, lease), *(also or [])], [self._read(key)])
         if ok and kv is None and int(revision) != created:
             first = {"mod_revision": revision, "create_revision": revision, "version": "1"}
             created, version = int(revision), 2
@@ -295,6 +296,20 @@ class EtcdBackend(StoreBackend):
             ok, kv = self._write(key, kv, desired_b)
             if ok:
                 return desired_b
+
+    def create_unless_moved(self, key: str, value: str, witness: str) -> bytes | None:
+        """:meth:`StoreBackend.create_unless_moved` in one transaction: the create also compares ``witness``'s
+        revision with the one this client last read (absent if it read none)."""
+        guard = self._guard(witness, self._kvs.get(witness))  # taken first: the read below may empty the cache
+        kv = self._read_many([key])[0]
+        while (current := self._open(key, kv)) is None:
+            before = None if kv is None else kv["mod_revision"]
+            ok, kv = self._write(key, kv, value.encode(), guards=[guard])
+            if ok:
+                return value.encode()
+            if (None if kv is None else kv["mod_revision"]) == before:
+                return None  # the key is as it was: the witness moved
+        return current
 
     def add(self, key: str, amount: int) -> int:
         """A sealed counter, read and written in one guarded transaction (one round trip when this client wrote

@@ -1,6 +1,7 @@
 """The job's coordination store: every key the job uses, behind typed methods.
 
-This is the only module that names coordination keys or calls the store's
+This is the only module (with :mod:`unbroken.runtime.standby_keys`, the warm
+standby's keys) that names coordination keys or calls the store's
 ``get/set/compare_set/add``; the launcher, the agents, the standby, the step
 protocol and the workers all go through :class:`JobStore`. The backend is a
 :class:`StoreBackend`: the job's embedded store (:class:`EmbeddedBackend`),
@@ -26,6 +27,7 @@ key                           written by                      holds
 ``view/<g>``                  view proposers (CAS)            the :class:`View` JSON of generation ``g``
 ``outcome/<g>``               members (CAS)                   ``"<step>:commit|abort"``: the last step decided in ``g``
 ``applied/<g>``               view leader's heartbeat thread  steps the leader of ``g`` applied past ``g``'s first
+                                                              (a total: a heartbeat sent again counts once)
 ``arrive/<g>``                members (add)                   how many members reached view ``g``
 ``items/<g>/<w>``             members                         ``[step, items]`` computed before joining ``g``
 ``pg/<g>/0/<rank>``           gloo's rendezvous               the rank's transport addresses
@@ -54,7 +56,10 @@ before ``gen`` says ``g``; a step's outcome is decided once, by the first vote;
 the store holds O(workers + nodes) keys whatever the step count: one outcome
 key per generation (not per step), and every generation below the newest one
 in which a step committed is deleted by that view's leader (its members have
-all left the older ones: they all completed that step's all-reduce).
+all left the older ones: they all completed that step's all-reduce), and no
+writer far behind creates a key of a pruned generation again (it deletes what
+it wrote once it reads ``pruned`` above it); ``view/<g>`` is created only
+while ``gen`` is below ``g``.
 """
 
 from __future__ import annotations
@@ -65,6 +70,7 @@ from typing import Any, Literal
 
 import torch.distributed as dist
 
+from unbroken.runtime.standby_keys import StandbyKeys, _opt
 from unbroken.runtime.store_backend import EmbeddedBackend, StoreBackend, is_etcd_address
 from unbroken.runtime.view import View
 
@@ -87,12 +93,7 @@ class StoreKeyLost(dist.DistStoreError):
     another writer): the job stops rather than decide without it."""
 
 
-def _opt(backend: StoreBackend, key: str) -> str | None:
-    # get() on a missing key blocks until the store's timeout: check first.
-    return backend.get(key).decode() if backend.check([key]) else None
-
-
-class JobStore:
+class JobStore(StandbyKeys):
     """Typed access to one job's coordination state (key schema in the module docstring)."""
 
     def __init__(self, backend: StoreBackend) -> None:
@@ -217,11 +218,37 @@ class JobStore:
         self.backend.compare_set("gen", "", str(view.gen))
 
     def propose(self, current: View, new: View) -> View:
-        """Replace ``current`` by ``new`` unless someone already replaced it; returns the winner."""
+        """Replace ``current`` by ``new`` unless someone already replaced it; returns the winner.
+
+        A proposal is created only while ``gen`` still says ``current`` (in the create's transaction on etcd),
+        and the view returned is read once ``gen`` says ``new.gen``: by then ``view/<new.gen>`` was decided
+        and opened, so one found gone was deleted by another writer or pruned, and creating it again could
+        give members of one generation different views. Pruned, the newest view is returned (the proposer
+        is far behind); else the proposer waits for the key up to the store timeout.
+
+        Raises:
+            StoreKeyLost: ``view/<new.gen>`` stayed gone (not pruned) for the store timeout.
+        """
         assert new.gen == current.gen + 1
-        winner = self._open(self.backend.compare_set(f"view/{new.gen}", "", new.to_json()))
-        self.backend.compare_set("gen", str(current.gen), str(new.gen))
-        return winner
+        key = f"view/{new.gen}"
+        if int(_opt(self.backend, "gen") or -1) <= current.gen:
+            created = self.backend.create_unless_moved(key, new.to_json(), "gen")  # None: gen moved meanwhile
+            if created is not None:
+                self._open(created)
+                self.backend.compare_set("gen", str(current.gen), str(new.gen))
+        # Read back once gen says new.gen: nobody creates the key after that (a create needs gen below it),
+        # so every proposer returns the same view, or none if it was deleted.
+        deadline = time.monotonic() + self.store_timeout_s
+        while (raw := _opt(self.backend, key)) is None:
+            if int(_opt(self.backend, "pruned") or 0) > new.gen:
+                return self.current_view()
+            if time.monotonic() > deadline:
+                raise StoreKeyLost(f"store key {key!r} (view {new.gen}, which gen says was published) has held "
+                                   f"nothing this launch wrote for {self.store_timeout_s:.0f} s: another process "
+                                   f"with write access to the store deleted or overwrote it; give the job a store "
+                                   f"of its own (an etcd user on its prefix)")
+            time.sleep(LOST_KEY_POLL_S)
+        return View.from_json(raw)
 
     def _open(self, raw: bytes) -> View:
         """Open a published view: its outcome key ("the step before its first was committed") and
@@ -280,14 +307,28 @@ class JobStore:
         return int(raw.partition(":")[0]) if raw else None
 
     def arrive(self, gen: int) -> int:
-        """Count this member in at view ``gen``; returns how many have arrived."""
-        return self.backend.add(f"arrive/{gen}", 1)
+        """Count this member in at view ``gen``; returns how many have arrived (0 once ``gen`` is pruned)."""
+        count = self.backend.add(f"arrive/{gen}", 1)
+        return count if self._kept(gen, f"arrive/{gen}") else 0
+
+    def _kept(self, gen: int, key: str) -> bool:
+        """After a write of generation ``gen``'s ``key``: False, and the key deleted again, if ``gen`` is pruned.
+
+        A writer far behind must not re-create a key its generation's pruning deleted (a leak, and a value a
+        later reader could take for the generation's). Checked after the write: ``pruned`` is written before
+        the prune's deletes, so either this read sees it or the prune deletes what was written before."""
+        if int(_opt(self.backend, "pruned") or 0) <= gen:
+            return True
+        self.backend.delete_key(key)
+        return False
 
     def arrived(self, gen: int) -> int:
-        return self.backend.add(f"arrive/{gen}", 0)
+        # A read that creates nothing (an add of 0 would create the key of a pruned generation again).
+        return int(self.backend.peek([f"arrive/{gen}"])[0] or 0)
 
     def publish_items(self, gen: int, worker: int, step: int, items: list[list[Any]]) -> None:
         self.backend.set(f"items/{gen}/{worker}", json.dumps([step, items]))
+        self._kept(gen, f"items/{gen}/{worker}")
 
     def items_ready(self, gen: int, members: tuple[int, ...]) -> bool:
         return self.backend.check([f"items/{gen}/{w}" for w in members])
@@ -336,12 +377,20 @@ class JobStore:
         return self.backend.add(f"hb/{worker}", 1)
 
     def pulse(self, worker: int, phases: int, applied: tuple[int, int] | None = None) -> int:
-        """A heartbeat of ``worker``, its main thread's ``phases`` more phases, ``applied = (g, n)``: ``n`` more
-        steps applied by the leader of view ``g``, and a read of the job's join requests, in one round trip (a
-        store that batches); returns the join requests so far."""
-        pairs = [(f"hb/{worker}", 1)] + ([(f"prog/{worker}", phases)] if phases else [])
-        pairs += ([(f"applied/{applied[0]}", applied[1])] if applied and applied[1] else []) + [("joins", 0)]
+        """A heartbeat of ``worker``, its main thread's ``phases`` more phases and a read of the job's join
+        requests, in one round trip (a store that batches); returns the join requests so far. ``applied =
+        (g, n)``: the leader of view ``g`` has applied ``n`` steps past ``g``'s first (:meth:`set_applied`)."""
+        if applied is not None:
+            self.set_applied(*applied)
+        pairs = [(f"hb/{worker}", 1)] + ([(f"prog/{worker}", phases)] if phases else []) + [("joins", 0)]
         return self.backend.adds(pairs)[-1]
+
+    def set_applied(self, gen: int, steps: int) -> None:
+        """The leader of view ``gen`` has applied ``steps`` steps past its first: a total, not an increment, so
+        a heartbeat sent again after a failure (whose write may have landed) counts nothing twice; never
+        written back once ``gen`` is pruned."""
+        self.backend.set(f"applied/{gen}", str(steps))
+        self._kept(gen, f"applied/{gen}")
 
     def heartbeats(self, workers: list[int]) -> list[int]:
         """Heartbeat counters (0 for a worker that never beat or whose lease expired; never waits for a key)."""
@@ -503,51 +552,3 @@ class JobStore:
 
     def agent_beat(self, node: int, amount: int = 1) -> int:
         return self.backend.add(f"hb/agent/{node}", amount)
-
-    # -- warm standby (contract in unbroken.agent._standby) ---------------------
-
-    def standby_announce(self, node: int, pid: int) -> None:
-        self.backend.set(f"standby/{node}/ready", str(pid))
-
-    def standby_ready_pid(self, node: int) -> str | None:
-        return _opt(self.backend, f"standby/{node}/ready")
-
-    def standby_clear_ready(self, node: int) -> None:
-        self.backend.delete_key(f"standby/{node}/ready")
-
-    def standby_offer(self, node: int, worker: int, faults: str, restore_gen: int | None = None) -> str | None:
-        """Offer ``worker`` (with its fault indices, and the restored view it is started for, if any) to node
-        ``node``'s standby, in one value (a claim takes all of it or nothing); returns the offer (for
-        :meth:`standby_settle`), or None if another offer is pending."""
-        offer = json.dumps({"worker": worker, "faults": faults, "restore_gen": restore_gen}, sort_keys=True)
-        return offer if self.backend.compare_set(f"standby/{node}/assign", "", offer).decode() == offer else None
-
-    def standby_claim(self, node: int, pid: int) -> tuple[int, str, int | None] | None:
-        """The standby's side: take a pending offer; returns (worker, fault indices, restored view) or None."""
-        key = f"standby/{node}/assign"
-        offer = _opt(self.backend, key)
-        me = f"claimed:{pid}"
-        if not offer or not offer.startswith("{") or self.backend.compare_set(key, offer, me).decode() != me:
-            return None
-        terms = json.loads(offer)
-        return int(terms["worker"]), str(terms["faults"]), terms["restore_gen"]
-
-    def standby_settle(self, node: int, offer: str, pid: int, *, retract: bool) -> bool | None:
-        """The agent's side of ``offer`` (:meth:`standby_offer`): True claimed by ``pid``, False retracted, None
-        still pending."""
-        key, claimed = f"standby/{node}/assign", f"claimed:{pid}"
-        value = self.backend.get(key).decode()
-        if value != claimed:
-            if not retract:
-                return None
-            # If the claim slipped in just now, the compare-and-set returns it and it is honoured.
-            value = self.backend.compare_set(key, offer, "").decode()
-        if value != claimed:
-            return False
-        self.backend.compare_set(key, claimed, "")
-        self.standby_clear_ready(node)
-        return True
-
-    def standby_beat(self, node: int, amount: int = 1) -> int:
-        """Node ``node``'s standby beats while it waits (``amount=0``: read; never blocks)."""
-        return self.backend.add(f"hb/standby/{node}", amount)

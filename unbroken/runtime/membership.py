@@ -183,15 +183,16 @@ class Membership:
             last_ok, delay = time.monotonic(), interval
 
     def _publish(self) -> None:
-        """One round trip (on a store that batches): the beat, the progress since the last, the steps applied
-        by the leader since the last (:meth:`applied`), the joins."""
+        """One round trip (on a store that batches): the beat, the progress since the last, the joins; and the
+        steps the leader applied (:meth:`applied`) when they changed, as a total (sent again after a failure,
+        it counts nothing twice)."""
         if self._busy:
             self._busy_ticks += 1
         progress = self._progress + self._busy_ticks
         gen, steps = self._applied
-        done = self._applied_published[1] if self._applied_published[0] == gen else 0
+        fresh = gen >= 0 and self._applied != self._applied_published
         self._joins_seen = self.heartbeat_store.pulse(self.worker, progress - self._published,
-                                                      (gen, steps - done) if gen >= 0 else None)
+                                                      (gen, steps) if fresh else None)
         self._published = progress
         self._applied_published = (gen, steps)
 

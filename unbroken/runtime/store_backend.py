@@ -148,6 +148,12 @@ class StoreBackend(ABC):
         """Several counters' adds (``0``: a read), in order; one round trip where the store can."""
         return [self.add(k, amount) for k, amount in pairs]
 
+    def create_unless_moved(self, key: str, value: str, witness: str) -> bytes | None:
+        """``key``'s value, created as ``value`` if absent, provided ``witness`` is still as this client last
+        read it; None if it changed since and nothing was created. Checked in the same transaction on a store
+        other writers may reach (etcd); the embedded store has no writer but the job's: its compare-and-set."""
+        return self.compare_set(key, "", value)
+
     @abstractmethod
     def get(self, key: str) -> bytes: ...
     @abstractmethod
