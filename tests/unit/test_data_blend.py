@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from unbroken.data import BatchSampler
+from unbroken.data.blend import training_sampler
 from unbroken.data.blend import Blend, BlendSampler, parse_blend
 from unbroken.data.prepare import prepare_data
 
@@ -63,7 +64,7 @@ def test_prepare_data_blends_token_files(tmp_path: Path) -> None:
     np.save(tmp_path / "b.npy", np.full(801, 9, dtype=np.uint16))
     spec = json.dumps({str(tmp_path / "a.npy"): 3, str(tmp_path / "b.npy"): 1})
     data = prepare_data(source=spec, vocab_size=16, val_fraction=0.1)
-    sampler = BatchSampler(data.train, seed=0, n_slots=2, micro_batch=8, seq_len=8)
+    sampler = training_sampler(data.train, seed=0, n_slots=2, micro_batch=8, seq_len=8)
     assert isinstance(sampler, BlendSampler)
     firsts = torch.cat([sampler.batch(step, k)[0][:, 0] for step in range(4) for k in range(2)])
     assert (firsts == 7).sum().item() == 48 and (firsts == 9).sum().item() == 16

@@ -38,6 +38,7 @@ def full_split_validation(run_dir: Path, cfg_dict: dict[str, Any]) -> dict[str, 
     from safetensors.torch import load_file
 
     from unbroken.config import Config
+    from unbroken.data.blend import Blend
     from unbroken.data.sampler import ValidationSampler
     from unbroken.job.builder import prepare
     from unbroken.job.simulator import FINAL_PARAMS
@@ -53,7 +54,11 @@ def full_split_validation(run_dir: Path, cfg_dict: dict[str, Any]) -> dict[str, 
     if not hasattr(prepared.data, "val"):
         raise ValueError(f"{run_dir}: the run's data has no validation split to evaluate on")
     prepared.model.load_state_dict({k: v.to(device) for k, v in load_file(str(params)).items()})
-    sampler = ValidationSampler(prepared.data.val, seq_len=cfg.data.seq_len, batch_size=BATCH_ROWS)
+    val = prepared.data.val
+    if isinstance(val, Blend):
+        raise ValueError(f"{run_dir}: the run trained on a blend of sources; its final evaluation takes one "
+                         "token stream (evaluate a run of one source)")
+    sampler = ValidationSampler(val, seq_len=cfg.data.seq_len, batch_size=BATCH_ROWS)
     with torch.no_grad():
         loss = validation_loss(prepared.model, lambda i, _slot: sampler.batch(i), len(sampler), device,
                                cfg.train.precision)

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from unbroken.data.sampler import _gather, _check_positive
+from unbroken.data.sampler import BatchSampler, _gather, _check_positive
 from unbroken.data.shards import ShardedTokens
 from unbroken.data.shuffle import shuffled
 
@@ -145,3 +145,11 @@ class BlendSampler:
             xs, ys = _gather(self.blend.parts[s], windows, self.seq_len)
             x[torch.from_numpy(at)], y[torch.from_numpy(at)] = xs, ys
         return x, y
+
+
+def training_sampler(tokens: np.ndarray | ShardedTokens | Blend, *, seed: int, n_slots: int, micro_batch: int,
+                     seq_len: int) -> BatchSampler | BlendSampler:
+    """The sampler of a token stream, or of a weighted blend of several (same ``batch(step, slot, rows)``)."""
+    if isinstance(tokens, Blend):
+        return BlendSampler(tokens, seed=seed, n_slots=n_slots, micro_batch=micro_batch, seq_len=seq_len)
+    return BatchSampler(tokens, seed=seed, n_slots=n_slots, micro_batch=micro_batch, seq_len=seq_len)

@@ -79,14 +79,6 @@ class BatchSampler:
             micro_batch`` windows in ``tokens``.
     """
 
-    def __new__(cls, tokens: Any, **kwargs: Any) -> Any:
-        # A weighted blend of sources (unbroken.data.blend) gets its own sampler with the same interface,
-        # so every caller builds a sampler the same way whatever data.source is.
-        from unbroken.data.blend import Blend, BlendSampler
-        if isinstance(tokens, Blend):
-            return BlendSampler(tokens, **kwargs)
-        return super().__new__(cls)
-
     def __init__(self, tokens: np.ndarray | ShardedTokens, *, seed: int, n_slots: int, micro_batch: int,
                  seq_len: int) -> None:
         _check_tokens(tokens)

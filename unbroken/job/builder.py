@@ -33,7 +33,9 @@ from typing import Any, Callable
 import torch
 
 from unbroken.config import Config
-from unbroken.data import BatchSampler, PreparedData, prepare_data
+from unbroken.data import PreparedData, prepare_data
+from unbroken.data import BatchSampler
+from unbroken.data.blend import BlendSampler, training_sampler
 from unbroken.job.user_parts import BuildContext, CheckedSource, user_data, user_model, user_optimizer
 from unbroken.mecefo.adapter import ExactOnlyAdapter, LlamaAdapter, adapter_for
 from unbroken.job.parallelize import parallelize, resolve_compile
@@ -93,10 +95,10 @@ def build_samplers(cfg: Config, data: TrainData) -> tuple[Any, Any]:
     if isinstance(data, CheckedSource):
         return data, (_Validation(data) if data.has_validation else None)
     d, seed = cfg.data, cfg.train.seed
-    train = BatchSampler(data.train, seed=seed, n_slots=cfg.train.workers, micro_batch=d.micro_batch,
+    train = training_sampler(data.train, seed=seed, n_slots=cfg.train.workers, micro_batch=d.micro_batch,
                          seq_len=d.seq_len)
     try:
-        val = BatchSampler(data.val, seed=seed, n_slots=1, micro_batch=d.micro_batch, seq_len=d.seq_len)
+        val = training_sampler(data.val, seed=seed, n_slots=1, micro_batch=d.micro_batch, seq_len=d.seq_len)
     except ValueError as exc:
         raise ValueError(f"validation split too small for one micro-batch: {exc}; raise data.val_fraction") from None
     return train, val
@@ -199,7 +201,7 @@ class Job:
     cfg: Config
     device: torch.device
     data: TrainData
-    sampler: BatchSampler | CheckedSource
+    sampler: BatchSampler | BlendSampler | CheckedSource
     val_sampler: Any
     """A one-slot sampler of validation batches; None: the data has no validation split."""
     model: torch.nn.Module
