@@ -15,7 +15,8 @@ from _faults import check_invariants, failover_config, run_job
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 STEPS = 120
-"""Long enough for the killed worker, forked again from its node's template, to rejoin well before the end."""
+"""Steps of the run; the job is held back while the killed worker, forked again from its node's template, gets
+ready (``pace``), so it rejoins before the end however slow the machine."""
 
 
 def test_rejoin_aborts_no_attempt_of_the_members(tmp_path, corpus_overrides):
@@ -23,14 +24,17 @@ def test_rejoin_aborts_no_attempt_of_the_members(tmp_path, corpus_overrides):
     step 4 and comes back once step 6 is committed."""
     cfg = failover_config(corpus_overrides, STEPS)
     job = run_job(cfg, tmp_path / "run", nodes=3, workers_per_node=1, restart="on-failure",
-                  fail_at="step=4:worker=1:kill:back=6")
+                  fail_at="step=4:worker=1:kill:back=6", pace=True)
     check_invariants(job, live=[0, 1, 2])
     (rejoined,) = job.events("rejoined", worker=1)
     back, gen = rejoined["step"], rejoined["gen"]
     (kill,) = job.events("fault_injected", worker=1)
     aborted = job.events("attempt_aborted")
     assert aborted, "the kill aborted the attempt of its step"
-    assert {a["step"] for a in aborted} == {kill["progress"]}, \
+    # The agent fires the kill once it reads progress 4: the signal lands in that step or, on a busy machine, in
+    # the next one. Either way one step's attempt is aborted, and only by the kill.
+    steps = {a["step"] for a in aborted}
+    assert len(steps) == 1 and kill["progress"] <= min(steps) <= kill["progress"] + 1, \
         f"attempts aborted beyond the kill's step: {[(a['step'], a['worker'], a['reason']) for a in aborted]}"
     assert {a["worker"] for a in aborted} <= {0, 2}
     assert not [a for a in aborted if a["step"] == back], "the admission aborted the members' step"

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -52,6 +53,21 @@ def store_process():
         proc.wait(10)
 
 
+def _wait_stopped(pid: int) -> None:
+    """Until every thread of ``pid`` is stopped: kill() returns before the group stop is done, and on a busy
+    machine a thread woken by a request could answer it first."""
+    while True:
+        states = []
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            try:
+                states.append((task / "stat").read_text().rsplit(")", 1)[1].split()[0])
+            except (OSError, IndexError):
+                pass  # a thread gone meanwhile
+        if states and all(st in ("T", "t") for st in states):
+            return
+        time.sleep(0.001)
+
+
 def test_an_answer_that_comes_after_the_timeout_is_never_taken_for_the_next_requests(store_process):
     proc, port, launch = store_process
     client = StoreClient("127.0.0.1", port, secret=SECRET, timeout_s=1.0)
@@ -60,6 +76,7 @@ def test_an_answer_that_comes_after_the_timeout_is_never_taken_for_the_next_requ
     first = client._channel
     assert first is not None
     os.kill(proc.pid, signal.SIGSTOP)  # the store's host paused: it cannot answer within any timeout
+    _wait_stopped(proc.pid)
     try:
         with pytest.raises(dist.DistStoreError, match="did not answer in time"):
             client.compare_set("c", "", "late")
