@@ -29,11 +29,11 @@ import pytest
 from _faults import check_invariants, failover_config, run_job
 from unbroken.bench.report import summarize_run
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 STEPS = 500
 """More steps than the scenario needs; it does not count on them: the job is held while it waits (below)."""
-HOLD_S = 200.0
+HOLD_S = 600.0
 """The heartbeat and progress timeouts: the scenario freezes members while the standby compiles ahead and while
 the replacement starts, and no peer may be judged hung meanwhile (kills are seen by the agent, not by a timeout)."""
 
@@ -84,8 +84,10 @@ def _signal(pid: int, sig: signal.Signals) -> None:
 
 def test_a_standby_and_a_replacement_load_the_jobs_compile_cache(tmp_path, corpus_overrides, monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # inherited by every process
+    # train.timeout_s: the standby waits up to half of it for the leader's cache, which a first compile from
+    # scratch on a busy machine may take minutes to write.
     cfg = failover_config(corpus_overrides, STEPS, "train.compile=true", f"fault.progress_timeout_s={HOLD_S}",
-                          f"fault.heartbeat_timeout_s={HOLD_S}")
+                          f"fault.heartbeat_timeout_s={HOLD_S}", "train.timeout_s=1200")
     run_dir = tmp_path / "run"
     lock = threading.Lock()
     seen: dict[str, Any] = {"w0": None, "w1": [], "standby": None, "killed": [], "frozen": False}
@@ -111,6 +113,9 @@ def test_a_standby_and_a_replacement_load_the_jobs_compile_cache(tmp_path, corpu
                     hold.trickle(seen["w0"])
             elif e.get("event") == "standby_ready" and ((e.get("compile") or {}).get("ahead") or {}).get("frames"):
                 seen["standby"] = seen["standby"] or e["pid"]
+            elif e.get("event") == "standby_ready" and not seen["standby"]:
+                seen["unready"] = e  # compiled nothing ahead: the scenario cannot go on (said at the end)
+                hold.release([p for p in (seen["w0"], *seen["w1"][:1]) if p])
             elif (e.get("event") == "start_phases" and e.get("worker") == 1 and len(seen["killed"]) == 2
                   and e.get("pid") not in seen["killed"]):
                 hold.release([seen["w0"]])  # the replacement (a fork) was admitted
@@ -127,6 +132,7 @@ def test_a_standby_and_a_replacement_load_the_jobs_compile_cache(tmp_path, corpu
                       standby=True)
     finally:
         hold.release([seen["w0"]] if seen["w0"] else [])
+    assert "unready" not in seen, f"the standby compiled nothing ahead: {seen['unready']}"
     check_invariants(job, live=[0, 1])
     assert len(seen["killed"]) == 2 and seen["killed"][1] == seen["standby"], seen
 
