@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 import torch
 
-from unbroken.models import build_model
 from unbroken.runtime.view import View
 from unbroken.snapshot import fragment_io
 from unbroken.snapshot.overwrite_pages import ready_to_overwrite
@@ -22,6 +21,7 @@ from unbroken.snapshot.restore import alone, decide, inventory, restore_from_mem
 from unbroken.snapshot.segment import HEADER_BYTES, SealedBuffer, SnapshotCorrupt, job_segments
 from unbroken.snapshot.snapshotter import Snapshotter
 from unbroken.snapshot.state_bytes import tensors_of
+from _snapshot_state import trained_state
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -30,17 +30,6 @@ NODE_OF = {0: 0, 1: 1}
 fragment, which past its header is the data itself: both load straight from their own memory."""
 ODD_PIECE = 40_009
 """Bytes per piece in these tests: a prime, so pieces start inside tensors, fragments and pages."""
-
-
-def _state(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(0)
-    model = build_model("debug", vocab_size=512, seq_len=64)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    gen = torch.Generator().manual_seed(seed)
-    for p in model.parameters():
-        p.grad = torch.randn(p.shape, generator=gen)
-    optimizer.step()
-    return model, optimizer
 
 
 def _snapshot(job_id: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
@@ -57,7 +46,7 @@ def _snapshot(job_id: str, model: torch.nn.Module, optimizer: torch.optim.Optimi
 
 def _restore(job_id: str, spec: dict, seed: int, node: int = 0) -> tuple[tuple[torch.nn.Module, torch.optim.Optimizer],
                                                                         dict]:
-    model, optimizer = _state(seed)  # another state: every byte must be overwritten
+    model, optimizer = trained_state(seed)  # another state: every byte must be overwritten
     stats = restore_from_memory(spec, job=job_id, node=node, node_of=NODE_OF, members=(node,), me=node,
                                 broadcast=alone, model=model, optimizer=optimizer, device=torch.device("cpu"))
     return (model, optimizer), stats
@@ -77,7 +66,7 @@ def test_a_threaded_load_in_odd_pieces_is_exact(job_id, monkeypatch, node: int, 
     import unbroken.snapshot.restore as restore
 
     monkeypatch.setattr(restore, "io_threads", lambda sharing=1: 3)
-    model, optimizer = _state(seed=1)
+    model, optimizer = trained_state(seed=1)
     spec = _snapshot(job_id, model, optimizer)
     calls: list[int] = []
     real = restore.load_fragments
@@ -118,7 +107,7 @@ def test_pieces_cut_across_tensors_a_header_and_padding_land_exactly(tmp_path: P
 
 def test_bytes_that_changed_after_the_decision_fail_the_load_and_name_the_segment(job_id, monkeypatch):
     monkeypatch.setattr(fragment_io, "PIECE_BYTES", ODD_PIECE)
-    model, optimizer = _state(seed=1)
+    model, optimizer = trained_state(seed=1)
     spec = _snapshot(job_id, model, optimizer)
     victim = next(p for p in job_segments(job_id, node=0))
     seal = SealedBuffer.open(victim, job_id).seal
@@ -130,7 +119,7 @@ def test_bytes_that_changed_after_the_decision_fail_the_load_and_name_the_segmen
 
 
 def test_a_segment_removed_after_the_decision_fails_the_load_by_name(job_id):
-    model, optimizer = _state(seed=1)
+    model, optimizer = trained_state(seed=1)
     spec = _snapshot(job_id, model, optimizer)
     for path in job_segments(job_id, node=0):
         path.unlink()
@@ -140,7 +129,7 @@ def test_a_segment_removed_after_the_decision_fails_the_load_by_name(job_id):
 
 def test_threaded_verification_finds_one_flipped_byte_in_any_piece(job_id, monkeypatch):
     monkeypatch.setattr(fragment_io, "PIECE_BYTES", ODD_PIECE)
-    model, optimizer = _state(seed=1)
+    model, optimizer = trained_state(seed=1)
     _snapshot(job_id, model, optimizer)
     path = job_segments(job_id, node=1)[0]
     buf = SealedBuffer.open(path, job_id)
@@ -204,7 +193,7 @@ def test_a_trusted_inventory_decides_from_authenticated_seals_and_the_load_finds
     from unbroken.snapshot.segment import SECRET_ENV
 
     monkeypatch.setenv(SECRET_ENV, "the job's secret")  # every agent and worker of a job has it
-    model, optimizer = _state(seed=1)
+    model, optimizer = trained_state(seed=1)
     spec = _snapshot(job_id, model, optimizer)
     victim = job_segments(job_id, node=0)[0]
     _, _, offset, length, _ = SealedBuffer.open(victim, job_id).seal["fragments"][0]

@@ -17,13 +17,13 @@ import torch
 
 from unbroken.agent._job_error import is_data_error
 from unbroken.agent.template_client import Template
-from unbroken.models import build_model
 from unbroken.runtime.view import View
 from unbroken.snapshot._load_damage import Damage
 from unbroken.snapshot.restore import alone, decide, inventory, restore_from_memory
 from unbroken.snapshot.segment import HEADER_BYTES, SECRET_ENV, SealedBuffer, SnapshotCorrupt, job_segments
 from unbroken.snapshot.snapshotter import Snapshotter
 from unbroken.snapshot.state_bytes import tensors_of
+from _snapshot_state import trained_state
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -37,17 +37,6 @@ THREE_NODES = {0: 0, 1: 1, 2: 2}
 @pytest.fixture(autouse=True)
 def _secret(monkeypatch) -> None:
     monkeypatch.setenv(SECRET_ENV, "the job's secret")  # every agent and worker of a job has it
-
-
-def _state(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(0)
-    model = build_model("debug", vocab_size=512, seq_len=64)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    gen = torch.Generator().manual_seed(seed)
-    for p in model.parameters():
-        p.grad = torch.randn(p.shape, generator=gen)
-    optimizer.step()
-    return model, optimizer
 
 
 def _decided(job_id: str, node_of: dict[int, int], model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
@@ -108,7 +97,7 @@ def _restore_all(job_id: str, spec: dict, node_of: dict[int, int]) -> list[tuple
     group = _Broadcasts(len(members))
 
     def one(rank: int, me: int) -> tuple[dict[str, torch.Tensor], Any]:
-        model, optimizer = _state(seed=99)  # another state: the restore must overwrite every byte
+        model, optimizer = trained_state(seed=99)  # another state: the restore must overwrite every byte
         try:
             stats = restore_from_memory(spec, job=job_id, node=node_of[me], node_of=node_of, members=members, me=me,
                                         broadcast=group.of(rank), model=model, optimizer=optimizer,
@@ -129,7 +118,7 @@ def _exact(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> bool:
 def test_a_damaged_data_fragment_is_rebuilt_from_the_other_nodes_parity_in_the_same_load(job_id):
     """Node 0's data fragment of stripe 0 is damaged: its members find it as they read it straight into their
     tensors, and every member loads stripe 0 again, sent by node 1 from its parity; nobody fails."""
-    model, optimizer = _state(seed=1)
+    model, optimizer = trained_state(seed=1)
     spec = _decided(job_id, TWO_NODES, model, optimizer)
     segment, offset, length = _flip_fragment(job_id, node=0, stripe=0, fragment=0)
     results = _restore_all(job_id, spec, TWO_NODES)
@@ -146,7 +135,7 @@ def test_a_damaged_fragment_a_holder_sends_is_replaced_by_the_parity(job_id):
     """Three nodes: no node decodes alone, each data fragment is sent by its holder. Node 0's is damaged: it
     sends zeros in its place (the others cannot tell), says so when the members agree, and stripe 0 is
     gathered again from fragment 1 and the parity."""
-    model, optimizer = _state(seed=2)
+    model, optimizer = trained_state(seed=2)
     spec = _decided(job_id, THREE_NODES, model, optimizer)
     segment, offset, length = _flip_fragment(job_id, node=0, stripe=0, fragment=0)
     results = _restore_all(job_id, spec, THREE_NODES)
@@ -162,7 +151,7 @@ def test_a_damaged_fragment_a_holder_sends_is_replaced_by_the_parity(job_id):
 def test_damage_the_parity_cannot_cover_fails_the_load_on_every_member_alike(job_id):
     """Fragment 0 and the parity of stripe 0 are both damaged: the first round finds fragment 0, the second the
     parity, and then the one fragment left cannot decode the stripe: every member raises, none waits forever."""
-    model, optimizer = _state(seed=3)
+    model, optimizer = trained_state(seed=3)
     spec = _decided(job_id, THREE_NODES, model, optimizer)
     parity_node = next(nd for st, fr, nd, _ in spec["holders"] if (st, fr) == (0, 2))
     _flip_fragment(job_id, node=0, stripe=0, fragment=0)
@@ -177,10 +166,10 @@ def test_damage_the_parity_cannot_cover_fails_the_load_on_every_member_alike(job
 def test_a_process_alone_with_no_other_holder_fails_by_name(job_id):
     """A joiner loading from its own node's memory only (no group): nothing to rebuild from, so the load fails,
     naming the damaged segment and range; the next incarnation asks for a transfer."""
-    model, optimizer = _state(seed=4)
+    model, optimizer = trained_state(seed=4)
     spec = _decided(job_id, {0: 0, 1: 1}, model, optimizer)
     segment, offset, length = _flip_fragment(job_id, node=0, stripe=0, fragment=0)
-    fresh_model, fresh_optimizer = _state(seed=99)
+    fresh_model, fresh_optimizer = trained_state(seed=99)
     with pytest.raises(SnapshotCorrupt, match=rf"{segment}: bytes \[{offset}, {offset + length}\) do not match"):
         restore_from_memory(spec, job=job_id, node=0, node_of={0: 0, 1: 1}, members=(0,), me=0, broadcast=alone,
                             model=fresh_model, optimizer=fresh_optimizer, device=torch.device("cpu"))

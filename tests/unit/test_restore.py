@@ -9,35 +9,23 @@ say plainly when those cannot decode a stripe any more.
 
 from __future__ import annotations
 
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 import pytest
 import torch
 
-from unbroken.models import build_model
 from unbroken.runtime.view import View
 from unbroken.snapshot.restore import decide, inventory, restore_from_memory
 from unbroken.snapshot.segment import SnapshotCorrupt
 from unbroken.snapshot.snapshotter import Snapshotter
 from unbroken.snapshot.state_bytes import tensors_of
+from _snapshot_state import ThreadBroadcasts, trained_state
 
 pytestmark = pytest.mark.timeout(120)
 
 NODE_OF = {0: 0, 1: 1, 2: 2}
 """Three nodes of one worker each: k = 2 data fragments and 1 parity fragment per stripe, one per node."""
-
-
-def _model_and_optimizer(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(0)
-    model = build_model("debug", vocab_size=512, seq_len=64)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    gen = torch.Generator().manual_seed(seed)
-    for p in model.parameters():
-        p.grad = torch.randn(p.shape, generator=gen)
-    optimizer.step()
-    return model, optimizer
 
 
 def _snapshot_of_every_node(job_id: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
@@ -56,27 +44,9 @@ def _snapshot_of_every_node(job_id: str, model: torch.nn.Module, optimizer: torc
     return spec
 
 
-class _Broadcasts:
-    """The members of one view as threads of this process: ``broadcast(t, src)`` copies rank ``src``'s tensor."""
-
-    def __init__(self, n: int) -> None:
-        self.barrier = threading.Barrier(n, timeout=60)
-        self.sent: torch.Tensor | None = None
-
-    def of(self, rank: int) -> Callable[[torch.Tensor, int], None]:
-        def broadcast(t: torch.Tensor, src: int) -> None:
-            if rank == src:
-                self.sent = t.clone()
-            self.barrier.wait()
-            if rank != src:
-                t.copy_(self.sent)
-            self.barrier.wait()
-        return broadcast
-
-
 def _restore(job_id: str, spec: dict, members: tuple[int, ...], me: int,
              broadcast: Callable[[torch.Tensor, int], None]) -> tuple[torch.nn.Module, torch.optim.Optimizer, dict]:
-    model, optimizer = _model_and_optimizer(seed=99)  # another state: the restore must overwrite every byte
+    model, optimizer = trained_state(seed=99)  # another state: the restore must overwrite every byte
     stats = restore_from_memory(spec, job=job_id, node=NODE_OF[me], node_of=NODE_OF, members=members, me=me,
                                 broadcast=broadcast, model=model, optimizer=optimizer, device=torch.device("cpu"))
     return model, optimizer, stats
@@ -84,10 +54,10 @@ def _restore(job_id: str, spec: dict, members: tuple[int, ...], me: int,
 
 def test_survivors_of_a_restore_read_only_nodes_with_live_members(job_id):
     """Worker 0 (node 0) died during the restore: workers 1 and 2 decode from nodes 1 and 2, parity included."""
-    model, optimizer = _model_and_optimizer(seed=1)
+    model, optimizer = trained_state(seed=1)
     spec = _snapshot_of_every_node(job_id, model, optimizer)
     members = (1, 2)
-    group = _Broadcasts(len(members))
+    group = ThreadBroadcasts(len(members))
     with ThreadPoolExecutor(len(members)) as pool:
         futures = [pool.submit(_restore, job_id, spec, members, w, group.of(rank)) for rank, w in enumerate(members)]
         results = [f.result(timeout=90) for f in futures]
@@ -99,7 +69,7 @@ def test_survivors_of_a_restore_read_only_nodes_with_live_members(job_id):
 
 
 def test_a_stripe_the_live_nodes_cannot_decode_is_refused_by_name(job_id):
-    model, optimizer = _model_and_optimizer(seed=1)
+    model, optimizer = trained_state(seed=1)
     spec = _snapshot_of_every_node(job_id, model, optimizer)
     with pytest.raises(SnapshotCorrupt, match=r"stripe 0 of the snapshot of step 1 can no longer be decoded: it "
                                               r"needs 2 fragments, the nodes with live members \[1\] hold 1"):

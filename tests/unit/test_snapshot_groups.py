@@ -15,7 +15,6 @@ import itertools
 import logging
 import os
 import random
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
@@ -23,7 +22,6 @@ import pytest
 import torch
 
 from unbroken.config import load_config, preset
-from unbroken.models import build_model
 from unbroken.runtime.view import View
 from unbroken.snapshot.erasure import MAX_FRAGMENTS, Coding
 from unbroken.snapshot.plan import GROUP_NODES, SnapshotPlan, complete_steps, plan_for
@@ -32,6 +30,7 @@ from unbroken.snapshot.restore import decide, inventory, restore_from_memory
 from unbroken.snapshot.segment import remove_segments
 from unbroken.snapshot.snapshotter import Snapshotter
 from unbroken.snapshot.state_bytes import tensors_of
+from _snapshot_state import ThreadBroadcasts, trained_state
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -118,35 +117,6 @@ def test_any_k_fragments_decode_even_where_a_vandermonde_code_cannot(k, m, lost)
         assert coding.decode(left, len(data), headers) == data, gone
 
 
-def _model_and_optimizer(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(0)
-    model = build_model("debug", vocab_size=512, seq_len=64)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    gen = torch.Generator().manual_seed(seed)
-    for p in model.parameters():
-        p.grad = torch.randn(p.shape, generator=gen)
-    optimizer.step()
-    return model, optimizer
-
-
-class _Broadcasts:
-    """The members of one view as threads of this process: ``broadcast(t, src)`` copies rank ``src``'s tensor."""
-
-    def __init__(self, n: int) -> None:
-        self.barrier = threading.Barrier(n, timeout=60)
-        self.sent: torch.Tensor | None = None
-
-    def of(self, rank: int) -> Callable[[torch.Tensor, int], None]:
-        def broadcast(t: torch.Tensor, src: int) -> None:
-            if rank == src:
-                self.sent = t.clone()
-            self.barrier.wait()
-            if rank != src:
-                t.copy_(self.sent)
-            self.barrier.wait()
-        return broadcast
-
-
 EIGHT = {w: w for w in range(8)}
 """Eight nodes of one worker each; with ``group_nodes = 4`` two groups, nodes [0, 2, 4, 6] and [1, 3, 5, 7]."""
 
@@ -168,14 +138,14 @@ def _spec(job_id: str, live: list[int]) -> dict | None:
 
 def _restore(job_id: str, spec: dict, members: tuple[int, ...], me: int,
              broadcast: Callable[[torch.Tensor, int], None]) -> tuple[dict[str, torch.Tensor], dict]:
-    model, optimizer = _model_and_optimizer(seed=99)  # another state: the restore must overwrite every byte
+    model, optimizer = trained_state(seed=99)  # another state: the restore must overwrite every byte
     stats = restore_from_memory(spec, job=job_id, node=me, node_of=EIGHT, members=members, me=me,
                                 broadcast=broadcast, model=model, optimizer=optimizer, device=torch.device("cpu"))
     return tensors_of(model, optimizer), stats
 
 
 def test_a_restore_rebuilds_each_stripe_within_its_group_one_node_lost_in_each(job_id):
-    model, optimizer = _model_and_optimizer(seed=1)
+    model, optimizer = trained_state(seed=1)
     _snapshot_in_two_groups(job_id, model, optimizer)
     whole = _spec(job_id, list(range(8)))
     plan = SnapshotPlan.from_json(whole["plan"])
@@ -189,7 +159,7 @@ def test_a_restore_rebuilds_each_stripe_within_its_group_one_node_lost_in_each(j
     spec = _spec(job_id, live)
     assert spec is not None and spec["step"] == 1 and spec["parity_stripes"] == [0, 1]
     members = tuple(live)
-    group = _Broadcasts(len(members))
+    group = ThreadBroadcasts(len(members))
     with ThreadPoolExecutor(len(members)) as pool:
         futures = [pool.submit(_restore, job_id, spec, members, w, group.of(rank)) for rank, w in enumerate(members)]
         results = [f.result(timeout=90) for f in futures]
