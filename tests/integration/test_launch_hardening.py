@@ -88,7 +88,7 @@ def test_overwrite_replaces_a_run_directory(tmp_path: Path) -> None:
     run = tmp_path / "run"
     (run / "logs").mkdir(parents=True)
     old = Config()
-    old.train.steps = 7
+    old.optim.lr = cfg.optim.lr / 2  # (train.steps would not do: a --resume may extend a run)
     (run / "config.json").write_text(json.dumps(old.to_dict()))
     (run / "logs" / "w0.log").write_text("old run")
     outside = tmp_path / "outside.txt"
