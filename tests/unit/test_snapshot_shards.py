@@ -15,7 +15,7 @@ from typing import Callable
 import pytest
 import torch
 
-from test_restore import _model_and_optimizer
+from _snapshot_state import trained_state
 from unbroken.runtime.view import View
 from unbroken.snapshot.plan import complete_steps
 from unbroken.snapshot.restore import decide, inventory, restore_from_memory, shard_spec
@@ -60,7 +60,7 @@ def _restore(job_id: str, spec: dict, index: int) -> list[dict[str, torch.Tensor
         return broadcast
 
     def one(me: int) -> dict[str, torch.Tensor]:
-        model, optimizer = _model_and_optimizer(seed=99)  # another state: every byte must be overwritten
+        model, optimizer = trained_state(seed=99)  # another state: every byte must be overwritten
         restore_from_memory(shard_spec(spec, index), job=job_id, node=NODE_OF[me], node_of=NODE_OF, members=members,
                             me=me, broadcast=broadcast_of(members.index(me)), model=model, optimizer=optimizer,
                             device=torch.device("cpu"))
@@ -71,7 +71,7 @@ def _restore(job_id: str, spec: dict, index: int) -> list[dict[str, torch.Tensor
 
 
 def test_each_shard_index_is_snapshotted_and_restored_by_its_own_holders(job_id):
-    states = {0: _model_and_optimizer(seed=1), 1: _model_and_optimizer(seed=2)}
+    states = {0: trained_state(seed=1), 1: trained_state(seed=2)}
     snaps = _snapshotters(job_id, states)
     view = View(gen=3, members=tuple(NODE_OF), step=5)
     for s in snaps:
