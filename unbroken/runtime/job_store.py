@@ -243,12 +243,14 @@ class JobStore(StandbyKeys):
             if int(_opt(self.backend, "pruned") or 0) > new.gen:
                 return self.current_view()
             if time.monotonic() > deadline:
-                raise StoreKeyLost(f"store key {key!r} (view {new.gen}, which gen says was published) has held "
-                                   f"nothing this launch wrote for {self.store_timeout_s:.0f} s: another process "
-                                   f"with write access to the store deleted or overwrote it; give the job a store "
-                                   f"of its own (an etcd user on its prefix)")
+                raise self._key_lost(key, f"view {new.gen}, which gen says was published")
             time.sleep(LOST_KEY_POLL_S)
         return View.from_json(raw)
+
+    def _key_lost(self, key: str, what: str) -> StoreKeyLost:
+        return StoreKeyLost(f"store key {key!r} ({what}) has held nothing this launch wrote for "
+                            f"{self.store_timeout_s:.0f} s: another process with write access to the store deleted "
+                            f"or overwrote it; give the job a store of its own (an etcd user on its prefix)")
 
     def _open(self, raw: bytes) -> View:
         """Open a published view: its outcome key ("the step before its first was committed") and
@@ -294,10 +296,7 @@ class JobStore(StandbyKeys):
             if int(_opt(self.backend, "pruned") or 0) > view.gen:
                 return "stale"
             if time.monotonic() > deadline:
-                raise StoreKeyLost(f"store key {key!r} (the decisions of view {view.gen}) has held nothing this "
-                                   f"launch wrote for {self.store_timeout_s:.0f} s: another process with write "
-                                   f"access to the store deleted or overwrote it; give the job a store of its own "
-                                   f"(an etcd user on its prefix)")
+                raise self._key_lost(key, f"the decisions of view {view.gen}")
             time.sleep(LOST_KEY_POLL_S)
 
     def decided(self, gen: int) -> int | None:
