@@ -37,6 +37,7 @@ import logging
 from pathlib import Path
 from typing import Any, Callable
 
+from unbroken.config import config_from_dict
 from unbroken.config import Config
 from unbroken.job.references import reference_of
 
@@ -78,7 +79,7 @@ def job_config(config: Config, *, model: Factory | None = None, data: Factory | 
         cfg.optim.factory = reference_of(optimizer, field="optimizer")
     if parallelize is not None:
         cfg.model.parallelize = reference_of(parallelize, field="parallelize")
-    return Config.from_dict(cfg.to_dict())  # validates every field, all errors at once
+    return config_from_dict(cfg.to_dict())  # validates every field, all errors at once
 
 
 def train(config: Config, *, run_dir: str | Path, model: Factory | None = None, data: Factory | None = None,

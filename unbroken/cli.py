@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from unbroken.cli_parser import DEFAULT_PRESET, build_parser
-from unbroken.config import SECTIONS, Config, load_config
-from unbroken.runtime.checkpoint import CheckpointError
-from unbroken.runtime.store_backend import StoreAccessDenied
+from unbroken.config import Config, SECTIONS, config_from_dict, load_config
+from unbroken.checkpoint.checkpointer import CheckpointError
+from unbroken.store.backend import StoreAccessDenied
 
 logger = logging.getLogger("unbroken")
 
@@ -195,7 +195,7 @@ def _resume_config(args: argparse.Namespace, overrides: list[str]) -> Config:
         raise ValueError(f"--resume {run}: {what}; give the directory of a run made by unbroken train "
                          f"(e.g. runs/{DEFAULT_PRESET}-w4)")
     try:
-        cfg = Config.from_dict(saved)
+        cfg = config_from_dict(saved)
     except ValueError as exc:
         raise ValueError(f"--resume {run}: its {RUN_CONFIG} does not load: {exc}") from None
     if allowed:
@@ -351,7 +351,7 @@ def _store_url(addr: str | None) -> str | None:
 
 def _check_store_address(addr: str) -> None:
     if addr.startswith(("etcd://", "etcds://")):
-        from unbroken.runtime.etcd_client import check_transport, parse_etcd
+        from unbroken.store.etcd_client import check_transport, parse_etcd
 
         try:
             check_transport(addr, parse_etcd(addr)[0], insecure=False)
@@ -367,14 +367,14 @@ def _check_store_address(addr: str) -> None:
 def _allow_insecure_store(args: argparse.Namespace) -> None:
     """``--store-insecure``: plain etcd:// to other hosts, for this process and every one it starts."""
     if getattr(args, "store_insecure", False):
-        from unbroken.runtime.etcd_client import INSECURE_ENV
+        from unbroken.store.etcd_client import INSECURE_ENV
 
         os.environ[INSECURE_ENV] = "1"
 
 
 def _store_problem(args: argparse.Namespace, exc: Exception) -> str:
     """The agent's store error, naming the option to fix: ``--run-dir`` (no secret) or ``--store``."""
-    from unbroken.runtime.store_backend import SECRET_ENV, SECRET_FILE
+    from unbroken.store.backend import SECRET_ENV, SECRET_FILE
 
     from_env = bool(os.environ.get(SECRET_ENV))
     if isinstance(exc, StoreAccessDenied) and not from_env and not (args.run_dir / SECRET_FILE).is_file():
@@ -404,7 +404,7 @@ def cmd_chaos(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def cmd_report(args: argparse.Namespace, overrides: list[str]) -> int:
-    from unbroken.bench.report import main as report_main
+    from unbroken.report.run_report import main as report_main
 
     if overrides:
         raise ValueError(f"unbroken report takes no config overrides ({', '.join(overrides)})")
@@ -413,7 +413,7 @@ def cmd_report(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def cmd_export(args: argparse.Namespace, overrides: list[str]) -> int:
-    from unbroken.models.export import export_hf
+    from unbroken.export import export_hf
 
     if overrides:
         raise ValueError(f"unbroken export takes no config overrides ({', '.join(overrides)})")

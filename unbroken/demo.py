@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from unbroken.agent.launcher import launch
-from unbroken.bench.report import summarize_run
+from unbroken.report.run_report import summarize_run
 from unbroken.config import Config, config_hash, load_config
 
 __all__ = ["DEMO_FAULTS", "demo_config", "demo_faults", "run_demo"]

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from unbroken.agent.worker_process import survive_nccl_failures
-from unbroken.runtime.job_store import JobStore
+from unbroken.store.job_store import JobStore
 from unbroken.runtime.process_group import ViewGroup
 
 MB = 256

@@ -4,7 +4,7 @@ real job's end.
 Run on a machine with CUDA: ``python scripts/gpu/final_checkpoint.py [--preset llama-1b] [--dir /dev/shm]``.
 
 1. The preset's model and AdamW state on the GPU (after one optimizer step), written as the final checkpoint
-   is (:func:`unbroken.runtime.checkpoint_writer.write_state` from the live CUDA tensors) into ``--dir``, read
+   is (:func:`unbroken.checkpoint.writer.write_state` from the live CUDA tensors) into ``--dir``, read
    back with DCP's Hugging Face reader and compared bit for bit; seconds and GB/s of the write, beside torch
    DCP's Hugging Face writer with a sha256 pass on the same state (``unbroken bench recovery --parts final``'s
    in-process figures).
@@ -28,11 +28,11 @@ import torch
 
 from unbroken.bench import recovery
 from unbroken.config import load_config
-from unbroken.dcp import dcp
+from unbroken.checkpoint.dcp import dcp
 from unbroken.job.builder import build_job
-from unbroken.runtime.checkpoint_writer import write_state
+from unbroken.checkpoint.writer import write_state
 from unbroken.runtime.digest import device_digest
-from unbroken.sharding.training_state import capture
+from unbroken.state.training_state import capture
 
 
 def main() -> None:

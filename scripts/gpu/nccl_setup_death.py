@@ -15,12 +15,12 @@ import time
 
 import torch
 
-from unbroken.runtime.job_store import JobStore
+from unbroken.store.job_store import JobStore
 from unbroken.runtime.process_group import CollectiveFailed, ViewGroup
 
 PEER = """
 import sys, time
-from unbroken.runtime.job_store import JobStore
+from unbroken.store.job_store import JobStore
 store = JobStore.connect(f"127.0.0.1:{sys.argv[1]}", timeout_s=20, secret="gpu-check")
 time.sleep(1.0)  # dies without ever joining the group
 """

@@ -27,7 +27,7 @@ import torch
 
 from unbroken.config import load_config
 from unbroken.job.builder import build_job
-from unbroken.runtime.view import View
+from unbroken.store.view import View
 from unbroken.snapshot.restore import alone, decide, inventory, restore_from_memory
 from unbroken.snapshot.segment import remove_segments
 from unbroken.snapshot.snapshotter import Snapshotter

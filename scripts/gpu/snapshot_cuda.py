@@ -16,7 +16,7 @@ import time
 import torch
 
 from unbroken.models import build_model
-from unbroken.runtime.view import View
+from unbroken.store.view import View
 from unbroken.snapshot.restore import alone, decide, inventory, restore_from_memory
 from unbroken.snapshot.segment import remove_segments
 from unbroken.snapshot.snapshotter import Snapshotter

@@ -22,11 +22,11 @@ import time
 import torch
 
 from unbroken.models import build_model
-from unbroken.runtime.view import View
+from unbroken.store.view import View
 from unbroken.snapshot.segment import SHM_DIR, remove_segments
 from unbroken.snapshot.snapshotter import Snapshotter
 from unbroken.snapshot.state_bytes import describe, tensors_of
-from unbroken.snapshot.trainer_hooks import write_threads
+from unbroken.runtime.snapshot_hooks import write_threads
 
 
 def _state(dev: torch.device) -> tuple[torch.nn.Module, torch.optim.Optimizer]:

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from unbroken.agent.launcher import launch
-from unbroken.config import Config, load_config
+from unbroken.config import Config, config_from_dict, load_config
 from unbroken.jsonl import read_jsonl
 from unbroken.runtime.ledger import check_ledger, read_events
 
@@ -197,7 +197,7 @@ def run_job(cfg: Config, run_dir: Path, *, nodes: int, workers_per_node: int, fa
         for e in read_jsonl(path):
             pids.update([e["pid"]] if "pid" in e else [])
             pids.update(e.get("pids", []))
-    launched = Config.from_dict(cfg.to_dict())
+    launched = config_from_dict(cfg.to_dict())
     launched.train.workers = nodes * workers_per_node
     return Job(run_dir=run_dir, cfg=launched, summary=summary, pids=pids, wall_s=wall, store=store)
 
@@ -239,8 +239,8 @@ def check_invariants(job: Job, *, live: list[int]) -> None:
 
 def etcd_keys_left(job: Job) -> int:
     """How many keys of the job (under its secret's namespace) are still on its etcd cluster."""
-    from unbroken.runtime.etcd_backend import EtcdBackend
-    from unbroken.runtime.store_backend import job_secret
+    from unbroken.store.etcd_backend import EtcdBackend
+    from unbroken.store.backend import job_secret
 
     return EtcdBackend(job.store, job_secret(job.run_dir), timeout_s=10).num_keys()
 

@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from unbroken.mecefo.adapter import adapter_for
 from unbroken.mecefo.gradients import GradLayout, SlotWork, compute_gradient_sums
 from unbroken.models import build_model
-from unbroken.sharding.parts import local_part
+from unbroken.state.parts import local_part
 from unbroken.sharding.hsdp import shard_model
 
 VOCAB, SEQ, MB = 256, 16, 4

@@ -33,8 +33,8 @@ from pathlib import Path
 
 from unbroken.agent._process import STACK_SIGNAL
 from unbroken.faults.fail_at import fault_selection
-from unbroken.runtime.job_store import JobStore
-from unbroken.runtime.store_backend import job_secret
+from unbroken.store.job_store import JobStore
+from unbroken.store.backend import job_secret
 
 SIGNALS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "term": signal.SIGTERM}
 DEADLINE_S = 120.0  # never outlive a broken test

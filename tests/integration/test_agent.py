@@ -27,8 +27,8 @@ from unbroken.agent.agent_server import agent_server
 from unbroken.config import Config
 from unbroken.faults.fail_at import fail_at
 from unbroken.jsonl import read_jsonl
-from unbroken.runtime.job_store import JobStore
-from unbroken.runtime.store_backend import job_secret
+from unbroken.store.job_store import JobStore
+from unbroken.store.backend import job_secret
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 

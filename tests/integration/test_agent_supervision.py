@@ -23,9 +23,9 @@ import pytest
 
 from test_agent import Job, alive, running_job, until
 from unbroken.agent._standby import CLAIM_TIMEOUT_S, OFFER_SILENCE_S
-from unbroken.runtime.job_store import JobStore
-from unbroken.runtime.store_backend import job_secret
-from unbroken.runtime.view import View
+from unbroken.store.job_store import JobStore
+from unbroken.store.backend import job_secret
+from unbroken.store.view import View
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

@@ -17,8 +17,8 @@ import pytest
 
 from unbroken.cli import main
 from unbroken.config import load_config
-from unbroken.runtime.job_store import JobStore
-from unbroken.runtime.store_backend import SECRET_ENV
+from unbroken.store.job_store import JobStore
+from unbroken.store.backend import SECRET_ENV
 
 pytestmark = pytest.mark.timeout(120)
 

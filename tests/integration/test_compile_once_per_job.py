@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 
 from _faults import check_invariants, failover_config, run_job
-from unbroken.bench.report import summarize_run
+from unbroken.report.run_report import summarize_run
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

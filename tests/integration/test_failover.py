@@ -28,7 +28,7 @@ import torch
 from _faults import MICRO_BATCH as MB
 from _faults import Job, check_invariants, failover_config, run_job
 from _reference import checkpoint_params, reference_train
-from unbroken.bench.report import summarize_run
+from unbroken.report.run_report import summarize_run
 from unbroken.data import BatchSampler
 from unbroken.faults.store_loss import STORE_PIDS_ENV
 from unbroken.jsonl import read_jsonl

@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 
 from _faults import check_invariants, failover_config, run_job
-from unbroken.bench.report import summarize_run
+from unbroken.report.run_report import summarize_run
 from unbroken.faults.store_loss import STORE_PIDS_ENV
 from unbroken.jsonl import read_jsonl
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from unbroken.config import load_config
-from unbroken.runtime.job_store import JobStore
-from unbroken.runtime.store_backend import save_secret
+from unbroken.store.job_store import JobStore
+from unbroken.store.backend import save_secret
 
 pytestmark = [pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a subreaper is Linux's"),
               pytest.mark.timeout(240)]

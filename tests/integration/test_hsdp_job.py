@@ -33,7 +33,7 @@ import torch
 from _faults import MICRO_BATCH, _ours_alive, check_invariants, failover_config, run_job
 from _reference import checkpoint_params, reference_train
 from unbroken.agent.launcher import JobFailed, launch
-from unbroken.config import Config
+from unbroken.config import config_from_dict
 from unbroken.runtime.ledger import check_ledger, read_events
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
@@ -193,7 +193,7 @@ def test_a_whole_job_killed_restores_its_shards_from_memory_and_resumes_unsharde
     late = sorted(e["worker"] for e in rejoined if e["step"] > 6)
     assert restored in ([0, 1, 2, 3], [0, 1], [2, 3]) and sorted(restored + late) == [0, 1, 2, 3], rejoined
 
-    flat = Config.from_dict(cfg.to_dict())
+    flat = config_from_dict(cfg.to_dict())
     flat.train.shard_degree = 1  # as `unbroken train --resume RUN --train.shard_degree=1` changes it
     flat.model.parallelize = ""
     summary = launch(flat, run, nodes=1, workers_per_node=4, resume=True)

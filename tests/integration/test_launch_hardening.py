@@ -32,8 +32,8 @@ from unbroken.agent.rendezvous import NodeRegistration, StartRefused
 from unbroken.config import Config, load_config
 from unbroken.job.simulator import simulate
 from unbroken.jsonl import read_jsonl
-from unbroken.runtime.job_store import JobStore
-from unbroken.runtime.store_backend import job_secret
+from unbroken.store.job_store import JobStore
+from unbroken.store.backend import job_secret
 
 pytestmark = pytest.mark.timeout(120)
 

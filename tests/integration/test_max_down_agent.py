@@ -14,7 +14,7 @@ import pytest
 
 from test_agent import alive, running_job, until
 from unbroken.config import Config
-from unbroken.runtime.view import View
+from unbroken.store.view import View
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
 

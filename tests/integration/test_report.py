@@ -22,9 +22,9 @@ import pytest
 from _faults import MICRO_BATCH as MB
 from _faults import Job, failover_config
 from unbroken.agent.launcher import launch
-from unbroken.bench.report import build_report, summarize_run
+from unbroken.report.run_report import build_report, summarize_run
 from unbroken.cli import main as cli_main
-from unbroken.config import Config
+from unbroken.config import config_from_dict
 from unbroken.job.simulator import simulate
 from unbroken.jsonl import read_jsonl
 
@@ -61,7 +61,7 @@ def reported(job: Job) -> dict:
 def failure_free(job: Job) -> Path:
     """The simulator's failure-free run of the same config (one process: cheaper than a second job)."""
     out = job.run_dir.parent / "failure-free"
-    simulate(Config.from_dict(job.cfg.to_dict()), out)
+    simulate(config_from_dict(job.cfg.to_dict()), out)
     return out
 
 

@@ -33,9 +33,9 @@ from _faults import check_invariants, failover_config, run_job
 from _reference import checkpoint_params, reference_train
 from unbroken.agent.launcher import JobFailed, launch
 from unbroken.config import Config
-from unbroken.runtime.checkpoint_files import committed_checkpoints, read_commit
+from unbroken.checkpoint.files import committed_checkpoints, read_commit
 from unbroken.runtime.ledger import check_ledger, read_events
-from unbroken.sharding.checkpoint import load_moments
+from unbroken.checkpoint.sharded import load_moments
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 

@@ -27,7 +27,7 @@ from _faults import MICRO_BATCH as MB
 from _faults import check_invariants, run_job
 from unbroken.config import load_config
 from unbroken.snapshot.segment import HEADER_BYTES, SealedBuffer, job_segments
-from unbroken.snapshot.trainer_hooks import job_id
+from unbroken.runtime.snapshot_hooks import job_id
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(360)]
 

@@ -31,11 +31,11 @@ from unbroken.agent._restore import MAX_RESTORES_PER_STEP
 from unbroken.agent.launcher import JobFailed, launch
 from unbroken.config import load_config
 from unbroken.jsonl import read_jsonl
-from unbroken.runtime.checkpoint import latest_checkpoint, read_commit
-from unbroken.runtime.checkpoint_files import committed_checkpoints
+from unbroken.checkpoint.checkpointer import latest_checkpoint, read_commit
+from unbroken.checkpoint.files import committed_checkpoints
 from unbroken.runtime.ledger import check_ledger, read_events
 from unbroken.snapshot.segment import job_segments, remove_segments
-from unbroken.snapshot.trainer_hooks import job_id
+from unbroken.runtime.snapshot_hooks import job_id
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(360)]
 

@@ -21,9 +21,9 @@ import pytest
 import torch.distributed as dist
 from _faults import check_invariants, failover_config, run_job
 
-from unbroken.runtime.job_store import JobStore
-from unbroken.runtime.store_backend import job_secret
-from unbroken.runtime.store_wire import LAUNCH_LEN, MAGIC, NONCE
+from unbroken.store.job_store import JobStore
+from unbroken.store.backend import job_secret
+from unbroken.store.wire import LAUNCH_LEN, MAGIC, NONCE
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -162,7 +162,7 @@ class EtcdAttacker:
     EVERY = 8
 
     def __init__(self, url: str, workers: list[int]) -> None:
-        from unbroken.runtime.etcd_backend import EtcdBackend
+        from unbroken.store.etcd_backend import EtcdBackend
 
         self.backend = EtcdBackend(url, "not the job's secret", timeout_s=10)
         self.workers = workers

@@ -29,7 +29,7 @@ from unbroken.agent.preflight import prepare_run_dir
 from unbroken.config import load_config
 from unbroken.faults.store_loss import STORE_PIDS_ENV
 from unbroken.jsonl import read_jsonl
-from unbroken.runtime.checkpoint import latest_checkpoint, read_commit
+from unbroken.checkpoint.checkpointer import latest_checkpoint, read_commit
 from unbroken.snapshot.segment import segment_dir
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]

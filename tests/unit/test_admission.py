@@ -9,10 +9,10 @@ import torch
 
 from unbroken.jsonl import JsonlWriter
 from unbroken.mecefo.takeover import takeover_policy
-from unbroken.runtime.job_store import JobStore
+from unbroken.store.job_store import JobStore
 from unbroken.runtime.membership import Membership
 from unbroken.runtime.protocol import MAX_SAME_VIEW_RETRIES, RetriesExhausted, StepProtocol
-from unbroken.runtime.view import View
+from unbroken.store.view import View
 
 
 class _Job:

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from unbroken.agent.agent_server import AgentServer
-from unbroken.runtime.store_backend import SECRET_ENV
+from unbroken.store.backend import SECRET_ENV
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl is Linux's")
 

@@ -16,7 +16,7 @@ from unbroken.job.consistency import InconsistentJob, LayoutMismatch, check_cons
 from unbroken.job.references import reference_of, resolve
 from unbroken.mecefo.adapter import ExactOnlyAdapter
 from unbroken.mecefo.gradients import SlotWork
-from unbroken.runtime.job_store import JobStore
+from unbroken.store.job_store import JobStore
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -26,7 +26,7 @@ from unbroken.agent.preflight import prepare_run_dir
 from unbroken.config import Config, OptimConfig, config_hash, load_config
 from unbroken.models import build_model
 from unbroken.models.optim import build_optimizer
-from unbroken.runtime.checkpoint import (
+from unbroken.checkpoint.checkpointer import (
     COMMIT_FILE,
     AsyncCheckpointer,
     CheckpointError,
@@ -299,7 +299,7 @@ _FSIZE_SCRIPT = textwrap.dedent("""
     from pathlib import Path
     sys.path.insert(0, sys.argv[2])
     from test_checkpoint_durability import HASH, _job, _train_step
-    from unbroken.runtime.checkpoint import AsyncCheckpointer, checkpoint_dir, latest_checkpoint, training_state
+    from unbroken.checkpoint.checkpointer import AsyncCheckpointer, checkpoint_dir, latest_checkpoint, training_state
     records = []
     class Keep(logging.Handler):
         def emit(self, record):

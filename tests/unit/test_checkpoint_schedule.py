@@ -8,8 +8,8 @@ import time
 import pytest
 
 from unbroken.config import Config, config_hash, load_config
-from unbroken.runtime.checkpoint_files import COMMIT_FILE, checkpoint_dir
-from unbroken.runtime.checkpoint_schedule import CheckpointSchedule, newest_checkpoint_age_s
+from unbroken.checkpoint.files import COMMIT_FILE, checkpoint_dir
+from unbroken.checkpoint.schedule import CheckpointSchedule, newest_checkpoint_age_s
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -18,10 +18,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from unbroken.runtime import checkpoint_writer
-from unbroken.runtime.checkpoint import COMMIT_FILE, AsyncCheckpointer, checkpoint_dir, verify_checkpoint
-from unbroken.runtime.checkpoint_writer import HostStage, StageBusy
-from unbroken.sharding.checkpoint import MARKER, ShardCheckpointer, staging_dir
+from unbroken.checkpoint import writer as checkpoint_writer
+from unbroken.checkpoint.checkpointer import COMMIT_FILE, AsyncCheckpointer, checkpoint_dir, verify_checkpoint
+from unbroken.checkpoint.writer import HostStage, StageBusy
+from unbroken.checkpoint.sharded import MARKER, ShardCheckpointer, staging_dir
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
 

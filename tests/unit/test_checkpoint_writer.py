@@ -11,10 +11,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from unbroken.dcp import dcp
-from unbroken.runtime import checkpoint_writer
-from unbroken.runtime.checkpoint_files import seal_files
-from unbroken.runtime.checkpoint_writer import (
+from unbroken.checkpoint.dcp import dcp
+from unbroken.checkpoint import writer as checkpoint_writer
+from unbroken.checkpoint.files import seal_files
+from unbroken.checkpoint.writer import (
     INDEX_FILE,
     HostStage,
     file_groups,

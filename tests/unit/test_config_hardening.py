@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from unbroken.agent.preflight import prepare_run_dir
-from unbroken.config import Config, config_diff, config_hash, load_config, validate
+from unbroken.config import Config, config_diff, config_from_dict, config_hash, load_config, validate
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -43,7 +43,7 @@ def test_non_finite_values_from_toml_and_json_are_rejected(tmp_path: Path) -> No
     for field in ("train.timeout_s", "fault.heartbeat_timeout_s", "fault.job_hours"):
         assert f"{field}=" in msg
     with pytest.raises(ValueError, match=r"train.timeout_s=inf: expected a finite number"):
-        Config.from_dict({"train": {"timeout_s": math.inf}})
+        config_from_dict({"train": {"timeout_s": math.inf}})
 
 
 def test_validate_catches_non_finite_values_set_in_code() -> None:
@@ -100,7 +100,7 @@ def test_resume_of_a_run_saved_with_backend_is_not_a_different_config(tmp_path: 
     (run / "config.json").write_text(json.dumps(saved))
     # The config check passes; the run then lacks a checkpoint (a later, different error).
     with pytest.raises(ValueError, match="no committed checkpoint"):
-        prepare_run_dir(run, Config.from_dict(saved), overwrite=False, resume=True)
+        prepare_run_dir(run, config_from_dict(saved), overwrite=False, resume=True)
 
 
 # -- 4. the torch floor ----------------------------------------------------------

@@ -21,7 +21,7 @@ from unbroken.config import OptimConfig
 from unbroken.models import build_model
 from unbroken.models.factory import bind_device, place_model
 from unbroken.models.optim import build_optimizer
-from unbroken.runtime.job_store import JobStore
+from unbroken.store.job_store import JobStore
 from unbroken.runtime.process_group import CollectiveFailed, ViewGroup
 from unbroken.runtime.state_transfer import transfer_state
 
@@ -94,7 +94,7 @@ CHILD = """
 import os, signal, sys, time, torch
 from unbroken.agent.worker_process import survive_nccl_failures
 survive_nccl_failures()
-from unbroken.runtime.job_store import JobStore
+from unbroken.store.job_store import JobStore
 from unbroken.runtime.process_group import ViewGroup
 port, gen, dev, die = (int(a) for a in sys.argv[1:5])
 torch.cuda.set_device(dev)

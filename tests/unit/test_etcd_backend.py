@@ -15,12 +15,12 @@ import torch.distributed as dist
 
 from unbroken.faults.fail_at import parse_fail_at
 from unbroken.faults.store_loss import StoreFaults
-from unbroken.runtime import etcd_backend
-from unbroken.runtime.etcd_backend import EtcdBackend, StoreUnavailable, parse_etcd
-from unbroken.runtime.job_store import JobStore
+from unbroken.store import etcd_backend
+from unbroken.store.etcd_backend import EtcdBackend, StoreUnavailable, parse_etcd
+from unbroken.store.job_store import JobStore
 from unbroken.runtime.membership import Membership
-from unbroken.runtime.view import View
-from unbroken.runtime.store_backend import StoreAccessDenied
+from unbroken.store.view import View
+from unbroken.store.backend import StoreAccessDenied
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from unbroken.runtime.job_store import JobStore
-from unbroken.runtime.store_backend import ETCD_TLS_ENV
-from unbroken.runtime.view import View
+from unbroken.store.job_store import JobStore
+from unbroken.store.backend import ETCD_TLS_ENV
+from unbroken.store.view import View
 
 pytest.importorskip("etcd3gw", reason="the etcd client is not installed: pip install 'unbroken[etcd]'")
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl to make certificates")

@@ -11,9 +11,9 @@ import torch
 from unbroken.cli import main
 from unbroken.config import OptimConfig, config_hash, load_config
 from unbroken.models import build_model
-from unbroken.models.export import export_hf
+from unbroken.export import export_hf
 from unbroken.models.optim import build_optimizer
-from unbroken.runtime.checkpoint import AsyncCheckpointer, CheckpointError, checkpoint_dir, training_state
+from unbroken.checkpoint.checkpointer import AsyncCheckpointer, CheckpointError, checkpoint_dir, training_state
 
 transformers = pytest.importorskip("transformers")
 

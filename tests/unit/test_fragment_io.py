@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from unbroken.runtime.view import View
+from unbroken.store.view import View
 from unbroken.snapshot import fragment_io
 from unbroken.snapshot.overwrite_pages import ready_to_overwrite
 from unbroken.snapshot.fragment_io import FragmentRead, load_fragments
@@ -133,13 +133,13 @@ def test_threaded_verification_finds_one_flipped_byte_in_any_piece(job_id, monke
     _snapshot(job_id, model, optimizer)
     path = job_segments(job_id, node=1)[0]
     buf = SealedBuffer.open(path, job_id)
-    buf.verify(threads=4)  # intact
+    fragment_io.verify_sealed(buf, threads=4)  # intact
     offset, length, _ = max(buf.ranges()[1:], key=lambda r: r[1])
     _flip(path, HEADER_BYTES + offset + 3 * ODD_PIECE + 17)  # in the fourth piece of the largest fragment
     with pytest.raises(SnapshotCorrupt, match=rf"bytes \[{offset}, {offset + length}\) do not match"):
-        buf.verify(threads=4)
+        fragment_io.verify_sealed(buf, threads=4)
     with pytest.raises(SnapshotCorrupt, match="do not match"):
-        buf.verify(threads=1)
+        fragment_io.verify_sealed(buf, threads=1)
 
 
 def _pagemap_exclusive(address: int) -> bool:

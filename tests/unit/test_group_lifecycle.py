@@ -12,15 +12,15 @@ import pytest
 import torch
 
 from unbroken.runtime import process_group
-from unbroken.runtime.job_store import JobStore
+from unbroken.store.job_store import JobStore
 from unbroken.runtime.process_group import ViewGroup
-from unbroken.runtime.view import View
+from unbroken.store.view import View
 
 ROUNDS = 50
 
 CHILD = """
 import os, sys, time, torch
-from unbroken.runtime.job_store import JobStore
+from unbroken.store.job_store import JobStore
 from unbroken.runtime.process_group import ViewGroup
 port, rounds, linger = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
 store = JobStore.connect(f"127.0.0.1:{port}", timeout_s=20, secret="test")

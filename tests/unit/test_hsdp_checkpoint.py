@@ -17,10 +17,10 @@ from datetime import timedelta
 from pathlib import Path
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from unbroken.runtime.checkpoint import AsyncCheckpointer, load_checkpoint, training_state
-from unbroken.sharding.checkpoint import ShardCheckpointer
+from unbroken.checkpoint.checkpointer import AsyncCheckpointer, load_checkpoint, training_state
+from unbroken.checkpoint.sharded import ShardCheckpointer
 from unbroken.sharding.layout import ShardedModel
-from unbroken.sharding.training_state import layout_of
+from unbroken.state.training_state import layout_of
 
 rank, port, run = int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])
 store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
@@ -66,7 +66,7 @@ if rank == 0:
     load_checkpoint(path, flat, flat_opt, config_hash="h")
     flat_state = training_state(flat, flat_opt)
     plain_ok = all(torch.equal(flat_state[k], whole[k]) for k in whole if k != "rng.cpu")
-    from unbroken.models.export import read_model_weights  # what unbroken export --hf reads: whole parameters
+    from unbroken.export import read_model_weights  # what unbroken export --hf reads: whole parameters
 
     exported = read_model_weights(path)
     plain_ok = plain_ok and sorted(exported) == sorted(k.removeprefix("model.") for k in whole
@@ -103,7 +103,7 @@ def test_the_parts_a_takeover_writes_are_staged_apart_from_the_dead_writers(tmp_
 
     import torch
 
-    from unbroken.sharding.checkpoint import ShardCheckpointer, collect_shards, staging_dir
+    from unbroken.checkpoint.sharded import ShardCheckpointer, collect_shards, staging_dir
 
     dead, taker = ShardCheckpointer(tmp_path), ShardCheckpointer(tmp_path)
     for name, value in (("i0", 1.0), ("i1", 2.0)):
@@ -130,7 +130,7 @@ def test_a_commit_removes_the_stages_before_its_own_in_number_order(tmp_path):
     stage of the same step and every earlier step's, and keeps what comes after it (a later generation's)."""
     import torch
 
-    from unbroken.sharding.checkpoint import ShardCheckpointer, collect_shards, staging_dir
+    from unbroken.checkpoint.sharded import ShardCheckpointer, collect_shards, staging_dir
 
     writer = ShardCheckpointer(tmp_path)
     for step, gen in ((9, 30), (10, 3), (10, 12), (10, 13), (11, 1)):
@@ -151,7 +151,7 @@ def test_a_takeover_by_a_lower_writer_removes_the_dead_writers_stage(tmp_path):
     of the step stays."""
     import torch
 
-    from unbroken.sharding.checkpoint import ShardCheckpointer, collect_shards, staging_dir
+    from unbroken.checkpoint.sharded import ShardCheckpointer, collect_shards, staging_dir
 
     writer = ShardCheckpointer(tmp_path)
     for gen in ("4w3", "4w1", "5w0"):

@@ -11,7 +11,7 @@ import pytest
 from unbroken.agent._job_error import death_error, record_error
 from unbroken.agent._restore import (MAX_BACKOFF_S, MAX_RESTORES_PER_STEP, JobRestore, recurring_error,
                                      restore_backoff)
-from unbroken.runtime.view import View
+from unbroken.store.view import View
 
 pytestmark = pytest.mark.timeout(30)
 

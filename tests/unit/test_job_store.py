@@ -13,10 +13,10 @@ import torch
 
 from unbroken.jsonl import JsonlWriter
 from unbroken.mecefo.takeover import takeover_policy
-from unbroken.runtime.job_store import JobStore
+from unbroken.store.job_store import JobStore
 from unbroken.runtime.membership import Membership
 from unbroken.runtime.protocol import StepProtocol
-from unbroken.runtime.view import View
+from unbroken.store.view import View
 
 
 @pytest.fixture(params=["tcp", "etcd"])
@@ -109,8 +109,8 @@ def test_node_registration_and_standby_offer(store):
 
 RACER = """
 import json, sys
-from unbroken.runtime.job_store import JobStore
-from unbroken.runtime.view import View
+from unbroken.store.job_store import JobStore
+from unbroken.store.view import View
 addr, me, rounds, secret = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 store = JobStore.connect(addr, timeout_s=20, secret=secret)
 store.backend.add("ready", 1)

@@ -17,7 +17,7 @@ import torch
 
 from unbroken.agent._job_error import is_data_error
 from unbroken.agent.template_client import Template
-from unbroken.runtime.view import View
+from unbroken.store.view import View
 from unbroken.snapshot._load_damage import Damage
 from unbroken.snapshot.restore import alone, decide, inventory, restore_from_memory
 from unbroken.snapshot.segment import HEADER_BYTES, SECRET_ENV, SealedBuffer, SnapshotCorrupt, job_segments

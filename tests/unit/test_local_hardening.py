@@ -13,7 +13,7 @@ import pytest
 from unbroken.config import load_config
 from unbroken.job.references import anchor_references, resolve
 from unbroken.job.run_dir import prepare_out_dir
-from unbroken.runtime.store_backend import SECRET_FILE, StoreAccessDenied, save_secret
+from unbroken.store.backend import SECRET_FILE, StoreAccessDenied, save_secret
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -9,9 +9,9 @@ import time
 import pytest
 import torch
 
-from unbroken.runtime.job_store import JobStore
+from unbroken.store.job_store import JobStore
 from unbroken.runtime.membership import FIRST_BEAT_FACTOR, Membership, View, beat_interval
-from unbroken.runtime.store_backend import EmbeddedBackend
+from unbroken.store.backend import EmbeddedBackend
 
 TIMEOUT_S = 0.3
 

@@ -16,7 +16,7 @@ from unbroken.mecefo.gradients import GradLayout, SlotWork, compute_gradient_sum
 from unbroken.models import build_model
 from unbroken.models.optim import build_optimizer
 from unbroken.models.precision import check_precision
-from unbroken.runtime.checkpoint import AsyncCheckpointer, latest_checkpoint, load_checkpoint, training_state
+from unbroken.checkpoint.checkpointer import AsyncCheckpointer, latest_checkpoint, load_checkpoint, training_state
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -9,13 +9,13 @@ import weakref
 
 import torch
 
-from unbroken.runtime.job_store import JobStore
+from unbroken.store.job_store import JobStore
 from unbroken.runtime.process_group import ViewGroup
 
 CHILD = """
 import os, sys, time, torch, torch.distributed as dist
 from datetime import timedelta
-from unbroken.runtime.job_store import JobStore
+from unbroken.store.job_store import JobStore
 from unbroken.runtime.process_group import ViewGroup
 port, late = int(sys.argv[1]), float(sys.argv[2])
 store = JobStore.connect(f"127.0.0.1:{port}", timeout_s=20, secret="test")
@@ -90,7 +90,7 @@ def test_a_group_of_one_needs_no_peer():
 
 GATHER_CHILD = """
 import os, sys, time, torch
-from unbroken.runtime.job_store import JobStore
+from unbroken.store.job_store import JobStore
 from unbroken.runtime.process_group import ViewGroup
 port = int(sys.argv[1])
 store = JobStore.connect(f"127.0.0.1:{port}", timeout_s=20, secret="test")
@@ -133,7 +133,7 @@ def test_an_all_gather_given_up_on_may_still_complete_late():
 
 STEPS_CHILD = """
 import os, sys, torch
-from unbroken.runtime.job_store import JobStore
+from unbroken.store.job_store import JobStore
 from unbroken.runtime.process_group import ViewGroup
 port = int(sys.argv[1])
 store = JobStore.connect(f"127.0.0.1:{port}", timeout_s=20, secret="test")

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from unbroken.runtime.job_store import JobStore
-from unbroken.runtime.view import View
+from unbroken.store.job_store import JobStore
+from unbroken.store.view import View
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -23,7 +23,7 @@ import json, os, sys, torch
 from pathlib import Path
 from unbroken.jsonl import JsonlWriter
 from unbroken.mecefo.takeover import takeover_policy
-from unbroken.runtime.job_store import JobStore
+from unbroken.store.job_store import JobStore
 from unbroken.runtime.membership import Membership
 from unbroken.runtime.process_group import CollectiveFailed
 from unbroken.runtime.protocol import StepProtocol

@@ -16,15 +16,15 @@ import torch
 
 from unbroken.jsonl import JsonlWriter
 from unbroken.mecefo.takeover import takeover_policy
-from unbroken.runtime.job_store import JobStore
+from unbroken.store.job_store import JobStore
 from unbroken.runtime.membership import Fenced, Membership, View
 from unbroken.runtime.protocol import MemberDied, StepProtocol
 
 CHILD = """
 import os, sys, torch, torch.distributed as dist
-from unbroken.runtime.job_store import JobStore
+from unbroken.store.job_store import JobStore
 from unbroken.runtime.process_group import ViewGroup
-from unbroken.runtime.view import View
+from unbroken.store.view import View
 port, mode = int(sys.argv[1]), sys.argv[2]
 store = JobStore.connect(f"127.0.0.1:{port}", timeout_s=20, secret="test")
 store.beat(1)

@@ -1,8 +1,8 @@
-"""A recovery's phases read from a run's events (:mod:`unbroken.bench.recovery_phases`): exact, on a written timeline."""
+"""A recovery's phases read from a run's events (:mod:`unbroken.report.recovery_phases`): exact, on a written timeline."""
 
 from __future__ import annotations
 
-from unbroken.bench.recovery_phases import recoveries
+from unbroken.report.recovery_phases import recoveries
 
 T = 1000.0
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from unbroken.bench import report_series as rs
+from unbroken.report import series as rs
 
 pytestmark = pytest.mark.timeout(10)
 

@@ -15,7 +15,7 @@ from typing import Callable
 import pytest
 import torch
 
-from unbroken.runtime.view import View
+from unbroken.store.view import View
 from unbroken.snapshot.restore import decide, inventory, restore_from_memory
 from unbroken.snapshot.segment import SnapshotCorrupt
 from unbroken.snapshot.snapshotter import Snapshotter

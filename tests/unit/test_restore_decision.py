@@ -11,9 +11,9 @@ import pytest
 
 from unbroken.agent import _restore
 from unbroken.agent._restore import AGENT_SILENT_S, JobRestore
-from unbroken.runtime.job_store import JobStore
-from unbroken.runtime.view import View
-from unbroken.snapshot.trainer_hooks import job_id
+from unbroken.store.job_store import JobStore
+from unbroken.store.view import View
+from unbroken.runtime.snapshot_hooks import job_id
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -10,10 +10,10 @@ import torch
 
 from unbroken.config import config_hash, load_config
 from unbroken.models.optim import build_optimizer
-from unbroken.runtime.checkpoint import AsyncCheckpointer, load_checkpoint, training_state
+from unbroken.checkpoint.checkpointer import AsyncCheckpointer, load_checkpoint, training_state
 from unbroken.sharding import ShardedAdamW, Sharding, ring_buddies, shard_range
-from unbroken.sharding.checkpoint import ShardCheckpointer, load_moments
-from unbroken.sharding.replicas import ReplicaStore
+from unbroken.checkpoint.sharded import ShardCheckpointer, load_moments
+from unbroken.snapshot.replicas import ReplicaStore
 from unbroken.snapshot.segment import SealedBuffer, remove_segments, segment_name, segment_path
 
 HYPER = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
@@ -146,7 +146,7 @@ def test_a_snapshot_steps_copies_are_pinned_and_a_restore_finds_every_range_of_t
     """Copies of every step alternate in buffers 0 and 1; a snapshot step's go to 2 and 3, so the moments of
     the two newest snapshot steps stay while later steps' copies come and go. :func:`moments_spec` takes a
     step only with a copy of every range of one sharding, sealed in the snapshot's view."""
-    from unbroken.sharding.replicas import copies_inventory, moments_spec
+    from unbroken.snapshot.replicas import copies_inventory, moments_spec
 
     job = secrets.token_hex(6)
     holders = {3: ReplicaStore(job, 1, 3), 0: ReplicaStore(job, 0, 0)}  # 3 keeps 0's copy, 0 keeps 3's
@@ -166,7 +166,7 @@ def test_a_snapshot_steps_copies_are_pinned_and_a_restore_finds_every_range_of_t
         assert moments_spec(copies, step=6, gen=1) is None, "sealed in another view: another timeline"
         assert moments_spec(copies_inventory(job, 1)[0], step=6, gen=2) is None, "node 0 (3's copy) is gone"
         # A replicated optimizer takes the moments too (a --resume without train.shard_optimizer).
-        from unbroken.sharding.replicas import restore_moments
+        from unbroken.snapshot.replicas import restore_moments
 
         model = torch.nn.Sequential(torch.nn.Linear(2, 2, bias=False), torch.nn.Linear(2, 3, bias=False))  # 4 + 6
         opt = build_optimizer(model, **HYPER)

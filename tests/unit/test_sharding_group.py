@@ -28,9 +28,9 @@ from unbroken.mecefo.gradients import GradLayout, apply_step
 from unbroken.models.optim import build_optimizer
 from unbroken.runtime.held_memory import held_storages
 from unbroken.runtime.process_group import ViewGroup
-from unbroken.runtime.view import View
+from unbroken.store.view import View
 from unbroken.sharding import ShardedAdamW
-from unbroken.sharding.replicas import ReplicaStore
+from unbroken.snapshot.replicas import ReplicaStore
 from unbroken.sharding.state import ShardedState
 from unbroken.snapshot.segment import remove_segments
 

@@ -8,7 +8,7 @@ import pytest
 
 from unbroken.agent import rendezvous
 from unbroken.agent.rendezvous import RUN_DIR_TOKEN_FILE, NodeRegistration, StartRefused
-from unbroken.runtime.job_store import JobStore
+from unbroken.store.job_store import JobStore
 
 
 def _store() -> JobStore:

@@ -19,9 +19,10 @@ import torch
 from unbroken.config import load_config, preset
 from unbroken.models import build_model
 from unbroken.runtime.ledger import check_ledger
-from unbroken.runtime.view import View
+from unbroken.store.view import View
 from unbroken.snapshot.capacity import check_snapshot_config, node_bytes, state_bytes
 from unbroken.snapshot.erasure import Coding, ErasureError
+from unbroken.snapshot.fragment_io import verify_sealed
 from unbroken.snapshot.plan import plan_for
 from unbroken.snapshot.restore import alone, decide, inventory, restore_from_memory
 from unbroken.snapshot.segment import SealedBuffer, SnapshotCorrupt, job_segments, remove_segments, segment_dir
@@ -128,7 +129,7 @@ def _held_steps(job_id: str) -> dict[str, int]:
     for path in job_segments(job_id):
         sealed = SealedBuffer.open(path, job_id)
         if sealed is not None:
-            sealed.verify()
+            verify_sealed(sealed)
             out[path.name[-2:]] = sealed.seal["step"]
     return out
 
@@ -202,7 +203,7 @@ def test_a_write_longer_than_the_progress_timeout_never_gets_the_waiting_worker_
     """A fixed interval makes the training thread wait for the last snapshot before its next reduction: a first
     write of 1 GB (its buffer mapped as it goes: several progress timeouts long) must not get a healthy worker
     judged stuck by its peers (the wait counts as progress, as a validation or a checkpoint's does)."""
-    from unbroken.runtime.job_store import JobStore
+    from unbroken.store.job_store import JobStore
     from unbroken.runtime.membership import Membership
 
     store = JobStore.host("127.0.0.1", 0, clients=3, secret="s")
@@ -421,7 +422,7 @@ def test_ledger_counts_the_history_after_a_restore(tmp_path):
 
 def test_resume_refuses_snapshot_memory_of_another_config(tmp_path):
     from unbroken.agent.preflight import prepare_run_dir
-    from unbroken.snapshot.trainer_hooks import job_id as run_job_id
+    from unbroken.runtime.snapshot_hooks import job_id as run_job_id
 
     cfg = load_config(preset_name="debug")
     run = tmp_path / "run"
@@ -441,7 +442,7 @@ def test_resume_refuses_snapshot_memory_of_another_config(tmp_path):
 
 
 def test_a_joiner_loads_the_boundary_from_its_own_node_when_the_node_can_decode_alone(job_id, tmp_path):
-    from unbroken.snapshot import trainer_hooks as th
+    from unbroken.runtime import snapshot_hooks as th
 
     run = tmp_path / "run"
     run.mkdir()
@@ -480,7 +481,7 @@ def test_a_joiner_loads_the_restored_timelines_snapshot_not_the_abandoned_one(jo
     """Step 7 was sealed under view 2 (worker 0 the node's writer), then the job was restored at an earlier
     step and trained step 7 again, differently, under view 9 (worker 1 the writer; worker 0 down). Both are
     complete on node 0: worker 0, rejoining at step 7 from its node's memory, loads view 9's."""
-    from unbroken.snapshot import trainer_hooks as th
+    from unbroken.runtime import snapshot_hooks as th
 
     run = tmp_path / "run"
     run.mkdir()
@@ -499,7 +500,7 @@ def test_agents_creating_the_job_id_at_once_all_get_the_first_ones(tmp_path):
     one in the file, and none fails on another's temporary file (here threads, released by one barrier)."""
     import threading
 
-    from unbroken.snapshot.trainer_hooks import job_id as run_job_id
+    from unbroken.runtime.snapshot_hooks import job_id as run_job_id
 
     for attempt in range(20):
         run = tmp_path / f"run{attempt}"

@@ -10,7 +10,7 @@ import torch
 from unbroken.mecefo.adapter import adapter_for
 from unbroken.mecefo.gradients import GradLayout, SlotWork, compute_gradient_sums
 from unbroken.models import build_model
-from unbroken.runtime.view import View
+from unbroken.store.view import View
 from unbroken.snapshot.cadence import MARGIN, VETO, VOTE_SLOTS, Cadence, cast, due, tally
 from unbroken.snapshot.restore import decide, inventory, restore_from_memory
 from unbroken.snapshot.segment import remove_segments

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from unbroken.config import load_config, preset
-from unbroken.runtime.view import View
+from unbroken.store.view import View
 from unbroken.snapshot.erasure import MAX_FRAGMENTS, Coding
 from unbroken.snapshot.plan import GROUP_NODES, SnapshotPlan, complete_steps, plan_for
 from unbroken.snapshot.protection import announce, check_coding, protection

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from unbroken.models import build_model
-from unbroken.runtime.view import View
+from unbroken.store.view import View
 from unbroken.snapshot import segment
 from unbroken.snapshot.restore import decide, inventory
 from unbroken.snapshot.segment import (MAGIC, SECRET_ENV, SnapshotMemoryUnsafe, crc32, job_segments,

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from _snapshot_state import trained_state
-from unbroken.runtime.view import View
+from unbroken.store.view import View
 from unbroken.snapshot.plan import complete_steps
 from unbroken.snapshot.restore import decide, inventory, restore_from_memory, shard_spec
 from unbroken.snapshot.snapshotter import Snapshotter

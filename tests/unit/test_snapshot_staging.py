@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from unbroken.models import build_model
-from unbroken.runtime.view import View
+from unbroken.store.view import View
 from unbroken.snapshot.erasure import Coding
 from unbroken.snapshot.plan import MAX_STRIPE_BYTES, plan_for
 from unbroken.snapshot.segment import remove_segments
@@ -220,7 +220,7 @@ def test_under_auto_a_cpu_snapshot_staged_in_blocks_seals_the_state_of_its_step(
 
 _THREADS_PROBE = r"""
 import os, sys, torch
-from unbroken.runtime.view import View
+from unbroken.store.view import View
 from unbroken.snapshot.segment import remove_segments
 from unbroken.snapshot.snapshotter import Snapshotter
 torch.set_num_threads(2)

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from unbroken.agent.rendezvous import StartRefused, wait_for_lost_node
-from unbroken.runtime.job_store import JobStore
+from unbroken.store.job_store import JobStore
 
 
 def _dead_pid() -> int:

@@ -17,7 +17,7 @@ import torch
 from unbroken.config import OptimConfig
 from unbroken.models import build_model
 from unbroken.models.optim import build_optimizer
-from unbroken.runtime.job_store import JobStore
+from unbroken.store.job_store import JobStore
 from unbroken.runtime.process_group import CollectiveFailed, ViewGroup
 from unbroken.runtime.state_transfer import transfer_state
 
@@ -32,7 +32,7 @@ import os, sys, torch
 from unbroken.config import OptimConfig
 from unbroken.models import build_model
 from unbroken.models.optim import build_optimizer
-from unbroken.runtime.job_store import JobStore
+from unbroken.store.job_store import JobStore
 from unbroken.runtime.process_group import ViewGroup
 from unbroken.runtime.state_transfer import transfer_state
 port, chunk, die_after = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
@@ -140,7 +140,7 @@ from pathlib import Path
 from unbroken.config import OptimConfig
 from unbroken.models import build_model
 from unbroken.models.optim import build_optimizer
-from unbroken.runtime.job_store import JobStore
+from unbroken.store.job_store import JobStore
 from unbroken.runtime.process_group import ViewGroup
 from unbroken.runtime.state_transfer import transfer_state
 port, stall_at, marks = int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])

@@ -13,7 +13,7 @@ from unbroken.config import OptimConfig
 from unbroken.models import build_model
 from unbroken.models.optim import build_optimizer
 from unbroken.runtime.state_transfer import transfer_state
-from unbroken.sharding.training_state import capture
+from unbroken.state.training_state import capture
 
 pytestmark = pytest.mark.timeout(60)
 

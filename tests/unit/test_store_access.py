@@ -14,12 +14,12 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from unbroken.runtime.job_store import JobStore
-from unbroken.runtime.store_backend import SECRET_ENV, StoreAccessDenied, job_secret, save_secret
-from unbroken.runtime import store_server
-from unbroken.runtime.store_server import MAX_PENDING, OK, OPS
-from unbroken.runtime.store_wire import LAUNCH_ENV, LAUNCH_LEN, MAGIC, NONCE, client_handshake, pack, store_key, unpack
-from unbroken.runtime.view import View
+from unbroken.store.job_store import JobStore
+from unbroken.store.backend import SECRET_ENV, StoreAccessDenied, job_secret, save_secret
+from unbroken.store import server as store_server
+from unbroken.store.server import MAX_PENDING, OK, OPS
+from unbroken.store.wire import LAUNCH_ENV, LAUNCH_LEN, MAGIC, NONCE, client_handshake, pack, store_key, unpack
+from unbroken.store.view import View
 
 pytestmark = pytest.mark.timeout(60)
 SECRET = "the job's secret"

@@ -17,21 +17,21 @@ import torch.distributed as dist
 
 from unbroken.jsonl import JsonlWriter
 from unbroken.mecefo.takeover import takeover_policy
-from unbroken.runtime.job_store import JobStore
+from unbroken.store.job_store import JobStore
 from unbroken.runtime.membership import Membership
 from unbroken.runtime.process_group import CollectiveFailed
 from unbroken.runtime.protocol import StepProtocol
-from unbroken.runtime.store_backend import GROUP_CONNECT_TRIES
-from unbroken.runtime.store_client import StoreClient
-from unbroken.runtime.store_wire import store_key
-from unbroken.runtime.view import View
+from unbroken.store.backend import GROUP_CONNECT_TRIES
+from unbroken.store.client import StoreClient
+from unbroken.store.wire import store_key
+from unbroken.store.view import View
 
 pytestmark = pytest.mark.timeout(60)
 SECRET = "the job's secret"
 
 SERVER = """
 import sys
-from unbroken.runtime.store_server import StoreServer
+from unbroken.store.server import StoreServer
 server = StoreServer.listen("127.0.0.1", 0, sys.argv[1])
 print(server.port, server.launch, flush=True)
 sys.stdin.read()  # serves until the test closes its stdin

@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
-from unbroken.runtime.job_store import JobStore, StoreKeyLost
+from unbroken.store.job_store import JobStore, StoreKeyLost
 from unbroken.runtime.membership import Membership
-from unbroken.runtime.view import View
+from unbroken.store.view import View
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -16,14 +16,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from unbroken.runtime.etcd_backend import EtcdBackend
-from unbroken.runtime.etcd_client import INSECURE_ENV, StoreUnavailable
-from unbroken.runtime.job_store import JobStore, StoreKeyLost
+from unbroken.store.etcd_backend import EtcdBackend
+from unbroken.store.etcd_client import INSECURE_ENV, StoreUnavailable
+from unbroken.store.job_store import JobStore, StoreKeyLost
 from unbroken.runtime.membership import Membership
 from unbroken.runtime.process_group import ViewGroup
-from unbroken.runtime.store_seal import PENDING_S, SEEN_KEYS, Sealer
-from unbroken.runtime.store_wire import LAUNCH_ENV
-from unbroken.runtime.view import View
+from unbroken.store.seal import PENDING_S, SEEN_KEYS, Sealer
+from unbroken.store.wire import LAUNCH_ENV
+from unbroken.store.view import View
 
 pytestmark = pytest.mark.timeout(120)
 SECRET = "the job's secret"

@@ -11,10 +11,10 @@ import torch
 
 from test_state_transfer import Loopback
 from unbroken.models import build_model
-from unbroken.runtime.checkpoint import AsyncCheckpointer, load_checkpoint, training_state
+from unbroken.checkpoint.checkpointer import AsyncCheckpointer, load_checkpoint, training_state
 from unbroken.runtime.state_transfer import transfer_state
-from unbroken.runtime.view import View
-from unbroken.sharding.training_state import StateNotCapturable, capture, check_capturable
+from unbroken.store.view import View
+from unbroken.state.training_state import StateNotCapturable, capture, check_capturable
 from unbroken.snapshot.restore import decide, inventory, restore_from_memory
 from unbroken.snapshot.snapshotter import Snapshotter
 from unbroken.snapshot.state_bytes import tensors_of

@@ -52,14 +52,14 @@ from pathlib import Path
 from typing import Callable
 
 from unbroken.faults.injector import workers_of
-from unbroken.runtime.checkpoint import latest_checkpoint, read_commit
+from unbroken.checkpoint.checkpointer import latest_checkpoint, read_commit
 from unbroken.runtime.membership import SHARD_LOST
-from unbroken.runtime.job_store import JobStore
-from unbroken.runtime.view import View
+from unbroken.store.job_store import JobStore
+from unbroken.store.view import View
 from unbroken.snapshot.restore import decide, inventory
 from unbroken.agent._supervision import decode_mark
 from unbroken.agent.rendezvous import StartRefused
-from unbroken.snapshot.trainer_hooks import job_id
+from unbroken.runtime.snapshot_hooks import job_id
 
 __all__ = ["AGENT_SILENT_S", "INVENTORY_DEADLINE_S", "JobRestore", "recurring_error", "restore_backoff"]
 

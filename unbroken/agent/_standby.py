@@ -46,7 +46,7 @@ from typing import Any, Callable
 
 from unbroken.agent._process import describe_exit, remove_pid, send, spawn, write_pid
 from unbroken.agent._supervision import CHECK_S, Limits, ObserverClock, Pulse
-from unbroken.runtime.job_store import JobStore
+from unbroken.store.job_store import JobStore
 
 logger = logging.getLogger(__name__)
 

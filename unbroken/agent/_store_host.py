@@ -12,7 +12,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from unbroken.config import Config
-from unbroken.runtime.job_store import JobStore
+from unbroken.store.job_store import JobStore
 
 __all__ = ["REHOST_S", "StoreHost"]
 

@@ -43,8 +43,8 @@ import subprocess
 import time
 from typing import Any
 
-from unbroken.runtime.job_store import JobStore
-from unbroken.runtime.view import View
+from unbroken.store.job_store import JobStore
+from unbroken.store.view import View
 
 CHECK_S = 0.1
 """How often the counters are read (a heartbeat's period)."""

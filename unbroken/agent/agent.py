@@ -58,11 +58,11 @@ from unbroken.agent.options import AgentOptions
 from unbroken.models.factory import check_placement
 from unbroken.faults.injector import NodeFaults, workers_of
 from unbroken.jsonl import JsonlWriter
-from unbroken.runtime.job_store import JobStore
-from unbroken.runtime.store_backend import SECRET_ENV, StoreAccessDenied, is_etcd_address, job_secret
-from unbroken.runtime.store_wire import LAUNCH_ENV
-from unbroken.runtime.view import View
-from unbroken.config import Config, config_hash
+from unbroken.store.job_store import JobStore
+from unbroken.store.backend import SECRET_ENV, StoreAccessDenied, is_etcd_address, job_secret
+from unbroken.store.wire import LAUNCH_ENV
+from unbroken.store.view import View
+from unbroken.config import Config, config_from_dict, config_hash
 from unbroken.snapshot.segment import remove_segments
 
 logger = logging.getLogger(__name__)
@@ -206,7 +206,7 @@ class Agent(DeathDuties, FaultDuties, StartDuties):
         self.rdv.check_shared_run_dir(self.run_dir)
         self.total_steps = int(cfg["train"]["steps"])
         self._hb_timeout = float(cfg["fault"]["heartbeat_timeout_s"])
-        job_cfg = Config.from_dict(cfg)
+        job_cfg = config_from_dict(cfg)
         self.shard_degree = job_cfg.train.shard_degree
         if self.shard_degree > 1 and self.opts.standby:
             raise AgentError(f"node {self.node}: --standby with train.shard_degree={self.shard_degree}: a warm "

@@ -29,8 +29,8 @@ from pathlib import Path
 from unbroken.agent.preflight import preflight, prepare_run_dir
 from unbroken.config import Config
 from unbroken.job.references import anchor_references
-from unbroken.runtime.job_store import JobStore
-from unbroken.runtime.store_backend import SECRET_FILE, StoreAccessDenied, job_secret, new_secret, save_secret
+from unbroken.store.job_store import JobStore
+from unbroken.store.backend import SECRET_FILE, StoreAccessDenied, job_secret, new_secret, save_secret
 from unbroken.snapshot.capacity import check_snapshot_config
 from unbroken.snapshot.protection import announce as announce_protection
 

@@ -49,7 +49,7 @@ from unbroken.faults.injector import check_faults
 from unbroken.faults.store_loss import StoreFaults, store_lost_message
 from unbroken.faults.traces import FailureTrace, generate_trace, step_time_for
 from unbroken.jsonl import JsonlTail
-from unbroken.runtime.checkpoint import CheckpointError, latest_checkpoint, read_commit
+from unbroken.checkpoint.checkpointer import CheckpointError, latest_checkpoint, read_commit
 from unbroken.snapshot.capacity import check_snapshot_config
 from unbroken.snapshot.protection import announce as announce_protection
 from unbroken.agent.preflight import _truncate_metrics, preflight, prepare_run_dir
@@ -59,10 +59,10 @@ from unbroken.job.references import anchor_references
 from unbroken.models.factory import check_placement
 from unbroken.agent._replacer import NodeReplacer, spare_count
 from unbroken.agent._store_host import StoreHost
-from unbroken.runtime.etcd_client import parse_etcd
-from unbroken.runtime.job_store import JobStore
-from unbroken.runtime.store_backend import SECRET_ENV, SECRET_FILE, job_secret, new_secret, save_secret
-from unbroken.runtime.store_wire import LAUNCH_ENV
+from unbroken.store.etcd_client import parse_etcd
+from unbroken.store.job_store import JobStore
+from unbroken.store.backend import SECRET_ENV, SECRET_FILE, job_secret, new_secret, save_secret
+from unbroken.store.wire import LAUNCH_ENV
 from unbroken.runtime.recovery import recovery
 
 logger = logging.getLogger(__name__)

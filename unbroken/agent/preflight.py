@@ -3,7 +3,7 @@
 :func:`preflight` checks everything that can be checked before anything is
 written (config, data, sequence length); :func:`prepare_run_dir` creates or
 checks the output directory. The coordination store is hosted through
-:meth:`unbroken.runtime.job_store.JobStore.host`.
+:meth:`unbroken.store.job_store.JobStore.host`.
 Processes are started by :mod:`unbroken.agent.launcher` (one agent per node).
 
 Invariants: a run that fails validation leaves nothing on disk; a resumed run
@@ -26,7 +26,7 @@ from unbroken.job.run_dir import prepare_out_dir
 from unbroken.models.factory import resolve_device
 from unbroken.jsonl import read_jsonl
 from unbroken.snapshot.segment import remove_segments
-from unbroken.snapshot.trainer_hooks import JOB_ID_FILE, job_id
+from unbroken.runtime.snapshot_hooks import JOB_ID_FILE, job_id
 
 
 def preflight(cfg: Config) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """An agent's entry into the job: its node rank, the job's config, the initial view.
 
-Through the job store (:mod:`unbroken.runtime.job_store`): the agent owning
+Through the job store (:mod:`unbroken.store.job_store`): the agent owning
 node rank ``R`` holds its registration (set by compare-and-set from "", reset
 to "" on a clean exit) with its pid, and beats its own heartbeat counter (+1
 every 100 ms); the job's config JSON is published by the launcher or node 0;
@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from unbroken.config import config_diff
-from unbroken.runtime.job_store import JobStore
-from unbroken.runtime.view import View
+from unbroken.store.job_store import JobStore
+from unbroken.store.view import View
 
 logger = logging.getLogger(__name__)
 

@@ -18,10 +18,10 @@ import dataclasses
 from pathlib import Path
 
 from unbroken.config import Config, config_hash
-from unbroken.runtime.checkpoint import CheckpointError, latest_checkpoint, read_commit
+from unbroken.checkpoint.checkpointer import CheckpointError, latest_checkpoint, read_commit
 from unbroken.runtime.recovery import recovery
 from unbroken.snapshot.segment import SealedBuffer, SnapshotCorrupt, job_segments, segment_dir
-from unbroken.snapshot.trainer_hooks import JOB_ID_FILE, job_id
+from unbroken.runtime.snapshot_hooks import JOB_ID_FILE, job_id
 
 __all__ = ["NothingToResume", "ResumePoint", "memory_snapshot_step", "resume_point"]
 
@@ -109,7 +109,7 @@ def memory_snapshot_step(run_dir: Path, cfg: Config) -> int | None:
                              f"config {buf.seal.get('config_hash')} ({path.name}), not this run's {want}: "
                              f"resume with the run's own config, or remove them (rm {segment_dir()}/unbroken-{job}-*)")
         seals.append(buf.seal)
-    from unbroken.sharding.replicas import copies_inventory
+    from unbroken.snapshot.replicas import copies_inventory
     from unbroken.snapshot.restore import restorable_steps
 
     newest = next(restorable_steps(seals, lambda: copies_inventory(job)[0], shard_degree=cfg.train.shard_degree),

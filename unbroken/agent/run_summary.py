@@ -10,7 +10,7 @@ from typing import Any
 from unbroken.config import Config, config_hash
 from unbroken.faults.fail_at import parse_fail_at
 from unbroken.jsonl import read_jsonl
-from unbroken.runtime.checkpoint import latest_checkpoint
+from unbroken.checkpoint.checkpointer import latest_checkpoint
 
 __all__ = ["agent_counts", "snapshot_summary", "summarise"]
 

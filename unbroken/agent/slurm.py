@@ -174,7 +174,7 @@ def slurm_fields(env: Mapping[str, str], *, nnodes: int, spare_nodes: int, store
         ValueError: not a task of a Slurm step, a step that contradicts ``nnodes``/``spare_nodes``, or a
             ``--store-port`` with ``--store``.
     """
-    from unbroken.runtime.store_backend import is_etcd_address  # torch: not before the agent forks its template
+    from unbroken.store.backend import is_etcd_address  # torch: not before the agent forks its template
 
     task = read_task(env)
     check_task(task, nnodes=nnodes, spare_nodes=spare_nodes)
@@ -206,7 +206,7 @@ def requeued_resume(run_dir: Path) -> dict[str, Any]:
     Raises:
         ValueError: ``run_dir`` holds no config.json (not a run directory).
     """
-    from unbroken.runtime.checkpoint import latest_checkpoint, read_commit
+    from unbroken.checkpoint.checkpointer import latest_checkpoint, read_commit
     from unbroken.runtime.recovery import recovery
 
     cfg_file = run_dir / "config.json"

@@ -37,7 +37,7 @@ def full_split_validation(run_dir: Path, cfg_dict: dict[str, Any]) -> dict[str, 
     import torch
     from safetensors.torch import load_file
 
-    from unbroken.config import Config
+    from unbroken.config import config_from_dict
     from unbroken.data.blend import Blend
     from unbroken.data.sampler import ValidationSampler
     from unbroken.job.builder import prepare
@@ -48,7 +48,7 @@ def full_split_validation(run_dir: Path, cfg_dict: dict[str, Any]) -> dict[str, 
     params = run_dir / FINAL_PARAMS
     if not params.is_file():
         raise FileNotFoundError(f"{params}: the run saved no final parameters to evaluate")
-    cfg = Config.from_dict(cfg_dict)
+    cfg = config_from_dict(cfg_dict)
     device = resolve_device(cfg.train.device)
     prepared = prepare(cfg, device)  # the data and the model only: nothing here trains
     if not hasattr(prepared.data, "val"):

@@ -47,7 +47,7 @@ from typing import Any
 
 from unbroken.agent.launcher import launch
 from unbroken.bench.failover_stall import print_stall, stall_part
-from unbroken.bench.report import summarize_run
+from unbroken.report.run_report import summarize_run
 from unbroken.bench.machine import machine_description
 from unbroken.bench._args import parse_with_overrides
 from unbroken.config import Config, load_config

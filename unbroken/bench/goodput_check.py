@@ -181,7 +181,7 @@ def _recorded(run_dir: Path, fig: dict[str, Any], workers: int, cores: int) -> d
     the live workers are at least as many as the cores; ``standby_ready`` events), and each node template
     started then (``template_ready``: the imports a forked standby or worker no longer pays).
     """
-    from unbroken.bench.report import summarize_run
+    from unbroken.report.run_report import summarize_run
 
     rep = summarize_run(run_dir)
     back: dict[int, list[int]] = {}

@@ -287,7 +287,7 @@ def _launch_job(run: Path, preset: str, steps: int, *extra: str, **kw: Any) -> P
 
 def _job_faults(preset: str) -> dict[str, Any]:
     """A rank killed mid-reduction, then the other replica's node lost; a whole-job kill restored."""
-    from unbroken.bench.report import summarize_run
+    from unbroken.report.run_report import summarize_run
 
     steps, kill, node = 90, 15, 50
     with tempfile.TemporaryDirectory() as tmp:

@@ -40,7 +40,7 @@ from typing import Any
 from unbroken.bench._args import parse_with_overrides
 from unbroken.bench._final_eval import full_split_validation
 from unbroken.bench.machine import machine_description
-from unbroken.config import Config, load_config
+from unbroken.config import Config, config_from_dict, load_config
 from unbroken.mecefo.takeover import POLICIES
 
 DEFAULT_TRACES = ("none", "low", "mid", "high", "extreme")
@@ -208,7 +208,7 @@ def run_one(cfg_dict: dict[str, Any], out_dir: str, threads: int, reuse: bool = 
         summary = json.loads((out / "summary.json").read_text())
     else:
         torch.set_num_threads(threads)
-        summary = simulate(Config.from_dict(cfg_dict), out, overwrite=True)
+        summary = simulate(config_from_dict(cfg_dict), out, overwrite=True)
     records = read_jsonl(out / "metrics.jsonl")
     return {
         "summary": summary, "full_val": full_split_validation(out, cfg_dict) if full_val else None,
@@ -226,7 +226,7 @@ def _finished_run(out: Path, cfg_dict: dict[str, Any]) -> bool:
     try:
         if not (out / "summary.json").is_file():
             return False
-        return Config.from_dict(json.loads((out / "config.json").read_text())).to_dict() == cfg_dict
+        return config_from_dict(json.loads((out / "config.json").read_text())).to_dict() == cfg_dict
     except (OSError, ValueError):
         return False
 

@@ -19,7 +19,7 @@ with SIGKILL:
   (:mod:`unbroken.bench.recovery_final`). Every job's row carries its end too.
 
 Each recovery's phases are read from the run's own events
-(:mod:`unbroken.bench.recovery_phases`), in seconds after the kill: death
+(:mod:`unbroken.report.recovery_phases`), in seconds after the kill: death
 seen, process ready, restore or admission decided, state loaded (bytes and
 GB/s), first step done, steps back at the median step time; the machine's load
 average is printed with them (a 2-core machine shared with others is noisy:
@@ -44,7 +44,7 @@ from unbroken.agent.launcher import launch
 from unbroken.bench._args import parse_with_overrides
 from unbroken.bench.recovery_final import end_phases, write_figures
 from unbroken.bench.recovery_load import load_figures
-from unbroken.bench.recovery_phases import recoveries
+from unbroken.report.recovery_phases import recoveries
 from unbroken.bench.machine import machine_description
 from unbroken.config import load_config
 from unbroken.runtime.ledger import read_events

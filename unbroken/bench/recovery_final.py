@@ -1,7 +1,7 @@
 """The final checkpoint: ``unbroken bench recovery --parts final`` (see :mod:`unbroken.bench.recovery`).
 
 - In this process (:func:`write_figures`): the preset's state (model and AdamW moments after one step) written
-  the way the runtime writes its final checkpoint (:func:`~unbroken.runtime.checkpoint_writer.write_state`
+  the way the runtime writes its final checkpoint (:func:`~unbroken.checkpoint.writer.write_state`
   from the live state, several writers, each file hashed as it is written, then sealed) and the way torch
   DCP's Hugging Face writer writes it (``async_save`` staging a copy, the files written, then every file read
   again for its sha256: the runtime's path before), alternately, ``repeats`` times each, into one directory
@@ -22,12 +22,12 @@ from typing import Any
 import torch
 
 from unbroken.config import Config
-from unbroken.dcp import dcp
+from unbroken.checkpoint.dcp import dcp
 from unbroken.job.builder import build_job
 from unbroken.models.factory import resolve_device
-from unbroken.runtime.checkpoint_files import seal_files
-from unbroken.runtime.checkpoint_writer import write_state
-from unbroken.sharding.training_state import capture
+from unbroken.checkpoint.files import seal_files
+from unbroken.checkpoint.writer import write_state
+from unbroken.state.training_state import capture
 
 __all__ = ["end_phases", "write_figures"]
 

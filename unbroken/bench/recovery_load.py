@@ -31,10 +31,10 @@ from typing import Any
 import torch
 
 from unbroken.agent.template import thread_count
-from unbroken.config import Config
+from unbroken.config import Config, config_from_dict
 from unbroken.job.builder import build_job, prepare
 from unbroken.models.factory import resolve_device
-from unbroken.runtime.view import View
+from unbroken.store.view import View
 from unbroken.snapshot.restore import alone, decide, inventory, restore_from_memory
 from unbroken.snapshot.segment import SECRET_ENV, remove_segments
 from unbroken.snapshot.snapshotter import Snapshotter
@@ -147,4 +147,4 @@ def _measure(cfg: Config, repeats: int) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    print(json.dumps(_measure(Config.from_dict(json.loads(sys.argv[1])), int(sys.argv[2]))))
+    print(json.dumps(_measure(config_from_dict(json.loads(sys.argv[1])), int(sys.argv[2]))))

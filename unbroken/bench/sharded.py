@@ -37,7 +37,7 @@ import torch
 
 from unbroken.agent.launcher import launch
 from unbroken.bench._args import parse_with_overrides
-from unbroken.bench.report import summarize_run
+from unbroken.report.run_report import summarize_run
 from unbroken.bench.machine import machine_description
 from unbroken.config import Config, load_config, preset
 from unbroken.jsonl import read_jsonl

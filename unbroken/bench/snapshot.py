@@ -116,8 +116,8 @@ def _state(cfg: Config) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
 
 def _in_process(a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     """Coding throughput and restore times on the preset's real state (one process)."""
-    from unbroken.runtime.checkpoint import AsyncCheckpointer, latest_checkpoint, load_checkpoint, training_state
-    from unbroken.runtime.view import View
+    from unbroken.checkpoint.checkpointer import AsyncCheckpointer, latest_checkpoint, load_checkpoint, training_state
+    from unbroken.store.view import View
     from unbroken.snapshot.restore import alone, decide, inventory, restore_from_memory
     from unbroken.snapshot.segment import remove_segments
     from unbroken.snapshot.snapshotter import Snapshotter

@@ -28,7 +28,7 @@ import torch
 
 from unbroken.snapshot.segment import crc32
 from unbroken.snapshot.staging import Staging
-from unbroken.snapshot.trainer_hooks import MAX_WRITE_THREADS
+from unbroken.runtime.snapshot_hooks import MAX_WRITE_THREADS
 
 __all__ = ["contention"]
 

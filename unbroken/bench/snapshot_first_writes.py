@@ -25,11 +25,11 @@ from typing import Any
 
 import torch
 
-from unbroken.runtime.view import View
+from unbroken.store.view import View
 from unbroken.snapshot.cadence import VOTE_SLOTS, cast
 from unbroken.snapshot.segment import remove_segments
 from unbroken.snapshot.snapshotter import Snapshotter
-from unbroken.snapshot.trainer_hooks import MAX_WRITE_THREADS
+from unbroken.runtime.snapshot_hooks import MAX_WRITE_THREADS
 
 __all__ = ["first_writes"]
 

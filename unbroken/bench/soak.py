@@ -18,7 +18,7 @@ the restore circuit breaker), the soak does what the job's message says:
 ``unbroken train --resume RUN`` (faults continue against the resumed job if
 any are left to send), up to ``--max-resumes`` times.
 
-The verdict reads the run's own records (:func:`unbroken.bench.report.summarize_run`):
+The verdict reads the run's own records (:func:`unbroken.report.run_report.summarize_run`):
 steps committed against the configured steps, the ledger's check (every
 (step, slot, row) trained exactly once: rows never and twice), failures
 survived, restores from memory, resumes. Writes JSON (``--out``).
@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 def _verdict(a: argparse.Namespace, run: Path, chaos: Chaos, launches: list[dict[str, Any]],
              wall_s: float) -> dict[str, Any]:
     from unbroken.bench.capacity import summarize as capacity
-    from unbroken.bench.report import summarize_run
+    from unbroken.report.run_report import summarize_run
     from unbroken.runtime.ledger import read_events
 
     s = summarize_run(run)

@@ -45,17 +45,17 @@ import torch
 from unbroken.agent.launcher import launch
 from unbroken.bench._args import parse_with_overrides
 from unbroken.bench.local_etcd import LocalEtcd
-from unbroken.bench.report import summarize_run
+from unbroken.report.run_report import summarize_run
 from unbroken.bench.machine import machine_description
 from unbroken.config import Config, load_config
 from unbroken.faults.store_loss import STORE_PIDS_ENV
 from unbroken.jsonl import JsonlWriter, read_jsonl
 from unbroken.mecefo.takeover import takeover_policy
-from unbroken.runtime.etcd_client import parse_etcd
-from unbroken.runtime.job_store import JobStore
+from unbroken.store.etcd_client import parse_etcd
+from unbroken.store.job_store import JobStore
 from unbroken.runtime.membership import Membership
 from unbroken.runtime.protocol import StepJob, StepProtocol
-from unbroken.runtime.view import View
+from unbroken.store.view import View
 
 __all__ = ["main"]
 

@@ -5,11 +5,12 @@ A run is fully described by a :class:`Config`. Presets are functions returning a
 ``--section.field=value`` overrides map onto the same dataclasses, and every
 problem in them is reported at once in a single ``ValueError``.
 
-Invariant: ``Config.from_dict(cfg.to_dict()) == cfg`` and
+Invariant: ``config_from_dict(cfg.to_dict()) == cfg`` and
 ``config_hash(cfg)`` depends only on fields that change what is trained.
 """
 
-from unbroken.config.loading import load_config
+from unbroken.config.choices import REMOVED_FIELDS
+from unbroken.config.loading import config_from_dict, load_config
 from unbroken.config.presets import PRESETS, preset
 from unbroken.config.sections import (
     SECTIONS,
@@ -22,10 +23,10 @@ from unbroken.config.sections import (
     SnapshotConfig,
     TrainConfig,
 )
-from unbroken.config.validation import REMOVED_FIELDS, config_diff, config_hash, validate
+from unbroken.config.validation import config_diff, config_hash, validate
 
 __all__ = [
     "Config", "DataConfig", "FaultConfig", "MecefoConfig", "ModelConfig", "OptimConfig", "SnapshotConfig",
     "TrainConfig",
-    "SECTIONS", "PRESETS", "REMOVED_FIELDS", "preset", "load_config", "validate", "config_hash", "config_diff",
+    "SECTIONS", "PRESETS", "REMOVED_FIELDS", "preset", "load_config", "config_from_dict", "validate", "config_hash", "config_diff",
 ]

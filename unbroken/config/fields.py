@@ -2,7 +2,7 @@
 choices where one defines them, a removed field ignored with a warning; every error a message, all raised at
 once (:func:`raise_all`).
 
-Used by :mod:`unbroken.config.loading` (presets, files, overrides) and :meth:`Config.from_dict`; imports no other
+Used by :mod:`unbroken.config.loading` (presets, files, overrides) and :func:`~unbroken.config.loading.config_from_dict`; imports no other
 config module but :mod:`unbroken.config.validation` (the registries and the removed fields).
 """
 
@@ -15,7 +15,7 @@ import types
 import typing
 from typing import Any, Literal, get_args, get_origin
 
-from unbroken.config.validation import _REGISTRY_CHOICES, REMOVED_FIELDS
+from unbroken.config.choices import REGISTRY_CHOICES, REMOVED_FIELDS
 
 __all__ = ["raise_all", "set_field"]
 
@@ -39,8 +39,8 @@ def set_field(obj: Any, section: str, name: str, value: Any, *, from_text: bool)
     hint = typing.get_type_hints(type(obj))[name]
     try:
         coerced = _coerce(value, hint, from_text)
-        if f"{section}.{name}" in _REGISTRY_CHOICES:
-            _expect_one_of(coerced, _REGISTRY_CHOICES[f"{section}.{name}"]())
+        if f"{section}.{name}" in REGISTRY_CHOICES:
+            _expect_one_of(coerced, REGISTRY_CHOICES[f"{section}.{name}"])
         setattr(obj, name, coerced)
     except ValueError as exc:
         return f"{section}.{name}={value!r}: {exc}"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -20,6 +20,31 @@ from unbroken.config.fields import raise_all, set_field
 from unbroken.config.presets import preset
 from unbroken.config.sections import SECTIONS, Config
 from unbroken.config.validation import validate
+
+
+def config_from_dict(data: dict[str, Any]) -> Config:
+    """Build from nested dicts (a ``to_dict()`` form, a saved ``config.json``), validating every field; all
+    errors at once.
+
+    Raises:
+        ValueError: listing every unknown section/field and every bad value.
+    """
+    cfg = Config()
+    errors: list[str] = []
+    for section, values in data.items():
+        if section not in SECTIONS:
+            errors.append(f"unknown section {section!r}; valid: {', '.join(SECTIONS)}")
+            continue
+        if not isinstance(values, dict):
+            errors.append(f"section {section!r} must be a table, got {values!r}")
+            continue
+        for name, value in values.items():
+            err = set_field(getattr(cfg, section), section, name, value, from_text=False)
+            if err:
+                errors.append(err)
+    errors += validate(cfg)
+    raise_all(errors)
+    return cfg
 
 
 def load_config(
@@ -35,7 +60,7 @@ def load_config(
 
 def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
     """``cfg`` (a copy) with ``section.field=value`` overrides applied and validated (see :func:`load_config`)."""
-    return _load(Config.from_dict(cfg.to_dict()), None, overrides)
+    return _load(config_from_dict(cfg.to_dict()), None, overrides)
 
 
 def _load(cfg: Config, file: str | Path | None, overrides: Sequence[str]) -> Config:

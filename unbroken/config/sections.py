@@ -1,6 +1,6 @@
 """The configuration's sections: one keyword-only dataclass each, every field documented.
 
-Invariant: ``Config.from_dict(cfg.to_dict()) == cfg``.
+Invariant: ``config_from_dict(cfg.to_dict()) == cfg`` (:func:`unbroken.config.loading.config_from_dict`).
 """
 
 from __future__ import annotations
@@ -9,8 +9,6 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from unbroken.config.fields import raise_all, set_field
-from unbroken.config.validation import validate
 
 
 @dataclass(kw_only=True)
@@ -305,23 +303,3 @@ class Config:
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Config:
-        """Build from nested dicts, validating every field; all errors at once."""
-        cfg = cls()
-        errors: list[str] = []
-        for section, values in data.items():
-            if section not in SECTIONS:
-                errors.append(f"unknown section {section!r}; valid: {', '.join(SECTIONS)}")
-                continue
-            if not isinstance(values, dict):
-                errors.append(f"section {section!r} must be a table, got {values!r}")
-                continue
-            for name, value in values.items():
-                err = set_field(getattr(cfg, section), section, name, value, from_text=False)
-                if err:
-                    errors.append(err)
-        errors += validate(cfg)
-        raise_all(errors)
-        return cfg

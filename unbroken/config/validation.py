@@ -10,6 +10,8 @@ import json
 import math
 from typing import TYPE_CHECKING, Any, Callable
 
+from unbroken.config.choices import MODEL_PRESET_NAMES, POLICY_NAMES, RECOVERY_NAMES, REMOVED_FIELDS
+
 if TYPE_CHECKING:
     from unbroken.config.sections import Config
 
@@ -108,8 +110,8 @@ def _mecefo_fault(cfg: Config, need: Need) -> None:
     t, m, f = cfg.train, cfg.mecefo, cfg.fault
     need(m.rank >= 1, f"mecefo.rank={m.rank}: must be >= 1")
     need(m.tau >= 1, f"mecefo.tau={m.tau}: must be >= 1")
-    for key, value, names in (("mecefo.policy", m.policy, _policy_names()),
-                                ("fault.recovery", f.recovery, _recovery_names())):
+    for key, value, names in (("mecefo.policy", m.policy, POLICY_NAMES),
+                              ("fault.recovery", f.recovery, RECOVERY_NAMES)):
         need(value in names, f"{key}={value!r}: expected one of {', '.join(names)}")
     need(math.isfinite(f.job_hours) and f.job_hours > 0, f"fault.job_hours={f.job_hours}: must be a finite number > 0")
     need(
@@ -176,11 +178,9 @@ def _snapshot_model(cfg: Config, need: Need) -> None:
     need(mo.family == "llama" or mo.init_from is None,
          f"model.init_from={mo.init_from!r} is set but model.family={mo.family!r}; it starts the built-in "
          "llama (model.family='llama'); with hf-llama give model.hf_path")
-    from unbroken.models import MODEL_PRESETS  # local: keeps `import unbroken.config` light
-
     need(
-        cfg.model.preset in MODEL_PRESETS,
-        f"model.preset={cfg.model.preset!r}: unknown; valid: {', '.join(MODEL_PRESETS)}",
+        cfg.model.preset in MODEL_PRESET_NAMES,
+        f"model.preset={cfg.model.preset!r}: unknown; valid: {', '.join(MODEL_PRESET_NAMES)}",
     )
 
 
@@ -211,29 +211,3 @@ def config_diff(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
             if sa.get(name) != sb.get(name):
                 out.append(f"{section}.{name}")
     return out
-
-
-REMOVED_FIELDS: dict[str, str] = {}
-"""Fields that no longer exist, and why. A saved ``config.json``, a TOML file or an
-override that still names one loads: the value is ignored with a logged warning
-(it never changed what was trained), and :func:`config_diff` skips it."""
-
-
-def _policy_names() -> tuple[str, ...]:
-    # Local: the registry imports torch; `import unbroken.config` stays light.
-    from unbroken.mecefo.takeover import POLICIES
-
-    return tuple(POLICIES)
-
-
-def _recovery_names() -> tuple[str, ...]:
-    from unbroken.runtime.recovery import RECOVERIES  # local, as above
-
-    return tuple(RECOVERIES)
-
-
-_REGISTRY_CHOICES: dict[str, Callable[[], tuple[str, ...]]] = {
-    "mecefo.policy": _policy_names,
-    "fault.recovery": _recovery_names,
-}
-"""Fields whose accepted values a registry defines, checked like a ``Literal``."""

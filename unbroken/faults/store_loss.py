@@ -34,8 +34,8 @@ from pathlib import Path
 
 from unbroken.faults.fail_at import FaultSpec, format_fail_at
 from unbroken.jsonl import JsonlWriter, read_jsonl
-from unbroken.runtime.checkpoint import latest_checkpoint, read_commit
-from unbroken.runtime.store_backend import is_etcd_address
+from unbroken.checkpoint.checkpointer import latest_checkpoint, read_commit
+from unbroken.store.backend import is_etcd_address
 
 __all__ = ["STORE_PIDS_ENV", "StoreFaults", "store_lost_message"]
 

@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from unbroken.runtime.derived_keys import derive_key
+from unbroken.store.derived_keys import derive_key
 
 __all__ = ["CACHE_FILE", "cache_key", "identity", "load_compile_cache", "save_compile_cache"]
 

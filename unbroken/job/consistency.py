@@ -26,7 +26,7 @@ import json
 import logging
 from typing import Any
 
-from unbroken.runtime.job_store import JobStore
+from unbroken.store.job_store import JobStore
 
 __all__ = ["InconsistentJob", "LayoutMismatch", "check_consistency", "data_fingerprint", "first_difference",
            "layout_fingerprint"]

@@ -23,6 +23,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from unbroken.config import config_from_dict
 from unbroken.config import SECTIONS, Config, config_hash
 
 RUN_CONFIG = "config.json"
@@ -83,7 +84,7 @@ def prepare_out_dir(out: Path, cfg: Config, *, overwrite: bool, continue_hint: s
 def _hash_of(saved: dict[str, Any]) -> str | None:
     """The saved run's config hash; None when it no longer validates (then it cannot be compared)."""
     try:
-        return config_hash(Config.from_dict(saved))
+        return config_hash(config_from_dict(saved))
     except ValueError:
         return None
 

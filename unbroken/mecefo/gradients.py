@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from unbroken.mecefo.adapter import ModelAdapter
 from unbroken.models.hf_llama import logits_of
 from unbroken.models.precision import autocast
-from unbroken.sharding.parts import laid_out_as, local_of
+from unbroken.state.parts import laid_out_as, local_of
 
 logger = logging.getLogger(__name__)
 

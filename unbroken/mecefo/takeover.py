@@ -44,6 +44,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
+from unbroken.config.choices import POLICY_NAMES, check_registry
 from unbroken.data.sampler import BatchSampler
 from unbroken.mecefo.gradients import Mode, SlotWork, slot_rows
 
@@ -199,6 +200,7 @@ class SpreadApproxPolicy(SpreadPolicy):
 
 POLICIES: dict[str, TakeoverPolicy] = {p.name: p for p in (NeighborPolicy(), SpreadPolicy(), SpreadApproxPolicy())}
 """The takeover policies by name; iterating gives the names in documentation order."""
+check_registry("mecefo.policy", POLICIES, POLICY_NAMES)
 
 
 def takeover_policy(name: str) -> TakeoverPolicy:

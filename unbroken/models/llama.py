@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from unbroken.config.choices import MODEL_PRESET_NAMES, check_registry
 __all__ = [
     "MODEL_PRESETS",
     "Attention",
@@ -178,6 +179,7 @@ MODEL_PRESETS: dict[str, Callable[[], ModelArgs]] = {
     "llama-1b": _llama_1b,
     "llama-7b": _llama_7b,
 }
+check_registry("model.preset", MODEL_PRESETS, MODEL_PRESET_NAMES)
 
 
 def model_args(name: str, **overrides: Any) -> ModelArgs:

@@ -1,9 +1,9 @@
 """unbroken.runtime: the fault-tolerant data-parallel runtime of one worker.
 
-The job store (every coordination key), membership views and the failure
-detector, a process group per view, the step protocol and the recovery modes,
-the worker's training loop, state transfer to joiners, checkpoints and the
-ledger. The only package that runs collectives or touches the store; it
+Membership views and the failure detector, a process group per view, the
+step protocol and the recovery modes, the worker's training loop, state
+transfer to joiners and the ledger. The store's keys live in
+:mod:`unbroken.store`, checkpoints in :mod:`unbroken.checkpoint`. It
 imports nothing from ``unbroken.faults`` (faults install themselves on the
 protocol's hook points from the worker's entry point).
 
@@ -17,15 +17,13 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-# Loaded on first use (PEP 562): a process that needs only the store (an agent's stand-in, a tool) does not
-# pay for the protocol's and state transfer's imports (torch.distributed.tensor, half a CPU-second).
+# Loaded on first use (PEP 562): a process that needs only part of it does not pay for the protocol's and
+# state transfer's imports (torch.distributed.tensor, half a CPU-second).
 _WHERE = {
-    "JobStore": "job_store", "StoreBackend": "job_store", "EmbeddedBackend": "store_backend",
     "Fenced": "membership", "Membership": "membership", "ViewChanged": "membership",
     "CollectiveFailed": "process_group", "ViewGroup": "process_group",
     "PHASES": "protocol", "MemberDied": "protocol", "StepProtocol": "protocol",
     "RECOVERIES": "recovery", "Recovery": "recovery",
-    "View": "view",
 }
 
 
@@ -40,14 +38,10 @@ __all__ = [
     "RECOVERIES",
     "CollectiveFailed",
     "Fenced",
-    "JobStore",
     "MemberDied",
     "Membership",
     "Recovery",
     "StepProtocol",
-    "StoreBackend",
-    "EmbeddedBackend",
-    "View",
     "ViewChanged",
     "ViewGroup",
 ]

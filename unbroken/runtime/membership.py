@@ -1,6 +1,6 @@
 """Membership: heartbeats, the failure detector and join requests of one worker.
 
-The keys live in the job store (:mod:`unbroken.runtime.job_store`); this
+The keys live in the job store (:mod:`unbroken.store.job_store`); this
 module judges them. Views are proposed and read through the store as well.
 
 Liveness is progress, not just a beating thread: the heartbeat thread
@@ -50,8 +50,8 @@ from contextlib import contextmanager
 from typing import Any, Iterator
 
 from unbroken.mecefo.takeover import NoLiveWorker  # one notion of "nobody is alive", re-exported
-from unbroken.runtime.job_store import JobStore
-from unbroken.runtime.view import View
+from unbroken.store.job_store import JobStore
+from unbroken.store.view import View
 
 __all__ = ["EXIT_FENCED", "EXIT_REJOIN", "SHARD_LOST", "Fenced", "MemberDied", "Membership", "MissedCommit", "NoLiveWorker", "View",
            "ViewChanged"]

@@ -1,7 +1,7 @@
 """A process group per view, with collectives that can be abandoned.
 
 Each view ``g`` gets its own group, rendezvoused on the store the job store
-hands out for it (:meth:`~unbroken.runtime.job_store.JobStore.group_store`,
+hands out for it (:meth:`~unbroken.store.job_store.JobStore.group_store`,
 keys ``pg/<g>/...``; gloo on CPU, NCCL on CUDA), built directly rather than through
 the global default group so that groups can come and go.
 
@@ -39,6 +39,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from unbroken.completion import completion_error
 from unbroken.runtime.membership import Fenced
 
 logger = logging.getLogger(__name__)
@@ -49,35 +50,9 @@ CHECK_S = 0.02
 POLL_S = 0.001
 """How often a collective on a device (NCCL) is asked whether it has finished: a query costs microseconds."""
 
-_WORK_SUCCESS = 0
-_WORK_RESULTS = {0: "SUCCESS", 1: "TIMEOUT", 2: "COMM_ERROR", 100: "UNKNOWN"}
-"""``c10d::WorkResult`` (``Work.hpp``), the value of ``work.get_future_result()``."""
 
 ABORT_DEADLINE_S = 10.0
 """The longest an abort of an NCCL group may take (``ncclCommAbort`` can itself hang)."""
-
-
-def completion_error(work: dist.Work, nccl: bool) -> str | None:
-    """The error a completed ``work`` recorded, or None: the one completion rule of every collective the job
-    waits for (a view's group, a replica's own).
-
-    gloo: its ``wait()`` raises the collective's failure. NCCL: its untimed
-    ``wait()`` raises nothing (it only makes the current stream wait), and
-    ``work.exception()`` cannot cross into Python (torch 2.11: "Unable to
-    convert function return value"): the work's result future tells instead.
-    Its completion check completes it with ``COMM_ERROR`` at once; ``SUCCESS``
-    comes later, from the watchdog, so a result not yet set after completion
-    means no error.
-    """
-    if nccl:
-        result = work.get_future_result()  # type: ignore[attr-defined]  # NCCL's Work has it (torch >= 2.5)
-        if result.done() and (value := int(result.value())) != _WORK_SUCCESS:
-            return f"NCCL reported {_WORK_RESULTS.get(value, value)}"
-    try:
-        work.wait()  # gloo: raises the collective's failure; NCCL: the current stream waits on it
-    except RuntimeError as exc:
-        return str(exc) or type(exc).__name__
-    return None
 
 
 class CollectiveFailed(RuntimeError):

@@ -8,7 +8,7 @@ For step ``s`` under view ``g`` a worker:
 2. writes them to its ledger, then all-reduces its gradient sums on view
    ``g``'s group (:meth:`~unbroken.runtime.process_group.ViewGroup.allreduce`),
    polling, while the failure detector and the view watcher run;
-3. votes (:meth:`~unbroken.runtime.job_store.JobStore.vote`): a member whose
+3. votes (:meth:`~unbroken.store.job_store.JobStore.vote`): a member whose
    all-reduce completed votes ``commit`` (its completion means every member
    contributed); the first worker to give up on the attempt votes ``abort``.
    Exactly one of the two wins: on ``abort`` nobody applies the step; on
@@ -56,7 +56,7 @@ from unbroken.runtime.membership import (Fenced, MemberDied, Membership, MissedC
                                        ViewChanged)
 from unbroken.runtime.process_group import CollectiveFailed, ViewGroup
 from unbroken.runtime.state_transfer import transfer_state
-from unbroken.runtime.store_backend import GroupStoreUnavailable
+from unbroken.store.backend import GroupStoreUnavailable
 from unbroken.runtime.work_plan import SlotPlan
 from unbroken.sharding.layout import StateLayout
 

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # the protocols load with a worker; the launcher and tools only ask a mode what it does
     from unbroken.runtime.protocol import StepProtocol
 
+from unbroken.config.choices import RECOVERY_NAMES, check_registry
 __all__ = ["RECOVERIES", "Alternate", "CheckpointRestart", "Recovery", "Takeover", "recovery"]
 
 
@@ -73,6 +74,7 @@ class Alternate(Recovery):
 
 RECOVERIES: dict[str, Recovery] = {r.name: r for r in (Takeover(), CheckpointRestart(), Alternate())}
 """The recovery modes by name (``fault.recovery``)."""
+check_registry("fault.recovery", RECOVERIES, RECOVERY_NAMES)
 
 
 def recovery(name: str) -> Recovery:

@@ -1,6 +1,6 @@
 """Training state streamed to a joining worker, tensor by tensor, in bounded chunks.
 
-What crosses: the training state of :mod:`unbroken.sharding.training_state`,
+What crosses: the training state of :mod:`unbroken.state.training_state`,
 the same entries a snapshot or a checkpoint holds (every parameter, the
 optimizer's whole state and its groups' values, the CPU RNG state and, on
 CUDA, the RNG state of the group's device). The data position needs no
@@ -48,8 +48,8 @@ from typing import Callable
 
 import torch
 
-from unbroken.sharding.parts import local_of
-from unbroken.sharding.training_state import Restorer, capture
+from unbroken.state.parts import local_of
+from unbroken.state.training_state import Restorer, capture
 
 __all__ = ["CHUNK_BYTES", "DIRECT_MIN_BYTES", "Broadcast", "TransferStats", "transfer_state"]
 
@@ -126,7 +126,7 @@ def transfer_state(broadcast: Broadcast, model: torch.nn.Module, optimizer: torc
 
 
 def _describe(state: dict[str, torch.Tensor], model: torch.nn.Module, device: torch.device) -> dict[str, list]:
-    """The source's header: every entry of the state (:mod:`unbroken.sharding.training_state`: its name, dtype,
+    """The source's header: every entry of the state (:mod:`unbroken.state.training_state`: its name, dtype,
     this rank's shape, and whether it lives on the group's device, contiguous), in the stream's order."""
     params = {f"model.{name}" for name, _ in model.named_parameters()}
     entries = []

@@ -35,21 +35,21 @@ from unbroken.job.consistency import LayoutMismatch, check_consistency
 from unbroken.jsonl import JsonlWriter
 from unbroken.mecefo.takeover import takeover_policy
 from unbroken.models.factory import bind_device, place_model
-from unbroken.runtime.checkpoint import AsyncCheckpointer, load_checkpoint, training_state
-from unbroken.runtime.checkpoint_files import COMMIT_FILE, checkpoint_dir
-from unbroken.runtime.checkpoint_schedule import CheckpointSchedule, Due, newest_checkpoint_age_s
+from unbroken.checkpoint.checkpointer import AsyncCheckpointer, load_checkpoint, training_state
+from unbroken.checkpoint.files import COMMIT_FILE, checkpoint_dir
+from unbroken.checkpoint.schedule import CheckpointSchedule, Due, newest_checkpoint_age_s
 from unbroken.runtime.digest import param_digest
 from unbroken.runtime.membership import Fenced, Membership, NoLiveWorker, View, ViewChanged
 from unbroken.runtime.process_group import CollectiveFailed
 from unbroken.runtime.protocol import MemberDied
 from unbroken.runtime.recovery import recovery
 from unbroken.runtime.start_phases import process_age_s
-from unbroken.sharding.checkpoint import ShardCheckpointer
-from unbroken.sharding.parts import local_of
-from unbroken.sharding.training_state import check_capturable, layout_of
-from unbroken.sharding.replicas import ReplicaStore
+from unbroken.checkpoint.sharded import ShardCheckpointer
+from unbroken.state.parts import local_of
+from unbroken.state.training_state import check_capturable, layout_of
+from unbroken.snapshot.replicas import ReplicaStore
 from unbroken.sharding.state import ShardedState
-from unbroken.snapshot.trainer_hooks import (job_id, load_from_node_memory, memory_rejoin_allowed, memory_rejoin_failed,
+from unbroken.runtime.snapshot_hooks import (job_id, load_from_node_memory, memory_rejoin_allowed, memory_rejoin_failed,
                                              memory_rejoin_possible, node_map, restore_state, snapshotter_for)
 
 if TYPE_CHECKING:
@@ -480,7 +480,7 @@ class Trainer:
 
     def _lead(self, done: int, last: dict[str, Any], due: Due | None) -> None:
         """Duties of the view's first member: metrics, validation, checkpoints (``due``: see
-        :class:`~unbroken.runtime.checkpoint_schedule.CheckpointSchedule`), progress.
+        :class:`~unbroken.checkpoint.schedule.CheckpointSchedule`), progress.
 
         They may take long (a validation pass, a save that first waits for the previous one on a slow
         filesystem) and enter no phase of a step: they run inside :meth:`Membership.busy`, so the members

@@ -19,7 +19,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from unbroken.config import Config, config_hash
+from unbroken.config import Config, config_from_dict, config_hash
 from unbroken.job import Prepared, prepare
 from unbroken.job.compilation import Compilation, compile_ahead
 from unbroken.job.compile_cache import CACHE_FILE
@@ -28,15 +28,15 @@ from unbroken.job.parallelize import compile_stats
 from unbroken.jsonl import JsonlWriter
 from unbroken.models.factory import bind_device
 from unbroken.runtime.held_memory import HELD_ENV, HeldMemory
-from unbroken.runtime.job_store import JobStore
+from unbroken.store.job_store import JobStore
 from unbroken.runtime.membership import (EXIT_FENCED, EXIT_REJOIN, SHARD_LOST, Fenced, Membership, MissedCommit,
                                          NoLiveWorker)
 from unbroken.runtime.start_phases import StartClock
-from unbroken.runtime.store_backend import job_secret
+from unbroken.store.backend import job_secret
 from unbroken.runtime.worker import (EXIT_NO_LIVE_WORKER, EXIT_REFUSED, EXIT_STORE_LOST, JoinRefused, Trainer,
                                      WorkerSpec)
 from unbroken.sharding.state import ShardLost
-from unbroken.sharding.training_state import StateNotCapturable
+from unbroken.state.training_state import StateNotCapturable
 
 __all__ = ["Assignment", "load_run_config", "read_run_config", "run", "standby"]
 
@@ -49,7 +49,7 @@ view's holders all died) or its own replica left the view: the job is restored, 
 
 def read_run_config(run_dir: Path) -> Config:
     """The run's config, nothing else done (the node's template reads it so: it must stay one thread)."""
-    return Config.from_dict(json.loads((run_dir / "config.json").read_text()))
+    return config_from_dict(json.loads((run_dir / "config.json").read_text()))
 
 
 def load_run_config(run_dir: Path, world: int) -> Config:

@@ -3,7 +3,7 @@
 - :mod:`~unbroken.sharding.layout`: the one interface the step protocol and
   the worker call (:class:`~unbroken.sharding.layout.StateLayout`), and the
   replicated and HSDP layouts;
-- :mod:`~unbroken.sharding.parts`: a tensor's part on this rank (a DTensor's
+- :mod:`~unbroken.state.parts`: a tensor's part on this rank (a DTensor's
   local shard, or all of it), for the gradient layout, checkpoints and
   snapshots;
 - :mod:`~unbroken.sharding.hsdp`: HSDP's replicas (their layout, rendezvous,
@@ -12,10 +12,10 @@
   owns under a view, and which peer holds each member's copy: the ring to
   the next node), :mod:`~unbroken.sharding.adamw` (AdamW on a flat range,
   out of place, equal to ``torch.optim.AdamW`` element for element),
-  :mod:`~unbroken.sharding.replicas` (the ring copies in the holders'
+  :mod:`~unbroken.snapshot.replicas` (the ring copies in the holders'
   snapshot memory), :mod:`~unbroken.sharding.state` (its layout: update and
   all-gather before the vote, copies sealed before the next reduction,
-  re-sharding when the view changes), :mod:`~unbroken.sharding.checkpoint`
+  re-sharding when the view changes), :mod:`~unbroken.checkpoint.sharded`
   (each member's range of the moments in a checkpoint).
 """
 

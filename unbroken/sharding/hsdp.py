@@ -45,10 +45,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
+from unbroken.completion import completion_error
 from unbroken.mecefo.adapter import transformer_blocks
 from unbroken.mecefo.gradients import SlotWork
 from unbroken.mecefo.takeover import TakeoverPolicy
-from unbroken.sharding.parts import laid_out_as
+from unbroken.state.parts import laid_out_as
 
 __all__ = ["GradientShards", "Parallelize", "ReplicaLayout", "ReplicaPlan", "ReplicaSync", "check_layout", "fsdp_llama",
            "join_replica", "replica_assignment", "replica_completion", "shard_model"]
@@ -230,10 +231,8 @@ class ReplicaSync:
 
     def _run(self, start: Callable[[], dist.Work]) -> bool:
         """Post a collective and wait until it completed without error, by the job's one completion rule
-        (:func:`~unbroken.runtime.process_group.completion_error`: on NCCL the work's result, not its future):
+        (:func:`~unbroken.completion.completion_error`: on NCCL the work's result, not its future):
         True, or False (failed, or past the timeout)."""
-        from unbroken.runtime.process_group import completion_error
-
         try:
             work = start()
             deadline = time.monotonic() + self.timeout_s

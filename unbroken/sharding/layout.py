@@ -25,9 +25,9 @@ from typing import Any, Callable
 
 import torch
 
-from unbroken.sharding.parts import is_sharded, local_of
+from unbroken.state.parts import is_sharded, local_of
 
-__all__ = ["Check", "Late", "Part", "ShardedModel", "StateLayout"]
+__all__ = ["Check", "Late", "Part", "ShardedModel", "StateLayout", "hsdp_part"]
 
 Part = tuple[str, dict[str, torch.Tensor], dict[str, Any]]
 """A worker's part of a checkpoint: its name, its tensors, what is kept beside them (``part.json``)."""
@@ -108,6 +108,11 @@ class StateLayout:
         return None
 
 
+def hsdp_part(index: int) -> str:
+    """The name of shard index ``index``'s part of an HSDP checkpoint or snapshot."""
+    return f"i{index}"
+
+
 class ShardedModel(StateLayout):
     """HSDP: FSDP2 shards the model inside each replica (see the module docstring).
 
@@ -126,14 +131,10 @@ class ShardedModel(StateLayout):
     def split(self, state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], Part | None]:
         """The replicated entries (step counts, RNG) for the leader; this rank's shards of every sharded tensor
         as its part, with the dimension each is split on. No collective: nobody holds the whole model."""
-        from unbroken.sharding.checkpoint import hsdp_part
-
         rest = {k: v for k, v in state.items() if not is_sharded(v)}
         own = {k: local_of(v) for k, v in state.items() if is_sharded(v)}
         dims = {k: v.placements[0].dim for k, v in state.items() if is_sharded(v)}  # type: ignore[attr-defined]
         return rest, (hsdp_part(self.index), own, {"dims": dims})
 
     def checkpoint_parts(self) -> tuple[list[str], dict[str, Any]] | None:
-        from unbroken.sharding.checkpoint import hsdp_part
-
         return [hsdp_part(i) for i in range(self.shard_degree)], {"hsdp_parts": self.shard_degree}

@@ -41,7 +41,7 @@ from unbroken.models.optim import set_lr
 from unbroken.sharding.adamw import Proposal, ShardedAdamW
 from unbroken.sharding.layout import Check, Late, StateLayout
 from unbroken.sharding.ranges import Sharding, ring_buddies
-from unbroken.sharding.replicas import ReplicaStore
+from unbroken.snapshot.replicas import ReplicaStore
 
 __all__ = ["ShardLost", "ShardedState"]
 

@@ -48,12 +48,13 @@ import torch
 from zlib_ng import zlib_ng
 
 from unbroken.snapshot.overwrite_pages import ready_to_overwrite
-from unbroken.snapshot.segment import HEADER_BYTES, SnapshotCorrupt, crc32, open_segment
+from unbroken.snapshot.segment import HEADER_BYTES, SealedBuffer, SnapshotCorrupt, crc32, open_segment
 
 if TYPE_CHECKING:
     from unbroken.snapshot.device_blocks import DeviceBlocks
 
-__all__ = ["MAX_THREADS", "PIECE_BYTES", "FragmentRead", "io_threads", "load_fragments", "verify_ranges"]
+__all__ = ["MAX_THREADS", "PIECE_BYTES", "FragmentRead", "io_threads", "load_fragments", "verify_ranges",
+           "verify_sealed"]
 
 PIECE_BYTES = 8 << 20
 """Bytes one thread reads and checks at once: small enough that the checksum reads them from the cache the read
@@ -123,6 +124,20 @@ def _run(threads: int, work: Callable[[_Piece], int], pieces: list[_Piece]) -> l
         return [work(p) for p in pieces]
     with ThreadPoolExecutor(max_workers=min(threads, len(pieces)), thread_name_prefix="snapshot-io") as pool:
         return list(pool.map(work, pieces))
+
+
+def verify_sealed(buf: SealedBuffer, threads: int = 1) -> None:
+    """Check every byte ``buf``'s seal describes, over a read-only map of the segment, with ``threads`` threads.
+
+    Raises:
+        SnapshotCorrupt: bytes that do not match their checksum (or the segment is gone, or short).
+    """
+    try:
+        verify_ranges(buf.path, buf.ranges(), threads=threads)
+    except FileNotFoundError:
+        raise SnapshotCorrupt(f"{buf.path.name}: removed while being read") from None
+    except (KeyError, TypeError, ValueError) as exc:  # a seal keyed with the secret but not of this format
+        raise SnapshotCorrupt(f"{buf.path.name}: the seal does not describe its bytes ({exc})") from None
 
 
 def verify_ranges(path: Path, ranges: Sequence[tuple[int, int, int]], *, threads: int = 1) -> None:

@@ -49,7 +49,7 @@ import torch
 
 from unbroken.snapshot._load_damage import Damage, Damaged, agree, undecodable
 from unbroken.snapshot.erasure import HEADER, ErasureError
-from unbroken.snapshot.fragment_io import FragmentRead, io_threads, load_fragments
+from unbroken.snapshot.fragment_io import FragmentRead, io_threads, load_fragments, verify_sealed
 from unbroken.snapshot.plan import SnapshotPlan, complete_steps
 from unbroken.snapshot.segment import SealedBuffer, SnapshotCorrupt, job_segments, segment_path
 from unbroken.snapshot.state_bytes import StateLoader
@@ -65,7 +65,7 @@ def inventory(job: str, node: int, *, config_hash: str | None = None, threads: i
     "problems": [...], "seconds": S, "bytes": B}``.
 
     Each seal gains ``segment`` (its name). ``copies``: the seals of the node's copies of optimizer shards
-    (ZeRO-1: :func:`unbroken.sharding.replicas.copies_inventory`). ``problems`` names each buffer left out
+    (ZeRO-1: :func:`unbroken.snapshot.replicas.copies_inventory`). ``problems`` names each buffer left out
     and why. With ``verify`` every byte is checked, with ``threads`` threads (default: :func:`io_threads`);
     without it only a buffer whose seal is not authenticated with the job's secret (this process has none)
     is (see the module docstring). ``seconds``: what it took; ``bytes``: the bytes checked.
@@ -73,7 +73,7 @@ def inventory(job: str, node: int, *, config_hash: str | None = None, threads: i
     t0 = time.perf_counter()
     threads = io_threads() if threads is None else threads
     checked = 0
-    from unbroken.sharding.replicas import copies_inventory
+    from unbroken.snapshot.replicas import copies_inventory
 
     copies, problems = copies_inventory(job, node)
     seals: list[dict[str, Any]] = []
@@ -89,7 +89,7 @@ def inventory(job: str, node: int, *, config_hash: str | None = None, threads: i
                                 f"not this job's {config_hash}")
                 continue
             if verify or not buf.authenticated:
-                buf.verify(threads)
+                verify_sealed(buf, threads)
                 checked += sum(length for _, length, _ in buf.ranges())
             layouts.setdefault(buf.seal["layout_hash"], buf.layout())
             seals.append({**buf.seal, "segment": path.name})
@@ -108,7 +108,7 @@ def decide(inventories: list[dict[str, Any]], *, checkpoint: tuple[int, str] | N
     one shard index's part per index (:func:`shard_spec`): each index was snapshotted by its own workers.
     A snapshot written with a sharded optimizer (ZeRO-1, its seals say ``"moments": "copies"``) holds the
     replicated state: its step is restorable only with a copy of every range of the moments of that step
-    (:func:`unbroken.sharding.replicas.moments_spec`, under ``moments``), whatever the job restores into.
+    (:func:`unbroken.snapshot.replicas.moments_spec`, under ``moments``), whatever the job restores into.
     """
     seals = [s for inv in inventories for s in inv["seals"]]
     layouts = {h: lay for inv in inventories for h, lay in inv["layouts"].items()}
@@ -130,10 +130,10 @@ def decide(inventories: list[dict[str, Any]], *, checkpoint: tuple[int, str] | N
 def restorable_steps(seals: list[dict[str, Any]], copies: list[dict[str, Any]] | Callable[[], list[dict[str, Any]]],
                      *, shard_degree: int = 1) -> Iterator[tuple[int, dict[int, Any], dict[str, Any] | None]]:
     """The steps the seals hold a complete snapshot of, newest first, with the moments' copies a step written
-    with a sharded optimizer needs (:func:`unbroken.sharding.replicas.moments_spec`; a step without them is
+    with a sharded optimizer needs (:func:`unbroken.snapshot.replicas.moments_spec`; a step without them is
     passed over) or None. ``copies``: the copies' seals, or a function that lists them (called only if a
     step needs them). Yields ``(step, {index: held}, moments)``."""
-    from unbroken.sharding.replicas import moments_spec
+    from unbroken.snapshot.replicas import moments_spec
 
     for step, shards in complete_steps(seals, shard_degree=shard_degree):
         if not any(seal.get("moments") == "copies" for seal in shards[0].values()):

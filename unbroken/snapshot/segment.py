@@ -6,7 +6,7 @@ in the user's private folder there (:func:`segment_dir`: ``unbroken-u<uid>``,
 mode 0600, named ``unbroken-<job>-n<node>-w<worker>-b<buffer>``: the job id,
 the node, the worker that wrote it and which of its two buffers it is
 (``-r<buffer>``: the copies of other workers' optimizer shards it holds,
-four buffers, :mod:`unbroken.sharding.replicas`). It
+four buffers, :mod:`unbroken.snapshot.replicas`). It
 belongs to the node's agent: it outlives the worker that wrote it and the
 agent's own restarts (it is a file of memory, not a mapping of a process), and
 the agent removes its node's segments when the job ends normally.
@@ -55,7 +55,7 @@ import numpy as np
 # speed (and, as zlib's, outside the GIL): with zlib the checksum of every byte bounded a snapshot's write
 from zlib_ng import zlib_ng
 
-from unbroken.runtime.derived_keys import derive_key
+from unbroken.store.derived_keys import derive_key
 
 __all__ = ["HEADER_BYTES", "SHM_DIR", "Buffer", "SealedBuffer", "SnapshotCorrupt", "SnapshotMemoryUnsafe", "crc32",
            "job_segments", "open_segment", "remove_segments", "segment_dir", "segment_name", "segment_path"]
@@ -70,7 +70,7 @@ _NAME = re.compile(r"^unbroken-(?P<job>[0-9a-f]{4,32})-n(?P<node>\d+)-w(?P<worke
 
 
 _MAC_AT, _MAC_LEN = 16, 32
-SECRET_ENV = "UNBROKEN_JOB_SECRET"  # the same variable as unbroken.runtime.store_backend.SECRET_ENV
+SECRET_ENV = "UNBROKEN_JOB_SECRET"  # the same variable as unbroken.store.backend.SECRET_ENV
 """The job's secret (set by each agent for the processes it starts): the key of the seals."""
 
 
@@ -357,20 +357,4 @@ class SealedBuffer:
         return [(int(s["layout_offset"]), int(s["layout_len"]), int(s["layout_crc"]))] + [
             (int(offset), int(length), int(crc)) for _, _, offset, length, crc in s["fragments"]] + [
             (int(offset), int(length), int(crc)) for _, offset, length, crc in s.get("headers", [])]
-
-    def verify(self, threads: int = 1) -> None:
-        """Check every byte the seal describes, over a read-only map of the segment, with ``threads`` threads
-        (:func:`unbroken.snapshot.fragment_io.verify_ranges`).
-
-        Raises:
-            SnapshotCorrupt: bytes that do not match their checksum (or the segment is gone, or short).
-        """
-        from unbroken.snapshot.fragment_io import verify_ranges  # local: it imports this module
-
-        try:
-            verify_ranges(self.path, self.ranges(), threads=threads)
-        except FileNotFoundError:
-            raise SnapshotCorrupt(f"{self.path.name}: removed while being read") from None
-        except (KeyError, TypeError, ValueError) as exc:  # a seal keyed with the secret but not of this format
-            raise SnapshotCorrupt(f"{self.path.name}: the seal does not describe its bytes ({exc})") from None
 

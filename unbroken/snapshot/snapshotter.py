@@ -58,7 +58,7 @@ from typing import Any, Callable, ContextManager, Sequence
 
 import torch
 
-from unbroken.runtime.view import View
+from unbroken.store.view import View
 from unbroken.snapshot.cadence import VETO, Cadence, StepRole, due, tally
 from unbroken.snapshot.erasure import HEADER
 from unbroken.snapshot.plan import GROUP_NODES, SnapshotPlan, plan_for
@@ -91,7 +91,7 @@ class Snapshotter:
             workers holding the same shard index (one per live replica), who snapshot it together: the
             plan, the coding and the stripes are theirs, apart from the other indices'.
         moments_in_copies: a sharded optimizer (ZeRO-1): the state holds no moments, the ring copies of the
-            same step do (:mod:`unbroken.sharding.replicas`); the seal says so (``"moments": "copies"``), and a
+            same step do (:mod:`unbroken.snapshot.replicas`); the seal says so (``"moments": "copies"``), and a
             restore takes such a step only with a copy of every range.
         map_ahead: with several write threads, map the second buffer beside the first write (off: each buffer
             is mapped by its own first write, for comparison).

@@ -1,6 +1,6 @@
 """The training state as one flat byte string: a JSON layout plus the raw bytes of each tensor.
 
-What is in it: the training state of :mod:`unbroken.sharding.training_state`
+What is in it: the training state of :mod:`unbroken.state.training_state`
 (every parameter, the optimizer's whole state and its groups' values, the CPU
 RNG state and, on CUDA, the device's). The schedule and the data position need
 no bytes: both are pure functions of the step, which the snapshot's seal
@@ -21,8 +21,8 @@ import warnings
 import numpy as np
 import torch
 
-from unbroken.sharding.parts import local_of
-from unbroken.sharding.training_state import Restorer, capture as capture_state
+from unbroken.state.parts import local_of
+from unbroken.state.training_state import Restorer, capture as capture_state
 
 __all__ = ["ByteLayout", "StateLoader", "capture", "copy_range", "layout_hash", "tensors_of"]
 
@@ -106,7 +106,7 @@ class StateLoader:
     """Loads a flat state (bytes of ``layout``) into a live model and optimizer as its bytes arrive.
 
     Each range handed to :meth:`write` goes straight into the tensors it covers
-    (:class:`~unbroken.sharding.training_state.Restorer`'s destinations: the
+    (:class:`~unbroken.state.training_state.Restorer`'s destinations: the
     parameters and the optimizer's state on their device, created where the
     optimizer has none yet), so no copy of the whole state is ever built in
     host memory; :meth:`finish` installs the optimizer's state, its groups'

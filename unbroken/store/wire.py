@@ -32,7 +32,7 @@ import os
 import socket
 import struct
 
-from unbroken.runtime.derived_keys import derive_key
+from unbroken.store.derived_keys import derive_key
 
 __all__ = ["LAUNCH_ENV", "MAX_FRAME", "Channel", "HandshakeRefused", "OtherLaunch", "TurnedAway", "WireError",
            "client_handshake", "pack", "server_handshake", "store_key", "unpack"]

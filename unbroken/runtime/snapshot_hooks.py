@@ -83,7 +83,7 @@ def snapshotter_for(cfg: Config, run_dir: Path, worker: int, world: int, model: 
                     busy: Callable[[], ContextManager[None]] = nullcontext) -> Snapshotter | None:
     """The worker's snapshotter, or None when ``snapshot.every`` is 0. With a sharded optimizer (ZeRO-1) it
     snapshots the replicated state (parameters, steps, RNG) and the ring copies of the moments of the same
-    step are kept with it (:mod:`unbroken.sharding.replicas`). Under HSDP (``hsdp``) it snapshots this
+    step are kept with it (:mod:`unbroken.snapshot.replicas`). Under HSDP (``hsdp``) it snapshots this
     rank's shards with the workers of its shard index.
     Its write threads: on a GPU the node's cores shared by its workers, at most :data:`MAX_WRITE_THREADS`;
     on a CPU device one."""
@@ -115,7 +115,7 @@ def restore_state(spec: dict[str, Any], *, run_dir: Path, worker: int, world: in
     ``members`` are the workers ``broadcast`` reaches, by rank: the view's, or under HSDP the holders of
     shard index ``shard_index`` (one per replica), who load that index's snapshot together."""
     if spec["source"] == "checkpoint":
-        from unbroken.runtime.checkpoint import load_checkpoint  # local: heavy (DCP)
+        from unbroken.checkpoint.checkpointer import load_checkpoint  # local: heavy (DCP)
 
         load_checkpoint(Path(spec["path"]), model, optimizer, config_hash=config_hash)
         return {"restored_from": "checkpoint", "step": spec["step"], "path": spec["path"]}
@@ -125,7 +125,7 @@ def restore_state(spec: dict[str, Any], *, run_dir: Path, worker: int, world: in
                                 node_of=node_of, members=members, me=worker, broadcast=broadcast, model=model,
                                 optimizer=optimizer, device=device, threads_sharing=on_node)
     if "moments" in spec:  # written with ZeRO-1: the moments of the same step from the ring copies
-        from unbroken.sharding.replicas import restore_moments
+        from unbroken.snapshot.replicas import restore_moments
 
         stats.update(restore_moments(spec["moments"], job=job_id(run_dir), node_of=node_of, members=members,
                                      me=worker, broadcast=broadcast, model=model, optimizer=optimizer))

@@ -1,14 +1,14 @@
 """The job's coordination store: every key the job uses, behind typed methods.
 
-This is the only module (with :mod:`unbroken.runtime.standby_keys`, the warm
+This is the only module (with :mod:`unbroken.store.standby_keys`, the warm
 standby's keys) that names coordination keys or calls the store's
 ``get/set/compare_set/add``; the launcher, the agents, the standby, the step
 protocol and the workers all go through :class:`JobStore`. The backend is a
 :class:`StoreBackend`: the job's embedded store (:class:`EmbeddedBackend`),
 hosted by the launcher (or node 0's agent), or an etcd v3 cluster
-(:class:`~unbroken.runtime.etcd_backend.EtcdBackend`, ``--store etcd://...``).
+(:class:`~unbroken.store.etcd_backend.EtcdBackend`, ``--store etcd://...``).
 
-Access (:mod:`unbroken.runtime.store_backend`): the embedded store listens
+Access (:mod:`unbroken.store.backend`): the embedded store listens
 on the job's host only and serves only connections that prove they hold the
 job's secret, of its launch, so nobody else can read or change anything; on
 etcd every key lives under a namespace derived from the secret and every
@@ -70,9 +70,9 @@ from typing import Any, Literal
 
 import torch.distributed as dist
 
-from unbroken.runtime.standby_keys import StandbyKeys, _opt
-from unbroken.runtime.store_backend import EmbeddedBackend, StoreBackend, is_etcd_address
-from unbroken.runtime.view import View
+from unbroken.store.standby_keys import StandbyKeys, _opt
+from unbroken.store.backend import EmbeddedBackend, StoreBackend, is_etcd_address
+from unbroken.store.view import View
 
 __all__ = ["JobStore", "Outcome", "StoreKeyLost"]
 
@@ -106,10 +106,10 @@ class JobStore(StandbyKeys):
     @classmethod
     def connect(cls, addr: str, *, timeout_s: float, secret: str, store_timeout_s: float | None = None) -> JobStore:
         """Connect to the job's store at ``HOST:PORT`` (see :meth:`EmbeddedBackend.connect`) or on the etcd
-        cluster of an ``etcd://`` address (see :meth:`~unbroken.runtime.etcd_backend.EtcdBackend.connect`);
+        cluster of an ``etcd://`` address (see :meth:`~unbroken.store.etcd_backend.EtcdBackend.connect`);
         ``store_timeout_s``: see :meth:`set_store_timeout` (None: ``timeout_s``)."""
         if is_etcd_address(addr):
-            from unbroken.runtime.etcd_backend import EtcdBackend  # optional dependency, imported on use
+            from unbroken.store.etcd_backend import EtcdBackend  # optional dependency, imported on use
 
             return cls(EtcdBackend.connect(addr, timeout_s=timeout_s, secret=secret, store_timeout_s=store_timeout_s))
         return cls(EmbeddedBackend.connect(addr, timeout_s=timeout_s, secret=secret))
@@ -117,8 +117,8 @@ class JobStore(StandbyKeys):
     @classmethod
     def create_on_etcd(cls, addr: str, *, timeout_s: float, secret: str, job: dict[str, Any]) -> JobStore:
         """Open a new job's keys on the etcd cluster at ``addr`` (``job``: who it is, named to a later job
-        that collides; see :meth:`~unbroken.runtime.etcd_backend.EtcdBackend.create`)."""
-        from unbroken.runtime.etcd_backend import EtcdBackend
+        that collides; see :meth:`~unbroken.store.etcd_backend.EtcdBackend.create`)."""
+        from unbroken.store.etcd_backend import EtcdBackend
 
         return cls(EtcdBackend.create(addr, timeout_s=timeout_s, secret=secret, job=job))
 
@@ -407,7 +407,7 @@ class JobStore(StandbyKeys):
     def liveness(self, members: tuple[int, ...] | list[int]) -> list[tuple[int | None, int | None]]:
         """(heartbeat, progress) counters of members of a published view, in one round trip; None for a counter
         that is gone (its lease expired, or another writer deleted it), negative for one holding a value this
-        launch did not write (:data:`~unbroken.runtime.store_backend.UNSEEN`)."""
+        launch did not write (:data:`~unbroken.store.backend.UNSEEN`)."""
         values = [None if raw is None else int(raw)
                   for raw in self.backend.get_present([f"{k}/{w}" for w in members for k in ("hb", "prog")])]
         return [(values[2 * i], values[2 * i + 1]) for i in range(len(members))]

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Callable, Literal
 
-from unbroken.runtime.checkpoint_files import COMMIT_FILE, committed_checkpoints
+from unbroken.checkpoint.files import COMMIT_FILE, committed_checkpoints
 
 __all__ = ["CheckpointSchedule", "Due", "newest_checkpoint_age_s"]
 

@@ -29,7 +29,7 @@ the markers of the thousands of clients a long job sees come and go (one per
 worker, joiner or standby incarnation on ``deaths``, ``joins`` and the beats)
 are deleted by etcd once their client is gone instead of piling up.
 
-Failover (:mod:`unbroken.runtime.etcd_client`): a client talks to one member (chosen by its pid, so the job's
+Failover (:mod:`unbroken.store.etcd_client`): a client talks to one member (chosen by its pid, so the job's
 clients are spread over the cluster); a member that refuses, resets or does not
 answer within ``REQUEST_TIMEOUT_S`` is left for the next one, until the
 store timeout (``fault.store_timeout_s``: no quorum), saying so every
@@ -61,12 +61,12 @@ from typing import Any
 
 import torch.distributed as dist
 
-from unbroken.runtime.etcd_client import (Cluster, RequestRefused, StoreUnavailable, check_transport, is_etcd,
+from unbroken.store.etcd_client import (Cluster, RequestRefused, StoreUnavailable, check_transport, is_etcd,
                                            parse_etcd, tls_files)
-from unbroken.runtime.store_backend import (ETCD_SCHEME, SECRET_ENV, UNSEEN, StoreAccessDenied, StoreBackend,
+from unbroken.store.backend import (ETCD_SCHEME, SECRET_ENV, UNSEEN, StoreAccessDenied, StoreBackend,
                                            _namespace)
-from unbroken.runtime.store_seal import Sealer, launch_key, pointer_key
-from unbroken.runtime.store_wire import LAUNCH_ENV
+from unbroken.store.seal import Sealer, launch_key, pointer_key
+from unbroken.store.wire import LAUNCH_ENV
 
 __all__ = ["ETCD_SCHEME", "EtcdBackend", "EtcdGroupStore", "StoreUnavailable", "is_etcd", "parse_etcd"]
 

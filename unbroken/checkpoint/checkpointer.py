@@ -3,9 +3,9 @@
 Layout of one checkpoint, ``<run>/checkpoints/step_<NNNNNNN>/``:
 - ``model-*.safetensors`` + ``model.safetensors.index.json``: safetensors files
   (JSON header + raw bytes) written by several threads
-  (:mod:`unbroken.runtime.checkpoint_writer`), read by DCP's Hugging Face
+  (:mod:`unbroken.checkpoint.writer`), read by DCP's Hugging Face
   reader. Holds the training state
-  under the names of :mod:`unbroken.sharding.training_state`: the model
+  under the names of :mod:`unbroken.state.training_state`: the model
   parameters (``model.<name>``), the optimizer's state, whatever the optimizer
   (``optim.<name>.exp_avg`` ..., ``optim.<name>.momentum_buffer`` ...), its
   param groups' values and the CPU RNG state (``rng.cpu``).
@@ -14,19 +14,19 @@ Layout of one checkpoint, ``<run>/checkpoints/step_<NNNNNNN>/``:
   knows what to load) and the sha256 of every other file (taken while the file
   was written; a part another worker wrote is hashed here), written last,
   durably and atomically
-  (:mod:`unbroken.runtime.checkpoint_files`). A directory without it is
+  (:mod:`unbroken.checkpoint.files`). A directory without it is
   incomplete and is never resumed from.
 
 Data-parallel state is replicated, so one worker (the view's leader) writes it.
 A save during training copies the state into host buffers kept from one save to
-the next (:class:`~unbroken.runtime.checkpoint_writer.HostStage`; pinned for a
+the next (:class:`~unbroken.checkpoint.writer.HostStage`; pinned for a
 GPU's state); a background thread then writes the files, commits, and deletes
 checkpoints beyond ``keep``, so training continues while bytes reach the disk
 and a save commits even if its writer stops leading. The final checkpoint is
 written from the live state (nothing trains after it): no copy at all on a CPU,
 one pass through pinned blocks on a GPU.
 
-One save is written at a time (:class:`~unbroken.runtime.checkpoint_slot.WriteSlot`).
+One save is written at a time (:class:`~unbroken.checkpoint.slot.WriteSlot`).
 A save waits for the previous write first, up to 2 × ``timeout_s``; if that
 write still runs (a slow file system), the save is skipped (one log line,
 ``skipped_steps``, the ``on_skip`` callback) rather than copied into the host
@@ -53,7 +53,7 @@ from typing import Any, Callable
 
 import torch
 
-from unbroken.runtime.checkpoint_files import (
+from unbroken.checkpoint.files import (
     COMMIT_FILE,
     CheckpointError,
     checkpoint_dir,
@@ -65,10 +65,10 @@ from unbroken.runtime.checkpoint_files import (
     verify_files,
     write_commit,
 )
-from unbroken.dcp import dcp
-from unbroken.runtime.checkpoint_slot import WriteClaim, WriteSlot
-from unbroken.runtime.checkpoint_writer import Written, write_state, writer_threads
-from unbroken.sharding.training_state import Restorer, capture, layout_of
+from unbroken.checkpoint.dcp import dcp
+from unbroken.checkpoint.slot import WriteClaim, WriteSlot
+from unbroken.checkpoint.writer import Written, write_state, writer_threads
+from unbroken.state.training_state import Restorer, capture, layout_of
 
 __all__ = [
     "COMMIT_FILE",
@@ -92,7 +92,7 @@ SAVE_TIMEOUT_S = 600.0
 
 
 def training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    """The training state as a checkpoint holds it (:func:`unbroken.sharding.training_state.capture`)."""
+    """The training state as a checkpoint holds it (:func:`unbroken.state.training_state.capture`)."""
     return capture(model, optimizer)
 
 
@@ -140,9 +140,9 @@ class AsyncCheckpointer:
         save dropped (training goes on; the next save tries again). ``shards``
         (a sharded run: the view's generation, the parts other workers write,
         what the commit records of them) makes the commit wait for every part
-        (:func:`unbroken.sharding.checkpoint.collect_shards`): ZeRO-1's ranges
+        (:func:`unbroken.checkpoint.sharded.collect_shards`): ZeRO-1's ranges
         of the moments, HSDP's shard indices. ``layout``: the whole state's
-        (:func:`~unbroken.sharding.training_state.layout_of`) when ``state`` is
+        (:func:`~unbroken.state.training_state.layout_of`) when ``state`` is
         only the leader's part of it (default: ``state``'s). ``live``: ``state`` does not change until
         :meth:`wait` returns (the final checkpoint): written from it, not from a copy, never skipped (a
         previous write still running is given up on, and this one follows it).
@@ -213,7 +213,7 @@ class AsyncCheckpointer:
             written = write_state(path, state)
             known = dict(written.files)
             if shards is not None:
-                from unbroken.sharding.checkpoint import collect_shards
+                from unbroken.checkpoint.sharded import collect_shards
 
                 known.update(collect_shards(self.run_dir, step, shards[0], shards[1], path))
                 commit.update(shards[2])
@@ -317,7 +317,7 @@ def load_checkpoint(
 
     The commit's layout (``state``) says what the checkpoint holds, so an optimizer that has no state yet
     gets all of it. A sharded run's checkpoint holds the moments as flat ranges under ``shards/``, an HSDP
-    run's every sharded tensor as the parts of its shard indices (:mod:`unbroken.sharding.checkpoint`).
+    run's every sharded tensor as the parts of its shard indices (:mod:`unbroken.checkpoint.sharded`).
 
     Raises:
         CheckpointError: the checkpoint is incomplete, damaged or from another config.
@@ -341,7 +341,7 @@ def load_checkpoint(
     parts: dict[str, torch.Tensor] = {}
     local = False
     if "hsdp_parts" in commit:  # every sharded tensor from the parts, the rest from the leader's files
-        from unbroken.sharding.checkpoint import hsdp_part_keys, load_hsdp_parts
+        from unbroken.checkpoint.sharded import hsdp_part_keys, load_hsdp_parts
 
         held = hsdp_part_keys(path)
         in_parts = {name: restorer.targets[name] for name in wanted if name in held}
@@ -351,7 +351,7 @@ def load_checkpoint(
     for name, t in [*wanted.items(), *parts.items()]:
         restorer.load(name, t, part=local and name in parts)
     if sharded:
-        from unbroken.sharding.checkpoint import load_moments
+        from unbroken.checkpoint.sharded import load_moments
 
         m, v = load_moments(path, commit["shards"], sum(p.numel() for _, p in params))
         offset = 0

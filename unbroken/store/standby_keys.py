@@ -1,4 +1,4 @@
-"""The warm standby's keys in the job store (part of :class:`~unbroken.runtime.job_store.JobStore`; the key
+"""The warm standby's keys in the job store (part of :class:`~unbroken.store.job_store.JobStore`; the key
 schema is in that module's docstring, the contract in :mod:`unbroken.agent._standby`).
 
 Invariant: an offer is taken whole or not at all (one value, claimed by compare-and-set), and a claim that
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 
-from unbroken.runtime.store_backend import StoreBackend
+from unbroken.store.backend import StoreBackend
 
 __all__ = ["StandbyKeys"]
 
@@ -20,7 +20,7 @@ def _opt(backend: StoreBackend, key: str) -> str | None:
 
 
 class StandbyKeys:
-    """The standby's part of the job store (mixed into :class:`~unbroken.runtime.job_store.JobStore`)."""
+    """The standby's part of the job store (mixed into :class:`~unbroken.store.job_store.JobStore`)."""
 
     backend: StoreBackend
 

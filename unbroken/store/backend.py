@@ -1,6 +1,6 @@
 """Where the job store's keys live: the backend interface, and the job's embedded store behind it.
 
-Access. The embedded store (:mod:`unbroken.runtime.store_server`) listens on
+Access. The embedded store (:mod:`unbroken.store.server`) listens on
 the job's host only (``train.host``, loopback by default) and serves only
 connections that prove they hold the job's secret (:func:`job_secret`:
 generated at launch, kept in ``RUN/secret`` with mode 0600, or given in
@@ -9,9 +9,9 @@ its launch: a client without the secret cannot list, read, write, delete or
 add to any key, cannot join a process group (their rendezvous goes through the
 store too) and so never receives the training state. A connection with a
 wrong secret is refused at once (:class:`StoreAccessDenied`). An etcd cluster
-(:mod:`unbroken.runtime.etcd_backend`) is reached with etcd's own access
+(:mod:`unbroken.store.etcd_backend`) is reached with etcd's own access
 control; there every key lives under a namespace derived from the secret and
-every value is sealed (:mod:`unbroken.runtime.store_seal`).
+every value is sealed (:mod:`unbroken.store.seal`).
 
 Invariant: a backend serves one job; on a shared store (etcd) every key it
 writes is under the job's namespace.
@@ -28,9 +28,9 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from unbroken.runtime.store_client import GroupStore, StoreClient
-from unbroken.runtime.store_server import StoreServer
-from unbroken.runtime.store_wire import LAUNCH_ENV, HandshakeRefused, OtherLaunch, TurnedAway, WireError
+from unbroken.store.client import GroupStore, StoreClient
+from unbroken.store.server import StoreServer
+from unbroken.store.wire import LAUNCH_ENV, HandshakeRefused, OtherLaunch, TurnedAway, WireError
 
 __all__ = ["ETCD_SCHEME", "ETCDS_SCHEME", "ETCD_TLS_ENV", "is_etcd_address", "SECRET_ENV", "SECRET_FILE",
            "GROUP_CONNECT_TRIES", "GroupStoreUnavailable", "StoreAccessDenied", "StoreBackend", "EmbeddedBackend",
@@ -39,7 +39,7 @@ __all__ = ["ETCD_SCHEME", "ETCDS_SCHEME", "ETCD_TLS_ENV", "is_etcd_address", "SE
 logger = logging.getLogger(__name__)
 
 ETCD_SCHEME = "etcd://"
-"""A store address starting so names an etcd cluster (:mod:`unbroken.runtime.etcd_backend`)."""
+"""A store address starting so names an etcd cluster (:mod:`unbroken.store.etcd_backend`)."""
 ETCDS_SCHEME = "etcds://"
 """The same over TLS with a client certificate (CA, certificate and key: :data:`ETCD_TLS_ENV`)."""
 ETCD_TLS_ENV = {"ca": "UNBROKEN_ETCD_CA", "cert": "UNBROKEN_ETCD_CERT", "key": "UNBROKEN_ETCD_KEY"}
@@ -177,8 +177,8 @@ class StoreBackend(ABC):
 
 
 class EmbeddedBackend(StoreBackend):
-    """The job's embedded store (:mod:`unbroken.runtime.store_server`), reached over authenticated connections
-    (:mod:`unbroken.runtime.store_client`): nobody without the secret reads or writes a key, so its values
+    """The job's embedded store (:mod:`unbroken.store.server`), reached over authenticated connections
+    (:mod:`unbroken.store.client`): nobody without the secret reads or writes a key, so its values
     need no seals and it needs no namespace (it serves one launch of one job)."""
 
     def __init__(self, client: StoreClient, secret: str, server: StoreServer | None = None) -> None:
@@ -187,7 +187,7 @@ class EmbeddedBackend(StoreBackend):
 
     @property
     def launch(self) -> str:
-        """The launch id of the store (its processes pin it: :data:`~unbroken.runtime.store_wire.LAUNCH_ENV`)."""
+        """The launch id of the store (its processes pin it: :data:`~unbroken.store.wire.LAUNCH_ENV`)."""
         return self.client.launch
 
     @property

@@ -2,7 +2,7 @@
 
 Drawn with matplotlib's object API (``Figure.savefig`` renders on the Agg
 canvas): no pyplot, no display, no global state. Input: the dicts of
-:func:`unbroken.bench.report.build_report`; steps are the ledger's (0-based).
+:func:`unbroken.report.run_report.build_report`; steps are the ledger's (0-based).
 
 One run (:func:`plot_run`), panels sharing the step axis:
 
@@ -28,14 +28,14 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator
 
-from unbroken.bench import report_series as rs
+from unbroken.report import series as rs
 
 DPI = 100
 WIDTH_IN = 14.0
 STATE_COLORS = {rs.LIVE: "#81c784", rs.REJOINING: "#ffd54f", rs.DEAD: "#e57373"}
 DEATH_STYLE = {"crash": ("X", "#b71c1c"), "hang": ("s", "#6a1b9a"), "block": ("D", "#e65100"),
                "node loss": ("*", "#000000"), "fenced": ("v", "#37474f")}
-"""Marker and colour of each kind of death (:data:`unbroken.bench.report_series.DEATH_KINDS`)."""
+"""Marker and colour of each kind of death (:data:`unbroken.report.series.DEATH_KINDS`)."""
 REJOIN_STYLE = ("^", "#0d47a1")
 SLOT_COLORS = {rs.COVERED_EXACT: "#42a5f5", rs.COVERED_APPROX: "#fb8c00", rs.OWN_APPROX: "#ffe0b2"}
 LEGEND: dict[str, Any] = {"loc": "upper left", "bbox_to_anchor": (1.01, 1.0), "fontsize": 9, "frameon": False, "borderaxespad": 0}

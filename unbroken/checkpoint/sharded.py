@@ -1,7 +1,7 @@
 """Persistent checkpoints of a sharded run: every worker writes its part, the leader commits.
 
 Each member writes its range's ``exp_avg`` and ``exp_avg_sq`` (flat float32,
-safetensors files by :mod:`unbroken.runtime.checkpoint_writer`, no pickle)
+safetensors files by :mod:`unbroken.checkpoint.writer`, no pickle)
 asynchronously into a staging directory
 ``checkpoints/.shards/step_<N>-g<gen>/<lo>-<hi>/`` and marks it done
 (``shard.json``: step, generation, range, the sha256 of every file taken as it
@@ -13,7 +13,7 @@ checksums of all files and writes ``commit.json`` (with ``"shards": [[lo, hi],
 ...]``). A range that does not arrive (its worker died meanwhile) leaves the
 checkpoint uncommitted; the next one is tried as usual.
 
-A worker writes one part at a time (:class:`~unbroken.runtime.checkpoint_slot.WriteSlot`):
+A worker writes one part at a time (:class:`~unbroken.checkpoint.slot.WriteSlot`):
 a save waits up to ``timeout_s`` for its previous part's write, and if that
 still runs it is skipped (logged, ``skipped_steps``, ``on_skip``) rather than
 copied into the host buffers the write still reads; the leader's commit of
@@ -54,11 +54,12 @@ from typing import Callable
 
 import torch
 
-from unbroken.dcp import dcp
-from unbroken.runtime.checkpoint_slot import WriteClaim, WriteSlot
-from unbroken.runtime.checkpoint_writer import write_state, writer_threads
+from unbroken.checkpoint.dcp import dcp
+from unbroken.checkpoint.slot import WriteClaim, WriteSlot
+from unbroken.checkpoint.writer import write_state, writer_threads
+from unbroken.sharding.layout import hsdp_part
 
-__all__ = ["PART_TIMEOUT_S", "SHARD_WAIT_S", "ShardCheckpointer", "collect_shards", "hsdp_part", "hsdp_part_keys",
+__all__ = ["PART_TIMEOUT_S", "SHARD_WAIT_S", "ShardCheckpointer", "collect_shards", "hsdp_part_keys",
            "load_hsdp_parts", "load_moments", "staging_dir"]
 
 logger = logging.getLogger(__name__)
@@ -70,11 +71,6 @@ PART_TIMEOUT_S = 600.0
 and at the end)."""
 MARKER = "shard.json"
 PART = "part.json"
-
-
-def hsdp_part(index: int) -> str:
-    """The name of shard index ``index``'s part of an HSDP checkpoint."""
-    return f"i{index}"
 
 
 _STAGE = re.compile(r"step_(\d+)-g(\d+)(?:w(\d+))?")
@@ -262,7 +258,7 @@ def load_hsdp_parts(path: str | Path, k: int, wanted: dict[str, torch.Tensor]) -
     """
     from safetensors import safe_open
 
-    from unbroken.sharding.parts import is_sharded
+    from unbroken.state.parts import is_sharded
 
     root = Path(path) / "shards"
     dims = [json.loads((root / hsdp_part(i) / PART).read_text())["dims"] for i in range(k)]

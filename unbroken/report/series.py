@@ -189,7 +189,7 @@ def loss_series(metrics: Iterable[Record], *, steps: int) -> tuple[list[float | 
 
 
 def stall_series(failures: Iterable[Record], *, steps: int) -> list[float | None]:
-    """Per step, the stall of the failure at that step (:func:`unbroken.bench.report.summarize_run`'s details)."""
+    """Per step, the stall of the failure at that step (:func:`unbroken.report.run_report.summarize_run`'s details)."""
     out: list[float | None] = [None] * steps
     for f in failures:
         if 0 <= f["step"] < steps and f.get("stall_s") is not None:

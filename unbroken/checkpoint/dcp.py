@@ -2,7 +2,7 @@
 
 It is a third of a worker's import time, and most processes (agents, standbys, a worker until its first
 save) never need it. Both kinds of checkpoint files use it: the whole state's
-(:mod:`unbroken.runtime.checkpoint`) and a sharded optimizer's ranges (:mod:`unbroken.sharding.checkpoint`).
+(:mod:`unbroken.checkpoint.checkpointer`) and a sharded optimizer's ranges (:mod:`unbroken.checkpoint.sharded`).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Reaching an etcd cluster: its address (``etcd[s]://HOST:PORT[,HOST:PORT...][/PREFIX]``), TLS with a client
 certificate, and one client per member with failover between them (:class:`Cluster`).
 
-:class:`~unbroken.runtime.etcd_backend.EtcdBackend` keeps the job's keys there through a :class:`Cluster`.
+:class:`~unbroken.store.etcd_backend.EtcdBackend` keeps the job's keys there through a :class:`Cluster`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ except ImportError:  # pragma: no cover - reported by EtcdBackend.connect
     Etcd3Client = None  # type: ignore[assignment,misc]
     etcd_exceptions = None  # type: ignore[assignment]
 
-from unbroken.runtime.store_backend import ETCD_SCHEME, ETCD_TLS_ENV, ETCDS_SCHEME, is_etcd_address
+from unbroken.store.backend import ETCD_SCHEME, ETCD_TLS_ENV, ETCDS_SCHEME, is_etcd_address
 
 __all__ = ["Cluster", "DEFAULT_PREFIX", "INSECURE_ENV", "INSECURE_FLAG", "RequestRefused", "StoreUnavailable", "check_transport",
            "is_etcd", "parse_etcd", "tls_files"]

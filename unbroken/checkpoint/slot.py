@@ -1,8 +1,8 @@
 """One background checkpoint write at a time, and the host buffers it reads.
 
-A checkpointer (:class:`~unbroken.runtime.checkpoint.AsyncCheckpointer`, a sharded run's
-:class:`~unbroken.sharding.checkpoint.ShardCheckpointer`) copies the state into host buffers kept from one save
-to the next (:class:`~unbroken.runtime.checkpoint_writer.HostStage`) and writes them on a thread of its own while
+A checkpointer (:class:`~unbroken.checkpoint.checkpointer.AsyncCheckpointer`, a sharded run's
+:class:`~unbroken.checkpoint.sharded.ShardCheckpointer`) copies the state into host buffers kept from one save
+to the next (:class:`~unbroken.checkpoint.writer.HostStage`) and writes them on a thread of its own while
 training goes on. On a slow file system a write can outlast the next save and even the checkpointer's patience.
 Copying the next step's state into the buffers it still reads would commit a checkpoint whose files mix two
 steps and still match their checksums (each file is hashed as it is written), so a save that finds the previous
@@ -26,7 +26,7 @@ from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
-from unbroken.runtime.checkpoint_writer import HostStage
+from unbroken.checkpoint.writer import HostStage
 
 __all__ = ["Write", "WriteClaim", "WriteSlot"]
 

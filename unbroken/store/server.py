@@ -6,7 +6,7 @@ semantics for them (a ``get`` of a missing key waits for it; a
 compare-and-set on a missing key with a non-empty expected value echoes it
 and creates nothing; counters are decimal text). What ``TCPStore`` lacks is
 the reason it exists: every connection is authenticated before anything is
-read (:mod:`unbroken.runtime.store_wire`), so whoever reaches the port without
+read (:mod:`unbroken.store.wire`), so whoever reaches the port without
 the secret can neither list, read, write, delete, add to nor roll back any
 key; they can only open connections that are refused.
 
@@ -24,7 +24,7 @@ another: past the bound the newest is turned away (closed before the hello),
 never a pending one. Nothing tells an outsider's idle connection from a job's
 slow one before its proof arrives, so any rule that drops a pending connection
 lets a flood drop the job's own mid-handshake; a connection turned away at the
-door is one the job's client tries again (:class:`~unbroken.runtime.store_wire.TurnedAway`),
+door is one the job's client tries again (:class:`~unbroken.store.wire.TurnedAway`),
 as it does a full backlog.
 """
 
@@ -37,7 +37,7 @@ import threading
 import time
 from typing import Callable
 
-from unbroken.runtime.store_wire import (Channel, HandshakeRefused, WireError, pack, server_handshake, store_key,
+from unbroken.store.wire import (Channel, HandshakeRefused, WireError, pack, server_handshake, store_key,
                                          unpack)
 
 __all__ = ["OPS", "StoreServer"]

@@ -1,7 +1,7 @@
-"""A client of the job's embedded store (:mod:`unbroken.runtime.store_server`), and the ``torch.distributed.Store``
+"""A client of the job's embedded store (:mod:`unbroken.store.server`), and the ``torch.distributed.Store``
 the job's process groups rendezvous on.
 
-One :class:`StoreClient` is one authenticated connection at a time (:mod:`unbroken.runtime.store_wire`), one
+One :class:`StoreClient` is one authenticated connection at a time (:mod:`unbroken.store.wire`), one
 request at a time (a lock serialises threads). A broken connection, a store that does not answer within the
 operation's timeout, or a store that went away raise ``torch.distributed.DistStoreError``, as a lost
 ``TCPStore`` did: the job's code treats them as the store lost. :attr:`StoreClient.round_trips` counts
@@ -27,8 +27,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from unbroken.runtime.store_server import OK, OPS, TIMEOUT
-from unbroken.runtime.store_wire import (Channel, HandshakeRefused, TurnedAway, WireError, client_handshake, pack,
+from unbroken.store.server import OK, OPS, TIMEOUT
+from unbroken.store.wire import (Channel, HandshakeRefused, TurnedAway, WireError, client_handshake, pack,
                                          store_key, unpack)
 
 __all__ = ["GroupStore", "StoreClient"]

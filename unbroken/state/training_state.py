@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from unbroken.sharding.parts import is_sharded, laid_out_as, local_of, local_part
+from unbroken.state.parts import is_sharded, laid_out_as, local_of, local_part
 
 __all__ = ["Restorer", "StateNotCapturable", "capture", "check_capturable", "layout_of",
            "step_device"]

@@ -2,7 +2,7 @@
 
 One checkpoint is a directory ``<run>/checkpoints/step_<NNNNNNN>/``; it is
 *committed* once it holds ``commit.json``. This module knows the files only;
-what goes into them is :mod:`unbroken.runtime.checkpoint`'s business.
+what goes into them is :mod:`unbroken.checkpoint.checkpointer`'s business.
 
 Invariants:
 - ``commit.json`` is written last: only after every other file of the
@@ -110,7 +110,7 @@ def seal_files(path: Path, known: dict[str, str] | None = None) -> dict[str, str
     """Fsync every file of checkpoint ``path`` and its directories; returns ``{relative path: sha256}``.
 
     ``known``: the digests of files whose writer hashed them as it wrote and fsynced them
-    (:func:`~unbroken.runtime.checkpoint_writer.write_state`); those are not read again. Every other file is
+    (:func:`~unbroken.checkpoint.writer.write_state`); those are not read again. Every other file is
     read, hashed and fsynced, several at a time."""
     known = known or {}
     files = _payload_files(path)
@@ -129,7 +129,7 @@ def _map(fn: Any, items: list[Any]) -> list[Any]:
     """``fn`` over ``items`` with a thread per core (hashing and file reads release the GIL), in order."""
     if len(items) <= 1:
         return [fn(x) for x in items]
-    from unbroken.runtime.checkpoint_writer import writer_threads
+    from unbroken.checkpoint.writer import writer_threads
 
     with ThreadPoolExecutor(max_workers=min(len(items), writer_threads()), thread_name_prefix="checkpoint-hash") as pool:
         return list(pool.map(fn, items))

@@ -8,10 +8,10 @@ weights under Hugging Face's names, no optimizer state),
 
 Invariants:
     - only a committed checkpoint whose files match their checksums is read
-      (:func:`unbroken.runtime.checkpoint.verify_checkpoint`); a damaged one is
+      (:func:`unbroken.checkpoint.checkpointer.verify_checkpoint`); a damaged one is
       named and nothing is written;
     - the weights are read as raw safetensors bytes (no pickle), the sharded
-      ones of an HSDP run from its parts (:func:`unbroken.sharding.checkpoint.load_hsdp_parts`);
+      ones of an HSDP run from its parts (:func:`unbroken.checkpoint.sharded.load_hsdp_parts`);
     - ``OUT`` appears whole or not at all: everything is written into a
       temporary sibling directory renamed to ``OUT`` at the end; an existing
       ``OUT`` is never replaced.
@@ -28,12 +28,13 @@ from typing import Literal
 
 import torch
 
+from unbroken.config import config_from_dict
 from unbroken.config import Config
 from unbroken.job.run_dir import saved_config
 from unbroken.models.hf_llama import hf_config, hf_state_dict_from_ours, require_transformers
 from unbroken.models.llama import ModelArgs, model_args
-from unbroken.runtime.checkpoint import latest_checkpoint, verify_checkpoint
-from unbroken.runtime.checkpoint_files import checkpoint_dir, committed_checkpoints
+from unbroken.checkpoint.checkpointer import latest_checkpoint, verify_checkpoint
+from unbroken.checkpoint.files import checkpoint_dir, committed_checkpoints
 
 __all__ = ["DTYPES", "export_hf", "read_model_weights"]
 
@@ -48,7 +49,7 @@ def _run_config(run_dir: Path) -> Config:
     data = saved_config(run_dir)
     if data is None:
         raise ValueError(f"{str(run_dir)!r} holds no unbroken run (no readable config.json); give a run directory")
-    cfg = Config.from_dict(data)
+    cfg = config_from_dict(data)
     if cfg.model.family != "llama":
         raise ValueError(f"{str(run_dir)!r} trained model.family={cfg.model.family!r}; unbroken export --hf "
                          "exports the built-in llama (model.family='llama') only")
@@ -80,7 +81,7 @@ def read_model_weights(path: Path) -> dict[str, torch.Tensor]:
     names = [e[0] for e in commit.get("state", []) if e[0].startswith(_PREFIX)]
     out: dict[str, torch.Tensor] = {}
     if "hsdp_parts" in commit:  # an HSDP run: the sharded parameters from its parts, whole
-        from unbroken.sharding.checkpoint import hsdp_part_keys, load_hsdp_parts
+        from unbroken.checkpoint.sharded import hsdp_part_keys, load_hsdp_parts
 
         held = hsdp_part_keys(path)
         layout = {e[0]: e for e in commit["state"]}

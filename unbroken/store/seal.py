@@ -45,7 +45,7 @@ import logging
 import struct
 import time
 
-from unbroken.runtime.store_wire import store_key
+from unbroken.store.wire import store_key
 
 __all__ = ["BAD_REPORT_S", "Sealer", "launch_key", "pointer_key"]
 

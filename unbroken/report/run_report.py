@@ -11,7 +11,7 @@ and ``summary.json`` of a run:
   view it loaded the state in when the whole job was restored meanwhile;
 - recoveries: each kill's phases, in seconds after it (death seen, process
   ready, restore or admission decided, state loaded, first step, steps back at
-  speed: :mod:`unbroken.bench.recovery_phases`);
+  speed: :mod:`unbroken.report.recovery_phases`);
 - compiles (``train.compile``): each process's frames and seconds compiling by
   its first step, graphs from a cache or built, whether it loaded or wrote the
   job's compile cache, and a standby's compile ahead;
@@ -19,8 +19,8 @@ and ``summary.json`` of a run:
   rows trained never or twice — all must be 0.
 
 One run: the text table, ``RUN/report.json`` (the summary plus the per-step
-series of :mod:`unbroken.bench.report_series`) and ``RUN/report.png``
-(:func:`unbroken.bench.report_plot.plot_run`). Two runs: the headline numbers
+series of :mod:`unbroken.report.series`) and ``RUN/report.png``
+(:func:`unbroken.report.plot.plot_run`). Two runs: the headline numbers
 side by side and ``RUN_A/report-vs-<name of B>.png`` (loss and live workers
 overlaid). A simulated run (``unbroken simulate``: no event files) is read
 from its metrics lines; it has no ledger to check (``ledger_ok`` is None).
@@ -35,8 +35,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from unbroken.bench import report_series as rs
-from unbroken.bench.recovery_phases import recoveries
+from unbroken.report import series as rs
+from unbroken.report.recovery_phases import recoveries
 from unbroken.jsonl import read_jsonl
 from unbroken.runtime.ledger import check_ledger, read_events
 
@@ -248,7 +248,7 @@ def _workers_per_node(run_dir: Path) -> int | None:
 
 def write_report(run_dir: str | Path) -> dict[str, Any]:
     """Build the report of one run, write ``report.json`` and ``report.png`` into it; returns the report."""
-    from unbroken.bench.report_plot import plot_run  # matplotlib only when a picture is drawn
+    from unbroken.report.plot import plot_run  # matplotlib only when a picture is drawn
 
     run_dir = Path(run_dir)
     report = build_report(run_dir)
@@ -260,7 +260,7 @@ def write_report(run_dir: str | Path) -> dict[str, Any]:
 
 def compare_runs(run_a: str | Path, run_b: str | Path) -> dict[str, Any]:
     """Reports of two runs and their overlay, written to ``run_a/report-vs-<name of run_b>.png``."""
-    from unbroken.bench.report_plot import plot_overlay
+    from unbroken.report.plot import plot_overlay
 
     a, b = build_report(run_a), build_report(run_b)
     if a["name"] == b["name"]:  # e.g. two runs both called "run": tell them apart by their parents
