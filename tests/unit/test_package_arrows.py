@@ -36,6 +36,10 @@ LAYERS: list[set[str]] = [
 
 LAYER_OF = {name: i for i, layer in enumerate(LAYERS) for name in layer}
 
+FORBIDDEN = {("runtime", "faults")}
+"""Downward, yet not allowed: faults install themselves on the protocol's hook points from the worker's entry
+point (``agent/worker_process.py``); the runtime never imports them."""
+
 
 def _module_name(path: Path) -> str:
     parts = path.relative_to(ROOT.parent).with_suffix("").parts
@@ -81,6 +85,12 @@ def test_packages_import_only_downward() -> None:
         if _unit(m) != _unit(t) and LAYER_OF[_unit(t)] <= LAYER_OF[_unit(m)] and LAYER_OF[_unit(m)] > 0
     )
     assert upward == []
+
+
+def test_forbidden_arrows_are_absent() -> None:
+    found = sorted(f"{m} imports {t}" for m, targets in _graph().items() for t in targets
+                   if (_unit(m), _unit(t)) in FORBIDDEN)
+    assert found == []
 
 
 def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
