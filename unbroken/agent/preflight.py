@@ -68,7 +68,7 @@ def prepare_run_dir(run_dir: Path, cfg: Config, *, overwrite: bool, resume: bool
         if not cfg_file.is_file():
             raise ValueError(f"--resume {run_dir}: no config.json there; is this a run directory?")
         saved = json.loads(cfg_file.read_text())
-        diff = [f for f in config_diff(saved, cfg.to_dict()) if f not in _VOLATILE]
+        diff = [f for f in config_diff(saved, cfg.to_dict()) if f not in _VOLATILE and not f.startswith("monitor.")]
         if diff:
             raise ValueError(f"--resume {run_dir}: the run was made with different values for {', '.join(diff)}")
         if config_diff(saved, cfg.to_dict()):  # a field --resume may change (train.shard_optimizer): saved for all

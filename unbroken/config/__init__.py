@@ -18,6 +18,7 @@ from unbroken.config.sections import (
     DataConfig,
     FaultConfig,
     MecefoConfig,
+    MonitorConfig,
     ModelConfig,
     OptimConfig,
     SnapshotConfig,
@@ -26,7 +27,7 @@ from unbroken.config.sections import (
 from unbroken.config.validation import config_diff, config_hash, validate
 
 __all__ = [
-    "Config", "DataConfig", "FaultConfig", "MecefoConfig", "ModelConfig", "OptimConfig", "SnapshotConfig",
+    "Config", "DataConfig", "FaultConfig", "MecefoConfig", "ModelConfig", "MonitorConfig", "OptimConfig", "SnapshotConfig",
     "TrainConfig",
     "SECTIONS", "PRESETS", "REMOVED_FIELDS", "preset", "load_config", "config_from_dict", "validate", "config_hash", "config_diff",
 ]

@@ -277,6 +277,40 @@ class SnapshotConfig:
     device into a buffer of at most this size, landed in host memory afterwards. 0: none (the next optimizer
     step waits for the rest instead)."""
 
+@dataclass(kw_only=True)
+class MonitorConfig:
+    """How the run is watched (``unbroken.monitor``): TensorBoard, Weights & Biases, a Prometheus endpoint and
+    webhook alerts, fed by one process per job that follows ``metrics.jsonl`` and the events, never by a
+    worker. Changes nothing trained (not in the config hash; ``--resume`` may change it)."""
+
+    tensorboard: bool = False
+    """Write TensorBoard event files to ``RUN/tensorboard`` (one directory per job, across ``--resume`` and
+    requeues; ``pip install unbroken[monitor]``)."""
+    wandb: bool = False
+    """Log to a Weights & Biases run, one per job: its id is kept in ``RUN/monitor/wandb_run_id`` and taken
+    up again by ``--resume`` and requeues."""
+    wandb_project: str = "unbroken"
+    """``wandb``: the project."""
+    wandb_entity: str = ""
+    """``wandb``: the team or user; empty: W&B's default for the logged-in user."""
+    wandb_mode: Literal["online", "offline"] = "online"
+    """``wandb``: ``offline`` writes the run under ``RUN/wandb`` only (``wandb sync`` uploads it later)."""
+    prometheus_port: int | None = None
+    """Serve Prometheus metrics (step, loss, tokens/s, live workers, failures...) on this port; 0 picks a free
+    one (written to ``RUN/monitor/endpoint.json``); None: no endpoint."""
+    prometheus_host: str = "127.0.0.1"
+    """Address the Prometheus endpoint binds (loopback: only this machine can scrape it)."""
+    webhook: str = ""
+    """A Slack-compatible webhook URL (``http://`` or ``https://``) the alerts are POSTed to as ``{"text": ...}``;
+    empty: ``$UNBROKEN_WEBHOOK`` if set, else no alerts."""
+    alert_capacity: float = 0.5
+    """Alert when the live workers are fewer than this share of ``train.workers`` for longer than
+    ``alert_capacity_s`` (0..1; 0: never)."""
+    alert_capacity_s: float = 300.0
+    """How long the job may run below ``alert_capacity`` before the alert."""
+    alert_no_step_s: float = 600.0
+    """Alert when no step was committed for this many seconds (0: never)."""
+
 
 SECTIONS: dict[str, type] = {
     "model": ModelConfig,
@@ -286,6 +320,7 @@ SECTIONS: dict[str, type] = {
     "mecefo": MecefoConfig,
     "fault": FaultConfig,
     "snapshot": SnapshotConfig,
+    "monitor": MonitorConfig,
 }
 
 
@@ -300,6 +335,7 @@ class Config:
     mecefo: MecefoConfig = field(default_factory=MecefoConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
     snapshot: SnapshotConfig = field(default_factory=SnapshotConfig)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)

@@ -27,7 +27,7 @@ def validate(cfg: Config) -> list[str]:
         if not cond:
             errs.append(msg)
 
-    for check in (_train_data_optim, _backend, _sharding, _mecefo_fault, _snapshot_model):
+    for check in (_train_data_optim, _backend, _sharding, _mecefo_fault, _snapshot_model, _monitor):
         check(cfg, need)
     return errs
 
@@ -184,6 +184,25 @@ def _snapshot_model(cfg: Config, need: Need) -> None:
     )
 
 
+def _monitor(cfg: Config, need: Need) -> None:
+    mo = cfg.monitor
+    port = mo.prometheus_port
+    need(port is None or 0 <= port <= 65535,
+         f"monitor.prometheus_port={port}: must be in 0..65535 (0 picks a free port), or none for no endpoint")
+    need(bool(mo.prometheus_host.strip()), "monitor.prometheus_host='': give an address to bind (127.0.0.1: this "
+         "machine only; 0.0.0.0: every interface)")
+    need(not mo.webhook or mo.webhook.startswith(("http://", "https://")),
+         f"monitor.webhook={mo.webhook!r}: must be an http:// or https:// URL (a Slack-compatible incoming "
+         "webhook), or empty for none")
+    need(not mo.wandb or bool(mo.wandb_project.strip()),
+         "monitor.wandb=true with monitor.wandb_project='': name the W&B project")
+    need(0 <= mo.alert_capacity <= 1, f"monitor.alert_capacity={mo.alert_capacity}: must be a share of the workers "
+         "in 0..1 (0: no capacity alert)")
+    for name in ("alert_capacity_s", "alert_no_step_s"):
+        value = getattr(mo, name)
+        need(value >= 0, f"monitor.{name}={value}: must be a number of seconds >= 0")
+
+
 def config_hash(cfg: Config) -> str:
     """Stable hash of everything that changes what is trained (not ports or logging)."""
     d = cfg.to_dict()
@@ -197,6 +216,7 @@ def config_hash(cfg: Config) -> str:
     d["model"]["parallelize"] = ""  # HSDP's sharding recipe: where the state lives (as shard_degree)
     d["fault"].pop("store_timeout_s", None)  # how long to wait for the store, not what is trained
     d.pop("snapshot", None)  # how the state is protected, not what is trained
+    d.pop("monitor", None)  # how the run is watched, not what is trained
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 
