@@ -214,6 +214,37 @@ def test_deleted_and_forged_counters_never_kill_a_live_worker_nor_hide_a_silent_
     assert mark["how"] in ("heartbeat", "no progress") and mark["silent_s"] >= 1.0
 
 
+def test_counters_deleted_after_every_beat_never_fence_a_worker_its_peers_complete_collectives_with(
+        store, etcd_cluster):
+    """The writer deletes worker 1's counters after each of its beats for three heartbeat timeouts, so the
+    observer never reads them (a silence, on the counters alone); but every step the observer completes a
+    reduction with worker 1, which needed it, and that keeps it alive. Once worker 1 is lost (no beats, no
+    collective completes) while the writer goes on, the observer declares it dead."""
+    view = View(gen=0, members=(0, 1), step=0)
+    store.publish_initial(view)
+    attacker = Writer(store)
+    worker = _connect(etcd_cluster)
+    worker.lease_liveness(1, 10.0)
+    observer = Membership(store, 0, heartbeat_timeout_s=1.0, progress_timeout_s=1.0)
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 3.0:  # until the counters alone would have been silent for three timeouts
+        worker.beat(1)
+        worker.advance(1, 1)
+        for key in ("hb/1", "prog/1"):
+            attacker.delete(key)
+        observer.completed_with((1,))  # this step's reduction with worker 1 completed
+        assert observer.dead_members(view) == set(), "a worker whose collectives complete judged dead"
+        time.sleep(0.02)  # pacing: one step
+    assert not store.is_marked_dead(1)
+    deadline = time.monotonic() + 30
+    while observer.dead_members(view) == set() and time.monotonic() < deadline:  # lost: nothing completes
+        attacker.delete("hb/1")
+        attacker.plant("prog/1", "99")
+        time.sleep(0.02)
+    assert observer.dead_members(view) == {1}, "a lost worker hidden by the writer"
+    assert json.loads(store.dead_mark(1))["silent_s"] >= 1.0
+
+
 def test_a_key_holding_only_forged_values_past_the_store_timeout_stops_the_job_naming_it(store):
     store.publish_initial(View(gen=0, members=(0,), step=0))
     store.set_store_timeout(1.0)

@@ -37,6 +37,16 @@ timeouts (one where the forged counter's history shows its last authentic
 value: EtcdBackend.get_present). On etcd the counters also live under the worker's lease
 (TTL ``LEASE_TTL_FACTOR`` heartbeat timeouts, refreshed by the beats): a dead
 worker's keys expire by themselves, judged as silence like any other.
+
+Counters can be deleted by anyone who can write to the store; a completed
+collective cannot be faked by anyone outside it. So a member's silence clocks
+also restart when this worker completes a collective with it
+(:meth:`Membership.completed_with`: the reduction needed every peer's
+contribution, posted by its main thread): a writer deleting a live worker's
+counters after every beat never gets it declared dead while its peers' steps
+complete, and a silently lost worker stalls those collectives, so nothing
+restarts its clock and it is declared dead a heartbeat timeout after its last
+sign of life.
 """
 
 from __future__ import annotations
@@ -289,6 +299,19 @@ class Membership:
         more than half a timeout apart? Then the observer was not blind meanwhile (module docstring)."""
         return (self._hb_thread is not None and self._pulse_gap_end <= since
                 and until - self._last_pulse <= self.heartbeat_timeout_s / 2)
+
+    def completed_with(self, peers: tuple[int, ...] | list[int]) -> None:
+        """This worker's collective with ``peers`` completed just now: each of them took part (its main thread
+        posted its share), so each was alive and advancing, whatever its counters in the store say. Their
+        silence clocks restart here, on this observer's own clock (module docstring)."""
+        now = time.monotonic()
+        for w in peers:
+            if w == self.worker or w in self._dead:
+                continue
+            for seen, how in ((self._hb_seen, "heartbeat"), (self._prog_seen, "no progress")):
+                last = seen.get(w)
+                seen[w] = (last[0] if last is not None else -1, now)
+                self._unseen.pop((how, w), None)
 
     def forget_dead(self, worker: int) -> None:
         """A new incarnation of ``worker`` joined: judge it afresh (its mark, if one lands, read anew)."""

@@ -387,6 +387,7 @@ class StepProtocol(JoinerAdmission):
         prunes the store's keys of older views (nobody needs them any more).
         """
         view = self.view
+        self.m.completed_with(self.peers)  # every peer took part in the reduction: alive, whatever its counters say
         outcome = self.store.vote(view, step, "commit", after=self._voted)
         if outcome == "stale":
             raise Fenced(f"view {view.gen} was pruned while this worker was at step {step}")
