@@ -79,6 +79,13 @@ def test_a_writer_far_behind_never_brings_back_a_pruned_generations_keys(store):
     store.publish_items(0, 0, 1, [])
     assert store.backend.peek(["applied/0", "arrive/0", "items/0/0"]) == [None] * 3
     assert store.progress() == 1
+    # An agent far behind finds view 0's members all dead: its inventory and its claim to restore are not kept.
+    store.publish_inventory(0, 1, 2, "{}")
+    assert not store.claim_restore(0, 1), "a pruned generation is restored by nobody"
+    assert store.backend.peek(["snapinv/0/1", "restore/0", "restore/0/nodes"]) == [None] * 3
+    assert store.inventories(0, 2) == {}
+    store.publish_inventory(-1, 1, 2, "{}")  # a --resume's start (generation -1) is never pruned
+    assert store.claim_restore(-1, 1) and store.inventories(-1, 2) == {1: "{}"}
 
 
 def test_a_deleted_view_is_never_replaced_by_another_proposal(etcd_cluster, request):

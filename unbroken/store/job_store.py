@@ -315,8 +315,9 @@ class JobStore(StandbyKeys):
 
         A writer far behind must not re-create a key its generation's pruning deleted (a leak, and a value a
         later reader could take for the generation's). Checked after the write: ``pruned`` is written before
-        the prune's deletes, so either this read sees it or the prune deletes what was written before."""
-        if int(_opt(self.backend, "pruned") or 0) <= gen:
+        the prune's deletes, so either this read sees it or the prune deletes what was written before. (A
+        negative ``gen``, a ``--resume``'s start before any view, is never pruned.)"""
+        if gen < 0 or int(_opt(self.backend, "pruned") or 0) <= gen:
             return True
         self.backend.delete_key(key)
         return False
@@ -444,17 +445,22 @@ class JobStore(StandbyKeys):
     # -- whole-job restore ------------------------------------------------------
 
     def publish_inventory(self, gen: int, node: int, nodes: int, text: str) -> None:
-        """Node ``node``'s snapshot inventory, once every member of view ``gen`` is dead."""
+        """Node ``node``'s snapshot inventory, once every member of view ``gen`` is dead (not kept once ``gen``
+        is pruned: a later view committed a step, so nobody restores ``gen``)."""
         self.backend.set(f"snapinv/{gen}/{node}", text)
         self.backend.compare_set(f"restore/{gen}/nodes", "", str(nodes))
+        if not self._kept(gen, f"snapinv/{gen}/{node}"):
+            self.backend.delete_key(f"restore/{gen}/nodes")
 
     def inventories(self, gen: int, nodes: int) -> dict[int, str]:
         """The inventories published so far for view ``gen`` (node -> JSON)."""
         return {r: raw for r in range(nodes) if (raw := _opt(self.backend, f"snapinv/{gen}/{r}")) is not None}
 
     def claim_restore(self, gen: int, node: int) -> bool:
-        """True for the one agent that restores the job after view ``gen`` (first come)."""
-        return self.backend.compare_set(f"restore/{gen}", "", str(node)).decode() == str(node)
+        """True for the one agent that restores the job after view ``gen`` (first come); False for every agent
+        once ``gen`` is pruned (a later view committed a step: nothing to restore)."""
+        won = self.backend.compare_set(f"restore/{gen}", "", str(node)).decode() == str(node)
+        return self._kept(gen, f"restore/{gen}") and won
 
     # -- joins ------------------------------------------------------------------
 
