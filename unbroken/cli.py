@@ -422,6 +422,55 @@ def cmd_export(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
+def cmd_prepare_data(args: argparse.Namespace, overrides: list[str]) -> int:
+    from unbroken.data.pretrained import PretrainedTokenizer
+    from unbroken.data.shard_writer import DEFAULT_SHARD_TOKENS, write_shards
+    from unbroken.data.text_inputs import open_text_input
+
+    tokenizer = args.tokenizer
+    for o in overrides:
+        key, _, value = o.partition("=")
+        if key != "data.tokenizer":
+            raise ValueError(f"unbroken prepare-data takes --tokenizer (or --data.tokenizer), not --{o}")
+        tokenizer = tokenizer or value
+    if not tokenizer:
+        raise ValueError("--tokenizer: name the job's tokenizer (a tokenizer.json or a local Hugging Face model "
+                         "directory, as data.tokenizer)")
+    tok = PretrainedTokenizer(tokenizer)
+    docs = open_text_input(args.input, text_field=args.text_field, split=args.split, hub=args.hub)
+    bar = _ProgressBar(sys.stderr)
+    done = write_shards(docs, tok, args.out, shard_tokens=args.shard_tokens or DEFAULT_SHARD_TOKENS,
+                        on_progress=bar.show)
+    bar.close()
+    print(f"prepared {args.out}: {done.shards} shards, {done.tokens:,} tokens from {done.documents:,} documents "
+          f"(vocabulary {tok.vocab_size:,}); train on it with --data.source={args.out}")
+    return 0
+
+
+class _ProgressBar:
+    """One line redrawn in place on a terminal; elsewhere a line per shard written."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream, self.tty, self.shards, self.drawn, self.last = stream, stream.isatty(), 0, False, ""
+
+    def show(self, p: Any) -> None:
+        frac = f"{p.documents / p.total:4.0%} " if p.total else ""
+        bar = ("[" + "#" * int(30 * p.documents / p.total) + "." * (30 - int(30 * p.documents / p.total)) + "] ") \
+            if p.total else ""
+        line = f"{bar}{frac}{p.documents:,} documents, {p.tokens:,} tokens, {p.shards} shards"
+        if self.tty:
+            self.stream.write("\r" + line)
+            self.drawn = True
+        elif (p.shards != self.shards or p.done) and line != self.last:
+            self.stream.write(line + "\n")
+        self.shards, self.last = p.shards, line
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.drawn:
+            self.stream.write("\n")
+
+
 def cmd_simulate_cluster(args: argparse.Namespace, overrides: list[str]) -> int:
     from unbroken.cluster.command import main as simulate_cluster_main
 
@@ -440,6 +489,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace, list[str]], int]] = {
     "chaos": cmd_chaos,
     "report": cmd_report,
     "export": cmd_export,
+    "prepare-data": cmd_prepare_data,
     "demo": cmd_demo,
     "simulate-cluster": cmd_simulate_cluster,
 }

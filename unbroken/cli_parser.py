@@ -124,6 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32", help="weights' dtype (default fp32)")
     ex.add_argument("--step", type=int, default=None, metavar="N", help="the checkpoint of step N (default: newest)")
 
+    _add_prepare_data_parser(sub)
     be = sub.add_parser("bench", help="run a benchmark (prints a table, writes JSON)",
                         description="Benchmarks; each prints ratios measured side by side and writes JSON.")
     be.add_argument("name", help="benchmark name, e.g. throughput")
@@ -155,6 +156,26 @@ def _add_cluster_args(tr: argparse.ArgumentParser) -> None:
                     help="the job's store on an etcd cluster; etcds:// over TLS with the client certificate named by "
                          "UNBROKEN_ETCD_CA, UNBROKEN_ETCD_CERT and UNBROKEN_ETCD_KEY (default: embedded in this "
                          "process)")
+
+
+def _add_prepare_data_parser(sub: Any) -> None:
+    pd = sub.add_parser("prepare-data", help="tokenize text files or a Hugging Face dataset into token shards",
+                        description="Tokenize documents with the job's tokenizer into a directory of token shards "
+                        "data.source reads (part-NNNNN.npy, each document followed by the end-of-text token, and "
+                        "vocab.json). Run again after an interruption, it continues where it stopped; the result "
+                        "is the same as an uninterrupted run's.")
+    pd.add_argument("input", metavar="INPUT", help="a .txt/.jsonl file, a directory of them, a glob ('data/*.jsonl'), "
+                    "or a Hugging Face dataset directory written by save_to_disk")
+    pd.add_argument("--out", type=Path, required=True, help="the shard directory to write (or to continue)")
+    pd.add_argument("--tokenizer", default=None, metavar="PATH",
+                    help="a tokenizer.json or a local Hugging Face model directory (default: --data.tokenizer)")
+    pd.add_argument("--text-field", default="text", metavar="NAME",
+                    help="the text of a .jsonl line or a dataset row (default text)")
+    pd.add_argument("--split", default="train", help="the split of a DatasetDict or of --hub (default train)")
+    pd.add_argument("--hub", action="store_true",
+                    help="INPUT is a name for datasets.load_dataset (the Hub, or a local data directory)")
+    pd.add_argument("--shard-tokens", type=int, default=None, metavar="N",
+                    help="tokens per shard (default 67108864)")
 
 
 def _add_agent_parser(sub: Any) -> None:

@@ -36,7 +36,9 @@ import numpy as np
 
 from unbroken.data.corpus import TextCorpus, check_val_fraction, is_token_file, open_text_corpus, open_token_file
 from unbroken.data.blend import Blend, parse_blend
+from unbroken.data.hf_dataset import DatasetTextColumn, is_dataset_source, open_dataset_source
 from unbroken.data.pretrained import PretrainedTokenizer
+from unbroken.data.shard_writer import DEFAULT_SHARD_TOKENS, write_shards
 from unbroken.data.shards import ShardedTokens, is_shard_directory, open_shard_directory
 from unbroken.data.token_cache import load_or_build_token_cache, token_dtype_for
 from unbroken.data.tokenizer import check_vocab_size, load_or_train_tokenizer
@@ -145,6 +147,39 @@ def _prepare_shards(source: str, *, vocab_size: int, val_fraction: float, token_
                         source=str(Path(source).resolve()))
 
 
+def _prepare_dataset(source: str, *, vocab_size: int, val_fraction: float, cache_dir: str | os.PathLike[str] | None,
+                     max_bytes: int | None, pretrained: PretrainedTokenizer | None) -> PreparedData:
+    if max_bytes is not None:
+        raise ValueError(f"max_bytes={max_bytes} applies to text directories only, not the dataset {source}")
+    held, ds_fp, resolved = open_dataset_source(source, vocab_size=vocab_size)
+    if isinstance(held, DatasetTextColumn):
+        tokens, vocab_size, ds_fp = _tokenize_dataset(held, pretrained, cache_dir)
+    else:
+        tokens = held
+    cut = len(tokens) - int(len(tokens) * val_fraction)  # the tail is validation, as for a shard directory
+    train, val = tokens[:cut], tokens[cut:]
+    assert isinstance(train, ShardedTokens) and isinstance(val, ShardedTokens)
+    fp = _streams_fingerprint(train, val, ds_fp, repr(val_fraction))
+    logger.info("using the dataset %s: %d train / %d val tokens", resolved, len(train), len(val))
+    return PreparedData(train=train, val=val, vocab_size=vocab_size,
+                        tokenizer_path=str(pretrained.path) if pretrained is not None else None, fingerprint=fp,
+                        source=resolved)
+
+
+def _tokenize_dataset(text: DatasetTextColumn, pretrained: PretrainedTokenizer | None,
+                      cache_dir: str | os.PathLike[str] | None) -> tuple[ShardedTokens, int, str]:
+    """A dataset's text column tokenized once into a shard directory of the cache (resumable), then opened."""
+    if pretrained is None:
+        raise ValueError(f"{text.description}: column {text.column!r} holds text; name the tokenizer to encode it "
+                         "with (data.tokenizer=/path/to/tokenizer.json), or tokenize it into shards first "
+                         "(unbroken prepare-data)")
+    cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    key = hashlib.sha256(f"{text.fingerprint()}\0{pretrained.sha256}".encode()).hexdigest()[:16]
+    with cache_lock(cache):
+        write_shards(text, pretrained, cache / f"hf-{key}", shard_tokens=DEFAULT_SHARD_TOKENS)
+    return open_shard_directory(cache / f"hf-{key}", dtype=None, vocab_size=pretrained.vocab_size)
+
+
 def _prepare_blend(spec: dict[str, float], *, vocab_size: int, val_fraction: float, token_dtype: str | None,
                    max_bytes: int | None) -> PreparedData:
     parts = []
@@ -209,7 +244,9 @@ def prepare_data(
             or a directory of such shards and Megatron ``.bin``/``.idx`` pairs
             (:mod:`unbroken.data.shards`; the tail of their concatenation is validation),
             or a JSON object ``{path: weight}`` of such sources blended by weight
-            (:mod:`unbroken.data.blend`; each source's tail is its validation).
+            (:mod:`unbroken.data.blend`; each source's tail is its validation), or a Hugging
+            Face dataset saved with ``save_to_disk``, ``DIR`` or ``DIR#COLUMN``
+            (:mod:`unbroken.data.hf_dataset`; the tail of its stream is validation).
         vocab_size: tokenizer size for text sources; for a token file, its
             vocabulary size unless its sidecar states one.
         val_fraction: share held out for validation, in ``[0, 1)`` (by
@@ -241,6 +278,9 @@ def prepare_data(
     if blend is not None:
         return _prepare_blend(blend, vocab_size=vocab_size, val_fraction=val_fraction, token_dtype=token_dtype,
                               max_bytes=max_bytes)
+    if is_dataset_source(source):
+        return _prepare_dataset(source, vocab_size=vocab_size, val_fraction=val_fraction, cache_dir=cache_dir,
+                                max_bytes=max_bytes, pretrained=pretrained)
     if is_token_file(source):
         return _prepare_tokens_file(source, vocab_size=vocab_size, val_fraction=val_fraction,
                                     token_dtype=token_dtype, max_bytes=max_bytes)
