@@ -476,8 +476,7 @@ def cmd_simulate_cluster(args: argparse.Namespace, overrides: list[str]) -> int:
 
     if overrides:
         raise ValueError(f"unbroken simulate-cluster takes no config overrides ({', '.join(overrides)})")
-    simulate_cluster_main(list(args.rest))
-    return 0
+    return int(simulate_cluster_main(list(args.rest)).get("rc", 0))
 
 
 # ---------------------------------------------------------------------------

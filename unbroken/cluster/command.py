@@ -111,6 +111,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     Raises:
         ValueError: bad input (each message names the value and the fix).
     """
+    from unbroken.cluster.replica_command import main as replica_main, uses_replica_engine
+
+    if uses_replica_engine(list(sys.argv[2:] if argv is None else argv)):  # replicas, phases, --validate
+        return replica_main(list(sys.argv[2:] if argv is None else argv))
     a = build_parser().parse_args(argv)
     spec, hw, opts = _spec(a, a.workers), _hardware(a), _options(a)
     files = a.costs if a.costs is not None else default_cost_files()
