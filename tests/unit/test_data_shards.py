@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -106,3 +107,29 @@ def test_token_beyond_the_vocabulary_names_file_and_offset(tmp_path: Path) -> No
     with pytest.raises(ValueError, match=r"a\.npy: max token 1000 is >= vocab_size 1000 \(token offset 100, "
                                          r"byte 328\)"):  # after the 128-byte .npy header
         open_shard_directory(tmp_path / "s", dtype=None, vocab_size=None)
+
+
+def test_truncated_npy_and_another_dtype_name_the_file_and_offset(tmp_path: Path) -> None:
+    root = tmp_path / "shards"
+    root.mkdir()
+    np.save(root / "a.npy", np.arange(1000, dtype=np.uint16))
+    size = (root / "a.npy").stat().st_size
+    os.truncate(root / "a.npy", size - 501)  # 250.5 tokens short: the file ends inside token 749
+    with pytest.raises(ValueError, match=rf"a.npy: truncated: its header announces 1000 uint16 tokens \(2000 bytes "
+                                         rf"from byte offset 128\), the file ends at byte {size - 501} \(token offset "
+                                         r"749\); write the shard again"):
+        open_shard_directory(root, dtype=None, vocab_size=2000)
+    np.save(root / "a.npy", np.arange(1000, dtype=np.int64))
+    with pytest.raises(ValueError, match=r"a.npy: token dtype 'int64' not supported; accepted: uint16, uint32 \(store "
+                                         r"the ids as uint16 for a vocabulary of up to 65536, else uint32\)"):
+        open_shard_directory(root, dtype=None, vocab_size=2000)
+
+
+def test_a_directory_prepare_data_has_not_finished_is_refused(tmp_path: Path) -> None:
+    root = tmp_path / "shards"
+    root.mkdir()
+    np.save(root / "part-00000.npy", np.arange(10, dtype=np.uint16))
+    (root / "prepare.json").write_text(json.dumps({"done": False, "shards": 1, "documents": 3}))
+    with pytest.raises(ValueError, match=r"has not finished it \(1 shards written, 3 documents read\); run the same "
+                                         "prepare-data command again"):
+        prepare_data(source=str(root), vocab_size=100, cache_dir=tmp_path / "cache")

@@ -277,8 +277,29 @@ def _read_sidecar(path: Path) -> dict:
 
 def _check_dtype(dtype: object, where: str) -> np.dtype:
     if str(dtype) not in TOKEN_DTYPES:
-        raise ValueError(f"{where}: token dtype {dtype!r} not supported; accepted: {', '.join(TOKEN_DTYPES)}")
+        raise ValueError(f"{where}: token dtype {dtype!r} not supported; accepted: {', '.join(TOKEN_DTYPES)} "
+                         "(store the ids as uint16 for a vocabulary of up to 65536, else uint32)")
     return np.dtype(str(dtype)).newbyteorder("<")
+
+
+def _check_npy_length(path: Path) -> None:
+    """Refuse a ``.npy`` file shorter than its header announces, naming the token offset where it ends."""
+    with path.open("rb") as f:
+        try:
+            version = np.lib.format.read_magic(f)
+            if version[0] not in (1, 2):
+                return  # version 3 (UTF-8 field names): never a token array; np.load decides
+            read = np.lib.format.read_array_header_1_0 if version[0] == 1 else np.lib.format.read_array_header_2_0
+            shape, _, dtype = read(f)
+        except (ValueError, EOFError) as e:
+            raise ValueError(f"{path}: not a .npy file ({e}); write shards with np.save") from None
+        offset = f.tell()
+    want = int(np.prod(shape)) * dtype.itemsize
+    size = path.stat().st_size
+    if size - offset < want:
+        raise ValueError(f"{path}: truncated: its header announces {int(np.prod(shape))} {dtype.name} tokens "
+                         f"({want} bytes from byte offset {offset}), the file ends at byte {size} (token offset "
+                         f"{(size - offset) // dtype.itemsize}); write the shard again")
 
 
 def _resolve_vocab(path: Path, meta: dict, vocab_size: int | None) -> int:
@@ -297,6 +318,7 @@ def _resolve_vocab(path: Path, meta: dict, vocab_size: int | None) -> int:
 
 def _map_tokens(path: Path, meta: dict, dtype: str | None) -> np.ndarray:
     if path.suffix == ".npy":
+        _check_npy_length(path)
         try:
             arr = np.load(path, mmap_mode="r", allow_pickle=False)
         except ValueError as e:

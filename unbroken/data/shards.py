@@ -14,10 +14,13 @@ Invariants:
   machine sees the same stream; window ``w`` of the stream may cross a shard
   boundary (the stream is one concatenation, as if the shards were one file).
 - Nothing bad starts a job: a shard that is truncated (size not a multiple of
-  its dtype; a sequence an ``.idx`` points to past the end of its ``.bin``),
+  its dtype; a ``.npy`` shorter than its header says; a sequence an ``.idx``
+  points to past the end of its ``.bin``), of a dtype other than uint16/uint32
+  (``.npy``, raw ``.bin``) or Megatron's integer codes,
   whose stored dtype contradicts the declared ``token_dtype``, or that holds a
   token ``>= vocab_size`` is refused when it is opened, naming the file and the
-  offset. The token check reads every shard once, in chunks of
+  offset; so is a directory ``unbroken prepare-data`` has not finished. The
+  token check reads every shard once, in chunks of
   :data:`CHECK_CHUNK` tokens (O(chunk) memory).
 - The fingerprint covers each shard's name, dtype, length, size and
   modification time, not its bytes (hashing terabytes at every start is what
@@ -30,6 +33,7 @@ Invariants:
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -177,6 +181,21 @@ def _open_shard(path: Path, dtype: str | None) -> np.ndarray:
     return tokens
 
 
+def _check_prepared(root: Path) -> None:
+    """Refuse a directory ``unbroken prepare-data`` is still writing (its progress file says not done)."""
+    progress = root / "prepare.json"
+    if not progress.is_file():
+        return
+    try:
+        state = json.loads(progress.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{progress}: unreadable ({e}); prepare {root} again") from None
+    if not state.get("done"):
+        raise ValueError(f"{root}: unbroken prepare-data has not finished it ({state.get('shards')} shards written, "
+                         f"{state.get('documents')} documents read); run the same prepare-data command again to "
+                         "finish it")
+
+
 def open_shard_directory(root: str | os.PathLike[str], *, dtype: str | None,
                          vocab_size: int | None) -> tuple[ShardedTokens, int, str]:
     """(stream, vocabulary size, fingerprint) of every shard in ``root``, each validated.
@@ -188,6 +207,7 @@ def open_shard_directory(root: str | os.PathLike[str], *, dtype: str | None,
         ValueError: no shards, a bad shard (see the module docstring), or disagreeing vocabularies.
     """
     root = Path(root)
+    _check_prepared(root)
     files = _shard_files(root)
     if not files:
         raise ValueError(f"{root}: no .bin/.npy shards; a shard directory holds pre-tokenized token files "
