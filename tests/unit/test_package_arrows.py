@@ -19,6 +19,7 @@ LAYERS: list[set[str]] = [
     {"bench"},  # benchmarks: they run jobs and read their reports
     {"report", "cluster"},  # a run's report; clusters (Slurm) around the agent
     {"agent"},  # one per node: starts, watches and restarts workers
+    {"monitor"},  # one per job, started by the launcher or node 0's agent: TensorBoard, W&B, Prometheus, alerts
     {"runtime"},  # one worker: the step protocol, membership, the training loop
     {"job"},  # what is trained: the model, data, optimizer and schedule built from the config
     {"faults"},  # fault injection and traces
