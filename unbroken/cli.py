@@ -176,6 +176,7 @@ def _resume_config(args: argparse.Namespace, overrides: list[str]) -> Config:
         CheckpointError: committed checkpoints exist but none is intact, and memory holds no snapshot.
     """
     from unbroken.agent.resume_point import resume_point
+    from unbroken.job.resume_vocab import check_resume_vocabulary
     from unbroken.job.run_dir import RUN_CONFIG, saved_config
 
     run = args.resume
@@ -203,6 +204,7 @@ def _resume_config(args: argparse.Namespace, overrides: list[str]) -> Config:
 
         cfg = apply_overrides(cfg, allowed)
     point = resume_point(run, cfg)  # snapshot memory or a committed checkpoint, else NothingToResume naming both
+    check_resume_vocabulary(run, point.checkpoint, cfg)  # the data's vocabulary is the one it was trained on
     if cfg.train.steps <= point.step:
         raise ValueError(f"--resume {run}: train.steps={cfg.train.steps}, but the run has trained {point.step} steps "
                          f"already; give --train.steps={point.step + 1} or more")

@@ -1,5 +1,6 @@
 """A real corpus in: ``unbroken prepare-data`` killed by SIGKILL half-way and run again ends with the bytes of an
-uninterrupted run, and the debug model trains on the shards it wrote with two workers."""
+uninterrupted run, and the debug model trains on the shards it wrote with two workers; once the tokenizer file
+changes, ``--resume`` of that run is refused."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from _faults import failover_config, run_job
+from unbroken import cli
 from unbroken.data.corpus import stdlib_root
 from unbroken.runtime.ledger import check_ledger
 
@@ -85,7 +87,7 @@ def _killed_half_way(corpus: Path, tokenizer: Path, out: Path) -> dict:
     return json.loads((out / "prepare.json").read_text())
 
 
-def test_killed_prepare_data_continues_to_the_same_bytes_and_trains(tmp_path: Path, corpus_overrides) -> None:
+def test_killed_prepare_data_continues_to_the_same_bytes_and_trains(tmp_path: Path, capsys) -> None:
     corpus = _corpus(tmp_path)
     tokenizer = tmp_path / "tokenizer.json"
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
@@ -114,3 +116,14 @@ def test_killed_prepare_data_continues_to_the_same_bytes_and_trains(tmp_path: Pa
     vocab = json.loads((whole / "vocab.json").read_text())["vocab_size"]
     assert vocab == Tokenizer.from_file(str(tokenizer)).get_vocab_size(with_added_tokens=True)
     assert job.summary.get("vocab_size", vocab) == vocab
+
+    # The tokenizer file changes under the finished run: --resume refuses before anything starts, with the fix.
+    grown = Tokenizer.from_file(str(tokenizer))
+    grown.add_tokens(["<|pad|>"])
+    grown.save(str(tokenizer))
+    assert cli.main(["train", "--resume", str(job.run_dir), "--train.steps=6"]) == 2
+    err = capsys.readouterr().err
+    assert f"unbroken train: error: --resume {job.run_dir}: the run was trained on a vocabulary of {vocab} tokens " \
+           f"(step_0000004: model.tok_embeddings.weight has {vocab} rows), but data.tokenizer='{tokenizer}' now " \
+           f"holds {vocab + 1} ids; put back the tokenizer file the run was trained with, or train on the new one " \
+           "as a new run (--out)" in err, err

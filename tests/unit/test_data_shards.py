@@ -133,3 +133,16 @@ def test_a_directory_prepare_data_has_not_finished_is_refused(tmp_path: Path) ->
     with pytest.raises(ValueError, match=r"has not finished it \(1 shards written, 3 documents read\); run the same "
                                          "prepare-data command again"):
         prepare_data(source=str(root), vocab_size=100, cache_dir=tmp_path / "cache")
+
+
+def test_stated_vocab_size_reads_no_tokens(tmp_path: Path) -> None:
+    from unbroken.data.prepare import stated_vocab_size
+
+    _corpus(tmp_path / "shards", vocab=1000)
+    np.save(tmp_path / "one.npy", np.arange(10, dtype=np.uint16))
+    (tmp_path / "one.npy.json").write_text(json.dumps({"vocab_size": 1200}))
+    assert stated_vocab_size(source=str(tmp_path / "shards"), vocab_size=4096, tokenizer=None) == 1000
+    assert stated_vocab_size(source=str(tmp_path / "one.npy"), vocab_size=4096, tokenizer=None) == 1200
+    blend = json.dumps({str(tmp_path / "shards"): 1, str(tmp_path / "one.npy"): 2})
+    assert stated_vocab_size(source=blend, vocab_size=4096, tokenizer=None) == 1200
+    assert stated_vocab_size(source="stdlib", vocab_size=4096, tokenizer=None) == 4096

@@ -34,7 +34,14 @@ from typing import Any, cast
 
 import numpy as np
 
-from unbroken.data.corpus import TextCorpus, check_val_fraction, is_token_file, open_text_corpus, open_token_file
+from unbroken.data.corpus import (
+    TextCorpus,
+    _read_sidecar,
+    check_val_fraction,
+    is_token_file,
+    open_text_corpus,
+    open_token_file,
+)
 from unbroken.data.blend import Blend, parse_blend
 from unbroken.data.hf_dataset import DatasetTextColumn, is_dataset_source, open_dataset_source
 from unbroken.data.pretrained import PretrainedTokenizer
@@ -224,6 +231,26 @@ def _prepare_text(train_corpus: TextCorpus, val_corpus: TextCorpus, *, vocab_siz
     fp = _streams_fingerprint(train, val, train_corpus.fingerprint(), val_corpus.fingerprint(),
                               tokenizer.sha256, str(vocab_size))
     return train, val, str(tokenizer.path), fp
+
+
+def stated_vocab_size(*, source: str, vocab_size: int, tokenizer: str | None) -> int:
+    """The vocabulary ``prepare_data`` gives these arguments, found without reading or tokenizing the data:
+    the tokenizer's size, else what a token file's sidecar or a shard directory's ``vocab.json`` states (the
+    largest of a blend's), else ``vocab_size``.
+
+    Raises:
+        ValueError: the tokenizer, a sidecar or the blend cannot be read (names it).
+    """
+    if tokenizer:
+        return PretrainedTokenizer(tokenizer).vocab_size
+    blend = parse_blend(source)
+    paths = list(blend) if blend is not None else [source]
+    stated = []
+    for path in paths:
+        side = Path(path) / "vocab" if is_shard_directory(path) else Path(path) if is_token_file(path) else None
+        meta = _read_sidecar(side) if side is not None else {}
+        stated.append(int(meta.get("vocab_size", vocab_size)))
+    return max(stated)
 
 
 def prepare_data(
