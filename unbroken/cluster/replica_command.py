@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--switch-nodes", type=int, default=4, help="nodes under a switch (default 4)")
     ap.add_argument("--lemon-share", type=float, default=0.01, help="share of lemon nodes (default 0.01)")
     ap.add_argument("--lemon-factor", type=float, default=10.0, help="how much more often a lemon fails (default 10)")
-    ap.add_argument("--spare-nodes", type=int, default=64, help="spare nodes, paid for (default 64)")
+    ap.add_argument("--spare-nodes", type=int, default=16, help="spare nodes, paid for (default 16)")
     ap.add_argument("--replenish-h", type=float, default=2.0, help="hours until a spare taken is replaced (default 2)")
     ap.add_argument("--net-repair-h", type=float, default=0.5, help="hours a node stays cut off (default 0.5)")
     ap.add_argument("--group-nodes", type=int, default=16, help="nodes per snapshot coding group (default 16)")
