@@ -148,6 +148,12 @@ class StoreBackend(ABC):
         """Several counters' adds (``0``: a read), in order; one round trip where the store can."""
         return [self.add(k, amount) for k, amount in pairs]
 
+    def restore(self, key: str) -> bool:
+        """Bring decision key ``key`` (``gen``, ``outcome/<g>``) back if another writer deleted it, with the
+        newest decision written there; True if it holds a value now. Only a store others can write to (etcd)
+        can lose one: here it is False (nothing to bring back from)."""
+        return False
+
     def create_unless_moved(self, key: str, value: str, witness: str) -> bytes | None:
         """``key``'s value, created as ``value`` if absent, provided ``witness`` is still as this client last
         read it; None if it changed since and nothing was created. Checked in the same transaction on a store

@@ -56,7 +56,6 @@ import os
 import secrets
 import time
 import uuid
-from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
@@ -65,7 +64,10 @@ from unbroken.store.etcd_client import (Cluster, RequestRefused, StoreUnavailabl
                                            parse_etcd, tls_files)
 from unbroken.store.backend import (ETCD_SCHEME, SECRET_ENV, UNSEEN, StoreAccessDenied, StoreBackend,
                                            _namespace)
-from unbroken.store.seal import Sealer, launch_key, pointer_key
+from unbroken.store.etcd_group_store import EtcdGroupStore
+from unbroken.store.etcd_launch import clear_launch, point_here, range_end, read_pointer
+from unbroken.store.etcd_history import RESTORED, last_authentic, restore, restored_value
+from unbroken.store.seal import Sealer, launch_key
 from unbroken.store.wire import LAUNCH_ENV
 
 __all__ = ["ETCD_SCHEME", "EtcdBackend", "EtcdGroupStore", "StoreUnavailable", "is_etcd", "parse_etcd"]
@@ -82,9 +84,6 @@ KV_CACHE = 4096
 """At most this many keys' last read or written versions are remembered by a client."""
 LEASE_REFRESH = 1 / 3
 """A client's lease is refreshed once this fraction of its TTL has passed since the last refresh."""
-HISTORY_READS = 16
-"""A counter read holding a value this launch did not write is read back through its history this many values
-at most (only then: one more round trip each) for the newest value that is (:meth:`EtcdBackend._last_authentic`)."""
 MARKER = "\x00add\x00"
 """An adder's marker key is the counter's key + this + the adder's id (sorted right after the counter)."""
 MARKER_TTL_S = 30
@@ -98,12 +97,6 @@ def _b64(data: str | bytes) -> str:
 
 def _unb64(data: str | None) -> bytes:
     return base64.b64decode(data) if data else b""
-
-
-def _range_end(prefix: str) -> str:
-    raw = bytearray(prefix.encode())
-    raw[-1] += 1  # prefixes end with "/" or "\x00": never 0xff
-    return _b64(bytes(raw))
 
 
 class EtcdBackend(StoreBackend):
@@ -133,6 +126,8 @@ class EtcdBackend(StoreBackend):
         self._lease_ttl, self._lease_id, self._lease_refreshed = MARKER_TTL_S, "", 0.0
         self.lease_round_trips = 0  # requests that granted or refreshed the lease (the benchmark counts them)
         self._revision = 0  # the newest store revision any answer reported
+        self._first_revision = -1  # the revision the launch's first key (``job``) was created at, once read
+        self.restores_checked: dict[str, tuple[int, int]] = {}  # key -> a restored creation found the newest
 
     # -- plumbing ---------------------------------------------------------------
 
@@ -146,6 +141,23 @@ class EtcdBackend(StoreBackend):
         # The newest revision this client saw: a create is sealed for the next one (_write).
         self._revision = max(self._revision, int(out.get("header", {}).get("revision", 0) or 0))
         return out
+
+    @property
+    def revision(self) -> int:
+        """The newest store revision an answer to this client reported."""
+        return self._revision
+
+    def first_revision(self) -> int:
+        """The store revision before the launch's first key was created (its keys' history starts after it)."""
+        if self._first_revision < 0:
+            kv = self._read_many(["job"])[0]
+            self._first_revision = int(kv["create_revision"]) - 1 if kv is not None else 0
+        return self._first_revision
+
+    def restore(self, key: str) -> bool:
+        """Bring a decision key another writer deleted or forged back with the newest decision its history holds
+        (:func:`unbroken.store.etcd_history.restore`); True if it holds an authentic value now."""
+        return restore(self, key)
 
     def set_store_timeout(self, seconds: float) -> None:
         """Wait up to ``seconds`` for a quorum before an operation fails (``fault.store_timeout_s``)."""
@@ -196,8 +208,11 @@ class EtcdBackend(StoreBackend):
         """The authentic payload of ``kv`` (None: absent, or a value this launch did not write there)."""
         if kv is None:
             return None
-        return self.sealer.open(key, _unb64(kv.get("value")), int(kv.get("version", 0)),
-                                int(kv.get("create_revision", 0)))
+        value = self.sealer.open(key, _unb64(kv.get("value")), int(kv.get("version", 0)),
+                                 int(kv.get("create_revision", 0)))
+        if value is not None and value.startswith(RESTORED):  # a decision key brought back: checked first
+            return restored_value(self, key, kv, value)
+        return value
 
     def _guard(self, key: str, kv: dict[str, Any] | None) -> dict[str, Any]:
         """The transaction's compare: the key is still as ``kv`` (absent for None)."""
@@ -380,30 +395,9 @@ class EtcdBackend(StoreBackend):
         for k, kv in zip(keys, self._read_many(keys)):
             value = self._open(k, kv)
             if kv is not None and value is None:
-                value = self._last_authentic(k, kv)
+                value = last_authentic(self, k, kv)
             out.append(None if kv is None else value if value is not None else UNSEEN)
         return out
-
-    def _last_authentic(self, key: str, kv: dict[str, Any]) -> bytes | None:
-        """The newest authentic value of ``key`` before its current one (not authentic), read back through the
-        key's history (at most ``HISTORY_READS`` values; None past that, or where etcd compacted it): a writer
-        that overwrites a live worker's counters faster than it beats cannot hide its beats from a reader, and
-        the history holds nothing newer that this launch did not write."""
-        revision = int(kv["mod_revision"]) - 1
-        for _ in range(HISTORY_READS):
-            try:
-                old = (self._call("kv/range", {"key": self._k(key), "revision": str(revision)}).get("kvs") or [None])[0]
-            except RequestRefused:
-                return None  # compacted
-            if old is None or revision <= 0:
-                return None
-            if (int(old.get("create_revision", 0)), int(old.get("version", 0))) < self.sealer.seen.get(key, (0, 0)):
-                return None  # older than what this reader already saw there: nothing newer was authentic
-            value = self._open(key, old)
-            if value is not None:
-                return value
-            revision = int(old["mod_revision"]) - 1
-        return None
 
     def _landed(self, marker: str, token: str) -> bool:
         """An earlier try of this add committed although its answer was lost (the retry found our marker)."""
@@ -429,7 +423,7 @@ class EtcdBackend(StoreBackend):
 
     def num_keys(self) -> int:
         """The launch's keys (adders' markers not counted): one read of its namespace's keys."""
-        out = self._call("kv/range", {"key": _b64(self.ns), "range_end": _range_end(self.ns), "keys_only": True})
+        out = self._call("kv/range", {"key": _b64(self.ns), "range_end": range_end(self.ns), "keys_only": True})
         return sum(1 for kv in out.get("kvs", []) if "\x00" not in _unb64(kv["key"]).decode())
 
     def group_store(self, prefix: str) -> dist.Store:
@@ -440,48 +434,7 @@ class EtcdBackend(StoreBackend):
     def clear(self) -> int:
         """Delete every key of this launch, and the job's pointer if it still points here (the job is over);
         returns how many keys went."""
-        self._kvs.clear()
-        out = self._call("kv/deleterange", {"key": _b64(self.ns), "range_end": _range_end(self.ns)})
-        pointer, kv = self._pointer()
-        if pointer is not None and pointer.get("launch") == self.launch:
-            guard = {"key": _b64(self.root + "launch"), "target": "MOD", "result": "EQUAL",
-                     "mod_revision": kv["mod_revision"]}  # type: ignore[index]
-            self._txn([guard], [{"request_delete_range": {"key": _b64(self.root + "launch")}}], [])
-        return int(out.get("deleted", 0))
-
-    def _pointer(self) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
-        """The job's pointer to its current launch (``PREFIX/<namespace>/launch``: the launch id and who the job
-        is, sealed with a key of the secret alone) if authentic, and its kv."""
-        out = self._call("kv/range", {"key": _b64(self.root + "launch")})
-        kv = (out.get("kvs") or [None])[0]
-        raw = None if kv is None else Sealer(pointer_key(self.secret)).open(
-            "launch", _unb64(kv.get("value")), int(kv.get("version", 0)), int(kv.get("create_revision", 0)))
-        return (json.loads(raw) if raw else None), kv
-
-    def _point_here(self, job: dict[str, Any]) -> None:
-        """Point the job at this launch (guarded by the pointer's revision, retried on a race).
-
-        Raises:
-            ValueError: the pointer names another job (another run directory) under the same namespace.
-        """
-        while True:
-            current, kv = self._pointer()
-            if current is not None and current.get("job", {}).get("run_dir") != job.get("run_dir"):
-                raise ValueError(
-                    f"store {self.addr}: the prefix {self.root} already holds the keys of another job "
-                    f"({json.dumps(current.get('job'), sort_keys=True)}); give this job its own secret ({SECRET_ENV}) "
-                    f"or prefix (etcd://.../PREFIX), or remove the old keys once that job is over: etcdctl del "
-                    f"--prefix {self.root}")
-            key = _b64(self.root + "launch")
-            version = int(kv["version"]) + 1 if kv else 1
-            guard = ({"key": key, "target": "CREATE", "result": "EQUAL", "create_revision": "0"} if kv is None else
-                     {"key": key, "target": "MOD", "result": "EQUAL", "mod_revision": kv["mod_revision"]})
-            created = int(kv["create_revision"]) if kv else self._revision + 1
-            sealed = Sealer(pointer_key(self.secret)).seal("launch", json.dumps({"launch": self.launch, "job": job}),
-                                                           version, created)
-            ok, _, revision = self._txn_rev([guard], [{"request_put": {"key": key, "value": _b64(sealed)}}], [])
-            if ok and (kv is not None or int(revision) == created):
-                return  # else a create sealed for a revision another write took: written again at version 2
+        return clear_launch(self)
 
     @classmethod
     def connect(cls, addr: str, *, timeout_s: float, secret: str, store_timeout_s: float | None = None,
@@ -498,8 +451,8 @@ class EtcdBackend(StoreBackend):
         launch = launch or os.environ.get(LAUNCH_ENV) or None
         try:
             if launch is None:
-                pointer, _ = cls(addr, secret, timeout_s=timeout_s, store_timeout_s=store_timeout_s,
-                                 insecure=insecure)._pointer()
+                pointer, _ = read_pointer(cls(addr, secret, timeout_s=timeout_s, store_timeout_s=store_timeout_s,
+                                              insecure=insecure))
                 launch = str(pointer["launch"]) if pointer else None
             backend = cls(addr, secret, timeout_s=timeout_s, store_timeout_s=store_timeout_s, launch=launch,
                           insecure=insecure)
@@ -528,45 +481,9 @@ class EtcdBackend(StoreBackend):
         """
         backend = cls(addr, secret, timeout_s=timeout_s, launch=secrets.token_hex(16), insecure=insecure)
         try:
-            backend._point_here(job)
+            point_here(backend, job)
             backend.compare_set("job", "", json.dumps(job, sort_keys=True))
         except StoreUnavailable as exc:
             raise ConnectionError(f"store {addr}: no etcd member answered within {timeout_s:.0f} s ({exc}); "
                                   f"is etcd running there, with quorum, and the address right?") from None
         return backend
-
-
-class EtcdGroupStore(dist.Store):
-    """A ``torch.distributed.Store`` over :class:`EtcdBackend` under ``prefix``: a process group's rendezvous."""
-
-    def __init__(self, backend: EtcdBackend, prefix: str) -> None:
-        super().__init__()
-        self.backend, self.prefix = backend, prefix
-
-    def set(self, key: str, value: str | bytes) -> None:
-        self.backend.set(self.prefix + key, value)
-
-    def get(self, key: str) -> bytes:
-        return self.backend.get(self.prefix + key)
-
-    def add(self, key: str, amount: int) -> int:
-        return self.backend.add(self.prefix + key, amount)
-
-    def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
-        return self.backend.compare_set(self.prefix + key, expected, desired)
-
-    def check(self, keys: list[str]) -> bool:
-        return self.backend.check([self.prefix + k for k in keys])
-
-    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
-        self.backend._wait_values([self.prefix + k for k in keys],
-                                  None if timeout is None else timeout.total_seconds())
-
-    def multi_get(self, keys: list[str]) -> list[bytes]:
-        return self.backend.multi_get([self.prefix + k for k in keys])
-
-    def delete_key(self, key: str) -> bool:
-        return self.backend.delete_key(self.prefix + key)
-
-    def num_keys(self) -> int:
-        return self.backend.num_keys()

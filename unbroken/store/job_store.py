@@ -1,7 +1,8 @@
 """The job's coordination store: every key the job uses, behind typed methods.
 
-This is the only module (with :mod:`unbroken.store.standby_keys`, the warm
-standby's keys) that names coordination keys or calls the store's
+This is the only module (with its parts :mod:`unbroken.store.worker_keys`,
+the workers' and agents' keys, and :mod:`unbroken.store.standby_keys`, the
+warm standby's) that names coordination keys or calls the store's
 ``get/set/compare_set/add``; the launcher, the agents, the standby, the step
 protocol and the workers all go through :class:`JobStore`. The backend is a
 :class:`StoreBackend`: the job's embedded store (:class:`EmbeddedBackend`),
@@ -59,7 +60,9 @@ in which a step committed is deleted by that view's leader (its members have
 all left the older ones: they all completed that step's all-reduce), and no
 writer far behind creates a key of a pruned generation again (it deletes what
 it wrote once it reads ``pruned`` above it); ``view/<g>`` is created only
-while ``gen`` is below ``g``.
+while ``gen`` is below ``g``; ``gen`` and ``outcome/<g>`` found gone (another
+writer deleted them) are brought back with the newest decision written there
+(:meth:`StoreBackend.restore`), never another.
 """
 
 from __future__ import annotations
@@ -73,6 +76,7 @@ import torch.distributed as dist
 from unbroken.store.standby_keys import StandbyKeys, _opt
 from unbroken.store.backend import EmbeddedBackend, StoreBackend, is_etcd_address
 from unbroken.store.view import View
+from unbroken.store.worker_keys import WorkerKeys
 
 __all__ = ["JobStore", "Outcome", "StoreKeyLost"]
 
@@ -93,7 +97,7 @@ class StoreKeyLost(dist.DistStoreError):
     another writer): the job stops rather than decide without it."""
 
 
-class JobStore(StandbyKeys):
+class JobStore(StandbyKeys, WorkerKeys):
     """Typed access to one job's coordination state (key schema in the module docstring)."""
 
     def __init__(self, backend: StoreBackend) -> None:
@@ -194,7 +198,22 @@ class JobStore(StandbyKeys):
         return self.backend.check(["gen"])
 
     def gen(self) -> int:
-        return int(self.backend.get("gen"))
+        raw = self._decision("gen")
+        return int(raw if raw is not None else self.backend.get("gen"))  # not yet published: wait for it
+
+    def _decision(self, key: str, gen: int | None = None) -> str | None:
+        """Decision key ``key`` (``gen``, or generation ``gen``'s ``outcome/<g>``): its value, brought back
+        first with the newest decision written there if another writer deleted or forged it (a store others can
+        write to: :meth:`StoreBackend.restore`); None if it holds none (or ``gen`` is pruned)."""
+        raw = self.backend.peek([key])[0]
+        if raw is None and (gen is None or not self._pruned(gen)) and self.backend.restore(key):
+            if gen is not None and not self._kept(gen, key):
+                return None
+            raw = self.backend.peek([key])[0]
+        return None if raw is None else raw.decode()
+
+    def _pruned(self, gen: int) -> bool:
+        return gen >= 0 and int(_opt(self.backend, "pruned") or 0) > gen
 
     def view(self, gen: int) -> View:
         return View.from_json(self.backend.get(f"view/{gen}"))
@@ -213,7 +232,10 @@ class JobStore(StandbyKeys):
         raise RuntimeError(f"the store's current generation {gen} names no view after {CURRENT_VIEW_READS} reads")
 
     def publish_initial(self, view: View) -> None:
-        """Write generation 0 if absent (the launcher or node 0's agent)."""
+        """Write generation 0 if absent (the launcher or node 0's agent); nothing once ``gen`` was published
+        (brought back first if another writer deleted it: a later call never sends the job back)."""
+        if self._decision("gen") is not None:
+            return
         self._open(self.backend.compare_set(f"view/{view.gen}", "", view.to_json()))
         self.backend.compare_set("gen", "", str(view.gen))
 
@@ -231,14 +253,20 @@ class JobStore(StandbyKeys):
         """
         assert new.gen == current.gen + 1
         key = f"view/{new.gen}"
-        if int(_opt(self.backend, "gen") or -1) <= current.gen:
+        deadline = time.monotonic() + self.store_timeout_s
+        if int(self._decision("gen") or -1) <= current.gen:
             created = self.backend.create_unless_moved(key, new.to_json(), "gen")  # None: gen moved meanwhile
             if created is not None:
                 self._open(created)
-                self.backend.compare_set("gen", str(current.gen), str(new.gen))
+                # Echoed: gen is gone (another writer deleted it). This proposer brings it back (its history's
+                # newest value, never another) and moves it on, or the members would never see the new view.
+                while self.backend.compare_set("gen", str(current.gen), str(new.gen)).decode() == str(current.gen):
+                    if self._decision("gen") is None:
+                        if time.monotonic() > deadline:
+                            raise self._key_lost("gen", "the current generation")
+                        time.sleep(LOST_KEY_POLL_S)
         # Read back once gen says new.gen: nobody creates the key after that (a create needs gen below it),
         # so every proposer returns the same view, or none if it was deleted.
-        deadline = time.monotonic() + self.store_timeout_s
         while (raw := _opt(self.backend, key)) is None:
             if int(_opt(self.backend, "pruned") or 0) > new.gen:
                 return self.current_view()
@@ -292,9 +320,12 @@ class JobStore(StandbyKeys):
                 return decided  # type: ignore[return-value]
             # Echoed: the key holds nothing this launch wrote. Pruned (``pruned`` is written before any key
             # goes), the voter is far behind; else another writer deleted or overwrote it, and deciding
-            # without it could contradict what a member already read there: wait, and stop past the timeout.
-            if int(_opt(self.backend, "pruned") or 0) > view.gen:
+            # without it could contradict what a member already read there: it is brought back with the
+            # newest decision its history holds (never another), or waited for, stopping past the timeout.
+            if self._pruned(view.gen):
                 return "stale"
+            if self._decision(key, view.gen) is not None:
+                continue
             if time.monotonic() > deadline:
                 raise self._key_lost(key, f"the decisions of view {view.gen}")
             time.sleep(LOST_KEY_POLL_S)
@@ -302,7 +333,7 @@ class JobStore(StandbyKeys):
     def decided(self, gen: int) -> int | None:
         """The last step decided in generation ``gen`` (``view.step - 1`` until its first vote); None once the
         generation is pruned."""
-        raw = _opt(self.backend, f"outcome/{gen}")
+        raw = self._decision(f"outcome/{gen}", gen)
         return int(raw.partition(":")[0]) if raw else None
 
     def arrive(self, gen: int) -> int:
@@ -373,9 +404,6 @@ class JobStore(StandbyKeys):
 
     # -- liveness ---------------------------------------------------------------
 
-    def beat(self, worker: int) -> int:
-        return self.backend.add(f"hb/{worker}", 1)
-
     def pulse(self, worker: int, phases: int, applied: tuple[int, int] | None = None) -> int:
         """A heartbeat of ``worker``, its main thread's ``phases`` more phases and a read of the job's join
         requests, in one round trip (a store that batches); returns the join requests so far. ``applied =
@@ -391,56 +419,6 @@ class JobStore(StandbyKeys):
         written back once ``gen`` is pruned."""
         self.backend.set(f"applied/{gen}", str(steps))
         self._kept(gen, f"applied/{gen}")
-
-    def heartbeats(self, workers: list[int]) -> list[int]:
-        """Heartbeat counters (0 for a worker that never beat or whose lease expired; never waits for a key)."""
-        return [int(raw or 0) for raw in self.backend.get_present([f"hb/{w}" for w in workers])]
-
-    def lease_liveness(self, worker: int, ttl_s: float) -> None:
-        """``worker``'s liveness counters vanish by themselves ``ttl_s`` after its last beat (a store with
-        leases; see :meth:`StoreBackend.lease_keys`); call on the connection that beats."""
-        self.backend.lease_keys([f"hb/{worker}", f"prog/{worker}"], ttl_s)
-
-    def advance(self, worker: int, phases: int) -> int:
-        """Count ``phases`` more phases entered by ``worker``'s main thread."""
-        return self.backend.add(f"prog/{worker}", phases)
-
-    def liveness(self, members: tuple[int, ...] | list[int]) -> list[tuple[int | None, int | None]]:
-        """(heartbeat, progress) counters of members of a published view, in one round trip; None for a counter
-        that is gone (its lease expired, or another writer deleted it), negative for one holding a value this
-        launch did not write (:data:`~unbroken.store.backend.UNSEEN`)."""
-        values = [None if raw is None else int(raw)
-                  for raw in self.backend.get_present([f"{k}/{w}" for w in members for k in ("hb", "prog")])]
-        return [(values[2 * i], values[2 * i + 1]) for i in range(len(members))]
-
-    def mark_dead(self, worker: int, reason: str) -> bool:
-        """Declare ``worker`` dead (first mark wins); True if this call made the mark."""
-        if self.backend.compare_set(f"dead/{worker}", "", reason).decode() != reason:
-            return False
-        self.backend.add("deaths", 1)
-        return True
-
-    def deaths(self) -> int:
-        return self.backend.add("deaths", 0)
-
-    def dead_mark(self, worker: int) -> str | None:
-        return _opt(self.backend, f"dead/{worker}") or None
-
-    def is_marked_dead(self, worker: int) -> bool:
-        return self.backend.check([f"dead/{worker}"])
-
-    def all_marked_dead(self, workers: tuple[int, ...]) -> bool:
-        return bool(workers) and self.backend.check([f"dead/{w}" for w in workers])
-
-    def clear_dead(self, worker: int) -> None:
-        self.backend.delete_key(f"dead/{worker}")
-
-    def unmark_dead(self, worker: int, reason: str) -> None:
-        """Withdraw this caller's own mark (``reason``, as written); another's stays. (Emptied by
-        compare-and-set, then deleted: a mark another observer slips in between is lost, and its detector
-        marks that worker again a heartbeat timeout later.)"""
-        if self.backend.compare_set(f"dead/{worker}", reason, "").decode() == "":
-            self.backend.delete_key(f"dead/{worker}")
 
     # -- whole-job restore ------------------------------------------------------
 
@@ -461,39 +439,6 @@ class JobStore(StandbyKeys):
         once ``gen`` is pruned (a later view committed a step: nothing to restore)."""
         won = self.backend.compare_set(f"restore/{gen}", "", str(node)).decode() == str(node)
         return self._kept(gen, f"restore/{gen}") and won
-
-    # -- joins ------------------------------------------------------------------
-
-    def request_join(self, worker: int, info: dict[str, Any]) -> None:
-        """Ask to join (``info``: pid, config hash, time); clears an earlier refusal. The request records the
-        death mark present now (``predecessor_mark``): the predecessor's, so that a later one tells that the
-        incarnation which asked died too."""
-        self.backend.delete_key(f"refused/{worker}")
-        info = {**info, "predecessor_mark": self.dead_mark(worker)}
-        self.backend.set(f"join/{worker}", json.dumps(info))
-        self.backend.add("joins", 1)
-
-    def join_request(self, worker: int) -> dict[str, Any] | None:
-        raw = _opt(self.backend, f"join/{worker}")
-        return None if raw is None else json.loads(raw)
-
-    def refuse_join(self, worker: int, reason: str) -> None:
-        """Turn ``worker``'s request down for good (it reads :meth:`join_refusal` and leaves)."""
-        self.backend.set(f"refused/{worker}", reason)
-        self.backend.delete_key(f"join/{worker}")
-
-    def join_refusal(self, worker: int) -> str | None:
-        return _opt(self.backend, f"refused/{worker}")
-
-    def joins(self) -> int:
-        return self.backend.add("joins", 0)
-
-    def join_requests(self, candidates: list[int]) -> list[int]:
-        """The ``candidates`` that asked to join."""
-        return [w for w in candidates if self.backend.check([f"join/{w}"])]
-
-    def clear_join(self, worker: int) -> None:
-        self.backend.delete_key(f"join/{worker}")
 
     # -- progress and the end ---------------------------------------------------
 
@@ -531,29 +476,3 @@ class JobStore(StandbyKeys):
     def finished(self) -> bool:
         """Done or failed."""
         return self.backend.check(["done"]) or self.backend.check(["failed"])
-
-    # -- agents -----------------------------------------------------------------
-
-    def claim_node(self, node: int, token: str, expected: str = "") -> str:
-        """Compare-and-set node ``node``'s registration from ``expected`` to ``token``; returns the holder."""
-        return self.backend.compare_set(f"agent/{node}", expected, token).decode()
-
-    def set_node_pid(self, node: int, text: str) -> None:
-        self.backend.set(f"agent/{node}/pid", text)
-
-    def node_pid(self, node: int) -> str | None:
-        return _opt(self.backend, f"agent/{node}/pid")
-
-    def release_node(self, node: int, token: str) -> None:
-        self.backend.compare_set(f"agent/{node}", token, "")
-
-    def node_holder(self, node: int) -> str | None:
-        """The token of node ``node``'s agent; "" once given back; None if never taken."""
-        return _opt(self.backend, f"agent/{node}")
-
-    def node_released(self, node: int) -> bool:
-        """Never taken, or given back."""
-        return _opt(self.backend, f"agent/{node}") in (None, "")
-
-    def agent_beat(self, node: int, amount: int = 1) -> int:
-        return self.backend.add(f"hb/agent/{node}", amount)

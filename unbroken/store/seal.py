@@ -28,9 +28,10 @@ records are bounded, ``SEEN_KEYS``, and forgetting them loses nothing).
 
 What is not sealed cannot be stopped here: a writer with access can delete
 keys, or overwrite them, which no reader then accepts: the job waits (a
-deleted heartbeat is silence, judged like any other), and stops once
-``fault.store_timeout_s`` has passed with the message naming the key; it never
-acts on what that writer put there. An etcd user per job (role-based access on
+deleted heartbeat is silence, judged like any other; a deleted decision key is
+brought back from its etcd history, :mod:`unbroken.store.etcd_history`), and
+stops once ``fault.store_timeout_s`` has passed with the message naming the
+key; it never acts on what that writer put there. An etcd user per job (role-based access on
 the job's prefix) closes that, as docs/design.md says.
 
 Invariant: :meth:`Sealer.open` returns a payload only if its tag verifies under this launch's key, its sealed
@@ -121,6 +122,17 @@ class Sealer:
         self.accepted(key, created, version)
         self.bad_since.pop(key, None)
         return data
+
+    def verify(self, key: str, raw: bytes, version: int, created: int) -> bytes | None:
+        """The payload of ``raw`` if it is authentic at ``key``'s ``version`` of the creation ``created``, else
+        None; records nothing (a read of the key's history, not of its present)."""
+        head = VERSION + CREATED + TAG
+        if len(raw) < head:
+            return None
+        data, place, tag = raw[:-head], raw[-head:-TAG], raw[-TAG:]
+        if not hmac.compare_digest(tag, self._tag(key, place, data)):
+            return None
+        return data if struct.unpack("<QQ", place) == (version, created) else None
 
     def accepted(self, key: str, created: int, version: int) -> None:
         """Remember that ``key`` was read or written at (``created``, ``version``); bounded (module docstring)."""
