@@ -150,3 +150,25 @@ def test_prepared_directory_is_a_data_source(tmp_path: Path) -> None:
     want = stream_of(TEXTS * 3)
     assert data.vocab_size == len(WORDS) and len(data.train) == len(want) - len(want) // 4
     assert data.train[np.arange(len(data.train))].tolist() == want[:len(data.train)]
+
+
+def test_prepare_data_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from unbroken import cli
+
+    tokenizer = word_tokenizer(tmp_path / "tokenizer.json")
+    (tmp_path / "docs.jsonl").write_text("".join(f'{{"text": "{t}"}}\n' for t in TEXTS if t))
+    out = tmp_path / "out"
+    assert cli.main(["prepare-data", str(tmp_path / "docs.jsonl"), "--out", str(out),
+                     f"--data.tokenizer={tokenizer}", "--shard-tokens", "8"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == (f"prepared {out}: 3 shards, 22 tokens from 4 documents (vocabulary 9); train on it "
+                            f"with --data.source={out}\n")
+    assert captured.err == "4 documents, 22 tokens, 2 shards\n4 documents, 22 tokens, 3 shards\n"
+    assert np.concatenate([np.load(out / f"part-0000{i}.npy") for i in range(3)]).tolist() == stream_of(TEXTS)
+    assert cli.main(["prepare-data", str(tmp_path / "docs.jsonl"), "--out", str(tmp_path / "o2")]) == 2
+    assert capsys.readouterr().err == ("unbroken prepare-data: error: --tokenizer: name the job's tokenizer (a "
+                                       "tokenizer.json or a local Hugging Face model directory, as data.tokenizer)\n")
+    assert cli.main(["prepare-data", str(tmp_path / "docs.jsonl"), "--out", str(tmp_path / "o2"),
+                     "--tokenizer", str(tokenizer), "--data.seq_len=64"]) == 2
+    assert "takes --tokenizer (or --data.tokenizer), not --data.seq_len=64" in capsys.readouterr().err
+    assert not (tmp_path / "o2").exists()
