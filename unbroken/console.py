@@ -4,13 +4,20 @@
 ``val`` records of ``metrics.jsonl``; the merged events of ``events.jsonl``,
 see :mod:`unbroken.agent.events`) and prints them:
 
-- on a terminal, one live status line (step/total, loss, tokens/s,
-  generation, live workers, degraded slots, last stall, lr) rewritten in place;
+- on a terminal, one live status line (step/total, loss, tokens/s, ETA,
+  generation, live workers, degraded slots, last stall, MFU or FLOP/s, device
+  memory, lr; each where the record has it) rewritten in place;
   events and validation results are printed above it as lines of their own;
 - anywhere else (a pipe, a log file), one plain line per ``every`` steps
   (about 5% of the run, a multiple of ``train.log_every``), a line per event,
   and the status line right after an event; each at most :data:`LOG_WIDTH`
   columns (the terminal width fallback), so a log never wraps.
+
+An event every worker records on its own and that has no wording of its own
+(``snapshot_plan``, ``start_phases``...) is folded into one line per event and
+view ("snapshot plan agreed by 4 of 4 workers"), printed once every live
+worker said it, or with the count so far before the next line; each worker's
+record stays in ``events.jsonl``.
 
 Invariants: a line is never wrapped nor cut inside a field: a line that does
 not fit drops whole trailing fields (the status line's least wanted ones; an
@@ -72,6 +79,8 @@ def format_status(rec: Record, *, total: int, workers: int, stall: tuple[float, 
     Most wanted first: a narrow terminal shows the leading ones (:func:`fit`).
     """
     fields = [f"step {rec['step']}/{total}", f"loss {rec['loss']:.4f}", f"{rec['tokens_per_s']:,.0f} tok/s"]
+    if isinstance(rec.get("eta_s"), (int, float)):
+        fields.append(f"ETA {format_duration(rec['eta_s'])}")
     if rec.get("generation") is not None:
         fields.append(f"g{rec['generation']}")
     if "live_workers" in rec:
@@ -81,9 +90,27 @@ def format_status(rec: Record, *, total: int, workers: int, stall: tuple[float, 
         slots = [d["slot"] if isinstance(d, dict) else d for d in rec["degraded"]]
         fields.append(f"degraded {','.join(map(str, slots)) or '-'}")
     fields.append("stall -" if stall is None else f"stall {stall[0]:.2f} s (step {stall[1]})")
+    if isinstance(rec.get("mfu"), (int, float)):
+        fields.append(f"MFU {100 * rec['mfu']:.1f}%")
+    elif isinstance(rec.get("flops_per_s"), (int, float)):
+        fields.append(f"{rec['flops_per_s'] / 1e12:.2f} TFLOP/s")
+    if isinstance(rec.get("device_memory_bytes"), (int, float)):
+        fields.append(f"mem {rec['device_memory_bytes'] / 2**30:.1f} GiB")
     if "lr" in rec:
         fields.append(f"lr {rec['lr']:.2e}")
     return fields
+
+
+def format_duration(seconds: float) -> str:
+    """``45s``, ``12m05s``, ``3h07m``, ``2d04h``: the two largest units."""
+    s = max(0, int(round(seconds)))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
 
 
 def format_val(rec: Record, *, total: int) -> str:
@@ -103,6 +130,25 @@ def format_event(ev: Record, state: RunState) -> str | None:
     gen = ev.get("gen", state.gen)
     return SEP.join([f"step {state.step if step is None else step}", f"g{'-' if gen is None else gen}",
                      one_line(text)])
+
+
+FOLDED_WORDS: dict[str, str] = {
+    "snapshot_plan": "snapshot plan agreed by",
+    "start_phases": "training started by",
+    "state_loaded": "state loaded by",
+    "compiled": "model compiled by",
+}
+"""How a folded per-worker event reads (``<words> K of N workers``); another reads ``<event>: K of N workers``."""
+
+
+def foldable(ev: Record) -> bool:
+    """A worker's own record of an event every worker records, with no wording of its own (module docstring)."""
+    return ev.get("worker") is not None and ev.get("event", "?") not in _DESCRIBE
+
+
+def format_folded(name: str, count: int, of: int) -> str:
+    words = FOLDED_WORDS.get(name)
+    return f"{words} {count} of {of} workers" if words else f"{name}: {count} of {of} workers"
 
 
 def describe_event(ev: Record, state: RunState) -> str | None:
@@ -319,9 +365,12 @@ class Console:
         self._status: list[str] | None = None  # fields of the newest status line
         self._shown = True  # the newest status line has been printed (pipe) / drawn (terminal)
         self._after_event = False
+        self._folding: dict[tuple[str, Any], list[Any]] = {}  # (event, gen) -> [step shown, gen, workers seen]
 
     def record(self, rec: Record) -> None:
         """A ``metrics.jsonl`` record (``train`` or ``val``; others are ignored)."""
+        if rec.get("kind") in ("train", "val"):
+            self._flush_folded()
         if rec.get("kind") == "val":
             self._line(format_val(rec, total=self.total))
         elif rec.get("kind") == "train":
@@ -334,19 +383,48 @@ class Console:
                 self._show_status()
 
     def event(self, ev: Record) -> None:
-        """A merged event (``events.jsonl``): a line of its own when it says something."""
+        """A merged event (``events.jsonl``): a line of its own when it says something; a per-worker one folded
+        with the other workers' (module docstring)."""
+        if foldable(ev):
+            self._fold(ev)
+            return
+        self._flush_folded()
         line = format_event(ev, self.state)
         self.state.observe(ev)
         if line is not None:
             self._line(line)
             self._after_event = True
 
+    def _fold(self, ev: Record) -> None:
+        gen = ev.get("gen", self.state.gen)
+        key = (ev.get("event", "?"), gen)
+        step = ev.get("step", ev.get("progress"))
+        entry = self._folding.setdefault(key, [self.state.step if step is None else step, gen, set()])
+        entry[2].add(ev["worker"])
+        if len(entry[2]) >= self._expected():
+            self._flush_folded(key)
+
+    def _expected(self) -> int:
+        return len(self.state.members) if self.state.members else self.state.workers
+
+    def _flush_folded(self, only: tuple[str, Any] | None = None) -> None:
+        """Print the folded lines (``only``'s, or every pending one with its count so far)."""
+        for key in [only] if only is not None else list(self._folding):
+            step, gen, seen = self._folding.pop(key)
+            of = max(len(seen), self._expected())
+            # One worker's record, where more were expected, is its own: name the worker as an unfolded line would.
+            text = f"worker {next(iter(seen))}: {key[0]}" if len(seen) == 1 < of else format_folded(key[0], len(seen), of)
+            self._line(SEP.join([f"step {step}", f"g{'-' if gen is None else gen}", text]))
+            self._after_event = True
+
     def summary(self, summary: Record) -> None:
+        self._flush_folded()
         for line in format_summary(summary):
             self._line(line)
 
     def close(self) -> None:
         """End the output: the live line stays as the last line; a log gets the last status if not yet printed."""
+        self._flush_folded()
         if self.live:
             if self._status is not None:
                 self.stream.write("\n")

@@ -27,8 +27,9 @@ STEPS = 150
 SMALL = ["train.val_every=0", "train.val_batches=1", "optim.warmup_steps=2", "optim.eps=1e-6",
          "data.micro_batch=4", "data.seq_len=32", "mecefo.policy=neighbor"]
 """The failover tests' small steps (``tests/integration/_faults.py``)."""
-STATUS = re.compile(r"step (\d+)/150  loss \d+\.\d{4}  [\d,]+ tok/s  g(\d+)  live ([0-3])/3  degraded (-|[\d,]+)"
-                    r"(  stall (-|\d+\.\d\d s \(step \d+\)))?(  lr \d\.\d\de[-+]\d\d)?")
+STATUS = re.compile(r"step (\d+)/150  loss \d+\.\d{4}  [\d,]+ tok/s(?:  ETA \w+)?  g(\d+)  live ([0-3])/3  degraded "
+                    r"(-|[\d,]+)(  stall (-|\d+\.\d\d s \(step \d+\)))?(?:  (?:MFU \d+\.\d%|\d+\.\d\d TFLOP/s))?"
+                    r"(?:  mem \d+\.\d GiB)?(  lr \d\.\d\de[-+]\d\d)?")
 VAL = re.compile(r"step \d+/150  val loss \d+\.\d{4}  ppl \d+\.\d\d")
 EVENT = re.compile(r"step \d+  g(\d+|-)  \S.*")
 

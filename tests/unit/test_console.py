@@ -223,3 +223,29 @@ def test_a_long_event_line_keeps_its_leading_clauses_within_the_log_width():
         "step 160  g4  node lost: SIGKILL to workers 2,3 + agent (step=160:node=1:kill)",
     ]
     assert all(len(line) <= LOG_WIDTH for line in out.getvalue().splitlines())
+
+
+def test_status_line_shows_eta_mfu_flops_and_device_memory() -> None:
+    rec = {"kind": "train", "step": 10, "loss": 5.0, "tokens_per_s": 1234.0, "eta_s": 3725.0, "mfu": 0.412,
+           "flops_per_s": 4.1e14, "device_memory_bytes": 3 * 2**30}
+    assert format_status(rec, total=100, workers=1, stall=None) == \
+        ["step 10/100", "loss 5.0000", "1,234 tok/s", "ETA 1h02m", "stall -", "MFU 41.2%", "mem 3.0 GiB"]
+    cpu = {"kind": "train", "step": 10, "loss": 5.0, "tokens_per_s": 1234.0, "eta_s": 65.0, "flops_per_s": 2.5e11}
+    assert format_status(cpu, total=100, workers=1, stall=None)[3:] == ["ETA 1m05s", "stall -", "0.25 TFLOP/s"]
+
+
+def test_per_worker_events_fold_into_one_line_per_event() -> None:
+    out = io.StringIO()
+    console = Console(total=100, workers=4, stream=out, live=False)
+    console.event({"event": "view_adopted", "gen": 0, "members": [0, 1, 2, 3], "step": 0})
+    for w in (2, 0, 3, 1):
+        console.event({"event": "snapshot_plan", "worker": w, "gen": 0, "step": 1})
+    console.event({"event": "start_phases", "worker": 1, "gen": 0})
+    console.event({"event": "start_phases", "worker": 0, "gen": 0})
+    console.event({"event": "first_step_after_recovery", "worker": 3, "gen": 0, "step": 5})
+    console.close()
+    assert out.getvalue().splitlines() == [
+        "step 1  g0  snapshot plan agreed by 4 of 4 workers",
+        "step 0  g0  training started by 2 of 4 workers",
+        "step 5  g0  worker 3: first_step_after_recovery",
+    ]
