@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from unbroken.agent._process import become_subreaper
 from unbroken.agent.template_client import Template
+from unbroken.monitor import watch_job
 
 if TYPE_CHECKING:
     from unbroken.agent.options import AgentOptions
@@ -84,7 +85,10 @@ def run_agent(opts: AgentOptions, *, worker_cmd: Sequence[str] | None = None,
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        return agent.run()
+        with watch_job(opts.run_dir, enabled=opts.host_store) as watch:  # under a scheduler node 0 runs the monitor
+            code = agent.run()
+            watch.end(finished=code == 0, message=f"node 0's agent exited with code {code}; see {opts.run_dir}/logs")
+            return code
     finally:
         for s, h in previous.items():
             signal.signal(s, h)

@@ -49,6 +49,7 @@ from unbroken.faults.injector import check_faults
 from unbroken.faults.store_loss import StoreFaults, store_lost_message
 from unbroken.faults.traces import FailureTrace, generate_trace, step_time_for
 from unbroken.jsonl import JsonlTail
+from unbroken.monitor import watch_job
 from unbroken.checkpoint.checkpointer import CheckpointError, latest_checkpoint, read_commit
 from unbroken.snapshot.capacity import check_snapshot_config
 from unbroken.snapshot.protection import announce as announce_protection
@@ -187,11 +188,12 @@ def _launch(host: StoreHost, cfg: Config, run_dir: Path, *, overwrite: bool, res
     if plan is not None:
         write_fault_plan(plan, specs)
     t0 = time.time()
-    restarts = _run_attempts(host, cfg, run_dir, on_record, resume_from, on_event=on_event, nodes=nodes,
-                             workers_per_node=workers_per_node, restart=restart, fault_plan=plan, standby=standby,
-                             secret=secret, replace_lost_nodes_s=replace_lost_nodes_s, spare_nodes=spare_nodes,
-                             store_faults=store_faults,
-                             resume_memory=resume and not mode.restarts_job)
+    with watch_job(run_dir):  # the job's monitor process (unbroken.monitor): sinks and alerts, off the workers' path
+        restarts = _run_attempts(host, cfg, run_dir, on_record, resume_from, on_event=on_event, nodes=nodes,
+                                 workers_per_node=workers_per_node, restart=restart, fault_plan=plan, standby=standby,
+                                 secret=secret, replace_lost_nodes_s=replace_lost_nodes_s, spare_nodes=spare_nodes,
+                                 store_faults=store_faults,
+                                 resume_memory=resume and not mode.restarts_job)
     summary = summarise(run_dir, cfg, info, time.time() - t0, resume_from, nodes=nodes, t0=t0)
     if mode.restarts_job:
         summary["job_restarts"] = restarts
