@@ -28,7 +28,10 @@ SWEEP_DEFAULT = "64,256,1024,4096,16384,65536,100000"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="unbroken simulate-cluster", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="unbroken simulate-cluster", description=__doc__.splitlines()[0],
+                                 epilog="With --replica-size, --gpus, --inputs or --validate: the replica engine "
+                                        "(recovery phases with their sources; unbroken simulate-cluster "
+                                        "--replica-size 8 --help lists its options)")
     ap.add_argument("--model", default="llama-7b", help="target model preset (default llama-7b)")
     ap.add_argument("--costs", type=Path, nargs="+", default=None, metavar="FILE",
                     help="benchmark JSON files to read costs from (default: benchmarks/results/*.json)")
