@@ -24,6 +24,7 @@ from unbroken.cluster.replicas import FAILURE_KINDS, LLAMA3_MIX, ReplicaSpec
 __all__ = ["build_parser", "main", "uses_replica_engine"]
 
 _FLAGS = ("--validate", "--replica-size", "--gpus", "--inputs")
+_DEFAULT_MIX = ",".join(f"{k}={v}" for k, v in LLAMA3_MIX.items())
 CHECKS = ("replay", "phases", "published")
 
 
@@ -48,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seq-len", type=int, default=4096, help="tokens of a micro-batch (default 4096)")
     ap.add_argument("--job-mtbf-min", default="18,30", help="minutes between the job's failures, one table each "
                     "(default 18,30)")
-    ap.add_argument("--mix", default=",".join(f"{k}={v}" for k, v in LLAMA3_MIX.items()),
+    ap.add_argument("--mix", default=_DEFAULT_MIX,
                     help=f"shares of {', '.join(FAILURE_KINDS)} (default: Llama 3's interruptions, %(default)s)")
     ap.add_argument("--burst-share", type=float, default=0.2, help="network failures taking a switch (default 0.2)")
     ap.add_argument("--switch-nodes", type=int, default=4, help="nodes under a switch (default 4)")
@@ -133,6 +134,10 @@ def _project(a: argparse.Namespace, inputs: dict[str, Any]) -> dict[str, Any]:
           f"{s.replica_size} ({s.gpus_per_node} a node, {s.spare_nodes} spare nodes replenished in {s.replenish_h:g} h), "
           f"{s.micro_batches} micro-batches of {s.tokens_per_micro_batch} tokens a rank, shard "
           f"{s.shard_bytes / 1e9:.3g} GB a rank, mix {s.mix}, {a.hours:g} h, {a.seeds} seeds")
+    print(f"failure taxonomy (parameters): mix {'given' if a.mix != _DEFAULT_MIX else 'from Llama 3 (arXiv 2407.21783, Table 5)'}; "
+          f"assumptions unless given: {s.burst_share:g} of network failures take a switch's {s.switch_nodes} nodes, "
+          f"{s.lemon_share:g} of nodes are lemons failing {s.lemon_factor:g}x as often, a cut-off node is back in "
+          f"{s.net_repair_h:g} h, a spare taken is replaced in {s.replenish_h:g} h")
     print("inputs (value at this size, basis, scaling, source):")
     for i in inputs.values():
         print(i.line(s.replicas))
