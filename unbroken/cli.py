@@ -441,8 +441,8 @@ def cmd_prepare_data(args: argparse.Namespace, overrides: list[str]) -> int:
     tok = PretrainedTokenizer(tokenizer)
     docs = open_text_input(args.input, text_field=args.text_field, split=args.split, hub=args.hub)
     bar = _ProgressBar(sys.stderr)
-    done = write_shards(docs, tok, args.out, shard_tokens=args.shard_tokens or DEFAULT_SHARD_TOKENS,
-                        on_progress=bar.show)
+    shard_tokens = DEFAULT_SHARD_TOKENS if args.shard_tokens is None else args.shard_tokens
+    done = write_shards(docs, tok, args.out, shard_tokens=shard_tokens, on_progress=bar.show)
     bar.close()
     print(f"prepared {args.out}: {done.shards} shards, {done.tokens:,} tokens from {done.documents:,} documents "
           f"(vocabulary {tok.vocab_size:,}); train on it with --data.source={args.out}")

@@ -111,6 +111,10 @@ def test_a_finished_directory_is_left_as_it_is_and_other_settings_are_refused(tm
         write_shards(Docs(TEXTS), tok, tmp_path / "busy")
     with pytest.raises(ValueError, match="no document holds any text"):
         write_shards(Docs(["", ""]), tok, tmp_path / "empty")
+    with pytest.raises(ValueError, match="a file, not a directory"):
+        write_shards(Docs(TEXTS), tok, tmp_path / "tokenizer.json")
+    with pytest.raises(ValueError, match="--shard-tokens 0: must be >= 1"):
+        write_shards(Docs(TEXTS), tok, tmp_path / "zero", shard_tokens=0)
 
 
 def test_text_files_and_json_lines_in_name_order(tmp_path: Path) -> None:

@@ -104,11 +104,14 @@ def _start_state(out: Path, settings: dict[str, Any]) -> dict[str, Any]:
         ValueError: ``out`` holds another preparation or other files (names what differs and the fix).
     """
     path = out / PROGRESS_FILE
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out}: a file, not a directory; give a directory for the shards")
     if not path.is_file():
         if out.exists() and any(p for p in out.iterdir() if not _is_temp(p)):
             raise ValueError(f"--out {out}: not empty and not a directory unbroken prepare-data writes (no "
                              f"{PROGRESS_FILE}); give a new or empty directory")
-        return {"settings": settings, "shards": 0, "document": 0, "offset": 0, "documents": 0, "done": False}
+        return {"settings": settings, "shards": 0, "document": 0, "offset": 0, "documents": 0, "tokens": 0,
+                "done": False}
     try:
         state = json.loads(path.read_text())
         saved = state["settings"]
