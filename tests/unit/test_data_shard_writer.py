@@ -142,8 +142,14 @@ def test_bad_text_input_names_the_file_and_line(tmp_path: Path) -> None:
     (tmp_path / "y.jsonl").write_text('{"text": "a dog"\n')
     with pytest.raises(ValueError, match=r"y.jsonl:1: not a JSON line"):
         list(TextFiles(str(tmp_path / "y.jsonl")).documents(0))
-    with pytest.raises(ValueError, match="matches no file"):
+    with pytest.raises(ValueError, match=r"nothing-\*.txt: matches no .txt or .jsonl file; give a .txt/.jsonl file"):
         TextFiles(str(tmp_path / "nothing-*.txt"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="empty: holds no .txt or .jsonl file"):
+        TextFiles(str(tmp_path / "empty"))
+    (tmp_path / "notes.md").write_text("the cat")
+    with pytest.raises(ValueError, match="notes.md: is neither a .txt nor a .jsonl file"):
+        TextFiles(str(tmp_path / "notes.md"))
 
 
 def test_prepared_directory_is_a_data_source(tmp_path: Path) -> None:

@@ -51,9 +51,10 @@ class TextFiles:
                            if Path(p).is_file() and Path(p).suffix in TEXT_SUFFIXES)
         bad = [p for p in files if p.suffix not in TEXT_SUFFIXES]
         if not files or bad:
-            what = f"{bad[0]} is neither" if bad else "matches no file"
-            raise ValueError(f"{spec}: {what} .txt nor .jsonl; give a .txt/.jsonl file, a directory holding them, "
-                             "a glob such as 'data/*.jsonl', or a Hugging Face dataset (--split, --text-field)")
+            what = "is neither a .txt nor a .jsonl file" if bad else \
+                "holds no .txt or .jsonl file" if path.is_dir() else "matches no .txt or .jsonl file"
+            raise ValueError(f"{spec}: {what}; give a .txt/.jsonl file, a directory holding them, a glob such as "
+                             "'data/*.jsonl', or a Hugging Face dataset (save_to_disk's directory, or --hub NAME)")
         self.files, self.text_field, self.description = files, text_field, spec
         self.total: int | None = len(files) if all(p.suffix == ".txt" for p in files) else None
 
