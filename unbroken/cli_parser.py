@@ -7,6 +7,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+from unbroken.bench import BENCHMARKS
 from unbroken.config import PRESETS, SECTIONS
 from unbroken.mecefo.takeover import POLICIES
 
@@ -127,7 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_prepare_data_parser(sub)
     be = sub.add_parser("bench", help="run a benchmark (prints a table, writes JSON)",
                         description="Benchmarks; each prints ratios measured side by side and writes JSON.")
-    be.add_argument("name", help="benchmark name, e.g. throughput")
+    be.add_argument("name", help=f"benchmark name: {', '.join(BENCHMARKS)} (one-off studies: python -m benchmarks.NAME "
+                                 "in a clone, docs/usage.md)")
     be.add_argument("rest", nargs=argparse.REMAINDER, help="arguments of the benchmark (see unbroken bench NAME --help)")
     sc = sub.add_parser("simulate-cluster", add_help=False,
                         help="project goodput at cluster scale from measured costs (Monte Carlo; see --help)")

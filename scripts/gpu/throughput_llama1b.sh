@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU figures of the throughput issue in one run (one NVIDIA GPU, about 9 minutes), the key ones first:
-#   1. `unbroken bench throughput --reference` at llama-1b, bf16, micro-batch 8 x 1024: the plain compiled loop,
+#   1. `python3 -m benchmarks.throughput_reference` at llama-1b, bf16, micro-batch 8 x 1024: the plain compiled loop,
 #      then unbroken (1 worker, compiled) with snapshot.every=0 and with snapshot.every=auto, side by side;
 #      each job's metrics, events and logs kept in OUT_DIR/runs; then the auto row's first steps and writes.
 #      STEPS (default 300) leaves the auto row a steady second half: its first writes map fresh shared
@@ -14,7 +14,7 @@
 #   5. a llama-1b snapshot's copy and write alone, as a worker of 8 and of 1 per node (snapshot_llama1b.py),
 #      then again with the pinned memory registered on 8 threads (the first snapshot's allocation);
 #   6. what a snapshot's write threads cost a launch-like training thread on this host
-#      (`unbroken bench snapshot --parts contention`: the snapshotter's reader against torch's copy_).
+#      (`python3 -m benchmarks.snapshot_contention`: the snapshotter's reader against torch's copy_).
 # Usage: bash scripts/gpu/throughput_llama1b.sh OUT_DIR [STEPS]
 set -u
 out=${1:?usage: throughput_llama1b.sh OUT_DIR [STEPS]}
@@ -30,7 +30,7 @@ if ! timeout 120 python3 -m unbroken.cli train --preset debug --workers 1 --step
     template=(--fault.template=false)
 fi
 grep -ho '"event":"worker_start"[^}]*"forked":[a-z]*' "$out"/forked_cuda_job/events/*.jsonl 2>/dev/null | tail -1
-TMPDIR=/dev/shm python3 -m unbroken.cli bench throughput --reference --preset llama-1b --precision bf16 --workers 1 \
+TMPDIR=/dev/shm python3 -m benchmarks.throughput_reference --preset llama-1b --precision bf16 --workers 1 \
     --steps "$steps" --plain compiled --plain-steps 20 --snapshots 0,auto --data.seq_len=1024 "${template[@]}" \
     --keep-logs "$out/runs" --out "$out/throughput_reference_llama1b.json" 2>&1 | grep -v "^\s*$" | tail -40
 # the auto row's first steps: step 2 waited 9 s for one 16 GB pinned allocation before the staging was made of
@@ -53,5 +53,5 @@ python3 scripts/gpu/snapshot_llama1b.py 2>&1 | tail -1 | tee "$out/snapshot_llam
 # allocation (9 s for 16 GB, the training thread's CUDA calls waiting) get shorter? (first_total_s)
 PYTORCH_CUDA_ALLOC_CONF=pinned_use_cuda_host_register:True,pinned_num_register_threads:8 \
     python3 scripts/gpu/snapshot_llama1b.py 2>&1 | tail -1 | tee "$out/snapshot_llama1b_host_register.json"
-python3 -m unbroken.cli bench snapshot --parts contention --out "$out/snapshot_contention.json" 2>&1 \
+python3 -m benchmarks.snapshot_contention --out "$out/snapshot_contention.json" 2>&1 \
     | grep -A4 '"slowdown"\|"write_gb_s"'

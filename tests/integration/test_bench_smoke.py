@@ -37,27 +37,6 @@ def test_failover_benchmark_overhead_part(tmp_path, corpus_overrides):
     assert result["overhead"]["alternating"]["steps_each"] == 6
 
 
-def test_failover_benchmark_stall_part(tmp_path, corpus_overrides):
-    """One crash run and one hang run of the stall part: each fault's stall, the normal step and the target side
-    by side, in the JSON too; no attempt aborted by a rejoin, nothing lost."""
-    out = tmp_path / "stall.json"
-    result = failover.main(["--steps", "40", "--parts", "stall", "--crash-runs", "1", "--hang-runs", "1",
-                            "--nodes", "3", "--workers-per-node", "1", "--out", str(out),
-                            *[f"--{o}" for o in corpus_overrides]])
-    stall = result["stall"]
-    assert json.loads(out.read_text())["stall"]["crash"]["median_stall_s"] == stall["crash"]["median_stall_s"]
-    assert stall["fault_step"] == 25 and stall["heartbeat_timeout_s"] == 0.5
-    for kind in ("crash", "hang"):
-        k = stall[kind]
-        assert len(k["runs"]) == 1 and len(k["runs"][0]["stall_s"]) == 1, f"the {kind} was one failure"
-        assert k["median_stall_s"] == k["runs"][0]["stall_s"][0] and k["normal_step_s"] > 0
-        assert k["admission_aborts"] == 0 and k["lost_steps"] == 0 and k["ledger_ok"]
-        run = k["runs"][0]
-        assert run["detect_s"] >= 0 and run["recover_s"] > 0, "where the stall went, from the run's records"
-    assert stall["crash"]["target_s"] == pytest.approx(stall["crash"]["normal_step_s"] / 2 + 0.05)
-    assert stall["hang"]["target_s"] == pytest.approx(0.8)
-
-
 def test_bench_rejects_unknown_arguments(capsys):
     with pytest.raises(SystemExit):
         throughput.main(["--bogus", "1"])
@@ -76,32 +55,6 @@ def test_store_benchmark_latency_part(tmp_path, etcd_cluster):
     assert all(v > 0 for lat in result["latency_us"].values() for v in lat.values())
 
 
-def test_throughput_reference_benchmark(tmp_path, corpus_overrides):
-    """``--reference`` on the CPU: the plain eager loop, then unbroken with ``every=0`` and every 2 steps, side by
-    side: each unbroken row's ratio to the plain loop, the snapshot overhead on the snapshotting row only, the
-    jobs' records kept and their checkpoints dropped."""
-    out, logs = tmp_path / "ref.json", tmp_path / "logs"
-    result = throughput.main(["--reference", "--workers", "1", "--steps", "6", "--plain", "eager", "--snapshots", "0,2",
-                              "--keep-logs", str(logs), "--out", str(out), *[f"--{o}" for o in corpus_overrides]])
-    assert json.loads(out.read_text())["rows"] == result["rows"]
-    plain, off, on = result["rows"]
-    assert (plain["loop"], plain["compile"]) == ("plain", False)
-    assert [(r["loop"], r["workers"], r["snapshot_every"]) for r in (off, on)] == [("unbroken", 1, 0),
-                                                                                   ("unbroken", 1, 2)]
-    for row in (off, on):
-        assert row["ratio_vs_plain"] == pytest.approx(row["tokens_per_s"] / plain["tokens_per_s"])
-        assert row["ratio_vs_plain_rounds"] == [pytest.approx(row["ratio_vs_plain"])]
-        assert row["mfu"] is None  # no peak FLOP/s is known for a CPU
-        assert row["store_per_step"]["main_per_step"] > 0, "the step's store requests, from the worker's report"
-    assert "snapshot_overhead" not in off
-    assert on["snapshot_overhead"] == pytest.approx(1 - on["window_tokens_per_s"] / off["window_tokens_per_s"])
-    assert off["snapshots"] == {"every": 0, "taken": 0}
-    assert on["snapshots"]["every"] == 2 and on["snapshots"]["taken"] >= 1
-    assert sorted(p.name for p in logs.iterdir()) == ["w1-s0-r0", "w1-s2-r0"]
-    assert all((logs / name / "summary.json").is_file() and not (logs / name / "checkpoints").exists()
-               for name in ("w1-s0-r0", "w1-s2-r0"))
-
-
 def test_recovery_benchmark_reads_each_phase_of_both_parts(tmp_path, corpus_overrides):
     """``bench recovery`` on one node of two workers: one worker killed, then both, then a job's end alone; every
     phase is read from the runs' events, in the order a recovery (and an end) goes through them."""
@@ -110,7 +63,7 @@ def test_recovery_benchmark_reads_each_phase_of_both_parts(tmp_path, corpus_over
     out = tmp_path / "recovery.json"
     # 36 steps after the kill: the killed worker's restart and admission (a second or two on a loaded machine)
     # come before the job's end, which would leave part one without a recovery to read
-    result = recovery.main(["--cases", "debug:1x2", "--parts", "load,one,all,final", "--steps", "40", "--kill-step",
+    result = recovery.main(["--cases", "debug:1x2", "--parts", "one,all,final", "--steps", "40", "--kill-step",
                             "4", "--snapshot-every", "1", "--checkpoint-dir", str(tmp_path), "--out", str(out),
                             *[f"--{o}" for o in corpus_overrides]])
     assert json.loads(out.read_text())["rows"] == json.loads(json.dumps(result["rows"], default=str))
@@ -138,7 +91,3 @@ def test_recovery_benchmark_reads_each_phase_of_both_parts(tmp_path, corpus_over
     # it from its node's memory as well ("memory"), never by a transfer or from a checkpoint.
     assert "restore" in whole["load"]["how"] and set(whole["load"]["how"]) <= {"restore", "memory"}
     assert whole["load"]["bytes"] > 0 and set(whole["inventory_s"]) == {"0"}
-    load = result["load"]["debug"]  # in its own process: the inventory and the loads, three of each
-    assert load["forked"] == "measured" and load["checked_bytes"] > 2 * load["state_bytes"] > 0
-    assert all(len(load[k]) == 3 and all(x and x > 0 for x in load[k])
-               for k in ("inventory_verify_gb_s", "inventory_seals_s", "load_live_gb_s", "load_forked_gb_s"))

@@ -1,4 +1,5 @@
-"""Smoke test of the MeCeFO cost benchmark: it runs, writes its JSON, and the headline holds."""
+"""Smoke tests of the MeCeFO cost benchmark and of the gradient error study beside it: each runs, writes its
+JSON, and the headline holds."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks import mecefo_grad_error
 from unbroken.bench import mecefo_cost
 
 pytestmark = pytest.mark.timeout(120)
@@ -16,12 +18,10 @@ def test_main_writes_json_with_expected_keys(tmp_path: Path, capsys: pytest.Capt
     out = tmp_path / "cost.json"
     result = mecefo_cost.main([
         "--presets", "debug", "--n", "4", "--seq-len", "16", "--micro-batch", "2",
-        "--error-presets", "debug", "--train-steps", "4", "--checkpoints", "2", "--error-seq-len", "16",
-        "--ranks", "2,8", "--taus", "1,3", "--wall-presets", "debug", "--wall-reps", "1",
-        "--data", "random", "--rank", "8", "--out", str(out),
+        "--ranks", "2,8", "--taus", "1,3", "--rank", "8", "--out", str(out),
     ])
     assert json.loads(out.read_text()) == json.loads(json.dumps(result))
-    assert {"config", "method", "cost", "grad_error", "wall", "timings_s"} <= result.keys()
+    assert {"config", "method", "cost", "timings_s"} <= result.keys()
 
     cost = result["cost"]["debug"]
     assert cost["shape"] == {"micro_batch": 2, "seq_len": 16, "layers": 2, "layers_measured": [2],
@@ -33,6 +33,19 @@ def test_main_writes_json_with_expected_keys(tmp_path: Path, capsys: pytest.Capt
     assert cost["approx_microbatch"]["saved_bytes_ratio"] < 1.0
     assert cost["rows_linearity"] == pytest.approx(1.0)
     assert len(cost["sweep"]) == 4
+    assert "neighbor" in capsys.readouterr().out
+
+
+def test_grad_error_study_writes_json_with_expected_keys(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "grad_error.json"
+    result = mecefo_grad_error.main([
+        "--n", "4", "--micro-batch", "2", "--seq-len", "16",
+        "--error-presets", "debug", "--train-steps", "4", "--checkpoints", "2", "--error-seq-len", "16",
+        "--ranks", "2,8", "--taus", "1,3", "--wall-presets", "debug", "--wall-reps", "1",
+        "--data", "random", "--rank", "8", "--out", str(out),
+    ])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(result))
+    assert {"config", "method", "grad_error", "wall"} <= result.keys()
 
     errors = result["grad_error"]["debug"]
     micro = errors["default"]["microbatch"]

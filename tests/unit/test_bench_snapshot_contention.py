@@ -1,4 +1,4 @@
-"""The in-process parts of ``bench snapshot``: contention (the snapshotter's reader writes the staged bytes
+"""The snapshot memory studies (``benchmarks/``): contention (the snapshotter's reader writes the staged bytes
 exactly) and first writes."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import mmap
 import pytest
 import torch
 
-from unbroken.bench.snapshot_contention import _torch_reader, contention
+from benchmarks.snapshot_contention import _torch_reader, contention
 from unbroken.snapshot.staging import Staging
 
 pytestmark = pytest.mark.timeout(60)
@@ -39,7 +39,7 @@ def test_the_part_reports_each_writer_against_the_loop_alone():
 
 
 def test_the_first_writes_part_times_both_modes_and_says_which_writes_were_steady():
-    from unbroken.bench.snapshot_first_writes import first_writes
+    from benchmarks.snapshot_first_writes import first_writes
 
     r = first_writes(mb=4, threads=2, writes=3, rounds=2)
     assert (r["write_threads"], r["state_mb"], r["writes"], r["rounds"]) == (2, 4, 3, 2)
@@ -54,7 +54,7 @@ def test_the_first_writes_part_times_both_modes_and_says_which_writes_were_stead
 
 
 def test_the_first_writes_part_refuses_an_empty_state():
-    from unbroken.bench.snapshot_first_writes import first_writes
+    from benchmarks.snapshot_first_writes import first_writes
 
     with pytest.raises(ValueError, match="give --first-writes-mb of at least 1"):
         first_writes(mb=0, threads=2)

@@ -1,4 +1,4 @@
-"""``bench throughput --reference``: a job's steps told apart by what its snapshots did during them."""
+"""``python -m benchmarks.throughput_reference``: a job's steps told apart by what its snapshots did during them."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from unbroken.bench.throughput_reference import snapshot_split, split_line
+from benchmarks.throughput_reference import snapshot_split, split_line
 
 
 def _events(run: Path, records: list[dict]) -> None:

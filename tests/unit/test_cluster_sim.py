@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from unbroken.bench.goodput_check import predict_ratio
+from benchmarks.goodput_check import predict_ratio
 from unbroken.cluster.costs import Figure, load_costs
 from unbroken.cluster.degraded import dead_runs, step_load
 from unbroken.cluster.failures import Event, FailureSpec, generate_events
@@ -194,7 +194,7 @@ def test_worker_loads_are_the_step_loads_peak_and_sum() -> None:
 
 
 def test_shared_makespan_is_fair_sharing_of_the_cores() -> None:
-    from unbroken.bench.goodput_check import shared_makespan
+    from benchmarks.goodput_check import shared_makespan
 
     assert shared_makespan([2.0, 2.0], 2) == 2.0  # a core each
     assert shared_makespan([1.0, 1.0, 1.0, 1.0], 2) == 2.0  # two to a core
@@ -204,7 +204,7 @@ def test_shared_makespan_is_fair_sharing_of_the_cores() -> None:
 
 
 def test_host_model_fits_each_worker_count_and_maps_uneven_loads() -> None:
-    from unbroken.bench.goodput_check import HostModel
+    from benchmarks.goodput_check import HostModel
 
     h = HostModel(cores=2, steps={2: (0.4, 0.66), 4: (0.8, 1.5)})
     assert h.line(2) == pytest.approx((0.14, 0.26)) and h.line(4) == pytest.approx((0.1, 0.7))
@@ -226,7 +226,7 @@ def test_host_model_fits_each_worker_count_and_maps_uneven_loads() -> None:
 
 
 def test_goodput_check_refuses_bad_arguments(tmp_path: Path) -> None:
-    from unbroken.bench.goodput_check import main as check
+    from benchmarks.goodput_check import main as check
 
     with pytest.raises(ValueError, match="--reuse needs --runs-dir"):
         check(["--reuse"])

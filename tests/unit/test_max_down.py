@@ -14,8 +14,8 @@ from collections import deque
 import numpy as np
 import pytest
 
-from unbroken.bench.mecefo_convergence import main as convergence_main
-from unbroken.bench.mecefo_convergence import micro_batch_for
+from benchmarks.mecefo_convergence import main as convergence_main
+from benchmarks.mecefo_convergence import micro_batch_for
 from unbroken.config import load_config
 from unbroken.faults.analytics import down_distribution, expected_degraded_fraction, expected_down_fraction
 from unbroken.faults.fail_at import parse_fail_at

@@ -3,7 +3,7 @@
 The compile here uses dynamo with the ``aot_eager`` backend (the same tracing and autograd
 graphs as inductor, without generating kernels, so the tests stay fast on a CPU); inductor
 itself runs in one test (the loss's fusion of the logits' upcast, a few seconds on a CPU) and in
-``unbroken bench throughput --reference`` on a GPU.
+``python -m benchmarks.throughput_reference`` on a GPU.
 """
 
 from __future__ import annotations

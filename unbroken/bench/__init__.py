@@ -1,7 +1,9 @@
 """Benchmarks: each is ``main(argv) -> dict``, prints a table and writes JSON.
 
 Figures are ratios measured side by side in one run (machines are shared and
-noisy), or deterministic counts (FLOPs, bytes, steps).
+noisy), or deterministic counts (FLOPs, bytes, steps). One-off studies (convergence
+grids, the cluster model against real runs, the plain-loop reference, ...) are
+scripts in the repository's ``benchmarks/`` that import the package.
 """
 
 from __future__ import annotations
@@ -20,17 +22,14 @@ def _lazy(module: str) -> Callable[[list[str] | None], dict[str, Any]]:
 BENCHMARKS: dict[str, Callable[[list[str] | None], dict[str, Any]]] = {
     "throughput": _lazy("throughput"),
     "mecefo-cost": _lazy("mecefo_cost"),
-    "mecefo-convergence": _lazy("mecefo_convergence"),
     "failover": _lazy("failover"),
     "snapshot": _lazy("snapshot"),
     "store": _lazy("store"),
     "sharded": _lazy("sharded"),
-    "goodput-check": _lazy("goodput_check"),
     "soak": _lazy("soak"),
     "hsdp": _lazy("hsdp"),
     "takeover": _lazy("takeover"),
     "recovery": _lazy("recovery"),
-    "data-sampler": _lazy("data_sampler"),
 }
 
 __all__ = ["BENCHMARKS"]

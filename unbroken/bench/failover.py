@@ -28,12 +28,10 @@ runs, side by side in one invocation, on one machine (nodes on loopback):
    failure-free, for each takeover policy, and for checkpoint-restart (plain data
    parallelism; any failure restarts every worker from the last checkpoint) with
    the steps it had to redo. Throughput = committed tokens / wall-clock from the
-   first to the last applied step;
-7. **stall per crash and per hang over repeated runs** (``--parts stall``, :mod:`unbroken.bench.failover_stall`):
-   ``--crash-runs`` runs with worker 1 SIGKILLed by its agent and ``--hang-runs`` with it SIGSTOPped
-   (heartbeat timeout ``--hang-timeout``), each back one step later; the median stall beside the normal step
-   and the targets (a crash: ``normal / (n - 1) + 0.05 s``; a hang: the timeout + 0.3 s), and the attempts a
-   rejoin aborted (target 0).
+   first to the last applied step.
+
+The stall per crash and per hang over repeated runs, with where it went and the attempts a rejoin aborted, is a
+study in the repository that runs its jobs through this module: ``python -m benchmarks.failover_stall``.
 """
 
 from __future__ import annotations
@@ -46,7 +44,6 @@ from pathlib import Path
 from typing import Any
 
 from unbroken.agent.launcher import launch
-from unbroken.bench.failover_stall import print_stall, stall_part
 from unbroken.report.run_report import summarize_run
 from unbroken.bench.machine import machine_description
 from unbroken.bench._args import parse_with_overrides
@@ -182,12 +179,6 @@ def _node(a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                                        for r in runs.values())}
 
 
-def _stall(a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
-    return stall_part(lambda t, name, cfg, **kw: _run(a, t, name, cfg, **kw), lambda *extra: _cfg(a, *extra),
-                      steps=a.steps, workers=a.nodes * a.workers_per_node, crash_runs=a.crash_runs,
-                      hang_runs=a.hang_runs, hang_timeout_s=a.hang_timeout, tmp=tmp)
-
-
 def _trace(a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     extra = [f"fault.job_hours={a.job_hours}", f"train.checkpoint_every={a.checkpoint_every}"]
     base = _run(a, tmp, "trace_none", _cfg(a, *extra))
@@ -223,16 +214,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--checkpoint-every", type=int, default=10, help="persistent checkpoints (checkpoint-restart)")
     ap.add_argument("--policies", default="neighbor,spread,spread-approx")
     ap.add_argument("--parts", default="overhead,failures,trace",
-                    help="which measurements to run: overhead, failures, node, stall, trace")
-    ap.add_argument("--crash-runs", type=int, default=5, help="stall: runs with worker 1 SIGKILLed")
-    ap.add_argument("--hang-runs", type=int, default=3, help="stall: runs with worker 1 SIGSTOPped")
-    ap.add_argument("--hang-timeout", type=float, default=0.5, help="stall: the hang runs' heartbeat timeout (s)")
+                    help="which measurements to run: overhead, failures, node, trace")
     ap.add_argument("--store", default=None, metavar="etcd://HOST:PORT[,...]",
                     help="every job's store on this etcd cluster (default: embedded); see also unbroken bench store")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/failover.json"))
     a, overrides = parse_with_overrides(ap, argv)
     a.overrides = overrides
-    parts = {"overhead": _overhead, "failures": _failures, "node": _node, "stall": _stall, "trace": _trace}
+    parts = {"overhead": _overhead, "failures": _failures, "node": _node, "trace": _trace}
     unknown = set(a.parts.split(",")) - set(parts)
     if unknown:
         raise ValueError(f"--parts: unknown {', '.join(sorted(unknown))}; valid: {', '.join(parts)}")
@@ -286,8 +274,6 @@ def _print(r: dict[str, Any]) -> None:
               f"(target <= {n['target_s']}); stall {[round(x, 3) for x in st['spare']]} / "
               f"{[round(x, 3) for x in st['replacement']]}; lost steps {n['lost_steps']}, rows never/twice "
               f"{n['rows_never_or_twice']}")
-    if "stall" in r:
-        print_stall(r["stall"])
     if "trace" in r:
         t = r["trace"]
         print(f"throughput under trace {t['trace']!r} ({t['steps']} steps standing for {t['job_hours']} h):")

@@ -1,8 +1,6 @@
-"""What covering a failed slot costs under each takeover policy, and how wrong MeCeFO's gradient is.
+"""What covering a failed slot costs under each takeover policy, in FLOPs and saved bytes.
 
-Three measurements, all in one process on the CPU, deterministic except wall time:
-
-1. **cost**: FLOPs (FlopCounterMode, forward + backward, recompute and
+In one process on the CPU, deterministic: the **cost**, FLOPs (FlopCounterMode, forward + backward, recompute and
    low-rank math included; SVDs added from Golub & Van Loan's count, amortised
    over tau) and activation bytes saved for backward, of the covering worker
    relative to a normal worker (one exact micro-batch), per policy and n:
@@ -10,43 +8,33 @@ Three measurements, all in one process on the CPU, deterministic except wall tim
    exact + 1/(n-1) of a micro-batch exact; ``spread-approx`` = the same with
    the share approximate. FLOPs and bytes are linear in rows, so the 1/(n-1)
    share is scaled exactly; presets deeper than 4 layers are measured at 1
-   and 2 layers and extrapolated linearly (identical blocks: exact).
-2. **grad_error**: ``||g~ - g|| / ||g||`` per component (attention, ffn, rest,
-   total) of one approximate micro-batch, and of the aggregated n-slot
-   gradient with one slot covered, along a short exact training run on real
-   text, with a sweep over rank and tau (bases taken from the weights tau/2
-   and tau-1 steps before, the mid and the end of a refresh period).
-3. **wall**: step time of the covering worker over a normal one, timed
-   interleaved in the same run (ratio of medians; the ratio of minima is
-   also given, as it resists bursts of other load on a shared machine).
+   and 2 layers and extrapolated linearly (identical blocks: exact); and the
+   neighbor FLOP ratio per (``--ranks``, ``--taus``).
 
 Saved bytes are reported two ways: ``peak`` (micro-batches one after the
 other, as ``compute_gradient_sums`` runs them: the largest one counts) and
 ``both`` (all of a worker's rows in one forward, the paper's setting).
+
+How wrong MeCeFO's gradient is by rank and tau, and the covering worker's step in wall-clock time, is a study
+in the repository: ``python -m benchmarks.mecefo_grad_error``. On the job's own model and device:
+``unbroken bench takeover``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import logging
-import math
-import statistics
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
-
 import torch
 
 from unbroken.config import MecefoConfig
-from unbroken.mecefo.adapter import LlamaAdapter, linear_weight
-from unbroken.mecefo.costs import COMPONENTS, SavedBytes, count_flops, relative_errors, svd_flops_per_refresh
-from unbroken.mecefo.gradients import BatchFn, GradLayout, Mode, SlotWork, apply_reduced, compute_gradient_sums
+from unbroken.mecefo.adapter import LlamaAdapter
+from unbroken.mecefo.costs import SavedBytes, count_flops, svd_flops_per_refresh
+from unbroken.mecefo.gradients import BatchFn, GradLayout, Mode, SlotWork, compute_gradient_sums
 from unbroken.mecefo.takeover import POLICIES  # the policies this benchmark reports (its callers read it here)
 from unbroken.models import Transformer, model_args
-
-logger = logging.getLogger(__name__)
 
 DEFAULT_OUT = "benchmarks/results/mecefo_cost.json"
 TARGETS = {"neighbor_flops": 1.75, "neighbor_saved_bytes": 1.3}
@@ -65,15 +53,8 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--micro-batch", type=int, default=None, help="override every preset's micro-batch")
     p.add_argument("--rank", type=int, default=MecefoConfig().rank)
     p.add_argument("--tau", type=int, default=MecefoConfig().tau)
-    p.add_argument("--error-presets", type=names, default=["debug", "tiny"])
-    p.add_argument("--train-steps", type=int, default=200, help="exact training steps before/between checks")
-    p.add_argument("--checkpoints", type=int, default=2, help="gradient checks, evenly spaced up to train-steps")
-    p.add_argument("--error-seq-len", type=int, default=64, help="sequence length of the grad_error runs")
     p.add_argument("--ranks", type=ints, default=[2, 4, 8, 16, 32])
     p.add_argument("--taus", type=ints, default=[1, 10, 50, 200])
-    p.add_argument("--wall-presets", type=names, default=["debug", "tiny"])
-    p.add_argument("--wall-reps", type=int, default=15)
-    p.add_argument("--data", choices=("stdlib", "random"), default="stdlib", help="tokens for grad_error")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1,
                    help="torch intra-op threads; 1 keeps timings stable on a shared machine")
@@ -81,8 +62,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     a = p.parse_args(argv)
     errors = [f"--n {n}: must be >= 3 (neighbor needs an exact slot left)" for n in a.n if n < 3]
     errors += [f"--{k} {v}: must be >= 1" for k, v in
-               (("rank", a.rank), ("tau", a.tau), ("train-steps", a.train_steps), ("checkpoints", a.checkpoints),
-                ("wall-reps", a.wall_reps), ("error-seq-len", a.error_seq_len), ("threads", a.threads)) if v < 1]
+               (("rank", a.rank), ("tau", a.tau), ("threads", a.threads)) if v < 1]
     if errors:
         p.error("; ".join(errors))
     return a
@@ -100,15 +80,6 @@ def _random_batches(vocab: int, micro_batch: int, seq: int, seed: int) -> BatchF
         return xy[:, :-1], xy[:, 1:]
     return batch_fn
 
-
-def _window_batches(tokens: torch.Tensor, micro_batch: int, seq: int, seed: int) -> BatchFn:
-    """Random windows of a token stream, a pure function of (step, slot)."""
-    def batch_fn(step: int, slot: int, rows: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-        g = torch.Generator().manual_seed(seed * 1_000_003 + step * 1009 + slot)
-        starts = torch.randint(0, len(tokens) - seq - 1, (micro_batch,), generator=g)[rows[0]:rows[1]]
-        xy = torch.stack([tokens[s:s + seq + 1] for s in starts.tolist()])
-        return xy[:, :-1], xy[:, 1:]
-    return batch_fn
 
 
 def _model(preset: str, seq: int, seed: int, **overrides: int) -> Transformer:
@@ -222,167 +193,6 @@ def _rank_tau_flops(preset: str, mb: int, seq: int, layers: int, full_layers: in
              / full["exact_flops"]} for r in a.ranks for tau in a.taus]
 
 
-# ---- 2. gradient error --------------------------------------------------------------------
-
-
-def _stdlib_tokens(vocab: int) -> torch.Tensor:
-    """~0.5M BPE tokens of the interpreter's standard library (the project's default corpus)."""
-    from unbroken.data.corpus import open_stdlib_corpus
-    from unbroken.data.tokenizer import EOT_ID, BPETokenizer, train_bpe
-
-    texts = list(open_stdlib_corpus().truncate(2_000_000).texts())
-    tok = BPETokenizer(train_bpe(texts, vocab_size=vocab, length=len(texts)))
-    ids: list[int] = []
-    for doc in tok.encode_batch(texts):
-        ids.extend(doc)
-        ids.append(EOT_ID)
-    return torch.tensor(ids, dtype=torch.long)
-
-
-def _summary(samples: list[dict[str, float]]) -> dict[str, dict[str, float]]:
-    return {c: {"mean": statistics.fmean(s[c] for s in samples), "max": max(s[c] for s in samples)}
-            for c in samples[0]}
-
-
-def _set_ffn(model: Transformer, weights: dict[str, torch.Tensor]) -> None:
-    with torch.no_grad():
-        for name, w in weights.items():
-            linear_weight(model, name).copy_(w)
-
-
-def _ffn_weights(model: Transformer, adapter: LlamaAdapter) -> dict[str, torch.Tensor]:
-    return {name: linear_weight(model, name).detach().clone()
-            for parts in adapter.blocks() for name in parts.ffn_linears}
-
-
-def _grad_error(preset: str, tokens: torch.Tensor | None, a: argparse.Namespace) -> dict:
-    mb, seq = _shape(preset, a)[0], a.error_seq_len
-    model = _model(preset, seq, a.seed)
-    vocab = model.args.vocab_size
-    batch_fn = (_window_batches(tokens, mb, seq, a.seed) if tokens is not None
-                else _random_batches(vocab, mb, seq, a.seed))
-    adapters = {r: LlamaAdapter(model, rank=r, tau=a.tau) for r in sorted({*a.ranks, a.rank})}
-    layout = GradLayout(model, adapters[a.rank])
-    checks = sorted({round(a.train_steps * (i + 1) / a.checkpoints) for i in range(a.checkpoints)})
-    ages = sorted({age for tau in {*a.taus, a.tau} for age in ((tau - 1) // 2, tau - 1)})
-    wanted = {c - min(age, c) for c in checks for age in ages}
-    train_slots = 4
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
-    snapshots: dict[int, dict[str, torch.Tensor]] = {}
-    losses: dict[int, float] = {}
-    samples: dict[tuple[int, int], list[dict]] = {}  # (rank, basis age) -> error dicts
-    f_slot = 1
-    for step in range(checks[-1] + 1):
-        if step in wanted:
-            snapshots[step] = _ffn_weights(model, adapters[a.rank])
-        if step in checks:
-            _check(model, adapters, layout, snapshots, step, ages, samples, batch_fn, mb, f_slot, a)
-        buf = _run(model, adapters[a.rank], [SlotWork(s, (0, mb)) for s in range(train_slots)], step=step,
-                   micro_batch=mb, batch_fn=batch_fn, layout=layout)
-        losses[step] = layout.loss_sum(buf) / layout.token_count(buf)
-        apply_reduced(layout, buf)  # every item exact: each weight is train_slots
-        opt.step()
-    sweep = []
-    for r in a.ranks:
-        for tau in a.taus:
-            mid, worst = (tau - 1) // 2, tau - 1
-            per_mb = [s["microbatch"] for age in (mid, worst) for s in samples[(r, age)]]
-            row = {"rank": r, "tau": tau, "ffn_microbatch": _summary(per_mb)["ffn"],
-                   "total_microbatch": _summary(per_mb)["total"]}
-            for n in a.n:
-                for policy in ("neighbor", "spread-approx"):
-                    agg = [s[f"n={n}"][policy] for age in (mid, worst) for s in samples[(r, age)]]
-                    summary = _summary(agg)
-                    row[f"{policy}_n={n}_ffn"] = summary["ffn"]
-                    row[f"{policy}_n={n}_total"] = summary["total"]
-            sweep.append(row)
-    default = [s for age in ((a.tau - 1) // 2, a.tau - 1) for s in samples[(a.rank, age)]]
-    return {
-        "shape": {"micro_batch": mb, "seq_len": seq, "train_slots": train_slots, "failed_slot": f_slot,
-                  "covering_slot": f_slot + 1, "optimizer": "AdamW lr 1e-3 betas (0.9, 0.95) wd 0.1"},
-        "checkpoints": checks, "loss": {str(s): losses[s] for s in (0, *checks) if s in losses},
-        "default": {"rank": a.rank, "tau": a.tau, "microbatch": _summary([s["microbatch"] for s in default]),
-                    "aggregated": {f"n={n}": {p: _summary([s[f"n={n}"][p] for s in default])
-                                              for p in ("neighbor", "spread-approx")} for n in a.n}},
-        "sweep": sweep,
-    }
-
-
-def _check(model: Transformer, adapters: dict[int, LlamaAdapter], layout: GradLayout,
-           snapshots: dict[int, dict[str, torch.Tensor]], step: int, ages: list[int],
-           samples: dict[tuple[int, int], list[dict]], batch_fn: BatchFn, mb: int, f_slot: int,
-           a: argparse.Namespace) -> None:
-    """Errors at ``step`` for every rank and basis age; appends to ``samples[(rank, age)]``."""
-
-    def run(slot: int, mode: Mode, adapter: LlamaAdapter) -> torch.Tensor:
-        return _run(model, adapter, [SlotWork(slot, (0, mb), mode)], step=step, micro_batch=mb,
-                    batch_fn=batch_fn, layout=layout)
-
-    any_adapter = next(iter(adapters.values()))
-    exact = [run(s, "exact", any_adapter) for s in range(max(a.n))]
-    current = _ffn_weights(model, any_adapter)
-    refs = {n: torch.stack(exact[:n]).sum(0) for n in a.n}  # the all-reduced buffer with no failure
-    for r, adapter in adapters.items():
-        for age in ages:
-            # The basis a covering worker would hold: computed `age` steps ago, at its period's first use.
-            _set_ffn(model, snapshots[step - min(age, step)])
-            adapter.basis.clear()
-            adapter.prepare(step)
-            _set_ffn(model, current)
-            approx = {s: run(s, "approx", adapter) for s in (f_slot, f_slot + 1)}
-            sample: dict[str, Any] = {"microbatch": relative_errors(layout, approx[f_slot], exact[f_slot])}
-            for n in a.n:
-                ref = refs[n]
-                neighbor = ref - exact[f_slot] - exact[f_slot + 1] + approx[f_slot] + approx[f_slot + 1]
-                spread_approx = ref - exact[f_slot] + approx[f_slot]
-                sample[f"n={n}"] = {"neighbor": relative_errors(layout, neighbor, ref),
-                                    "spread-approx": relative_errors(layout, spread_approx, ref)}
-            samples.setdefault((r, age), []).append(sample)
-
-
-# ---- 3. wall-clock ------------------------------------------------------------------------
-
-
-def _wall(preset: str, a: argparse.Namespace) -> dict:
-    mb, seq = _shape(preset, a)
-    model = _model(preset, seq, a.seed)
-    adapter = LlamaAdapter(model, rank=a.rank, tau=a.tau)
-    batch_fn = _random_batches(model.args.vocab_size, mb, seq, a.seed)
-    layout = GradLayout(model, adapter)
-    t0 = time.perf_counter()
-    adapter.prepare(0)
-    svd_s = time.perf_counter() - t0
-    full = (0, mb)
-    work: dict[str, list[SlotWork]] = {"normal": [SlotWork(0, full)],
-                                       "neighbor": [SlotWork(0, full, "approx"), SlotWork(1, full, "approx")]}
-    for n in a.n:
-        rows = (0, math.ceil(mb / (n - 1)))  # the largest share a survivor gets
-        work[f"spread n={n}"] = [SlotWork(0, full), SlotWork(1, rows)]
-        work[f"spread-approx n={n}"] = [SlotWork(0, full), SlotWork(1, rows, "approx")]
-    times: dict[str, list[float]] = {k: [] for k in work}
-    for rep in range(a.wall_reps + 2):  # two warm-up rounds
-        for name, items in work.items():  # interleaved, so drifts hit every policy alike
-            t0 = time.perf_counter()
-            _run(model, adapter, items, step=0, micro_batch=mb, batch_fn=batch_fn, layout=layout)
-            if rep >= 2:
-                times[name].append(time.perf_counter() - t0)
-    med = {k: statistics.median(v) for k, v in times.items()}
-    best = {k: min(v) for k, v in times.items()}  # less sensitive to a shared machine's bursts
-    svd_per_step = svd_s / a.tau
-    out: dict[str, Any] = {"shape": {"micro_batch": mb, "seq_len": seq, "threads": torch.get_num_threads(),
-                                     "reps": a.wall_reps},
-           "normal_s": med["normal"], "svd_refresh_s": svd_s, "ratios": {}}
-    for name in work:
-        if name == "normal":
-            continue
-        uses_svd = "approx" in name or name == "neighbor"
-        ratio = med[name] / med["normal"]
-        out["ratios"][name] = {"ratio": ratio, "ratio_with_svd": ratio + (svd_per_step / med["normal"]) * uses_svd,
-                               "ratio_of_minima": best[name] / best["normal"],
-                               "rows": [it.n_rows for it in work[name]]}
-    return out
-
-
 # ---- CLI ----------------------------------------------------------------------------------
 
 
@@ -398,29 +208,12 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def _main(a: argparse.Namespace) -> dict:
-    result: dict = {"config": {k: v for k, v in vars(a).items()}, "method": _METHOD, "cost": {}, "grad_error": {},
-                    "wall": {}}
+    result: dict = {"config": {k: v for k, v in vars(a).items()}, "method": _METHOD, "cost": {}}
     t_start = time.perf_counter()
     timings = result["timings_s"] = {}
     for preset in a.presets:
         result["cost"][preset] = _cost(preset, a)
     timings["cost"] = time.perf_counter() - t_start
-    tokens, source = None, "random tokens"
-    if a.error_presets and a.data == "stdlib":
-        try:
-            tokens = _stdlib_tokens(model_args(a.error_presets[0]).vocab_size)
-            source = f"stdlib sources, BPE vocab {model_args(a.error_presets[0]).vocab_size}, {len(tokens)} tokens"
-        except (OSError, ValueError) as e:  # no readable stdlib: the error figures still mean something
-            logger.warning("stdlib corpus unavailable (%s); using random tokens", e)
-            source = f"random tokens (stdlib corpus failed: {e})"
-    result["grad_error_data"] = source
-    for preset in a.error_presets:
-        use = tokens if tokens is not None and model_args(preset).vocab_size >= int(tokens.max()) + 1 else None
-        result["grad_error"][preset] = _grad_error(preset, use, a)
-    timings["grad_error"] = time.perf_counter() - t_start - timings["cost"]
-    for preset in a.wall_presets:
-        result["wall"][preset] = _wall(preset, a)
-    timings["wall"] = time.perf_counter() - t_start - timings["cost"] - timings["grad_error"]
     result["elapsed_s"] = time.perf_counter() - t_start
     _print_table(result, a)
     out = Path(a.out)
@@ -442,10 +235,6 @@ _METHOD = {
                     "linear in rows); wall time uses ceil(micro_batch/(n-1)) real rows",
     "extrapolation": "presets deeper than 4 layers are measured with 1 and 2 layers, cost(L) = "
                      "cost(1) + (L-1)*(cost(2)-cost(1))",
-    "grad_error": "||g~-g||/||g|| per component; per micro-batch (failed slot, approx) and aggregated over n "
-                  "slots (neighbor: failed + covering slot approx, attention over the n-2 exact slots; "
-                  "spread-approx: failed slot approx); bases from the weights (tau-1)//2 and tau-1 steps "
-                  "earlier (mid / end of a refresh period), mean and max over both and all checkpoints",
 }
 
 
@@ -467,32 +256,9 @@ def _print_table(r: dict, a: argparse.Namespace) -> None:
         print(f"{'':14} approx micro-batch alone: FLOPs {_fmt(c['approx_microbatch']['flops_ratio'])}, "
               f"bytes {_fmt(c['approx_microbatch']['saved_bytes_ratio'])}; SVD share of neighbor step "
               f"{c['svd']['share_of_neighbor_step']:.1%}; targets {c['targets']}")
-    print(f"\n== gradient error, rank {a.rank} tau {a.tau} ({r['grad_error_data']}): mean / max ==")
-    for preset, g in r["grad_error"].items():
-        rows = [("micro-batch", g["default"]["microbatch"])]
-        rows += [(f"{p} n={n[2:]}", v) for n, d in g["default"]["aggregated"].items() for p, v in d.items()]
-        for label, comps in rows:
-            print(f"{preset:<7}{label:<20}" + "".join(f"{c}={comps[c]['mean']:.3f}/{comps[c]['max']:.3f}  "
-                                                       for c in COMPONENTS))
-    print("\n== sweep (means): per micro-batch ffn/total | neighbor aggregated ffn/total | neighbor FLOPs ==")
-    for preset, g in r["grad_error"].items():
-        flops = {(x["rank"], x["tau"]): x["neighbor_flops_ratio"] for x in r["cost"].get(preset, {}).get("sweep", [])}
-        for row in g["sweep"]:
-            agg = "  ".join(f"n={n}: {row[f'neighbor_n={n}_ffn']['mean']:.3f}/"
-                            f"{row[f'neighbor_n={n}_total']['mean']:.3f}" for n in a.n)
-            f = flops.get((row["rank"], row["tau"]))
-            print(f"{preset:<7}r={row['rank']:<3} tau={row['tau']:<4} {row['ffn_microbatch']['mean']:.3f}/"
-                  f"{row['total_microbatch']['mean']:.3f} | {agg} | {'' if f is None else _fmt(f)}")
     for preset, c in r["cost"].items():
-        if preset not in r["grad_error"]:
-            print(f"{preset:<11} neighbor FLOPs by (rank, tau): " + " ".join(
-                f"{x['rank']}/{x['tau']}={x['neighbor_flops_ratio']:.3f}" for x in c["sweep"]))
-    print("\n== wall-clock (median, interleaved): covering / normal ==")
-    for preset, w in r["wall"].items():
-        for name, v in w["ratios"].items():
-            print(f"{preset:<7}{name:<20}{_fmt(v['ratio'])}  with amortised SVD {_fmt(v['ratio_with_svd'])}"
-                  f"  (ratio of minima {_fmt(v['ratio_of_minima'])})"
-                  f"  rows {v['rows']}")
+        print(f"{preset:<11} neighbor FLOPs by (rank, tau): " + " ".join(
+            f"{x['rank']}/{x['tau']}={x['neighbor_flops_ratio']:.3f}" for x in c["sweep"]))
     print(f"elapsed {r['elapsed_s']:.1f}s")
 
 

@@ -9,14 +9,15 @@ with SIGKILL:
   transfer, while the others train on);
 - part ``all``: every worker of the job (the agents restore the whole job from
   snapshot memory). A case of one worker runs ``one`` only: it is the same;
-- part ``load`` (in this process, per preset of the cases): the inventory's and
-  the load's GB/s into the live state and into a forked worker
-  (:mod:`unbroken.bench.recovery_load`);
 - part ``final``: the end of a job without a kill, from the last step's commit
   to the final checkpoint's commit, the workers' exit and the launcher's
   return, and (in this process, per preset) the state written as the final
   checkpoint is and as torch DCP's Hugging Face writer writes it, side by side
   (:mod:`unbroken.bench.recovery_final`). Every job's row carries its end too.
+
+The state's load alone, in one process (the inventory's and the load's GB/s into
+the live state and into a forked worker), is a study in the repository:
+``python -m benchmarks.recovery_load``.
 
 Each recovery's phases are read from the run's own events
 (:mod:`unbroken.report.recovery_phases`), in seconds after the kill: death
@@ -43,7 +44,6 @@ from typing import Any
 from unbroken.agent.launcher import launch
 from unbroken.bench._args import parse_with_overrides
 from unbroken.bench.recovery_final import end_phases, write_figures
-from unbroken.bench.recovery_load import load_figures
 from unbroken.report.recovery_phases import recoveries
 from unbroken.bench.machine import machine_description
 from unbroken.config import load_config
@@ -54,7 +54,7 @@ __all__ = ["main"]
 CASE_OVERRIDES = {"llama-60m": ["data.seq_len=64", "data.micro_batch=2"]}
 """What a case of a preset needs on top of the command line's overrides (a CPU's step of llama-60m)."""
 PHASES = ("death_seen", "process_ready", "decided", "state_loaded", "first_step", "steps_back")
-PARTS = ("one", "all", "load", "final")
+PARTS = ("one", "all", "final")
 END = ("checkpoint_committed", "workers_exited", "job_returned")
 
 
@@ -127,22 +127,12 @@ def _final_line(name: str, f: dict[str, Any]) -> str:
             f"{f['dcp_over_unbroken']}x")
 
 
-def _load_line(name: str, f: dict[str, Any]) -> str:
-    def gbs(xs: list[float | None]) -> str:
-        return " ".join("-" if x is None else f"{x:.2f}" for x in xs)
-
-    return (f"{name}: {f['state_bytes'] / 1e9:.2f} GB of state, {f['threads']} threads; inventory of every byte "
-            f"({f['checked_bytes'] / 1e9:.2f} GB) {gbs(f['inventory_verify_gb_s'])} GB/s, of the seals "
-            f"{' '.join(f'{s * 1e3:.1f}' for s in f['inventory_seals_s'])} ms; load into the live state "
-            f"{gbs(f['load_live_gb_s'])} GB/s, into a forked worker {gbs(f['load_forked_gb_s']) or f['forked']} GB/s")
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(prog="unbroken bench recovery", description=__doc__.splitlines()[0])
     ap.add_argument("--cases", default="debug:2x2,llama-60m:1x1", help="PRESET:NODESxWORKERS, comma-separated")
-    ap.add_argument("--parts", default="load,one,all,final",
-                    help="load: the state's load in this process; one: the last worker killed; all: every worker; "
-                         "final: a job's end and its final checkpoint")
+    ap.add_argument("--parts", default="one,all,final",
+                    help="one: the last worker killed; all: every worker; final: a job's end and its final checkpoint "
+                         "(the state's load in one process: python -m benchmarks.recovery_load)")
     ap.add_argument("--checkpoint-dir", type=Path, default=None,
                     help="where part final writes its in-process checkpoints (default: the temporary directory)")
     ap.add_argument("--steps", type=int, default=16)
@@ -159,26 +149,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         _case(c)  # every malformed case refused before any job runs
     if not 0 < a.kill_step < a.steps:
         ap.error(f"--kill-step={a.kill_step}: a step of the job, between 1 and --steps - 1 ({a.steps - 1})")
-    rows, loads = [], {}
-    if "load" in parts:
-        for name in dict.fromkeys(_case(c)[0] for c in cases):
-            loads[name] = load_figures(load_config(preset_name=name, overrides=CASE_OVERRIDES.get(name, []) + overrides))
-            print(_load_line(name, loads[name]), flush=True)
-    finals = {}
+    rows, finals = [], {}
     if "final" in parts:
         for name in dict.fromkeys(_case(c)[0] for c in cases):
             finals[name] = write_figures(load_config(preset_name=name, overrides=CASE_OVERRIDES.get(name, []) +
                                                      overrides), a.checkpoint_dir)
             print(_final_line(name, finals[name]), flush=True)
-    jobs = [p for p in parts if p != "load"]
     with tempfile.TemporaryDirectory(prefix="unbroken-recovery-") as tmp:
         where = a.keep or Path(tmp)
         for case in cases:
             _, nodes, per = _case(case)
-            for part in jobs if nodes * per > 1 else [p for p in jobs if p != "all"]:
+            for part in parts if nodes * per > 1 else [p for p in parts if p != "all"]:
                 rows.append(_run(a, overrides, case, part, where / f"{case.replace(':', '-')}-{part}"))
     result = {"benchmark": "recovery", "cases": cases, "parts": parts, "steps": a.steps, "kill_step": a.kill_step,
-              "snapshot_every": a.snapshot_every, "overrides": overrides, "load": loads, "final": finals, "rows": rows,
+              "snapshot_every": a.snapshot_every, "overrides": overrides, "final": finals, "rows": rows,
               "machine": machine_description()}
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(result, indent=1, default=str))

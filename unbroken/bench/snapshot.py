@@ -23,20 +23,13 @@
    time to adopt the admitting view;
 7. the projection for ``llama-1b`` / ``llama-7b``: bytes per node and seconds
    per snapshot at the measured write throughput (a projection, not a
-   measurement);
-8. **pinned** (deterministic counts, ``--parts pinned``): on a GPU, the pinned
-   host bytes one worker stages per snapshot for ``llama-1b`` and ``llama-7b``
-   at 8 workers per node (the whole state before, only the bytes it writes
-   now), and the host bytes a restore holds at once (the whole state twice
-   before, one stripe now); and the device bytes one worker holds for staging
-   under ``auto`` at 1 and 8 workers per node (its whole share before; now the
-   tail a step window cannot carry, at most ``snapshot.device_staging_bytes``,
-   at stated bandwidth and step-time assumptions);
-9. **contention** (in process, ``--parts contention``): how much a write's threads slow a launch-like
-   training thread beside them (:mod:`unbroken.bench.snapshot_contention`);
-10. **first writes** (in process, ``--parts first_writes``): one worker's first writes, which also map its
-    two buffers, with the second buffer mapped beside the first write and without
-    (:mod:`unbroken.bench.snapshot_first_writes`; ``--first-writes-mb`` of state).
+   measurement).
+
+Three studies of snapshot memory run from the repository, each in one process:
+``python -m benchmarks.snapshot_pinned`` (the pinned host bytes and the device staging bytes per worker at
+``llama-1b`` and ``llama-7b``, counted), ``python -m benchmarks.snapshot_contention`` (how much a write's
+threads slow a launch-like training thread beside them) and ``python -m benchmarks.snapshot_first_writes``
+(one worker's first writes, which also map its two buffers).
 """
 
 from __future__ import annotations
@@ -60,8 +53,6 @@ from unbroken.jsonl import read_jsonl
 from unbroken.runtime.ledger import read_events
 from unbroken.snapshot.capacity import node_bytes, state_bytes
 from unbroken.snapshot.erasure import Coding
-from unbroken.snapshot.plan import plan_for
-from unbroken.snapshot.snapshotter import byte_ranges
 
 _GB = 1e9
 
@@ -233,64 +224,6 @@ def _rejoin(a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     return out
 
 
-def _pinned(nodes: tuple[int, ...] = (2, 4, 16), per_node: int = 8) -> dict[str, Any]:
-    """Pinned bytes per worker and restore host bytes, before and after staging only what is written."""
-    out: dict[str, Any] = {}
-    for name in ("llama-1b", "llama-7b"):
-        cfg = preset(name)
-        size = state_bytes(cfg)
-        for n in nodes:
-            node_of = {w: w // per_node for w in range(n * per_node)}
-            plan = plan_for(node_of, node_of, redundancy=cfg.snapshot.redundancy, parity=cfg.snapshot.parity,
-                            state_bytes=size, group_nodes=cfg.snapshot.group_nodes)
-            staged = [sum(b - a for a, b in byte_ranges(plan, m)) for m in plan.assignment(node_of, node_of).values()]
-            stripe = -(-size // plan.stripes)
-            out[f"{name} {n}x{per_node}"] = {
-                "state_gb": size / _GB, "pinned_gb_per_worker_before": size / _GB,
-                "pinned_gb_per_worker_after_max": max(staged) / _GB,
-                "pinned_gb_per_worker_after_mean": statistics.mean(staged) / _GB,
-                "pinned_gb_per_node_before": per_node * size / _GB,
-                "pinned_gb_per_node_after": sum(staged[:per_node]) / _GB,
-                "restore_host_gb_per_worker_before": 2 * size / _GB, "restore_host_gb_per_worker_after": stripe / _GB,
-                "stripes": plan.stripes, "k": plan.k, "m": plan.m}
-    return out
-
-
-D2H_BYTES_S = 50e9
-"""A GPU's copies to pinned host memory (PCIe 5 x16), the device staging projection's assumption."""
-MFU = 0.4
-TOKENS_PER_GPU = 8 * 1024
-"""The step the device staging projection assumes: 8 x 1024 tokens per GPU at 40 % of an H100's bf16 peak."""
-
-
-def _device_staging(per_node_counts: tuple[int, ...] = (1, 8), nodes: int = 2) -> dict[str, Any]:
-    """Device bytes a worker holds for snapshot staging under ``auto`` (deterministic, from the plan and stated
-    assumptions: :data:`D2H_BYTES_S`, a step of :data:`TOKENS_PER_GPU` at :data:`MFU` of an H100), before (the
-    whole share copied device to device whenever it fitted) and now (the tail a step window cannot carry, at most
-    ``snapshot.device_staging_bytes``), with the step's wait for what is left."""
-    from unbroken.bench.plain_loop import _PEAK_BF16, flops_per_token
-    from unbroken.snapshot.staging import Stager
-
-    out: dict[str, Any] = {}
-    for name in ("llama-1b", "llama-7b"):
-        cfg = preset(name)
-        size, cap = state_bytes(cfg), cfg.snapshot.device_staging_bytes
-        step_s = flops_per_token(cfg) * TOKENS_PER_GPU / (MFU * _PEAK_BF16["H100"])
-        for per_node in per_node_counts:
-            node_of = {w: w // per_node for w in range(nodes * per_node)}
-            plan = plan_for(node_of, node_of, redundancy=cfg.snapshot.redundancy, parity=cfg.snapshot.parity,
-                            state_bytes=size, group_nodes=cfg.snapshot.group_nodes)
-            share = max(sum(b - a for a, b in byte_ranges(plan, m)) for m in plan.assignment(node_of, node_of).values())
-            stager = Stager()
-            stager.rate = D2H_BYTES_S
-            spill = stager.spill_for(share, cap, step_s)
-            left = max(0.0, (share - spill) / D2H_BYTES_S - step_s)
-            out[f"{name} {per_node} per node"] = {
-                "share_gb": share / _GB, "step_s": round(step_s, 4), "device_staging_gb_before": share / _GB,
-                "device_staging_gb": spill / _GB, "cap_gb": cap / _GB, "optimizer_step_waits_s": round(left, 4)}
-    return out
-
-
 def _projection(write_mb_s: float, nodes: int, per_node: int) -> dict[str, Any]:
     out = {}
     for name in ("llama-1b", "llama-7b"):
@@ -308,14 +241,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--workers-per-node", type=int, default=2)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--checkpoint-every", type=int, default=5, help="DCP checkpoints of the checkpoint-restart run")
-    ap.add_argument("--parts", default="bytes,pinned,in_process,contention,first_writes,overhead,kill,rejoin",
-                    help="which measurements to run")
-    ap.add_argument("--first-writes-mb", type=int, default=1024, help="state of the first_writes part (MiB)")
+    ap.add_argument("--parts", default="bytes,in_process,overhead,kill,rejoin", help="which measurements to run")
     ap.add_argument("--out", type=Path, default=None, help="default benchmarks/results/snapshot_PRESET.json")
     a, overrides = parse_with_overrides(ap, argv)
     a.overrides = overrides
     parts = a.parts.split(",")
-    valid = ("bytes", "pinned", "in_process", "contention", "first_writes", "overhead", "kill", "rejoin")
+    valid = ("bytes", "in_process", "overhead", "kill", "rejoin")
     unknown = set(parts) - set(valid)
     if unknown:
         raise ValueError(f"--parts: unknown {', '.join(sorted(unknown))}; valid: {', '.join(valid)}")
@@ -325,25 +256,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="unbroken-snapshot-") as tmp:
         if "bytes" in parts:
             result["bytes"] = _bytes(a)
-        if "pinned" in parts:
-            result["pinned"] = _pinned()
-            result["device_staging"] = _device_staging()
-            for case, r in result["device_staging"].items():
-                print(f"{case}: a {r['share_gb']:.2f} GB share, {r['device_staging_gb']:.2f} GB on the device "
-                      f"(was {r['device_staging_gb_before']:.2f}), the next optimizer step waits "
-                      f"{r['optimizer_step_waits_s']:.3f} s per snapshot (a {r['step_s']:.3f} s step)")
         if "in_process" in parts:
             result["in_process"] = _in_process(a, Path(tmp))
             result["projection"] = _projection(result["in_process"]["write_mb_s_per_worker"], a.nodes,
                                                a.workers_per_node)
-        if "contention" in parts:
-            from unbroken.bench.snapshot_contention import contention
-
-            result["contention"] = contention()
-        if "first_writes" in parts:
-            from unbroken.bench.snapshot_first_writes import first_writes
-
-            result["first_writes"] = first_writes(mb=a.first_writes_mb)
         if "overhead" in parts:
             result["overhead"] = _overhead(a, Path(tmp))
         if "kill" in parts:

@@ -12,16 +12,9 @@ beside the model and optimizer right after its second step's backward pass
 reduction buffers (one, whatever the count) and every byte held, against the
 size of one buffer.
 
-``--reference`` compares unbroken with what a user would run instead, in the
-same invocation, on the same model and batch shape (:mod:`unbroken.bench.plain_loop`):
-a plain PyTorch loop, eager and (on a GPU, or with ``train.compile=true``)
-``torch.compile``d, then unbroken with one worker and with the ``--workers``
-counts (default on a GPU: one worker and one per visible GPU). Each unbroken
-row carries ``ratio_vs_plain``: its tokens/s over the plain loop's of the same
-compile setting times the devices it uses (one per worker on GPUs, the whole
-machine on a CPU). On a GPU: MFU (bf16 dense peak) and peak memory; ``--ac
-none,selective,full`` adds the plain loop's peak memory per activation
-checkpointing mode.
+Unbroken against what a user would run instead (a plain PyTorch loop, eager and
+compiled, on the same model and batch), with MFU and memory on a GPU, is run from
+the repository: ``python -m benchmarks.throughput_reference``.
 """
 
 from __future__ import annotations
@@ -43,34 +36,12 @@ from unbroken.runtime.held_memory import HELD_ENV
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(prog="unbroken bench throughput", description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="debug")
-    ap.add_argument("--workers", default=None, help="comma-separated worker counts (default 1,2,4)")
+    ap.add_argument("--workers", default="1,2,4", help="comma-separated worker counts (default 1,2,4)")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--precision", default="fp32", help="comma-separated: fp32, bf16 (train.precision)")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/throughput.json"))
-    ap.add_argument("--reference", action="store_true", help="plain PyTorch loops, then unbroken, side by side")
-    ap.add_argument("--ac", default="", help="with --reference: activation checkpointing modes to measure "
-                                             "the plain loop's peak memory for (none,selective,full)")
-    ap.add_argument("--snapshots", default="",
-                    help="with --reference: snapshot.every settings to run unbroken with, side by side (e.g. 0,auto; "
-                         "default: the config's)")
-    ap.add_argument("--plain", default="eager,compiled",
-                    help="with --reference: the plain loops to run (eager, compiled; compiled only where compile is on)")
-    ap.add_argument("--plain-steps", type=int, default=None, help="with --reference: steps of each plain loop "
-                                                                   "(default --steps)")
-    ap.add_argument("--rounds", type=int, default=1, help="with --reference: run the rows this many times, each "
-                                                          "round in the reverse order of the last (default 1)")
-    ap.add_argument("--keep-logs", type=Path, default=None,
-                    help="with --reference: copy each unbroken job's metrics, events, summary and logs (not its "
-                         "checkpoints) into this folder")
     a, overrides = parse_with_overrides(ap, argv)
     a.overrides = overrides
-    a.workers_given, a.workers = a.workers is not None, a.workers or "1,2,4"
-    if a.rounds < 1:
-        ap.error("--rounds: at least 1")
-    if a.reference:
-        from unbroken.bench.throughput_reference import reference
-
-        return reference(a)
     counts = [int(w) for w in a.workers.split(",") if w.strip()]
     if not counts or min(counts) < 1:
         raise ValueError(f"--workers {a.workers!r}: need positive comma-separated counts, e.g. 1,2,4")

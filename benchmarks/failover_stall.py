@@ -1,5 +1,6 @@
-"""The failover benchmark's ``stall`` part: the survivors' stall per crash and per hang over repeated runs,
-side by side with the normal step and the targets.
+"""The survivors' stall per crash and per hang over repeated runs, side by side with the normal step and the
+targets: ``python -m benchmarks.failover_stall`` (a study beside ``unbroken bench failover``, whose job runner it
+uses; the same arguments and ``--section.field=value`` overrides).
 
 Each run is the same job (``--preset``, ``--nodes`` x ``--workers-per-node``, ``--steps``) with one outside
 fault: worker 1 SIGKILLed (``--crash-runs`` runs) or SIGSTOPped (``--hang-runs`` runs, under
@@ -19,14 +20,20 @@ records); a figure a run lacks is left out, never guessed.
 
 from __future__ import annotations
 
+import argparse
+import json
 import statistics
+import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
+from unbroken.bench import failover
+from unbroken.bench._args import parse_with_overrides
+from unbroken.bench.machine import machine_description
 from unbroken.jsonl import read_jsonl
 from unbroken.runtime.ledger import read_events
 
-__all__ = ["CRASH_MARGIN_S", "HANG_MARGIN_S", "print_stall", "stall_part"]
+__all__ = ["CRASH_MARGIN_S", "HANG_MARGIN_S", "main", "print_stall", "stall_part"]
 
 CRASH_MARGIN_S = 0.05
 """A crash's stall target beyond the dead worker's share of a step spread over the survivors."""
@@ -104,7 +111,7 @@ def stall_part(run: Run, cfg: Callable[..., Any], *, steps: int, workers: int, c
     """Run the crash and hang runs with ``run(tmp, name, config, fail_at=...)`` on configs ``cfg(*overrides)``;
     returns each run's figures and their medians beside the normal step and the targets."""
     if workers < 2:
-        raise ValueError(f"--parts stall needs 2 workers or more (worker 1 fails), got {workers}")
+        raise ValueError(f"the stall runs need 2 workers or more (worker 1 fails), got {workers}")
     at = max(2, steps * 5 // 8)
     crash = [_figures(run(tmp, f"stall_crash{i}", cfg(), fail_at=f"step={at}:worker=1:kill:back={at + 1}"))
              for i in range(crash_runs)]
@@ -138,3 +145,37 @@ def print_stall(s: dict[str, Any]) -> None:
         back = k["median_back_s"]
         print(f"  worker back after {'-' if back is None else f'{back:.2f}'} s (median); attempts a rejoin aborted: "
               f"{k['admission_aborts']}; lost steps {k['lost_steps']}, ledger {'OK' if k['ledger_ok'] else 'BAD'}")
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Run the crash and hang runs, print their lines and write the JSON (``--out``)."""
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.failover_stall", description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="debug")
+    ap.add_argument("--nodes", type=int, default=2)
+    ap.add_argument("--workers-per-node", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=80)
+    ap.add_argument("--crash-runs", type=int, default=5, help="runs with worker 1 SIGKILLed")
+    ap.add_argument("--hang-runs", type=int, default=3, help="runs with worker 1 SIGSTOPped")
+    ap.add_argument("--hang-timeout", type=float, default=0.5, help="the hang runs' heartbeat timeout (s)")
+    ap.add_argument("--store", default=None, metavar="etcd://HOST:PORT[,...]",
+                    help="every job's store on this etcd cluster (default: embedded)")
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/failover_stall.json"))
+    a, overrides = parse_with_overrides(ap, argv)
+    a.overrides = overrides
+    result: dict[str, Any] = {"benchmark": "failover_stall", "preset": a.preset, "store": a.store or "embedded",
+                              "nodes": a.nodes, "workers_per_node": a.workers_per_node,
+                              "machine": machine_description()}
+    with tempfile.TemporaryDirectory(prefix="unbroken-failover-stall-") as tmp:
+        result["stall"] = stall_part(lambda t, name, cfg, **kw: failover._run(a, t, name, cfg, **kw),
+                                     lambda *extra: failover._cfg(a, *extra), steps=a.steps,
+                                     workers=a.nodes * a.workers_per_node, crash_runs=a.crash_runs,
+                                     hang_runs=a.hang_runs, hang_timeout_s=a.hang_timeout, tmp=Path(tmp))
+    print_stall(result["stall"])
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(result, indent=1, default=str))
+    print(f"wrote {a.out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,4 +1,6 @@
-"""The state's load, in one process: ``unbroken bench recovery --parts load`` (see :mod:`unbroken.bench.recovery`).
+"""The state's load, in one process: ``python -m benchmarks.recovery_load [--presets debug,llama-60m]``.
+
+The recoveries of real jobs, phase by phase: ``unbroken bench recovery``.
 
 The preset's model and AdamW state on the CPU (or ``train.device``), snapshot
 twice into this node's memory (two buffers, as a worker keeps them), then:
@@ -18,6 +20,7 @@ threads (a fork would copy their locks) or holds a CUDA context.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import secrets
@@ -26,12 +29,16 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from unbroken.agent.template import thread_count
-from unbroken.config import Config, config_from_dict
+from unbroken.bench._args import parse_with_overrides
+from unbroken.bench.machine import machine_description
+from unbroken.bench.recovery import CASE_OVERRIDES
+from unbroken.config import Config, config_from_dict, load_config
 from unbroken.job.builder import build_job, prepare
 from unbroken.models.factory import resolve_device
 from unbroken.store.view import View
@@ -40,7 +47,7 @@ from unbroken.snapshot.segment import SECRET_ENV, remove_segments
 from unbroken.snapshot.snapshotter import Snapshotter
 from unbroken.snapshot.state_bytes import tensors_of
 
-__all__ = ["load_figures"]
+__all__ = ["load_figures", "main"]
 
 THREADS_GONE_S = 2.0
 """How long the threads of the loads before a fork may take to be gone (joined threads end a moment later)."""
@@ -93,7 +100,7 @@ def load_figures(cfg: Config, *, repeats: int = 3, timeout_s: float = 900.0) -> 
     env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
            SECRET_ENV: secrets.token_hex(16)}
     try:
-        done = subprocess.run([sys.executable, "-m", "unbroken.bench.recovery_load", json.dumps(cfg.to_dict()),
+        done = subprocess.run([sys.executable, str(Path(__file__)), "--measure", json.dumps(cfg.to_dict()),
                                str(repeats)], capture_output=True, text=True, timeout=timeout_s, env=env)
     except subprocess.TimeoutExpired:
         raise RuntimeError(f"the load's measurement took longer than {timeout_s:.0f} s") from None
@@ -146,5 +153,37 @@ def _measure(cfg: Config, repeats: int) -> dict[str, Any]:
             "forked": "measured" if why is None else f"skipped: this process holds {why}"}
 
 
+def _line(name: str, f: dict[str, Any]) -> str:
+    def gbs(xs: list[float | None]) -> str:
+        return " ".join("-" if x is None else f"{x:.2f}" for x in xs)
+
+    return (f"{name}: {f['state_bytes'] / 1e9:.2f} GB of state, {f['threads']} threads; inventory of every byte "
+            f"({f['checked_bytes'] / 1e9:.2f} GB) {gbs(f['inventory_verify_gb_s'])} GB/s, of the seals "
+            f"{' '.join(f'{s * 1e3:.1f}' for s in f['inventory_seals_s'])} ms; load into the live state "
+            f"{gbs(f['load_live_gb_s'])} GB/s, into a forked worker {gbs(f['load_forked_gb_s']) or f['forked']} GB/s")
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Measure each preset's load (``--section.field=value`` overrides apply to all), print and write JSON."""
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.recovery_load", description=__doc__.splitlines()[0])
+    ap.add_argument("--presets", default="debug,llama-60m", help="comma-separated config presets")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/recovery_load.json"))
+    a, overrides = parse_with_overrides(ap, argv)
+    loads = {}
+    for name in (p.strip() for p in a.presets.split(",") if p.strip()):
+        cfg = load_config(preset_name=name, overrides=CASE_OVERRIDES.get(name, []) + overrides)
+        loads[name] = load_figures(cfg, repeats=a.repeats)
+        print(_line(name, loads[name]), flush=True)
+    result = {"benchmark": "recovery_load", "overrides": overrides, "load": loads, "machine": machine_description()}
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(result, indent=1))
+    print(f"wrote {a.out}")
+    return result
+
+
 if __name__ == "__main__":
-    print(json.dumps(_measure(config_from_dict(json.loads(sys.argv[1])), int(sys.argv[2]))))
+    if sys.argv[1:2] == ["--measure"]:  # the measuring process (load_figures)
+        print(json.dumps(_measure(config_from_dict(json.loads(sys.argv[2])), int(sys.argv[3]))))
+    else:
+        main()

@@ -1,6 +1,6 @@
 """MeCeFO convergence study: final validation perplexity under failure traces, per takeover policy.
 
-``unbroken bench mecefo-convergence [--presets tiny] [--steps N] [--traces ...] [--policies ...]``
+``python -m benchmarks.mecefo_convergence [--presets tiny] [--steps N] [--traces ...] [--policies ...]``
 trains each preset once without failures and once per (failing trace, policy)
 with the single-process simulator (:mod:`unbroken.job.simulator`), 4 slots by
 default: ``1 + 4 traces x 3 policies = 13`` runs. ``--cluster-workers job,16,64``
@@ -38,10 +38,11 @@ from pathlib import Path
 from typing import Any
 
 from unbroken.bench._args import parse_with_overrides
-from unbroken.bench._final_eval import full_split_validation
 from unbroken.bench.machine import machine_description
 from unbroken.config import Config, config_from_dict, load_config
 from unbroken.mecefo.takeover import POLICIES
+
+from benchmarks._final_eval import full_split_validation
 
 DEFAULT_TRACES = ("none", "low", "mid", "high", "extreme")
 TARGET_REL_PPL = 0.02
@@ -51,7 +52,7 @@ EXACT_REL_PPL = 1e-4
 
 
 def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
-    ap = argparse.ArgumentParser(prog="unbroken bench mecefo-convergence", description=__doc__.splitlines()[0],
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.mecefo_convergence", description=__doc__.splitlines()[0],
                                  epilog="Other --section.field=value arguments override the config of every run.")
     ap.add_argument("--presets", default="tiny", help="comma-separated config presets (default tiny)")
     ap.add_argument("--traces", default=",".join(DEFAULT_TRACES), help="comma-separated failure traces; "
@@ -196,7 +197,7 @@ def run_one(cfg_dict: dict[str, Any], out_dir: str, threads: int, reuse: bool = 
     With ``reuse``, a finished run of the same config already in ``out_dir`` (its ``summary.json``
     written, its ``config.json`` equal to ``cfg_dict``) is read back instead of trained again. With
     ``full_val``, its final parameters are also evaluated on the whole validation split
-    (:mod:`unbroken.bench._final_eval`).
+    (``benchmarks/_final_eval.py``).
     """
     import torch
 
@@ -446,3 +447,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     a.out.write_text(json.dumps(result, indent=1))
     print(f"wrote {a.out} and {a.plot}")
     return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,4 +1,4 @@
-"""What a snapshot's write costs the training thread beside it: ``unbroken bench snapshot --parts contention``.
+"""What a snapshot's write costs the training thread beside it: ``python -m benchmarks.snapshot_contention``.
 
 On a GPU the training thread mostly launches kernels: small, latency-bound host work. A snapshot's
 write runs beside it on several threads, each copying staged bytes into shared memory and
@@ -17,20 +17,24 @@ Reports each loop's seconds, its slowdown against the loop alone, and the write'
 
 from __future__ import annotations
 
+import argparse
+import json
 import mmap
 import os
 import statistics
 import threading
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
+from unbroken.bench.machine import machine_description
 from unbroken.snapshot.segment import crc32
 from unbroken.snapshot.staging import Staging
 from unbroken.runtime.snapshot_hooks import MAX_WRITE_THREADS
 
-__all__ = ["contention"]
+__all__ = ["contention", "main"]
 
 _CHUNK = 64 << 20
 """Bytes each write call covers (a stripe's fragment is at most 256 MiB)."""
@@ -115,3 +119,26 @@ def contention(*, mb: int = 512, threads: int | None = None, iters: int = 200000
             "loop_s_rounds": seconds,
             "slowdown": {k: statistics.mean(seconds[k]) / alone for k in readers},
             "write_gb_s": {k: statistics.mean(v) for k, v in rates.items()}}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Measure, print the figures and write the JSON (``--out``)."""
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.snapshot_contention", description=__doc__.splitlines()[0])
+    ap.add_argument("--mb", type=int, default=512, help="staged bytes the write threads copy (MiB)")
+    ap.add_argument("--threads", type=int, default=None, help="write threads (default: as a worker's write)")
+    ap.add_argument("--iters", type=int, default=200000, help="operations of the launch-like loop")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/snapshot_contention.json"))
+    a = ap.parse_args(argv)
+    result = {"benchmark": "snapshot_contention",
+              **contention(mb=a.mb, threads=a.threads, iters=a.iters, rounds=a.rounds),
+              "machine": machine_description()}
+    print(json.dumps({k: v for k, v in result.items() if k != "machine"}, indent=1))
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(result, indent=1))
+    print(f"wrote {a.out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,6 +1,6 @@
 """Goodput check: the cluster simulator's cost model against real multi-process runs under a failure trace.
 
-``unbroken bench goodput-check`` runs one job per takeover policy and one
+``python -m benchmarks.goodput_check`` runs one job per takeover policy and one
 checkpoint-restart job under a failure trace (default ``tiny``, 4 workers on 2
 nodes, ``high``, through ``unbroken bench failover``'s runner), and the same
 two jobs without failures as their references, once before and once after the
@@ -305,7 +305,7 @@ def _figures(m: MeasuredCosts) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    ap = argparse.ArgumentParser(prog="unbroken bench goodput-check", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.goodput_check", description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="tiny")
     ap.add_argument("--nodes", type=int, default=2)
     ap.add_argument("--workers-per-node", type=int, default=2)
@@ -470,3 +470,7 @@ def _print(r: dict[str, Any]) -> None:
                      for x in row["measured"].get("per_state", [])]
             if cells:
                 print(f"    {name:<14} " + "; ".join(cells))
+
+
+if __name__ == "__main__":
+    main()

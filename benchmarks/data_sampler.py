@@ -1,6 +1,6 @@
 """Data sampler benchmark: memory per process and ``batch()`` rate over an emulated 1 T-token corpus.
 
-``unbroken bench data-sampler --out benchmarks/results/data_sampler.json``
+``python -m benchmarks.data_sampler --out benchmarks/results/data_sampler.json``
 builds a :class:`~unbroken.data.BatchSampler` over ``--tokens`` tokens (a
 zero-stride view standing in for a memmap of that size: 2 bytes of memory,
 every token 0) and measures, on one core (torch and numpy single-threaded):
@@ -88,7 +88,7 @@ def _rate(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    ap = argparse.ArgumentParser(prog="unbroken bench data-sampler", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.data_sampler", description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=10 ** 12, help="emulated corpus size in tokens")
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--micro-batch", type=int, default=8)
@@ -115,3 +115,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2) + "\n")
     return result
+
+
+if __name__ == "__main__":
+    main()

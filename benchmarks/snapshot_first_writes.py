@@ -1,4 +1,4 @@
-"""A worker's first snapshot writes: ``unbroken bench snapshot --parts first_writes``.
+"""A worker's first snapshot writes: ``python -m benchmarks.snapshot_first_writes [--first-writes-mb 1024]``.
 
 The first write into each of a worker's two snapshot buffers also maps it: its pages in shared memory
 are reserved and first touched (about 11 s for 16 GB on an H100 host). Under ``snapshot.every=auto`` no
@@ -17,21 +17,25 @@ stops the training thread as long), and the ratio of the two modes' first two wr
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import statistics
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from unbroken.bench.machine import machine_description
 from unbroken.store.view import View
 from unbroken.snapshot.cadence import VOTE_SLOTS, cast
 from unbroken.snapshot.segment import remove_segments
 from unbroken.snapshot.snapshotter import Snapshotter
 from unbroken.runtime.snapshot_hooks import MAX_WRITE_THREADS
 
-__all__ = ["first_writes"]
+__all__ = ["first_writes", "main"]
 
 MODES = ("map_ahead", "in_turn")
 
@@ -127,3 +131,27 @@ def first_writes(*, mb: int = 1024, threads: int | None = None, writes: int = 4,
     first_two = {m: sum(out[m]["write_s"][:2]) for m in MODES}
     out["first_two_ratio"] = first_two["map_ahead"] / first_two["in_turn"]
     return out
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Measure, print the figures and write the JSON (``--out``)."""
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.snapshot_first_writes",
+                                 description=__doc__.splitlines()[0])
+    ap.add_argument("--first-writes-mb", type=int, default=1024, help="the worker's state (MiB)")
+    ap.add_argument("--threads", type=int, default=None, help="write threads (default: as a worker's write)")
+    ap.add_argument("--writes", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/snapshot_first_writes.json"))
+    a = ap.parse_args(argv)
+    result = {"benchmark": "snapshot_first_writes",
+              **first_writes(mb=a.first_writes_mb, threads=a.threads, writes=a.writes, rounds=a.rounds),
+              "machine": machine_description()}
+    print(json.dumps({k: v for k, v in result.items() if k != "machine"}, indent=1))
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(result, indent=1))
+    print(f"wrote {a.out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

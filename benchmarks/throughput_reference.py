@@ -1,12 +1,16 @@
-"""``unbroken bench throughput --reference``: unbroken against the plain loop a user would write.
+"""Unbroken against the plain loop a user would write: ``python -m benchmarks.throughput_reference``.
 
-See :mod:`unbroken.bench.throughput` for what is measured; this module runs the rows
-(plain eager, plain compiled, unbroken at each worker count) back to back and prints
-and writes them. With ``--rounds N`` it runs them N times, each round in the reverse
-order of the one before (ABBA: a drift of the machine weighs on every row alike); a
-row's figures are the means over the rounds, and each unbroken row keeps its ratio to
-the plain loop of every round (``ratio_vs_plain_rounds``), the spread a shared
-machine gives.
+The same invocation runs, on the same model and batch shape (``benchmarks/plain_loop.py``), a plain PyTorch
+loop, eager and (on a GPU, or with ``train.compile=true``) ``torch.compile``d, then unbroken with one worker and
+with the ``--workers`` counts (default on a GPU: one worker and one per visible GPU), back to back, and prints
+and writes the rows. Each unbroken row carries ``ratio_vs_plain``: its tokens/s over the plain loop's of the same
+compile setting times the devices it uses (one per worker on GPUs, the whole machine on a CPU). On a GPU: MFU
+(bf16 dense peak) and peak memory; ``--ac none,selective,full`` adds the plain loop's peak memory per activation
+checkpointing mode. Throughput by worker count and precision alone: ``unbroken bench throughput``.
+
+With ``--rounds N`` it runs the rows N times, each round in the reverse order of the one before (ABBA: a drift
+of the machine weighs on every row alike); a row's figures are the means over the rounds, and each unbroken row
+keeps its ratio to the plain loop of every round (``ratio_vs_plain_rounds``), the spread a shared machine gives.
 """
 
 from __future__ import annotations
@@ -23,15 +27,17 @@ import torch
 
 from unbroken.agent.launcher import launch_local
 from unbroken.bench.failover import store_per_step
+from unbroken.bench._args import parse_with_overrides
 from unbroken.bench.machine import machine_description
-from unbroken.bench.plain_loop import flops_per_token, peak_flops, plain_loop
 from unbroken.config import Config, load_config
 from unbroken.job.parallelize import resolve_compile
 from unbroken.jsonl import read_jsonl
 from unbroken.models.factory import resolve_device
 from unbroken.runtime.ledger import read_events
 
-__all__ = ["reference", "steady_window"]
+from benchmarks.plain_loop import flops_per_token, peak_flops, plain_loop
+
+__all__ = ["main", "reference", "steady_window"]
 
 
 def steady_window(run_dir: Path, steps: int, tokens_per_step: int) -> dict[str, Any]:
@@ -112,7 +118,7 @@ def _cfg(a: argparse.Namespace, *extra: str) -> Config:
 def reference(a: argparse.Namespace) -> dict[str, Any]:
     """Run the reference rows; returns the JSON written to ``a.out``."""
     if a.precision not in ("fp32", "bf16"):
-        raise ValueError(f"--precision {a.precision!r}: --reference takes one precision, fp32 or bf16")
+        raise ValueError(f"--precision {a.precision!r}: one precision, fp32 or bf16")
     cfg = _cfg(a)
     device = resolve_device(cfg.train.device)
     compiled = resolve_compile(cfg.train.compile, device)
@@ -253,3 +259,35 @@ def _print(result: dict[str, Any]) -> None:
         mem = f"{r['peak_memory_bytes'] / gb:.1f} GiB" if r.get("peak_memory_bytes") else "-"
         print(f"activation checkpointing {r['activation_checkpointing']:>9}: peak {mem}, "
               f"{r['tokens_per_s']:,.0f} tokens/s (plain eager loop)")
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Parse the command line (``--section.field=value`` overrides too) and run :func:`reference`."""
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.throughput_reference", description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="debug")
+    ap.add_argument("--workers", default=None, help="comma-separated worker counts of the unbroken rows (default 1; "
+                                                    "on a GPU 1 and one per visible GPU)")
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--precision", default="fp32", help="fp32 or bf16 (train.precision)")
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/throughput_reference.json"))
+    ap.add_argument("--ac", default="", help="activation checkpointing modes to measure the plain loop's peak memory "
+                                             "for (none,selective,full)")
+    ap.add_argument("--snapshots", default="", help="snapshot.every settings to run unbroken with, side by side "
+                                                    "(e.g. 0,auto; default: the config's)")
+    ap.add_argument("--plain", default="eager,compiled",
+                    help="the plain loops to run (eager, compiled; compiled only where compile is on)")
+    ap.add_argument("--plain-steps", type=int, default=None, help="steps of each plain loop (default --steps)")
+    ap.add_argument("--rounds", type=int, default=1, help="run the rows this many times, each round in the reverse "
+                                                          "order of the last (default 1)")
+    ap.add_argument("--keep-logs", type=Path, default=None,
+                    help="copy each unbroken job's metrics, events, summary and logs (not its checkpoints) here")
+    a, overrides = parse_with_overrides(ap, argv)
+    a.overrides = overrides
+    a.workers_given, a.workers = a.workers is not None, a.workers or "1"
+    if a.rounds < 1:
+        ap.error("--rounds: at least 1")
+    return reference(a)
+
+
+if __name__ == "__main__":
+    main()
