@@ -188,3 +188,13 @@ def test_an_unreachable_webhook_and_a_port_in_use_never_stop_the_training(tmp_pa
     assert log.count("monitor: prometheus failed (OSError") == 1, log
     assert log.count("monitor: webhook failed (URLError") == 1, log
     assert "retrying with backoff, training goes on" in log
+
+
+def test_monitor_overhead_benchmark_runs(tmp_path, corpus_overrides, capsys):
+    from benchmarks.monitor_overhead import main
+
+    result = main(["--nodes", "1", "--workers-per-node", "2", "--steps", "6", "--pairs", "1", "--out", str(tmp_path),
+                   *(f"--{o}" for o in corpus_overrides)])
+    assert len(result["tokens_per_s_off"]) == len(result["tokens_per_s_on"]) == 1 and result["ratio"] > 0
+    assert json.loads(capsys.readouterr().out)["ratio"] == result["ratio"]
+    assert (tmp_path / "on0" / "tensorboard").is_dir() and not (tmp_path / "off0" / "monitor").exists()

@@ -23,14 +23,14 @@ pytestmark = pytest.mark.timeout(60)
 
 def test_capacity_and_no_step_alerts_are_said_once_per_episode() -> None:
     cfg = MonitorConfig(alert_capacity=0.5, alert_capacity_s=10.0, alert_no_step_s=30.0)
-    alerts, s = Alerts("run", cfg, started=0.0, resume_hint="continue with: X"), JobState(workers=4)
+    alerts, s = Alerts("run", cfg, started=0.0, hint="see X"), JobState(workers=4)
     s.record({"kind": "train", "step": 3, "loss": 1.0, "live_workers": 1, "time": 0.0})
     assert alerts.check(s, 5.0) == []
     assert alerts.check(s, 11.0) == []  # low since the check at 5 s: 6 s
     assert alerts.check(s, 16.0) == ["unbroken run: 1 of 4 workers live for 11 s (below 50%) at step 3"]
     assert alerts.check(s, 20.0) == []
     quiet = alerts.check(s, 31.0)
-    assert quiet == ["unbroken run: no step for 31 s (last: step 3); continue with: X"]
+    assert quiet == ["unbroken run: no step for 31 s (last: step 3); see X"]
     assert alerts.check(s, 40.0) == []
     s.record({"kind": "train", "step": 4, "loss": 1.0, "live_workers": 4, "time": 41.0})
     assert alerts.check(s, 42.0) == []

@@ -18,8 +18,8 @@ def stopped(job: str, message: str) -> str:
 
 
 class Alerts:
-    def __init__(self, job: str, cfg: MonitorConfig, *, started: float, resume_hint: str) -> None:
-        self.job, self.cfg, self.started, self.hint = job, cfg, started, resume_hint
+    def __init__(self, job: str, cfg: MonitorConfig, *, started: float, hint: str) -> None:
+        self.job, self.cfg, self.started, self.hint = job, cfg, started, hint  # where to look when no step comes
         self._failed_restores = 0
         self._low_since: float | None = None
         self._low_said = False

@@ -75,7 +75,7 @@ class Monitor:
         self.runners = build_sinks(cfg, run_dir, self.state)
         self.follower = RunFollower(run_dir)
         self.alerts = Alerts(run_dir.name, cfg.monitor, started=time.time(),
-                             resume_hint=f"continue with: unbroken train --resume {run_dir}")
+                             hint=f"see {run_dir / 'logs'}")
         self._progress = run_dir / MONITOR_DIR / PROGRESS_FILE
         sent = json.loads(self._progress.read_text()) if self._progress.is_file() else {}
         self.sent_step, self.sent_event = int(sent.get("step", 0)), float(sent.get("event_time", 0.0))
