@@ -19,7 +19,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
-from unbroken.cli_parser import DEFAULT_PRESET, build_parser
+from unbroken.cli_parser import (DEFAULT_PRESET, allow_insecure_store, build_parser, check_store_address, store_problem,
+                                 store_url)
 from unbroken.config import Config, SECTIONS, config_from_dict, load_config
 from unbroken.checkpoint.checkpointer import CheckpointError
 from unbroken.store.backend import StoreAccessDenied
@@ -76,7 +77,7 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     from unbroken.agent.launcher import AgentFailed, JobFailed, launch
     from unbroken.console import Console
 
-    _allow_insecure_store(args)
+    allow_insecure_store(args)
     if args.resume is not None:
         cfg, out, extra_faults = _resume_config(args, overrides), args.resume, args.fail_at or ""
     else:
@@ -93,7 +94,7 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
         summary = launch(cfg, out, nodes=nodes, workers_per_node=per_node, overwrite=args.overwrite,
                          resume=args.resume is not None, on_record=console.record, on_event=console.event,
                          fail_at=extra_faults, standby=args.standby, restart=args.restart,
-                         spare_nodes=args.spare_nodes, store=_store_url(args.store))
+                         spare_nodes=args.spare_nodes, store=store_url(args.store))
     except (JobFailed, AgentFailed, TimeoutError) as exc:  # the run failed; the input was fine
         failure: Exception | None = exc
     else:
@@ -119,7 +120,7 @@ def _prepare_only(args: argparse.Namespace, cfg: Config, out: Path, nodes: int, 
                          f"unbroken agent on each node instead")
     resume_from, prefix = prepare_cluster_run(cfg, out, nodes=nodes, workers_per_node=per_node,
                                               overwrite=args.overwrite, resume=args.resume is not None,
-                                              store=_store_url(args.store))
+                                              store=store_url(args.store))
     if prefix is not None:
         print(f"the job's keys on {args.store}: prefix {prefix} (once the job is over: etcdctl del --prefix {prefix})")
     resumes = ""
@@ -321,9 +322,9 @@ def cmd_agent(args: argparse.Namespace, overrides: list[str]) -> int:
     if overrides:
         raise ValueError(f"unbroken agent takes no config overrides ({', '.join(overrides)}); "
                          f"it runs the config in RUN_DIR/config.json")
-    _allow_insecure_store(args)
+    allow_insecure_store(args)
     if args.store is not None:
-        _check_store_address(args.store)
+        check_store_address(args.store)
     logging.getLogger("unbroken").setLevel(logging.DEBUG if args.verbose else logging.INFO)
     opts = options_from(args)
     args.store = opts.store  # with --from-slurm, the address Slurm's node list gave: the messages below name it
@@ -335,56 +336,8 @@ def cmd_agent(args: argparse.Namespace, overrides: list[str]) -> int:
             return exc.code
         # Refused to start. The agent re-raises store errors ``from None``: the original is the context.
         if isinstance(exc.__context__, (StoreAccessDenied, ConnectionError, ValueError)):
-            raise ValueError(_store_problem(args, exc.__context__)) from None
+            raise ValueError(store_problem(args, exc.__context__)) from None
         raise ValueError(str(exc)) from None
-
-
-def _store_url(addr: str | None) -> str | None:
-    """``unbroken train --store``: an etcd cluster's address, checked (the embedded store needs none)."""
-    if addr is None:
-        return None
-    if not addr.startswith(("etcd://", "etcds://")):
-        raise ValueError(f"--store {addr!r}: expected etcd://HOST:PORT[,HOST:PORT...][/PREFIX], or etcds://... for "
-                         f"TLS with a client certificate (leave it out for the store embedded in this process, on "
-                         f"train.host:train.port)")
-    _check_store_address(addr)
-    return addr
-
-
-def _check_store_address(addr: str) -> None:
-    if addr.startswith(("etcd://", "etcds://")):
-        from unbroken.store.etcd_client import check_transport, parse_etcd
-
-        try:
-            check_transport(addr, parse_etcd(addr)[0], insecure=False)
-        except ValueError as exc:
-            raise ValueError(f"--store: {exc}") from None
-        return
-    host, sep, port = addr.rpartition(":")
-    if not (sep and host and port.isdigit() and 1 <= int(port) <= 65535):
-        raise ValueError(f"--store {addr!r}: expected HOST:PORT with PORT in 1..65535, e.g. --store 10.0.0.1:29500 "
-                         f"(the job's train.host and train.port)")
-
-
-def _allow_insecure_store(args: argparse.Namespace) -> None:
-    """``--store-insecure``: plain etcd:// to other hosts, for this process and every one it starts."""
-    if getattr(args, "store_insecure", False):
-        from unbroken.store.etcd_client import INSECURE_ENV
-
-        os.environ[INSECURE_ENV] = "1"
-
-
-def _store_problem(args: argparse.Namespace, exc: Exception) -> str:
-    """The agent's store error, naming the option to fix: ``--run-dir`` (no secret) or ``--store``."""
-    from unbroken.store.backend import SECRET_ENV, SECRET_FILE
-
-    from_env = bool(os.environ.get(SECRET_ENV))
-    if isinstance(exc, StoreAccessDenied) and not from_env and not (args.run_dir / SECRET_FILE).is_file():
-        return f"--run-dir {args.run_dir}: {exc}"
-    if isinstance(exc, StoreAccessDenied):
-        where = f"${SECRET_ENV}" if from_env else str(args.run_dir / SECRET_FILE)
-        return f"--store {args.store}: {exc} (the secret tried is the one in {where})"
-    return f"--store {args.store}: {exc}"
 
 
 # ---------------------------------------------------------------------------

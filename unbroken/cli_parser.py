@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -10,8 +11,10 @@ from typing import Any
 from unbroken.bench import BENCHMARKS
 from unbroken.config import PRESETS, SECTIONS
 from unbroken.mecefo.takeover import POLICIES
+from unbroken.store.backend import StoreAccessDenied
 
-__all__ = ["CLUSTER_WORKERS_HELP", "DEFAULT_PRESET", "EPILOG_OVERRIDES", "build_parser"]
+__all__ = ["CLUSTER_WORKERS_HELP", "DEFAULT_PRESET", "EPILOG_OVERRIDES", "allow_insecure_store", "build_parser",
+           "check_store_address", "store_problem", "store_url"]
 
 DEFAULT_PRESET = "debug"
 
@@ -194,3 +197,55 @@ def _add_chaos_parser(sub: Any) -> None:
     ch.add_argument("--run-dir", type=Path, required=True, help="the running job's run directory")
     ch.add_argument("--fail-at", required=True, metavar="SPEC", help="e.g. step=40:worker=2:kill,step=90:node=1:kill")
     ch.add_argument("--timeout-s", type=float, default=3600.0, help="give up after this long (default 3600)")
+
+
+# ---------------------------------------------------------------------------
+# the --store flag
+
+
+def store_url(addr: str | None) -> str | None:
+    """``unbroken train --store``: an etcd cluster's address, checked (the embedded store needs none)."""
+    if addr is None:
+        return None
+    if not addr.startswith(("etcd://", "etcds://")):
+        raise ValueError(f"--store {addr!r}: expected etcd://HOST:PORT[,HOST:PORT...][/PREFIX], or etcds://... for "
+                         f"TLS with a client certificate (leave it out for the store embedded in this process, on "
+                         f"train.host:train.port)")
+    check_store_address(addr)
+    return addr
+
+
+def check_store_address(addr: str) -> None:
+    if addr.startswith(("etcd://", "etcds://")):
+        from unbroken.store.etcd_client import check_transport, parse_etcd
+
+        try:
+            check_transport(addr, parse_etcd(addr)[0], insecure=False)
+        except ValueError as exc:
+            raise ValueError(f"--store: {exc}") from None
+        return
+    host, sep, port = addr.rpartition(":")
+    if not (sep and host and port.isdigit() and 1 <= int(port) <= 65535):
+        raise ValueError(f"--store {addr!r}: expected HOST:PORT with PORT in 1..65535, e.g. --store 10.0.0.1:29500 "
+                         f"(the job's train.host and train.port)")
+
+
+def allow_insecure_store(args: argparse.Namespace) -> None:
+    """``--store-insecure``: plain etcd:// to other hosts, for this process and every one it starts."""
+    if getattr(args, "store_insecure", False):
+        from unbroken.store.etcd_client import INSECURE_ENV
+
+        os.environ[INSECURE_ENV] = "1"
+
+
+def store_problem(args: argparse.Namespace, exc: Exception) -> str:
+    """The agent's store error, naming the option to fix: ``--run-dir`` (no secret) or ``--store``."""
+    from unbroken.store.backend import SECRET_ENV, SECRET_FILE
+
+    from_env = bool(os.environ.get(SECRET_ENV))
+    if isinstance(exc, StoreAccessDenied) and not from_env and not (args.run_dir / SECRET_FILE).is_file():
+        return f"--run-dir {args.run_dir}: {exc}"
+    if isinstance(exc, StoreAccessDenied):
+        where = f"${SECRET_ENV}" if from_env else str(args.run_dir / SECRET_FILE)
+        return f"--store {args.store}: {exc} (the secret tried is the one in {where})"
+    return f"--store {args.store}: {exc}"
