@@ -9,9 +9,10 @@ dispatch), wraps each transformer block's forward:
    every second block (torchtitan's per-layer selective), ``none`` keeps them;
 2. ``torch.compile`` (``train.compile``) of that forward. The adapter then
    calls it for exact micro-batches; its approximate mode (skipped attention
-   backward, recomputed FFN, low-rank FFN gradients) runs the block's parts
-   eagerly, so the two modes never share a graph and switching modes never
-   recompiles.
+   backward, recomputed FFN, low-rank FFN gradients) is compiled too, as a
+   graph of its own (:mod:`unbroken.mecefo.compiled`: the model is marked
+   here, the adapter built on it later compiles), so switching modes never
+   recompiles; a block whose approximation cannot compile runs it eager.
 
 Invariants: applied at most once per model; the parameters are the model's own
 (nothing is copied or re-registered, an optimizer or a state transfer sees the
@@ -34,6 +35,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from unbroken.mecefo.adapter import transformer_blocks
+from unbroken.mecefo.compiled import compile_approximations
 
 __all__ = ["AC_MODES", "check_compile_toolchain", "compile_stats", "parallelize", "resolve_compile"]
 
@@ -92,6 +94,8 @@ def parallelize(model: torch.nn.Module, *, compile: bool, activation_checkpointi
         if compile:
             forward = torch.compile(forward, backend=backend)
         block.forward = forward
+    if compile and blocks:
+        compile_approximations(model, backend=backend)
     setattr(model, _APPLIED, True)
     logger.info("blocks: %d, activation checkpointing %s, compile %s", len(blocks), activation_checkpointing,
                 f"on ({backend})" if compile else "off")

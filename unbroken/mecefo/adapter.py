@@ -14,7 +14,8 @@ Mechanism: at construction the adapter gives every transformer block an
 instance attribute ``forward`` (a :class:`_BlockForward`) that reads a switch
 shared by the model's blocks. Outside ``mode("approx", ...)`` it calls the
 block's original forward, so exact mode is bit-identical to the plain model;
-inside, it runs the approximate block of :mod:`unbroken.mecefo.approx`.
+inside, it runs the approximate block of :mod:`unbroken.mecefo.approx`
+(:func:`approx_block`), compiled when the job compiles (:mod:`unbroken.mecefo.compiled`).
 
 Invariants:
     - exact mode executes exactly the model's own code: same values, same
@@ -40,11 +41,12 @@ import torch
 import torch.nn.functional as F
 
 from unbroken.mecefo.approx import recomputed_residual, skip_connected
+from unbroken.mecefo.compiled import ApproxPath, compile_backend_of
 from unbroken.mecefo.lowrank import LowRankBasis, lowrank_linear
 from unbroken.models.llama import TransformerBlock
 
 __all__ = ["GROUP_NAMES", "BlockKind", "BlockParts", "ExactOnlyAdapter", "LlamaAdapter", "ModelAdapter",
-           "NoAdapter", "adapter_for", "component_of", "has_blocks", "linear_weight", "transformer_blocks"]
+           "NoAdapter", "adapter_for", "approx_block", "component_of", "has_blocks", "linear_weight", "transformer_blocks"]
 
 GROUP_NAMES: tuple[str, ...] = ("rest", "attention")
 MODES = ("exact", "approx")
@@ -184,6 +186,9 @@ class LlamaAdapter:
         rank: r of the low-rank FFN weight gradients (``MecefoConfig.rank``).
         tau: steps between refreshes of the FFN singular vectors (``MecefoConfig.tau``).
         recompute: recompute FFN intermediates in backward (False only for ablations).
+        compile_backend: run approximate blocks under ``torch.compile`` with this backend; by default the one
+            :func:`~unbroken.mecefo.compiled.compile_approximations` marked the model with (none: eager).
+            A block that cannot compile runs eager (:class:`~unbroken.mecefo.compiled.ApproxPath`).
 
     Raises:
         ValueError: ``rank`` or ``tau`` below 1; ``rank`` above ``min(m, n)`` of
@@ -193,9 +198,11 @@ class LlamaAdapter:
 
     group_names = GROUP_NAMES
 
-    def __init__(self, model: torch.nn.Module, *, rank: int = 32, tau: int = 50, recompute: bool = True) -> None:
+    def __init__(self, model: torch.nn.Module, *, rank: int = 32, tau: int = 50, recompute: bool = True,
+                 compile_backend: str | None = None) -> None:
         self.model = model
         self.recompute = recompute
+        self.approx_path = ApproxPath(approx_block, backend=compile_backend or compile_backend_of(model))
         self.basis = LowRankBasis(rank=rank, tau=tau)
         self._parts = _find_blocks(model)
         _check_ffn_weights(model, self._parts, rank)
@@ -247,27 +254,40 @@ class LlamaAdapter:
         """One block in approximate mode; same value as ``block.forward``."""
         kind = parts.kind
         ff = getattr(block, kind.feed_forward)
-        w1, w2, w3 = (getattr(ff, name).weight for name in kind.ffn_linears)
-        act = kind.activation(ff)
-        # Bases fetched before the checkpoint, so the recomputation reuses them.
-        v1, v2, v3 = (self.basis.get(name, w, step=step) for name, w in zip(parts.ffn_linears, (w1, w2, w3)))
-        attention, attention_norm = getattr(block, kind.attention), getattr(block, kind.attention_norm)
-        ffn_norm = getattr(block, kind.ffn_norm)
+        # Bases fetched here, eagerly (a cache keyed by step), and passed in: the graph never sees the step,
+        # and the recomputation in backward reuses the forward's bases.
+        v1, v2, v3 = (self.basis.get(name, getattr(ff, w).weight, step=step)
+                      for name, w in zip(parts.ffn_linears, kind.ffn_linears))
+        return self.approx_path(block, kind, self.recompute, x_BTD, v1, v2, v3, args, kwargs)
 
-        def attention_branch(x: torch.Tensor) -> torch.Tensor:
-            return kind.run_attention(attention, attention_norm(x), args, kwargs)
 
-        def ffn_gate(h: torch.Tensor) -> torch.Tensor:
-            z = ffn_norm(h)
-            return act(lowrank_linear(z, w1, v1)) * lowrank_linear(z, w3, v3)
+def approx_block(block: torch.nn.Module, kind: BlockKind, recompute: bool, x_BTD: torch.Tensor,
+                 v1: torch.Tensor, v2: torch.Tensor, v3: torch.Tensor,
+                 args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
+    """One block of ``kind`` in approximate mode with the FFN bases ``v1 v2 v3`` (gate, down, up).
 
-        def ffn_out(gate_BTF: torch.Tensor) -> torch.Tensor:
-            # Outside the recomputed region: it keeps gate @ V2 (r wide), so
-            # backward never redoes w2's product.
-            return lowrank_linear(gate_BTF, w2, v2)
+    Same value as the block's forward; traceable by dynamo as one graph (no step, no cache, no Python state).
+    """
+    ff = getattr(block, kind.feed_forward)
+    w1, w2, w3 = (getattr(ff, name).weight for name in kind.ffn_linears)
+    act = kind.activation(ff)
+    attention, attention_norm = getattr(block, kind.attention), getattr(block, kind.attention_norm)
+    ffn_norm = getattr(block, kind.ffn_norm)
 
-        h_BTD = skip_connected(attention_branch, x_BTD)
-        return recomputed_residual(ffn_gate, h_BTD, recompute=self.recompute, tail=ffn_out)
+    def attention_branch(x: torch.Tensor) -> torch.Tensor:
+        return kind.run_attention(attention, attention_norm(x), args, kwargs)
+
+    def ffn_gate(h: torch.Tensor) -> torch.Tensor:
+        z = ffn_norm(h)
+        return act(lowrank_linear(z, w1, v1)) * lowrank_linear(z, w3, v3)
+
+    def ffn_out(gate_BTF: torch.Tensor) -> torch.Tensor:
+        # Outside the recomputed region: it keeps gate @ V2 (r wide), so
+        # backward never redoes w2's product.
+        return lowrank_linear(gate_BTF, w2, v2)
+
+    h_BTD = skip_connected(attention_branch, x_BTD)
+    return recomputed_residual(ffn_gate, h_BTD, recompute=recompute, tail=ffn_out)
 
 
 def component_of(param_name: str) -> str:
