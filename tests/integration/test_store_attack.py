@@ -6,7 +6,8 @@ writes ``failed``, ``done``, dead marks, views and counter adds (as in the attac
 genuine connection it recorded (a client holding the secret wrote ``failed`` through the attacker's relay),
 replayed again and again; and bursts of idle connections. The 2-node x 1-worker job ends as every scenario
 must (:func:`_faults.check_invariants`) with no failure at all, and every attempt of the attacker was
-refused.
+refused. On etcd, where anyone with access to the cluster can write, a 2-node x 2-worker job goes on through
+forged, replayed and deleted counters and decision keys (:class:`EtcdAttacker`).
 """
 
 from __future__ import annotations
@@ -153,22 +154,37 @@ def test_an_attacker_who_reaches_the_port_changes_nothing(tmp_path, corpus_overr
 class EtcdAttacker:
     """A client of the job's etcd cluster without the job's secret: it finds the job's keys by listing the
     cluster, and after every write of the job to a worker's counter it writes a forged value over it, except
-    every ``EVERY``-th time, when it deletes the counter or writes back the counter's first value after a delete
-    (a deleted counter is silence: deleting it after every beat for a whole heartbeat timeout would be a death
-    by design, which docs/store.md says); it also plants forged death marks, refusals and ``deaths`` counts.
+    every ``EVERY``-th time, when it deletes the counter or writes back the counter's first value after a delete;
+    it also plants forged death marks, refusals and ``deaths`` counts. Three attacks run until what each needs
+    has happened (the job's sealed payloads are readable, so it follows the job's applied steps):
+
+    - the victim's counters are deleted after every one of its beats from the job's ``FROM``-th applied step
+      until ``STEPS - UNTIL_LEFT`` are applied (no sign of life in the store all that time: before the failure
+      detector counted completed collectives, a death);
+    - ``gen`` is deleted after every write until it was brought back ``BACK`` times;
+    - ``outcome/<g>`` is deleted after every ``OUTCOME_EVERY``-th decision until it was brought back ``BACK``
+      times (before, the voters waited and the job stopped after the store timeout).
+
     Paced by the job's own writes, so whatever the machine's speed it answers each of them."""
 
     ACTIONS = ("forge", "replay", "delete")
     EVERY = 8
+    FROM, UNTIL_LEFT = 3, 12
+    OUTCOME_EVERY = 4
+    BACK = 3
 
-    def __init__(self, url: str, workers: list[int]) -> None:
+    def __init__(self, url: str, workers: list[int], victim: int) -> None:
         from unbroken.store.etcd_backend import EtcdBackend
 
         self.backend = EtcdBackend(url, "not the job's secret", timeout_s=10)
-        self.workers = workers
-        self.done = {a: 0 for a in (*self.ACTIONS, "plant")}
+        self.workers, self.victim = workers, victim
+        self.done = {a: 0 for a in (*self.ACTIONS, "plant", "victim", "gen", "outcome")}
+        self.back = {"gen": 0, "outcome": 0}  # the decision keys the job brought back after a delete
+        self.victim_window = [False, False]  # the victim deletions began, ended
         self.first: dict[str, bytes] = {}
         self.last: dict[str, str] = {}  # key -> mod_revision of the job's write the attacker answered last
+        self.decisions = 0
+        self.deleted_at: dict[str, int] = {}  # decision key -> the revision of the attacker's last delete
         self.stop = threading.Event()
         self.ns = ""
 
@@ -194,26 +210,69 @@ class EtcdAttacker:
             if key.endswith("/hb/0"):
                 self.ns = key[:-len("hb/0")]
 
+    @staticmethod
+    def _payload(kv: dict | None) -> bytes | None:
+        """What the job wrote (a seal hides nothing: it is 32 bytes of version, creation and tag at the end)."""
+        raw = base64.b64decode(kv["value"]) if kv is not None and kv.get("value") else b""
+        return raw[:-32] if len(raw) >= 32 else None
+
+    def _applied(self) -> int:
+        payload = self._payload(self._kv("applied/0"))
+        return int(payload) if payload is not None and payload.isdigit() else 0
+
     def run(self) -> None:
         while not self.stop.is_set():
             if not self.ns:
                 self._find_namespace()
             else:
+                applied = self._applied()
+                self.victim_window[0] |= applied >= self.FROM
+                self.victim_window[1] |= applied >= STEPS_ETCD - self.UNTIL_LEFT
                 for w in self.workers:
                     for key in (f"hb/{w}", f"prog/{w}"):
-                        self._answer(key)
+                        self._answer(key, victim=w == self.victim and self.victim_window[0]
+                                     and not self.victim_window[1])
                     self._put(f"dead/{w}", b'{"by": 9, "how": "forged"}', create=True)
                     self._put(f"refused/{w}", b"forged refusal", create=True)
                     self._put("deaths", b"1000")
                     self.done["plant"] += 1
+                self._decision("gen")
+                self._decision("outcome/0")
             self.stop.wait(0.01)
 
-    def _answer(self, key: str) -> None:
-        """One action on ``key`` if the job wrote it since the attacker's last one."""
+    def _fresh(self, key: str) -> dict | None:
+        """The key's kv if the job wrote it since the attacker's last look (None: gone, seen, or its own)."""
         kv = self._kv(key)
-        if kv is None or kv["mod_revision"] == self.last.get(key) or len(base64.b64decode(kv["value"])) < 24:
+        if kv is None or kv["mod_revision"] == self.last.get(key) or self._payload(kv) is None:
+            return None
+        self.last[key] = kv["mod_revision"]
+        return kv
+
+    def _decision(self, key: str) -> None:
+        """Delete a decision key after the job's writes until the job brought it back ``BACK`` times (a creation
+        of the key after the attacker's delete: nothing else of the job creates it again)."""
+        name = key.partition("/")[0]
+        if self.back[name] >= self.BACK or (kv := self._fresh(key)) is None:
+            return
+        if key in self.deleted_at:
+            self.back[name] += int(kv["create_revision"]) > self.deleted_at.pop(key)
+        elif name == "outcome":
+            self.decisions += 1
+            if self.decisions % self.OUTCOME_EVERY:
+                return
+        self.deleted_at[key] = int(self.backend._call("kv/deleterange", {"key": self._k(key)})["header"]["revision"])
+        self.done[name] += 1
+
+    def _answer(self, key: str, *, victim: bool) -> None:
+        """One action on ``key`` if the job wrote it since the attacker's last one: the victim's, a delete."""
+        kv = self._fresh(key)
+        if kv is None or len(base64.b64decode(kv["value"])) < 24:
             return  # gone, already answered, or not the job's value (the attacker's own)
         self.first.setdefault(key, base64.b64decode(kv["value"]))
+        if victim:
+            self._delete(key)
+            self.done["victim"] += 1
+            return
         n = sum(self.done[a] for a in self.ACTIONS)
         action = "forge" if n % self.EVERY else ("replay", "delete")[n // self.EVERY % 2]
         if action == "forge":
@@ -222,30 +281,35 @@ class EtcdAttacker:
             self._delete(key)
             if action == "replay":
                 self._put(key, self.first[key], create=True)
-        self.last[key] = kv["mod_revision"]
         self.done[action] += 1
 
 
+STEPS_ETCD = 80
+
+
 def test_a_writer_without_the_secret_on_etcd_never_fences_a_live_worker(tmp_path, corpus_overrides, etcd_cluster):
-    """A 2-node x 1-worker job on a real 3-member etcd cluster while :class:`EtcdAttacker` deletes, forges and
-    replays its workers' counters after every beat and plants death marks: the job ends as every scenario must
-    (:func:`_faults.check_invariants`: every step, the ledger exactly once, identical parameters), no worker is
-    marked dead or fenced, and the attacker did every kind of thing many times."""
-    cfg = failover_config(corpus_overrides, STEPS, "fault.heartbeat_timeout_s=2.5", "fault.progress_timeout_s=6.0",
-                          "train.timeout_s=30")
-    attacker = EtcdAttacker(etcd_cluster.url, [0, 1])
+    """A 2-node x 2-worker job on a real 3-member etcd cluster while :class:`EtcdAttacker` deletes, forges and
+    replays its workers' counters after every beat, deletes one worker's counters after every beat for most of
+    the run, deletes ``gen`` and ``outcome/0`` until each was brought back three times, and plants death marks:
+    the job ends as every scenario must (:func:`_faults.check_invariants`: every step, the ledger exactly once,
+    identical parameters), no worker is marked dead or fenced, and the attacker did every kind of thing."""
+    cfg = failover_config(corpus_overrides, STEPS_ETCD, "fault.heartbeat_timeout_s=2.5",
+                          "fault.progress_timeout_s=6.0", "train.timeout_s=30")
+    attacker = EtcdAttacker(etcd_cluster.url, [0, 1, 2, 3], victim=3)
     thread = threading.Thread(target=attacker.run, daemon=True)
     thread.start()
     try:
-        job = run_job(cfg, tmp_path / "run", nodes=2, workers_per_node=1, store=etcd_cluster.url)
+        job = run_job(cfg, tmp_path / "run", nodes=2, workers_per_node=2, store=etcd_cluster.url)
     finally:
         attacker.stop.set()
         thread.join(30)
-    check_invariants(job, live=[0, 1])
+    check_invariants(job, live=[0, 1, 2, 3])
     assert job.summary["failures"] == 0, "the attack made no worker fail"
     assert not job.events("fence") and not job.events("attempt_aborted"), "no live worker fenced"
     assert not job.events("worker_exit", clean=False)
     marks = [line for log in (job.run_dir / "logs").glob("w*.log") for line in log.read_text().splitlines()
              if "declared worker" in line]
     assert not marks, "no worker was marked dead, not even once the job was done"
+    assert attacker.victim_window == [True, True], "the victim's counters were deleted from step 3 to the end"
+    assert attacker.back == {"gen": 3, "outcome": 3}, "gen and outcome/0 each brought back three times"
     assert all(n >= 3 for n in attacker.done.values()), attacker.done

@@ -177,6 +177,8 @@ def test_a_deleted_outcome_or_gen_is_a_delay_and_only_the_original_decision_come
         assert reader.decided(0) == 4, "a restored value older than the key's history is never read"
     attacker.put("outcome/0", "9:abort")
     assert store.vote(view, 5, "abort") == "abort" and b.decided(0) == 5
+    attacker.put("outcome/0", "9:commit")  # over the job's values of this creation of the key: brought back there
+    assert b.decided(0) == 5 and store.decided(0) == 5 and _connect(etcd_cluster).decided(0) == 5
     v1 = store.propose(view, View(gen=1, members=(0, 1), step=6))
     attacker.delete("gen")
     assert _connect(etcd_cluster).gen() == 1 == b.gen()

@@ -40,7 +40,12 @@ idempotent in their result, adds carry their marker.
 
 Process groups rendezvous on :class:`EtcdGroupStore`, a Python
 ``torch.distributed.Store`` over the same backend (gloo and NCCL call its
-``set``/``get``/``wait`` from C++), so the rendezvous survives a member's loss too.
+``set``/``get``/``wait`` from C++), so the rendezvous survives a member's loss too
+(:mod:`unbroken.store.etcd_group_store`). What another writer did to a key is
+read back through the key's history (:mod:`unbroken.store.etcd_history`: a
+forged counter's newest authentic value; a deleted ``gen`` or ``outcome/<g>``
+brought back with the newest decision written there); the launch's namespace
+and the job's pointer to it are kept by :mod:`unbroken.store.etcd_launch`.
 
 Invariant: every key written is under the job's prefix and namespace.
 """

@@ -125,13 +125,15 @@ def newest_decision(backend: EtcdBackend, key: str, top: int) -> bytes | None:
 
 def restored_value(backend: EtcdBackend, key: str, kv: dict[str, Any], value: bytes) -> bytes | None:
     """The payload of a restored ``value`` (authentic, at ``kv``) if it is the newest decision the job wrote at
-    ``key`` before that creation of the key; None (read as absent) if the history holds a newer one (a restore
-    that raced a later decision) or cannot be read."""
+    ``key`` before it; None (read as absent) if the history holds a newer one (a restore that raced a later
+    decision) or cannot be read."""
     payload = value[len(RESTORED):]
     place = _place(kv)
     if backend.restores_checked.get(key) == place:
         return payload
-    if newest_decision(backend, key, place[0] - 1) != payload:
+    # Read back from just before this value was written: a restore into a new creation of the key, or over a
+    # forged value of the creation that still holds the job's earlier values.
+    if newest_decision(backend, key, int(kv["mod_revision"]) - 1) != payload:
         logger.warning("store key %r was brought back with %r, not the newest decision written there before: "
                        "ignored (it is brought back again)", key, payload.decode(errors="replace"))
         return None

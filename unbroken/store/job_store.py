@@ -195,7 +195,7 @@ class JobStore(StandbyKeys, WorkerKeys):
     # -- views ------------------------------------------------------------------
 
     def has_view(self) -> bool:
-        return self.backend.check(["gen"])
+        return self._decision("gen") is not None
 
     def gen(self) -> int:
         raw = self._decision("gen")
@@ -453,7 +453,8 @@ class JobStore(StandbyKeys, WorkerKeys):
 
         Applied, not decided: a step's outcome is decided by the first member whose all-reduce completed,
         while the others may still be in theirs; a fault due "at step N" fires once step N - 1 is applied."""
-        gen, restored = self.backend.peek(["gen", "progress"])
+        raw, restored = self.backend.peek(["gen", "progress"])
+        gen = raw if raw is not None else self._decision("gen")  # brought back if another writer deleted it
         if gen is None:
             return None if restored is None else int(restored)
         raw, applied = self.backend.peek([f"view/{int(gen)}", f"applied/{int(gen)}"])
