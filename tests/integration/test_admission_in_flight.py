@@ -1,7 +1,7 @@
 """A joiner's admission never aborts the members' step in flight (real processes, signals, gloo).
 
 The leader announces an admission in a step's reduction and admits at that step's boundary, where every
-member waits for the admitting view (:mod:`unbroken.runtime.admission`). So the only aborted attempts of a
+member waits for the admitting view (:mod:`unbroken.runtime.view_changes`). So the only aborted attempts of a
 run whose one fault is a kill are those of the kill's own step, and the step a worker rejoins at is
 committed in the view that admitted it, at its first attempt.
 """

@@ -87,7 +87,7 @@ def test_joiners_of_an_admission_a_member_died_in_get_the_state_by_transfer(tmp_
     p = StepProtocol(Membership(store, 0, heartbeat_timeout_s=5.0), _Job(), policy=takeover_policy("spread"),
                      events=JsonlWriter(tmp_path / "w0.jsonl"), timeout_s=10)
     store.mark_dead(2, "hung")
-    v1 = p._next_view(v0, 10)
+    v1 = p.views._next_view(v0, 10)
     assert (v1.gen, v1.members, v1.joiners, v1.from_memory) == (1, (0, 1), (1,), ())
 
 
@@ -107,26 +107,26 @@ def test_a_member_that_reads_the_marks_again_during_an_admission_keeps_the_joine
     store.request_join(1, {"pid": 1})
     p = StepProtocol(Membership(store, 0, heartbeat_timeout_s=5.0), _Job(), policy=takeover_policy("spread"),
                      events=JsonlWriter(tmp_path / "w0.jsonl"), timeout_s=10)
-    p.view, p._voted = v0, v0.step - 1
+    p.views.view, p.views._voted = v0, v0.step - 1
     seen: dict[str, object] = {}
     propose = store.propose
 
     def propose_then_member_2_adopts(current: View, new: View) -> View:
         winner = propose(current, new)
         store.mark_dead(3, "another death")
-        m2.forget_dead(1)  # as StepProtocol.adopt does for the view's joiners
+        m2.forget_dead(1)  # as ViewChanges.adopt does for the view's joiners
         seen["dead"] = m2.dead_members(winner)
         return winner
 
     store.propose = propose_then_member_2_adopts  # type: ignore[method-assign]
-    p.adopt = lambda view: seen.setdefault("adopted", view)  # type: ignore[method-assign]
+    p.views.adopt = lambda view: seen.setdefault("adopted", view)  # type: ignore[method-assign]
     assert p.admit_joiners(5)
     assert seen["adopted"].joiners == (1,)
     assert seen["dead"] == {3}, "the joiner is judged by its own incarnation, not its predecessor's mark"
     store.propose = propose  # type: ignore[method-assign]
     p2 = StepProtocol(m2, _Job(), policy=takeover_policy("spread"), events=JsonlWriter(tmp_path / "w2.jsonl"),
                       timeout_s=10)
-    v2 = p2._next_view(seen["adopted"], 5)
+    v2 = p2.views._next_view(seen["adopted"], 5)
     assert (v2.members, v2.joiners) == ((0, 1, 2), (1,)), "the next view of the step admits it again"
 
 

@@ -188,6 +188,7 @@ def test_the_leaders_duties_keep_its_progress_ticking_and_a_real_stall_still_cou
 
     from unbroken.runtime.worker import Trainer
     from unbroken.sharding.layout import StateLayout
+    from unbroken.sharding.parallelism import Parallelism, ReplicaLayout
 
     store = JobStore.host("127.0.0.1", 0, clients=3, secret="test")
     view = View(gen=0, members=(0, 1), step=0)
@@ -215,10 +216,11 @@ def test_the_leaders_duties_keep_its_progress_ticking_and_a_real_stall_still_cou
         job=SimpleNamespace(val_sampler=None, model=torch.nn.Linear(1, 1), optimizer=None), hash="h",
         spec=SimpleNamespace(worker=0))
     trainer.job.optimizer = torch.optim.AdamW(trainer.job.model.parameters())
-    trainer.hsdp = None
+    trainer.parallelism = Parallelism(kind="replicated", worker=0, replicas=ReplicaLayout(2, 1))
     trainer._save = lambda done, last: Trainer._save(trainer, done, last)
     trainer._write_part = lambda done, writer: Trainer._write_part(trainer, done, writer)
     trainer._stage = lambda writer: Trainer._stage(trainer, writer)
+    trainer._leader_checkpointer = lambda: Trainer._leader_checkpointer(trainer)
     thread = threading.Thread(target=watch, daemon=True)
     thread.start()
     try:

@@ -133,5 +133,5 @@ def test_a_views_connection_refused_fails_that_view_and_the_next_view_forms(tmp_
         assert reduced.tolist() == [1.0, 1.0, 1.0]
     finally:
         server.key = key
-        p._abandon()
+        p.views.abandon()
         store.close()

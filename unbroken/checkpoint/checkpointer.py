@@ -130,7 +130,7 @@ class AsyncCheckpointer:
         return self._slot.pending.step if self._slot.pending else None
 
     def save(self, step: int, state: dict[str, torch.Tensor], meta: dict[str, Any],
-             shards: tuple[int, list[str], dict[str, Any]] | None = None, layout: list[list] | None = None,
+             shards: tuple[int | str, list[str], dict[str, Any]] | None = None, layout: list[list] | None = None,
              live: bool = False) -> None:
         """Stage ``state`` now and write it asynchronously; ``step`` = steps done.
 
@@ -206,7 +206,7 @@ class AsyncCheckpointer:
             self.wait()
 
     def _finish(self, step: int, path: Path, commit: dict[str, Any], state: dict[str, torch.Tensor],
-                shards: tuple[int, list[str], dict[str, Any]] | None, claim: WriteClaim) -> Written | None:
+                shards: tuple[int | str, list[str], dict[str, Any]] | None, claim: WriteClaim) -> Written | None:
         """Background: write the files (hashed as written), wait for the other workers' parts, commit, prune.
         None: not written (a storage error, or given up on before its commit)."""
         try:

@@ -217,7 +217,7 @@ class Job:
     do: FSDP2 reduce-scatters sums)."""
     vote: Callable[[], int] | None = None
     """This worker's snapshot interval proposal, cast into each gradient buffer's vote slots
-    (``snapshot.every=auto``, :mod:`unbroken.snapshot.cadence`); set by the worker's snapshotter."""
+    (``snapshot.every=auto``, :mod:`unbroken.snapshot.cadence`): the worker's snapshotter's."""
 
     @property
     def info(self) -> dict[str, int]:
@@ -284,8 +284,11 @@ class Job:
 
 
 def build_job(cfg: Config, device: torch.device, prepared: Prepared | None = None,
-              shard: Callable[[torch.nn.Module], object] | None = None, replica: Any = None) -> Job:
+              shard: Callable[[torch.nn.Module], object] | None = None, replica: Any = None,
+              vote: Callable[[], int] | None = None) -> Job:
     """Build the job of ``cfg`` on ``device``, reusing ``prepared`` (its data and model object) when given.
+    HSDP: ``shard`` shards the model over its replica, ``replica`` is the replica's group (:attr:`Job.replica`);
+    ``vote``: this worker's snapshot interval proposal (:attr:`Job.vote`).
 
     Raises:
         ValueError: data too small for the samplers, a model that does not
@@ -318,4 +321,4 @@ def build_job(cfg: Config, device: torch.device, prepared: Prepared | None = Non
                                     weight_decay=o.weight_decay, fused=device.type == "cuda")
     return Job(cfg=cfg, device=device, data=data, sampler=sampler, val_sampler=val_sampler, model=model,
                adapter=adapter, layout=layout, optimizer=optimizer, schedule=schedule_for(cfg),
-               loss_fn=torch.compile(token_loss_sum) if compiled else token_loss_sum, replica=replica)
+               loss_fn=torch.compile(token_loss_sum) if compiled else token_loss_sum, replica=replica, vote=vote)

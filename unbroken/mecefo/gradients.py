@@ -68,7 +68,7 @@ class GradLayout:
     slots (none unless asked) carry small non-negative counts every worker adds
     to (:mod:`unbroken.snapshot.cadence`: the snapshot interval's proposals);
     ``admit`` is the view leader's word that the boundary after the step admits
-    joiners (:mod:`unbroken.runtime.admission`): every member that holds the
+    joiners (:mod:`unbroken.runtime.view_changes`): every member that holds the
     reduced buffer reads the same word.
     """
 

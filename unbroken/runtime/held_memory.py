@@ -80,7 +80,7 @@ class HeldMemory:
         retry copy), ``retry_copy_bytes`` and ``held_bytes`` (every storage counted, the copy included)."""
         job = self.trainer.job
         buffer_bytes = 4 * job.layout.size
-        spare = self.trainer.protocol._spare
+        spare = self.trainer.protocol.retry_copy
         sizes = held_storages(job.device, [*job.model.parameters(), *job.model.buffers(), *_optimizer_tensors(job.optimizer)])
         copy = spare.untyped_storage().nbytes() if spare is not None else 0
         return {"buffer_bytes": buffer_bytes, "held_bytes": sum(sizes), "retry_copy_bytes": copy,

@@ -25,8 +25,9 @@ items it already computed, and computes what the policy's
 missing: the dead workers' rows, for the same step ``s``. Gradients already
 computed are kept.
 
-At a step boundary the view's first member admits workers waiting to join
-(:class:`~unbroken.runtime.admission.JoinerAdmission`, a mixin of :class:`StepProtocol`).
+The view, its group and peers, and every change of them (entering a view, moving to the next after a
+failed attempt, admitting joiners at a step boundary) are the protocol's
+:class:`~unbroken.runtime.view_changes.ViewChanges`, one part of it built with it.
 
 Hook points: :data:`PHASES` (``forward``, ``backward``, ``allreduce``,
 ``confirm``) are named points of a step where callables registered with
@@ -51,28 +52,21 @@ import torch
 from unbroken.jsonl import JsonlWriter
 from unbroken.mecefo.gradients import SlotWork, slot_rows
 from unbroken.mecefo.takeover import TakeoverPolicy
-from unbroken.runtime.admission import AdmissionWord, JoinerAdmission
-from unbroken.runtime.membership import (Fenced, MemberDied, Membership, MissedCommit, NoLiveWorker, View,
-                                       ViewChanged)
+from unbroken.runtime.membership import Fenced, Membership, MemberDied, MissedCommit, View, ViewChanged
 from unbroken.runtime.process_group import CollectiveFailed, ViewGroup
-from unbroken.runtime.state_transfer import transfer_state
-from unbroken.store.backend import GroupStoreUnavailable
-from unbroken.runtime.work_plan import SlotPlan
+from unbroken.runtime.view_changes import (CHECK_EVERY_S, MAX_SAME_VIEW_RETRIES, AdmissionWord, RetriesExhausted,
+                                           ViewChanges)
 from unbroken.sharding.layout import StateLayout
+from unbroken.sharding.work_plan import SlotPlan, WorkPlan
 
 if TYPE_CHECKING:
-    from unbroken.sharding.hsdp import ReplicaPlan, ReplicaSync
+    from unbroken.runtime.state_source import StateSource
+    from unbroken.sharding.hsdp import ReplicaSync
 
-__all__ = ["PHASES", "MemberDied", "RetriesExhausted", "StepJob", "StepProtocol"]
+__all__ = ["CHECK_EVERY_S", "MAX_SAME_VIEW_RETRIES", "PHASES", "MemberDied", "RetriesExhausted", "StepJob",
+           "StepProtocol"]
 
 logger = logging.getLogger(__name__)
-
-CHECK_EVERY_S = 0.02
-"""How often a waiting worker consults the failure detector and the view."""
-MAX_SAME_VIEW_RETRIES = 3
-"""Views of unchanged membership proposed in a row for one step (collectives failed, nobody found dead)
-before this worker gives up and leaves: its agent restarts it as a joiner, so a fault nobody can name
-costs one restart instead of an endless loop of new groups."""
 
 Phase = Literal["forward", "backward", "allreduce", "update", "allgather", "confirm", "restore", "finish"]
 PHASES: tuple[Phase, ...] = ("forward", "backward", "allreduce", "update", "allgather", "confirm", "restore",
@@ -84,15 +78,15 @@ parameters in flight, right after the commit vote; ``restore``: on entering a re
 step count), the leader's final checkpoint begun and not yet committed."""
 
 
-class RetriesExhausted(RuntimeError):
-    """Views of the same members kept failing at one step with nobody found dead."""
-
-
 class StepJob(Protocol):
     """What the protocol trains (:class:`unbroken.job.Job` is one)."""
 
-    n_slots: int
-    micro_batch: int
+    @property
+    def n_slots(self) -> int: ...
+
+    @property
+    def micro_batch(self) -> int: ...
+
     device: torch.device
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
@@ -100,7 +94,7 @@ class StepJob(Protocol):
     def gradient_sums(self, step: int, items: list[SlotWork]) -> torch.Tensor: ...
 
 
-class StepProtocol(JoinerAdmission):
+class StepProtocol:
     """One worker's side of the step protocol across view changes.
 
     Args:
@@ -114,46 +108,83 @@ class StepProtocol(JoinerAdmission):
     """
 
     def __init__(self, membership: Membership, job: StepJob, *, policy: TakeoverPolicy, events: JsonlWriter,
-                 timeout_s: float, config_hash: str = "", backend: str = "auto") -> None:
+                 timeout_s: float, config_hash: str = "", backend: str = "auto", plan: WorkPlan | None = None,
+                 layout: StateLayout | None = None, replica: ReplicaSync | None = None,
+                 announcer: AdmissionWord | None = None, state: StateSource | None = None) -> None:
         self.m, self.store, self.job, self.policy = membership, membership.store, job, policy
         self.me = membership.worker
         self.events, self.timeout_s, self.config_hash = events, timeout_s, config_hash
-        self.backend = backend
-        self.view: View | None = None
-        self.group: ViewGroup | None = None
         self.step: int | None = None
         """The step in flight (for log lines)."""
-        self.need_exchange = False
-        self._hooks: dict[Phase, list[Callable[[int], None]]] = {p: [] for p in PHASES}
+        self._hooks: dict[str, list[Callable[[int], None]]] = {p: [] for p in PHASES}  # a layout names a phase
         self._pruned_below = 0
-        self._voted = -1  # the last step this worker saw committed under the current view
-        self._same_view_retries = 0
-        self._admits = False  # HSDP: the leader announced, in this attempt's replica sync, that it admits joiners
-        self._admit_next = False  # the committed step's reduction announced an admission at its boundary
         self._spare: torch.Tensor | None = None  # the host copy of the sums posted last (see _keep)
-        self.announcer: AdmissionWord | None = None
-        """Where a reduction buffer carries the leader's announcement of an admission (the job's gradient
-        layout; None: the leader admits at once, aborting the members' next step)."""
-        self._next_check = 0.0
-        self.restorer: Callable[[View, Callable[[torch.Tensor, int], object]], None] | None = None
-        """Loads the state a restored view names (``view.restore``), in :meth:`adopt` (the trainer sets it)."""
-        self.memory_rejoin: Callable[[int, View, int], bool] | None = None
-        """Leader: may joiner ``j``, admitted at ``step`` from ``view``, load from its node's snapshot memory?"""
-        self.memory_loader: Callable[[View], None] | None = None
-        """Joiner: load the state of ``view.step`` from this node's snapshot memory."""
-        self.before_admission: Callable[[], None] | None = None
-        """Member: make this worker's share of the boundary's snapshot sealed before joiners read it."""
-        self.layout: StateLayout = StateLayout(job)
+        self.state = state
+        """Where this worker's state comes from when its view changes (:class:`~unbroken.runtime.state_source.
+        StateSource`): a restore, its node's snapshot memory; None: only transfers from a peer."""
+        self.layout: StateLayout = layout if layout is not None else StateLayout(job)
         """How the state is laid out across ranks (:mod:`unbroken.sharding.layout`): replicated, HSDP's shards,
-        or ZeRO-1's moments (updated and all-gathered before the vote, re-sharded in :meth:`adopt`)."""
-        self.replica: ReplicaSync | None = None
-        """HSDP: the collectives over this worker's replica (:class:`~unbroken.sharding.hsdp.ReplicaSync`): after
-        each reduction, whether every rank of the replica holds its part and whether the leader admits joiners
-        at the step's end; at such a boundary, the leader's view generation."""
-        self.plan: SlotPlan | ReplicaPlan = SlotPlan(policy, job.n_slots, job.micro_batch)
+        or ZeRO-1's moments (updated and all-gathered before the vote, re-sharded when the view changes)."""
+        self.plan: WorkPlan = plan if plan is not None else SlotPlan(policy, job.n_slots, job.micro_batch)
         """Who computes what and reduces with whom (HSDP's :class:`~unbroken.sharding.hsdp.ReplicaPlan`)."""
-        self.peers: tuple[int, ...] = ()
+        self.views = ViewChanges(membership, job, plan=self.plan, layout=self.layout, replica=replica,
+                                 announcer=announcer, state=state, events=events, phase=self._phase,
+                                 timeout_s=timeout_s, config_hash=config_hash, backend=backend)
+        """The view, its group and peers, and every change of them (HSDP: with ``replica``, the collectives
+        over this worker's replica; ``announcer``: where a reduction buffer carries an admission's word)."""
+
+    # -- what the view changes hold, as the step reads it ---------------------------
+
+    @property
+    def view(self) -> View:
+        """The view this worker is in (it has entered one: :meth:`adopt`)."""
+        return self.views.view
+
+    @property
+    def group(self) -> ViewGroup | None:
+        """The current view's group of this worker's peers (None between a failed attempt and the next view)."""
+        return self.views.group
+
+    @property
+    def peers(self) -> tuple[int, ...]:
         """The members of this worker's reduction group in the current view."""
+        return self.views.peers
+
+    @property
+    def need_exchange(self) -> bool:
+        """The next attempt of a step exchanges what each member computed first (:attr:`ViewChanges.need_exchange`)."""
+        return self.views.need_exchange
+
+    @need_exchange.setter
+    def need_exchange(self, value: bool) -> None:
+        self.views.need_exchange = value
+
+    @property
+    def _voted(self) -> int:
+        """The last step this worker saw committed under the current view."""
+        return self.views._voted
+
+    @_voted.setter
+    def _voted(self, step: int) -> None:
+        self.views._voted = step
+
+    @property
+    def _same_view_retries(self) -> int:
+        return self.views._same_view_retries
+
+    @_same_view_retries.setter
+    def _same_view_retries(self, n: int) -> None:
+        self.views._same_view_retries = n
+
+    def where(self) -> tuple[int, int] | None:
+        """``(generation, step)`` of this worker (the step in flight, else its view's first), or None before it
+        entered a view (for log lines)."""
+        if not self.views.entered:
+            return None
+        view = self.views.view
+        return view.gen, self.step if self.step is not None else view.step
+
+    # -- hook points -----------------------------------------------------------------
 
     def on(self, phase: Phase, hook: Callable[[int], None]) -> None:
         """Run ``hook(step)`` at ``phase`` of every step (see :data:`PHASES`)."""
@@ -161,85 +192,39 @@ class StepProtocol(JoinerAdmission):
             raise ValueError(f"unknown step phase {phase!r}; expected one of {', '.join(PHASES)}")
         self._hooks[phase].append(hook)
 
-    def _phase(self, phase: Phase, step: int) -> None:
+    def _phase(self, phase: str, step: int) -> None:
         self.m.advance()
         for hook in self._hooks[phase]:
             hook(step)
 
-    # -- views ----------------------------------------------------------------
+    def finish(self, steps: int) -> None:
+        """After the run's last step (``steps``), the leader's final checkpoint begun: the ``finish`` hook point."""
+        self._phase("finish", steps)
+
+    # -- views (:class:`~unbroken.runtime.view_changes.ViewChanges`) -----------------
 
     def adopt(self, view: View) -> None:
-        """Build ``view``'s group and, if it admits joiners, hand them the state.
+        """Enter ``view`` (:meth:`ViewChanges.adopt`)."""
+        self.views.adopt(view)
 
-        Raises:
-            Fenced: this worker is not a member.
-            MemberDied, ViewChanged, CollectiveFailed: the view cannot be formed (CollectiveFailed too when
-                the store refused its group's rendezvous connection); the caller moves on to a newer one.
-        """
-        if self.me not in view.members:
-            raise Fenced(f"worker {self.me} is not a member of view {view.gen}")
-        # Joiners are new incarnations; so is every member of a restored view (a process that waited to join
-        # before the restore may have judged them dead: that was their predecessors).
-        for j in view.members if view.restore is not None else view.joiners:
-            self.m.forget_dead(j)
-        t0 = time.perf_counter()
-        self._abandon()  # a group from a failed earlier attempt is parked, never dropped
-        self.view, self._voted = view, view.step - 1
-        self._admits = False
-        if view.restore is not None:
-            self._phase("restore", view.step)
-        if view.from_memory and self.me not in view.joiners and self.before_admission is not None:
-            self.before_admission()  # sealed before arriving: a joiner reads only once everyone has arrived
-        self._arrive(view)
-        name, self.peers = self.plan.peers(self.me, view.members)
-        try:
-            rendezvous = self.store.group_store(view.gen, name)
-        except GroupStoreUnavailable as exc:  # this view fails, as for a member that never connected
-            raise CollectiveFailed(f"view {view.gen}'s group: {exc}") from None
-        self.group = ViewGroup(rendezvous, gen=view.gen,
-                               rank=self.peers.index(self.me), size=len(self.peers), device=self.job.device,
-                               timeout_s=self.timeout_s, check=self._check, backend=self.backend)
-        if view.restore is not None and self.restorer is not None:
-            self.restorer(view, lambda t, src: self.group.broadcast_into(t, src, self._check))
-        if self.me in view.from_memory and self.memory_loader is not None:
-            self.memory_loader(view)
-        if set(view.joiners) & set(self.peers) - set(view.from_memory):
-            source = next(w for w in self.peers if w not in view.joiners)
-            transfer_state(lambda t, src: self.group.broadcast_into(t, src, self._check),
-                           self.job.model, self.job.optimizer, src=self.peers.index(source),
-                           rank=self.peers.index(self.me), device=self.job.device,
-                           receive=self.me in view.joiners and self.me not in view.from_memory)
-        self.layout.reshard(view, lambda t: self.group.allreduce(t, self._check).clone(),
-                            lambda t, src: self.group.broadcast_into(t, src, self._check))
-        self._event("view_adopted", gen=view.gen, members=list(view.members), step=view.step,
-                    joiners=list(view.joiners), reason=view.reason, build_s=self.group.build_s,
-                    adopt_s=time.perf_counter() - t0)
+    def reconfigure_at_start(self, step: int, reason: str) -> None:
+        """The first view could not be formed: move to the next one (:meth:`ViewChanges.reconfigure_at_start`)."""
+        self.views.reconfigure_at_start(step, reason)
 
-    def _arrive(self, view: View) -> None:
-        """Wait until every member of ``view`` is here, watching for deaths meanwhile.
+    def admit_joiners(self, next_step: int) -> bool:
+        """At a step boundary: admit workers waiting to join (:meth:`ViewChanges.admit_joiners`)."""
+        return self.views.admit_joiners(next_step)
 
-        Building a group blocks until all members connect; a member that died
-        after the view was proposed would make that wait last the whole timeout.
-        """
-        n = len(view.members)
-        if self.store.arrive(view.gen) < n:
-            self._wait_for(lambda: self.store.arrived(view.gen) >= n, f"arrival of the members of view {view.gen}")
+    def announced(self, reduced: torch.Tensor) -> None:
+        """After a committed step is applied: learn whether its boundary admits (:meth:`ViewChanges.announced`)."""
+        self.views.announced(reduced)
 
-    def _wait_for(self, ready: Callable[[], bool], what: str) -> None:
-        """Poll the store until ``ready()``, running the failure detector meanwhile (every
-        :data:`CHECK_EVERY_S`, as during a collective: not on every poll, which would multiply the store's
-        reads by the members polling)."""
-        deadline = time.monotonic() + self.timeout_s
-        while not ready():
-            self._check()
-            if time.monotonic() > deadline:
-                raise CollectiveFailed(f"{what} did not finish within {self.timeout_s} s")
-            time.sleep(0.002)
+    def replica_broadcast(self, sender: int, value: int) -> int:
+        """HSDP: ``value`` of worker ``sender`` over its replica (:meth:`ViewChanges.replica_broadcast`)."""
+        return self.views.replica_broadcast(sender, value)
 
-    def _propose(self, current: View, new: View) -> View:
-        winner = self.store.propose(current, new)
-        logger.info("view %d -> %d: members %s (%s)", current.gen, winner.gen, list(winner.members), winner.reason)
-        return winner
+
+    # -- views ----------------------------------------------------------------
 
     # -- the step -------------------------------------------------------------
 
@@ -309,6 +294,11 @@ class StepProtocol(JoinerAdmission):
             self._spare = torch.empty_like(local)  # one buffer reused every step, replaced only after a failure
         return self._spare.copy_(local)
 
+    @property
+    def retry_copy(self) -> torch.Tensor | None:
+        """The host copy of the sums this worker posted last (see :meth:`_keep`; None on a GPU)."""
+        return self._spare
+
     def _late(self, step: int, what: str, wait: Callable[[float], Any]) -> Any:
         """A false alarm: this worker gave up, the others committed; its own ``what`` (the all-reduce, ZeRO-1's
         all-gather) may still complete: ``wait(timeout)`` for it, up to a heartbeat timeout."""
@@ -341,39 +331,15 @@ class StepProtocol(JoinerAdmission):
                            "items": slot_rows(items)})
         # A collective that completes within CHECK_EVERY_S never pays for the detector:
         # a crash fails it at once anyway, and a hang takes the heartbeat timeout.
-        self._next_check = time.monotonic() + self._check_every
+        self.views.defer_check()
         self.layout.before_reduction(check or self._check)  # ZeRO-1: the last step's shard copies sealed first
-        self.announce(local)
+        self.views.announce(local)
+        assert self.group is not None  # a step reduces in its view's group
         return self.group.allreduce(local, check or self._check, lambda: self._phase("allreduce", step))
 
     def _replica_word(self, step: int, ok: bool) -> None:
-        """HSDP: tell the other ranks of this replica whether this worker's reduction of this attempt (its shard
-        index's part of the step) completed, and learn theirs; the leader also says whether it admits joiners
-        at the step's end.
-
-        Every rank of a replica gets here once per attempt, its reduction completed or not, so the collective
-        always matches (no earlier point of an attempt would: a rank whose item exchange failed may be a view
-        ahead of its sibling, waiting in the store for the sibling's items). A member may vote ``commit`` only
-        once every rank of its replica holds its part: then every part of the step is defined (a completed
-        reduction means every member of that index's group contributed, one per live replica), and every
-        member holding a part holds the same as its peers.
-
-        Raises:
-            CollectiveFailed: ``ok`` and another rank's reduction failed, or the collective itself failed (a
-                rank died: its replica goes down).
-        """
-        if self.replica is None:
-            return
-        admit = self.view.leader == self.me and bool(
-            self.plan.admissible(self.m.pending_joins(self.view, self.job.n_slots), self.view.members))
-        got = self.replica.agree(ok, admit)
-        if got is None:
-            raise CollectiveFailed(f"the replica's word on the reductions of step {step} in view {self.view.gen} "
-                                   "failed")
-        every, self._admits = got
-        if ok and not every:
-            raise CollectiveFailed(f"the reduction of another shard index of step {step} in view {self.view.gen} "
-                                   "did not complete")
+        """HSDP: this worker's word to its replica on its reduction (:meth:`ViewChanges.replica_word`)."""
+        self.views.replica_word(step, ok)
 
     def _vote(self, step: int) -> None:
         """Vote ``commit`` for ``step`` under the current view (see the module docstring).
@@ -399,104 +365,19 @@ class StepProtocol(JoinerAdmission):
             self._pruned_below = view.gen
         self._phase("confirm", step)
 
-    @property
-    def _check_every(self) -> float:
-        """How often the detector reads the store while a collective runs (a floor per store: etcd's is higher)."""
-        return max(CHECK_EVERY_S, self.store.poll_s)
-
     def _check(self, force: bool = False) -> None:
-        now = time.monotonic()
-        if not force and now < self._next_check:
-            return
-        self._next_check = now + self._check_every
-        self.m.advance()  # a main thread that keeps waiting actively is making progress
-        if self.store.gen() != self.view.gen:
-            raise ViewChanged(f"view {self.view.gen} replaced")
-        dead = self.m.dead_members(self.view)
-        if dead:
-            raise MemberDied(f"workers {sorted(dead)} of view {self.view.gen} are dead")
-
-    def reconfigure_at_start(self, step: int, reason: str) -> None:
-        """The first view could not be formed: move to the next one, before computing anything.
-
-        Raises:
-            Fenced: the view's first step was decided without this worker (it took a view for its own that
-                went on without it): it holds neither that step's state nor its reduction.
-        """
-        if self._reconfigure(step, reason):
-            raise Fenced(f"view {self.view.gen} went past step {step} without worker {self.me}")
-        self.need_exchange = True
+        """The failure detector and the view watcher (:meth:`ViewChanges.check`)."""
+        self.views.check(force)
 
     def _reconfigure(self, step: int, reason: str) -> bool:
         """Abort the attempt and move to a newer view; True if the step turned out committed."""
-        t0 = time.perf_counter()
-        outcome = self.store.vote(self.view, step, "abort", after=self._voted)
-        if outcome == "commit":
-            self._voted = step
-            return True
-        if outcome == "stale":
-            raise Fenced(f"view {self.view.gen} was pruned while this worker was at step {step}")
-        self._abandon()
-        self._event("attempt_aborted", step=step, gen=self.view.gen, reason=reason)
-        while True:
-            new = self._next_view(self.view, step)
-            if new.step != step:
-                raise AssertionError(f"view {new.gen} is for step {new.step}, this worker is at step {step}")
-            try:
-                self.adopt(new)
-            except (CollectiveFailed, RuntimeError, ViewChanged, MemberDied) as exc:
-                if isinstance(exc, Fenced):
-                    raise
-                logger.warning("could not adopt view %d: %s", new.gen, exc)
-                self.store.vote(new, step, "abort")
-                self.view, self._voted = new, new.step - 1
-                continue
-            self._event("reconfigured", step=step, gen=new.gen, members=list(new.members),
-                        seconds=time.perf_counter() - t0, reason=reason)
-            return False
-
-    def _next_view(self, old: View, step: int) -> View:
-        """The view after ``old``: someone else's newer one, or ours without the dead."""
-        if self.store.gen() > old.gen:
-            return self.store.current_view()
-        dead = self.plan.widen(self._wait_for_dead(old))
-        self._same_view_retries = 0 if dead else self._same_view_retries + 1
-        if self._same_view_retries > MAX_SAME_VIEW_RETRIES:
-            raise RetriesExhausted(f"{MAX_SAME_VIEW_RETRIES} views of members {list(old.members)} failed at step "
-                                   f"{step} with nobody found dead; this worker leaves and rejoins")
-        members = tuple(w for w in old.members if w not in dead)
-        if not members:
-            raise NoLiveWorker("no live worker is left")
-        # An admission interrupted in this step may not have handed the state over: admit again.
-        joiners = tuple(j for j in old.joiners if j in members) if old.step == step else ()
-        if joiners and all(w in joiners for w in members):
-            raise NoLiveWorker("only workers still waiting for the state are left")
-        # A restore interrupted before its first step committed is done again by the survivors.
-        restore = old.restore if old.step == step else None
-        # A joiner reads its node's memory only if every member that was to seal the step's snapshot there is
-        # still a member: one that died (a hung one never seals) leaves the snapshot incomplete, so the
-        # joiners of the new view get the state by transfer from a survivor.
-        local = tuple(j for j in old.from_memory if j in joiners) if not dead else ()
-        return self._propose(old, View(gen=old.gen + 1, members=members, step=step, joiners=joiners,
-                                       reason=f"dead {sorted(dead)}" if dead else "collective failed",
-                                       restore=restore, from_memory=local))
-
-    def _wait_for_dead(self, view: View) -> set[int]:
-        """Who died? The agent says so at once; a silent node after the heartbeat timeout."""
-        deadline = time.monotonic() + self.m.heartbeat_timeout_s + 1.0
-        while time.monotonic() < deadline:
-            self.m.advance()
-            dead = self.m.dead_members(view)
-            if dead or self.store.gen() != view.gen:
-                return dead
-            time.sleep(0.005)
-        return set()
+        return self.views.reconfigure(step, reason)
 
     def _exchange(self, step: int, items: list[SlotWork]) -> list[SlotWork]:
         """Publish what this worker computed for ``step``; return what it must add."""
         g, members = self.view.gen, self.view.members
         self.store.publish_items(g, self.me, step, slot_rows(items))
-        self._wait_for(lambda: self.store.items_ready(g, members), f"item exchange of step {step} in view {g}")
+        self.views.wait_for(lambda: self.store.items_ready(g, members), f"item exchange of step {step} in view {g}")
         done = {w: [SlotWork(s, (a, b), mode) for s, a, b, mode in rows]
                 for w, rows in self.store.items(g, step, members).items()}
         if not any(done.values()):  # nobody computed anything yet (a first or restored view): the plain assignment
@@ -505,19 +386,6 @@ class StepProtocol(JoinerAdmission):
         if extra:
             self._event("takeover", step=step, gen=g, items=slot_rows(extra))
         return extra
-
-    def _abandon(self) -> None:
-        if self.group is not None and self.view is not None:
-            view = self.view
-            self.layout.settle(lambda: self._raise_if_dead(view))
-        if self.group is not None:
-            self.group.abandon()
-            self.group = None
-
-    def _raise_if_dead(self, view: View) -> None:
-        dead = self.m.dead_members(view)
-        if dead:
-            raise MemberDied(f"workers {sorted(dead)} of view {view.gen} are dead")
 
     def _event(self, name: str, **fields: object) -> None:
         self.events.write({"kind": "event", "event": name, "worker": self.me, **fields})

@@ -1,6 +1,7 @@
-"""One training process: builds the model, runs the step protocol, writes metrics.
+"""One training process: runs the step protocol, writes metrics and checkpoints.
 
-Started by an agent through :mod:`unbroken.agent.worker_process`. Worker ``w``
+Its parts (the job, where it stands, the step protocol, snapshots, checkpoints) are built once by
+:func:`unbroken.runtime.assembly.assemble`; the :class:`Trainer` receives them and only trains. Started by an agent through :mod:`unbroken.agent.worker_process`. Worker ``w``
 owns slot ``w``; each step it computes the items the step protocol assigns
 (its own slot, or more while peers are down), the protocol reduces and commits
 them across the live workers, and every member applies the same reduced
@@ -19,41 +20,32 @@ the view's first member writes metrics, progress and checkpoints.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import torch
 
-from unbroken.config import Config, config_hash
-from unbroken.job import MetricsWriter, Prepared, build_job, train_record
-from unbroken.job.consistency import LayoutMismatch, check_consistency
-from unbroken.jsonl import JsonlWriter
-from unbroken.mecefo.takeover import takeover_policy
-from unbroken.models.factory import bind_device, place_model
-from unbroken.checkpoint.checkpointer import AsyncCheckpointer, load_checkpoint, training_state
+from unbroken.checkpoint.checkpointer import AsyncCheckpointer, training_state
 from unbroken.checkpoint.files import COMMIT_FILE, checkpoint_dir
-from unbroken.checkpoint.schedule import CheckpointSchedule, Due, newest_checkpoint_age_s
+from unbroken.checkpoint.schedule import Due
+from unbroken.checkpoint.sharded import ShardCheckpointer
+from unbroken.config import Config
+from unbroken.job import MetricsWriter, Prepared, train_record
+from unbroken.job.consistency import LayoutMismatch, check_consistency
+from unbroken.runtime.assembly import WorkerParts, assemble
 from unbroken.runtime.digest import param_digest
 from unbroken.runtime.membership import Fenced, Membership, NoLiveWorker, View, ViewChanged
 from unbroken.runtime.process_group import CollectiveFailed
 from unbroken.runtime.protocol import MemberDied
-from unbroken.runtime.recovery import recovery
+from unbroken.runtime.snapshot_hooks import memory_rejoin_allowed
 from unbroken.runtime.start_phases import process_age_s
-from unbroken.checkpoint.sharded import ShardCheckpointer
+from unbroken.runtime.worker_spec import WorkerSpec
 from unbroken.state.parts import local_of
 from unbroken.state.training_state import check_capturable, layout_of
-from unbroken.snapshot.replicas import ReplicaStore
-from unbroken.sharding.state import ShardedState
-from unbroken.runtime.snapshot_hooks import (job_id, load_from_node_memory, memory_rejoin_allowed, memory_rejoin_failed,
-                                             memory_rejoin_possible, node_map, restore_state, snapshotter_for)
-
-if TYPE_CHECKING:
-    from unbroken.sharding.hsdp import ReplicaLayout
 
 __all__ = ["EXIT_NO_LIVE_WORKER", "EXIT_REFUSED", "EXIT_STORE_LOST", "JoinRefused", "StepLogContext", "Trainer",
            "WorkerSpec"]
@@ -65,23 +57,6 @@ EXIT_REFUSED = 5
 EXIT_STORE_LOST = 6
 """The job store did not answer for ``fault.store_timeout_s``."""
 JOIN_POLL_S = 0.01
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class WorkerSpec:
-    """Everything a worker process is told on its command line."""
-
-    run_dir: Path
-    worker: int
-    world: int
-    store: str
-    join: bool = False
-    resume: Path | None = None
-    replica_incarnation: str = "0"
-    """HSDP: names this start of the worker's replica (its ranks rendezvous on keys of their own)."""
-    restore_gen: int | None = None
-    """A joiner its agent started for the restored view of this generation (every member of which is a new
-    incarnation): it enters that view even when it is already the current one."""
 
 
 class JoinRefused(RuntimeError):
@@ -97,11 +72,8 @@ class StepLogContext(logging.Filter):
         self.trainer: Trainer | None = None
 
     def filter(self, record: logging.LogRecord) -> bool:
-        p = self.trainer.protocol if self.trainer is not None else None
-        if p is None or p.view is None:
-            record.where = f"{self.who} starting"
-        else:
-            record.where = f"{self.who} g{p.view.gen} step {p.step if p.step is not None else p.view.step}"
+        where = self.trainer.protocol.where() if self.trainer is not None else None
+        record.where = f"{self.who} starting" if where is None else f"{self.who} g{where[0]} step {where[1]}"
         return True
 
 
@@ -111,137 +83,37 @@ class Trainer:
     One step in a straight line (:meth:`train`): ``protocol.run_step`` (assign,
     compute, ledger, all-reduce, vote) → ``job.apply`` (optimizer step) →
     commit record → leader's metrics and checkpoints → admissions.
+
+    Args:
+        parts: everything it trains with (:func:`~unbroken.runtime.assembly.assemble`; :meth:`assemble` builds
+            them and the trainer at once).
     """
 
-    def __init__(self, cfg: Config, spec: WorkerSpec, membership: Membership,
-                 prepared: Prepared | None = None) -> None:
-        self.cfg, self.spec, self.m, self.store = cfg, spec, membership, membership.store
-        device = bind_device(cfg.train.device, spec.worker)
-        if prepared is not None:
-            place_model(prepared.model, device)  # a standby built it on its node's guess
-        self.hsdp: ReplicaLayout | None = None
-        shard, replica = None, None
-        if cfg.train.shard_degree > 1:
-            shard, replica = self._join_replica(cfg, spec, device)
-        self.job = build_job(cfg, device, prepared, shard=shard, replica=replica)
-        self.hash = config_hash(cfg)
-        if spec.resume is not None:
-            load_checkpoint(spec.resume, self.job.model, self.job.optimizer, config_hash=self.hash)
-        self.events = JsonlWriter(spec.run_dir / "events" / f"w{spec.worker}.jsonl")
-        self.snapshots = snapshotter_for(cfg, spec.run_dir, spec.worker, spec.world, self.job.model,
-                                         self.job.optimizer, device, self.hash, self._event, hsdp=self.hsdp,
-                                         busy=membership.busy)
-        if self.snapshots is not None and self.snapshots.auto:  # its proposals ride in each gradient buffer
-            self.job = dataclasses.replace(self.job, vote=self.snapshots.vote)
-        self.protocol = recovery(cfg.fault.recovery).protocol_class()(
-            membership, self.job, policy=takeover_policy(cfg.mecefo.policy), events=self.events,
-            timeout_s=cfg.train.timeout_s, config_hash=self.hash, backend=cfg.train.backend)
-        self.protocol.announcer = self.job.layout  # admissions announced in the reduction (runtime/admission.py)
+    def __init__(self, parts: WorkerParts) -> None:
+        self.parts = parts
+        self.cfg, self.spec, self.m = parts.cfg, parts.spec, parts.membership
+        self.store = parts.membership.store
+        self.parallelism, self.job, self.hash = parts.parallelism, parts.job, parts.config_hash
+        self.events, self.snapshots, self.protocol = parts.events, parts.snapshots, parts.protocol
+        self.schedule, self.shard_checkpoints = parts.schedule, parts.shard_checkpoints
         self.metrics: MetricsWriter | None = None
         self.checkpointer: AsyncCheckpointer | None = None
-        if self.snapshots is not None:
-            # Before this step's reduction completes, the last step's snapshot is consistent: with a fixed
-            # interval sealed (a commit of step s+1 means every member sealed its share of step s, the restore
-            # point); under auto staged (copied off the live state), its write going on while steps run.
-            self.protocol.on("allreduce", lambda step: self.snapshots.fence())
-        self.protocol.restorer = self._restore
-        if self.hsdp is not None:
-            from unbroken.sharding.hsdp import ReplicaPlan, ReplicaSync
-            from unbroken.sharding.layout import ShardedModel
+        self.steps_trained: int | None = None
+        """Steps this incarnation trained (set once it finished: the report's store usage per step)."""
 
-            self.protocol.plan = ReplicaPlan(takeover_policy(cfg.mecefo.policy), self.hsdp, self.job.micro_batch)
-            self.protocol.layout = ShardedModel(self.job, index=self.hsdp.index_of(spec.worker),
-                                                shard_degree=self.hsdp.shard_degree)
-            self.protocol.replica = ReplicaSync(self.job.replica, self.hsdp.shard_degree, device, cfg.train.timeout_s,
-                                                waiting=membership.advance)
-            self.store.group_names = tuple(f".i{i}" for i in range(self.hsdp.shard_degree))
-        if cfg.train.shard_optimizer:
-            node_of = node_map(spec.run_dir, spec.world)
-            self.protocol.layout = ShardedState(
-                self.job, worker=spec.worker, node_of=node_of, on_event=self._event,
-                replicas=ReplicaStore(job_id(spec.run_dir), node_of[spec.worker], spec.worker))
-        # Workers that write parts of a checkpoint: ZeRO-1's ranges of the moments, HSDP's shards.
-        self.shard_checkpoints = (ShardCheckpointer(spec.run_dir, on_skip=self._skipped("part"))
-                                  if cfg.train.shard_optimizer or self.hsdp else None)
-        t = cfg.train  # a sharded run checkpoints by steps only: its members must agree on the step
-        by_steps = t.shard_optimizer or t.shard_degree > 1
-        self.schedule = CheckpointSchedule(every=t.checkpoint_every, steps=t.steps,
-                                           every_s=0.0 if by_steps else t.checkpoint_every_s,
-                                           age_s=newest_checkpoint_age_s(spec.run_dir) if spec.join else 0.0)
-        if self.snapshots is not None:
-            self.protocol.memory_rejoin = self._memory_rejoin_ok
-            self.protocol.memory_loader = self._load_from_memory
-            self.protocol.before_admission = self.snapshots.wait
-
-    def _join_replica(self, cfg: Config, spec: WorkerSpec,
-                      device: torch.device) -> tuple[Callable[[torch.nn.Module], object], Any]:
-        """HSDP: form this worker's replica world (its ``k`` ranks, FSDP2's collectives); returns how the model
-        is sharded over it, and its process group."""
-        from unbroken.sharding.hsdp import ReplicaLayout, join_replica, shard_model
-
-        self.hsdp = layout = ReplicaLayout(spec.world, cfg.train.shard_degree)
-        t0 = time.perf_counter()
-        mesh = join_replica(self.store.backend.group_store("hsdp"), replica=layout.replica_of(spec.worker),
-                            incarnation=spec.replica_incarnation, index=layout.index_of(spec.worker),
-                            shard_degree=layout.shard_degree, device=device, timeout_s=cfg.train.timeout_s)
-        logger.info("replica %d (incarnation %s) formed in %.2f s: this worker is its shard %d of %d",
-                    layout.replica_of(spec.worker), spec.replica_incarnation, time.perf_counter() - t0,
-                    layout.index_of(spec.worker), layout.shard_degree)
-        parallelize = None
-        if cfg.model.parallelize:
-            from unbroken.job.references import resolve
-
-            parallelize = resolve(cfg.model.parallelize, field="model.parallelize")
-        return (lambda model: shard_model(model, mesh, parallelize)), mesh.get_group()
+    @classmethod
+    def assemble(cls, cfg: Config, spec: WorkerSpec, membership: Membership,
+                 prepared: Prepared | None = None) -> Trainer:
+        """The trainer of ``spec.worker`` with every part built (:func:`~unbroken.runtime.assembly.assemble`)."""
+        return cls(assemble(cfg, spec, membership, prepared))
 
     def _event(self, event: str, **fields: Any) -> None:
-        self.events.write({"kind": "event", "event": event, "worker": self.spec.worker, "t": time.time(), **fields})
+        self.parts.event(event, **fields)
 
     def _skipped(self, what: str) -> Callable[..., None]:
         """The ``checkpoint_skipped`` event of a save of ``what`` (the leader's ``state``, a worker's ``part``)
         skipped because its previous write still ran (``step=``, ``writing=``: a slow file system)."""
         return functools.partial(self._event, "checkpoint_skipped", what=what)
-
-    def _memory_rejoin_ok(self, joiner: int, view: View, step: int) -> bool:
-        """Leader: ``joiner`` loads the state of ``step`` from its node's memory (no transfer) when its
-        node's live members snapshotted that step under ``view`` and hold enough fragments to decode it."""
-        info = self.store.join_request(joiner) or {}
-        snapshotted = not self.snapshots.auto or self.snapshots.last_step == step  # auto: not every boundary
-        return bool(info.get("memory")) and snapshotted and memory_rejoin_possible(
-            self.cfg, self.spec.run_dir, self.spec.world, joiner, view.members, step, self.hsdp)
-
-    def _load_from_memory(self, view: View) -> None:
-        """Joiner: the state of ``view.step`` from this node's snapshot memory (a failure is remembered, so
-        the next incarnation asks for a transfer instead)."""
-        t0 = time.perf_counter()
-        try:
-            shard = (self.hsdp.index_of(self.spec.worker), self.hsdp.shard_degree) if self.hsdp else (0, 1)
-            done = load_from_node_memory(self.spec.run_dir, self.spec.worker, self.spec.world, view.step,
-                                         self.job.model, self.job.optimizer, self.job.device, self.hash, shard)
-        except Exception as exc:
-            memory_rejoin_failed(self.spec.run_dir, self.spec.worker, f"{type(exc).__name__}: {exc}")
-            raise
-        self._event("rejoin_from_memory", gen=view.gen, **{**done, "seconds": time.perf_counter() - t0})
-        self._event("state_loaded", how="memory", gen=view.gen, step=view.step, bytes=done.get("bytes"),
-                    seconds=done.get("seconds"), gb_s=done.get("gb_s"))
-
-    def _restore(self, view: View, broadcast: Callable[[torch.Tensor, int], object]) -> None:
-        """Load the state ``view.restore`` names (every member of a restored view does)."""
-        t0 = time.perf_counter()
-        if self.snapshots is not None:
-            self.snapshots.wait()
-        done = restore_state(view.restore, run_dir=self.spec.run_dir, worker=self.spec.worker,
-                             world=self.spec.world, members=self.protocol.peers, broadcast=broadcast,
-                             model=self.job.model, optimizer=self.job.optimizer, device=self.job.device,
-                             config_hash=self.hash,
-                             shard_index=self.hsdp.index_of(self.spec.worker) if self.hsdp is not None else 0)
-        self.protocol.layout.restored(view.gen)
-        self.events.write({"kind": "restore", "step": view.step, "gen": view.gen, "worker": self.spec.worker})
-        self._event("restored", **{**done, "gen": view.gen, "step": view.step, "seconds": time.perf_counter() - t0})
-        self._event("state_loaded", how="restore", source=done["restored_from"], gen=view.gen, step=view.step,
-                    bytes=done.get("bytes"), seconds=done.get("seconds"), gb_s=done.get("gb_s"))
-        logger.info("restored the state of step %d from %s in %.2f s", view.step, done["restored_from"],
-                    time.perf_counter() - t0)
 
     # -- start ----------------------------------------------------------------
 
@@ -267,9 +139,7 @@ class Trainer:
                              and memory_rejoin_allowed(self.spec.run_dir, self.spec.worker)})
         failed: View | None = None  # the view whose admission of this incarnation failed last
         while True:
-            view = self._wait_view(lambda v, j=joins_after, r=restores_after, f=failed: (
-                v.gen > j and self.spec.worker in v.joiners) or (
-                v.gen > r and v.restore is not None and self.spec.worker in v.members) or self._stranded(v, f))
+            view = self._wait_view(functools.partial(self._admits_me, joins_after, restores_after, failed))
             try:
                 self.protocol.adopt(view)
             except (CollectiveFailed, ViewChanged, MemberDied) as exc:
@@ -290,6 +160,13 @@ class Trainer:
         self.events.write({"kind": "event", "event": "rejoined", "worker": self.spec.worker, "gen": view.gen,
                            "step": view.step, "wait_s": time.perf_counter() - t0})
         return view.step
+
+    def _admits_me(self, joins_after: int, restores_after: int, failed: View | None, v: View) -> bool:
+        """Does ``v`` admit this joiner: as a joiner newer than ``joins_after``, as a member of a restored view
+        newer than ``restores_after``, or (raising) is it stranded in ``failed`` (:meth:`_stranded`)?"""
+        return (v.gen > joins_after and self.spec.worker in v.joiners) or (
+            v.gen > restores_after and v.restore is not None and self.spec.worker in v.members) or self._stranded(
+            v, failed)
 
     def _restores_after(self, current: int) -> int:
         """The newest generation whose restored view this incarnation must not enter.
@@ -390,10 +267,9 @@ class Trainer:
                 self.m.applied(view.gen, view.step, done)  # how far the job got (agents' faults, the launcher)
             if step == start:
                 check_capturable(self.job.optimizer)  # the state the optimizer made: before anything captures it
-            if due and self.cfg.train.shard_optimizer:  # ZeRO-1: every member writes its range of the moments
-                opt = self.job.optimizer
-                with self.m.busy():
-                    self.shard_checkpoints.save(done, view.gen, opt.lo, opt.hi, opt.exp_avg, opt.exp_avg_sq)
+            if due and (moments := self.protocol.layout.moments_range()) is not None:
+                with self.m.busy():  # ZeRO-1: every member writes its range of the moments
+                    self._parts_writer().save(done, view.gen, *moments)
             if self.snapshots is not None and self.snapshots.take(done, view, self.job.layout.host_votes(reduced)):
                 self.protocol.layout.snapshotted(done)  # ZeRO-1: the moments' copies of this step are kept
             self.events.write({"kind": "commit", "step": step, "gen": view.gen, "worker": self.spec.worker})
@@ -410,7 +286,7 @@ class Trainer:
             t_prev = now
             if view.leader == self.spec.worker:
                 self._lead(done, last, due)
-            elif self.hsdp is not None and self.hsdp.replica_of(view.leader) == self.hsdp.replica_of(self.spec.worker):
+            elif self.parallelism.same_replica(view.leader, self.spec.worker):
                 self._second(done, due)  # the leader's validation and checkpoint run over its whole replica
             else:
                 if due:
@@ -420,8 +296,9 @@ class Trainer:
                         self.checkpointer.handover()  # stopped leading: commit the save begun while leading
             if done < steps:
                 self.protocol.admit_joiners(done)
+        self.steps_trained = steps - start
         with self.m.busy():
-            self.protocol._phase("finish", steps)
+            self.protocol.finish(steps)
             self._finish(steps, last)
             if self.shard_checkpoints is not None:  # after the final checkpoint's parts (HSDP: written in _finish)
                 self.shard_checkpoints.close()
@@ -442,8 +319,7 @@ class Trainer:
         view = self.protocol.view
         while not self.store.is_done():
             dead = self.m.dead_members(view)
-            if self.hsdp is not None:  # a replica with a dead rank writes nothing: its gather cannot finish
-                dead = self.protocol.plan.widen(dead)
+            dead = self.protocol.plan.widen(dead)  # HSDP: a replica with a dead rank writes nothing
             writer = next((w for w in view.members if w not in dead), self.spec.worker)
             if writer == self.spec.worker:
                 if view.leader != self.spec.worker:
@@ -451,8 +327,8 @@ class Trainer:
                                    "writing it", view.leader)
                     self._event("final_checkpoint_takeover", step=steps, leader=view.leader)
                     missing = self._final_committed(steps) is None
-                    if self.hsdp is not None:  # its replica's ranks write their parts with it
-                        missing = bool(self.protocol.replica_broadcast(writer, int(missing)))
+                    # HSDP: its replica's ranks write their parts with it
+                    missing = bool(self.protocol.replica_broadcast(writer, int(missing)))
                     if missing:
                         self._save(steps, last)  # the metrics keep what the leader wrote
                 if self.checkpointer is not None:
@@ -463,8 +339,7 @@ class Trainer:
                             written.seconds, 4), gb_s=written.gb_s, writers=written.threads)
                 self.store.set_done()
                 return
-            if (self.hsdp is not None and view.leader != writer and self.hsdp.replica_of(writer) ==
-                    self.hsdp.replica_of(self.spec.worker)):
+            if view.leader != writer and self.parallelism.same_replica(writer, self.spec.worker):
                 # HSDP: a rank of the replica that writes in the leader's stead writes its part, once
                 if self.protocol.replica_broadcast(writer, -1):
                     self._write_part(steps, writer)
@@ -486,15 +361,13 @@ class Trainer:
         filesystem) and enter no phase of a step: they run inside :meth:`Membership.busy`, so the members
         waiting for the leader in the next step never judge it stuck."""
         with self.m.busy():
-            t = self.cfg.train
             if self.metrics is None:
                 self.metrics = MetricsWriter.for_run(self.spec.run_dir / "metrics.jsonl", self.cfg)
-                self.checkpointer = AsyncCheckpointer(self.spec.run_dir, config_hash=self.hash,
-                                                      keep=t.keep_checkpoints, on_skip=self._skipped("state"))
             # Validation on the leader only: it must not depend on who else is alive.
             self.metrics.step_done(last, self.job.validation_loss if self.job.val_sampler is not None else None)
-            self.checkpointer.poll()
-            if due == "step" or (due == "time" and self.checkpointer.pending_step is None):  # never waits for time
+            checkpointer = self._leader_checkpointer()
+            checkpointer.poll()
+            if due == "step" or (due == "time" and checkpointer.pending_step is None):  # never waits for time
                 self._save(done, last)
 
     def _second(self, done: int, due: Due | None) -> None:
@@ -516,26 +389,34 @@ class Trainer:
         state = training_state(self.job.model, self.job.optimizer)
         rest, own = self.protocol.layout.split(state)
         if own is not None:
-            self.shard_checkpoints.save_part(done, self._stage(writer), *own, live=done == self.cfg.train.steps)
+            self._parts_writer().save_part(done, self._stage(writer), *own, live=done == self.cfg.train.steps)
         return rest, layout_of(state)
 
     def _stage(self, writer: int) -> int | str:
-        """Where the parts of a checkpoint ``writer`` commits are staged: by the view's generation (ZeRO-1's
-        ranges, which every member writes whoever commits), and under HSDP by the writer too (the replica that
-        takes over the final checkpoint from a dead leader writes its parts apart from the dead one's)."""
-        gen = self.protocol.view.gen
-        return f"{gen}w{writer}" if self.hsdp is not None else gen
+        """Where the parts of a checkpoint ``writer`` commits are staged (:meth:`Parallelism.checkpoint_stage`)."""
+        return self.parallelism.checkpoint_stage(self.protocol.view.gen, writer)
 
-    def _save(self, done: int, last: dict[str, Any]) -> None:
+    def _leader_checkpointer(self) -> AsyncCheckpointer:
+        """The checkpointer of the state the leader writes (made when this worker first leads or saves)."""
         if self.checkpointer is None:
             self.checkpointer = AsyncCheckpointer(self.spec.run_dir, config_hash=self.hash,
                                                   keep=self.cfg.train.keep_checkpoints, on_skip=self._skipped("state"))
+        return self.checkpointer
+
+    def _parts_writer(self) -> ShardCheckpointer:
+        """Where this worker writes its parts of a checkpoint (a layout that has parts is a sharded run's)."""
+        if self.shard_checkpoints is None:
+            raise AssertionError("a part of a checkpoint, but this run's workers write none")
+        return self.shard_checkpoints
+
+    def _save(self, done: int, last: dict[str, Any]) -> None:
+        checkpointer = self._leader_checkpointer()
         self.schedule.taken()
         parts = self.protocol.layout.checkpoint_parts()
         shards = (self._stage(self.spec.worker), *parts) if parts is not None else None
         rest, layout = self._write_part(done, self.spec.worker)
-        self.checkpointer.save(done, rest, {"loss": last["loss"]}, shards=shards, layout=layout,
-                               live=done == self.cfg.train.steps)
+        checkpointer.save(done, rest, {"loss": last["loss"]}, shards=shards, layout=layout,
+                          live=done == self.cfg.train.steps)
 
     def device_bytes(self) -> dict[str, int]:
         """The runtime's own memory beside the model and optimizer (on the training device): the step's

@@ -35,6 +35,7 @@ from unbroken.runtime.start_phases import StartClock
 from unbroken.store.backend import job_secret
 from unbroken.runtime.worker import (EXIT_NO_LIVE_WORKER, EXIT_REFUSED, EXIT_STORE_LOST, JoinRefused, Trainer,
                                      WorkerSpec)
+from unbroken.sharding.parallelism import kind_of
 from unbroken.sharding.state import ShardLost
 from unbroken.state.training_state import StateNotCapturable
 
@@ -78,15 +79,18 @@ def run(spec: WorkerSpec, *, store: JobStore | None = None, prepared: Prepared |
     mark = clock.mark if clock is not None else (lambda phase: None)
     mark("config")
     secret = job_secret(spec.run_dir)
-    patience = {"timeout_s": cfg.train.timeout_s, "secret": secret, "store_timeout_s": cfg.fault.store_timeout_s}
-    store = store or JobStore.connect(spec.store, **patience)
+    def connect() -> JobStore:
+        return JobStore.connect(spec.store, timeout_s=cfg.train.timeout_s, secret=secret,
+                                store_timeout_s=cfg.fault.store_timeout_s)
+
+    store = store or connect()
     store.set_store_timeout(cfg.fault.store_timeout_s)  # a standby's connection too
     membership = Membership(store, spec.worker, heartbeat_timeout_s=cfg.fault.heartbeat_timeout_s,
                             progress_timeout_s=cfg.fault.progress_timeout_s,
-                            heartbeat_store=JobStore.connect(spec.store, **patience))
+                            heartbeat_store=connect())
     membership.start_heartbeat()
     mark("store")
-    trainer = Trainer(cfg, spec, membership, prepared)
+    trainer = Trainer.assemble(cfg, spec, membership, prepared)
     mark("job")
     compilation = _compilation(trainer, compilation, secret)
     if compilation is not None:
@@ -100,7 +104,6 @@ def run(spec: WorkerSpec, *, store: JobStore | None = None, prepared: Prepared |
             mark("admission")
             trainer._event("start_phases", join=spec.join, step=first, pid=os.getpid(), **clock.summary())
         last = trainer.train(first)
-        trainer.steps_trained = cfg.train.steps - first
     except MissedCommit as exc:
         logger.warning("leaving to rejoin: %s", exc)
         return EXIT_REJOIN
@@ -176,7 +179,7 @@ def _write_report(spec: WorkerSpec, cfg: Config, trainer: Trainer, last: dict[st
                   compilation: Compilation | None, held: HeldMemory | None = None) -> None:
     """The finished worker's report (``workers/w<id>.json``), read by the launcher's summary."""
     report = {"worker": spec.worker, "steps": cfg.train.steps, "param_digest": trainer.param_digest(),
-              "shard_index": trainer.hsdp.index_of(spec.worker) if trainer.hsdp is not None else 0,
+              "shard_index": trainer.parallelism.index,
               "last": last, "gen": trainer.protocol.view.gen,
               "snapshots": trainer.snapshots.summary() if trainer.snapshots is not None else {},
               "sharded": trainer.protocol.layout.summary(),
@@ -184,7 +187,7 @@ def _write_report(spec: WorkerSpec, cfg: Config, trainer: Trainer, last: dict[st
               if trainer.job.device.type == "cuda" else None,
               "device_bytes": trainer.device_bytes(),
               "held_at_backward": held.result if held is not None else None,
-              "store": {"steps": getattr(trainer, "steps_trained", None), "main": trainer.store.usage(),
+              "store": {"steps": trainer.steps_trained, "main": trainer.store.usage(),
                         "heartbeat": trainer.m.heartbeat_store.usage()},
               "compile": compilation.stats() if compilation is not None else None, **compile_stats()}
     out = spec.run_dir / "workers" / f"w{spec.worker}.json"
@@ -268,7 +271,7 @@ def _compile_ahead(run_dir: Path, cfg: Config, store: JobStore, prepared: Prepar
     nothing. Without a usable cache it compiles nothing here (a compile from scratch could outlast the deadline):
     it then loads the cache, or compiles, when it takes over. None: the job does not compile."""
     compilation = Compilation.of(cfg, device)
-    if compilation is None or cfg.train.shard_degree > 1:  # HSDP: the model compiles sharded, in the trainer
+    if compilation is None or kind_of(cfg) == "hsdp":  # HSDP: the model compiles sharded, in the trainer
         return compilation
     deadline, path = time.monotonic() + cfg.train.timeout_s / 2, run_dir / CACHE_FILE
     while not path.exists() and time.monotonic() < deadline and not store.finished():

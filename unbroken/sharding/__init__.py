@@ -1,5 +1,11 @@
 """How training state is laid out across ranks: replicated, HSDP's FSDP2 shards, ZeRO-1's sharded moments.
 
+- :mod:`~unbroken.sharding.parallelism`: where a worker stands (replicated,
+  ZeRO-1 or HSDP; its replica, shard, work plan and state layout), built once
+  from the config: the worker asks it instead of ``train.shard_degree``;
+  :mod:`~unbroken.sharding.replica_layout` (which replica and shard index each
+  worker has) and :mod:`~unbroken.sharding.work_plan` (who computes what, and
+  who reduces with whom) are its parts;
 - :mod:`~unbroken.sharding.layout`: the one interface the step protocol and
   the worker call (:class:`~unbroken.sharding.layout.StateLayout`), and the
   replicated and HSDP layouts;

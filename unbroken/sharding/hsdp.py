@@ -1,10 +1,10 @@
 """HSDP: FSDP2 shards the model inside each replica; unbroken's data parallelism runs across replicas.
 
-Layout, for a shard degree ``k`` (:class:`ReplicaLayout`): ``workers = R x k``;
+Layout, for a shard degree ``k`` (:class:`~unbroken.sharding.replica_layout.ReplicaLayout`): ``workers = R x k``;
 replica ``r`` is the ``k`` consecutive workers ``r*k .. r*k + k - 1``, all on
 one node (``k`` divides the workers per node: the replica is the fault unit,
 and one agent fences and restarts all of it); worker ``w``'s shard index is
-``w % k``. Replicas spanning nodes are refused (:func:`check_layout`).
+``w % k``. Replicas spanning nodes are refused (:func:`~unbroken.sharding.replica_layout.check_layout`).
 
 Inside a replica (:func:`join_replica`): its ``k`` ranks form a
 ``torch.distributed`` world of their own, on a store prefix per replica
@@ -37,7 +37,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from datetime import timedelta
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -49,6 +49,7 @@ from unbroken.completion import completion_error
 from unbroken.mecefo.adapter import transformer_blocks
 from unbroken.mecefo.gradients import SlotWork
 from unbroken.mecefo.takeover import TakeoverPolicy
+from unbroken.sharding.replica_layout import ReplicaLayout, check_layout
 from unbroken.state.parts import laid_out_as
 
 __all__ = ["GradientShards", "Parallelize", "ReplicaLayout", "ReplicaPlan", "ReplicaSync", "check_layout", "fsdp_llama",
@@ -56,56 +57,6 @@ __all__ = ["GradientShards", "Parallelize", "ReplicaLayout", "ReplicaPlan", "Rep
 
 Parallelize = Callable[[torch.nn.Module, DeviceMesh], object]
 """A user's recipe (torchtitan's ``parallelize_llama``): shards ``model`` in place over ``mesh``."""
-
-
-def check_layout(workers: int, workers_per_node: int, shard_degree: int) -> None:
-    """Refuse a shard degree that does not cut the job into whole replicas on single nodes.
-
-    Raises:
-        ValueError: naming the values and the layouts accepted.
-    """
-    if shard_degree < 1:
-        raise ValueError(f"train.shard_degree={shard_degree}: need at least 1 (1 = no sharding inside a replica)")
-    if workers % shard_degree:
-        raise ValueError(f"train.shard_degree={shard_degree} does not divide train.workers={workers}: a replica "
-                         f"is shard_degree workers; pick a divisor of {workers}")
-    if workers_per_node % shard_degree:
-        raise ValueError(f"train.shard_degree={shard_degree} does not divide the {workers_per_node} workers per "
-                         f"node: a replica's ranks must be on one node (its agent fences and restarts them "
-                         f"together); replicas spanning nodes are not supported")
-
-
-@dataclasses.dataclass(frozen=True)
-class ReplicaLayout:
-    """Which replica and shard index each worker has."""
-
-    workers: int
-    shard_degree: int
-
-    def __post_init__(self) -> None:
-        if self.shard_degree < 1 or self.workers % self.shard_degree:
-            raise ValueError(f"shard degree {self.shard_degree} does not divide {self.workers} workers")
-
-    @property
-    def replicas(self) -> int:
-        return self.workers // self.shard_degree
-
-    def replica_of(self, worker: int) -> int:
-        return worker // self.shard_degree
-
-    def index_of(self, worker: int) -> int:
-        return worker % self.shard_degree
-
-    def replica_members(self, replica: int) -> tuple[int, ...]:
-        return tuple(range(replica * self.shard_degree, (replica + 1) * self.shard_degree))
-
-    def shard_peers(self, index: int, members: Sequence[int]) -> tuple[int, ...]:
-        """The workers among ``members`` with shard index ``index``, in order: one per live replica."""
-        return tuple(w for w in sorted(members) if self.index_of(w) == index)
-
-    def whole_replicas(self, dead: Sequence[int]) -> set[int]:
-        """Every worker of a replica with a dead worker (the fault unit is the replica)."""
-        return {w for d in dead for w in self.replica_members(self.replica_of(d))}
 
 
 def replica_assignment(policy: TakeoverPolicy, layout: ReplicaLayout, live: Sequence[int],
@@ -127,7 +78,7 @@ def replica_assignment(policy: TakeoverPolicy, layout: ReplicaLayout, live: Sequ
 
 
 def replica_completion(policy: TakeoverPolicy, layout: ReplicaLayout, live: Sequence[int], micro_batch: int,
-                       done: dict[int, Sequence[SlotWork]]) -> dict[int, list[SlotWork]]:
+                       done: Mapping[int, Sequence[SlotWork]]) -> dict[int, list[SlotWork]]:
     """Each live worker's extra work to finish a step under HSDP, given what every live worker computed.
 
     As :func:`replica_assignment`, over replicas: replica ``r`` has done what its rank 0 did (its ranks
@@ -164,7 +115,7 @@ class ReplicaPlan:
     def assign(self, me: int, live: Sequence[int]) -> list[SlotWork]:
         return list(replica_assignment(self.policy, self.layout, live, self.micro_batch).get(me, []))
 
-    def complete(self, me: int, live: Sequence[int], done: dict[int, Sequence[SlotWork]]) -> list[SlotWork]:
+    def complete(self, me: int, live: Sequence[int], done: Mapping[int, Sequence[SlotWork]]) -> list[SlotWork]:
         return replica_completion(self.policy, self.layout, live, self.micro_batch, done)[me]
 
     def widen(self, dead: set[int]) -> set[int]:
@@ -178,6 +129,10 @@ class ReplicaPlan:
 
     def same_replica(self, a: int, b: int) -> bool:
         return self.layout.replica_of(a) == self.layout.replica_of(b)
+
+    def shard_index(self, worker: int) -> int:
+        """``worker``'s rank in its replica (its shard index)."""
+        return self.layout.index_of(worker)
 
     def peers(self, me: int, members: Sequence[int]) -> tuple[str, tuple[int, ...]]:
         """The name of ``me``'s reduction group within a view, and its members (one per live replica)."""

@@ -15,8 +15,8 @@ One interface, :class:`StateLayout`, three layouts:
 
 The step protocol (:mod:`unbroken.runtime.protocol`) calls :meth:`discard`, :meth:`before_reduction`,
 :meth:`after_reduction`, :meth:`missed`, :meth:`reshard` and :meth:`settle`; the worker
-(:mod:`unbroken.runtime.worker`) :meth:`apply`, :meth:`split`, :meth:`checkpoint_parts`, :meth:`restored`,
-:meth:`snapshotted` and :meth:`summary`. None of them branches on which layout it has.
+(:mod:`unbroken.runtime.worker`) :meth:`apply`, :meth:`split`, :meth:`checkpoint_parts`, :meth:`moments_range`,
+:meth:`restored`, :meth:`snapshotted` and :meth:`summary`. None of them branches on which layout it has.
 """
 
 from __future__ import annotations
@@ -95,6 +95,11 @@ class StateLayout:
     def checkpoint_parts(self) -> tuple[list[str], dict[str, Any]] | None:
         """The parts other workers write that a checkpoint's commit waits for, and what the commit records of
         them (ZeRO-1: the moments' ranges; HSDP: the shard indices); None: the leader writes everything."""
+        return None
+
+    def moments_range(self) -> tuple[int, int, torch.Tensor, torch.Tensor] | None:
+        """What every member writes of a checkpoint at a step it is due (ZeRO-1: its range ``lo, hi`` of the
+        moments, ``exp_avg`` and ``exp_avg_sq``); None: nothing (the leader and HSDP's replica write it)."""
         return None
 
     def restored(self, gen: int) -> None:

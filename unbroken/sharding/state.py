@@ -112,6 +112,9 @@ class ShardedState(StateLayout):
     def apply(self, step: int, view: Any, group: Any, reduced: torch.Tensor, *, last: bool) -> tuple[float, float]:
         return self.commit(step, view, group, replicate=not last)
 
+    def moments_range(self) -> tuple[int, int, torch.Tensor, torch.Tensor] | None:
+        return self.opt.lo, self.opt.hi, self.opt.exp_avg, self.opt.exp_avg_sq
+
     def restored(self, gen: int) -> None:
         self.reset_full(restored_gen=gen)
 

@@ -2,18 +2,37 @@
 
 :class:`SlotPlan` is data parallelism's: every worker its slot, the takeover policy's cover for the dead,
 one group of all members per view. HSDP's is :class:`unbroken.sharding.hsdp.ReplicaPlan` (work over whole
-replicas, one group per shard index). The protocol (:mod:`unbroken.runtime.protocol`) asks its plan and
-never the policy directly.
+replicas, one group per shard index). The protocol (:mod:`unbroken.runtime.protocol`) asks its plan
+(:class:`WorkPlan`, which :meth:`unbroken.sharding.parallelism.Parallelism.plan` builds) and never the policy
+directly.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Mapping, Protocol, Sequence
 
 from unbroken.mecefo.gradients import SlotWork
 from unbroken.mecefo.takeover import TakeoverPolicy
 
-__all__ = ["SlotPlan"]
+__all__ = ["SlotPlan", "WorkPlan"]
+
+
+class WorkPlan(Protocol):
+    """Who computes what in a step, and who reduces with whom (:class:`SlotPlan`'s methods)."""
+
+    def assign(self, me: int, live: Sequence[int]) -> list[SlotWork]: ...
+
+    def complete(self, me: int, live: Sequence[int], done: Mapping[int, Sequence[SlotWork]]) -> list[SlotWork]: ...
+
+    def widen(self, dead: set[int]) -> set[int]: ...
+
+    def admissible(self, joiners: Sequence[int], members: Sequence[int]) -> list[int]: ...
+
+    def peers(self, me: int, members: Sequence[int]) -> tuple[str, tuple[int, ...]]: ...
+
+    def same_replica(self, a: int, b: int) -> bool: ...
+
+    def shard_index(self, worker: int) -> int: ...
 
 
 class SlotPlan:
@@ -28,7 +47,7 @@ class SlotPlan:
         """``me``'s work of a step that starts with ``live``."""
         return list(self.policy.assign(n_slots=self.n_slots, live=live, micro_batch=self.micro_batch).get(me, []))
 
-    def complete(self, me: int, live: Sequence[int], done: dict[int, Sequence[SlotWork]]) -> list[SlotWork]:
+    def complete(self, me: int, live: Sequence[int], done: Mapping[int, Sequence[SlotWork]]) -> list[SlotWork]:
         """``me``'s extra work so that ``live``, having computed ``done``, cover the step exactly once."""
         return self.policy.complete(n_slots=self.n_slots, micro_batch=self.micro_batch, live=live, done=done)[me]
 
@@ -47,3 +66,7 @@ class SlotPlan:
     def same_replica(self, a: int, b: int) -> bool:
         """Are workers ``a`` and ``b`` ranks of one replica (here: the same worker)?"""
         return a == b
+
+    def shard_index(self, worker: int) -> int:
+        """``worker``'s rank in its replica (here: 0, a replica is one worker)."""
+        return 0
