@@ -6,8 +6,7 @@ Run on a machine with CUDA: ``python scripts/gpu/final_checkpoint.py [--preset l
 1. The preset's model and AdamW state on the GPU (after one optimizer step), written as the final checkpoint
    is (:func:`unbroken.checkpoint.writer.write_state` from the live CUDA tensors) into ``--dir``, read
    back with DCP's Hugging Face reader and compared bit for bit; seconds and GB/s of the write, beside torch
-   DCP's Hugging Face writer with a sha256 pass on the same state (``unbroken bench recovery --parts final``'s
-   in-process figures).
+   DCP's Hugging Face writer with a sha256 pass on the same state (``python -m benchmarks.final_checkpoint_write``).
 2. ``unbroken bench recovery --cases PRESET:1x1 --parts final``: a job of ``--steps`` steps on the GPU, from the
    last step's commit to the final checkpoint's commit, the worker's exit and the launcher's return.
 
@@ -20,12 +19,15 @@ import argparse
 import json
 import shutil
 import tempfile
+import sys
 import time
 import warnings
 from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository's benchmarks/ (run as a file)
+from benchmarks.final_checkpoint_write import write_figures  # noqa: E402
 from unbroken.bench import recovery
 from unbroken.config import load_config
 from unbroken.checkpoint.dcp import dcp
@@ -65,13 +67,13 @@ def main() -> None:
         shutil.rmtree(out, ignore_errors=True)
     del job, state, back
     torch.cuda.empty_cache()
+    in_process = {a.preset: write_figures(cfg, Path(a.dir))}
     result = recovery.main(["--cases", f"{a.preset}:1x1", "--parts", "final", "--steps", str(a.steps),
-                            "--kill-step", "1", "--checkpoint-dir", a.dir, "--out", str(Path(a.dir) / "final.json"),
-                            *[f"--{o}" for o in overrides]])
+                            "--kill-step", "1", "--out", str(Path(a.dir) / "final.json"), *[f"--{o}" for o in overrides]])
     print(json.dumps({"check": "final_checkpoint", "ok": exact and same_digest, "exact": exact,
                       "bytes": written.bytes, "write_s": round(written.seconds, 3), "write_gb_s": written.gb_s,
                       "writers": written.threads, "device_digest_s": round(digest_s, 3),
-                      "device_digest_equals_host": same_digest, "in_process": result["final"],
+                      "device_digest_equals_host": same_digest, "in_process": in_process,
                       "job_end": result["rows"][0]["end"] if result["rows"] else None}))
 
 

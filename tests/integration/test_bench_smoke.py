@@ -64,7 +64,7 @@ def test_recovery_benchmark_reads_each_phase_of_both_parts(tmp_path, corpus_over
     # 36 steps after the kill: the killed worker's restart and admission (a second or two on a loaded machine)
     # come before the job's end, which would leave part one without a recovery to read
     result = recovery.main(["--cases", "debug:1x2", "--parts", "one,all,final", "--steps", "40", "--kill-step",
-                            "4", "--snapshot-every", "1", "--checkpoint-dir", str(tmp_path), "--out", str(out),
+                            "4", "--snapshot-every", "1", "--out", str(out),
                             *[f"--{o}" for o in corpus_overrides]])
     assert json.loads(out.read_text())["rows"] == json.loads(json.dumps(result["rows"], default=str))
     assert [(r["case"], r["part"], r["killed"]) for r in result["rows"]] == [
@@ -73,10 +73,6 @@ def test_recovery_benchmark_reads_each_phase_of_both_parts(tmp_path, corpus_over
         end = row["end"]
         assert 0 < end["checkpoint_committed"] <= end["workers_exited"] <= end["job_returned"], end
         assert end["checkpoint_gb"] > 0 and end["writers"] == 1, end
-    final = result["final"]["debug"]  # in this process: the same state written both ways, three times each
-    assert all(len(final["seconds"][k]) == 3 and all(x > 0 for x in final["seconds"][k]) for k in ("unbroken",
-                                                                                                  "dcp_hf"))
-    assert final["state_bytes"] > 0 and final["directory"] == str(tmp_path) and not list(tmp_path.glob("unbroken-final-*"))
     assert result["rows"][2]["recovery"] is None and result["rows"][2]["recoveries"] == 0
     for row in result["rows"][:2]:
         rec = row["recovery"]

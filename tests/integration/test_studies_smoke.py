@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from benchmarks import failover_stall, recovery_load, throughput_reference
+from benchmarks import failover_stall, final_checkpoint_write, recovery_load, throughput_reference
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -70,3 +70,15 @@ def test_recovery_load_study(tmp_path, corpus_overrides):
     assert load["forked"] == "measured" and load["checked_bytes"] > 2 * load["state_bytes"] > 0
     assert all(len(load[k]) == 3 and all(x and x > 0 for x in load[k])
                for k in ("inventory_verify_gb_s", "inventory_seals_s", "load_live_gb_s", "load_forked_gb_s"))
+
+
+def test_final_checkpoint_write_study(tmp_path, corpus_overrides):
+    """In this process: the same state written both ways, three times each, into the directory given."""
+    out = tmp_path / "final.json"
+    result = final_checkpoint_write.main(["--presets", "debug", "--checkpoint-dir", str(tmp_path), "--out", str(out),
+                                          *[f"--{o}" for o in corpus_overrides]])
+    assert json.loads(out.read_text())["final"] == result["final"]
+    final = result["final"]["debug"]
+    assert all(len(final["seconds"][k]) == 3 and all(x > 0 for x in final["seconds"][k]) for k in ("unbroken",
+                                                                                                  "dcp_hf"))
+    assert final["state_bytes"] > 0 and final["directory"] == str(tmp_path) and not list(tmp_path.glob("unbroken-final-*"))

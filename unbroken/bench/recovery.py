@@ -11,13 +11,12 @@ with SIGKILL:
   snapshot memory). A case of one worker runs ``one`` only: it is the same;
 - part ``final``: the end of a job without a kill, from the last step's commit
   to the final checkpoint's commit, the workers' exit and the launcher's
-  return, and (in this process, per preset) the state written as the final
-  checkpoint is and as torch DCP's Hugging Face writer writes it, side by side
-  (:mod:`unbroken.bench.recovery_final`). Every job's row carries its end too.
+  return (:mod:`unbroken.bench.recovery_final`). Every job's row carries its end too.
 
-The state's load alone, in one process (the inventory's and the load's GB/s into
-the live state and into a forked worker), is a study in the repository:
-``python -m benchmarks.recovery_load``.
+Two studies in the repository measure in one process: the state's load (the
+inventory's and the load's GB/s into the live state and into a forked worker),
+``python -m benchmarks.recovery_load``, and the final checkpoint's write against
+torch DCP's Hugging Face writer, ``python -m benchmarks.final_checkpoint_write``.
 
 Each recovery's phases are read from the run's own events
 (:mod:`unbroken.report.recovery_phases`), in seconds after the kill: death
@@ -43,7 +42,7 @@ from typing import Any
 
 from unbroken.agent.launcher import launch
 from unbroken.bench._args import parse_with_overrides
-from unbroken.bench.recovery_final import end_phases, write_figures
+from unbroken.bench.recovery_final import end_phases
 from unbroken.report.recovery_phases import recoveries
 from unbroken.bench.machine import machine_description
 from unbroken.config import load_config
@@ -117,24 +116,12 @@ def _table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def _final_line(name: str, f: dict[str, Any]) -> str:
-    def secs(xs: list[float]) -> str:
-        return " ".join(f"{x:.2f}" for x in xs)
-
-    return (f"{name}: final checkpoint of {f['state_bytes'] / 1e9:.2f} GB into {f['directory']}: unbroken "
-            f"{secs(f['seconds']['unbroken'])} s ({f['gb_s']['unbroken']} GB/s), torch DCP's HF writer with a "
-            f"sha256 pass {secs(f['seconds']['dcp_hf'])} s ({f['gb_s']['dcp_hf']} GB/s); DCP / unbroken "
-            f"{f['dcp_over_unbroken']}x")
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(prog="unbroken bench recovery", description=__doc__.splitlines()[0])
     ap.add_argument("--cases", default="debug:2x2,llama-60m:1x1", help="PRESET:NODESxWORKERS, comma-separated")
     ap.add_argument("--parts", default="one,all,final",
                     help="one: the last worker killed; all: every worker; final: a job's end and its final checkpoint "
                          "(the state's load in one process: python -m benchmarks.recovery_load)")
-    ap.add_argument("--checkpoint-dir", type=Path, default=None,
-                    help="where part final writes its in-process checkpoints (default: the temporary directory)")
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--kill-step", type=int, default=11, help="the step during whose backward the kill comes")
     ap.add_argument("--snapshot-every", default="2", help="snapshot.every of the jobs")
@@ -149,12 +136,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         _case(c)  # every malformed case refused before any job runs
     if not 0 < a.kill_step < a.steps:
         ap.error(f"--kill-step={a.kill_step}: a step of the job, between 1 and --steps - 1 ({a.steps - 1})")
-    rows, finals = [], {}
-    if "final" in parts:
-        for name in dict.fromkeys(_case(c)[0] for c in cases):
-            finals[name] = write_figures(load_config(preset_name=name, overrides=CASE_OVERRIDES.get(name, []) +
-                                                     overrides), a.checkpoint_dir)
-            print(_final_line(name, finals[name]), flush=True)
+    rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="unbroken-recovery-") as tmp:
         where = a.keep or Path(tmp)
         for case in cases:
@@ -162,7 +144,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             for part in parts if nodes * per > 1 else [p for p in parts if p != "all"]:
                 rows.append(_run(a, overrides, case, part, where / f"{case.replace(':', '-')}-{part}"))
     result = {"benchmark": "recovery", "cases": cases, "parts": parts, "steps": a.steps, "kill_step": a.kill_step,
-              "snapshot_every": a.snapshot_every, "overrides": overrides, "final": finals, "rows": rows,
+              "snapshot_every": a.snapshot_every, "overrides": overrides, "rows": rows,
               "machine": machine_description()}
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(result, indent=1, default=str))
