@@ -282,6 +282,36 @@ def test_counters_deleted_after_every_beat_never_fence_a_worker_its_peers_comple
     assert json.loads(store.dead_mark(1))["silent_s"] >= 1.0
 
 
+def test_counters_deleted_after_every_beat_are_read_back_from_their_history_outside_collectives(
+        store, etcd_cluster):
+    """No collective completes (the members wait for the final checkpoint, say) while the writer deletes worker
+    1's counters after each of its beats for three heartbeat timeouts: the observer reads each deleted counter's
+    newest beat back from its history and never judges worker 1 silent. Once it stops beating, the deletions hide
+    nothing: it is declared dead."""
+    view = View(gen=0, members=(0, 1), step=0)
+    store.publish_initial(view)
+    attacker = Writer(store)
+    worker = _connect(etcd_cluster)
+    worker.lease_liveness(1, 10.0)
+    observer = Membership(store, 0, heartbeat_timeout_s=1.0, progress_timeout_s=1.0)
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 3.0:  # until the counters alone would have been gone for three timeouts
+        worker.beat(1)
+        worker.advance(1, 1)
+        for key in ("hb/1", "prog/1"):
+            attacker.delete(key)
+        assert observer.dead_members(view) == set(), "a beating worker whose counters are deleted judged dead"
+        time.sleep(0.02)  # pacing: one beat
+    assert not store.is_marked_dead(1)
+    deadline = time.monotonic() + 30
+    while observer.dead_members(view) == set() and time.monotonic() < deadline:  # lost
+        attacker.delete("hb/1")
+        attacker.delete("prog/1")
+        time.sleep(0.02)
+    assert observer.dead_members(view) == {1}, "a lost worker hidden by the writer"
+    assert json.loads(store.dead_mark(1))["silent_s"] >= 1.0
+
+
 def test_a_key_holding_only_forged_values_past_the_store_timeout_stops_the_job_naming_it(store):
     store.publish_initial(View(gen=0, members=(0,), step=0))
     store.set_store_timeout(1.0)

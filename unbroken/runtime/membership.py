@@ -26,8 +26,10 @@ its main thread was only busy computing) is no such stall: a counter that has
 not moved since the observer last saw it was silent all along, and the clock
 runs on (a hang is found a timeout after the last beat, not a timeout after the
 observer's next wait began).
-A counter that is gone, or holds a value this launch did not write (etcd:
-another writer deleted or forged it), is no observation: it neither kills at
+On etcd a counter another writer forged or deleted is read back through its
+history to its newest authentic value (EtcdBackend.get_present); one with no
+such value left (gone, or holding only values this launch did not write) is no
+observation: it neither kills at
 once nor restarts the clock, which runs from the last change of an authentic
 value this observer saw, and such reads decide a silence only once they
 have gone on, watched (looks less than half a timeout apart), for the limit

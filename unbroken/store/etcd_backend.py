@@ -71,7 +71,7 @@ from unbroken.store.backend import (ETCD_SCHEME, SECRET_ENV, UNSEEN, StoreAccess
                                            _namespace)
 from unbroken.store.etcd_group_store import EtcdGroupStore
 from unbroken.store.etcd_launch import clear_launch, point_here, range_end, read_pointer
-from unbroken.store.etcd_history import RESTORED, last_authentic, restore, restored_value
+from unbroken.store.etcd_history import RESTORED, last_authentic, last_before_gone, restore, restored_value
 from unbroken.store.seal import Sealer, launch_key
 from unbroken.store.wire import LAUNCH_ENV
 
@@ -394,14 +394,18 @@ class EtcdBackend(StoreBackend):
         return self._lease_id
 
     def get_present(self, keys: list[str]) -> list[bytes | None]:
-        """Counters without waiting: None for a missing one (its lease expired), :data:`UNSEEN` for one holding
-        a value this launch did not write (no observation: never read as a counter gone or standing still)."""
+        """Counters without waiting, each its newest authentic value: read back through the key's history where
+        another writer forged or deleted it (:mod:`unbroken.store.etcd_history`); None for a missing one with
+        no recent history (its lease expired long ago), :data:`UNSEEN` for one holding a value this launch did
+        not write with none of its own behind (no observation: never read as a counter standing still)."""
         out: list[bytes | None] = []
         for k, kv in zip(keys, self._read_many(keys)):
             value = self._open(k, kv)
-            if kv is not None and value is None:
+            if kv is None:
+                value = last_before_gone(self, k)
+            elif value is None:
                 value = last_authentic(self, k, kv)
-            out.append(None if kv is None else value if value is not None else UNSEEN)
+            out.append(value if value is not None or kv is None else UNSEEN)
         return out
 
     def _landed(self, marker: str, token: str) -> bool:

@@ -4,9 +4,10 @@ etcd keeps every revision of a key until it is compacted, and a value sealed by
 the job opens only at the place in the key's history it was written at
 (:mod:`unbroken.store.seal`). Two uses:
 
-- a counter (a worker's heartbeat or progress) found holding a forged value is
-  read back to its newest authentic value (:func:`last_authentic`), so a writer
-  rewriting it faster than the worker beats cannot hide the beats;
+- a counter (a worker's heartbeat or progress) found holding a forged value, or
+  gone, is read back to its newest authentic value (:func:`last_authentic`,
+  :func:`last_before_gone`), so a writer rewriting or deleting it faster than
+  the worker beats cannot hide the beats;
 - a decision key (``gen``, ``outcome/<g>``) found gone or forged is brought back
   (:func:`restore`) with the newest decision the job wrote there, never another:
   the value is written into a new creation of the key, marked ``RESTORED``, and
@@ -36,8 +37,8 @@ from unbroken.store.etcd_client import RequestRefused
 if TYPE_CHECKING:
     from unbroken.store.etcd_backend import EtcdBackend
 
-__all__ = ["HISTORY_READS", "RESTORED", "SCAN_REVISIONS", "last_authentic", "newest_decision", "restore",
-           "restored_value"]
+__all__ = ["HISTORY_READS", "RESTORED", "SCAN_REVISIONS", "last_authentic", "last_before_gone", "newest_decision",
+           "restore", "restored_value"]
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +84,27 @@ def last_authentic(backend: EtcdBackend, key: str, kv: dict[str, Any]) -> bytes 
         if value is not None:
             return value
         revision = int(old["mod_revision"]) - 1
+    return None
+
+
+def last_before_gone(backend: EtcdBackend, key: str) -> bytes | None:
+    """The newest authentic value of counter ``key``, found gone, in its last ``SCAN_BATCH`` revisions of history
+    (one round trip): a writer deleting a live worker's counters after every beat cannot hide the beats, while
+    a dead worker's counters, expired with its lease, show only its last beat again. None if the history holds
+    none that recent (or it is compacted)."""
+    top = backend.revision
+    batch = range(top, max(backend.first_revision(), top - SCAN_BATCH), -1)
+    try:
+        _, responses = backend._txn([], [{"request_range": {"key": backend._k(key), "revision": str(r)}}
+                                         for r in batch], [])
+    except RequestRefused:
+        return None  # compacted
+    for kv in (backend._kv(r) for r in responses):
+        if kv is None:
+            continue
+        value = backend.sealer.verify(key, _value(kv), _place(kv)[1], _place(kv)[0])
+        if value is not None:
+            return value if _place(kv) >= backend.sealer.seen.get(key, (0, 0)) else None
     return None
 
 
