@@ -46,7 +46,8 @@ from unbroken.mecefo.lowrank import LowRankBasis, lowrank_linear
 from unbroken.models.llama import TransformerBlock
 
 __all__ = ["GROUP_NAMES", "BlockKind", "BlockParts", "ExactOnlyAdapter", "LlamaAdapter", "ModelAdapter",
-           "NoAdapter", "adapter_for", "approx_block", "component_of", "has_blocks", "linear_weight", "transformer_blocks"]
+           "NoAdapter", "adapter_for", "approx_block", "component_of", "has_blocks", "linear_weight",
+           "transformer_blocks"]
 
 GROUP_NAMES: tuple[str, ...] = ("rest", "attention")
 MODES = ("exact", "approx")
