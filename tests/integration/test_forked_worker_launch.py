@@ -41,13 +41,13 @@ AGENT_BY_HAND = """
     ap = argparse.ArgumentParser()
     add_agent_args(ap)
     agent = Agent(options_from(ap.parse_args(argv)), template=template)
-    agent._join_store()  # the agent's start: it connects to its store and learns the launch
+    agent.join_store()  # the agent's start: it connects to its store and learns the launch
     template.attach(event=lambda *args, **fields: None, ready_timeout_s=180)
     template.wait_ready(180, lambda: None)
     assert template.ready, "the template did not get ready"
     cmd = [sys.executable, "-m", "unbroken.agent.worker_process", "--run-dir", str(run_dir), "--worker", "0",
            "--world", "1", "--store", other]  # a store of another launch of the job at the worker's address
-    child = agent._launch(cmd, log=run_dir / "logs" / "w0.log", header="worker 0")
+    child = agent.launch(cmd, log=run_dir / "logs" / "w0.log", header="worker 0")
     assert isinstance(child, ForkedChild), "not forked from the template"
     print(json.dumps({"code": child.wait(180), "launch": agent.store.launch}))
     template.close()

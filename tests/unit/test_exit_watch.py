@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 
-from unbroken.agent._agent_deaths import DeathDuties
 from unbroken.agent._exit_watch import exiting_returncode
 from unbroken.agent._process import ForkedChild
+from unbroken.agent._reaper import reap_dying, seen_exits
 from unbroken.agent._supervision import Incarnation
 
 pytestmark = [pytest.mark.timeout(120),
@@ -111,17 +111,19 @@ def test_running_stopped_and_cleanly_exited_children_are_not_reported_early():
         proc.wait(timeout=10)
 
 
-class _Reaper(DeathDuties):
-    """The agent's reaping alone: what it records of each death."""
+class _Reaper:
+    """The agent's reaping alone (:func:`seen_exits`, then :func:`reap_dying`, as its reaper does each tick):
+    what it records of each death."""
 
     def __init__(self, inc: Incarnation) -> None:
         self.workers = {inc.worker: inc}
-        self._dying: list[tuple[Incarnation, float]] = []
+        self.dying: list[tuple[Incarnation, float]] = []
         self.deaths: list[tuple[int, int, str]] = []
         self.events: list[dict[str, Any]] = []
 
-    def _on_exit(self, inc: Incarnation, rc: int, now: float, seen: str = "reaped") -> None:
-        self.deaths.append((inc.worker, rc, seen))
+    def reap(self, now: float) -> None:
+        self.deaths += [(inc.worker, rc, seen) for inc, rc, seen in seen_exits(self.workers, self.dying, now)]
+        reap_dying(self.dying, self._event)
 
     def _event(self, event: str, worker: int | None, **fields: Any) -> None:
         self.events.append({"event": event, "worker": worker, **fields})
@@ -145,16 +147,16 @@ def test_the_agent_records_a_death_seen_dying_at_once_and_reaps_it_later():
     inc = Incarnation(worker=1, proc=proc, incarnation=2, join=False, started=time.monotonic(), mark_at_spawn=None)
     reaper = _Reaper(inc)
     try:
-        reaper._reap(time.monotonic())
+        reaper.reap(time.monotonic())
         assert reaper.deaths == [] and 1 in reaper.workers  # running
         os.kill(pid, signal.SIGKILL)
         _zombie(pid)  # dead; its reap held back
-        reaper._reap(time.monotonic())
+        reaper.reap(time.monotonic())
         assert reaper.deaths == [(1, -signal.SIGKILL, "exiting")] and reaper.workers == {}
-        assert [d[0] for d in reaper._dying] == [inc] and reaper.events == []
+        assert [d[0] for d in reaper.dying] == [inc] and reaper.events == []
         proc.release = True
-        reaper._reap(time.monotonic())
-        assert reaper._dying == [] and len(reaper.deaths) == 1  # recorded once
+        reaper.reap(time.monotonic())
+        assert reaper.dying == [] and len(reaper.deaths) == 1  # recorded once
         assert [(e["event"], e["worker"], e["pid"]) for e in reaper.events] == [("worker_reaped", 1, pid)]
         assert reaper.events[0]["teardown_s"] >= 0 and proc.returncode == -signal.SIGKILL
     finally:

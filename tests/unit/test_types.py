@@ -1,5 +1,4 @@
-"""The package type-checks: mypy over ``unbroken`` with the settings of ``pyproject.toml`` (modules not yet
-accepted are listed there)."""
+"""The package type-checks: mypy over ``unbroken`` with the settings of ``pyproject.toml``, every module."""
 
 from __future__ import annotations
 

@@ -203,6 +203,10 @@ class ForkedChild:
         return self.returncode
 
 
+Child = subprocess.Popen[bytes] | ForkedChild
+"""A process an agent started: spawned (a ``Popen``) or forked from its template and adopted."""
+
+
 def close_pipes(proc: subprocess.Popen[bytes]) -> None:
     """Close a child's stdin and stdout (each may already be closed or absent)."""
     for pipe in (proc.stdin, proc.stdout):
@@ -220,7 +224,7 @@ def log_line(path: Path, line: str) -> None:
         fh.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} {line}\n")
 
 
-def send(proc: subprocess.Popen[bytes], sig: int) -> bool:
+def send(proc: Child, sig: int) -> bool:
     """Send ``sig`` to the child's process group; ``False`` if it is already gone.
 
     A child that exited but is not reaped yet still holds its pid, so this
@@ -272,7 +276,7 @@ STACK_WAIT_S = 0.1
 """How long a fence waits for that dump before SIGKILL (the handler writes at once when it gets the CPU)."""
 
 
-def dump_stacks(proc: subprocess.Popen[bytes]) -> bool:
+def dump_stacks(proc: Child) -> bool:
     """Ask a live child (not its group: a helper of its own would die of the signal) to write its threads'
     stacks to its log, and give it :data:`STACK_WAIT_S` to do so; ``False`` if it is already gone."""
     if proc.returncode is not None:
@@ -300,7 +304,7 @@ def describe_exit(returncode: int) -> str:
     return f"exit code {code}"
 
 
-def stop_all(procs: Iterable[subprocess.Popen[bytes]], *, grace_s: float) -> None:
+def stop_all(procs: Iterable[Child], *, grace_s: float) -> None:
     """SIGTERM every live child (SIGCONT too: a stopped one cannot act on it), SIGKILL after ``grace_s``."""
     procs = [p for p in procs if p.poll() is None]
     for p in procs:

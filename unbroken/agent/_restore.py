@@ -49,7 +49,7 @@ import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from unbroken.faults.injector import workers_of
 from unbroken.checkpoint.checkpointer import latest_checkpoint, read_commit
@@ -97,7 +97,7 @@ class JobRestore:
         self._published: set[int] = set()
         # two threads: the checkpoint's scan (a sha256 of every file) never waits behind the memory's inventory
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"restore-n{node}")
-        self._inventories: dict[int, Future[str]] = {}  # gen -> this node's inventory JSON, being computed
+        self._inventories: dict[int, Future[dict[str, Any]]] = {}  # gen -> this node's inventory, being computed
         self._checkpoint_found: Future[tuple[int, str] | None] | None = None
         self._agent_beats: dict[int, tuple[int, float]] = {}
         self._deciding: _Pending | None = None
@@ -129,8 +129,8 @@ class JobRestore:
     def tick(self, now: float) -> str | None:
         """Decide once the inventories are in; returns a failure message if nothing can be restored."""
         self._publish_ready()
-        pending = self._deciding
-        if pending is None or now < pending.not_before or not self._checkpoint_found.done() or now < self._next_read:
+        pending, found = self._deciding, self._checkpoint_found
+        if pending is None or found is None or now < pending.not_before or not found.done() or now < self._next_read:
             return None
         self._next_read = now + DECIDE_POLL_S
         view = pending.view
@@ -138,12 +138,12 @@ class JobRestore:
         if self._waiting_for(invs, now) and now < pending.inventories_by:
             return None
         self._deciding = None
-        if (recurring := recurring_error(pending.failures)) is not None:
+        if view is not None and (recurring := recurring_error(pending.failures)) is not None:  # none at --resume
             return (f"every worker died {len(pending.failures)} times in a row after being restored at step "
                     f"{view.step}, each time with the same error ({recurring}): a fault that recurs, so the "
                     f"restores stop; see the workers' logs under {self.run_dir / 'logs'} and fix its cause first")
         inventories = [json.loads(t) for t in invs.values()]
-        spec = decide(inventories, checkpoint=self._checkpoint_found.result(),
+        spec = decide(inventories, checkpoint=found.result(),
                       members_of=lambda nodes: [w for n in nodes for w in workers_of(n, self.per_node)],
                       shard_degree=self.shard_degree)
         if spec is None:
@@ -203,7 +203,7 @@ class JobRestore:
         self._next_watch = now + WATCH_S
         view = current_view()
         mine = [w for w in view.members if w in workers_of(self.node, self.per_node)] if view else []
-        if not self.store.all_marked_dead(tuple(mine)):  # one round trip; empty: False
+        if view is None or not self.store.all_marked_dead(tuple(mine)):  # one round trip; empty: False
             self._beats.clear()
             return []
         others = [w for w in view.members if w not in mine]

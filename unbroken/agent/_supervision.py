@@ -39,10 +39,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import subprocess
 import time
 from typing import Any
 
+from unbroken.agent._process import Child
 from unbroken.store.job_store import JobStore
 from unbroken.store.view import View
 
@@ -145,7 +145,7 @@ class Incarnation:
     """One incarnation of a worker of this node, as its agent supervises it."""
 
     worker: int
-    proc: subprocess.Popen[bytes]
+    proc: Child
     incarnation: int
     join: bool
     started: float

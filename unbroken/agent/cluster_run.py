@@ -13,9 +13,9 @@ metrics are cut back to the step it continues from, the keys its previous run
 left on etcd (views, progress, its end) are deleted, and its agents restore the
 newer of its newest committed checkpoint and snapshot memory.
 
-Invariants: the same checks as :func:`unbroken.agent.launcher.launch` before
-anything is written (a run that fails them leaves nothing on disk); faults from
-the config (``fault.fail_at``, ``fault.trace``) are refused, not dropped: only
+Invariants: the same checks as :func:`unbroken.agent.launcher.launch` before anything is written
+(:func:`unbroken.agent.launch_checks.check_launch` among them: a run that fails them leaves nothing on
+disk); faults from the config (``fault.fail_at``, ``fault.trace``) are refused, not dropped: only
 ``unbroken train``'s launcher injects them.
 """
 
@@ -26,6 +26,7 @@ import socket
 import time
 from pathlib import Path
 
+from unbroken.agent.launch_checks import check_launch
 from unbroken.agent.preflight import preflight, prepare_run_dir
 from unbroken.config import Config
 from unbroken.job.references import anchor_references
@@ -62,10 +63,7 @@ def prepare_cluster_run(cfg: Config, run_dir: Path, *, nodes: int, workers_per_n
     anchor_references(cfg)  # a relative factory path means this directory's, on every node
     info = preflight(cfg)
     check_snapshot_config(cfg, nodes, workers_per_node, info.get("vocab_size"))
-    if cfg.train.shard_degree > 1:
-        from unbroken.sharding.hsdp import check_layout
-
-        check_layout(cfg.train.workers, workers_per_node, cfg.train.shard_degree)
+    check_launch(cfg, workers_per_node, standby=False)  # each agent checks its own node's devices and --standby
     # A resumed run keeps its secret: it keys the seals of the snapshot memory it may continue from.
     secret = job_secret(run_dir) if resume and (run_dir / SECRET_FILE).is_file() else new_secret()
     resume_from = prepare_run_dir(run_dir, cfg, overwrite=overwrite, resume=resume)

@@ -81,7 +81,7 @@ def run_agent(opts: AgentOptions, *, worker_cmd: Sequence[str] | None = None,
     agent = Agent(opts, worker_cmd=worker_cmd, template=template)
 
     def on_signal(signum: int, frame: Any) -> None:
-        agent.interrupted = signum
+        agent.interrupt(signum)
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     try:

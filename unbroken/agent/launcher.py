@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from unbroken.agent.agent_server import ServedAgent, agent_server
 from unbroken.agent.events import EventMerger
+from unbroken.agent.launch_checks import check_launch
 from unbroken.agent.options import RESTART_POLICIES
 from unbroken.config import Config
 from unbroken.faults.fail_at import FaultSpec, parse_fail_at, trace_to_faults, write_fault_plan
@@ -57,7 +58,6 @@ from unbroken.agent.preflight import _truncate_metrics, preflight, prepare_run_d
 from unbroken.agent.resume_point import resume_point
 from unbroken.agent.run_summary import summarise
 from unbroken.job.references import anchor_references
-from unbroken.models.factory import check_placement
 from unbroken.agent._replacer import NodeReplacer, spare_count
 from unbroken.agent._store_host import StoreHost
 from unbroken.store.etcd_client import parse_etcd
@@ -145,15 +145,9 @@ def launch(
         restart = "never"  # checkpoint-restart: the launcher restarts the whole job instead
     specs, trace = _job_faults(cfg, fail_at, nodes, workers_per_node)
     info = preflight(cfg)
-    check_placement(cfg.train.device, range(cfg.train.workers), cfg.train.backend)  # every node of a launch runs on this machine
+    check_launch(cfg, workers_per_node, standby=standby,
+                 placed=range(cfg.train.workers))  # every node of a launch runs on this machine
     check_snapshot_config(cfg, nodes, workers_per_node, info.get("vocab_size"))
-    if cfg.train.shard_degree > 1:
-        from unbroken.sharding.hsdp import check_layout
-
-        check_layout(cfg.train.workers, workers_per_node, cfg.train.shard_degree)
-        if standby:
-            raise ValueError(f"a warm standby with train.shard_degree={cfg.train.shard_degree}: a standby is one "
-                             "worker, HSDP restarts whole replicas; drop --standby")
     if cfg.train.shard_optimizer and cfg.train.workers == 1:
         logger.warning("train.shard_optimizer with one worker: nothing to shard, the run is the same without it")
     store_faults = StoreFaults(specs, members=len(parse_etcd(store)[0]) if store else None, run_dir=run_dir)

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, Callable, Sequence
 
 from unbroken.agent._job_error import is_data_error
-from unbroken.agent._process import (PARENT_ENV, ForkedChild, LineBuffer, child_env, close_pipes, describe_exit,
+from unbroken.agent._process import (PARENT_ENV, Child, ForkedChild, LineBuffer, child_env, close_pipes, describe_exit,
                                      log_line, run_forked, send, set_name, spawn)
 
 logger = logging.getLogger(__name__)
@@ -44,8 +44,6 @@ RESPAWN_INTERVAL_S = 2.0
 """Least time between two template starts."""
 MAX_FAILURES = 3
 """Templates that died or hung before the node gives up on them (fresh processes from then on)."""
-
-Child = subprocess.Popen[bytes] | ForkedChild
 
 
 class _ForkedTemplate(ForkedChild):
@@ -119,6 +117,10 @@ class Template:
         self._fork_error: str | None = None  # the error the last forked worker that failed died of
 
     # -- lifecycle ------------------------------------------------------------------
+
+    def take_rank(self, node: int) -> None:
+        """A spare's template: its agent took node ``node``'s rank (its log lines name that node from now on)."""
+        self.node = node
 
     def attach(self, *, event: Callable[..., None], ready_timeout_s: float) -> None:
         """The agent's event writer and start-up deadline (a template may start before the agent has them)."""
