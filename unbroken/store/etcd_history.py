@@ -30,12 +30,10 @@ from __future__ import annotations
 
 import base64
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from unbroken.store.etcd_client import RequestRefused
-
-if TYPE_CHECKING:
-    from unbroken.store.etcd_backend import EtcdBackend
+from unbroken.store.seal import Sealer
 
 __all__ = ["HISTORY_READS", "RESTORED", "SCAN_REVISIONS", "last_authentic", "last_before_gone", "newest_decision",
            "restore", "restored_value"]
@@ -54,6 +52,28 @@ SCAN_BATCH = 128
 """Revisions read per transaction (etcd's default ``--max-txn-ops``)."""
 CHECKED = 4096
 """At most this many keys' restored creations are remembered as checked by a client."""
+
+
+class EtcdBackend(Protocol):
+    """What this module uses of :class:`~unbroken.store.etcd_backend.EtcdBackend` (which imports it)."""
+
+    sealer: Sealer
+    restores_checked: dict[str, tuple[int, int]]
+
+    @property
+    def revision(self) -> int: ...
+    def first_revision(self) -> int: ...
+    def _call(self, path: str, payload: dict[str, Any]) -> dict[str, Any]: ...
+    def _k(self, key: str) -> str: ...
+    def _txn(self, compare: list[dict[str, Any]], success: list[dict[str, Any]],
+             failure: list[dict[str, Any]]) -> tuple[bool, list[dict[str, Any]]]: ...
+    @staticmethod
+    def _kv(response: dict[str, Any]) -> dict[str, Any] | None: ...
+    def _read_many(self, keys: list[str]) -> list[dict[str, Any] | None]: ...
+    def _open(self, key: str, kv: dict[str, Any] | None) -> bytes | None: ...
+    def _write(self, key: str, kv: dict[str, Any] | None, payload: bytes, lease: str = "",
+               also: list[dict[str, Any]] | None = None,
+               guards: list[dict[str, Any]] | None = None) -> tuple[bool | None, dict[str, Any] | None]: ...
 
 
 def _place(kv: dict[str, Any]) -> tuple[int, int]:

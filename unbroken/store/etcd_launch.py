@@ -15,15 +15,31 @@ from __future__ import annotations
 
 import base64
 import json
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from unbroken.store.backend import SECRET_ENV
 from unbroken.store.seal import Sealer, pointer_key
 
-if TYPE_CHECKING:
-    from unbroken.store.etcd_backend import EtcdBackend
-
 __all__ = ["clear_launch", "point_here", "range_end", "read_pointer"]
+
+
+class EtcdBackend(Protocol):
+    """What this module uses of :class:`~unbroken.store.etcd_backend.EtcdBackend` (which imports it)."""
+
+    addr: str
+    secret: str
+    root: str
+    ns: str
+    launch: str
+    _kvs: dict[str, dict[str, Any]]
+
+    @property
+    def revision(self) -> int: ...
+    def _call(self, path: str, payload: dict[str, Any]) -> dict[str, Any]: ...
+    def _txn(self, compare: list[dict[str, Any]], success: list[dict[str, Any]],
+             failure: list[dict[str, Any]]) -> tuple[bool, list[dict[str, Any]]]: ...
+    def _txn_rev(self, compare: list[dict[str, Any]], success: list[dict[str, Any]],
+                 failure: list[dict[str, Any]]) -> tuple[bool, list[dict[str, Any]], str]: ...
 
 
 def _b64(data: str | bytes) -> str:
