@@ -107,13 +107,14 @@ class Trainer:
         """The trainer of ``spec.worker`` with every part built (:func:`~unbroken.runtime.assembly.assemble`)."""
         return cls(assemble(cfg, spec, membership, prepared))
 
-    def _event(self, event: str, **fields: Any) -> None:
+    def event(self, event: str, **fields: Any) -> None:
+        """One event in this worker's log (``events/w<id>.jsonl``)."""
         self.parts.event(event, **fields)
 
     def _skipped(self, what: str) -> Callable[..., None]:
         """The ``checkpoint_skipped`` event of a save of ``what`` (the leader's ``state``, a worker's ``part``)
         skipped because its previous write still ran (``step=``, ``writing=``: a slow file system)."""
-        return functools.partial(self._event, "checkpoint_skipped", what=what)
+        return functools.partial(self.event, "checkpoint_skipped", what=what)
 
     # -- start ----------------------------------------------------------------
 
@@ -274,7 +275,7 @@ class Trainer:
                 self.protocol.layout.snapshotted(done)  # ZeRO-1: the moments' copies of this step are kept
             self.events.write({"kind": "commit", "step": step, "gen": view.gen, "worker": self.spec.worker})
             if step == start and self.spec.join:  # a restarted or replacement worker's first step: its recovery ends
-                self._event("first_step_after_recovery", step=step, gen=view.gen, process_s=process_age_s())
+                self.event("first_step_after_recovery", step=step, gen=view.gen, process_s=process_age_s())
             now = time.perf_counter()
             last = train_record(step=done, loss=self.job.loss(reduced), lr=lr, grad_norm=grad_norm,
                                 step_time_s=now - t_prev, tokens_per_step=self.job.sampler.tokens_per_step,
@@ -325,7 +326,7 @@ class Trainer:
                 if view.leader != self.spec.worker:
                     logger.warning("the leader (worker %d) died before the final checkpoint was committed: "
                                    "writing it", view.leader)
-                    self._event("final_checkpoint_takeover", step=steps, leader=view.leader)
+                    self.event("final_checkpoint_takeover", step=steps, leader=view.leader)
                     missing = self._final_committed(steps) is None
                     # HSDP: its replica's ranks write their parts with it
                     missing = bool(self.protocol.replica_broadcast(writer, int(missing)))
@@ -335,7 +336,7 @@ class Trainer:
                     self.checkpointer.wait()
                     written = self.checkpointer.written.get(steps)
                     if written is not None:  # this worker wrote it (not an earlier leader)
-                        self._event("final_checkpoint", step=steps, bytes=written.bytes, write_s=round(
+                        self.event("final_checkpoint", step=steps, bytes=written.bytes, write_s=round(
                             written.seconds, 4), gb_s=written.gb_s, writers=written.threads)
                 self.store.set_done()
                 return

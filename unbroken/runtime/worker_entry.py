@@ -102,7 +102,7 @@ def run(spec: WorkerSpec, *, store: JobStore | None = None, prepared: Prepared |
         first = trainer.start()
         if clock is not None:
             mark("admission")
-            trainer._event("start_phases", join=spec.join, step=first, pid=os.getpid(), **clock.summary())
+            trainer.event("start_phases", join=spec.join, step=first, pid=os.getpid(), **clock.summary())
         last = trainer.train(first)
     except MissedCommit as exc:
         logger.warning("leaving to rejoin: %s", exc)
@@ -166,10 +166,10 @@ def _compilation(trainer: Trainer, compilation: Compilation | None, secret: str)
                 written = compilation.save(trainer.spec.run_dir, secret=secret, config_hash=trainer.hash,
                                            writer={"worker": trainer.spec.worker, "pid": os.getpid(), "step": step})
             if written is not None:
-                trainer._event("compile_cache_written", step=step, **written)
+                trainer.event("compile_cache_written", step=step, **written)
         if not told:
             told = True
-            trainer._event("compiled", step=step, pid=os.getpid(), **compilation.stats())
+            trainer.event("compiled", step=step, pid=os.getpid(), **compilation.stats())
 
     trainer.protocol.on("confirm", after_step)
     return compilation
