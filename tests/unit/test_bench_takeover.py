@@ -34,4 +34,4 @@ def test_each_policy_covers_the_dead_workers_rows_and_is_timed_beside_a_normal_w
     assert r["policies"]["spread"]["flop_ratio"] == pytest.approx(1 + (share[2] - share[1]) / 4)  # exact rows
     run = r["runs"]["off"]
     assert all(len(v) == 2 and min(v) > 0 for v in run["seconds"].values())
-    assert all(n == 0 for n in run["frames_compiled_in_warmup"].values()) and not run["approx_compiled"]
+    assert all(n == 0 for n in run["graphs_compiled_in_warmup"].values()) and not run["approx_compiled"]

@@ -14,6 +14,7 @@ import torch
 
 from unbroken.job.parallelize import compile_stats, parallelize
 from unbroken.mecefo.adapter import LlamaAdapter
+from unbroken.mecefo.costs import relative_errors
 from unbroken.mecefo.gradients import GradLayout, SlotWork, compute_gradient_sums
 from unbroken.models import build_model
 from unbroken.models.llama import Attention, TransformerBlock
@@ -38,17 +39,24 @@ def _sums(model: torch.nn.Module, items: list[SlotWork], step: int = 0,
     return sums, adapter
 
 
-def test_inductor_compiled_approximations_give_the_eager_gradient():
+def test_inductor_compiled_approximations_give_the_eager_gradient_and_grad_error():
     items = [SlotWork(0, (0, MB)), *APPROX]  # exact and approximate slots in one step
-    eager, _ = _sums(build_model("debug", vocab_size=V, seq_len=T, seed=3), items)
+    exact_items = [SlotWork(w.slot, w.rows) for w in items]
+    eager, adapter_e = _sums(build_model("debug", vocab_size=V, seq_len=T, seed=3), items)
+    exact, _ = _sums(adapter_e.model, exact_items)
     model = parallelize(build_model("debug", vocab_size=V, seq_len=T, seed=3), compile=True, backend="inductor")
     compiled, adapter = _sums(model, items)
     assert adapter.approx_path.compiled and adapter.approx_path.fallback_reason is None
     # float32 throughout; inductor fuses and reorders sums, so agreement is to rounding, not bit for bit.
     torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
+    # bench mecefo-cost's grad_error, ||g~ - g|| / ||g|| per component: the same figures compiled as eager
+    layout = GradLayout(adapter_e.model, adapter_e)
+    errors_eager, errors_compiled = relative_errors(layout, eager, exact), relative_errors(layout, compiled, exact)
+    assert errors_eager["attention"] > 0.01 and errors_eager["ffn"] > 0.01  # the approximation is visible
+    assert errors_compiled == pytest.approx(errors_eager, rel=1e-4, abs=1e-6)
 
 
-def test_approximate_blocks_are_one_graph_without_breaks_and_recompile_at_most_once_for_the_rows():
+def test_approximate_blocks_are_one_graph_without_breaks_and_recompiles_stay_bounded_as_rows_change():
     model = build_model("debug", vocab_size=V, seq_len=T, seed=3)
     adapter = LlamaAdapter(model, rank=4, tau=10, compile_backend="aot_eager")
     layout = GradLayout(model, adapter)
@@ -58,8 +66,9 @@ def test_approximate_blocks_are_one_graph_without_breaks_and_recompile_at_most_o
                               batch_fn=_batch_fn)
     after = compile_stats()
     assert after["graph_breaks"] == before["graph_breaks"]
-    # every block shares one graph, then one with a dynamic batch dimension; steps past tau (new bases) add none
-    assert after["compiled_frames"] - before["compiled_frames"] <= 2
+    # every block shares one graph, then one with a dynamic batch dimension, and one for a single row (dynamo
+    # specialises sizes 0 and 1); steps past tau (new bases) add none
+    assert 1 <= after["graphs"] - before["graphs"] <= 3
     assert adapter.approx_path.compiled
 
 

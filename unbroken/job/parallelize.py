@@ -111,10 +111,13 @@ def _checkpointed(forward: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def compile_stats() -> dict[str, int]:
-    """Frames torch.compile has compiled in this process (a recompile is one more), and graph breaks."""
+    """Frames torch.compile has compiled in this process (a recompile is one more), graph breaks, and graphs
+    captured (``graphs``: unlike ``compiled_frames`` it counts ``fullgraph`` compiles too, such as MeCeFO's
+    approximate blocks, which dynamo leaves out of its frame count)."""
     try:
         from torch._dynamo.utils import counters
     except ImportError:  # pragma: no cover - torch without dynamo
         return {}
     return {"compiled_frames": int(sum(counters["frames"].get(k, 0) for k in ("ok",))),
-            "graph_breaks": int(sum(counters["graph_break"].values()))}
+            "graph_breaks": int(sum(counters["graph_break"].values())),
+            "graphs": int(counters["stats"].get("unique_graphs", 0))}
