@@ -13,7 +13,13 @@ from unbroken.config import Config
 from unbroken.models.factory import check_placement
 from unbroken.sharding.replica_layout import ReplicaLayout, check_layout
 
-__all__ = ["check_launch"]
+__all__ = ["check_launch", "replicas_of"]
+
+
+def replicas_of(cfg: Config) -> ReplicaLayout:
+    """The job's replicas as its config lays them out (``train.shard_degree``; the agent package reads it only
+    here). Raises ValueError where the degree does not divide the workers (:func:`check_launch` says why)."""
+    return ReplicaLayout(cfg.train.workers, cfg.train.shard_degree)
 
 
 def check_launch(cfg: Config, workers_per_node: int, *, standby: bool,
@@ -35,4 +41,4 @@ def check_launch(cfg: Config, workers_per_node: int, *, standby: bool,
         if standby:
             raise ValueError(f"a warm standby with train.shard_degree={degree}: a standby is one worker, HSDP "
                              "restarts whole replicas; drop --standby")
-    return ReplicaLayout(cfg.train.workers, degree)
+    return replicas_of(cfg)

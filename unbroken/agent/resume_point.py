@@ -109,11 +109,12 @@ def memory_snapshot_step(run_dir: Path, cfg: Config) -> int | None:
                              f"config {buf.seal.get('config_hash')} ({path.name}), not this run's {want}: "
                              f"resume with the run's own config, or remove them (rm {segment_dir()}/unbroken-{job}-*)")
         seals.append(buf.seal)
+    from unbroken.agent.launch_checks import replicas_of
     from unbroken.snapshot.replicas import copies_inventory
     from unbroken.snapshot.restore import restorable_steps
 
-    newest = next(restorable_steps(seals, lambda: copies_inventory(job)[0], shard_degree=cfg.train.shard_degree),
-                  None)
+    degree = replicas_of(cfg).shard_degree
+    newest = next(restorable_steps(seals, lambda: copies_inventory(job)[0], shard_degree=degree), None)
     return newest[0] if newest else None
 
 
