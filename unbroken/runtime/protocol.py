@@ -176,6 +176,11 @@ class StepProtocol:
     def _same_view_retries(self, n: int) -> None:
         self.views._same_view_retries = n
 
+    def exchange_first(self) -> None:
+        """The next attempt of a step exchanges what each member computed first, as every member of its view does
+        (this worker entered a restored view, or was admitted into one)."""
+        self.views.need_exchange = True
+
     def where(self) -> tuple[int, int] | None:
         """``(generation, step)`` of this worker (the step in flight, else its view's first), or None before it
         entered a view (for log lines)."""

@@ -131,7 +131,8 @@ class Trainer:
                 # A member died (or was judged dead) before the first step: go on without it, as in
                 # any step; its agent restarts it and it rejoins.
                 self.protocol.reconfigure_at_start(view.step, f"{type(exc).__name__}: {exc}")
-            self.protocol.need_exchange |= view.restore is not None  # as in the joiner's restore below
+            if view.restore is not None:  # as in the joiner's restore below
+                self.protocol.exchange_first()
             return view.step
         current = self.store.gen() if self.store.has_view() else -1
         joins_after, restores_after = current, self._restores_after(current)
@@ -154,10 +155,10 @@ class Trainer:
                 # The job came back from a snapshot: a member like any other. It exchanges first, as a member
                 # that reached this step's view through a failed attempt does (every member must, or one
                 # waits in the exchange while another waits in the all-reduce).
-                self.protocol.need_exchange = True
+                self.protocol.exchange_first()
                 return view.step
             break
-        self.protocol.need_exchange = True
+        self.protocol.exchange_first()
         self.events.write({"kind": "event", "event": "rejoined", "worker": self.spec.worker, "gen": view.gen,
                            "step": view.step, "wait_s": time.perf_counter() - t0})
         return view.step
