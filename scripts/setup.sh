@@ -68,8 +68,8 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
     .venv/bin/python -c "import setuptools, sys; sys.exit(int(setuptools.__version__.split('.')[0]) < 68)" 2>/dev/null \
         && isolation="--no-build-isolation"
     # [hf] too: the tests (and CI) exercise model.family = hf-llama; [etcd]: the etcd store backend; [monitor]: the
-    # watchers (TensorBoard, W&B offline, Prometheus).
-    .venv/bin/python -m pip install -q $isolation -e ".[test,hf,etcd,monitor]" 2>&1 | grep -v "^WARNING: Location" || true
+    # watchers (TensorBoard, W&B offline, Prometheus); [datasets]: a Hugging Face dataset as data.source.
+    .venv/bin/python -m pip install -q $isolation -e ".[test,hf,etcd,monitor,datasets]" 2>&1 | grep -v "^WARNING: Location" || true
     # Checked from outside the checkout, so that the source tree on sys.path cannot pass for an install.
     (venv_python="$PWD/.venv/bin/python"; cd / && "$venv_python" -c "import unbroken, torch, tokenizers, safetensors, pytest_timeout, transformers") \
         && [ -x .venv/bin/unbroken ] \
