@@ -48,8 +48,9 @@ class DataConfig:
 
     source: str = "stdlib"
     """``stdlib`` (the interpreter's own sources), a directory of ``.txt`` files,
-    a pre-tokenized ``.bin``/``.npy`` token file, or a directory of such shards and Megatron
-    ``.bin``/``.idx`` pairs (docs/data.md)."""
+    a pre-tokenized ``.bin``/``.npy`` token file, a directory of such shards and Megatron
+    ``.bin``/``.idx`` pairs (``unbroken prepare-data`` writes one), or a Hugging Face dataset saved with
+    ``save_to_disk``, ``DIR`` or ``DIR#COLUMN`` (docs/data.md)."""
     vocab_size: int = 4096
     """BPE vocabulary trained on text sources; the stated vocabulary of a token file."""
     seq_len: int = 128
