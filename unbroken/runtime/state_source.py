@@ -1,7 +1,8 @@
 """Where a worker's state comes from when its view changes: a restore, its node's snapshot memory, or a peer.
 
-The step protocol (:meth:`~unbroken.runtime.protocol.StepProtocol.adopt`) asks its :class:`StateSource`:
+A view change (:meth:`~unbroken.runtime.view_changes.ViewChanges.adopt`) asks the worker's :class:`StateSource`:
 
+- a joiner asks whether it :meth:`rejoins_from_memory` at all (its join request says so);
 - every member of a restored view :meth:`restore` s the state the view names (snapshot memory or checkpoint);
 - the leader asks whether a joiner :meth:`may_load_from_memory` (its node holds the boundary's snapshot), and
   such a joiner :meth:`load_from_memory` instead of receiving the state from a peer;
@@ -25,8 +26,8 @@ import torch
 from unbroken.config import Config
 from unbroken.jsonl import JsonlWriter
 from unbroken.runtime.membership import View
-from unbroken.runtime.snapshot_hooks import (load_from_node_memory, memory_rejoin_failed, memory_rejoin_possible,
-                                             restore_state)
+from unbroken.runtime.snapshot_hooks import (load_from_node_memory, memory_rejoin_allowed, memory_rejoin_failed,
+                                             memory_rejoin_possible, restore_state)
 from unbroken.sharding.layout import StateLayout
 from unbroken.sharding.parallelism import Parallelism
 from unbroken.snapshot.snapshotter import Snapshotter
@@ -81,6 +82,13 @@ class StateSource:
                    bytes=done.get("bytes"), seconds=done.get("seconds"), gb_s=done.get("gb_s"))
         logger.info("restored the state of step %d from %s in %.2f s", view.step, done["restored_from"],
                     time.perf_counter() - t0)
+
+    def rejoins_from_memory(self) -> bool:
+        """Joiner: may this worker ask to load its state from its node's memory? Snapshots are taken, they hold
+        its whole state (not under ZeRO-1: its range of the moments comes in the re-shard), and no load from
+        memory failed for it before."""
+        return (self.snapshots is not None and self.layout.rejoins_from_memory
+                and memory_rejoin_allowed(self.run_dir, self.worker))
 
     def may_load_from_memory(self, joiner: int, view: View, step: int) -> bool:
         """Leader: ``joiner`` loads the state of ``step`` from its node's memory (no transfer) when its

@@ -41,7 +41,6 @@ from unbroken.runtime.digest import param_digest
 from unbroken.runtime.membership import Fenced, Membership, NoLiveWorker, View, ViewChanged
 from unbroken.runtime.process_group import CollectiveFailed
 from unbroken.runtime.protocol import MemberDied
-from unbroken.runtime.snapshot_hooks import memory_rejoin_allowed
 from unbroken.runtime.start_phases import process_age_s
 from unbroken.runtime.worker_spec import WorkerSpec
 from unbroken.state.parts import local_of
@@ -137,8 +136,7 @@ class Trainer:
         current = self.store.gen() if self.store.has_view() else -1
         joins_after, restores_after = current, self._restores_after(current)
         self.m.request_join({"pid": os.getpid(), "config_hash": self.hash, "t": time.time(),
-                             "memory": self.snapshots is not None and self.protocol.layout.rejoins_from_memory
-                             and memory_rejoin_allowed(self.spec.run_dir, self.spec.worker)})
+                             "memory": self.parts.state.rejoins_from_memory()})
         failed: View | None = None  # the view whose admission of this incarnation failed last
         while True:
             view = self._wait_view(functools.partial(self._admits_me, joins_after, restores_after, failed))
