@@ -1,8 +1,10 @@
 """unbroken.runtime: the fault-tolerant data-parallel runtime of one worker.
 
 Membership views and the failure detector, a process group per view, the
-step protocol and the recovery modes, the worker's training loop, state
-transfer to joiners and the ledger. The store's keys live in
+step protocol (its view changes a part of it) and the recovery modes, where a
+worker's state comes from when its view changes, the worker's parts built once
+(:mod:`unbroken.runtime.assembly`) and its training loop, state transfer to
+joiners and the ledger. The store's keys live in
 :mod:`unbroken.store`, checkpoints in :mod:`unbroken.checkpoint`. It
 imports nothing from ``unbroken.faults`` (faults install themselves on the
 protocol's hook points from the worker's entry point).
