@@ -126,13 +126,14 @@ print(json.dumps(won))
 """
 
 
+@pytest.mark.timeout(600)
 def test_compare_and_set_races_between_two_processes_have_one_winner(store, request):
     store.publish_initial(View(gen=0, members=(0, 1, 2), step=0))
-    rounds = 300 if "tcp" in request.node.name else 100
+    rounds = 300 if "tcp" in request.node.name else 40  # etcd: each round is several round trips
     secret = "test" if "tcp" in request.node.name else f"test-{request.node.name}"
     procs = [subprocess.Popen([sys.executable, "-c", RACER, store.addr, str(me), str(rounds), secret],
                               stdout=subprocess.PIPE, text=True) for me in (0, 1)]
-    outs = [json.loads(p.communicate(timeout=60)[0]) for p in procs]
+    outs = [json.loads(p.communicate()[0]) for p in procs]  # the racers end when their rounds do
     assert all(p.returncode == 0 for p in procs)
     assert outs[0] == outs[1], "both processes saw the same winning view and outcome in every round"
     for reason, outcome in outs[0]:
