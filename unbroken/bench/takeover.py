@@ -15,7 +15,8 @@ order, with compile off and on (``--compile``):
 
 A step during a failure lasts as long as its slowest worker, the covering one: ``time_ratio``
 (covering / normal, ratio of medians; ``time_ratio_of_minima`` resists bursts of other load on a
-shared machine) is what each such step costs against a step without failure;
+shared machine, and on a CPU ``cpu_time_ratio``, the same in this process's CPU seconds, resists it
+best with ``--threads 1``) is what each such step costs against a step without failure;
 ``flop_ratio`` is the same ratio in FLOPs (FlopCounterMode on the same items, eager), the cost the
 arithmetic alone would set; ``time_over_flop_ratio`` says how far the implementation is from it.
 ``flop_ratio_with_svd`` adds the SVDs that refresh the FFN bases, amortised over tau (not timed: the
@@ -52,14 +53,15 @@ from unbroken.models.factory import resolve_device
 __all__ = ["main"]
 
 
-def _timed(device: torch.device, run: Callable[[], object]) -> float:
+def _timed(device: torch.device, run: Callable[[], object]) -> tuple[float, float]:
+    """Wall-clock seconds of ``run`` and the CPU seconds this process spent in it (all its threads)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     run()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, time.process_time() - c0
 
 
 def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
@@ -95,6 +97,7 @@ def _measure(cfg: Config, device: torch.device, work: dict[str, list[SlotWork]],
     """Each kind's items timed in alternating order, after a warm-up each (which compiles what it needs)."""
     job = build_job(cfg, device)
     seconds: dict[str, list[float]] = {k: [] for k in work}
+    cpu_seconds: dict[str, list[float]] = {k: [] for k in work}
     frames: dict[str, int] = {}
     job.adapter.prepare(0)  # the FFN bases, before anything is timed
     for kind, items in work.items():  # warm-up: compiles the exact graph (and its dynamic-batch twin)
@@ -103,9 +106,12 @@ def _measure(cfg: Config, device: torch.device, work: dict[str, list[SlotWork]],
         frames[kind] = compile_stats().get("graphs", 0) - before
     for r in range(repeats):
         for kind in (list(work) if r % 2 == 0 else list(work)[::-1]):
-            seconds[kind].append(_timed(device, lambda: job.gradient_sums(1 + r, work[kind])))
+            wall, cpu = _timed(device, lambda: job.gradient_sums(1 + r, work[kind]))
+            seconds[kind].append(wall)
+            cpu_seconds[kind].append(cpu)
     path = getattr(job.adapter, "approx_path", None)
     return {"seconds": seconds, "median_s": {k: statistics.median(v) for k, v in seconds.items()},
+            "cpu_seconds": cpu_seconds, "median_cpu_s": {k: statistics.median(v) for k, v in cpu_seconds.items()},
             "graphs_compiled_in_warmup": frames, "approx_compiled": bool(path is not None and path.compiled),
             "approx_fallback": None if path is None else path.fallback_reason,
             **({"peak_memory_bytes": torch.cuda.max_memory_allocated(device)} if device.type == "cuda" else {})}
@@ -137,7 +143,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         flop_ratio = flops[name] / flops["normal"]
         time_ratio = {c: r["median_s"][name] / r["median_s"]["normal"] for c, r in runs.items()}
         of_minima = {c: min(r["seconds"][name]) / min(r["seconds"]["normal"]) for c, r in runs.items()}
+        cpu = {c: r["median_cpu_s"][name] / r["median_cpu_s"]["normal"] for c, r in runs.items()}
         policies[name] = {"flop_ratio": flop_ratio, "time_ratio": time_ratio, "time_ratio_of_minima": of_minima,
+                          **({"cpu_time_ratio": cpu} if device.type == "cpu" else {}),
                           "time_over_flop_ratio": {c: t / flop_ratio for c, t in time_ratio.items()},
                           "flop_ratio_with_svd": (flops[name] + (svd if approximates[name] else 0.0)) / flops["normal"]}
     result = {
@@ -163,7 +171,8 @@ def _print(a: argparse.Namespace, device: torch.device, work: dict[str, list[Slo
         print(f" compile {c}{approx}")
         for kind, items in work.items():
             p = result["policies"].get(kind)
-            ratios = f"time x{p['time_ratio'][c]:.3f}  flops x{p['flop_ratio']:.3f}" if p else ""
-            print(f"  {kind:>13}: {median[kind] * 1e3:8.1f} ms {ratios:>28}  graphs compiled first "
+            cpu = f"  cpu x{p['cpu_time_ratio'][c]:.3f}" if p and "cpu_time_ratio" in p else ""
+            ratios = f"time x{p['time_ratio'][c]:.3f}{cpu}  flops x{p['flop_ratio']:.3f}" if p else ""
+            print(f"  {kind:>13}: {median[kind] * 1e3:8.1f} ms {ratios:>42}  graphs compiled first "
                   f"{run['graphs_compiled_in_warmup'][kind]}  items {slot_rows(items)}")
     print(f"wrote {a.out}")
