@@ -260,8 +260,12 @@ class Trainer:
         for step in range(start, steps):
             reduced, _ = self.protocol.run_step(step)
             view, done = self.protocol.view, step + 1
+            requested, stop_at = self.store.stop_point()  # a preemption: read after the step's reduction
+            stop = stop_at is not None and done >= stop_at  # every member stops after the same step
             due = self.schedule.due(done)  # every member runs the schedule: a new leader goes on in step
-            lr, grad_norm = self.protocol.layout.apply(step, view, self.protocol.group, reduced, last=done == steps)
+            due = "step" if stop else due  # the final checkpoint of a stopped job
+            lr, grad_norm = self.protocol.layout.apply(step, view, self.protocol.group, reduced,
+                                                       last=done == steps or stop)
             self.protocol.announced(reduced)  # whether this step's boundary admits joiners: every member alike
             if view.leader == self.spec.worker:
                 self.m.applied(view.gen, view.step, done)  # how far the job got (agents' faults, the launcher)
@@ -294,6 +298,11 @@ class Trainer:
                 if self.checkpointer is not None:
                     with self.m.busy():
                         self.checkpointer.handover()  # stopped leading: commit the save begun while leading
+            if stop:
+                steps = done
+                break
+            if requested and stop_at is None and view.leader == self.spec.worker:
+                self.store.agree_stop(done + 1)  # before the next step's reduction, which every member needs
             if done < steps:
                 self.protocol.admit_joiners(done)
         self.steps_trained = steps - start

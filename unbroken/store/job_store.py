@@ -474,6 +474,22 @@ class JobStore(StandbyKeys, WorkerKeys):
     def failure(self) -> str | None:
         return _opt(self.backend, "failed")
 
+    def request_stop(self) -> None:
+        """Ask the job to stop early with a final checkpoint (a preemption): the view's leader then picks the
+        step every member stops after (:meth:`agree_stop`)."""
+        self.backend.compare_set("stop/request", "", "1")
+
+    def agree_stop(self, steps: int) -> int:
+        """The job stops once ``steps`` steps are applied, unless a step was agreed already; returns the agreed
+        one. Only the view's leader calls it, before the next step's reduction: a member reads it after that
+        reduction completed, so none has passed it."""
+        return int(self.backend.compare_set("stop/at", "", str(steps)).decode())
+
+    def stop_point(self) -> tuple[bool, int | None]:
+        """Whether a stop was requested, and the steps after which the job stops (None: not agreed yet)."""
+        requested, at = self.backend.peek(["stop/request", "stop/at"])
+        return bool(requested), int(at) if at else None
+
     def finished(self) -> bool:
         """Done or failed."""
         return self.backend.check(["done"]) or self.backend.check(["failed"])
