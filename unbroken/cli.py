@@ -105,6 +105,11 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
         print(f"unbroken train: {failure}", file=sys.stderr)
         return 1
     console.summary(summary)
+    if summary.get("preempted_after_step") is not None:  # a SIGTERM/SIGUSR1: requeue and --resume
+        from unbroken.agent.preemption import EXIT_PREEMPTED, preempted_message
+
+        print(f"unbroken train: {preempted_message(out, summary['preempted_after_step'])}", file=sys.stderr)
+        return EXIT_PREEMPTED
     return 0
 
 

@@ -317,7 +317,10 @@ def test_sigterm_stops_the_agent_and_its_workers(job: Job) -> None:
     agent = job.agent()
     pids = job.started(0, 1)
     os.kill(pids[1], signal.SIGSTOP)  # a stopped worker must be stopped too
-    agent.send_signal(signal.SIGTERM)
+    agent.send_signal(signal.SIGTERM)  # the first asks the job to stop with a final checkpoint
+    until(lambda: job.events(event="preempt_requested"), 10.0)
+    assert job.store.stop_point() == (True, None), "asked; only the view's leader agrees the step"
+    agent.send_signal(signal.SIGTERM)  # the second stops at once
     assert agent.wait(timeout=15) == 128 + signal.SIGTERM
     assert "interrupted by SIGTERM" in job.output(agent)
     assert not any(alive(p) for p in pids.values())

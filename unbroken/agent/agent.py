@@ -10,7 +10,8 @@ home slot is ``w``; the job has ``N*W``)::
         [--startup-liveness-s S] [--startup-deadline-s S]
 
 (also ``unbroken agent``). Exit 0: the job is done. 1: the job failed, the
-store was lost; 130/143: interrupted. 2: refused to start (store unreachable,
+store was lost; 75: preempted, the final checkpoint committed (:mod:`unbroken.agent.preemption`);
+130/143: interrupted. 2: refused to start (store unreachable,
 node rank taken, config differs).
 
 The store keys an agent reads and writes, the files it keeps in the run
@@ -60,6 +61,7 @@ from unbroken.agent.restarts import Restarts
 from unbroken.agent.template_client import Template, TemplateFailed
 from unbroken.agent.rendezvous import NodeRegistration, StartRefused, wait_for_lost_node
 from unbroken.agent.options import AgentOptions
+from unbroken.agent.preemption import EXIT_PREEMPTED, PREEMPT_SIGNALS, preempted_message
 from unbroken.faults.injector import NodeFaults, workers_of
 from unbroken.store.job_store import JobStore
 from unbroken.store.backend import SECRET_ENV, StoreAccessDenied, is_etcd_address, job_secret
@@ -145,6 +147,10 @@ class Agent:
         secret and the store's launch id (:meth:`join_store`)."""
         self.interrupted: int | None = None
         """The signal that interrupted the agent (:meth:`interrupt`); its loop stops at its next tick."""
+        self.preempted: tuple[int, float] | None = None
+        """The first SIGTERM/SIGUSR1 and when (:mod:`unbroken.agent.preemption`): the job is asked to stop."""
+        self._stop_asked = False
+        self._stopped_after: int | None = None  # a preempted job's last step, once it is done
         self.rdv: NodeRegistration | None = None
         self._server: JobStore | None = None  # with --host-store: the store lives in this process
         self._node: Node | None = None  # the node's record, once the job's config is taken
@@ -152,7 +158,11 @@ class Agent:
         self._spare_since: float | None = None  # a spare: when it began to wait for a lost node
 
     def interrupt(self, signum: int) -> None:
-        """A signal asks the agent to stop (called from its handler): the loop raises at its next tick."""
+        """A signal asks the agent to stop (called from its handler): the loop raises at its next tick. The
+        first SIGTERM or SIGUSR1 asks the job to stop with a final checkpoint instead (``--preempt-grace-s``)."""
+        if signum in PREEMPT_SIGNALS and self.opts.preempt_grace_s > 0 and self.preempted is None:
+            self.preempted = (signum, time.monotonic())
+            return
         self.interrupted = signum
 
     def _origin(self) -> str:
@@ -200,7 +210,11 @@ class Agent:
                 return 0
             node.progress = max(node.read_progress(), view.step)
             parts = self._start_node(node, rdv, view, job_cfg, limits, restorer)
-            return self._loop(parts, hb_timeout)
+            code = self._loop(parts, hb_timeout)
+            if code == 0 and self._stopped_after is not None:
+                raise AgentError(f"node {self.node}: {preempted_message(self.run_dir, self._stopped_after)}",
+                                 EXIT_PREEMPTED)
+            return code
         except StartRefused as exc:
             raise AgentError(str(exc), 2) from None
         except TemplateFailed as exc:
@@ -291,9 +305,13 @@ class Agent:
         self.log.info("spare node: waiting for a lost node (template %s)",
                       "starting" if self.template is not None else "off")
         self._spare_since = time.monotonic()
+        def interrupted() -> bool:  # a spare holds no state: a preemption stops it at once
+            self.interrupted = self.interrupted or (self.preempted[0] if self.preempted is not None else None)
+            return self.interrupted is not None
+
         try:
             node = wait_for_lost_node(store, nnodes=self.opts.nnodes, workers_per_node=self.opts.workers_per_node,
-                                      pid_dir=self.run_dir / "pids", interrupted=lambda: self.interrupted is not None)
+                                      pid_dir=self.run_dir / "pids", interrupted=interrupted)
         except StartRefused as exc:
             raise AgentError(str(exc), 128 + (self.interrupted or 0)) from None
         if node is None:
@@ -360,6 +378,8 @@ class Agent:
         next_status = next_fence = 0.0
         while True:
             now = time.monotonic()
+            if self.preempted is not None and node.done_at is None:
+                self._preempt(node, now)
             if self.interrupted is not None:
                 name = signal.Signals(self.interrupted).name
                 raise AgentError(f"node {self.node}: interrupted by {name}; workers stopped", 128 + self.interrupted)
@@ -389,6 +409,20 @@ class Agent:
             armed = parts.faults.armed() or restorer.busy()
             waker.sleep(max(LOOP_S if armed else IDLE_S, store.poll_s))
 
+    def _preempt(self, node: Node, now: float) -> None:
+        """Ask the job to stop with a final checkpoint (once); past ``--preempt-grace-s`` stop at once."""
+        assert self.preempted is not None
+        signum, since = self.preempted
+        if not self._stop_asked:
+            self._stop_asked = True
+            node.store.request_stop()
+            name = signal.Signals(signum).name
+            node.event("preempt_requested", None, signal=name, grace_s=self.opts.preempt_grace_s)
+            self.log.warning("%s: the job stops after the next step with a final checkpoint (a second signal, or "
+                             "%.0f s without it, stops at once)", name, self.opts.preempt_grace_s)
+        if now - since > self.opts.preempt_grace_s:
+            self.interrupted = signum
+
     def _status(self, parts: _Parts, now: float) -> int | None:
         """Follow ``done`` / ``failed``; an exit code once this agent's part is over."""
         node, store = parts.node, parts.node.store
@@ -400,6 +434,7 @@ class Agent:
             node.gen = store.gen()
         if node.done_at is None and store.is_done():
             node.done_at = now
+            self._stopped_after = store.stop_point()[1]  # a preemption's step: the job stopped early
             self.restarts.clear()
             parts.starter.stop_standby()
             self.log.info("the job is done; waiting for %d worker(s) to exit", len(node.workers))

@@ -1,8 +1,8 @@
 """Run one node's agent as a process: ``python -m unbroken.agent.command`` (or ``unbroken agent``).
 
 The supervisor itself is :class:`unbroken.agent.agent.Agent`; this module owns
-the process around it: arguments, logging, and SIGTERM/SIGINT, which stop the
-agent and its workers.
+the process around it: arguments, logging, and signals: SIGINT stops the agent and
+its workers; SIGTERM and SIGUSR1 stop the job with a final checkpoint (a second one at once).
 """
 
 from __future__ import annotations
@@ -69,7 +69,8 @@ def prestart_template(argv: Sequence[str] | None) -> Template | None:
 
 def run_agent(opts: AgentOptions, *, worker_cmd: Sequence[str] | None = None,
               template: Template | None = None) -> int:
-    """Run an agent in this process (main thread): SIGTERM/SIGINT stop it and its workers.
+    """Run an agent in this process (main thread): SIGINT stops it and its workers; the first SIGTERM or
+    SIGUSR1 stops the job with a final checkpoint (:mod:`unbroken.agent.preemption`), a second one at once.
 
     Returns:
         0 when the job is done.
@@ -83,7 +84,7 @@ def run_agent(opts: AgentOptions, *, worker_cmd: Sequence[str] | None = None,
     def on_signal(signum: int, frame: Any) -> None:
         agent.interrupt(signum)
 
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
     try:
         with watch_job(opts.run_dir, enabled=opts.host_store) as watch:  # under a scheduler node 0 runs the monitor
             code = agent.run()

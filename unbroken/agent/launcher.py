@@ -32,6 +32,7 @@ import copy
 import json
 import os
 import logging
+import signal
 import subprocess
 import sys
 import time
@@ -44,6 +45,7 @@ from unbroken.agent.agent_server import ServedAgent, agent_server
 from unbroken.agent.events import EventMerger
 from unbroken.agent.launch_checks import check_launch
 from unbroken.agent.options import RESTART_POLICIES
+from unbroken.agent.preemption import PreemptSignals
 from unbroken.config import Config
 from unbroken.faults.fail_at import FaultSpec, parse_fail_at, trace_to_faults, write_fault_plan
 from unbroken.faults.injector import check_faults
@@ -182,16 +184,21 @@ def _launch(host: StoreHost, cfg: Config, run_dir: Path, *, overwrite: bool, res
     if plan is not None:
         write_fault_plan(plan, specs)
     t0 = time.time()
-    with watch_job(run_dir):  # the job's monitor process (unbroken.monitor): sinks and alerts, off the workers' path
+    # The job's monitor process (unbroken.monitor): sinks and alerts, off the workers' path; a SIGTERM/SIGUSR1
+    # stops the job with a final checkpoint (unbroken.agent.preemption).
+    with watch_job(run_dir), PreemptSignals() as preempt:
         restarts = _run_attempts(host, cfg, run_dir, on_record, resume_from, on_event=on_event, nodes=nodes,
                                  workers_per_node=workers_per_node, restart=restart, fault_plan=plan, standby=standby,
                                  secret=secret, replace_lost_nodes_s=replace_lost_nodes_s, spare_nodes=spare_nodes,
-                                 store_faults=store_faults,
+                                 store_faults=store_faults, preempt=preempt,
                                  resume_memory=resume and not mode.restarts_job)
+        preempted_after = host.store.stop_point()[1]
     summary = summarise(run_dir, cfg, info, time.time() - t0, resume_from, nodes=nodes, t0=t0)
     if mode.restarts_job:
         summary["job_restarts"] = restarts
         summary["steps_redone"] = sum(r["failed_at_step"] - r["restarted_from_step"] for r in restarts)
+    if preempted_after is not None:  # a SIGTERM/SIGUSR1 stopped the job with a final checkpoint
+        summary["preempted_after_step"] = preempted_after
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
 
@@ -234,7 +241,8 @@ def _run_attempts(host: StoreHost, cfg: Config, run_dir: Path, on_record: Callab
 def _attempt(store: JobStore, addr: str, cfg: Config, run_dir: Path,
              on_record: Callable[[dict[str, Any]], None] | None, *,
              on_event: Callable[[dict[str, Any]], None] | None = None, replace_lost_nodes_s: float | None = None,
-             spare_nodes: int = 0, store_faults: StoreFaults | None = None, **agent_args: Any) -> str | None:
+             spare_nodes: int = 0, store_faults: StoreFaults | None = None, preempt: PreemptSignals | None = None,
+             **agent_args: Any) -> str | None:
     """Run the agents until done (None), failed (message) or, under checkpoint-restart, a death."""
     agents: list[subprocess.Popen[bytes]] = []
     replacer = None
@@ -250,7 +258,7 @@ def _attempt(store: JobStore, addr: str, cfg: Config, run_dir: Path,
                 for _ in range(spare_nodes):
                     replacer.spares.append(replacer.spawn(-1))
             return _supervise(agents, store, run_dir, cfg, on_record, events=events, on_event=on_event,
-                              replacer=replacer, store_faults=store_faults)
+                              replacer=replacer, store_faults=store_faults, preempt=preempt)
         except dist.DistStoreError as exc:
             raise StoreLost(store_lost_message(str(exc).splitlines()[0], addr, run_dir)) from None
         finally:
@@ -328,7 +336,8 @@ def _spawn_agent(node: int, cfg: Config, run_dir: Path, store_addr: str, *, node
 def _supervise(agents: list[subprocess.Popen[bytes]], store: JobStore, run_dir: Path, cfg: Config,
                on_record: Callable[[dict[str, Any]], None] | None, *, events: EventMerger | None = None,
                on_event: Callable[[dict[str, Any]], None] | None = None,
-               replacer: NodeReplacer | None = None, store_faults: StoreFaults | None = None) -> str | None:
+               replacer: NodeReplacer | None = None, store_faults: StoreFaults | None = None,
+               preempt: PreemptSignals | None = None) -> str | None:
     """Follow the job to its end; returns ``None`` when done, else the failure message.
 
     Every poll hands the new metrics records to ``on_record`` and merges the new events (``events``)
@@ -345,6 +354,8 @@ def _supervise(agents: list[subprocess.Popen[bytes]], store: JobStore, run_dir: 
             committed, last_progress = progress, now
         if store_faults is not None:
             store_faults.tick(progress)
+        if preempt is not None and preempt.signum is not None and not store.is_done():
+            store.request_stop()  # asked again each poll until done: a compare-and-set, idempotent
         failure = store.failure()
         if failure is not None:
             return failure
@@ -390,10 +401,11 @@ def _emit(tail: JsonlTail, on_record: Callable[[dict[str, Any]], None] | None, e
 
 
 def _stop_agents(agents: list[subprocess.Popen[bytes]]) -> None:
-    """SIGTERM (an agent then stops its workers), SIGKILL after the grace period."""
+    """SIGINT (an agent then stops its workers at once: its SIGTERM would stop the job with a final checkpoint),
+    SIGKILL after the grace period."""
     for a in agents:
         if a.poll() is None:
-            a.terminate()
+            a.send_signal(signal.SIGINT)
     deadline = time.monotonic() + AGENT_GRACE_S
     for a in agents:
         try:

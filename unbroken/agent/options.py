@@ -53,6 +53,10 @@ class AgentOptions:
     startup_deadline_s: float | None = None
     """A worker (or standby) that has not beaten (or is not ready) this long after it started is fenced and
     replaced; None: ``timeout_s``."""
+    preempt_grace_s: float = 60.0
+    """The first SIGTERM/SIGUSR1 stops the job after an agreed step with a final checkpoint
+    (:mod:`unbroken.agent.preemption`); this long without it, the agent stops at once. 0: a signal stops it at
+    once."""
     spare: bool = False
     """A spare node: start, import and prepare (its template too), then take the rank of the first node whose
     agent and workers are known dead (``node_rank`` is -1 until then)."""
@@ -136,6 +140,10 @@ def add_agent_args(ap: argparse.ArgumentParser) -> None:
                     help="resume from the nodes' snapshot memory where it is newer than --resume")
     ap.add_argument("--timeout-s", type=float, default=30.0, help="store connection and start-up timeout")
     ap.add_argument("--grace-s", type=float, default=10.0, help="SIGTERM -> SIGKILL grace for workers")
+    ap.add_argument("--preempt-grace-s", type=float, default=60.0,
+                    help="the first SIGTERM/SIGUSR1 stops the job after the next step with a final checkpoint and "
+                         "exit code 75 (requeue and --resume); a second signal, or this long without the "
+                         "checkpoint, stops at once (default 60; 0: a signal stops at once)")
     ap.add_argument("--host-store", action="store_true",
                     help="node 0 on a cluster without the launcher: host the store at --store's port")
     ap.add_argument("--startup-liveness-s", type=float, default=None,
@@ -183,5 +191,5 @@ def options_from(a: argparse.Namespace, env: Mapping[str, str] | None = None) ->
     return AgentOptions(**placed, nnodes=a.nnodes, workers_per_node=a.workers_per_node, run_dir=a.run_dir,
                         restart=a.restart, restart_delay_s=a.restart_delay_s, fail_at=a.fail_at,
                         faults_trace=a.faults_trace, faults_file=a.faults_file, standby=a.standby,
-                        timeout_s=a.timeout_s, grace_s=a.grace_s,
+                        timeout_s=a.timeout_s, grace_s=a.grace_s, preempt_grace_s=a.preempt_grace_s,
                         startup_liveness_s=a.startup_liveness_s, startup_deadline_s=a.startup_deadline_s)
