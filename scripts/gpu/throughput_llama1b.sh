@@ -9,7 +9,7 @@
 #      checkpoint, which took 90 s on a GPU machine's disk (outside the measured steps either way);
 #   2. fused AdamW bit-identical across workers, directly and through apply_step (scripts/gpu/fused_adamw.py);
 #   3. the CUDA-only tests (placement, staging, auto snapshots staged on the device, completion);
-#   4. `unbroken bench takeover` at the same shape: a covering worker's step (approximate items eager) against a
+#   4. `unbroken bench takeover` at the same shape: a covering worker's step (compile off and on) against a
 #      normal worker's (compiled), per takeover policy;
 #   5. a llama-1b snapshot's copy and write alone, as a worker of 8 and of 1 per node (snapshot_llama1b.py),
 #      then again with the pinned memory registered on 8 threads (the first snapshot's allocation);
