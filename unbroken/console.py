@@ -185,6 +185,8 @@ def _exit_how(ev: Record) -> str:
 
 
 def _fault_injected(ev: Record, state: RunState) -> str:
+    if ev.get("by") == "worker":  # a gray failure (slow, bitflip, nan) the worker inflicts on itself
+        return f"fault {ev.get('spec', '?')} injected by worker {ev.get('worker')} at step {ev.get('step')}"
     targets = ev.get("targets") or []
     to = f"workers {_ids(targets)}" if len(targets) != 1 else f"worker {targets[0]}"
     by = " by chaos" if ev.get("by") == "chaos" else ""

@@ -147,7 +147,7 @@ def _setup(context: StepLogContext, faults: tuple[FaultSpec, ...]) -> Callable[[
     def setup(trainer: Trainer) -> None:
         context.trainer = trainer
         if faults:
-            PhaseFaults(faults, trainer.events.write).install(trainer.protocol.on)
+            PhaseFaults(faults, trainer.events.write, trainer.job.model).install(trainer.protocol.on)
     return setup
 
 

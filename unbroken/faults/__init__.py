@@ -3,8 +3,9 @@
 Traces (``traces``) say which worker is down at which step, drawn from a seeded
 failure model (its regimes in ``trace_presets``) whose long-run fractions
 ``analytics`` computes; specs (``fail_at``) say which process to kill, stop or
-terminate at which step; ``injector`` schedules them. Those three are pure
-data. ``chaos`` is the one module that acts: it sends real signals to a running
+terminate at which step, or which worker to make slow or silently wrong (a
+gray failure, which ``gray`` inflicts from inside the worker); ``injector``
+schedules them. Those three are pure data. ``chaos`` is the one module that acts: it sends real signals to a running
 job's processes (``unbroken chaos``); importing the package does not load it.
 """
 

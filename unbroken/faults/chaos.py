@@ -12,8 +12,9 @@ failing machine) next to a job started by ``unbroken train``:
   SIGKILLed agent takes its workers with it anyway; a stopped node is
   continued as a whole after ``for=``.
 
-Not supported, with an error up front: ``phase=`` and ``block`` (only the worker itself
-knows where in a step it is: use ``unbroken train --fail-at``) and ``back=``
+Not supported, with an error up front: ``phase=``, ``block`` and the gray failures
+``slow``, ``bitflip`` and ``nan`` (only the worker itself knows where in a step it
+is: use ``unbroken train --fail-at``) and ``back=``
 (restarts are the agent's: its restart policy brings a killed worker back).
 
 Invariants: a signal goes only to a pid that a pid file names at that moment
@@ -32,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from unbroken.faults.fail_at import FaultSpec, format_fail_at, parse_fail_at
+from unbroken.faults.fail_at import GRAY, FaultSpec, format_fail_at, parse_fail_at
 from unbroken.faults.injector import signal_for, workers_of
 from unbroken.jsonl import JsonlTail, JsonlWriter
 
@@ -45,7 +46,10 @@ def check_chaos_specs(specs: tuple[FaultSpec, ...]) -> None:
     """Raises ValueError naming every spec the chaos tool cannot carry out."""
     problems = []
     for s in specs:
-        if s.phase != "any" or s.how == "block":
+        if s.how in GRAY:
+            problems.append(f"{format_fail_at([s])}: {s.how} acts inside the worker's step (its compute, its "
+                            f"gradient or parameters); use unbroken train --fail-at")
+        elif s.phase != "any" or s.how == "block":
             problems.append(f"{format_fail_at([s])}: phase= and block need the worker itself; "
                             f"use unbroken train --fail-at")
         if s.back_step is not None:

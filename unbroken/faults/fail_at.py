@@ -29,7 +29,16 @@ Fields of an item, in any order:
   after the last step (``step`` = the run's step count), the leader's final
   checkpoint begun and not committed yet);
 * ``for=SECONDS`` (only with ``stop``): send SIGCONT after that long; absent
-  means the process stays stopped.
+  means the process stays stopped. With ``slow``: ``for=STEPS``, see below.
+* gray failures, worker targets only, each at points of the step it chooses
+  itself (no ``phase=``, no ``back=``: the worker does not die of them):
+  ``slow:factor=F`` (``F`` > 1): the worker's compute (forward and backward)
+  takes ``F`` times as long from ``step`` on, for ``for=STEPS`` steps
+  (integer >= 1) or to the end; it ends with the worker's process.
+  ``bitflip:target=grad|param``: one bit of one element of the worker's local
+  gradient (after its backward) or parameters (before its forward) flipped
+  during ``step``; ``nan``: one element of the worker's local gradient set to
+  NaN during ``step`` (:mod:`unbroken.faults.gray`).
 * ``back=STEP`` (optional, > ``step``): the failed worker(s) come back once the
   job has committed ``STEP`` steps (an absolute step, like ``step``); the
   agent restarts them as joiners then. Not with ``node=I:kill``: a killed
@@ -49,7 +58,7 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 from unbroken.faults.traces import FailureTrace
 
@@ -57,13 +66,17 @@ __all__ = ["FaultSpec", "fail_at", "format_fail_at", "parse_fail_at", "read_faul
            "write_fault_plan"]
 
 Target = Literal["worker", "node", "store"]
-How = Literal["kill", "stop", "term", "block"]
+How = Literal["kill", "stop", "term", "block", "slow", "bitflip", "nan"]
+Tensor = Literal["grad", "param"]
 Phase = Literal["forward", "backward", "allreduce", "update", "allgather", "confirm", "restore", "finish", "any"]
 
 _TARGETS: tuple[str, ...] = get_args(Target)
 _HOWS: tuple[str, ...] = get_args(How)
 _PHASES: tuple[str, ...] = get_args(Phase)
-_KEYS = ("step", "worker", "node", "store", "how", "phase", "for", "back")
+_TENSORS: tuple[str, ...] = get_args(Tensor)
+GRAY: tuple[str, ...] = ("slow", "bitflip", "nan")
+"""The kinds of a worker that neither dies nor hangs: it is slow, or silently wrong."""
+_KEYS = ("step", "worker", "node", "store", "how", "phase", "for", "back", "factor", "target")
 
 
 def _is_int(x: object) -> bool:
@@ -81,12 +94,16 @@ class FaultSpec:
             and all its workers).
         index: worker or node number (>= 0).
         how: ``"kill"`` (SIGKILL), ``"stop"`` (SIGSTOP, a hang), ``"term"`` (SIGTERM),
-            ``"block"`` (the main thread blocks; worker targets only).
+            ``"block"`` (the main thread blocks; worker targets only); gray failures
+            (worker targets only): ``"slow"``, ``"bitflip"``, ``"nan"``.
         phase: part of the step in which to fire; ``"any"`` leaves it to the injector.
         duration_s: for ``stop`` only: send SIGCONT after this many seconds;
             ``None`` = stay stopped.
         back_step: restart the failed worker(s) once this many steps are
             committed (> ``step``); ``None`` = the agent's restart policy decides.
+        factor: for ``slow`` only (required): the compute takes this many times as long (> 1).
+        for_steps: for ``slow`` only: it lasts this many steps (>= 1); ``None`` = to the end.
+        tensor: for ``bitflip`` only (required): ``"grad"`` or ``"param"``.
     """
 
     step: int
@@ -96,6 +113,9 @@ class FaultSpec:
     phase: Phase = "any"
     duration_s: float | None = None
     back_step: int | None = None
+    factor: float | None = None
+    for_steps: int | None = None
+    tensor: Tensor | None = None
 
     def __post_init__(self) -> None:
         problems = _spec_problems(self)
@@ -132,6 +152,33 @@ def _spec_problems(s: FaultSpec) -> list[str]:
                             "drop back= or use worker= targets")
     if s.target == "store" and (s.how != "kill" or s.phase != "any" or s.back_step is not None):
         problems.append(f"store={s.index}: a store target takes kill only, with no phase= or back=")
+    return problems + _gray_problems(s)
+
+
+def _gray_problems(s: FaultSpec) -> list[str]:
+    """The fields of a gray failure (``slow``, ``bitflip``, ``nan``) and the fields only they take."""
+    problems = []
+    if s.how in GRAY:
+        if s.target != "worker":
+            problems.append(f"how={s.how}: a gray failure is one worker's; use worker=I")
+        if s.phase != "any" or s.back_step is not None:
+            problems.append(f"how={s.how}: picks its own points of the step and kills nobody; drop phase= and back=")
+    if s.how == "slow":
+        if isinstance(s.factor, bool) or not (isinstance(s.factor, (int, float)) and 1 < s.factor < math.inf):
+            problems.append(f"factor={s.factor!r}: expected a finite number > 1 (the compute takes factor times "
+                            "as long)")
+    elif s.factor is not None:
+        problems.append(f"factor={s.factor!r}: only how=slow takes a factor; drop it or use slow")
+    if s.for_steps is not None:
+        if s.how != "slow":
+            problems.append(f"for_steps={s.for_steps!r}: only how=slow lasts a number of steps")
+        elif not (_is_int(s.for_steps) and s.for_steps >= 1):
+            problems.append(f"for={s.for_steps!r}: expected an integer number of steps >= 1")
+    if s.how == "bitflip":
+        if s.tensor not in _TENSORS:
+            problems.append(f"target={s.tensor!r}: expected one of {', '.join(_TENSORS)}")
+    elif s.tensor is not None:
+        problems.append(f"target={s.tensor!r}: only how=bitflip takes a target tensor; drop it or use bitflip")
     return problems
 
 
@@ -144,8 +191,12 @@ def fail_at(
     phase: str = "any",
     duration_s: float | None = None,
     back: int | None = None,
+    factor: float | None = None,
+    for_steps: int | None = None,
+    tensor: str | None = None,
 ) -> FaultSpec:
-    """Build a ``FaultSpec`` for tests: ``fail_at(step=5, worker=1, how="kill", back=9)``.
+    """Build a ``FaultSpec`` for tests: ``fail_at(step=5, worker=1, how="kill", back=9)``,
+    ``fail_at(step=3, worker=0, how="slow", factor=3.0, for_steps=4)``.
 
     Raises:
         ValueError: not exactly one of ``worker`` / ``node``, or an invalid field.
@@ -158,7 +209,8 @@ def fail_at(
     index = worker if worker is not None else node
     assert index is not None
     return FaultSpec(step=step, target=target, index=index, how=how, phase=phase,  # type: ignore[arg-type]
-                     duration_s=duration_s, back_step=back)
+                     duration_s=duration_s, back_step=back, factor=factor, for_steps=for_steps,
+                     tensor=tensor)  # type: ignore[arg-type]
 
 
 def _parse_int(item: str, key: str, value: str, problems: list[str]) -> int | None:
@@ -231,7 +283,10 @@ def _parse_item(
     if phase not in _PHASES:
         problems.append(f"item {item!r}: phase={phase!r}; expected one of {', '.join(_PHASES)}")
     duration_s = None
-    if "for" in fields:
+    gray = _parse_gray(item, how, fields, problems)
+    if "for" in fields and how == "slow":
+        pass  # a number of steps (_parse_gray)
+    elif "for" in fields:
         try:
             duration_s = float(fields["for"])
         except ValueError:
@@ -252,11 +307,54 @@ def _parse_item(
 
     if targets == ["store"] and (how != "kill" or phase != "any" or back is not None):
         problems.append(f"item {item!r}: a store target takes kill only, with no phase= or back=")
+    elif how in GRAY and targets and targets != ["worker"]:
+        problems.append(f"item {item!r}: {how} is one worker's gray failure; use worker=I")
+    if how in GRAY and ("phase" in fields or "back" in fields):
+        problems.append(f"item {item!r}: {how} picks its own points of the step and kills nobody; "
+                        "drop phase= and back=")
     if len(problems) > before:
         return None
     assert step is not None and index is not None
     return FaultSpec(step=step, target=targets[0], index=index, how=how, phase=phase,  # type: ignore[arg-type]
-                     duration_s=duration_s, back_step=back)
+                     duration_s=duration_s, back_step=back, **gray)
+
+
+def _parse_gray(item: str, how: str, fields: dict[str, str], problems: list[str]) -> dict[str, Any]:
+    """The gray failure's fields of one item (``factor``, ``for`` in steps, ``target``), appending problems."""
+    out: dict[str, Any] = {}
+    if how == "slow":
+        if "factor" not in fields:
+            problems.append(f"item {item!r}: slow needs factor=F; expected a finite number > 1")
+        else:
+            try:
+                factor = float(fields["factor"])
+            except ValueError:
+                factor = math.nan
+            if not 1 < factor < math.inf:
+                problems.append(f"item {item!r}: factor={fields['factor']!r}; expected a finite number > 1 "
+                                "(the compute takes factor times as long)")
+            out["factor"] = factor
+        if "for" in fields:
+            try:
+                n = int(fields["for"])
+            except ValueError:
+                n = 0
+            if n < 1:
+                problems.append(f"item {item!r}: for={fields['for']!r}; with slow, expected an integer number "
+                                "of steps >= 1")
+            out["for_steps"] = n
+    elif "factor" in fields:
+        problems.append(f"item {item!r}: factor={fields['factor']!r} only applies to slow; drop it or use slow")
+    if how == "bitflip":
+        tensor = fields.get("target")
+        if tensor not in _TENSORS:
+            got = "missing" if tensor is None else f"target={tensor!r}"
+            problems.append(f"item {item!r}: bitflip needs target=grad or target=param ({got})")
+        out["tensor"] = tensor
+    elif "target" in fields:
+        problems.append(f"item {item!r}: target={fields['target']!r} only applies to bitflip; drop it or use "
+                        "bitflip")
+    return out
 
 
 def parse_fail_at(
@@ -298,6 +396,12 @@ def format_fail_at(specs: Iterable[FaultSpec]) -> str:
             fields.append(f"phase={s.phase}")
         if s.duration_s is not None:
             fields.append(f"for={float(s.duration_s)!r}")  # repr round-trips a float exactly
+        if s.factor is not None:
+            fields.append(f"factor={float(s.factor)!r}")
+        if s.for_steps is not None:
+            fields.append(f"for={s.for_steps}")
+        if s.tensor is not None:
+            fields.append(f"target={s.tensor}")
         if s.back_step is not None:
             fields.append(f"back={s.back_step}")
         items.append(":".join(fields))

@@ -58,7 +58,10 @@ import signal
 from dataclasses import dataclass
 from typing import Any, Callable, Collection, Iterable
 
+import torch
+
 from unbroken.faults.fail_at import FaultSpec, format_fail_at
+from unbroken.faults.gray import GrayFaults, is_gray
 
 __all__ = ["DeathCause", "Injection", "NodeFaults", "PhaseFaults", "check_faults", "node_of", "signal_for",
            "workers_of"]
@@ -160,7 +163,8 @@ class NodeFaults:
         mine = [s for s in self.plan if s.step >= start_step and self._targets(s) and format_fail_at([s]) not in fired]
         # Stable sort keeps the user's order among specs of one step.
         # A block is the worker's own doing (no signal makes a main thread block): it fires in the worker.
-        by_signal = [s for s in mine if s.phase == "any" and s.how != "block"]
+        # So are the gray failures (slow, bitflip, nan: unbroken.faults.gray).
+        by_signal = [s for s in mine if s.phase == "any" and s.how in _SIGNALS]
         self._signals = sorted(by_signal, key=lambda s: s.step)
         self._phased = sorted((s for s in mine if s not in by_signal), key=lambda s: s.step)
         self._fired: dict[int, FaultSpec] = {}  # worker -> signal spec awaiting its death
@@ -234,6 +238,8 @@ class NodeFaults:
         both have begun, and only the one that fired is spent.)
         """
         spec = self._fired.pop(worker, None)
+        if spec is None:  # a gray failure kills nobody: a slow fault ends with the worker's process
+            self._phased = [s for s in self._phased if not (s.index == worker and is_gray(s) and s.step <= progress)]
         if spec is None and fired is not None:
             step, phase = fired
             for i, s in enumerate(self._phased):
@@ -256,19 +262,33 @@ class PhaseFaults:
 
     Installed from outside the runtime by the worker's entry point on the step
     protocol's hook points (``on(phase, hook)``); ``phase=any`` fires at
-    ``forward``.
+    ``forward``. Gray failures (slow, bitflip, nan) act on the worker's model
+    instead (:class:`~unbroken.faults.gray.GrayFaults`).
 
     Args:
         specs: this worker's phase specs.
         record: called with an event dict just before the signal is sent.
+        model: the worker's model; needed by gray failures only.
     """
 
-    def __init__(self, specs: Iterable[FaultSpec], record: Callable[[dict[str, Any]], None]) -> None:
-        self.specs = tuple(specs)
+    def __init__(self, specs: Iterable[FaultSpec], record: Callable[[dict[str, Any]], None],
+                 model: torch.nn.Module | None = None) -> None:
+        every = tuple(specs)
+        self.specs = tuple(s for s in every if not is_gray(s))
+        self.gray = tuple(s for s in every if is_gray(s))
         self.record = record
+        self.model = model
 
     def install(self, on: Callable[[Any, Callable[[int], None]], None]) -> None:
-        """Register a hook for every phase some spec names."""
+        """Register a hook for every phase some spec names.
+
+        Raises:
+            ValueError: gray failures without the worker's model.
+        """
+        if self.gray:
+            if self.model is None:
+                raise ValueError(f"fault {format_fail_at(self.gray)}: a gray failure needs the worker's model")
+            GrayFaults(self.gray, self.model, self.record).install(on)
         for phase in sorted({"forward" if s.phase == "any" else s.phase for s in self.specs}):
             on(phase, functools.partial(self._fire, phase))
 

@@ -157,7 +157,7 @@ def _rejoins(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     templates: dict[int, dict[str, Any]] = {}  # each node's last template_ready event
     out = []
     for e in sorted((e for e in events if "time" in e), key=lambda e: e.get("t", e["time"])):
-        if e.get("event") in ("fault_self", "worker_exit", "fault_injected"):
+        if e.get("event") in ("fault_self", "worker_exit", "fault_injected") and e.get("by") != "worker":
             hit = e.get("targets") if e.get("worker") is None else [e["worker"]]  # a node loss names targets
             for w in hit or []:
                 down_since.setdefault(w, e.get("t", e["time"]))
