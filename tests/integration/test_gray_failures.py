@@ -1,4 +1,5 @@
-"""Gray failures injected into a real job (CPU, gloo, 2 workers): a slow worker, a flipped bit, a NaN.
+"""Gray failures injected into a real job (CPU, gloo, 2 workers): a slow worker, a flipped bit, a NaN; and a
+process slowed from outside by ``unbroken chaos``.
 
 Nothing detects them yet: the job trains through a slow worker and applies a wrong
 or non-finite gradient like any other. Each scenario asserts that observable effect
@@ -7,14 +8,20 @@ and the worker's one ``fault_injected`` event with its detail.
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
+import subprocess
+import sys
+import threading
+from pathlib import Path
 
 import pytest
 import torch
 
 from _faults import Job, check_invariants, failover_config, run_job
 from _reference import checkpoint_params, reference_train
+from unbroken.faults.chaos import run_chaos
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -66,3 +73,49 @@ def test_bitflip_in_one_workers_gradient_changes_the_final_parameters(tmp_path, 
     # The run without the fault equals the reference to this tolerance (test_failover.py's first scenario).
     differ = [n for n in want if not torch.allclose(got[n], want[n], rtol=1e-4, atol=1e-5)]
     assert e["param"] in differ, f"the flipped element's parameter {e['param']} trained as without it"
+
+
+def _state(pid: int) -> str:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+def test_chaos_slows_a_running_process_until_its_steps_are_over(tmp_path):
+    """``unbroken chaos`` from outside: the process named by ``pids/w1`` is stopped part of every period from
+    progress 2 on, and left running once the progress reaches step + for."""
+    run_dir = tmp_path / "run"
+    (run_dir / "pids").mkdir(parents=True)
+    (run_dir / "config.json").write_text(json.dumps({"train": {"steps": 100}}))
+    metrics = run_dir / "metrics.jsonl"
+    metrics.write_text(json.dumps({"kind": "train", "step": 1}) + "\n")
+    proc = subprocess.Popen([sys.executable, "-c", "import time\nwhile True: time.sleep(0.001)"])
+    try:
+        (run_dir / "pids" / "w1").write_text(f"{proc.pid}\n")
+        events: list[dict] = []
+        seen = threading.Event()
+
+        def on_event(e: dict) -> None:
+            events.append(e)
+            seen.set()
+
+        chaos = threading.Thread(target=run_chaos, args=(run_dir, "step=2:worker=1:slow:factor=4:for=3"),
+                                 kwargs={"timeout_s": 120, "on_event": on_event})
+        chaos.start()
+        with metrics.open("a") as f:
+            f.write(json.dumps({"kind": "train", "step": 2}) + "\n")
+        assert seen.wait(60), "the slow fault fired at progress 2"
+        stopped = False
+        while not stopped and chaos.is_alive():  # waits for the state to be seen, not for a time
+            stopped = _state(proc.pid) == "T"
+        assert stopped, "the process was stopped part of the time"
+        with metrics.open("a") as f:
+            f.write(json.dumps({"kind": "train", "step": 5}) + "\n")
+        chaos.join(60)
+        assert not chaos.is_alive()
+        assert [(e["event"], e["spec"], e["pids"]) for e in events] == [
+            ("fault_injected", "step=2:worker=1:slow:factor=4.0:for=3", [proc.pid]),
+            ("fault_resumed", "step=2:worker=1:slow:factor=4.0:for=3", [proc.pid])]
+        assert events[0]["signal"] == "SIGSTOP" and events[0]["duty"] == 0.25
+        assert _state(proc.pid) != "T" and proc.poll() is None, "left running"
+    finally:
+        proc.kill()
+        proc.wait(10)

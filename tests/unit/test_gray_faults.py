@@ -82,9 +82,14 @@ def test_spec_construction_checks_the_same() -> None:
         fail_at(step=1, node=0, how="nan")
 
 
-def test_chaos_refuses_gray_kinds() -> None:
-    with pytest.raises(ValueError, match=r"step=1:worker=0:slow:factor=2.0: slow acts inside the worker's step"):
-        check_chaos_specs(parse_fail_at("step=1:worker=0:slow:factor=2"))
+def test_chaos_slows_a_worker_but_cannot_flip_its_bits() -> None:
+    check_chaos_specs(parse_fail_at("step=1:worker=0:slow:factor=2:for=3"))
+    with pytest.raises(ValueError) as e:
+        check_chaos_specs(parse_fail_at("step=1:worker=0:nan,step=2:worker=1:bitflip:target=param"))
+    assert str(e.value).splitlines()[1:] == [
+        "  step=1:worker=0:nan: nan changes the worker's own gradient or parameters; use unbroken train --fail-at",
+        "  step=2:worker=1:bitflip:target=param: bitflip changes the worker's own gradient or parameters; use "
+        "unbroken train --fail-at"]
 
 
 def test_the_agent_hands_gray_specs_to_the_worker_and_never_blames_them_for_a_death() -> None:

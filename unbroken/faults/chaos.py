@@ -12,9 +12,16 @@ failing machine) next to a job started by ``unbroken train``:
   SIGKILLed agent takes its workers with it anyway; a stopped node is
   continued as a whole after ``for=``.
 
+* ``worker=I:slow:factor=F[:for=N]`` slows that worker's process from outside,
+  as a CPU quota would: in every :data:`SLOW_PERIOD_S` it runs ``1/F`` of the
+  time and is stopped (SIGSTOP, then SIGCONT) the rest, from ``step`` until
+  the progress reaches ``step + N`` (without ``for=``: the run's end). It ends
+  with the process: once that is gone or the pid file names another
+  incarnation, or when the tool exits, the process is left running.
+
 Not supported, with an error up front: ``phase=``, ``block`` and the gray failures
-``slow``, ``bitflip`` and ``nan`` (only the worker itself knows where in a step it
-is: use ``unbroken train --fail-at``) and ``back=``
+``bitflip`` and ``nan`` (only the worker itself knows where in a step it
+is, and what its gradient holds: use ``unbroken train --fail-at``) and ``back=``
 (restarts are the agent's: its restart policy brings a killed worker back).
 
 Invariants: a signal goes only to a pid that a pid file names at that moment
@@ -29,6 +36,7 @@ import json
 import logging
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -40,15 +48,17 @@ from unbroken.jsonl import JsonlTail, JsonlWriter
 logger = logging.getLogger(__name__)
 
 POLL_S = 0.02
+SLOW_PERIOD_S = 0.1
+"""A slowed process's duty cycle: short beside any heartbeat timeout, so it is slow, not hung."""
 
 
 def check_chaos_specs(specs: tuple[FaultSpec, ...]) -> None:
     """Raises ValueError naming every spec the chaos tool cannot carry out."""
     problems = []
     for s in specs:
-        if s.how in GRAY:
-            problems.append(f"{format_fail_at([s])}: {s.how} acts inside the worker's step (its compute, its "
-                            f"gradient or parameters); use unbroken train --fail-at")
+        if s.how in GRAY and s.how != "slow":
+            problems.append(f"{format_fail_at([s])}: {s.how} changes the worker's own gradient or parameters; "
+                            f"use unbroken train --fail-at")
         elif s.phase != "any" or s.how == "block":
             problems.append(f"{format_fail_at([s])}: phase= and block need the worker itself; "
                             f"use unbroken train --fail-at")
@@ -80,6 +90,7 @@ def run_chaos(run_dir: str | Path, fail_at: str, *, timeout_s: float = 3600.0,
     check_chaos_specs(specs)
     pending = sorted(specs, key=lambda s: s.step)
     resumes: list[tuple[float, list[int]]] = []
+    slowed: list[Slowdown] = []
     tail = JsonlTail(run_dir / "metrics.jsonl")
     writer = JsonlWriter(run_dir / "events" / "chaos.jsonl")
     events: list[dict[str, Any]] = []
@@ -92,7 +103,7 @@ def run_chaos(run_dir: str | Path, fail_at: str, *, timeout_s: float = 3600.0,
             on_event(rec)
 
     try:
-        while pending or resumes:
+        while pending or resumes or slowed:
             progress = max([progress] + [int(r["step"]) for r in tail.read_new() if r.get("kind") == "train"])
             if progress >= steps or (run_dir / "summary.json").exists():
                 logger.info("the run finished at step %d; %d spec(s) never fired", progress, len(pending))
@@ -103,19 +114,63 @@ def run_chaos(run_dir: str | Path, fail_at: str, *, timeout_s: float = 3600.0,
             while pending and pending[0].step <= progress:
                 spec = pending.pop(0)
                 pids = _target_pids(run_dir, spec)
+                if spec.how == "slow":
+                    slowed += [Slowdown(run_dir / "pids" / f"w{spec.index}", p, spec) for p in pids if alive(p)]
+                    emit({"kind": "event", "event": "fault_injected", "by": "chaos", "spec": format_fail_at([spec]),
+                          "signal": "SIGSTOP", "duty": 1 / float(spec.factor or 1), "pids": [d.pid for d in
+                          slowed if d.spec is spec], "progress": progress, "t": time.time()})
+                    continue
                 sent = [p for p in pids if send(p, signal_for(spec.how))]
                 if spec.duration_s is not None and sent:
                     resumes.append((time.monotonic() + spec.duration_s, sent))
                 emit({"kind": "event", "event": "fault_injected", "by": "chaos", "spec": format_fail_at([spec]),
                       "signal": signal_for(spec.how).name, "pids": sent, "progress": progress, "t": time.time()})
+            for d in [d for d in slowed if d.over(progress)]:
+                slowed.remove(d)
+                emit({"kind": "event", "event": "fault_resumed", "by": "chaos", "spec": format_fail_at([d.spec]),
+                      "pids": [d.pid] if d.stop() else [], "t": time.time()})
             for item in [r for r in resumes if r[0] <= time.monotonic()]:
                 resumes.remove(item)
                 sent = [p for p in item[1] if send(p, signal.SIGCONT)]
                 emit({"kind": "event", "event": "fault_resumed", "by": "chaos", "pids": sent, "t": time.time()})
             time.sleep(POLL_S)
     finally:
+        for d in slowed:
+            d.stop()
         writer.close()
     return events
+
+
+class Slowdown:
+    """One process slowed from outside by ``spec`` (``slow:factor=F``): a thread that lets it run ``1/F`` of
+    every :data:`SLOW_PERIOD_S` and stops it the rest, until :meth:`stop` or until the process is gone."""
+
+    def __init__(self, pid_file: Path, pid: int, spec: FaultSpec) -> None:
+        self.pid_file, self.pid, self.spec = pid_file, pid, spec
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"chaos-slow-{pid}", daemon=True)
+        self._thread.start()
+
+    def over(self, progress: int) -> bool:
+        """Its steps are over, or its process is gone (a slow fault ends with the worker it slows)."""
+        ended = self.spec.for_steps is not None and progress >= self.spec.step + self.spec.for_steps
+        return ended or self._done.is_set() or read_pid(self.pid_file) != self.pid or not alive(self.pid)
+
+    def stop(self) -> bool:
+        """End the slowdown and leave the process running; whether it was still there."""
+        self._done.set()
+        self._thread.join(timeout=10 * SLOW_PERIOD_S)
+        return send(self.pid, signal.SIGCONT)
+
+    def _run(self) -> None:
+        running = SLOW_PERIOD_S / float(self.spec.factor or 1)
+        while not self._done.wait(running):
+            if not send(self.pid, signal.SIGSTOP):
+                break
+            self._done.wait(SLOW_PERIOD_S - running)
+            if not send(self.pid, signal.SIGCONT):
+                break
+        self._done.set()
 
 
 def _target_pids(run_dir: Path, spec: FaultSpec) -> list[int]:
