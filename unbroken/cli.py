@@ -94,7 +94,8 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
         summary = launch(cfg, out, nodes=nodes, workers_per_node=per_node, overwrite=args.overwrite,
                          resume=args.resume is not None, on_record=console.record, on_event=console.event,
                          fail_at=extra_faults, standby=args.standby, restart=args.restart,
-                         spare_nodes=args.spare_nodes, store=store_url(args.store))
+                         spare_nodes=args.spare_nodes, store=store_url(args.store),
+                         health_check=(args.health_check, args.health_check_timeout_s))
     except (JobFailed, AgentFailed, TimeoutError) as exc:  # the run failed; the input was fine
         failure: Exception | None = exc
     else:

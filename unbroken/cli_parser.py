@@ -153,6 +153,11 @@ def _add_cluster_args(tr: argparse.ArgumentParser) -> None:
     tr.add_argument("--spare-nodes", type=int, default=0, metavar="N",
                     help="N spare nodes (agents on this machine, imported and prepared): a lost node's rank is "
                          "taken over by one at once (default 0)")
+    tr.add_argument("--health-check", default=None, metavar="CMD",
+                    help="a shell command each agent runs before it starts workers (and a spare before it takes a "
+                         "lost node's rank): a non-zero exit or a hang keeps that node out")
+    tr.add_argument("--health-check-timeout-s", type=float, default=120.0, metavar="S",
+                    help="kill a health check still running after S seconds; it counts as failed (default 120)")
     tr.add_argument("--restart", choices=("on-failure", "never"), default="on-failure",
                     help="restart dead workers as joiners (default on-failure)")
     tr.add_argument("--store-insecure", action="store_true",

@@ -93,3 +93,41 @@ def test_sigterm_saves_a_final_checkpoint_and_resume_trains_the_rest(tmp_path, c
     both = check_ledger(run, n_slots=4, micro_batch=MICRO_BATCH, steps=STEPS)
     assert both.ok and not both.rows_twice and not both.lost_steps, both.examples
     assert all(sorted(_commits(run, w)) == list(range(STEPS)) for w in range(4)), "each step trained once"
+
+
+def _health_checked_job(tmp_path: Path, corpus_overrides: list[str], check: str,
+                        *extra: str) -> tuple[subprocess.CompletedProcess[str], Path]:
+    run = tmp_path / "run"
+    overrides = [f"--{o}" for o in corpus_overrides + SMALL]
+    cmd = [*_unbroken(), "train", "--preset", "debug", "--nodes", "2", "--workers-per-node", "1", "--steps", "4",
+           "--out", str(run), "--health-check", check, *extra, *overrides]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=WAIT_S), run
+
+
+def _health_events(run: Path) -> dict[int, dict]:
+    return {r: e for r in range(2) for e in read_jsonl(run / "events" / f"agent{r}.jsonl")
+            if e.get("event") == "health_check"}
+
+
+def test_a_failing_health_check_keeps_its_node_out(tmp_path, corpus_overrides):
+    # The first node to run it passes, the other fails with a driver's complaint on stdout.
+    lock = tmp_path / "healthy"
+    proc, run = _health_checked_job(tmp_path, corpus_overrides,
+                                    f"mkdir {lock} 2>/dev/null && echo healthy || {{ echo 'GPU 0: Xid 79'; exit 3; }}")
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    events = _health_events(run)
+    failed = [r for r, e in events.items() if not e["ok"]]
+    assert len(failed) == 1 and events[failed[0]]["code"] == 3 and "GPU 0: Xid 79" in events[failed[0]]["output"]
+    assert f"agent of node {failed[0]} exited with code 2" in proc.stderr
+    assert "exited with code 3: the node stays out" in proc.stderr
+    assert not (run / "events" / f"w{failed[0]}.jsonl").exists(), "the node started no worker"
+
+
+def test_a_hanging_health_check_is_killed_and_keeps_its_node_out(tmp_path, corpus_overrides):
+    proc, run = _health_checked_job(tmp_path, corpus_overrides, "echo checking; sleep 600",
+                                    "--health-check-timeout-s", "1")
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    events = _health_events(run)
+    assert events and all(e["hung"] and not e["ok"] and e["output"] == "checking\n" for e in events.values())
+    assert "did not finish within its timeout and was killed: the node stays out" in proc.stderr
+    assert not list((run / "events").glob("w*.jsonl")), "no node started a worker"

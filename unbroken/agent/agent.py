@@ -61,6 +61,7 @@ from unbroken.agent.restarts import Restarts
 from unbroken.agent.template_client import Template, TemplateFailed
 from unbroken.agent.rendezvous import NodeRegistration, StartRefused, wait_for_lost_node
 from unbroken.agent.options import AgentOptions
+from unbroken.agent.health_check import check_node
 from unbroken.agent.preemption import EXIT_PREEMPTED, PREEMPT_SIGNALS, preempted_message
 from unbroken.faults.injector import NodeFaults, workers_of
 from unbroken.store.job_store import JobStore
@@ -190,6 +191,10 @@ class Agent:
             rdv.register()
             self.events = events = EventLog(self.run_dir / "events" / f"agent{self.node}.jsonl", self.node)
             write_pid(self.run_dir / "pids" / f"agent{self.node}", os.getpid())
+            check = check_node(self.opts.health_check, self.opts.health_check_timeout_s, events,
+                               spare=self._spare_since is not None)
+            if check is not None and not check.ok:  # the node stays out: _shutdown gives its rank back
+                raise AgentError(f"node {self.node}: {check.describe()}: the node stays out", 2)
             if self._spare_since is not None:
                 events("spare_took_over", None, waited_s=round(time.monotonic() - self._spare_since, 3),
                        took_over=rdv.took_over)

@@ -113,6 +113,7 @@ def launch(
     replace_lost_nodes_s: float | None = None,
     spare_nodes: int = 0,
     store: str | None = None,
+    health_check: tuple[str | None, float] = (None, 120.0),
 ) -> dict[str, Any]:
     """Train ``cfg`` with ``nodes`` local agents of ``workers_per_node`` workers each.
 
@@ -133,6 +134,8 @@ def launch(
             (without spares, it brings the lost node's replacement).
         store: ``etcd://HOST:PORT[,...][/PREFIX]``: the job's keys on that etcd cluster (they are deleted
             at the end); None: a ``TCPStore`` embedded in this process, on ``train.host:train.port``.
+        health_check: each agent's ``--health-check`` command (None: none) and its timeout in seconds
+            (:mod:`unbroken.agent.health_check`).
     Returns:
         The summary also written to ``<run_dir>/summary.json``.
     Raises:
@@ -162,7 +165,8 @@ def launch(
         return _launch(host, cfg, run_dir, overwrite=overwrite, resume=resume, on_record=on_record,
                        on_event=on_event, specs=specs, trace=trace, info=info, nodes=nodes,
                        workers_per_node=workers_per_node, restart=restart, standby=standby,
-                       replace_lost_nodes_s=replace_lost_nodes_s, spare_nodes=spare_nodes, store_faults=store_faults)
+                       replace_lost_nodes_s=replace_lost_nodes_s, spare_nodes=spare_nodes, store_faults=store_faults,
+                       health_check=health_check)
     finally:
         host.close()
 
@@ -171,7 +175,7 @@ def _launch(host: StoreHost, cfg: Config, run_dir: Path, *, overwrite: bool, res
             on_record: Callable[[dict[str, Any]], None] | None, on_event: Callable[[dict[str, Any]], None] | None,
             specs: tuple[FaultSpec, ...], trace: FailureTrace | None, info: Any, nodes: int, workers_per_node: int,
             restart: str, standby: bool, replace_lost_nodes_s: float | None, spare_nodes: int,
-            store_faults: StoreFaults) -> dict[str, Any]:
+            store_faults: StoreFaults, health_check: tuple[str | None, float]) -> dict[str, Any]:
     """:func:`launch` once its store is open: prepare the run directory, run every attempt, summarise."""
     mode, secret = recovery(cfg.fault.recovery), host.secret
     resume_from = prepare_run_dir(run_dir, cfg, overwrite=overwrite, resume=resume)
@@ -190,7 +194,7 @@ def _launch(host: StoreHost, cfg: Config, run_dir: Path, *, overwrite: bool, res
         restarts = _run_attempts(host, cfg, run_dir, on_record, resume_from, on_event=on_event, nodes=nodes,
                                  workers_per_node=workers_per_node, restart=restart, fault_plan=plan, standby=standby,
                                  secret=secret, replace_lost_nodes_s=replace_lost_nodes_s, spare_nodes=spare_nodes,
-                                 store_faults=store_faults, preempt=preempt,
+                                 store_faults=store_faults, preempt=preempt, health_check=health_check,
                                  resume_memory=resume and not mode.restarts_job)
         preempted_after = host.store.stop_point()[1]
     summary = summarise(run_dir, cfg, info, time.time() - t0, resume_from, nodes=nodes, t0=t0)
@@ -307,7 +311,8 @@ def _job_faults(cfg: Config, fail_at: str, nodes: int,
 def _spawn_agent(node: int, cfg: Config, run_dir: Path, store_addr: str, *, nodes: int, workers_per_node: int,
                  restart: str, fault_plan: Path | None, standby: bool, start_step: int,
                  resume_from: Path | None, secret: str, resume_memory: bool = False,
-                 launch: str | None = None) -> subprocess.Popen[bytes]:
+                 launch: str | None = None,
+                 health_check: tuple[str | None, float] = (None, 120.0)) -> subprocess.Popen[bytes]:
     """Start node ``node``'s agent (``-1``: a spare node's); ``launch``: the embedded store's launch id, which
     the agent and every process it starts pin."""
     rank = ["--spare"] if node < 0 else ["--node-rank", str(node)]
@@ -318,6 +323,8 @@ def _spawn_agent(node: int, cfg: Config, run_dir: Path, store_addr: str, *, node
     cmd += ["--standby"] if standby else []
     cmd += ["--resume", str(resume_from)] if resume_from else []
     cmd += ["--resume-memory"] if resume_memory else []
+    if health_check[0] is not None:
+        cmd += ["--health-check", health_check[0], "--health-check-timeout-s", str(health_check[1])]
     log = run_dir / "logs" / (f"agent{node}.log" if node >= 0 else f"agent-spare{spare_count(run_dir)}.log")
     log.parent.mkdir(parents=True, exist_ok=True)
     # The secret travels in the environment (never on argv, which any local user can read). Forked by this

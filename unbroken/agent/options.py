@@ -57,6 +57,11 @@ class AgentOptions:
     """The first SIGTERM/SIGUSR1 stops the job after an agreed step with a final checkpoint
     (:mod:`unbroken.agent.preemption`); this long without it, the agent stops at once. 0: a signal stops it at
     once."""
+    health_check: str | None = None
+    """A shell command run before the node starts workers (:mod:`unbroken.agent.health_check`); a non-zero exit
+    or a hang keeps the node out."""
+    health_check_timeout_s: float = 120.0
+    """A health check still running this long is killed and counts as failed."""
     spare: bool = False
     """A spare node: start, import and prepare (its template too), then take the rank of the first node whose
     agent and workers are known dead (``node_rank`` is -1 until then)."""
@@ -144,6 +149,11 @@ def add_agent_args(ap: argparse.ArgumentParser) -> None:
                     help="the first SIGTERM/SIGUSR1 stops the job after the next step with a final checkpoint and "
                          "exit code 75 (requeue and --resume); a second signal, or this long without the "
                          "checkpoint, stops at once (default 60; 0: a signal stops at once)")
+    ap.add_argument("--health-check", default=None, metavar="CMD",
+                    help="a shell command run before this node starts workers (and before a spare takes a lost "
+                         "node's rank), e.g. 'nvidia-smi' or 'dcgmi diag -r 1': a non-zero exit keeps the node out")
+    ap.add_argument("--health-check-timeout-s", type=float, default=120.0,
+                    help="kill a health check still running after this long; it counts as failed (default 120)")
     ap.add_argument("--host-store", action="store_true",
                     help="node 0 on a cluster without the launcher: host the store at --store's port")
     ap.add_argument("--startup-liveness-s", type=float, default=None,
@@ -192,4 +202,5 @@ def options_from(a: argparse.Namespace, env: Mapping[str, str] | None = None) ->
                         restart=a.restart, restart_delay_s=a.restart_delay_s, fail_at=a.fail_at,
                         faults_trace=a.faults_trace, faults_file=a.faults_file, standby=a.standby,
                         timeout_s=a.timeout_s, grace_s=a.grace_s, preempt_grace_s=a.preempt_grace_s,
+                        health_check=a.health_check, health_check_timeout_s=a.health_check_timeout_s,
                         startup_liveness_s=a.startup_liveness_s, startup_deadline_s=a.startup_deadline_s)
