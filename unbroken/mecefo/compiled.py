@@ -10,8 +10,14 @@ switching modes never recompiles either.
 What stays outside the graph, and why: the low-rank bases. They come from a
 Python cache keyed by ``step // tau`` (an SVD on refresh, counted in
 ``svd_count``); traced, the step would become a guard and every step a
-recompile. The bases enter the graph as tensor inputs instead, fetched eagerly
-just before the call.
+recompile (compiled whole, the block recompiled at every step, on guards on
+the step and on the cache's period, up to dynamo's recompile limit). The
+bases enter the graph as tensor inputs instead, fetched eagerly just before the
+call. The rest traces without a break (torch 2.13): ``no_grad`` around the
+attention branch, non-reentrant checkpointing of the FFN, the low-rank
+``autograd.Function``; our LLaMA's and Hugging Face's blocks alike, every block
+of a model sharing one graph (a second with a dynamic batch dimension, a third
+for a single row).
 
 Bad input: a block the approximations cannot compile as one graph (a user's
 own attention with data-dependent control flow, a call dynamo refuses, a
