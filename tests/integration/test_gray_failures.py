@@ -119,3 +119,26 @@ def test_chaos_slows_a_running_process_until_its_steps_are_over(tmp_path):
     finally:
         proc.kill()
         proc.wait(10)
+
+
+def test_chaos_slowdown_ends_with_its_process(tmp_path):
+    """A slow fault without for= lasts to the end, or until the worker it slows is gone: then the tool is done."""
+    run_dir = tmp_path / "run"
+    (run_dir / "pids").mkdir(parents=True)
+    (run_dir / "config.json").write_text(json.dumps({"train": {"steps": 100}}))
+    (run_dir / "metrics.jsonl").write_text(json.dumps({"kind": "train", "step": 3}) + "\n")
+    proc = subprocess.Popen([sys.executable, "-c", "import time\nwhile True: time.sleep(0.001)"])
+    (run_dir / "pids" / "w0").write_text(f"{proc.pid}\n")
+    fired = threading.Event()
+    events: list[dict] = []
+    chaos = threading.Thread(target=run_chaos, args=(run_dir, "step=1:worker=0:slow:factor=2"),
+                             kwargs={"timeout_s": 120, "on_event": lambda e: (events.append(e), fired.set())})
+    chaos.start()
+    try:
+        assert fired.wait(60)
+    finally:
+        proc.kill()
+        proc.wait(10)
+    chaos.join(60)
+    assert not chaos.is_alive(), "the slowdown ended with the process"
+    assert [(e["event"], e["pids"]) for e in events] == [("fault_injected", [proc.pid]), ("fault_resumed", [])]

@@ -25,9 +25,10 @@ is, and what its gradient holds: use ``unbroken train --fail-at``) and ``back=``
 (restarts are the agent's: its restart policy brings a killed worker back).
 
 Invariants: a signal goes only to a pid that a pid file names at that moment
-and that is alive (not a zombie); each spec fires at most once; the tool
-exits when every spec has fired and every stop was continued, when the run
-has finished, or at its timeout.
+and that is alive (not a zombie), except the SIGCONT that ends a stop or a
+slowdown; each spec fires at most once; the tool exits when every spec has
+fired, every stop was continued and every slowdown ended, when the run has
+finished, or at its timeout; a process it slowed is left running.
 """
 
 from __future__ import annotations
@@ -165,7 +166,7 @@ class Slowdown:
     def _run(self) -> None:
         running = SLOW_PERIOD_S / float(self.spec.factor or 1)
         while not self._done.wait(running):
-            if not send(self.pid, signal.SIGSTOP):
+            if read_pid(self.pid_file) != self.pid or not send(self.pid, signal.SIGSTOP):
                 break
             self._done.wait(SLOW_PERIOD_S - running)
             if not send(self.pid, signal.SIGCONT):
