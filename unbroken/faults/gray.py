@@ -7,8 +7,9 @@ points, from outside the runtime:
 * ``slow:factor=F``: at ``forward`` the hook notes the time; at ``backward``
   it sleeps ``F - 1`` times the compute time it measured, so this process's
   compute takes ``F`` times as long, for the steps ``step .. step + for - 1``
-  (to the end without ``for=``). A retried step's extra compute is stretched
-  too. It ends with the process: a new incarnation does not carry it on
+  (to the end without ``for=``); on a GPU the device is synchronized at both
+  points, so the time is the device's. A retried step's extra compute is
+  stretched too. It ends with the process: a new incarnation does not carry it on
   (:meth:`~unbroken.faults.injector.NodeFaults.worker_faults` drops it).
 * ``bitflip:target=grad``: after the backward pass of ``step``, one bit of
   one element of this worker's local gradient is flipped (the parameters'
@@ -91,7 +92,9 @@ class GrayFaults:
         for i, s in enumerate(self.specs):
             if s.how == "bitflip" and s.tensor == "param" and s.step == step and i not in self._done:
                 self._flip(i, s, step)
-        self._t0 = self.clock()
+        if self.slow_factor(step) is not None:
+            self._sync()  # what was queued before the step is not its compute
+            self._t0 = self.clock()
 
     def _backward(self, step: int) -> None:
         for i, s in enumerate(self.specs):
@@ -103,12 +106,19 @@ class GrayFaults:
         self._t0 = None
         if factor is None or t0 is None:
             return
+        self._sync()
         compute_s = self.clock() - t0
         for i, s in enumerate(self.specs):
             if s.how == "slow" and i not in self._done and s.step <= step:
                 self._done.add(i)
                 self._event(s, step, factor=s.factor, for_steps=s.for_steps, compute_s=compute_s)
         self.sleep((factor - 1.0) * compute_s)
+
+    def _sync(self) -> None:
+        """On a GPU the compute is done when the device says so, not when the host has queued it."""
+        device = next(self.model.parameters()).device
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
 
     def _flip(self, i: int, spec: FaultSpec, step: int) -> None:
         """Flip one seeded bit of one seeded element (``nan``: set it to NaN) of the spec's tensor."""
