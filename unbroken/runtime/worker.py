@@ -99,6 +99,7 @@ class Trainer:
         self.checkpointer: AsyncCheckpointer | None = None
         self.steps_trained: int | None = None
         """Steps this incarnation trained (set once it finished: the report's store usage per step)."""
+        self.last_step = self.cfg.train.steps  # a preemption's agreed step ends the job earlier
 
     @classmethod
     def assemble(cls, cfg: Config, spec: WorkerSpec, membership: Membership,
@@ -258,10 +259,13 @@ class Trainer:
         last: dict[str, Any] = {}
         t_prev = time.perf_counter()
         for step in range(start, steps):
+            if self.protocol.view.leader == self.spec.worker and self.store.stop_point() == (True, None):
+                self.store.agree_stop(step + 1)  # a preemption: before this step's reduction, which all need
             reduced, _ = self.protocol.run_step(step)
             view, done = self.protocol.view, step + 1
-            requested, stop_at = self.store.stop_point()  # a preemption: read after the step's reduction
-            stop = stop_at is not None and done >= stop_at  # every member stops after the same step
+            stop_at = self.store.stop_point()[1]  # read after the step's reduction: every member stops alike
+            stop = stop_at is not None and done >= stop_at
+            self.last_step = done if stop else self.last_step
             due = self.schedule.due(done)  # every member runs the schedule: a new leader goes on in step
             due = "step" if stop else due  # the final checkpoint of a stopped job
             lr, grad_norm = self.protocol.layout.apply(step, view, self.protocol.group, reduced,
@@ -301,8 +305,6 @@ class Trainer:
             if stop:
                 steps = done
                 break
-            if requested and stop_at is None and view.leader == self.spec.worker:
-                self.store.agree_stop(done + 1)  # before the next step's reduction, which every member needs
             if done < steps:
                 self.protocol.admit_joiners(done)
         self.steps_trained = steps - start
@@ -398,7 +400,7 @@ class Trainer:
         state = training_state(self.job.model, self.job.optimizer)
         rest, own = self.protocol.layout.split(state)
         if own is not None:
-            self._parts_writer().save_part(done, self._stage(writer), *own, live=done == self.cfg.train.steps)
+            self._parts_writer().save_part(done, self._stage(writer), *own, live=done == self.last_step)
         return rest, layout_of(state)
 
     def _stage(self, writer: int) -> int | str:
@@ -425,7 +427,7 @@ class Trainer:
         shards = (self._stage(self.spec.worker), *parts) if parts is not None else None
         rest, layout = self._write_part(done, self.spec.worker)
         checkpointer.save(done, rest, {"loss": last["loss"]}, shards=shards, layout=layout,
-                          live=done == self.cfg.train.steps)
+                          live=done == self.last_step)
 
     def device_bytes(self) -> dict[str, int]:
         """The runtime's own memory beside the model and optimizer (on the training device): the step's
