@@ -131,3 +131,13 @@ def test_a_hanging_health_check_is_killed_and_keeps_its_node_out(tmp_path, corpu
     assert events and all(e["hung"] and not e["ok"] and e["output"] == "checking\n" for e in events.values())
     assert "did not finish within its timeout and was killed: the node stays out" in proc.stderr
     assert not list((run / "events").glob("w*.jsonl")), "no node started a worker"
+
+
+def test_preempt_save_benchmark_runs(corpus_overrides):
+    from benchmarks import preempt_save
+
+    result = preempt_save.main(["--preset", "debug", "--workers-per-node", "2", "--after-steps", "2",
+                                *corpus_overrides, *SMALL])
+    [run] = result["runs"]
+    assert run["stopped_after_step"] >= 2 and 0 < run["sigterm_to_commit_s"] <= run["sigterm_to_exit_s"]
+    assert run["final_checkpoint_write_s"] is not None and run["checkpoint_bytes"] > 0
