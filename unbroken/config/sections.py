@@ -148,9 +148,11 @@ class TrainConfig:
     """``bf16``: forward and backward under bfloat16 autocast (CPU or CUDA) with float32 master
     weights, optimizer moments, loss and gradient reduction; ``fp32``: float32 throughout."""
     compile: bool | None = None
-    """``torch.compile`` each transformer block's exact forward (and the loss), as torchtitan does;
-    MeCeFO's approximate mode runs eager. None: on for CUDA, off on CPU (where compile time would
-    dominate short jobs). Needs a working compiler toolchain (Triton on CUDA, a C++ compiler on CPU),
+    """``torch.compile`` each transformer block's exact forward (and the loss), as torchtitan does,
+    and MeCeFO's approximate mode as a graph of its own (compiled at the first approximate step a
+    covering worker takes; eager, with a warning, where it cannot compile). None: on for CUDA, off
+    on CPU (where compile time would dominate short jobs). Needs a working compiler toolchain
+    (Triton on CUDA, a C++ compiler on CPU),
     checked before training."""
     activation_checkpointing: Literal["none", "selective", "full"] = "none"
     """Recompute activations in the backward pass, per transformer block: ``full`` every block,
