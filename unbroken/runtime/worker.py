@@ -258,9 +258,8 @@ class Trainer:
         steps = self.cfg.train.steps
         last: dict[str, Any] = {}
         t_prev = time.perf_counter()
+        self.protocol.on("backward", self._agree_stop)
         for step in range(start, steps):
-            if self.protocol.view.leader == self.spec.worker and self.store.stop_point() == (True, None):
-                self.store.agree_stop(step + 1)  # a preemption: before this step's reduction, which all need
             reduced, _ = self.protocol.run_step(step)
             view, done = self.protocol.view, step + 1
             stop_at = self.store.stop_point()[1]  # read after the step's reduction: every member stops alike
@@ -358,6 +357,12 @@ class Trainer:
                     time.sleep(FINISH_POLL_S)
                 continue
             time.sleep(FINISH_POLL_S)
+
+    def _agree_stop(self, step: int) -> None:
+        """A preemption asked for (:mod:`unbroken.agent.preemption`): the view's leader agrees this step as the
+        last, before its reduction, which every member needs (so each reads the agreement after it)."""
+        if self.protocol.view.leader == self.spec.worker and self.store.stop_point() == (True, None):
+            self.store.agree_stop(step + 1)
 
     def _final_committed(self, steps: int) -> Path | None:
         """The committed checkpoint of step ``steps``, if one is on disk."""
