@@ -73,7 +73,8 @@ def preempt_once(run: Path, *, preset: str, nodes: int, per_node: int, after_ste
     stopped = summary["preempted_after_step"]
     assert checkpoint is not None and int(read_commit(checkpoint)["step"]) == stopped, "no final checkpoint"
     steps = [r["step_time_s"] for r in read_jsonl(run / "metrics.jsonl") if r.get("kind") == "train"]
-    final = [e for f in (run / "events").glob("w*.jsonl") for e in read_jsonl(f) if e.get("event") == "final_checkpoint"]
+    final = [e for f in (run / "events").glob("w*.jsonl") for e in read_jsonl(f)
+             if e.get("event") == "final_checkpoint"]
     commit = max(f.stat().st_mtime for f in checkpoint.rglob("*") if f.is_file())  # the commit record is written last
     return {"sigterm_to_exit_s": round(exit_s, 3), "sigterm_to_commit_s": round(commit - signalled_wall, 3),
             "final_checkpoint_write_s": final[0].get("write_s") if final else None, "stopped_after_step": stopped,

@@ -423,7 +423,7 @@ class Agent:
             node.store.request_stop()
             name = signal.Signals(signum).name
             node.event("preempt_requested", None, signal=name, grace_s=self.opts.preempt_grace_s)
-            self.log.warning("%s: the job stops after the next step with a final checkpoint (a second signal, or "
+            self.log.warning("%s: the job stops after the step in flight with a final checkpoint (a second signal, or "
                              "%.0f s without it, stops at once)", name, self.opts.preempt_grace_s)
         if now - since > self.opts.preempt_grace_s:
             self.interrupted = signum

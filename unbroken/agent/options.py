@@ -146,7 +146,7 @@ def add_agent_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--timeout-s", type=float, default=30.0, help="store connection and start-up timeout")
     ap.add_argument("--grace-s", type=float, default=10.0, help="SIGTERM -> SIGKILL grace for workers")
     ap.add_argument("--preempt-grace-s", type=float, default=60.0,
-                    help="the first SIGTERM/SIGUSR1 stops the job after the next step with a final checkpoint and "
+                    help="the first SIGTERM/SIGUSR1 stops the job after the step in flight with a final checkpoint and "
                          "exit code 75 (requeue and --resume); a second signal, or this long without the "
                          "checkpoint, stops at once (default 60; 0: a signal stops at once)")
     ap.add_argument("--health-check", default=None, metavar="CMD",
