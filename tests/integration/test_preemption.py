@@ -95,6 +95,30 @@ def test_sigterm_saves_a_final_checkpoint_and_resume_trains_the_rest(tmp_path, c
     assert all(sorted(_commits(run, w)) == list(range(STEPS)) for w in range(4)), "each step trained once"
 
 
+def test_sigusr1_to_the_launcher_saves_too(tmp_path, corpus_overrides):
+    run = tmp_path / "run"
+    overrides = [f"--{o}" for o in corpus_overrides + SMALL]
+    cmd = [*_unbroken(), "train", "--preset", "debug", "--nodes", "2", "--workers-per-node", "1",
+           "--steps", str(STEPS), "--out", str(run), *overrides]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _until(lambda: all(len(_commits(run, w)) >= 2 for w in range(2)), "2 steps committed by every worker", proc)
+        proc.send_signal(signal.SIGUSR1)  # a scheduler's warning to the launcher (Slurm: --signal=USR1@120)
+        _, err = proc.communicate(timeout=WAIT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == EXIT_PREEMPTED, err[-3000:]
+    assert "requeue and `--resume`" in err
+    stopped = json.loads((run / "summary.json").read_text())["preempted_after_step"]
+    ckpt = latest_checkpoint(run)
+    assert ckpt is not None and int(read_commit(ckpt)["step"]) == stopped < STEPS
+    assert all(max(_commits(run, w)) == stopped - 1 for w in range(2)), "every worker stopped after the same step"
+    ledger = check_ledger(run, n_slots=2, micro_batch=MICRO_BATCH, steps=stopped)
+    assert ledger.ok, ledger.examples
+
+
 def _health_checked_job(tmp_path: Path, corpus_overrides: list[str], check: str,
                         *extra: str) -> tuple[subprocess.CompletedProcess[str], Path]:
     run = tmp_path / "run"
