@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     worst = max(r["sigterm_to_exit_s"] for r in runs)
     result = {"preset": a.preset, "layout": f"{a.nodes}x{a.workers_per_node}", "runs": runs,
               "sigterm_to_exit_s_max": worst, "target_s": TARGET_S, "meets_target": worst <= TARGET_S,
-              "machine": machine_description()}
+              "load_average_1m": round(os.getloadavg()[0], 2), "machine": machine_description()}
     text = json.dumps(result, indent=1)
     print(text)
     if a.out is not None:

@@ -327,6 +327,15 @@ def test_sigterm_stops_the_agent_and_its_workers(job: Job) -> None:
     assert job.store.node_released(0), "a clean exit releases the node rank"
 
 
+def test_sigterm_stops_the_agent_once_its_preemption_grace_is_over(job: Job) -> None:
+    agent = job.agent("--preempt-grace-s", "1")
+    pids = job.started(0, 1)
+    agent.send_signal(signal.SIGTERM)  # stand-in workers never stop for it: no final checkpoint comes
+    assert agent.wait(timeout=15) == 128 + signal.SIGTERM
+    assert job.events(event="preempt_requested") and "interrupted by SIGTERM" in job.output(agent)
+    assert not any(alive(p) for p in pids.values())
+
+
 def test_two_nodes_share_the_view_and_the_config(job: Job) -> None:
     a0 = job.agent(node=0, nnodes=2)
     a1 = job.agent(node=1, nnodes=2)
