@@ -393,7 +393,7 @@ class Agent:
             if now >= next_fence:
                 next_fence = now + FENCE_S
                 parts.reaper.fence()
-            if node.done_at is None:
+            if node.done_at is None and self.preempted is None:
                 parts.reaper.fence_stalled(now)
                 parts.faults.inject(now)
                 parts.starter.restart_due(now)
@@ -401,6 +401,12 @@ class Agent:
                     store.fail(failure)
                 restorer.mark_silent(lambda: store.current_view() if store.has_view() else None, now, hb_timeout)
                 parts.starter.follow_restore()
+            # A stopping job restarts and restores nothing: its workers finish the step in flight and the final
+            # checkpoint, or they are gone (a scheduler signals every process of the job), and then nothing is
+            # left to save on this node: it stops at once rather than waiting out the grace.
+            if self.preempted is not None and node.done_at is None and self._stop_asked and not node.workers \
+                    and not node.dying and not store.is_done():
+                self.interrupted = self.preempted[0]
             if self.template is not None and node.done_at is None:
                 self.template.tick(now)
             parts.starter.standby_tick(now)  # after done: reaps a standby let go
