@@ -214,7 +214,7 @@ def test_the_leaders_duties_keep_its_progress_ticking_and_a_real_stall_still_cou
                                                                                pending_step=None),
         schedule=SimpleNamespace(taken=lambda: None), protocol=SimpleNamespace(layout=StateLayout(None), view=view),
         job=SimpleNamespace(val_sampler=None, model=torch.nn.Linear(1, 1), optimizer=None), hash="h",
-        spec=SimpleNamespace(worker=0))
+        spec=SimpleNamespace(worker=0), last_step=100)
     trainer.job.optimizer = torch.optim.AdamW(trainer.job.model.parameters())
     trainer.parallelism = Parallelism(kind="replicated", worker=0, replicas=ReplicaLayout(2, 1))
     trainer._save = lambda done, last: Trainer._save(trainer, done, last)
