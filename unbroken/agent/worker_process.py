@@ -145,7 +145,7 @@ def _setup(context: StepLogContext, faults: tuple[FaultSpec, ...]) -> Callable[[
     """Attach the log context and install this worker's phase faults before it starts."""
 
     def setup(trainer: Trainer) -> None:
-        context.trainer = trainer
+        context.follow(trainer)
         if faults:
             PhaseFaults(faults, trainer.events.write, trainer.job.model).install(trainer.protocol.on)
     return setup

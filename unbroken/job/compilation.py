@@ -58,6 +58,10 @@ class Compilation:
         callback_handler.register_start_callback(self._start)
         callback_handler.register_end_callback(self._end)
 
+    def moved_to(self, device: torch.device) -> None:
+        """The process's job runs on ``device`` (a standby that compiled ahead became a worker)."""
+        self.device = device
+
     @classmethod
     def of(cls, cfg: Config, device: torch.device) -> Compilation | None:
         """A process's compilation record when ``cfg`` compiles on ``device``; None when it does not."""

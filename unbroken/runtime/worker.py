@@ -68,7 +68,11 @@ class StepLogContext(logging.Filter):
     def __init__(self, who: str) -> None:
         super().__init__()
         self.who = who
-        self.trainer: Trainer | None = None
+        self.trainer: Trainer | None = None  # the records before it is built say "starting"
+
+    def follow(self, trainer: Trainer) -> None:
+        """From now on, say where ``trainer`` stands."""
+        self.trainer = trainer
 
     def filter(self, record: logging.LogRecord) -> bool:
         where = self.trainer.protocol.where() if self.trainer is not None else None

@@ -154,7 +154,7 @@ def _compilation(trainer: Trainer, compilation: Compilation | None, secret: str)
         compilation = Compilation.of(trainer.cfg, trainer.job.device)
         if compilation is None:
             return None
-    compilation.device = trainer.job.device
+    compilation.moved_to(trainer.job.device)
     if not compilation.cache["loaded"] and compilation.ahead is None:
         compilation.load(trainer.spec.run_dir, secret=secret, config_hash=trainer.hash)
     told = False
