@@ -58,6 +58,10 @@ class Compilation:
         callback_handler.register_start_callback(self._start)
         callback_handler.register_end_callback(self._end)
 
+    def ahead_failed(self, exc: BaseException) -> None:
+        """:func:`compile_ahead` raised ``exc``: the process compiles when it takes over, as without a cache."""
+        self.ahead = {"error": f"{type(exc).__name__}: {exc}"}
+
     def moved_to(self, device: torch.device) -> None:
         """The process's job runs on ``device`` (a standby that compiled ahead became a worker)."""
         self.device = device

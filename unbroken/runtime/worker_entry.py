@@ -281,7 +281,7 @@ def _compile_ahead(run_dir: Path, cfg: Config, store: JobStore, prepared: Prepar
             done = compile_ahead(cfg, prepared, device, compilation)
         except Exception as exc:  # the standby still serves: it compiles when it takes over, as without a cache
             logger.warning("compiling ahead failed (%s: %s): compiling when taking over", type(exc).__name__, exc)
-            compilation.ahead = {"error": f"{type(exc).__name__}: {exc}"}
+            compilation.ahead_failed(exc)
         else:
             logger.info("compiled ahead: %d frames in %.2f s", done["frames"], done["seconds"])
     else:
