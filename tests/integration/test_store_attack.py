@@ -192,18 +192,18 @@ class EtcdAttacker:
         return base64.b64encode((self.ns + key).encode()).decode()
 
     def _kv(self, key: str) -> dict | None:
-        return (self.backend._call("kv/range", {"key": self._k(key)}).get("kvs") or [None])[0]
+        return (self.backend.call("kv/range", {"key": self._k(key)}).get("kvs") or [None])[0]
 
     def _put(self, key: str, raw: bytes, *, create: bool = False) -> None:
         put = {"request_put": {"key": self._k(key), "value": base64.b64encode(raw).decode()}}
         guard = [{"key": self._k(key), "target": "CREATE", "result": "EQUAL", "create_revision": "0"}] if create else []
-        self.backend._call("kv/txn", {"compare": guard, "success": [put], "failure": []})
+        self.backend.call("kv/txn", {"compare": guard, "success": [put], "failure": []})
 
     def _delete(self, key: str) -> None:
-        self.backend._call("kv/deleterange", {"key": self._k(key)})
+        self.backend.call("kv/deleterange", {"key": self._k(key)})
 
     def _find_namespace(self) -> None:
-        out = self.backend._call("kv/range", {"key": base64.b64encode(b"/unbroken/").decode(),
+        out = self.backend.call("kv/range", {"key": base64.b64encode(b"/unbroken/").decode(),
                                               "range_end": base64.b64encode(b"/unbroken0").decode(), "keys_only": True})
         for kv in out.get("kvs", []):
             key = base64.b64decode(kv["key"]).decode(errors="replace")
@@ -260,7 +260,7 @@ class EtcdAttacker:
             self.decisions += 1
             if self.decisions % self.OUTCOME_EVERY:
                 return
-        self.deleted_at[key] = int(self.backend._call("kv/deleterange", {"key": self._k(key)})["header"]["revision"])
+        self.deleted_at[key] = int(self.backend.call("kv/deleterange", {"key": self._k(key)})["header"]["revision"])
         self.done[name] += 1
 
     def _answer(self, key: str, *, victim: bool) -> None:

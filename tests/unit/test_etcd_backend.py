@@ -175,7 +175,7 @@ def test_a_silent_workers_liveness_keys_expire_by_themselves(etcd_cluster):
 
 def _markers(backend: EtcdBackend) -> list[str]:
     """The adders' markers under the job's namespace (keys the job itself never lists)."""
-    out = backend._call("kv/range", {"key": backend._k(""), "range_end": backend._k("\xff"), "keys_only": True})
+    out = backend.call("kv/range", {"key": backend.prefixed(""), "range_end": backend.prefixed("\xff"), "keys_only": True})
     keys = [base64.b64decode(kv["key"]).decode()[len(backend.ns):] for kv in out.get("kvs", [])]
     return [k for k in keys if "\x00" in k]
 

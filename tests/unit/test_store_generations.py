@@ -101,7 +101,7 @@ def test_a_deleted_view_is_never_replaced_by_another_proposal(etcd_cluster, requ
         a.publish_initial(v0)
         mine = View(gen=1, members=(0, 1), step=3, reason="dead [2]")
         assert a.propose(v0, mine) == mine and a.gen() == 1
-        a.backend._call("kv/deleterange", {"key": a.backend._k("view/1")})  # type: ignore[attr-defined]
+        a.backend.call("kv/deleterange", {"key": a.backend.prefixed("view/1")})  # type: ignore[attr-defined]
         b.set_store_timeout(1.0)
         t0 = time.monotonic()
         with pytest.raises(StoreKeyLost, match=r"view/1.*deleted or overwrote it"):
@@ -129,7 +129,7 @@ def test_a_proposal_is_created_only_while_gen_is_as_its_proposer_read_it(etcd_cl
         a.publish_initial(v0)
         assert b.gen() == 0
         assert a.propose(v0, View(gen=1, members=(0, 1), step=3)).members == (0, 1)
-        a.backend._call("kv/deleterange", {"key": a.backend._k("view/1")})  # type: ignore[attr-defined]
+        a.backend.call("kv/deleterange", {"key": a.backend.prefixed("view/1")})  # type: ignore[attr-defined]
         theirs = View(gen=1, members=(1, 2), step=3)
         assert b.backend.create_unless_moved("view/1", theirs.to_json(), "gen") is None
         assert a.backend.peek(["view/1"]) == [None]

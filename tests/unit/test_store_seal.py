@@ -45,18 +45,18 @@ class Writer:
 
     def put(self, key: str, value: bytes | str) -> None:
         raw = value.encode() if isinstance(value, str) else value
-        self.backend._call("kv/put", {"key": self.backend._k(key), "value": base64.b64encode(raw).decode()})
+        self.backend.call("kv/put", {"key": self.backend.prefixed(key), "value": base64.b64encode(raw).decode()})
 
     def plant(self, key: str, value: bytes | str) -> None:
         """Write where the key is absent (overwriting an authentic value erases it: a denial of service, like
         deleting keys, that seals do not claim to stop)."""
         raw = value.encode() if isinstance(value, str) else value
-        k = self.backend._k(key)
-        self.backend._txn([{"key": k, "target": "CREATE", "result": "EQUAL", "create_revision": "0"}],
+        k = self.backend.prefixed(key)
+        self.backend.txn([{"key": k, "target": "CREATE", "result": "EQUAL", "create_revision": "0"}],
                           [{"request_put": {"key": k, "value": base64.b64encode(raw).decode()}}], [])
 
     def delete(self, key: str) -> None:
-        self.backend._call("kv/deleterange", {"key": self.backend._k(key)})
+        self.backend.call("kv/deleterange", {"key": self.backend.prefixed(key)})
 
     def replay(self, key: str, recorded: bytes) -> None:
         """Delete the key and write ``recorded`` (its first value) there: the key's version is 1 again."""
@@ -64,7 +64,7 @@ class Writer:
         self.plant(key, recorded)
 
     def raw(self, key: str) -> bytes:
-        out = self.backend._call("kv/range", {"key": self.backend._k(key)})
+        out = self.backend.call("kv/range", {"key": self.backend.prefixed(key)})
         return base64.b64decode(out["kvs"][0]["value"])
 
 
@@ -172,7 +172,7 @@ def test_a_deleted_outcome_or_gen_is_a_delay_and_only_the_original_decision_come
     assert b.vote(view, 3, "abort") == "commit" and b.vote(view, 4, "commit") == "commit"
     attacker.delete("outcome/0")
     stale = _connect(etcd_cluster)
-    stale.backend._write("outcome/0", None, RESTORED + b"2:commit")  # a restore that lost a race to step 4
+    stale.backend.write_sealed("outcome/0", None, RESTORED + b"2:commit")  # a restore that lost a race to step 4
     for reader in (store, b, _connect(etcd_cluster)):
         assert reader.decided(0) == 4, "a restored value older than the key's history is never read"
     attacker.put("outcome/0", "9:abort")
@@ -197,7 +197,7 @@ def test_a_deleted_outcome_key_is_no_fence_but_a_pruned_one_is(store, etcd_clust
     attacker.delete("outcome/0")
     assert store.vote(view, 0, "commit", after=-1) == "commit"
     attacker.delete("outcome/0")
-    store.backend._call("kv/compaction", {"revision": str(store.backend._call("kv/range", {"key": store.backend._k(
+    store.backend.call("kv/compaction", {"revision": str(store.backend.call("kv/range", {"key": store.backend.prefixed(
         "job")})["header"]["revision"]), "physical": True})
     store.set_store_timeout(0.5)
     with pytest.raises(StoreKeyLost, match=r"outcome/0.*deleted or overwrote it"):

@@ -125,7 +125,7 @@ class EtcdBackend(StoreBackend):
         self.sealer = Sealer(launch_key(secret, self.launch))
         self._me = uuid.uuid4().hex[:12]
         self._seq = itertools.count(1)
-        self._kvs: dict[str, dict[str, Any]] = {}  # key -> the kv this client last read or wrote there
+        self.kvs: dict[str, dict[str, Any]] = {}  # key -> the kv this client last read or wrote there
         self._counted: dict[str, int] = {}  # counter -> the last authentic value this client saw (forged: this)
         self._leased: set[str] = set()  # keys written under this client's lease (lease_keys)
         self._lease_ttl, self._lease_id, self._lease_refreshed = MARKER_TTL_S, "", 0.0
@@ -141,7 +141,7 @@ class EtcdBackend(StoreBackend):
         """HTTP requests sent so far by this client (the benchmark's store operations)."""
         return self.cluster.round_trips
 
-    def _call(self, path: str, payload: dict[str, Any]) -> dict[str, Any]:
+    def call(self, path: str, payload: dict[str, Any]) -> dict[str, Any]:
         out = self.cluster.call(path, payload)
         # The newest revision this client saw: a create is sealed for the next one (_write).
         self._revision = max(self._revision, int(out.get("header", {}).get("revision", 0) or 0))
@@ -155,7 +155,7 @@ class EtcdBackend(StoreBackend):
     def first_revision(self) -> int:
         """The store revision before the launch's first key was created (its keys' history starts after it)."""
         if self._first_revision < 0:
-            kv = self._read_many(["job"])[0]
+            kv = self.read_many(["job"])[0]
             self._first_revision = int(kv["create_revision"]) - 1 if kv is not None else 0
         return self._first_revision
 
@@ -168,48 +168,48 @@ class EtcdBackend(StoreBackend):
         """Wait up to ``seconds`` for a quorum before an operation fails (``fault.store_timeout_s``)."""
         self.cluster.store_timeout_s = seconds
 
-    def _k(self, key: str) -> str:
+    def prefixed(self, key: str) -> str:
         return _b64(self.ns + key)
 
-    def _txn(self, compare: list[dict[str, Any]], success: list[dict[str, Any]],
+    def txn(self, compare: list[dict[str, Any]], success: list[dict[str, Any]],
              failure: list[dict[str, Any]]) -> tuple[bool, list[dict[str, Any]]]:
-        ok, responses, _ = self._txn_rev(compare, success, failure)
+        ok, responses, _ = self.txn_rev(compare, success, failure)
         return ok, responses
 
-    def _txn_rev(self, compare: list[dict[str, Any]], success: list[dict[str, Any]],
+    def txn_rev(self, compare: list[dict[str, Any]], success: list[dict[str, Any]],
                  failure: list[dict[str, Any]]) -> tuple[bool, list[dict[str, Any]], str]:
         """A transaction: (succeeded, responses, the store's revision after it)."""
-        out = self._call("kv/txn", {"compare": compare, "success": success, "failure": failure})
+        out = self.call("kv/txn", {"compare": compare, "success": success, "failure": failure})
         return bool(out.get("succeeded")), out.get("responses", []), str(out.get("header", {}).get("revision", "0"))
 
     def _read(self, key: str) -> dict[str, Any]:
-        return {"request_range": {"key": self._k(key)}}
+        return {"request_range": {"key": self.prefixed(key)}}
 
     def _put(self, key: str, value: str | bytes, lease: str = "") -> dict[str, Any]:
-        put = {"key": self._k(key), "value": _b64(value)}
+        put = {"key": self.prefixed(key), "value": _b64(value)}
         return {"request_put": {**put, "lease": lease} if lease else put}
 
     @staticmethod
-    def _kv(response: dict[str, Any]) -> dict[str, Any] | None:
+    def kv_of(response: dict[str, Any]) -> dict[str, Any] | None:
         kvs = response.get("response_range", {}).get("kvs")
         return kvs[0] if kvs else None
 
-    def _read_many(self, keys: list[str]) -> list[dict[str, Any] | None]:
-        _, responses = self._txn([], [self._read(k) for k in keys], [])
-        kvs = [self._kv(r) for r in responses]
+    def read_many(self, keys: list[str]) -> list[dict[str, Any] | None]:
+        _, responses = self.txn([], [self._read(k) for k in keys], [])
+        kvs = [self.kv_of(r) for r in responses]
         for k, kv in zip(keys, kvs):
             self._remember(k, kv)
         return kvs
 
     def _remember(self, key: str, kv: dict[str, Any] | None) -> None:
-        if len(self._kvs) >= KV_CACHE:
-            self._kvs.clear()  # old generations' keys: bounded, whatever the run's length
+        if len(self.kvs) >= KV_CACHE:
+            self.kvs.clear()  # old generations' keys: bounded, whatever the run's length
         if kv is None:
-            self._kvs.pop(key, None)
+            self.kvs.pop(key, None)
         else:
-            self._kvs[key] = kv
+            self.kvs[key] = kv
 
-    def _open(self, key: str, kv: dict[str, Any] | None) -> bytes | None:
+    def open_value(self, key: str, kv: dict[str, Any] | None) -> bytes | None:
         """The authentic payload of ``kv`` (None: absent, or a value this launch did not write there)."""
         if kv is None:
             return None
@@ -222,10 +222,10 @@ class EtcdBackend(StoreBackend):
     def _guard(self, key: str, kv: dict[str, Any] | None) -> dict[str, Any]:
         """The transaction's compare: the key is still as ``kv`` (absent for None)."""
         if kv is None:
-            return {"key": self._k(key), "target": "CREATE", "result": "EQUAL", "create_revision": "0"}
-        return {"key": self._k(key), "target": "MOD", "result": "EQUAL", "mod_revision": kv["mod_revision"]}
+            return {"key": self.prefixed(key), "target": "CREATE", "result": "EQUAL", "create_revision": "0"}
+        return {"key": self.prefixed(key), "target": "MOD", "result": "EQUAL", "mod_revision": kv["mod_revision"]}
 
-    def _write(self, key: str, kv: dict[str, Any] | None, payload: bytes, lease: str = "",
+    def write_sealed(self, key: str, kv: dict[str, Any] | None, payload: bytes, lease: str = "",
                also: list[dict[str, Any]] | None = None,
                guards: list[dict[str, Any]] | None = None) -> tuple[bool | None, dict[str, Any] | None]:
         """Write ``payload`` sealed for the key's next version, if the key is still as ``kv``; returns whether it
@@ -238,15 +238,15 @@ class EtcdBackend(StoreBackend):
         version = int(kv.get("version", 0)) + 1 if kv is not None else 1
         created = int(kv["create_revision"]) if kv is not None else self._revision + 1
         sealed = self.sealer.seal(key, payload, version, created)
-        ok, responses, revision = self._txn_rev([self._guard(key, kv), *(guards or [])],
+        ok, responses, revision = self.txn_rev([self._guard(key, kv), *(guards or [])],
                                                 [self._put(key, sealed, lease), *(also or [])], [self._read(key)])
         if ok and kv is None and int(revision) != created:
             first = {"mod_revision": revision, "create_revision": revision, "version": "1"}
             created, version = int(revision), 2
             sealed = self.sealer.seal(key, payload, version, created)
-            ok, responses, revision = self._txn_rev([self._guard(key, first)], [self._put(key, sealed, lease)],
+            ok, responses, revision = self.txn_rev([self._guard(key, first)], [self._put(key, sealed, lease)],
                                                     [self._read(key)])
-            found = None if ok else self._kv(responses[0])
+            found = None if ok else self.kv_of(responses[0])
             if found is not None and _unb64(found.get("value")) == sealed:
                 ok, revision = True, found["mod_revision"]  # it landed; the answer was lost and sent again
             elif not ok:
@@ -257,17 +257,17 @@ class EtcdBackend(StoreBackend):
                                           "create_revision": str(created), "version": str(version)}
             self.sealer.accepted(key, created, version)
         else:
-            now = self._kv(responses[0])
+            now = self.kv_of(responses[0])
         self._remember(key, now)
         return ok, now
 
-    def _wait_values(self, keys: list[str], timeout_s: float | None = None) -> list[bytes]:
+    def wait_values(self, keys: list[str], timeout_s: float | None = None) -> list[bytes]:
         """The keys' authentic values, waiting for missing ones (like ``TCPStore``) up to the timeout; a key
         that holds only values this launch did not write for longer than the store timeout stops the job."""
         deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
         delay = WAIT_POLL_S[0]
         while True:
-            values = [self._open(k, kv) for k, kv in zip(keys, self._read_many(keys))]
+            values = [self.open_value(k, kv) for k, kv in zip(keys, self.read_many(keys))]
             if all(v is not None for v in values):
                 return values  # type: ignore[return-value]
             self._check_forged(keys)
@@ -292,39 +292,39 @@ class EtcdBackend(StoreBackend):
     # -- StoreBackend -----------------------------------------------------------
 
     def get(self, key: str) -> bytes:
-        return self._wait_values([key])[0]
+        return self.wait_values([key])[0]
 
     def set(self, key: str, value: str | bytes) -> None:
         payload = value.encode() if isinstance(value, str) else bytes(value)
-        kv = self._kvs.get(key) if key in self._kvs else self._read_many([key])[0]
-        while not self._write(key, kv, payload)[0]:
-            kv = self._kvs.get(key)
+        kv = self.kvs.get(key) if key in self.kvs else self.read_many([key])[0]
+        while not self.write_sealed(key, kv, payload)[0]:
+            kv = self.kvs.get(key)
 
     def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
         """``TCPStore``'s compare-and-set on authentic values: a value this launch did not write counts as absent
         (and is replaced when ``expected`` is empty); a missing key with a non-empty ``expected`` echoes it."""
         desired_b = desired.encode() if isinstance(desired, str) else bytes(desired)
         expected_b = expected.encode() if isinstance(expected, str) else bytes(expected)
-        kv = self._kvs.get(key) if key in self._kvs and self._open(key, self._kvs[key]) == expected_b \
-            else self._read_many([key])[0]
+        kv = self.kvs.get(key) if key in self.kvs and self.open_value(key, self.kvs[key]) == expected_b \
+            else self.read_many([key])[0]
         while True:
-            current = self._open(key, kv)
+            current = self.open_value(key, kv)
             if current is None and expected_b:
                 return expected_b
             if current is not None and current != expected_b:
                 return current
-            ok, kv = self._write(key, kv, desired_b)
+            ok, kv = self.write_sealed(key, kv, desired_b)
             if ok:
                 return desired_b
 
     def create_unless_moved(self, key: str, value: str, witness: str) -> bytes | None:
         """:meth:`StoreBackend.create_unless_moved` in one transaction: the create also compares ``witness``'s
         revision with the one this client last read (absent if it read none)."""
-        guard = self._guard(witness, self._kvs.get(witness))  # taken first: the read below may empty the cache
-        kv = self._read_many([key])[0]
-        while (current := self._open(key, kv)) is None:
+        guard = self._guard(witness, self.kvs.get(witness))  # taken first: the read below may empty the cache
+        kv = self.read_many([key])[0]
+        while (current := self.open_value(key, kv)) is None:
             before = None if kv is None else kv["mod_revision"]
-            ok, kv = self._write(key, kv, value.encode(), guards=[guard])
+            ok, kv = self.write_sealed(key, kv, value.encode(), guards=[guard])
             if ok:
                 return value.encode()
             if (None if kv is None else kv["mod_revision"]) == before:
@@ -335,7 +335,7 @@ class EtcdBackend(StoreBackend):
         """A sealed counter, read and written in one guarded transaction (one round trip when this client wrote
         it last: its own heartbeat); a value this launch did not write counts as the last one this client saw
         (a forged value cannot set a counter back)."""
-        kv = self._kvs.get(key) if amount and key in self._kvs else self._read_many([key])[0]
+        kv = self.kvs.get(key) if amount and key in self.kvs else self.read_many([key])[0]
         if amount == 0 and kv is not None:  # a read (a missing counter is created at 0, as TCPStore's add does)
             return self._count(key, kv)
         marker = f"{key}{MARKER}{self._me}"
@@ -344,17 +344,17 @@ class EtcdBackend(StoreBackend):
             base = self._count(key, kv)
             lease = self._lease()  # the marker's, and the counter's if it is leased
             try:
-                ok, kv = self._write(key, kv, str(base + amount).encode(), lease if key in self._leased else "",
+                ok, kv = self.write_sealed(key, kv, str(base + amount).encode(), lease if key in self._leased else "",
                                      also=[self._put(marker, token, lease)])
             except RequestRefused:
                 self._lease_id = ""  # it expired after its refresh (this process stood still): a new one
-                kv = self._read_many([key])[0]
+                kv = self.read_many([key])[0]
                 continue
             if ok:
                 self._counted[key] = base + amount
                 return base + amount
             if ok is not None and self._landed(marker, token):
-                value = self._open(key, kv)
+                value = self.open_value(key, kv)
                 return int(value) if value is not None else base + amount
 
     def _count(self, key: str, kv: dict[str, Any] | None) -> int:
@@ -364,7 +364,7 @@ class EtcdBackend(StoreBackend):
         back to values an observer already saw (a beat that repeats a value is no change)."""
         if kv is None:
             return self._counted.get(key, 0) if key in self._leased else 0
-        value = self._open(key, kv)
+        value = self.open_value(key, kv)
         if value is None:
             return self._counted.get(key, 0)
         self._counted[key] = int(value)
@@ -382,15 +382,15 @@ class EtcdBackend(StoreBackend):
         now = time.monotonic()
         if self._lease_id and now - self._lease_refreshed > LEASE_REFRESH * self._lease_ttl:
             self.lease_round_trips += 1
-            out = self._call("lease/keepalive", {"ID": self._lease_id}).get("result", {})
+            out = self.call("lease/keepalive", {"ID": self._lease_id}).get("result", {})
             self._lease_id = self._lease_id if int(out.get("TTL", 0)) > 0 else ""
             self._lease_refreshed = now
         if not self._lease_id:
             self.lease_round_trips += 1
-            self._lease_id = str(self._call("lease/grant", {"TTL": self._lease_ttl})["ID"])
+            self._lease_id = str(self.call("lease/grant", {"TTL": self._lease_ttl})["ID"])
             self._lease_refreshed = now
             for key in self._leased:
-                self._kvs.pop(key, None)  # gone with the old lease, if it expired: read them again
+                self.kvs.pop(key, None)  # gone with the old lease, if it expired: read them again
         return self._lease_id
 
     def get_present(self, keys: list[str]) -> list[bytes | None]:
@@ -399,8 +399,8 @@ class EtcdBackend(StoreBackend):
         no recent history (its lease expired long ago), :data:`UNSEEN` for one holding a value this launch did
         not write with none of its own behind (no observation: never read as a counter standing still)."""
         out: list[bytes | None] = []
-        for k, kv in zip(keys, self._read_many(keys)):
-            value = self._open(k, kv)
+        for k, kv in zip(keys, self.read_many(keys)):
+            value = self.open_value(k, kv)
             if kv is None:
                 value = last_before_gone(self, k)
             elif value is None:
@@ -410,29 +410,29 @@ class EtcdBackend(StoreBackend):
 
     def _landed(self, marker: str, token: str) -> bool:
         """An earlier try of this add committed although its answer was lost (the retry found our marker)."""
-        _, responses = self._txn([], [self._read(marker)], [])
-        kv = self._kv(responses[0])
+        _, responses = self.txn([], [self._read(marker)], [])
+        kv = self.kv_of(responses[0])
         return kv is not None and _unb64(kv.get("value")).decode() == token
 
     def check(self, keys: list[str]) -> bool:
-        return all(self._open(k, kv) is not None for k, kv in zip(keys, self._read_many(keys)))
+        return all(self.open_value(k, kv) is not None for k, kv in zip(keys, self.read_many(keys)))
 
     def peek(self, keys: list[str]) -> list[bytes | None]:
         """Authentic values, None for a missing (or foreign) one: one transaction of reads."""
-        return [self._open(k, kv) for k, kv in zip(keys, self._read_many(keys))]
+        return [self.open_value(k, kv) for k, kv in zip(keys, self.read_many(keys))]
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
-        return self._wait_values(keys)
+        return self.wait_values(keys)
 
     def delete_key(self, key: str) -> bool:
         # The key and its adders' markers (key + "\x00..."), nothing else: the range [key, key + "\x01").
-        self._kvs.pop(key, None)
-        out = self._call("kv/deleterange", {"key": self._k(key), "range_end": _b64(self.ns + key + "\x01")})
+        self.kvs.pop(key, None)
+        out = self.call("kv/deleterange", {"key": self.prefixed(key), "range_end": _b64(self.ns + key + "\x01")})
         return int(out.get("deleted", 0)) > 0
 
     def num_keys(self) -> int:
         """The launch's keys (adders' markers not counted): one read of its namespace's keys."""
-        out = self._call("kv/range", {"key": _b64(self.ns), "range_end": range_end(self.ns), "keys_only": True})
+        out = self.call("kv/range", {"key": _b64(self.ns), "range_end": range_end(self.ns), "keys_only": True})
         return sum(1 for kv in out.get("kvs", []) if "\x00" not in _unb64(kv["key"]).decode())
 
     def group_store(self, prefix: str) -> dist.Store:

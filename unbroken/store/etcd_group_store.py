@@ -27,7 +27,7 @@ class EtcdBackend(Protocol):
     def multi_get(self, keys: list[str]) -> list[bytes]: ...
     def delete_key(self, key: str) -> bool: ...
     def num_keys(self) -> int: ...
-    def _wait_values(self, keys: list[str], timeout_s: float | None = None) -> list[bytes]: ...
+    def wait_values(self, keys: list[str], timeout_s: float | None = None) -> list[bytes]: ...
 
 __all__ = ["EtcdGroupStore"]
 
@@ -55,7 +55,7 @@ class EtcdGroupStore(dist.Store):
         return self.backend.check([self.prefix + k for k in keys])
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
-        self.backend._wait_values([self.prefix + k for k in keys],
+        self.backend.wait_values([self.prefix + k for k in keys],
                                   None if timeout is None else timeout.total_seconds())
 
     def multi_get(self, keys: list[str]) -> list[bytes]:

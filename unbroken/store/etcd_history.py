@@ -63,15 +63,15 @@ class EtcdBackend(Protocol):
     @property
     def revision(self) -> int: ...
     def first_revision(self) -> int: ...
-    def _call(self, path: str, payload: dict[str, Any]) -> dict[str, Any]: ...
-    def _k(self, key: str) -> str: ...
-    def _txn(self, compare: list[dict[str, Any]], success: list[dict[str, Any]],
+    def call(self, path: str, payload: dict[str, Any]) -> dict[str, Any]: ...
+    def prefixed(self, key: str) -> str: ...
+    def txn(self, compare: list[dict[str, Any]], success: list[dict[str, Any]],
              failure: list[dict[str, Any]]) -> tuple[bool, list[dict[str, Any]]]: ...
     @staticmethod
-    def _kv(response: dict[str, Any]) -> dict[str, Any] | None: ...
-    def _read_many(self, keys: list[str]) -> list[dict[str, Any] | None]: ...
-    def _open(self, key: str, kv: dict[str, Any] | None) -> bytes | None: ...
-    def _write(self, key: str, kv: dict[str, Any] | None, payload: bytes, lease: str = "",
+    def kv_of(response: dict[str, Any]) -> dict[str, Any] | None: ...
+    def read_many(self, keys: list[str]) -> list[dict[str, Any] | None]: ...
+    def open_value(self, key: str, kv: dict[str, Any] | None) -> bytes | None: ...
+    def write_sealed(self, key: str, kv: dict[str, Any] | None, payload: bytes, lease: str = "",
                also: list[dict[str, Any]] | None = None,
                guards: list[dict[str, Any]] | None = None) -> tuple[bool | None, dict[str, Any] | None]: ...
 
@@ -92,7 +92,7 @@ def last_authentic(backend: EtcdBackend, key: str, kv: dict[str, Any]) -> bytes 
     revision = int(kv["mod_revision"]) - 1
     for _ in range(HISTORY_READS):
         try:
-            old = (backend._call("kv/range", {"key": backend._k(key), "revision": str(revision)}).get("kvs")
+            old = (backend.call("kv/range", {"key": backend.prefixed(key), "revision": str(revision)}).get("kvs")
                    or [None])[0]
         except RequestRefused:
             return None  # compacted
@@ -100,7 +100,7 @@ def last_authentic(backend: EtcdBackend, key: str, kv: dict[str, Any]) -> bytes 
             return None
         if _place(old) < backend.sealer.seen.get(key, (0, 0)):
             return None  # older than what this reader already saw there: nothing newer was authentic
-        value = backend._open(key, old)
+        value = backend.open_value(key, old)
         if value is not None:
             return value
         revision = int(old["mod_revision"]) - 1
@@ -115,11 +115,11 @@ def last_before_gone(backend: EtcdBackend, key: str) -> bytes | None:
     top = backend.revision
     batch = range(top, max(backend.first_revision(), top - SCAN_BATCH), -1)
     try:
-        _, responses = backend._txn([], [{"request_range": {"key": backend._k(key), "revision": str(r)}}
+        _, responses = backend.txn([], [{"request_range": {"key": backend.prefixed(key), "revision": str(r)}}
                                          for r in batch], [])
     except RequestRefused:
         return None  # compacted
-    for kv in (backend._kv(r) for r in responses):
+    for kv in (backend.kv_of(r) for r in responses):
         if kv is None:
             continue
         value = backend.sealer.verify(key, _value(kv), _place(kv)[1], _place(kv)[0])
@@ -145,11 +145,11 @@ def newest_decision(backend: EtcdBackend, key: str, top: int) -> bytes | None:
             return None
         batch = range(revision, max(floor, revision - SCAN_BATCH), -1)
         try:
-            _, responses = backend._txn([], [{"request_range": {"key": backend._k(key), "revision": str(r)}}
+            _, responses = backend.txn([], [{"request_range": {"key": backend.prefixed(key), "revision": str(r)}}
                                              for r in batch], [])
         except RequestRefused:
             return None  # compacted
-        for kv in (backend._kv(r) for r in responses):
+        for kv in (backend.kv_of(r) for r in responses):
             if kv is None or _place(kv) in places:
                 continue
             places.add(_place(kv))
@@ -189,14 +189,14 @@ def restore(backend: EtcdBackend, key: str) -> bool:
     """Bring decision key ``key`` back if it is gone or holds a value this launch did not write: the newest
     decision its history holds, written into the key as it was read (a new creation, sealed for it, or over the
     forged value). True if it holds an authentic value now (restored by this call or by another writer)."""
-    kv = backend._read_many([key])[0]
-    if backend._open(key, kv) is not None:
+    kv = backend.read_many([key])[0]
+    if backend.open_value(key, kv) is not None:
         return True
     value = newest_decision(backend, key, backend.revision)
     if value is None:
         return False
-    ok, _ = backend._write(key, kv, RESTORED + value)
+    ok, _ = backend.write_sealed(key, kv, RESTORED + value)
     if ok:
         logger.warning("store key %r was deleted or overwritten by another writer: brought back with %r, the "
                        "newest decision written there", key, value.decode(errors="replace"))
-    return backend._open(key, backend._read_many([key])[0]) is not None
+    return backend.open_value(key, backend.read_many([key])[0]) is not None

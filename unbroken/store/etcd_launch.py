@@ -31,14 +31,14 @@ class EtcdBackend(Protocol):
     root: str
     ns: str
     launch: str
-    _kvs: dict[str, dict[str, Any]]
+    kvs: dict[str, dict[str, Any]]
 
     @property
     def revision(self) -> int: ...
-    def _call(self, path: str, payload: dict[str, Any]) -> dict[str, Any]: ...
-    def _txn(self, compare: list[dict[str, Any]], success: list[dict[str, Any]],
+    def call(self, path: str, payload: dict[str, Any]) -> dict[str, Any]: ...
+    def txn(self, compare: list[dict[str, Any]], success: list[dict[str, Any]],
              failure: list[dict[str, Any]]) -> tuple[bool, list[dict[str, Any]]]: ...
-    def _txn_rev(self, compare: list[dict[str, Any]], success: list[dict[str, Any]],
+    def txn_rev(self, compare: list[dict[str, Any]], success: list[dict[str, Any]],
                  failure: list[dict[str, Any]]) -> tuple[bool, list[dict[str, Any]], str]: ...
 
 
@@ -56,20 +56,20 @@ def range_end(prefix: str) -> str:
 def clear_launch(backend: EtcdBackend) -> int:
     """Delete every key of ``backend``'s launch, and the job's pointer if it still points there (the job is
     over); returns how many keys went."""
-    backend._kvs.clear()
-    out = backend._call("kv/deleterange", {"key": _b64(backend.ns), "range_end": range_end(backend.ns)})
+    backend.kvs.clear()
+    out = backend.call("kv/deleterange", {"key": _b64(backend.ns), "range_end": range_end(backend.ns)})
     pointer, kv = read_pointer(backend)
     if pointer is not None and pointer.get("launch") == backend.launch:
         guard = {"key": _b64(backend.root + "launch"), "target": "MOD", "result": "EQUAL",
                  "mod_revision": kv["mod_revision"]}  # type: ignore[index]
-        backend._txn([guard], [{"request_delete_range": {"key": _b64(backend.root + "launch")}}], [])
+        backend.txn([guard], [{"request_delete_range": {"key": _b64(backend.root + "launch")}}], [])
     return int(out.get("deleted", 0))
 
 
 def read_pointer(backend: EtcdBackend) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
     """The job's pointer to its current launch (``PREFIX/<namespace>/launch``: the launch id and who the job
     is, sealed with a key of the secret alone) if authentic, and its kv."""
-    out = backend._call("kv/range", {"key": _b64(backend.root + "launch")})
+    out = backend.call("kv/range", {"key": _b64(backend.root + "launch")})
     kv = (out.get("kvs") or [None])[0]
     raw = None if kv is None else Sealer(pointer_key(backend.secret)).open(
         "launch", base64.b64decode(kv.get("value") or ""), int(kv.get("version", 0)),
@@ -98,6 +98,6 @@ def point_here(backend: EtcdBackend, job: dict[str, Any]) -> None:
         created = int(kv["create_revision"]) if kv else backend.revision + 1
         sealed = Sealer(pointer_key(backend.secret)).seal(
             "launch", json.dumps({"launch": backend.launch, "job": job}), version, created)
-        ok, _, revision = backend._txn_rev([guard], [{"request_put": {"key": key, "value": _b64(sealed)}}], [])
+        ok, _, revision = backend.txn_rev([guard], [{"request_put": {"key": key, "value": _b64(sealed)}}], [])
         if ok and (kv is not None or int(revision) == created):
             return  # else a create sealed for a revision another write took: written again at version 2
