@@ -53,6 +53,11 @@ class JsonlTail:
         self.path = Path(path)
         self._pos = 0
 
+    @property
+    def position(self) -> int:
+        """Bytes of the file read so far (whole lines)."""
+        return self._pos
+
     def read_new(self) -> list[dict[str, Any]]:
         if not self.path.is_file():
             return []

@@ -43,7 +43,7 @@ class RunFollower:
         """``("record", line)`` and ``("event", event)`` pairs written since the last call, ordered by time."""
         path = self._metrics.path
         try:
-            if path.stat().st_size < self._metrics._pos:  # cut back: read it again from the start
+            if path.stat().st_size < self._metrics.position:  # cut back: read it again from the start
                 self._metrics = JsonlTail(path)
         except FileNotFoundError:
             pass
