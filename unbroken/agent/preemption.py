@@ -2,7 +2,7 @@
 
 The first SIGTERM or SIGUSR1 to an agent (or to the launcher) asks the job to stop
 (:meth:`~unbroken.store.job_store.JobStore.request_stop`); the view's leader agrees the step every member stops
-after (the step in flight: a compare-and-set in the store at its backward pass, before its reduction), writes the final checkpoint as at the
+after (the step in flight: a compare-and-set in the store just before it posts the step's reduction), writes the final checkpoint as at the
 job's end and sets ``done``. Every agent then exits with :data:`EXIT_PREEMPTED` and the launcher says so: the
 job is requeued and continues with ``--resume``. A second signal, or no final checkpoint within the agent's
 ``--preempt-grace-s``, stops at once as before (``128 + signal``).

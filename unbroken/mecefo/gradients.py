@@ -32,6 +32,9 @@ from unbroken.state.parts import laid_out_as, local_of
 
 logger = logging.getLogger(__name__)
 
+_ADMIT, _STOP = 1, 2
+"""The bits of a reduction buffer's leader's word (:meth:`GradLayout.write_word`)."""
+
 Mode = Literal["exact", "approx"]
 BatchFn = Callable[[int, int, tuple[int, int]], tuple[torch.Tensor, torch.Tensor]]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -67,9 +70,11 @@ class GradLayout:
     all float32, so one all-reduce carries everything a step needs. ``votes``
     slots (none unless asked) carry small non-negative counts every worker adds
     to (:mod:`unbroken.snapshot.cadence`: the snapshot interval's proposals);
-    ``admit`` is the view leader's word that the boundary after the step admits
-    joiners (:mod:`unbroken.runtime.view_changes`): every member that holds the
-    reduced buffer reads the same word.
+    ``admit`` is the view leader's word (:mod:`unbroken.runtime.view_changes`):
+    1 if the boundary after the step admits joiners, plus 2 if the job stops
+    after the step (a preemption's); every other member adds 0, so every member
+    that holds the reduced buffer reads the same word (small integers sum
+    exactly in float32).
     """
 
     def __init__(self, model: torch.nn.Module, adapter: ModelAdapter, *, votes: int = 0) -> None:
@@ -117,15 +122,24 @@ class GradLayout:
         at = len(self.group_names)
         return self.scalars(buf)[at : at + self.n_votes]
 
-    def admit(self, buf: torch.Tensor) -> torch.Tensor:
-        """``buf``'s admission word (one element, a view): set by the view's leader before the reduction."""
+    def word(self, buf: torch.Tensor) -> torch.Tensor:
+        """``buf``'s leader's word (one element, a view): written by every member before the reduction."""
         at = self.n_grad + len(self.group_names) + self.n_votes
         return buf[at : at + 1]
+
+    def write_word(self, buf: torch.Tensor, *, admit: bool, stop: bool) -> None:
+        """Before the reduction: the view's leader says whether the boundary after the step admits joiners and
+        whether the job stops after the step (every other member writes both False)."""
+        self.word(buf).fill_(float(_ADMIT * admit + _STOP * stop))
 
     def admitted(self, buf: torch.Tensor) -> bool:
         """Whether reduced ``buf`` says the boundary after its step admits joiners (read from the host copy
         :func:`apply_step` made, when it is of ``buf``)."""
-        return bool(self.scalars(buf)[-3] > 0)
+        return bool(round(float(self.scalars(buf)[-3])) & _ADMIT)
+
+    def stopping(self, buf: torch.Tensor) -> bool:
+        """Whether reduced ``buf`` says the job stops after its step (read before the step is applied)."""
+        return bool(round(float(self.scalars(buf)[-3])) & _STOP)
 
     def loss_sum(self, buf: torch.Tensor) -> float:
         return float(self.scalars(buf)[-2])

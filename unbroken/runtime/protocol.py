@@ -338,7 +338,7 @@ class StepProtocol:
         # a crash fails it at once anyway, and a hang takes the heartbeat timeout.
         self.views.defer_check()
         self.layout.before_reduction(check or self._check)  # ZeRO-1: the last step's shard copies sealed first
-        self.views.announce(local)
+        self.views.announce(local, step)
         assert self.group is not None  # a step reduces in its view's group
         return self.group.allreduce(local, check or self._check, lambda: self._phase("allreduce", step))
 

@@ -14,18 +14,18 @@ Admitting joiners at a step boundary: the view's first member proposes a view wi
 join, and hands them the state as it adopts it. A joiner is admitted only if it trains the same job (its config
 hash is the job's; else it is refused, and told why) and the incarnation that asked was not marked dead since.
 Under HSDP the leader announces in the step's replica word whether it admits joiners; the other ranks of its
-replica follow it into the new view.
-
-Without HSDP the leader announces an admission in the step's own reduction (the buffer's admission word,
-:meth:`~unbroken.mecefo.gradients.GradLayout.admit`, written before the reduction is posted), and admits at
-the boundary after that step only. Every member that holds the step's reduced buffer reads the same word, so
-all of them stop at that boundary and wait for the admitting view instead of starting the next step in the
-old view: a joiner's entry never aborts the members' step in flight, and the old view's group is dropped only
-once nobody uses it.
+replica follow it into the new view. Without HSDP the leader announces it in the step's own reduction (the
+buffer's leader's word, :meth:`~unbroken.mecefo.gradients.GradLayout.write_word`, written before the reduction
+is posted), and admits at the boundary after that step only. Every member that holds the step's reduced buffer
+reads the same word, so all of them stop at that boundary and wait for the admitting view instead of starting
+the next step in the old view: a joiner's entry never aborts the members' step in flight, and the old view's
+group is dropped only once nobody uses it. A preemption's stop rides in the same word: only the leader of an
+attempt reads the stop keys, before posting it (:meth:`ViewChanges.announce`); under HSDP every member reads the
+agreed step after the reduction (:meth:`ViewChanges.stops_after`).
 
 Invariants: no step attempt is aborted because of an admission (every abort has a death, a hang or a failed
 collective of its own as its cause); a group from a failed attempt is parked, never dropped while a
-collective may still use it.
+collective may still use it; every member that applies a step decides alike whether the job stops after it.
 """
 
 from __future__ import annotations
@@ -65,11 +65,11 @@ class RetriesExhausted(RuntimeError):
 
 
 class AdmissionWord(Protocol):
-    """Where a reduction buffer carries the leader's announcement (:class:`~unbroken.mecefo.gradients.GradLayout`)."""
+    """Where a reduction buffer carries the leader's word (:class:`~unbroken.mecefo.gradients.GradLayout`)."""
 
-    def admit(self, buf: torch.Tensor) -> torch.Tensor: ...
-
+    def write_word(self, buf: torch.Tensor, *, admit: bool, stop: bool) -> None: ...
     def admitted(self, buf: torch.Tensor) -> bool: ...
+    def stopping(self, buf: torch.Tensor) -> bool: ...
 
 
 class ViewJob(Protocol):
@@ -92,8 +92,8 @@ class ViewChanges:
         plan: who reduces with whom, who leaves with the dead, which joiners are admitted together.
         layout: the state's layout across ranks (re-sharded on entering a view, settled before leaving one).
         replica: HSDP: the collectives over this worker's replica (None otherwise).
-        announcer: where a reduction buffer carries the leader's announcement of an admission (None: the
-            leader admits at once, aborting the members' next step).
+        announcer: where a reduction buffer carries the leader's word: an admission, a stop (None: the
+            leader admits at once, aborting the members' next step; every member reads the stop keys).
         state: where this worker's state comes from when its view changes (None: only from a peer).
         events: this worker's ledger and event log.
         phase: runs the step protocol's hook point ``phase(name, step)`` (``restore``).
@@ -227,14 +227,12 @@ class ViewChanges:
     def replica_word(self, step: int, ok: bool) -> None:
         """HSDP: tell the other ranks of this replica whether this worker's reduction of this attempt (its shard
         index's part of the step) completed, and learn theirs; the leader also says whether it admits joiners
-        at the step's end.
-
-        Every rank of a replica gets here once per attempt, its reduction completed or not, so the collective
-        always matches (no earlier point of an attempt would: a rank whose item exchange failed may be a view
-        ahead of its sibling, waiting in the store for the sibling's items). A member may vote ``commit`` only
-        once every rank of its replica holds its part: then every part of the step is defined (a completed
-        reduction means every member of that index's group contributed, one per live replica), and every
-        member holding a part holds the same as its peers.
+        at the step's end. Every rank of a replica gets here once per attempt, its reduction completed or not,
+        so the collective always matches (no earlier point of an attempt would: a rank whose item exchange failed
+        may be a view ahead of its sibling, waiting in the store for the sibling's items). A member may vote
+        ``commit`` only once every rank of its replica holds its part: then every part of the step is defined (a
+        completed reduction means every member of that index's group contributed, one per live replica), and
+        every member holding a part holds the same as its peers.
 
         Raises:
             CollectiveFailed: ``ok`` and another rank's reduction failed, or the collective itself failed (a
@@ -361,17 +359,25 @@ class ViewChanges:
 
     # -- admitting joiners at a step boundary ----------------------------------------
 
-    def announce(self, local: torch.Tensor) -> None:
-        """Before a reduction is posted: the leader writes into ``local`` whether the boundary after this step
-        admits joiners (every other member writes 0, overwriting what an earlier attempt of the step wrote)."""
-        if self.announcer is None or self.replica is not None:
-            return
-        wanted = self.view.leader == self.me and bool(self._admissible())
-        self.announcer.admit(local).fill_(1.0 if wanted else 0.0)
+    def announce(self, local: torch.Tensor, step: int) -> None:
+        """Before ``step``'s reduction is posted: the leader (only) reads the stop keys, agrees one asked for after
+        this step, and with a word writes into ``local`` whether the step's boundary admits and the job stops."""
+        lead = self.view.leader == self.me
+        requested, at = self.store.stop_point() if lead else (False, None)
+        at = self.store.agree_stop(step + 1) if requested and at is None else at
+        if self.announcer is not None and self.replica is None:
+            stop = at is not None and step + 1 >= at  # an agreed step in the past stops the job too
+            self.announcer.write_word(local, admit=lead and bool(self._admissible()), stop=stop)
 
     def announced(self, reduced: torch.Tensor) -> None:
         """After a committed step is applied: learn from its reduced buffer whether its boundary admits."""
         self._admit_next = self.announcer is not None and self.replica is None and self.announcer.admitted(reduced)
+
+    def stops_after(self, reduced: torch.Tensor, step: int) -> bool:
+        """After ``step``'s reduction: does the job stop after it? Its leader's word, else (HSDP) the agreed step."""
+        if self.announcer is not None and self.replica is None:
+            return self.announcer.stopping(reduced)
+        return (at := self.store.stop_point()[1]) is not None and step + 1 >= at  # every member reads it
 
     def _admissible(self) -> list[int]:
         return self.plan.admissible([j for j in self.m.pending_joins(self.view, self.job.n_slots)

@@ -15,7 +15,9 @@ Exit codes: 0 done, 3 fenced (declared dead by the others), 4 no live worker
 left, 5 join refused (another config than the job's), 1 any other error.
 
 Invariants: every member holds bitwise-identical parameters after every step;
-the view's first member writes metrics, progress and checkpoints.
+the view's first member writes metrics, progress and checkpoints; a preemption stops
+every member after the same step, learnt from that step's reduction (only the leader
+reads the stop keys: :meth:`~unbroken.runtime.view_changes.ViewChanges.announce`).
 """
 
 from __future__ import annotations
@@ -262,12 +264,11 @@ class Trainer:
         steps = self.cfg.train.steps
         last: dict[str, Any] = {}
         t_prev = time.perf_counter()
-        self.protocol.on("backward", self._agree_stop)
         for step in range(start, steps):
             reduced, _ = self.protocol.run_step(step)
             view, done = self.protocol.view, step + 1
-            stop_at = self.store.stop_point()[1]  # read after the step's reduction: every member stops alike
-            stop = stop_at is not None and done >= stop_at
+            # a preemption's stop, as the step's leader said in its reduction: every member stops alike
+            stop = self.protocol.views.stops_after(reduced, step)
             self.last_step = done if stop else self.last_step
             due = self.schedule.due(done)  # every member runs the schedule: a new leader goes on in step
             due = "step" if stop else due  # the final checkpoint of a stopped job
@@ -361,12 +362,6 @@ class Trainer:
                     time.sleep(FINISH_POLL_S)
                 continue
             time.sleep(FINISH_POLL_S)
-
-    def _agree_stop(self, step: int) -> None:
-        """A preemption asked for (:mod:`unbroken.agent.preemption`): the view's leader agrees this step as the
-        last, before its reduction, which every member needs (so each reads the agreement after it)."""
-        if self.protocol.view.leader == self.spec.worker and self.store.stop_point() == (True, None):
-            self.store.agree_stop(step + 1)
 
     def _final_committed(self, steps: int) -> Path | None:
         """The committed checkpoint of step ``steps``, if one is on disk."""

@@ -481,12 +481,14 @@ class JobStore(StandbyKeys, WorkerKeys):
 
     def agree_stop(self, steps: int) -> int:
         """The job stops once ``steps`` steps are applied, unless a step was agreed already; returns the agreed
-        one. Only the view's leader calls it, before the next step's reduction: a member reads it after that
-        reduction completed, so none has passed it."""
+        one. Only the view's leader calls it, before posting the reduction of step ``steps - 1``, whose buffer
+        carries its word (the other members read no stop key; under HSDP each reads the agreed step after that
+        reduction completed, so none has passed it)."""
         return int(self.backend.compare_set("stop/at", "", str(steps)).decode())
 
     def stop_point(self) -> tuple[bool, int | None]:
-        """Whether a stop was requested, and the steps after which the job stops (None: not agreed yet)."""
+        """Whether a stop was requested, and the steps after which the job stops (None: not agreed yet). Read by
+        the view's leader once per step attempt; by every member only where the reduction carries no word (HSDP)."""
         requested, at = self.backend.peek(["stop/request", "stop/at"])
         return bool(requested), int(at) if at else None
 
