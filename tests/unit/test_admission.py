@@ -107,7 +107,7 @@ def test_a_member_that_reads_the_marks_again_during_an_admission_keeps_the_joine
     store.request_join(1, {"pid": 1})
     p = StepProtocol(Membership(store, 0, heartbeat_timeout_s=5.0), _Job(), policy=takeover_policy("spread"),
                      events=JsonlWriter(tmp_path / "w0.jsonl"), timeout_s=10)
-    p.views.view, p.views._voted = v0, v0.step - 1
+    p.views.view, p.views.voted = v0, v0.step - 1
     seen: dict[str, object] = {}
     propose = store.propose
 

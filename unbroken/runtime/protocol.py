@@ -162,19 +162,19 @@ class StepProtocol:
     @property
     def _voted(self) -> int:
         """The last step this worker saw committed under the current view."""
-        return self.views._voted
+        return self.views.voted
 
     @_voted.setter
     def _voted(self, step: int) -> None:
-        self.views._voted = step
+        self.views.voted = step
 
     @property
     def _same_view_retries(self) -> int:
-        return self.views._same_view_retries
+        return self.views.same_view_retries
 
     @_same_view_retries.setter
     def _same_view_retries(self, n: int) -> None:
-        self.views._same_view_retries = n
+        self.views.same_view_retries = n
 
     def exchange_first(self) -> None:
         """The next attempt of a step exchanges what each member computed first, as every member of its view does

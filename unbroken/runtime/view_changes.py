@@ -117,8 +117,8 @@ class ViewChanges:
         self.need_exchange = False
         """The next attempt of a step publishes and exchanges what each member computed first (every member
         that reached the step's view through a failed attempt, or entered it restored, does)."""
-        self._voted = -1  # the last step this worker saw committed under the current view
-        self._same_view_retries = 0
+        self.voted = -1  # the last step this worker saw committed under the current view
+        self.same_view_retries = 0
         self._admits = False  # HSDP: the leader announced, in this attempt's replica sync, that it admits joiners
         self._admit_next = False  # the committed step's reduction announced an admission at its boundary
         self._next_check = 0.0
@@ -165,7 +165,7 @@ class ViewChanges:
             self.m.forget_dead(j)
         t0 = time.perf_counter()
         self.abandon()  # a group from a failed earlier attempt is parked, never dropped
-        self.view, self._voted = view, view.step - 1
+        self.view, self.voted = view, view.step - 1
         self._admits = False
         if view.restore is not None:
             self._phase("restore", view.step)
@@ -282,9 +282,9 @@ class ViewChanges:
     def reconfigure(self, step: int, reason: str) -> bool:
         """Abort the attempt and move to a newer view; True if the step turned out committed."""
         t0 = time.perf_counter()
-        outcome = self.store.vote(self.view, step, "abort", after=self._voted)
+        outcome = self.store.vote(self.view, step, "abort", after=self.voted)
         if outcome == "commit":
-            self._voted = step
+            self.voted = step
             return True
         if outcome == "stale":
             raise Fenced(f"view {self.view.gen} was pruned while this worker was at step {step}")
@@ -301,7 +301,7 @@ class ViewChanges:
                     raise
                 logger.warning("could not adopt view %d: %s", new.gen, exc)
                 self.store.vote(new, step, "abort")
-                self.view, self._voted = new, new.step - 1
+                self.view, self.voted = new, new.step - 1
                 continue
             self._event("reconfigured", step=step, gen=new.gen, members=list(new.members),
                         seconds=time.perf_counter() - t0, reason=reason)
@@ -312,8 +312,8 @@ class ViewChanges:
         if self.store.gen() > old.gen:
             return self.store.current_view()
         dead = self.plan.widen(self._wait_for_dead(old))
-        self._same_view_retries = 0 if dead else self._same_view_retries + 1
-        if self._same_view_retries > MAX_SAME_VIEW_RETRIES:
+        self.same_view_retries = 0 if dead else self.same_view_retries + 1
+        if self.same_view_retries > MAX_SAME_VIEW_RETRIES:
             raise RetriesExhausted(f"{MAX_SAME_VIEW_RETRIES} views of members {list(old.members)} failed at step "
                                    f"{step} with nobody found dead; this worker leaves and rejoins")
         members = tuple(w for w in old.members if w not in dead)
@@ -403,7 +403,7 @@ class ViewChanges:
             if self.replica is not None:
                 self.replica_broadcast(self.view.leader, self.view.gen)  # HSDP: the leader's replica goes on as is
             return False
-        if self.store.vote(self.view, next_step, "abort", after=self._voted) == "commit":  # pragma: no cover
+        if self.store.vote(self.view, next_step, "abort", after=self.voted) == "commit":  # pragma: no cover
             raise AssertionError("a step was committed without the view's first member")
         local = tuple(j for j in joiners
                       if self.state is not None and self.state.may_load_from_memory(j, self.view, next_step))
