@@ -57,6 +57,9 @@ def test_inductor_compiled_approximations_give_the_eager_gradient_and_grad_error
 
 
 def test_approximate_blocks_are_one_graph_without_breaks_and_recompiles_stay_bounded_as_rows_change():
+    # dynamo caches graphs per function: one another test in this process compiled with the same backend would
+    # be reused here, and nothing counted (the count depended on which tests ran before)
+    torch._dynamo.reset()
     model = build_model("debug", vocab_size=V, seq_len=T, seed=3)
     adapter = LlamaAdapter(model, rank=4, tau=10, compile_backend="aot_eager")
     layout = GradLayout(model, adapter)

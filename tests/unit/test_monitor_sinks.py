@@ -116,3 +116,29 @@ def test_a_later_monitor_sends_each_step_once_and_rewinds_to_where_the_job_conti
     _lines(metrics, range(6, 7))
     second.poll()
     assert recorder.items == [("rewind", 6), ("record", 6)]
+
+
+def test_a_rewind_keeps_the_failure_marks_it_would_hide(tmp_path: Path) -> None:
+    """A whole-job failure is marked at the newest step written (25); the restore goes back to step 20, whose
+    rewind purges steps 20 on: the mark comes back at step 20 instead of vanishing with them."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from unbroken.monitor.tensorboard_sink import TensorBoardSink
+
+    sink = TensorBoardSink(tmp_path / "tb")
+    sink.open()
+    for step in range(1, 26):
+        sink.handle("record", {"kind": "train", "step": step, "loss": 1.0})
+        if step == 5:
+            sink.handle("event", {"event": "worker_exit", "worker": 1, "code": -9, "step": 5})
+    sink.handle("event", {"event": "worker_exit", "worker": 0, "code": -9, "step": 25})
+    sink.handle("rewind", {"step": 20})
+    for step in range(20, 31):
+        sink.handle("record", {"kind": "train", "step": step, "loss": 0.5})
+    sink.close()
+    acc = EventAccumulator(str(tmp_path / "tb"), size_guidance={"scalars": 0, "tensors": 0})
+    acc.Reload()
+    failures = [(e.step, e.value) for e in acc.Scalars("events/failures")]
+    assert failures == [(5, 1.0), (20, 2.0)]
+    assert [e.step for e in acc.Scalars("train/loss")] == list(range(1, 31))

@@ -6,7 +6,9 @@ slots, MFU or FLOP/s where present), each ``val`` line ``val/loss`` and ``val/pp
 ``events/failures``, ``events/rejoins`` or ``events/restores``, next to the loss, at its step or the newest
 step written if that is later (an earlier step reads to TensorBoard as a restart). A ``rewind``
 (the job continues from an earlier step: ``--resume``, a restart from a checkpoint) reopens the writer
-with ``purge_step``, so TensorBoard hides the steps that were trained again.
+with ``purge_step``, so TensorBoard hides the steps that were trained again; the marks it would hide with
+them (a failure that caused the rewind is marked at the newest step written, past the step the job goes back
+to) are written again at that step, so no failure, rejoin or restore is lost from the axis.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ class TensorBoardSink:
         self._purge: int | None = None
         self._step = 0
         self._counts = {"failures": 0, "rejoins": 0, "restores": 0}
+        self._marks: list[tuple[str, Any, int]] = []  # (tag, value, step) of each event mark written
 
     def open(self) -> None:
         from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package (unbroken[monitor])
@@ -39,8 +42,12 @@ class TensorBoardSink:
     def handle(self, kind: str, payload: dict[str, Any]) -> None:
         if kind == "rewind":
             self._purge = self._step = int(payload["step"])
+            hidden = [(tag, value) for tag, value, step in self._marks if step >= self._step]
+            self._marks = [m for m in self._marks if m[2] < self._step]
             self.close()
             self.open()
+            for tag, value in hidden:  # the marks the purge hides, again at the step the job goes on from
+                self._mark(tag, value, self._step)
         elif kind == "record" and payload.get("kind") == "train":
             self._train(payload)
         elif kind == "record" and payload.get("kind") == "val":
@@ -72,8 +79,15 @@ class TensorBoardSink:
                    else "restores" if ev.get("event") == "job_restore" else None)
         if counter is not None:
             self._counts[counter] += 1
-            self._writer.add_scalar(f"events/{counter}", self._counts[counter], step)
-        self._writer.add_text("events", text, step)
+            self._mark(f"events/{counter}", self._counts[counter], step)
+        self._mark("events", text, step)
+
+    def _mark(self, tag: str, value: Any, step: int) -> None:
+        if isinstance(value, str):
+            self._writer.add_text(tag, value, step)
+        else:
+            self._writer.add_scalar(tag, value, step)
+        self._marks.append((tag, value, step))
 
     def close(self) -> None:
         if self._writer is not None:
