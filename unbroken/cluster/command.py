@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from unbroken.cluster.costs import default_cost_files, load_costs
-from unbroken.cluster.failures import DEFAULT_MIX, KINDS, FailureSpec
+from unbroken.cluster.failures import DEFAULT_MIX, KINDS, FailureSpec, parse_mix
 from unbroken.cluster.montecarlo import SimOptions, build_strategies, run_monte_carlo
 from unbroken.cluster.report import costs_lines, estimates_json, plot_sweep, table_lines
 from unbroken.cluster.scaling import TargetHardware, scale_costs
@@ -72,16 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _mix(text: str) -> dict[str, float]:
-    out = {}
-    for part in filter(None, text.split(",")):
-        key, sep, value = part.partition("=")
-        try:
-            out[key.strip()] = float(value)
-        except ValueError:
-            raise ValueError(f"--mix {text!r}: {part!r} is not KIND=FRACTION (e.g. crash=0.5)") from None
-        if not sep:
-            raise ValueError(f"--mix {text!r}: {part!r} is not KIND=FRACTION (e.g. crash=0.5)")
-    return out
+    return parse_mix(text, "KIND=FRACTION (e.g. crash=0.5)")
 
 
 def _spec(a: argparse.Namespace, workers: int) -> FailureSpec:

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["KINDS", "Event", "FailureSpec", "generate_events"]
+__all__ = ["KINDS", "Event", "FailureSpec", "generate_events", "parse_mix"]
 
 KINDS = ("crash", "hang", "node", "job")
 
@@ -129,4 +129,22 @@ def generate_events(spec: FailureSpec, seed: int) -> list[Event]:
     for t, k, w, nd in zip(times, kinds, workers, nodes):
         kind = KINDS[int(k)]
         out.append(Event(float(t), kind, int(nd) if kind == "node" else (-1 if kind == "job" else int(w))))
+    return out
+
+
+def parse_mix(text: str, example: str) -> dict[str, float]:
+    """``--mix KIND=SHARE,...`` as a dict; ``example`` (``crash=0.5``) is named in the error.
+
+    Raises:
+        ValueError: a part that is not ``KIND=NUMBER``.
+    """
+    out = {}
+    for part in filter(None, text.split(",")):
+        key, sep, value = part.partition("=")
+        try:
+            out[key.strip()] = float(value)
+        except ValueError:
+            sep = ""
+        if not sep:
+            raise ValueError(f"--mix {text!r}: {part!r} is not {example}")
     return out

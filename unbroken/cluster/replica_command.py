@@ -19,6 +19,7 @@ from typing import Any
 from unbroken.cluster.engine import ENGINE_STRATEGIES
 from unbroken.cluster.phases import DEFAULT_INPUTS, load_inputs
 from unbroken.cluster.projection import PHASES, engine_costs, phase_budget, project
+from unbroken.cluster.failures import parse_mix
 from unbroken.cluster.replicas import FAILURE_KINDS, LLAMA3_MIX, ReplicaSpec
 
 __all__ = ["build_parser", "main", "uses_replica_engine"]
@@ -72,16 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _mix(text: str) -> dict[str, float]:
-    out = {}
-    for part in filter(None, text.split(",")):
-        key, sep, value = part.partition("=")
-        try:
-            out[key.strip()] = float(value)
-        except ValueError:
-            sep = ""
-        if not sep:
-            raise ValueError(f"--mix {text!r}: {part!r} is not KIND=SHARE (e.g. hardware=0.75)")
-    return out
+    return parse_mix(text, "KIND=SHARE (e.g. hardware=0.75)")
 
 
 def _spec(a: argparse.Namespace, mtbf_min: float) -> ReplicaSpec:
