@@ -26,6 +26,10 @@ warning naming the block kind and dynamo's reason; the takeover never fails
 for it. A failure that surfaces only in the compiled backward is not caught
 here (dynamo traces the backward with the forward, so it is rare).
 
+The first approximate step is a takeover's: a worker compiles these graphs at
+its start instead (:mod:`unbroken.mecefo.warm_up`), so that a takeover
+compiles nothing and a block that cannot compile falls back at the start.
+
 Invariants: the compiled and eager paths compute the same values and
 gradients up to floating-point reassociation; a path that has fallen back
 never tries to compile again.

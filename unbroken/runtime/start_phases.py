@@ -9,7 +9,11 @@ show where a slow start went.
 
 Phases: ``process`` (from the kernel's start of the process to the clock's
 creation: interpreter and imports), then those the worker marks (``config``,
-``store``, ``data``, ``model``, ``job``, ``admission``).
+``store``, ``data``, ``model``, ``job``, ``compile_cache``, ``approx_compile``,
+``admission``). ``approx_compile`` is the compile of MeCeFO's approximate
+graphs at the start (:mod:`unbroken.mecefo.warm_up`): a job that compiles
+under a policy that approximates pays it here, before its first step, instead
+of in a takeover.
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ writes its report, ``RUN/workers/w<id>.json``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -26,6 +27,8 @@ from unbroken.job.compile_cache import CACHE_FILE
 from unbroken.job.consistency import InconsistentJob
 from unbroken.job.parallelize import compile_stats
 from unbroken.jsonl import JsonlWriter
+from unbroken.mecefo.adapter import LlamaAdapter
+from unbroken.mecefo.warm_up import takeover_rows, warm_up
 from unbroken.models.factory import bind_device
 from unbroken.runtime.held_memory import HELD_ENV, HeldMemory
 from unbroken.store.job_store import JobStore
@@ -95,6 +98,8 @@ def run(spec: WorkerSpec, *, store: JobStore | None = None, prepared: Prepared |
     compilation = _compilation(trainer, compilation, secret)
     if compilation is not None:
         mark("compile_cache")
+        if _warm_approximations(trainer) is not None:
+            mark("approx_compile")
     if setup is not None:
         setup(trainer)
     held = HeldMemory(trainer).install() if os.environ.get(HELD_ENV) else None
@@ -173,6 +178,22 @@ def _compilation(trainer: Trainer, compilation: Compilation | None, secret: str)
 
     trainer.protocol.on("confirm", after_step)
     return compilation
+
+
+def _warm_approximations(trainer: Trainer) -> dict[str, Any] | None:
+    """A compiling job whose policy approximates compiles its approximate graphs before the first step, not in a
+    takeover (:func:`~unbroken.mecefo.warm_up.warm_up`; the ``approx_warmed_up`` event says what it took).
+    HSDP: not warmed (its forward and backward are its replica's collectives)."""
+    job, me = trainer.job, trainer.spec.worker
+    if job.replica is not None or not isinstance(job.adapter, LlamaAdapter):
+        return None
+    rows = takeover_rows(functools.partial(trainer.protocol.plan.assign, me), me, trainer.spec.world)
+    with trainer.m.busy():
+        done = warm_up(job.adapter, job.layout, rows, micro_batch=job.micro_batch, batch_fn=job.sampler.batch,
+                       device=job.device, precision=trainer.cfg.train.precision, loss_fn=job.loss_fn)
+    if done is not None:
+        trainer.event("approx_warmed_up", **done)
+    return done
 
 
 def _write_report(spec: WorkerSpec, cfg: Config, trainer: Trainer, last: dict[str, Any],
