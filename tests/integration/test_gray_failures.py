@@ -1,9 +1,12 @@
 """Gray failures injected into a real job (CPU, gloo, 2 workers): a slow worker, a flipped bit, a NaN; and a
 process slowed from outside by ``unbroken chaos``.
 
-Nothing detects them yet: the job trains through a slow worker and applies a wrong
-or non-finite gradient like any other. Each scenario asserts that observable effect
-and the worker's one ``fault_injected`` event with its detail.
+Nothing detects a slow or wrong worker yet: the job trains through a slow worker and
+applies a wrong gradient like any other. A non-finite one is applied nowhere
+(:mod:`unbroken.runtime.nonfinite`): the step is done again with the same rows, a
+worker whose rows stay non-finite is fenced, and rows non-finite on any other worker
+too stop the job. Each scenario asserts that observable effect and the worker's
+``fault_injected`` events with their detail.
 """
 
 from __future__ import annotations
@@ -19,9 +22,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from _faults import Job, check_invariants, failover_config, run_job
+from _faults import MICRO_BATCH, Job, check_invariants, failover_config, run_job
 from _reference import checkpoint_params, reference_train
+from unbroken.agent.launcher import JobFailed
 from unbroken.faults.chaos import run_chaos
+from unbroken.runtime.ledger import read_events
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -48,17 +53,59 @@ def test_slow_worker_computes_its_steps_factor_times_as_long(tmp_path, corpus_ov
     assert job.summary["failures"] == 0 and not job.events("attempt_aborted"), "today the job trains through it"
 
 
-def test_nan_in_one_workers_gradient_is_applied_everywhere(tmp_path, corpus_overrides):
+def test_nan_in_one_workers_gradient_is_applied_nowhere(tmp_path, corpus_overrides):
+    """A NaN at step 3: the step is done again with the same rows, and the job ends bit for bit as without it."""
     cfg = failover_config(corpus_overrides, 6, "train.workers=2")
+    clean = run_job(cfg, tmp_path / "clean", nodes=1, workers_per_node=2)
     job = run_job(cfg, tmp_path / "run", nodes=1, workers_per_node=2, fail_at="step=3:worker=1:nan")
     check_invariants(job, live=[0, 1])
     (e,) = job.events("fault_injected")
     assert (e["worker"], e["step"], e["how"], e["tensor"], e["applied"]) == (1, 3, "nan", "grad", True)
     assert math.isfinite(e["before"]) and math.isnan(e["after"]) and e["param"] and e["index"] >= 0
-    norms = {r["step"] - 1: r["grad_norm"] for r in job.train_records()}  # a train record counts committed steps
-    assert math.isfinite(norms[2]) and math.isnan(norms[3]), "the reduced gradient of step 3 holds the NaN"
-    params = checkpoint_params(job.summary["checkpoint"])
-    assert not all(torch.isfinite(p).all() for p in params.values()), "nothing checks: the step applied it"
+    assert sorted((n["worker"], n["step"], n["gen"], n["decision"]) for n in job.events("nonfinite_step")) == [
+        (0, 3, 0, "retry"), (1, 3, 0, "retry")], "every member found it, in the same attempt, and did it again"
+    assert all(math.isfinite(r["grad_norm"]) for r in job.train_records()), "no optimizer step applied it"
+    assert job.committed_items(3) == [(0, 0, 0, MICRO_BATCH, "exact"), (1, 1, 0, MICRO_BATCH, "exact")], \
+        "the ledger holds each row of step 3 once, in the view it was computed in"
+    assert job.commit_gen(3) == 0 and not job.events("reconfigured"), "done again in the same view"
+    assert job.summary["param_digest"] == clean.summary["param_digest"], "bit for bit the run without it"
+
+
+def test_nan_recurring_in_one_workers_rows_fences_it(tmp_path, corpus_overrides):
+    """The same worker's rows non-finite twice at step 3: it leaves fenced (its agent brings it back), the other
+    covers its rows in the same step, and the job goes on."""
+    cfg = failover_config(corpus_overrides, 12, "train.workers=3")
+    job = run_job(cfg, tmp_path / "run", nodes=1, workers_per_node=3, restart="on-failure", pace=True,
+                  fail_at="step=3:worker=1:nan,step=3:worker=1:nan")
+    check_invariants(job, live=[0, 1, 2])
+    assert len(job.events("fault_injected", worker=1)) == 2
+    (fenced,) = job.events("nonfinite_fenced")
+    assert (fenced["worker"], fenced["step"], fenced["items"]) == (1, 3, [[1, 0, MICRO_BATCH, "exact"]])
+    (exit_,) = job.events("worker_exit", worker=1, clean=False)
+    assert exit_["code"] == 3 and exit_["fenced"], "it left fenced"
+    (view,) = [v for v in job.events("view_adopted", worker=0) if v["step"] == 3 and v["gen"] == 1]
+    assert view["members"] == [0, 2] and view["reason"] == "dead [1]"
+    assert job.commit_gen(3) == 1 and [i for i in job.committed_items(3) if i[1] == 1] == [
+        (2, 1, 0, MICRO_BATCH, "approx")], "its rows of step 3 taken over by its neighbour, once"
+    assert len(job.events("rejoined", worker=1)) == 1, "its agent replaced it"
+    assert all(math.isfinite(r["grad_norm"]) for r in job.train_records())
+
+
+def test_nan_recurring_on_two_workers_rows_stops_the_job(tmp_path, corpus_overrides):
+    """Both workers' rows of step 3 non-finite again on the retry: the job stops, naming the step and the slots,
+    with the run's snapshot memory kept for ``--resume``."""
+    cfg = failover_config(corpus_overrides, 6, "train.workers=2")
+    with pytest.raises(JobFailed) as failed:
+        run_job(cfg, tmp_path / "run", nodes=1, workers_per_node=2,
+                fail_at="step=3:worker=0:nan,step=3:worker=0:nan,step=3:worker=1:nan,step=3:worker=1:nan")
+    message = str(failed.value)
+    assert message.startswith("the job stopped: step 3's reduced gradient was not finite again on the retry with "
+                              "the same rows, from the rows of 2 member(s); worker "), message
+    assert "gave non-finite gradients" in message and "slot " in message
+    assert "continue with: unbroken train --resume" in message
+    records = read_events(tmp_path / "run")
+    assert not [r for r in records if r.get("kind") == "commit" and r["step"] >= 3], "step 3 applied nowhere"
+    assert sorted(r["worker"] for r in records if r.get("event") == "nonfinite_stop") == [0, 1]
 
 
 def test_bitflip_in_one_workers_gradient_changes_the_final_parameters(tmp_path, corpus_overrides):

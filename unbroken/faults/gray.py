@@ -16,7 +16,10 @@ points, from outside the runtime:
   ``.grad``, views of the buffer it all-reduces); ``target=param``: before
   the forward pass of ``step``, of one of its parameters.
 * ``nan``: after the backward pass of ``step``, one element of this worker's
-  local gradient is set to NaN.
+  local gradient is set to NaN. One ``nan`` spec fires per backward pass: the
+  same spec given twice makes the step's first two computations on this worker
+  non-finite (the step is done again once a reduction is found not finite:
+  :mod:`unbroken.runtime.nonfinite`), three times the first three.
 
 Which element and which bit are drawn from a generator seeded by the spec's
 text: the same spec hits the same element of the same model every time. The
@@ -26,7 +29,8 @@ of magnitude. Each fault writes one event ``fault_injected`` (``by``:
 and the values before and after (for ``slow``: at its first slowed step).
 
 Nothing here detects or undoes anything: the job trains through a slow
-worker and applies a wrong or non-finite gradient as it would any other.
+worker and applies a wrong gradient as it would any other; a non-finite one is
+caught by the step's agreement (:mod:`unbroken.runtime.nonfinite`).
 """
 
 from __future__ import annotations
@@ -97,10 +101,12 @@ class GrayFaults:
             self._t0 = self.clock()
 
     def _backward(self, step: int) -> None:
+        nan = False  # one nan spec per backward pass (module docstring)
         for i, s in enumerate(self.specs):
-            if s.step != step or i in self._done:
+            if s.step != step or i in self._done or (s.how == "nan" and nan):
                 continue
             if s.how == "nan" or (s.how == "bitflip" and s.tensor == "grad"):
+                nan = nan or s.how == "nan"
                 self._flip(i, s, step)
         factor, t0 = self.slow_factor(step), self._t0
         self._t0 = None

@@ -34,6 +34,8 @@ logger = logging.getLogger(__name__)
 
 _ADMIT, _STOP = 1, 2
 """The bits of a reduction buffer's leader's word (:meth:`GradLayout.write_word`)."""
+_NONFINITE = 4
+"""What a worker adds to the word when its own sums are not finite (:meth:`GradLayout.count_nonfinite`)."""
 
 Mode = Literal["exact", "approx"]
 BatchFn = Callable[[int, int, tuple[int, int]], tuple[torch.Tensor, torch.Tensor]]
@@ -74,7 +76,8 @@ class GradLayout:
     1 if the boundary after the step admits joiners, plus 2 if the job stops
     after the step (a preemption's); every other member adds 0, so every member
     that holds the reduced buffer reads the same word (small integers sum
-    exactly in float32).
+    exactly in float32). In an attempt that retries a non-finite step every
+    member whose own sums are not finite adds 4 more (:mod:`unbroken.runtime.nonfinite`).
     """
 
     def __init__(self, model: torch.nn.Module, adapter: ModelAdapter, *, votes: int = 0) -> None:
@@ -140,6 +143,14 @@ class GradLayout:
     def stopping(self, buf: torch.Tensor) -> bool:
         """Whether reduced ``buf`` says the job stops after its step (read before the step is applied)."""
         return bool(round(float(self.scalars(buf)[-3])) & _STOP)
+
+    def count_nonfinite(self, buf: torch.Tensor) -> None:
+        """Before the reduction, after :meth:`write_word`: this worker's own sums are not finite (counted)."""
+        self.word(buf).add_(_NONFINITE)
+
+    def nonfinite_count(self, buf: torch.Tensor) -> int:
+        """How many members of reduced ``buf`` counted their own sums not finite (:meth:`count_nonfinite`)."""
+        return round(float(self.scalars(buf)[-3])) // _NONFINITE
 
     def loss_sum(self, buf: torch.Tensor) -> float:
         return float(self.scalars(buf)[-2])

@@ -50,9 +50,10 @@ from typing import TYPE_CHECKING, Any, Callable, Literal, Protocol
 import torch
 
 from unbroken.jsonl import JsonlWriter
-from unbroken.mecefo.gradients import SlotWork, slot_rows
+from unbroken.mecefo.gradients import GradLayout, SlotWork, slot_rows
 from unbroken.mecefo.takeover import TakeoverPolicy
 from unbroken.runtime.membership import Fenced, Membership, MemberDied, MissedCommit, View, ViewChanged
+from unbroken.runtime.nonfinite import NonFiniteSteps
 from unbroken.runtime.process_group import CollectiveFailed, ViewGroup
 from unbroken.runtime.view_changes import (CHECK_EVERY_S, MAX_SAME_VIEW_RETRIES, AdmissionWord, RetriesExhausted,
                                            ViewChanges)
@@ -119,6 +120,7 @@ class StepProtocol:
         self._hooks: dict[str, list[Callable[[int], None]]] = {p: [] for p in PHASES}  # a layout names a phase
         self._pruned_below = 0
         self._spare: torch.Tensor | None = None  # the host copy of the sums posted last (see _keep)
+        self._recorded: tuple[int, int, list[list[object]]] | None = None  # the last ledger record's (see _reduce)
         self.state = state
         """Where this worker's state comes from when its view changes (:class:`~unbroken.runtime.state_source.
         StateSource`): a restore, its node's snapshot memory; None: only transfers from a peer."""
@@ -132,6 +134,9 @@ class StepProtocol:
                                  timeout_s=timeout_s, config_hash=config_hash, backend=backend)
         """The view, its group and peers, and every change of them (HSDP: with ``replica``, the collectives
         over this worker's replica; ``announcer``: where a reduction buffer carries an admission's word)."""
+        self.nonfinite = NonFiniteSteps(membership, announcer if isinstance(announcer, GradLayout)
+                                        and replica is None else None, self._event)
+        """A reduction found not finite is applied nowhere (:mod:`unbroken.runtime.nonfinite`)."""
 
     # -- what the view changes hold, as the step reads it ---------------------------
 
@@ -244,12 +249,14 @@ class StepProtocol:
         self.step = step
         items: list[SlotWork] = []
         local: torch.Tensor | None = None
+        again = False  # the last attempt's reduction was not finite: the same items, computed afresh
         while True:
             reduced: torch.Tensor | None = None
             posted = False
             self.layout.discard()
             try:
-                extra = self._exchange(step, items) if self.need_exchange else self._assigned()
+                extra = [] if again else self._exchange(step, items) if self.need_exchange else self._assigned()
+                again = False
                 self.need_exchange = True  # any retry of this step exchanges first
                 if local is None:  # the first attempt, or one after a reduction that used the sums up in place
                     items = items + extra
@@ -262,9 +269,12 @@ class StepProtocol:
                 try:
                     reduced = self._reduce(step, local, items)
                 except (ViewChanged, CollectiveFailed, MemberDied):
-                    self._replica_word(step, ok=False)  # HSDP: its siblings wait for its word
+                    self._replica_word(step, ok=False, reduced=None)  # HSDP: its siblings wait for its word
                     raise
-                self._replica_word(step, ok=True)
+                shards_finite = self._replica_word(step, ok=True, reduced=reduced)
+                if self.nonfinite.after_reduction(step, self.view.gen, reduced, items, shards_finite):
+                    local, again = None, True  # reduced in place: computed again, by the same members
+                    continue
                 # ZeRO-1: the whole step before the vote (update and all-gather)
                 self.layout.after_reduction(step, reduced, self.group, self._check,
                                             lambda phase: self._phase(phase, step))
@@ -272,6 +282,7 @@ class StepProtocol:
                 self.need_exchange = False
                 return reduced, items
             except (ViewChanged, CollectiveFailed, MemberDied) as exc:
+                again = False
                 if posted:
                     # Reduced in place, in part or whole, and the abandoned collective may still write into it:
                     # the next attempt starts from the copy kept on the host, else computes this worker's items
@@ -332,19 +343,27 @@ class StepProtocol:
         """
         # The ledger record precedes the all-reduce: whatever a committed reduction
         # contains, its contributors have recorded (a dead one included).
-        self.events.write({"kind": "work", "step": step, "gen": self.view.gen, "worker": self.me,
-                           "items": slot_rows(items)})
+        # An attempt done again in the same view with the same items (a non-finite reduction's) is recorded once:
+        # the ledger counts every record of a (step, generation).
+        recorded = (step, self.view.gen, slot_rows(items))
+        if recorded != self._recorded:
+            self.events.write({"kind": "work", "step": step, "gen": self.view.gen, "worker": self.me,
+                               "items": recorded[2]})
+            self._recorded = recorded
         # A collective that completes within CHECK_EVERY_S never pays for the detector:
         # a crash fails it at once anyway, and a hang takes the heartbeat timeout.
         self.views.defer_check()
         self.layout.before_reduction(check or self._check)  # ZeRO-1: the last step's shard copies sealed first
         self.views.announce(local, step)
+        self.nonfinite.before_reduction(step, local)  # after the word: counted in it
         assert self.group is not None  # a step reduces in its view's group
         return self.group.allreduce(local, check or self._check, lambda: self._phase("allreduce", step))
 
-    def _replica_word(self, step: int, ok: bool) -> None:
-        """HSDP: this worker's word to its replica on its reduction (:meth:`ViewChanges.replica_word`)."""
+    def _replica_word(self, step: int, ok: bool, reduced: torch.Tensor | None) -> bool | None:
+        """HSDP: this worker's word to its replica on its reduction (:meth:`ViewChanges.replica_word`); returns
+        whether every rank's reduced part is finite (None without HSDP: the caller looks at ``reduced`` itself)."""
         self.views.replica_word(step, ok)
+        return None
 
     def _vote(self, step: int) -> None:
         """Vote ``commit`` for ``step`` under the current view (see the module docstring).

@@ -34,6 +34,7 @@ from unbroken.runtime.held_memory import HELD_ENV, HeldMemory
 from unbroken.store.job_store import JobStore
 from unbroken.runtime.membership import (EXIT_FENCED, EXIT_REJOIN, SHARD_LOST, Fenced, Membership, MissedCommit,
                                          NoLiveWorker)
+from unbroken.runtime.nonfinite import NonFiniteStop
 from unbroken.runtime.start_phases import StartClock
 from unbroken.store.backend import job_secret
 from unbroken.runtime.worker import (EXIT_NO_LIVE_WORKER, EXIT_REFUSED, EXIT_STORE_LOST, JoinRefused, Trainer,
@@ -136,6 +137,9 @@ def run(spec: WorkerSpec, *, store: JobStore | None = None, prepared: Prepared |
     except InconsistentJob as exc:
         logger.error("%s", exc)
         store.fail(str(exc))
+        return EXIT_REFUSED
+    except NonFiniteStop as exc:  # every member stops alike; the first to record it names the step and slots
+        store.fail(f"stopped: {exc}")
         return EXIT_REFUSED
     except StateNotCapturable as exc:  # the launcher's JobFailed says "the job stopped: ..."
         logger.error("%s", exc)
