@@ -23,12 +23,12 @@ def reference_train(cfg: Config, steps: int | None = None, *, moments: bool = Fa
     d, t = cfg.data, cfg.train
     data = prepare_data(source=d.source, vocab_size=d.vocab_size, val_fraction=d.val_fraction,
                         cache_dir=d.cache_dir, max_bytes=d.max_bytes)
-    sampler = BatchSampler(data.train, seed=t.seed, n_slots=t.workers, micro_batch=d.micro_batch, seq_len=d.seq_len)
+    sampler = BatchSampler(data.train, seed=t.seed, n_slots=cfg.n_slots, micro_batch=d.micro_batch, seq_len=d.seq_len)
     model = build_model(cfg.model.preset, vocab_size=data.vocab_size, seq_len=d.seq_len, seed=t.seed)
     o = cfg.optim
     opt = build_optimizer(model, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
     for step in range(steps if steps is not None else t.steps):
-        xs, ys = zip(*(sampler.batch(step, slot) for slot in range(t.workers)))
+        xs, ys = zip(*(sampler.batch(step, slot) for slot in range(cfg.n_slots)))
         x, y = torch.cat(xs), torch.cat(ys)
         logits = model(x)
         loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))

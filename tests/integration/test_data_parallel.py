@@ -79,3 +79,22 @@ def test_resume_with_more_steps_extends_a_wsd_run_as_if_it_had_been_planned(tmp_
     assert main(["train", "--resume", str(tmp_path / "short"), "--train.steps=12"]) == 2
     assert "train.steps=12, but the run has trained 12 steps already; give --train.steps=13 or more" in \
         capsys.readouterr().err
+
+
+@pytest.mark.parametrize("workers", [2, 4])
+def test_global_batch_accumulates_to_single_process(tmp_path, corpus_overrides, workers):
+    """One global batch of 8 micro-batches, trained by 2 workers x 4 accumulated micro-batches and by 4 x 2,
+    equals a plain single-process loop over the same rows."""
+    base = _cfg(corpus_overrides, workers, 4)
+    cfg = _cfg(corpus_overrides, workers, 4, f"train.global_batch={8 * base.data.micro_batch}")
+    assert cfg.n_slots == 8
+    summary = launch_local(cfg, tmp_path / "run")
+    assert summary["workers_agree"] and summary["steps"] == 4
+    got = checkpoint_params(summary["checkpoint"])
+    want = reference_train(cfg)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-5, msg=name)
+    works = [json.loads(line) for f in sorted((tmp_path / "run" / "events").glob("*.jsonl"))
+             for line in f.read_text().splitlines() if '"work"' in line]
+    per_worker = {w["worker"]: sorted(item[0] for item in w["items"]) for w in works if w["step"] == 0}
+    assert per_worker == {w: list(range(w, 8, workers)) for w in range(workers)}

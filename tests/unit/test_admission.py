@@ -17,6 +17,7 @@ from unbroken.store.view import View
 
 class _Job:
     n_slots, micro_batch, device = 3, 2, torch.device("cpu")
+    n_workers = n_slots
     model = optimizer = None
 
     def gradient_sums(self, step: int, items: list) -> torch.Tensor:

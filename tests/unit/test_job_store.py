@@ -146,6 +146,7 @@ class _Job:
     """A job of one slot whose gradient is a constant: the protocol's bookkeeping is what is measured."""
 
     n_slots, micro_batch, device = 1, 2, torch.device("cpu")
+    n_workers = n_slots
     model = optimizer = None
 
     def gradient_sums(self, step: int, items: list) -> torch.Tensor:

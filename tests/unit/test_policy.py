@@ -143,3 +143,48 @@ def test_live_ids_outside_slots(live):
 def test_bad_sizes(kwargs):
     with pytest.raises(ValueError):
         POLICIES["neighbor"].assign(live=[0], **kwargs)
+
+
+# --- several slots per worker (train.global_batch) ------------------------------
+
+
+def test_home_slots_go_round_robin_and_nothing_else_when_all_live():
+    got = POLICIES["spread"].assign(n_slots=8, live=range(3), micro_batch=MB, n_workers=3)
+    assert got == {0: [W(0), W(3), W(6)], 1: [W(1), W(4), W(7)], 2: [W(2), W(5)]}
+
+
+def test_neighbor_covers_every_home_slot_of_a_dead_worker_and_approximates_its_own():
+    # 3 workers, 6 slots; worker 1 (slots 1, 4) dead: its ring successor 2 covers both
+    got = POLICIES["neighbor"].assign(n_slots=6, live={0, 2}, micro_batch=MB, n_workers=3)
+    assert got == {0: [W(0), W(3)], 2: [A(2), A(5), A(1), A(4)]}
+
+
+def test_spread_approx_is_exact_only_on_the_home_worker():
+    got = POLICIES["spread-approx"].complete(n_slots=4, micro_batch=2, live=[0, 1], n_workers=2,
+                                              done={0: [W(0, 0, 2), W(2, 0, 1)], 1: [W(1, 0, 2), W(3, 0, 2)]})
+    assert got == {0: [SlotWork(2, (1, 2), "exact")], 1: []}
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+@pytest.mark.parametrize("n_workers, n_slots", [(2, 8), (3, 7), (4, 8)])
+def test_several_slots_per_worker_cover_every_row_once_for_every_live_subset(policy, n_workers, n_slots):
+    for r in range(1, n_workers + 1):
+        for live in itertools.combinations(range(n_workers), r):
+            got = POLICIES[policy].assign(n_slots=n_slots, live=live, micro_batch=3, n_workers=n_workers)
+            rows = Counter((it.slot, row) for items in got.values() for it in items for row in range(*it.rows))
+            assert rows == Counter({(k, row): 1 for k in range(n_slots) for row in range(3)}), (live, got)
+            for w in live:  # its home slots first, whole
+                assert [it.slot for it in got[w][:len(range(w, n_slots, n_workers))]] == list(range(w, n_slots, n_workers))
+
+
+def test_fewer_slots_than_workers_is_refused():
+    with pytest.raises(ValueError, match=r"n_slots=2 must be an integer >= n_workers=3"):
+        POLICIES["spread"].assign(n_slots=2, live=[0], micro_batch=MB, n_workers=3)
+
+
+def test_degraded_lists_the_dead_workers_home_slots():
+    from unbroken.mecefo.takeover import degraded_homes
+
+    assert degraded_homes(8, 4, [0, 2, 3]) == [1, 5]
+    got = POLICIES["spread"].assign(n_slots=4, live=[0], micro_batch=2, n_workers=2)
+    assert [d["slot"] for d in degraded_slots(got, 4, 2)] == [1, 3]

@@ -33,6 +33,7 @@ port, me, out = int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])
 
 class Job:
     n_slots, micro_batch, device = 2, 4, torch.device("cpu")
+    n_workers = n_slots
     model = optimizer = None
     computed = 0
 

@@ -43,6 +43,7 @@ class _Job:
     """The protocol's view of a job: two slots of four rows, a constant gradient."""
 
     n_slots, micro_batch, device = 2, 4, torch.device("cpu")
+    n_workers = n_slots
     model = optimizer = None
 
     def gradient_sums(self, step: int, items: list) -> torch.Tensor:

@@ -51,6 +51,7 @@ class OneGroup:
 
 class Job:
     n_slots, micro_batch, device = n, 4, torch.device("cpu")
+    n_workers = n_slots
     model, optimizer = torch.nn.Linear(2, 1), None
     layout = GradLayout(model, OneGroup())
 

@@ -104,6 +104,7 @@ def test_a_store_gone_for_good_is_lost_at_once_on_the_next_request(store_process
 
 class _Job:
     n_slots, micro_batch, device = 1, 4, torch.device("cpu")
+    n_workers = n_slots
     model = optimizer = None
 
     def gradient_sums(self, step: int, items: list) -> torch.Tensor:

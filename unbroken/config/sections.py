@@ -56,7 +56,7 @@ class DataConfig:
     seq_len: int = 128
     """Tokens per row."""
     micro_batch: int = 8
-    """Rows per slot per step; the global batch is ``workers * micro_batch`` rows."""
+    """Rows per micro-batch (a slot of the step); the global batch is ``train.global_batch`` rows."""
     val_fraction: float = 0.05
     """Share of documents (by file-name hash) held out for validation."""
     max_bytes: int | None = None
@@ -117,7 +117,12 @@ class TrainConfig:
     steps: int = 200
     """Optimizer steps to train."""
     workers: int = 4
-    """Data-parallel slots (one worker per slot when nothing fails)."""
+    """Data-parallel workers (processes; one per GPU)."""
+    global_batch: int = 0
+    """Rows (sequences) per optimizer step, a multiple of ``data.micro_batch``: each worker computes
+    ``global_batch / (workers * micro_batch)`` micro-batches a step and accumulates their gradients (the
+    step's slots go round-robin over the workers). The job keeps it when workers are lost or when it is
+    resumed with another worker count. 0: ``workers * micro_batch`` (one micro-batch per worker)."""
     seed: int = 0
     """Seed of initialisation and data order."""
     log_every: int = 1
@@ -342,3 +347,10 @@ class Config:
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
+
+    @property
+    def n_slots(self) -> int:
+        """Micro-batches (slots) per optimizer step: ``train.global_batch / data.micro_batch``, or one per worker."""
+        if self.train.global_batch:
+            return self.train.global_batch // self.data.micro_batch
+        return self.train.workers

@@ -49,6 +49,7 @@ def _train_data_optim(cfg: Config, need: Need) -> None:
     need(t.threads_per_worker >= 0, f"train.threads_per_worker={t.threads_per_worker}: must be >= 0")
     need(d.seq_len >= 1, f"data.seq_len={d.seq_len}: must be >= 1")
     need(d.micro_batch >= 1, f"data.micro_batch={d.micro_batch}: must be >= 1")
+    _global_batch(cfg, need)
     need(d.vocab_size >= 2, f"data.vocab_size={d.vocab_size}: must be >= 2")
     need(0 < d.val_fraction < 1, f"data.val_fraction={d.val_fraction}: must be in (0, 1)")
     need(d.max_bytes is None or d.max_bytes > 0, f"data.max_bytes={d.max_bytes}: must be > 0")
@@ -57,6 +58,25 @@ def _train_data_optim(cfg: Config, need: Need) -> None:
     need(o.warmup_steps >= 0, f"optim.warmup_steps={o.warmup_steps}: must be >= 0")
     _schedule(cfg, need)
     need(o.grad_clip >= 0, f"optim.grad_clip={o.grad_clip}: must be >= 0 (0 disables)")
+
+
+def _global_batch(cfg: Config, need: Need) -> None:
+    t, d = cfg.train, cfg.data
+    g, m = t.global_batch, d.micro_batch
+    if g == 0 or m < 1 or t.workers < 1:
+        return
+    need(g > 0, f"train.global_batch={g}: must be >= 0 (0: train.workers x data.micro_batch)")
+    if g < 0:
+        return
+    need(g % m == 0, f"train.global_batch={g} is not a multiple of data.micro_batch={m}: a step is whole "
+         f"micro-batches; give train.global_batch={max(m, g // m * m)} or a data.micro_batch that divides {g}")
+    need(g // m >= t.workers or g % m != 0, f"train.global_batch={g} is {g // m} micro-batch(es) of data.micro_batch={m}, "
+         f"fewer than train.workers={t.workers} (every worker computes at least one); give train.global_batch >= "
+         f"{t.workers * m} or data.micro_batch <= {max(1, g // t.workers)}")
+    k = t.shard_degree
+    need(k <= 1 or g % m != 0 or (g // m) % k == 0, f"train.global_batch={g} is {g // m} micro-batches, not a multiple of "
+         f"train.shard_degree={k} (each rank of a replica computes one of its micro-batches); give "
+         f"train.global_batch={-(-(g // m) // k) * k * m}")
 
 
 def _schedule(cfg: Config, need: Need) -> None:
@@ -210,8 +230,11 @@ def config_hash(cfg: Config) -> str:
     # for element; a checkpoint holds whole tensors either way). steps: how far to train; --resume may extend a
     # run, whose checkpoints and snapshots must then still load (the schedule's dependence on it is documented)
     for volatile in ("host", "port", "log_every", "threads_per_worker", "timeout_s", "keep_checkpoints",
-                     "checkpoint_every_s", "shard_optimizer", "shard_degree", "backend", "steps"):
+                     "checkpoint_every_s", "shard_optimizer", "shard_degree", "backend", "steps", "global_batch"):
         d["train"].pop(volatile, None)
+    # what is trained is the global batch, not how many workers train it: a run of 4 workers and one of 2 that
+    # compute 2 micro-batches each are one job (a default run's hash is as it always was: slots = workers)
+    d["train"]["workers"] = cfg.n_slots
     d["data"].pop("cache_dir", None)
     d["model"]["parallelize"] = ""  # HSDP's sharding recipe: where the state lives (as shard_degree)
     d["fault"].pop("store_timeout_s", None)  # how long to wait for the store, not what is trained

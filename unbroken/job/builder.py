@@ -83,7 +83,7 @@ def build_data(cfg: Config, device: torch.device | None = None) -> TrainData:
 
 
 def build_samplers(cfg: Config, data: TrainData) -> tuple[Any, Any]:
-    """The training sampler (``train.workers`` slots) and the validation sampler (one slot; None: no validation).
+    """The training sampler (:attr:`Config.n_slots` slots) and the validation sampler (one slot; None: no validation).
 
     A user's source is its own training sampler; its validation sampler is its
     ``validation_batch`` when it has one.
@@ -95,7 +95,7 @@ def build_samplers(cfg: Config, data: TrainData) -> tuple[Any, Any]:
     if isinstance(data, CheckedSource):
         return data, (_Validation(data) if data.has_validation else None)
     d, seed = cfg.data, cfg.train.seed
-    train = training_sampler(data.train, seed=seed, n_slots=cfg.train.workers, micro_batch=d.micro_batch,
+    train = training_sampler(data.train, seed=seed, n_slots=cfg.n_slots, micro_batch=d.micro_batch,
                          seq_len=d.seq_len)
     try:
         val = training_sampler(data.val, seed=seed, n_slots=1, micro_batch=d.micro_batch, seq_len=d.seq_len)
@@ -226,6 +226,12 @@ class Job:
 
     @property
     def n_slots(self) -> int:
+        """Micro-batches per step (the global batch over ``data.micro_batch``)."""
+        return self.cfg.n_slots
+
+    @property
+    def n_workers(self) -> int:
+        """The job's workers (ids ``0 .. n_workers - 1``)."""
         return self.cfg.train.workers
 
     @property

@@ -191,7 +191,8 @@ def _train_step(job: Job, trace: FailureTrace, step: int, wall0: float) -> dict[
     cfg, mb = job.cfg, job.cfg.data.micro_batch
     t0 = time.perf_counter()
     live, waited = live_at(trace, step)
-    assignment = takeover_policy(cfg.mecefo.policy).assign(n_slots=cfg.train.workers, live=live, micro_batch=mb)
+    assignment = takeover_policy(cfg.mecefo.policy).assign(n_slots=cfg.n_slots, live=live, micro_batch=mb,
+                                                           n_workers=cfg.train.workers)
     total: torch.Tensor | None = None
     slowest = 0.0
     for worker in sorted(assignment):
@@ -206,7 +207,7 @@ def _train_step(job: Job, trace: FailureTrace, step: int, wall0: float) -> dict[
     return train_record(
         step=step + 1, loss=job.loss(total), lr=lr, grad_norm=grad_norm,
         step_time_s=dt, tokens_per_step=job.sampler.tokens_per_step, wall_s=time.perf_counter() - wall0,
-        live_workers=sorted(live), degraded=degraded_slots(assignment, cfg.train.workers),
+        live_workers=sorted(live), degraded=degraded_slots(assignment, cfg.n_slots, cfg.train.workers),
         assignment=assignment_json(assignment), waited=waited, slowest_worker_s=slowest,
     )
 

@@ -96,9 +96,8 @@ def user_data(cfg: Config, device: torch.device) -> CheckedSource:
     """
     factory = resolve(cfg.data.factory, field="data.factory")
     ctx = BuildContext(cfg=cfg, device=device, seed=cfg.train.seed)
-    source = as_source(factory(ctx), seed=cfg.train.seed, n_slots=cfg.train.workers,
-                       micro_batch=cfg.data.micro_batch)
-    return CheckedSource(source, n_slots=cfg.train.workers, micro_batch=cfg.data.micro_batch)
+    source = as_source(factory(ctx), seed=cfg.train.seed, n_slots=cfg.n_slots, micro_batch=cfg.data.micro_batch)
+    return CheckedSource(source, n_slots=cfg.n_slots, micro_batch=cfg.data.micro_batch)
 
 
 def user_model(cfg: Config, ctx: BuildContext) -> torch.nn.Module:

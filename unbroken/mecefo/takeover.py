@@ -1,6 +1,9 @@
 """Takeover policies: which live worker computes which rows of which slot, in which mode.
 
-Worker ``i``'s home slot is ``i``. A policy is one :class:`TakeoverPolicy`
+A step has ``n_slots`` slots of ``micro_batch`` rows (the global batch) and ``n_workers`` workers; worker
+``i``'s home slots are ``i, i + n_workers, i + 2 n_workers, ...`` (:func:`home_slots`; with one slot per
+worker, the default, its home slot is ``i``), which it computes one after the other, accumulating their
+gradients in one buffer. A policy is one :class:`TakeoverPolicy`
 object; it plans both the start of a step (:meth:`TakeoverPolicy.assign`: each
 live worker's list of :class:`SlotWork` items) and the completion of a step
 whose membership changed mid-way (:meth:`TakeoverPolicy.complete`: the live
@@ -8,15 +11,15 @@ workers keep what they already computed and publish it; the policy says who
 computes the rows still missing, those of dead workers or of a worker that
 joined before computing anything).
 
-There is one mechanism: ``assign`` gives every live worker its home slot and
+There is one mechanism: ``assign`` gives every live worker its home slots and
 lets ``complete`` cover the rest. A policy only says how one missing row range
 ``[a, b)`` of slot ``k`` is covered (:meth:`TakeoverPolicy.cover`):
 
-- ``neighbor`` (MeCeFO): the first live worker at or after ``k`` in ring order
-  (``k, k+1, ...`` modulo ``n``), approximated unless it is ``k``'s home
-  worker. In ``assign`` a worker that covers at least one slot also computes
-  its own slot in ``approx`` mode (paper, Alg. 1), so its load stays close to
-  one exact micro-batch; a worker covering nothing stays exact.
+- ``neighbor`` (MeCeFO): the first live worker at or after ``k``'s home worker
+  in ring order (``h, h+1, ...`` modulo ``n_workers``), approximated unless it
+  is ``k``'s home worker. In ``assign`` a worker that covers at least one slot
+  also computes its own slots in ``approx`` mode (paper, Alg. 1), so its load
+  stays close to its exact share; a worker covering nothing stays exact.
 - ``spread``: ``[a, b)`` cut with ``BatchSampler.split_rows(b - a, len(live))``
   and handed out in ascending order of live worker ids, everything exact.
 - ``spread-approx``: the same split, approximated except for ``k``'s home worker.
@@ -31,8 +34,8 @@ and ``test_takeover.py`` over every live subset):
   < micro_batch`` is in exactly one item of exactly one worker;
 - ``complete``: the returned items plus ``done`` cover every ``(slot, row)``
   exactly once, provided ``done`` itself has no overlap;
-- a live worker's first assigned item is its whole home slot;
-- with every worker live, each worker computes exactly its home slot, exact;
+- a live worker's first assigned items are its whole home slots;
+- with every worker live, each worker computes exactly its home slots, exact;
 - ``assign(live)`` is the home slots plus ``complete(done=home slots)`` (for
   ``neighbor``, with the covering workers' home slots approximated);
 - results are pure functions of the arguments (``live`` as a set).
@@ -56,12 +59,30 @@ __all__ = [
     "SpreadPolicy",
     "TakeoverPolicy",
     "assignment_json",
+    "degraded_homes",
     "degraded_slots",
+    "home_of",
+    "home_slots",
     "missing_rows",
     "takeover_policy",
 ]
 
 Assignment = Mapping[int, Sequence[SlotWork]]
+
+
+def home_slots(worker: int, n_slots: int, n_workers: int) -> range:
+    """The slots ``worker`` computes when every worker is live: ``worker, worker + n_workers, ...``."""
+    return range(worker, n_slots, n_workers)
+
+
+def home_of(slot: int, n_workers: int) -> int:
+    """The worker whose home slot ``slot`` is."""
+    return slot % n_workers
+
+
+def degraded_homes(n_slots: int, n_workers: int, members: Collection[int]) -> list[int]:
+    """The slots whose home worker is not among ``members``, ascending (a metrics line's ``degraded``)."""
+    return [k for k in range(n_slots) if home_of(k, n_workers) not in set(members)]
 
 
 class NoLiveWorker(RuntimeError):
@@ -77,51 +98,57 @@ class TakeoverPolicy(ABC):
     """Whether the policy ever computes in ``approx`` mode (then the model needs a MeCeFO adapter)."""
 
     @abstractmethod
-    def cover(self, slot: int, rows: tuple[int, int], live: Sequence[int], n_slots: int) -> list[tuple[int, SlotWork]]:
+    def cover(self, slot: int, rows: tuple[int, int], live: Sequence[int], n_workers: int) -> list[tuple[int, SlotWork]]:
         """``(worker, item)`` pairs that compute the missing ``rows`` of ``slot``, each row once.
 
         Args:
             slot: the slot missing rows.
             rows: the missing range ``[a, b)``, non-empty.
             live: the live workers, ascending, without duplicates, non-empty.
-            n_slots: data-parallel slots (= workers).
+            n_workers: the job's workers (``slot``'s home worker is :func:`home_of`).
         """
 
     def home_mode(self, covering: bool) -> Mode:
         """Mode of a worker's own slot in :meth:`assign`, given whether it covers other work."""
         return "exact"
 
-    def assign(self, *, n_slots: int, live: Collection[int], micro_batch: int) -> dict[int, list[SlotWork]]:
+    def assign(self, *, n_slots: int, live: Collection[int], micro_batch: int,
+               n_workers: int | None = None) -> dict[int, list[SlotWork]]:
         """Each live worker's work for one step.
 
         Args:
-            n_slots: data-parallel slots (= workers), ``>= 1``.
-            live: ids of the live workers, each in ``[0, n_slots)``; duplicates are ignored.
+            n_slots: slots of the step (its global batch in micro-batches), ``>= n_workers``.
+            live: ids of the live workers, each in ``[0, n_workers)``; duplicates are ignored.
             micro_batch: rows per slot, ``>= 1``.
+            n_workers: the job's workers (default ``n_slots``: one slot each).
 
         Returns:
             ``{worker: [SlotWork, ...]}`` for every live worker in ascending order;
-            the worker's own slot comes first, covered work after it by slot id.
+            the worker's own slots come first, covered work after them by slot id.
 
         Raises:
-            ValueError: bad sizes, or live ids outside ``[0, n_slots)``.
+            ValueError: bad sizes, or live ids outside ``[0, n_workers)``.
             NoLiveWorker: ``live`` is empty.
         """
-        workers = _checked_workers(n_slots, live, micro_batch)
-        home = {w: [SlotWork(slot=w, rows=(0, micro_batch))] for w in workers}
-        extra = self.complete(n_slots=n_slots, micro_batch=micro_batch, live=workers, done=home)
+        n_workers = n_slots if n_workers is None else n_workers
+        workers = _checked_workers(n_slots, n_workers, live, micro_batch)
+        home = {w: [SlotWork(slot=k, rows=(0, micro_batch)) for k in home_slots(w, n_slots, n_workers)]
+                for w in workers}
+        extra = self.complete(n_slots=n_slots, micro_batch=micro_batch, live=workers, done=home, n_workers=n_workers)
         return {
-            w: [SlotWork(slot=w, rows=(0, micro_batch), mode=self.home_mode(bool(extra[w]))), *extra[w]]
+            w: [*(SlotWork(slot=it.slot, rows=it.rows, mode=self.home_mode(bool(extra[w]))) for it in home[w]),
+                *extra[w]]
             for w in workers
         }
 
     def complete(
-        self, *, n_slots: int, micro_batch: int, live: Sequence[int], done: Mapping[int, Sequence[SlotWork]]
+        self, *, n_slots: int, micro_batch: int, live: Sequence[int], done: Mapping[int, Sequence[SlotWork]],
+        n_workers: int | None = None,
     ) -> dict[int, list[SlotWork]]:
         """Extra items per live worker so that the step is covered exactly once.
 
         Args:
-            n_slots: data-parallel slots (= workers).
+            n_slots: slots of the step.
             micro_batch: rows per slot.
             live: ids of the live workers.
             done: items already computed, by live worker (dead workers' items are
@@ -140,7 +167,7 @@ class TakeoverPolicy(ABC):
         extra: dict[int, list[SlotWork]] = {w: [] for w in order}
         for slot, gaps in sorted(missing_rows(n_slots, micro_batch, done).items()):
             for gap in gaps:
-                for worker, item in self.cover(slot, gap, order, n_slots):
+                for worker, item in self.cover(slot, gap, order, n_slots if n_workers is None else n_workers):
                     extra[worker].append(item)
         return extra
 
@@ -153,9 +180,10 @@ class NeighborPolicy(TakeoverPolicy):
 
     name = "neighbor"
 
-    def cover(self, slot: int, rows: tuple[int, int], live: Sequence[int], n_slots: int) -> list[tuple[int, SlotWork]]:
-        owner = min(live, key=lambda w: (w - slot) % n_slots)
-        return [(owner, SlotWork(slot=slot, rows=rows, mode="exact" if owner == slot else "approx"))]
+    def cover(self, slot: int, rows: tuple[int, int], live: Sequence[int], n_workers: int) -> list[tuple[int, SlotWork]]:
+        home = home_of(slot, n_workers)
+        owner = min(live, key=lambda w: (w - home) % n_workers)
+        return [(owner, SlotWork(slot=slot, rows=rows, mode="exact" if owner == home else "approx"))]
 
     def home_mode(self, covering: bool) -> Mode:
         # The whole load of a covering worker is approximated, its own slot included (paper, Alg. 1).
@@ -168,11 +196,11 @@ class SpreadPolicy(TakeoverPolicy):
     name = "spread"
     approximates = False
 
-    def covered_mode(self, worker: int, slot: int) -> Mode:
+    def covered_mode(self, worker: int, slot: int, n_workers: int) -> Mode:
         """Mode in which ``worker`` computes rows of ``slot`` it covers."""
         return "exact"
 
-    def cover(self, slot: int, rows: tuple[int, int], live: Sequence[int], n_slots: int) -> list[tuple[int, SlotWork]]:
+    def cover(self, slot: int, rows: tuple[int, int], live: Sequence[int], n_workers: int) -> list[tuple[int, SlotWork]]:
         """Split ``rows`` over the live workers, starting at position ``slot * rows % L`` of the ascending
         list (wrapping): consecutive dead slots (a lost node) land on disjoint workers instead of all on the
         lowest ones, so k dead slots add about ``k * rows / L`` rows to each survivor, not ``k * rows / L``
@@ -182,7 +210,7 @@ class SpreadPolicy(TakeoverPolicy):
         start = slot * (b - a) % len(live)
         order = list(live[start:]) + list(live[:start])
         return sorted(
-            ((w, SlotWork(slot=slot, rows=(a + lo, a + hi), mode=self.covered_mode(w, slot)))
+            ((w, SlotWork(slot=slot, rows=(a + lo, a + hi), mode=self.covered_mode(w, slot, n_workers)))
              for w, (lo, hi) in zip(order, parts)
              if lo < hi),  # more workers than rows: the trailing ranges are empty
             key=lambda t: t[1].rows)
@@ -194,8 +222,8 @@ class SpreadApproxPolicy(SpreadPolicy):
     name = "spread-approx"
     approximates = True
 
-    def covered_mode(self, worker: int, slot: int) -> Mode:
-        return "exact" if worker == slot else "approx"
+    def covered_mode(self, worker: int, slot: int, n_workers: int) -> Mode:
+        return "exact" if worker == home_of(slot, n_workers) else "approx"
 
 
 POLICIES: dict[str, TakeoverPolicy] = {p.name: p for p in (NeighborPolicy(), SpreadPolicy(), SpreadApproxPolicy())}
@@ -214,18 +242,20 @@ def takeover_policy(name: str) -> TakeoverPolicy:
     return POLICIES[name]
 
 
-def _checked_workers(n_slots: int, live: Collection[int], micro_batch: int) -> list[int]:
+def _checked_workers(n_slots: int, n_workers: int, live: Collection[int], micro_batch: int) -> list[int]:
     """The live workers, ascending, after checking the sizes and ids of :meth:`TakeoverPolicy.assign`."""
-    if not (isinstance(n_slots, int) and n_slots >= 1):
-        raise ValueError(f"n_slots={n_slots!r} must be an integer >= 1")
+    if not (isinstance(n_workers, int) and n_workers >= 1):
+        raise ValueError(f"n_workers={n_workers!r} must be an integer >= 1")
+    if not (isinstance(n_slots, int) and n_slots >= n_workers):
+        raise ValueError(f"n_slots={n_slots!r} must be an integer >= n_workers={n_workers} (every worker a home slot)")
     if not (isinstance(micro_batch, int) and micro_batch >= 1):
         raise ValueError(f"micro_batch={micro_batch!r} must be an integer >= 1")
-    bad = sorted(w for w in set(live) if not (isinstance(w, int) and 0 <= w < n_slots))
+    bad = sorted(w for w in set(live) if not (isinstance(w, int) and 0 <= w < n_workers))
     if bad:
-        raise ValueError(f"live workers {bad} outside [0, {n_slots}); worker ids are slot ids 0..{n_slots - 1}")
+        raise ValueError(f"live workers {bad} outside [0, {n_workers}); worker ids are 0..{n_workers - 1}")
     workers = sorted(set(live))
     if not workers:
-        raise NoLiveWorker(f"no live worker among {n_slots} slots; the step must wait for a worker to return")
+        raise NoLiveWorker(f"no live worker among {n_workers} workers; the step must wait for a worker to return")
     return workers
 
 
@@ -257,8 +287,9 @@ def missing_rows(
     return out
 
 
-def degraded_slots(assignment: Assignment, n_slots: int) -> list[dict[str, Any]]:
-    """The slots computed by workers other than their home worker, as JSON-able dicts.
+def degraded_slots(assignment: Assignment, n_slots: int, n_workers: int | None = None) -> list[dict[str, Any]]:
+    """The slots computed by workers other than their home worker (of ``n_workers``, default ``n_slots``),
+    as JSON-able dicts.
 
     Each entry is ``{"slot": k, "workers": [...], "mode": "approx" | "exact" |
     "mixed", "rows": [[a, b], ...]}``, ``rows[i]`` computed by ``workers[i]``
@@ -274,7 +305,7 @@ def degraded_slots(assignment: Assignment, n_slots: int) -> list[dict[str, Any]]
         for item in items:
             if not 0 <= item.slot < n_slots:
                 raise ValueError(f"slot {item.slot} of worker {worker} outside [0, {n_slots})")
-            if item.slot != worker:
+            if home_of(item.slot, n_slots if n_workers is None else n_workers) != worker:
                 pieces.setdefault(item.slot, []).append((item.rows[0], item.rows[1], worker, item.mode))
     out = []
     for slot in sorted(pieces):

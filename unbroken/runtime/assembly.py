@@ -106,7 +106,8 @@ def assemble(cfg: Config, spec: WorkerSpec, membership: Membership, prepared: Pr
     policy = takeover_policy(cfg.mecefo.policy)
     protocol = recovery(cfg.fault.recovery).protocol_class()(
         membership, job, policy=policy, events=events, timeout_s=cfg.train.timeout_s, config_hash=hash_,
-        backend=cfg.train.backend, plan=parallelism.plan(policy, n_slots=job.n_slots, micro_batch=job.micro_batch),
+        backend=cfg.train.backend, plan=parallelism.plan(policy, n_slots=job.n_slots, micro_batch=job.micro_batch,
+                                                          n_workers=job.n_workers),
         layout=layout, replica=_replica_sync(cfg, parallelism, job, device, membership),
         announcer=job.layout,  # admissions announced in the reduction (runtime/view_changes.py)
         state=state)

@@ -86,6 +86,9 @@ class StepJob(Protocol):
     def n_slots(self) -> int: ...
 
     @property
+    def n_workers(self) -> int: ...
+
+    @property
     def micro_batch(self) -> int: ...
 
     device: torch.device
@@ -127,7 +130,8 @@ class StepProtocol:
         self.layout: StateLayout = layout if layout is not None else StateLayout(job)
         """How the state is laid out across ranks (:mod:`unbroken.sharding.layout`): replicated, HSDP's shards,
         or ZeRO-1's moments (updated and all-gathered before the vote, re-sharded when the view changes)."""
-        self.plan: WorkPlan = plan if plan is not None else SlotPlan(policy, job.n_slots, job.micro_batch)
+        self.plan: WorkPlan = plan if plan is not None else SlotPlan(policy, job.n_slots, job.micro_batch,
+                                                                            job.n_workers)
         """Who computes what and reduces with whom (HSDP's :class:`~unbroken.sharding.hsdp.ReplicaPlan`)."""
         self.views = ViewChanges(membership, job, plan=self.plan, layout=self.layout, replica=replica,
                                  announcer=announcer, state=state, events=events, phase=self._phase,

@@ -76,7 +76,7 @@ class ViewJob(Protocol):
     """What a view change hands over (the model and optimizer) and on which device its group runs."""
 
     @property
-    def n_slots(self) -> int: ...
+    def n_workers(self) -> int: ...
 
     device: torch.device
     model: torch.nn.Module
@@ -241,7 +241,7 @@ class ViewChanges:
         if self.replica is None:
             return
         admit = self.view.leader == self.me and bool(
-            self.plan.admissible(self.m.pending_joins(self.view, self.job.n_slots), self.view.members))
+            self.plan.admissible(self.m.pending_joins(self.view, self.job.n_workers), self.view.members))
         got = self.replica.agree(ok, admit)
         if got is None:
             raise CollectiveFailed(f"the replica's word on the reductions of step {step} in view {self.view.gen} "
@@ -380,7 +380,7 @@ class ViewChanges:
         return (at := self.store.stop_point()[1]) is not None and step + 1 >= at  # every member reads it
 
     def _admissible(self) -> list[int]:
-        return self.plan.admissible([j for j in self.m.pending_joins(self.view, self.job.n_slots)
+        return self.plan.admissible([j for j in self.m.pending_joins(self.view, self.job.n_workers)
                                      if self._acceptable(j) and self._alive_since_request(j)], self.view.members)
 
     def admit_joiners(self, next_step: int) -> bool:

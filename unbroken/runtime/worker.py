@@ -38,6 +38,7 @@ from unbroken.checkpoint.sharded import ShardCheckpointer
 from unbroken.config import Config
 from unbroken.job import MetricsWriter, Prepared, train_record
 from unbroken.job.consistency import LayoutMismatch, check_consistency
+from unbroken.mecefo.takeover import degraded_homes
 from unbroken.runtime.assembly import WorkerParts, assemble
 from unbroken.runtime.digest import param_digest
 from unbroken.runtime.membership import Fenced, Membership, NoLiveWorker, View, ViewChanged
@@ -47,6 +48,7 @@ from unbroken.runtime.start_phases import process_age_s
 from unbroken.runtime.worker_spec import WorkerSpec
 from unbroken.state.parts import local_of
 from unbroken.state.training_state import check_capturable, layout_of
+from unbroken.store.latency import LatencyReport
 
 __all__ = ["EXIT_NO_LIVE_WORKER", "EXIT_REFUSED", "EXIT_STORE_LOST", "JoinRefused", "StepLogContext", "Trainer",
            "WorkerSpec"]
@@ -106,6 +108,9 @@ class Trainer:
         self.steps_trained: int | None = None
         """Steps this incarnation trained (set once it finished: the report's store usage per step)."""
         self.last_step = self.cfg.train.steps  # a preemption's agreed step ends the job earlier
+        latency = self.store.request_latency()
+        self.store_latency = None if latency is None else LatencyReport(latency)
+        """The ``store_latency`` events: this worker's store requests' p50/p99, every few seconds."""
 
     @classmethod
     def assemble(cls, cfg: Config, spec: WorkerSpec, membership: Membership,
@@ -285,13 +290,16 @@ class Trainer:
             if self.snapshots is not None and self.snapshots.take(done, view, self.job.layout.host_votes(reduced)):
                 self.protocol.layout.snapshotted(done)  # ZeRO-1: the moments' copies of this step are kept
             self.events.write({"kind": "commit", "step": step, "gen": view.gen, "worker": self.spec.worker})
+            if self.store_latency is not None and (latency := self.store_latency.due(
+                    time.monotonic(), last=stop or done == steps)) is not None:
+                self.event("store_latency", step=done, gen=view.gen, **latency)
             if step == start and self.spec.join:  # a restarted or replacement worker's first step: its recovery ends
                 self.event("first_step_after_recovery", step=step, gen=view.gen, process_s=process_age_s())
             now = time.perf_counter()
             last = train_record(step=done, loss=self.job.loss(reduced), lr=lr, grad_norm=grad_norm,
                                 step_time_s=now - t_prev, tokens_per_step=self.job.sampler.tokens_per_step,
                                 generation=view.gen, live_workers=len(view.members),
-                                degraded=sorted(set(range(self.job.n_slots)) - set(view.members)))
+                                degraded=degraded_homes(self.job.n_slots, self.job.n_workers, view.members))
             del reduced  # the step's buffer goes before the next one is allocated (its views, the gradients, too)
             if self.snapshots is not None:
                 self.snapshots.observe_step(done, now - t_prev)

@@ -60,25 +60,27 @@ Parallelize = Callable[[torch.nn.Module, DeviceMesh], object]
 
 
 def replica_assignment(policy: TakeoverPolicy, layout: ReplicaLayout, live: Sequence[int],
-                       micro_batch: int) -> dict[int, list[SlotWork]]:
-    """Each live worker's work for one step under HSDP.
+                       micro_batch: int, n_slots: int | None = None) -> dict[int, list[SlotWork]]:
+    """Each live worker's work for one step of ``n_slots`` slots (default: one per worker) under HSDP.
 
     The takeover policy runs over replicas (a replica with any rank not in ``live`` is down as a whole:
-    the fault unit); rank ``i`` of a live replica then takes, of every slot the policy gives its replica,
-    that replica's rank ``i`` slot, with the same rows and mode. So the ranks of a replica compute the
-    same rows of their own shard index's slots, and FSDP's collectives inside it stay in lockstep; each
-    worker's slot id is as without sharding (the ledger checks every ``(step, slot, row)`` as before).
+    the fault unit) and the step's ``n_slots / k`` replica slots; rank ``i`` of a live replica then takes,
+    of every replica slot ``j`` the policy gives its replica, slot ``j * k + i``, with the same rows and mode.
+    So the ranks of a replica compute the same rows of their own shard index's slots, and FSDP's
+    collectives inside it stay in lockstep; each worker's slot id is as without sharding (the ledger checks
+    every ``(step, slot, row)`` as before).
     """
     k = layout.shard_degree
     up = sorted({layout.replica_of(w) for w in live
                  if set(layout.replica_members(layout.replica_of(w))) <= set(live)})
-    per_replica = policy.assign(n_slots=layout.replicas, live=up, micro_batch=micro_batch)
+    per_replica = policy.assign(n_slots=_replica_slots(layout, n_slots), live=up, micro_batch=micro_batch,
+                                n_workers=layout.replicas)
     return {r * k + i: [SlotWork(slot=item.slot * k + i, rows=item.rows, mode=item.mode) for item in items]
             for r, items in per_replica.items() for i in range(k)}
 
 
 def replica_completion(policy: TakeoverPolicy, layout: ReplicaLayout, live: Sequence[int], micro_batch: int,
-                       done: Mapping[int, Sequence[SlotWork]]) -> dict[int, list[SlotWork]]:
+                       done: Mapping[int, Sequence[SlotWork]], n_slots: int | None = None) -> dict[int, list[SlotWork]]:
     """Each live worker's extra work to finish a step under HSDP, given what every live worker computed.
 
     As :func:`replica_assignment`, over replicas: replica ``r`` has done what its rank 0 did (its ranks
@@ -91,12 +93,18 @@ def replica_completion(policy: TakeoverPolicy, layout: ReplicaLayout, live: Sequ
                  if set(layout.replica_members(layout.replica_of(w))) <= set(live)})
     done_r = {r: [SlotWork(slot=item.slot // k, rows=item.rows, mode=item.mode) for item in done.get(r * k, ())]
               for r in up}
-    extra = policy.complete(n_slots=layout.replicas, micro_batch=micro_batch, live=up, done=done_r)
+    extra = policy.complete(n_slots=_replica_slots(layout, n_slots), micro_batch=micro_batch, live=up, done=done_r,
+                            n_workers=layout.replicas)
     out: dict[int, list[SlotWork]] = {w: [] for w in live}
     for r, items in extra.items():
         for i in range(k):
             out[r * k + i] = [SlotWork(slot=item.slot * k + i, rows=item.rows, mode=item.mode) for item in items]
     return out
+
+
+def _replica_slots(layout: ReplicaLayout, n_slots: int | None) -> int:
+    """The step's slots over replicas: ``n_slots / k`` (``n_slots`` a multiple of ``k``, checked at start)."""
+    return layout.replicas if n_slots is None else n_slots // layout.shard_degree
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,12 +119,14 @@ class ReplicaPlan:
     policy: TakeoverPolicy
     layout: ReplicaLayout
     micro_batch: int
+    n_slots: int | None = None
+    """Slots per step (a multiple of the shard degree); None: one per worker."""
 
     def assign(self, me: int, live: Sequence[int]) -> list[SlotWork]:
-        return list(replica_assignment(self.policy, self.layout, live, self.micro_batch).get(me, []))
+        return list(replica_assignment(self.policy, self.layout, live, self.micro_batch, self.n_slots).get(me, []))
 
     def complete(self, me: int, live: Sequence[int], done: Mapping[int, Sequence[SlotWork]]) -> list[SlotWork]:
-        return replica_completion(self.policy, self.layout, live, self.micro_batch, done)[me]
+        return replica_completion(self.policy, self.layout, live, self.micro_batch, done, self.n_slots)[me]
 
     def widen(self, dead: set[int]) -> set[int]:
         """Every worker of a replica with a dead worker."""

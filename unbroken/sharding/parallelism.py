@@ -106,14 +106,14 @@ class Parallelism:
         one's)."""
         return f"{gen}w{writer}" if self.hsdp else gen
 
-    def plan(self, policy: TakeoverPolicy, *, n_slots: int, micro_batch: int) -> WorkPlan:
-        """Who computes what in a step of ``n_slots`` slots and who reduces with whom (HSDP: over whole
-        replicas)."""
+    def plan(self, policy: TakeoverPolicy, *, n_slots: int, micro_batch: int, n_workers: int | None = None) -> WorkPlan:
+        """Who computes what in a step of ``n_slots`` slots by ``n_workers`` workers (default ``n_slots``) and who
+        reduces with whom (HSDP: over whole replicas)."""
         if self.hsdp:
             from unbroken.sharding.hsdp import ReplicaPlan  # local: FSDP2's imports, for HSDP runs only
 
-            return ReplicaPlan(policy, self.replicas, micro_batch)
-        return SlotPlan(policy, n_slots, micro_batch)
+            return ReplicaPlan(policy, self.replicas, micro_batch, n_slots)
+        return SlotPlan(policy, n_slots, micro_batch, n_workers)
 
     def state_layout(self, job: Any, *, node_of: dict[int, int], replica_store: Callable[[], ReplicaStore],
                      on_event: Callable[..., None]) -> StateLayout:

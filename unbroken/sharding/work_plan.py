@@ -36,20 +36,29 @@ class WorkPlan(Protocol):
 
 
 class SlotPlan:
-    """Who computes what, and who reduces with whom: every worker its slot, the takeover policy's cover for
-    the dead, one group of all members per view. (HSDP's plan is :class:`unbroken.sharding.hsdp.ReplicaPlan`.)
+    """Who computes what, and who reduces with whom: every worker its home slots, the takeover policy's cover
+    for the dead, one group of all members per view. (HSDP's plan is :class:`unbroken.sharding.hsdp.ReplicaPlan`.)
+
+    Args:
+        policy: the takeover policy.
+        n_slots: slots per step (the global batch in micro-batches).
+        micro_batch: rows per slot.
+        n_workers: the job's workers (default ``n_slots``: one slot each).
     """
 
-    def __init__(self, policy: TakeoverPolicy, n_slots: int, micro_batch: int) -> None:
+    def __init__(self, policy: TakeoverPolicy, n_slots: int, micro_batch: int, n_workers: int | None = None) -> None:
         self.policy, self.n_slots, self.micro_batch = policy, n_slots, micro_batch
+        self.n_workers = n_slots if n_workers is None else n_workers
 
     def assign(self, me: int, live: Sequence[int]) -> list[SlotWork]:
         """``me``'s work of a step that starts with ``live``."""
-        return list(self.policy.assign(n_slots=self.n_slots, live=live, micro_batch=self.micro_batch).get(me, []))
+        return list(self.policy.assign(n_slots=self.n_slots, live=live, micro_batch=self.micro_batch,
+                                       n_workers=self.n_workers).get(me, []))
 
     def complete(self, me: int, live: Sequence[int], done: Mapping[int, Sequence[SlotWork]]) -> list[SlotWork]:
         """``me``'s extra work so that ``live``, having computed ``done``, cover the step exactly once."""
-        return self.policy.complete(n_slots=self.n_slots, micro_batch=self.micro_batch, live=live, done=done)[me]
+        return self.policy.complete(n_slots=self.n_slots, micro_batch=self.micro_batch, live=live, done=done,
+                                    n_workers=self.n_workers)[me]
 
     def widen(self, dead: set[int]) -> set[int]:
         """Who leaves the view with ``dead``: nobody else."""
