@@ -312,6 +312,26 @@ def test_kill_then_rejoin(tmp_path, corpus_overrides):
     assert loaded["step"] == back and loaded["received"] == 0
 
 
+def test_global_batch_kill_then_rejoin(tmp_path, corpus_overrides):
+    """3 workers, 6 micro-batches a step (2 each, accumulated): worker 1 dies mid-step; its ring successor covers
+    both its micro-batches, approximated, until it rejoins; then it trains its own two again. Every
+    ``(step, slot, row)`` once."""
+    steps = REJOIN_STEPS
+    cfg = failover_config(corpus_overrides, steps, f"train.global_batch={6 * MB}")
+    job = run_job(cfg, tmp_path / "run", nodes=1, workers_per_node=3,
+                  fail_at="step=3:worker=1:kill:phase=backward:back=5", restart="on-failure", pace=True)
+    check_invariants(job, live=[0, 1, 2])
+    (rejoined,) = job.events("rejoined", worker=1)
+    back = rejoined["step"]
+    assert failure_steps(job) == [3]
+    for step in range(3, back):
+        assert [i for i in job.committed_items(step) if i[1] in (1, 4)] == [(2, 1, 0, MB, "approx"),
+                                                                             (2, 4, 0, MB, "approx")]
+    home = sorted(((w, k, 0, MB, "exact") for w in range(3) for k in (w, w + 3)), key=lambda i: (i[1], i[2]))
+    assert all(job.committed_items(s) == home for s in range(back + 1, steps)), \
+        "after its rejoin step every worker trains its own two micro-batches, exact"
+
+
 def test_failure_during_rejoin(tmp_path, corpus_overrides):
     """The joiner dies in the very step it was admitted at, after receiving the state.
 
