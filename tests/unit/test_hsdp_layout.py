@@ -117,3 +117,23 @@ def test_shard_degrees_and_settings_hsdp_cannot_run_are_refused(override, messag
     overrides = ["train.workers=4", "train.shard_degree=2", "mecefo.policy=spread", override]
     with pytest.raises(ValueError, match=re.escape(message)):
         load_config(preset_name="debug", overrides=overrides)
+
+
+@pytest.mark.parametrize("policy", ["spread", "neighbor", "spread-approx"])
+def test_several_micro_batches_per_rank_under_hsdp(policy):
+    """2 replicas x 2 ranks, 8 slots a step (4 replica slots, 2 per replica): rank i of replica r trains
+    slots 2j + i of its replica slots j = r, r + 2; a dead replica's replica slots go to the other, per shard
+    index, every (slot, row) once."""
+    layout, mb = ReplicaLayout(workers=4, shard_degree=2), 4
+    whole = replica_assignment(takeover_policy(policy), layout, live=range(4), micro_batch=mb, n_slots=8)
+    assert {w: [i.slot for i in items] for w, items in whole.items()} == {0: [0, 4], 1: [1, 5], 2: [2, 6], 3: [3, 7]}
+    out = replica_assignment(takeover_policy(policy), layout, live=[2, 3], micro_batch=mb, n_slots=8)
+    rows = {s: [0] * mb for s in range(8)}
+    for worker, items in out.items():
+        for item in items:
+            assert layout.index_of(item.slot) == layout.index_of(worker)
+            for row in range(*item.rows):
+                rows[item.slot][row] += 1
+    assert all(count == [1] * mb for count in rows.values()), "every (slot, row) exactly once"
+    plan = ReplicaPlan(takeover_policy(policy), layout, mb, 8)
+    assert plan.assign(3, [2, 3]) == out[3]
