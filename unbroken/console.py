@@ -61,19 +61,24 @@ class RunState:
     """The last view change: its duration in seconds and the step it happened at."""
     interval_shown: int | None = None
     """The snapshot interval (``snapshot.every=auto``) the last line about it showed."""
+    store_p99: dict[int, float] = dataclasses.field(default_factory=dict)
+    """Each worker's newest ``store_latency`` p99 (seconds): the status line shows the slowest."""
 
     def observe(self, ev: Record) -> None:
         if ev.get("event") in ("view_adopted", "reconfigured") and "members" in ev:
             self.gen, self.members = ev.get("gen", self.gen), sorted(ev["members"])
         if ev.get("event") == "reconfigured" and "seconds" in ev:
             self.stall = (float(ev["seconds"]), int(ev.get("step", self.step)))
+        if ev.get("event") == "store_latency" and isinstance(ev.get("p99_s"), (int, float)):
+            self.store_p99[int(ev["worker"])] = float(ev["p99_s"])
 
 
 # ---------------------------------------------------------------------------
 # formatting
 
 
-def format_status(rec: Record, *, total: int, workers: int, stall: tuple[float, int] | None) -> list[str]:
+def format_status(rec: Record, *, total: int, workers: int, stall: tuple[float, int] | None,
+                  store_p99_s: float | None = None) -> list[str]:
     """The fields of the status line for a ``train`` record (join them with :data:`SEP`).
 
     Most wanted first: a narrow terminal shows the leading ones (:func:`fit`).
@@ -96,6 +101,8 @@ def format_status(rec: Record, *, total: int, workers: int, stall: tuple[float, 
         fields.append(f"{rec['flops_per_s'] / 1e12:.2f} TFLOP/s")
     if isinstance(rec.get("device_memory_bytes"), (int, float)):
         fields.append(f"mem {rec['device_memory_bytes'] / 2**30:.1f} GiB")
+    if store_p99_s is not None:  # the slowest worker's store requests (store_latency events)
+        fields.append(f"store p99 {1000 * store_p99_s:.1f} ms")
     if "lr" in rec:
         fields.append(f"lr {rec['lr']:.2e}")
     return fields
@@ -275,6 +282,7 @@ _DESCRIBE: dict[str, Callable[[Record, RunState], str | None]] = {
     "fault_resumed": lambda ev, st: f"SIGCONT to pids {_ids(ev.get('pids', []))}",
     "fault_deferred": lambda ev, st: f"fault {ev.get('spec')} waits: fault.max_down={ev.get('max_down')} "
                                      f"workers are down",
+    "store_latency": lambda ev, st: None,  # a figure of the status line (RunState.observe), not a line
     "standby_ready": lambda ev, st: None,  # routine: a warm standby started (its start's CPU, for the check)
     "snapshot_sealed": lambda ev, st: None,  # routine: one per snapshot, for the benchmarks (the interval has its line)
 }
@@ -378,7 +386,8 @@ class Console:
         elif rec.get("kind") == "train":
             self.state.step = int(rec["step"])
             self.state.gen = rec.get("generation", self.state.gen)
-            self._status = format_status(rec, total=self.total, workers=self.state.workers, stall=self.state.stall)
+            self._status = format_status(rec, total=self.total, workers=self.state.workers, stall=self.state.stall,
+                                         store_p99_s=max(self.state.store_p99.values(), default=None))
             self._shown = False
             due = rec["step"] % self.every == 0 or rec["step"] >= self.total or self._after_event
             if self.live or due:

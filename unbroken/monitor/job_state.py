@@ -2,8 +2,9 @@
 
 :class:`JobState` is fed every record and event in the order they were written and keeps the numbers the
 sinks publish: the newest ``train`` line's figures, live and degraded workers, counters of failures,
-rejoins, restores and failed restores, the last stall, the newest sealed snapshot, and when the newest
-step came. :func:`annotation` says which events are marked next to the loss.
+rejoins, restores and failed restores, the last stall, the newest sealed snapshot, when the newest
+step came, and each worker's newest store request latency (its ``store_latency`` events: p50 and p99 of the
+requests since its previous one). :func:`annotation` says which events are marked next to the loss.
 
 Invariant: pure bookkeeping, no I/O; the same records give the same state.
 """
@@ -63,6 +64,8 @@ class JobState:
     last_step_time: float | None = None
     """Wall time of the newest ``train`` line (None: none yet)."""
     degraded_steps: int = 0
+    store_latency: dict[int, Record] = dataclasses.field(default_factory=dict)
+    """Worker -> its newest ``store_latency`` event (``p50_s``, ``p99_s``, ``max_s``, ``calls``, ``step``)."""
 
     def record(self, rec: Record) -> None:
         if rec.get("kind") != "train":
@@ -95,6 +98,8 @@ class JobState:
             self.stall_s = float(ev.get("seconds", 0.0))
             if isinstance(ev.get("members"), list):
                 self.live = len(ev["members"])
+        elif name == "store_latency" and isinstance(ev.get("worker"), int):
+            self.store_latency[ev["worker"]] = ev
         elif name == "snapshot_sealed" and isinstance(ev.get("step"), int):
             if self.snapshot_step is None or ev["step"] >= self.snapshot_step:
                 self.snapshot_step = ev["step"]

@@ -55,6 +55,15 @@ class JobCollector:
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(f"unbroken_{name}", doc, value=float(value))
+        if s.store_latency:
+            latency = GaugeMetricFamily("unbroken_store_request_seconds", "each worker's store requests' latency "
+                                        "(quantile over the requests of its newest report)",
+                                        labels=["worker", "quantile"])
+            for worker, ev in sorted(s.store_latency.items()):
+                for quantile, field in (("0.5", "p50_s"), ("0.99", "p99_s")):
+                    if isinstance(ev.get(field), (int, float)):
+                        latency.add_metric([str(worker), quantile], float(ev[field]))
+            yield latency
 
 
 class PrometheusEndpoint:

@@ -8,7 +8,8 @@ step written if that is later (an earlier step reads to TensorBoard as a restart
 (the job continues from an earlier step: ``--resume``, a restart from a checkpoint) reopens the writer
 with ``purge_step``, so TensorBoard hides the steps that were trained again; the marks it would hide with
 them (a failure that caused the rewind is marked at the newest step written, past the step the job goes back
-to) are written again at that step, so no failure, rejoin or restore is lost from the axis.
+to) are written again at that step, so no failure, rejoin or restore is lost from the axis. A worker's
+``store_latency`` event is ``store/p50_ms/w<worker>`` and ``store/p99_ms/w<worker>``.
 """
 
 from __future__ import annotations
@@ -69,6 +70,12 @@ class TensorBoardSink:
             self._writer.add_scalar("train/degraded_slots", len(rec["degraded"]), step)
 
     def _event(self, ev: dict[str, Any]) -> None:
+        if ev.get("event") == "store_latency":
+            step = max(int(ev.get("step") or 0), self._step)
+            for name in ("p50", "p99"):
+                if isinstance(ev.get(f"{name}_s"), (int, float)):
+                    self._writer.add_scalar(f"store/{name}_ms/w{ev.get('worker')}", 1000 * ev[f"{name}_s"], step)
+            return
         text = annotation(ev)
         if text is None:
             return

@@ -3,7 +3,8 @@ later monitor of the job (a new leader, ``--resume``, a Slurm requeue), with ``r
 
 ``train`` and ``val`` lines are logged against the ``trainer/step`` axis, each step once (a step trained again
 after a restore keeps its first value), events worth seeing (:func:`~unbroken.monitor.job_state.annotation`) as
-``events/*`` counters and a text beside them. ``monitor.wandb_mode=offline`` writes under ``RUN/wandb`` only.
+``events/*`` counters and a text beside them, a worker's ``store_latency`` event as ``store/p50_ms/w<worker>``
+and ``store/p99_ms/w<worker>``. ``monitor.wandb_mode=offline`` writes under ``RUN/wandb`` only.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ class WandbSink:
                          dir=str(self.run_dir), name=self.run_dir.name,
                          config=self.config, settings=wandb.Settings(silent=True, console="off"))
         run.define_metric("trainer/step")
-        for prefix in ("train/*", "val/*", "events/*"):
+        for prefix in ("train/*", "val/*", "events/*", "store/*"):
             run.define_metric(prefix, step_metric="trainer/step")
         self._run = run
 
@@ -69,6 +70,10 @@ class WandbSink:
         elif kind == "record" and payload.get("kind") == "val":
             self._run.log({"trainer/step": int(payload["step"]), "val/loss": payload["val_loss"],
                            "val/ppl": payload["val_ppl"]})
+        elif kind == "event" and payload.get("event") == "store_latency":
+            row = {f"store/{name}_ms/w{payload.get('worker')}": 1000 * payload[f"{name}_s"] for name in ("p50", "p99")
+                   if isinstance(payload.get(f"{name}_s"), (int, float))}
+            self._run.log({"trainer/step": max(int(payload.get("step") or 0), self._step), **row})
         elif kind == "event":
             text = annotation(payload)
             if text is None:

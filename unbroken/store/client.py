@@ -5,7 +5,8 @@ One :class:`StoreClient` is one authenticated connection at a time (:mod:`unbrok
 request at a time (a lock serialises threads). A broken connection, a store that does not answer within the
 operation's timeout, or a store that went away raise ``torch.distributed.DistStoreError``, as a lost
 ``TCPStore`` did: the job's code treats them as the store lost. :attr:`StoreClient.round_trips` counts
-requests (the benchmarks' store operations).
+requests (the benchmarks' store operations); :attr:`StoreClient.latency` holds the seconds of those that wait
+for nothing (all but a ``get`` or ``wait`` of keys), a running histogram.
 
 A connection whose request failed (no answer in time, broken mid-reply) is closed and never used again: the
 late answer to that request would otherwise be read, authenticated, as the answer to the next one (the frames'
@@ -27,6 +28,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from unbroken.store.latency import LatencyHistogram
 from unbroken.store.server import OK, OPS, TIMEOUT
 from unbroken.store.wire import (Channel, HandshakeRefused, TurnedAway, WireError, client_handshake, pack,
                                          store_key, unpack)
@@ -110,6 +112,8 @@ class StoreClient:
         self.round_trips = 0
         self.seconds = 0.0
         """Time spent in requests (sent to answered), summed."""
+        self.latency = LatencyHistogram()
+        """The seconds of each request that waits for no key (module docstring)."""
         self.reconnects = 0
         """Connections opened in place of one whose request failed (module docstring)."""
         channel, self.launch = _open(host, port, self._key, launch, timeout_s, retry=True)
@@ -149,7 +153,10 @@ class StoreClient:
                     self._channel = None
                 raise dist.DistStoreError(f"the job's store at {self.host}:{self.port} is lost: {exc}") from None
             finally:
-                self.seconds += time.perf_counter() - t0
+                seconds = time.perf_counter() - t0
+                self.seconds += seconds
+                if not wait_s:
+                    self.latency.add(seconds)
         if status not in (OK, TIMEOUT):
             raise dist.DistStoreError(f"the job's store refused a request: {reply[0].decode(errors='replace')}")
         return status, reply

@@ -75,6 +75,7 @@ import torch.distributed as dist
 
 from unbroken.store.standby_keys import StandbyKeys, _opt
 from unbroken.store.backend import EmbeddedBackend, StoreBackend, is_etcd_address
+from unbroken.store.latency import LatencyHistogram
 from unbroken.store.view import View
 from unbroken.store.worker_keys import WorkerKeys
 
@@ -136,6 +137,10 @@ class JobStore(StandbyKeys, WorkerKeys):
         b = self.backend
         return {"round_trips": int(getattr(b, "round_trips", 0)),
                 "seconds": round(float(getattr(getattr(b, "client", None), "seconds", 0.0)), 4)}
+
+    def request_latency(self) -> LatencyHistogram | None:
+        """This connection's running histogram of request seconds (None where the backend keeps none: etcd)."""
+        return getattr(getattr(self.backend, "client", None), "latency", None)
 
     @property
     def launch(self) -> str | None:
