@@ -198,3 +198,30 @@ def test_monitor_overhead_benchmark_runs(tmp_path, corpus_overrides, capsys):
     assert len(result["tokens_per_s_off"]) == len(result["tokens_per_s_on"]) == 1 and result["ratio"] > 0
     assert json.loads(capsys.readouterr().out)["ratio"] == result["ratio"]
     assert (tmp_path / "on0" / "tensorboard").is_dir() and not (tmp_path / "off0" / "monitor").exists()
+    [share] = result["monitor_machine_share"]
+    assert 0 < share < 1, "the monitor's CPU while the job trained, over the machine's"
+
+
+def test_each_workers_store_latency_reaches_the_endpoint_and_tensorboard(tmp_path, corpus_overrides):
+    run = tmp_path / "run"
+    cfg = failover_config(corpus_overrides, 12, "monitor.tensorboard=true", "monitor.prometheus_port=0")
+    during: dict[str, dict[str, float]] = {}
+
+    def scrape_during(e: dict[str, Any]) -> None:
+        # Each worker reports at its last step at the latest; the monitor lives until the launcher is done.
+        if e.get("event") == "store_latency" and "latency" not in during:
+            during["latency"] = _scrape_until(run, lambda s: any(k.startswith("unbroken_store_request_seconds")
+                                                                 for k in s))
+
+    job = run_job(cfg, run, nodes=1, workers_per_node=2, on_event=scrape_during)
+    assert job.summary["steps"] == 12
+    reports = [e for w in (0, 1) for e in _events(run / "events" / f"w{w}.jsonl") if e.get("event") == "store_latency"]
+    assert {e["worker"] for e in reports} == {0, 1} and all(
+        e["calls"] > 0 and 0 < e["p50_s"] <= e["p99_s"] <= e["max_s"] for e in reports), reports
+    assert any(k.startswith("unbroken_store_request_seconds{") and 'quantile="0.99"' in k for k in during["latency"])
+    for w in (0, 1):
+        assert _scalars(run / "tensorboard", f"store/p99_ms/w{w}"), f"worker {w}'s p99 on TensorBoard"
+
+
+def _events(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -3,7 +3,8 @@
 
 It follows the run directory (:class:`~unbroken.monitor.follower.RunFollower`) every :data:`POLL_S`, folds
 what it reads into a :class:`~unbroken.monitor.job_state.JobState` and hands it to the sinks the config's
-``monitor`` section asks for, each in its own thread (:class:`~unbroken.monitor.sink_runner.SinkRunner`).
+``monitor`` section asks for, each in its own thread (:class:`~unbroken.monitor.sink_runner.SinkRunner`). It
+runs at a lower priority (:data:`NICE`) than the job: on a busy machine the training comes first.
 Its standard input carries the end: one JSON line ``{"finished": bool, "message": str}`` from the process that
 started it, or end-of-file if that process died (then the job is taken as stopped). A job that did not
 finish is alerted with its message.
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import threading
 import time
@@ -36,7 +38,14 @@ logger = logging.getLogger(__name__)
 MONITOR_DIR = "monitor"
 """Under the run directory: the W&B run id, the endpoint's address, what was sent."""
 PROGRESS_FILE = "progress.json"
-POLL_S = 0.5
+USAGE_FILE = "usage.json"
+"""What this monitor cost (``cpu_s``: its CPU seconds, all threads; ``training_cpu_s`` and ``training_s``: its
+CPU and wall seconds from the first ``train`` line it read to its end), written when it ends."""
+POLL_S = 1.0
+"""Between two reads of the run directory: the sinks' freshness, and the monitor's whole cost per period."""
+NICE = 10
+"""The monitor's scheduling niceness (and its children's, W&B's service): on a machine the workers fill, the
+watchers get the cycles the training leaves; measured by ``python -m benchmarks.monitor_overhead``."""
 CLOSE_TIMEOUT_S = 15.0
 """How long each sink may take to hand over what is queued at the end."""
 
@@ -81,6 +90,7 @@ class Monitor:
         self.sent_step, self.sent_event = int(sent.get("step", 0)), float(sent.get("event_time", 0.0))
         self._backlog = True  # the first read: what an earlier monitor of the job may have sent
         self._last_train = 0  # the newest train line read by this monitor
+        self._training_from: tuple[float, float] | None = None  # (wall, CPU seconds) at the first train line
 
     def poll(self) -> None:
         items = self.follower.read()
@@ -93,6 +103,8 @@ class Monitor:
                 self.sent_step = last
         for kind, rec in items:
             getattr(self.state, kind)(rec)
+            if self._training_from is None and rec.get("kind") == "train":
+                self._training_from = (time.monotonic(), time.process_time())
             if kind == "record":
                 step = int(rec.get("step", 0))
                 if rec.get("kind") == "train":
@@ -121,10 +133,18 @@ class Monitor:
         for runner in self.runners:
             runner.close(CLOSE_TIMEOUT_S)
         self._save_progress()
+        self._save_usage()
 
     def _send(self, kind: str, payload: dict[str, Any]) -> None:
         for runner in self.runners:
             runner.put(kind, payload)
+
+    def _save_usage(self) -> None:
+        cpu, usage = time.process_time(), {}
+        if self._training_from is not None:
+            usage = {"training_cpu_s": round(cpu - self._training_from[1], 3),
+                     "training_s": round(time.monotonic() - self._training_from[0], 3)}
+        (self.run_dir / MONITOR_DIR / USAGE_FILE).write_text(json.dumps({"cpu_s": round(cpu, 3), **usage}))
 
     def _save_progress(self) -> None:
         self._progress.parent.mkdir(parents=True, exist_ok=True)
@@ -143,11 +163,20 @@ def _read_end(end: threading.Event, outcome: dict[str, Any]) -> None:
     end.set()
 
 
+def _yield_to_training() -> None:
+    """Lower this process's priority by :data:`NICE` before any sink starts (their imports, W&B's service)."""
+    try:
+        os.nice(NICE)
+    except OSError as exc:  # a platform without it: the watchers run at the training's priority
+        logger.info("monitor: could not lower its priority (%s)", exc)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m unbroken.monitor.process", description=__doc__.splitlines()[0])
     ap.add_argument("--run-dir", type=Path, required=True)
     a = ap.parse_args(argv)
     run_dir = a.run_dir
+    _yield_to_training()
     # Everything in the monitor's log; its warnings (a sink failing, an alert) also on the standard error it
     # shares with the process that started it, where the user watches the job.
     fmt = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
