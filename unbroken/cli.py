@@ -162,7 +162,7 @@ def cmd_demo(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0 if verdict["ok"] else 1
 
 
-RESUME_CONFLICTS = (("preset", "--preset"), ("config", "--config"), ("workers", "--workers"), ("steps", "--steps"),
+RESUME_CONFLICTS = (("preset", "--preset"), ("config", "--config"), ("steps", "--steps"),
                     ("faults", "--faults"), ("cluster_workers", "--cluster-workers"), ("out", "--out"),
                     ("overwrite", "--overwrite"))
 """Options of a new run that ``--resume`` cannot take (the run keeps its saved config and directory)."""
@@ -193,7 +193,7 @@ def _resume_config(args: argparse.Namespace, overrides: list[str]) -> Config:
         [f"--{o}" for o in overrides if o not in allowed]
     if given:
         raise ValueError(f"--resume {run} continues the run with its saved config ({run / RUN_CONFIG}) in its own "
-                         f"directory, so it takes none of: {', '.join(given)}; drop them (--fail-at, --nodes, "
+                         f"directory, so it takes none of: {', '.join(given)}; drop them (--fail-at, --workers, --nodes, "
                          f"--workers-per-node, --standby, --spare-nodes, --restart and --{'/--'.join(RESUME_OVERRIDES)} are "
                          f"accepted), or start a new run with --out")
     saved = saved_config(run) if run.is_dir() else None
@@ -210,12 +210,35 @@ def _resume_config(args: argparse.Namespace, overrides: list[str]) -> Config:
         from unbroken.config.loading import apply_overrides
 
         cfg = apply_overrides(cfg, allowed)
-    point = resume_point(run, cfg)  # snapshot memory or a committed checkpoint, else NothingToResume naming both
+    cfg, same_layout = _resume_workers(args, cfg)
+    # snapshot memory (of the run's own layout) or a committed checkpoint, else NothingToResume naming both
+    point = resume_point(run, cfg, memory_usable=same_layout)
     check_resume_vocabulary(run, point.checkpoint, cfg)  # the data's vocabulary is the one it was trained on
     if cfg.train.steps <= point.step:
         raise ValueError(f"--resume {run}: train.steps={cfg.train.steps}, but the run has trained {point.step} steps "
                          f"already; give --train.steps={point.step + 1} or more")
     return cfg
+
+
+def _resume_workers(args: argparse.Namespace, cfg: Config) -> tuple[Config, bool]:
+    """The resumed run's config on the workers ``--workers``/``--nodes``/``--workers-per-node`` ask for (its
+    global batch kept), and whether that is the layout its snapshot memory was written by.
+
+    Raises:
+        ValueError: the run's global batch cannot be split over that many workers (names the fix).
+    """
+    from unbroken.agent.launcher import keep_global_batch, saved_layout
+    from unbroken.config import validate
+
+    workers = args.workers if args.workers is not None else \
+        (args.nodes or 1) * args.workers_per_node if args.workers_per_node is not None else None
+    if workers is not None and workers != cfg.train.workers:
+        cfg.train.workers = workers
+        cfg = keep_global_batch(cfg, args.resume)
+        problems = validate(cfg)
+        if problems:
+            raise ValueError(f"--resume {args.resume} on {workers} workers: {'; '.join(problems)}")
+    return cfg, saved_layout(args.resume) in (None, _train_layout(args, cfg))
 
 
 def _check_writable_dir(flag: str, path: Path) -> None:

@@ -219,7 +219,7 @@ def check_invariants(job: Job, *, live: list[int]) -> None:
 
     cfg, s = job.cfg, job.summary
     assert s["steps"] == cfg.train.steps, f"the run stopped at step {s['steps']} of {cfg.train.steps}"
-    ledger = check_ledger(job.run_dir, n_slots=cfg.n_slots, micro_batch=cfg.data.micro_batch,
+    ledger = check_ledger(job.run_dir, n_slots=cfg.n_slots, n_workers=cfg.train.workers, micro_batch=cfg.data.micro_batch,
                           steps=cfg.train.steps)
     assert ledger.ok, f"ledger violated: {ledger.to_json()}"
     assert ledger.committed == cfg.train.steps

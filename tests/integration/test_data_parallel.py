@@ -12,6 +12,7 @@ from _reference import checkpoint_params, reference_train
 from unbroken.config import load_config
 from unbroken.agent.launcher import launch_local
 from unbroken.cli import main
+from unbroken.runtime.ledger import check_ledger
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -98,3 +99,37 @@ def test_global_batch_accumulates_to_single_process(tmp_path, corpus_overrides, 
              for line in f.read_text().splitlines() if '"work"' in line]
     per_worker = {w["worker"]: sorted(item[0] for item in w["items"]) for w in works if w["step"] == 0}
     assert per_worker == {w: list(range(w, 8, workers)) for w in range(workers)}
+
+
+def test_resume_on_half_the_workers_trains_the_same_rows(tmp_path, corpus_overrides, capsys):
+    """A 4-worker run resumed from its step-4 checkpoint on 2 workers keeps its global batch (4 micro-batches,
+    2 per worker now): the same rows per step as the 4-worker run, and the same parameters up to reduction
+    order."""
+    cfg = _cfg(corpus_overrides, 4, 8, "train.checkpoint_every=4")
+    full = launch_local(cfg, tmp_path / "full")
+    part = tmp_path / "part"
+    shutil.copytree(tmp_path / "full", part)
+    shutil.rmtree(part / "checkpoints" / "step_0000008")
+    (part / "summary.json").unlink()
+    assert main(["train", "--resume", str(part), "--workers", "2"]) == 0
+    capsys.readouterr()
+    saved = json.loads((part / "config.json").read_text())
+    assert (saved["train"]["workers"], saved["train"]["global_batch"]) == (2, 4 * cfg.data.micro_batch)
+    resumed = json.loads((part / "summary.json").read_text())
+    assert resumed["resumed_from"].endswith("step_0000004") and resumed["workers_agree"]
+    mb = cfg.data.micro_batch
+    # steps 0-3 by the 4 workers, 4-7 again by the 2 (what the 4 did after their checkpoint is superseded)
+    ledger = check_ledger(part, n_slots=4, micro_batch=mb, steps=8, n_workers=2)
+    assert ledger.ok and ledger.committed == 8, ledger.to_json()
+    resumed_at = json.loads((part / "events" / "resume.jsonl").read_text())["time"]
+    works = [r for f in sorted((part / "events").glob("w*.jsonl")) for r in map(json.loads, f.read_text().splitlines())
+             if r["kind"] == "work" and r["time"] > resumed_at]
+    for step in range(4, 8):
+        got = {w["worker"]: [it[:3] for it in w["items"]] for w in works if w["step"] == step}
+        assert got == {0: [[0, 0, mb], [2, 0, mb]], 1: [[1, 0, mb], [3, 0, mb]]}, (step, got)
+    a, b = checkpoint_params(full["checkpoint"]), checkpoint_params(resumed["checkpoint"])
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=1e-4, atol=1e-5, msg=name)
+    # a global batch that cannot be split over the workers asked for is refused with the fix
+    assert main(["train", "--resume", str(part), "--workers", "8", "--train.steps=12"]) == 2
+    assert "fewer than train.workers=8" in capsys.readouterr().err

@@ -46,7 +46,7 @@ from unbroken.agent.events import EventMerger
 from unbroken.agent.launch_checks import check_launch
 from unbroken.agent.options import RESTART_POLICIES
 from unbroken.agent.preemption import PreemptSignals
-from unbroken.config import Config
+from unbroken.config import Config, config_from_dict, validate
 from unbroken.faults.fail_at import FaultSpec, parse_fail_at, trace_to_faults, write_fault_plan
 from unbroken.faults.injector import check_faults
 from unbroken.faults.store_loss import StoreFaults, store_lost_message
@@ -144,6 +144,11 @@ def launch(
     """
     run_dir = Path(run_dir)
     cfg = _job_config(cfg, nodes, workers_per_node, restart)
+    if resume:
+        cfg = keep_global_batch(cfg, run_dir)
+    problems = validate(cfg)  # train.workers is the layout's: its global batch checked again
+    if problems:
+        raise ValueError("; ".join(problems))
     anchor_references(cfg)  # a relative '/path/file.py:function' means the launching directory's, in every worker
     mode = recovery(cfg.fault.recovery)
     if mode.restarts_job:
@@ -178,7 +183,12 @@ def _launch(host: StoreHost, cfg: Config, run_dir: Path, *, overwrite: bool, res
             store_faults: StoreFaults, health_check: tuple[str | None, float]) -> dict[str, Any]:
     """:func:`launch` once its store is open: prepare the run directory, run every attempt, summarise."""
     mode, secret = recovery(cfg.fault.recovery), host.secret
-    resume_from = prepare_run_dir(run_dir, cfg, overwrite=overwrite, resume=resume)
+    same_layout = saved_layout(run_dir) in (None, (nodes, workers_per_node))
+    if resume and not same_layout:
+        logger.warning("%s: resumed on %d node(s) x %d worker(s), not the layout its snapshot memory was written "
+                       "by %s: it continues from its newest committed checkpoint", run_dir, nodes, workers_per_node,
+                       saved_layout(run_dir))
+    resume_from = prepare_run_dir(run_dir, cfg, overwrite=overwrite, resume=resume, memory_usable=same_layout)
     save_secret(run_dir, secret)
     announce_protection(cfg, run_dir, nodes, workers_per_node)
     host.store.publish_config((run_dir / "config.json").read_text())
@@ -195,7 +205,7 @@ def _launch(host: StoreHost, cfg: Config, run_dir: Path, *, overwrite: bool, res
                                  workers_per_node=workers_per_node, restart=restart, fault_plan=plan, standby=standby,
                                  secret=secret, replace_lost_nodes_s=replace_lost_nodes_s, spare_nodes=spare_nodes,
                                  store_faults=store_faults, preempt=preempt, health_check=health_check,
-                                 resume_memory=resume and not mode.restarts_job)
+                                 resume_memory=resume and not mode.restarts_job and same_layout)
         preempted_after = host.store.stop_point()[1]
     summary = summarise(run_dir, cfg, info, time.time() - t0, resume_from, nodes=nodes, t0=t0)
     if mode.restarts_job:
@@ -275,6 +285,32 @@ def _attempt(store: JobStore, addr: str, cfg: Config, run_dir: Path,
 def launch_local(cfg: Config, run_dir: str | Path, **kwargs: Any) -> dict[str, Any]:
     """:func:`launch` as one node of ``cfg.train.workers`` workers (the plain one-machine run)."""
     return launch(cfg, run_dir, nodes=1, workers_per_node=cfg.train.workers, **kwargs)
+
+
+def keep_global_batch(cfg: Config, run_dir: Path) -> Config:
+    """``cfg`` of a run resumed in ``run_dir``, with the run's global batch kept when the worker count changed:
+    a run saved with one micro-batch per worker (``train.global_batch=0``) gets its ``workers * micro_batch``
+    stated, so that the resumed workers train the same rows per step."""
+    path = run_dir / "config.json"
+    if cfg.train.global_batch or not path.is_file():
+        return cfg
+    saved = config_from_dict(json.loads(path.read_text()))
+    if saved.train.workers == cfg.train.workers or saved.data.micro_batch != cfg.data.micro_batch:
+        return cfg
+    cfg = copy.deepcopy(cfg)
+    cfg.train.global_batch = saved.n_slots * saved.data.micro_batch
+    logger.info("%s: resumed on %d workers; its global batch stays %d rows (train.global_batch)", run_dir,
+                cfg.train.workers, cfg.train.global_batch)
+    return cfg
+
+
+def saved_layout(run_dir: Path) -> tuple[int, int] | None:
+    """``(nodes, workers per node)`` of the run's ``layout.json``; None: none written yet."""
+    path = run_dir / "layout.json"
+    if not path.is_file():
+        return None
+    saved = json.loads(path.read_text())
+    return int(saved["nodes"]), int(saved["workers_per_node"])
 
 
 def _job_config(cfg: Config, nodes: int, workers_per_node: int, restart: str) -> Config:

@@ -58,15 +58,17 @@ class ResumePoint:
         return f"the newest committed checkpoint is {self.checkpoint} (step {self.checkpoint_step})"
 
 
-def resume_point(run_dir: Path, cfg: Config) -> ResumePoint:
-    """Where the run in ``run_dir`` (trained with ``cfg``) continues from.
+def resume_point(run_dir: Path, cfg: Config, *, memory_usable: bool = True) -> ResumePoint:
+    """Where the run in ``run_dir`` (trained with ``cfg``) continues from; ``memory_usable`` False: from a
+    checkpoint only (the run resumes on another layout of nodes and workers than its memory was written by).
 
     Raises:
         NothingToResume: no complete snapshot in memory and no committed checkpoint (names both).
         CheckpointError: committed checkpoints exist but none is intact, and memory holds nothing.
         ValueError: the job's snapshot memory was written under another config (names both hashes).
     """
-    memory = None if recovery(cfg.fault.recovery).restarts_job else memory_snapshot_step(run_dir, cfg)
+    memory = None if recovery(cfg.fault.recovery).restarts_job or not memory_usable else \
+        memory_snapshot_step(run_dir, cfg)
     try:
         ckpt = latest_checkpoint(run_dir)  # the newest whose files match their checksums
     except CheckpointError as exc:
@@ -78,8 +80,11 @@ def resume_point(run_dir: Path, cfg: Config) -> ResumePoint:
         raise NothingToResume(
             f"--resume {run_dir}: nothing to continue from: no committed checkpoint under "
             f"{run_dir / 'checkpoints'} (the run had train.checkpoint_every={t.checkpoint_every}, "
-            f"train.checkpoint_every_s={t.checkpoint_every_s:g}) and no complete snapshot of its job in shared "
-            f"memory ({_memory_place(run_dir)}); start it again with --out {run_dir} --overwrite")
+            f"train.checkpoint_every_s={t.checkpoint_every_s:g}) and "
+            + (f"no complete snapshot of its job in shared memory ({_memory_place(run_dir)})" if memory_usable else
+               "its snapshot memory is of another layout of nodes and workers (resume on the run's own layout "
+               "to continue from memory)")
+            + f"; start it again with --out {run_dir} --overwrite")
     ckpt_step = int(read_commit(ckpt)["step"]) if ckpt is not None else None
     return ResumePoint(checkpoint=ckpt, checkpoint_step=ckpt_step, memory_step=memory)
 

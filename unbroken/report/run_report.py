@@ -107,7 +107,7 @@ def _ledger(run_dir: Path, cfg: dict[str, Any], train_lines: int) -> dict[str, A
     mb, global_batch = cfg["data"]["micro_batch"], cfg["train"].get("global_batch", 0)
     n_slots = global_batch // mb if global_batch else cfg["train"]["workers"]
     ledger = check_ledger(run_dir, n_slots=n_slots, micro_batch=mb, steps=cfg["train"]["steps"],
-                          start_step=_start_step(run_dir))
+                          start_step=_start_step(run_dir), n_workers=cfg["train"]["workers"])
     return {"committed_steps": ledger.committed, "lost_steps": len(ledger.lost_steps),
             "rows_trained_never": ledger.rows_never, "rows_trained_twice": ledger.rows_twice,
             "degraded_steps": ledger.degraded_steps, "approx_rows": ledger.approx_rows,

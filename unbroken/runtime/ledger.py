@@ -10,7 +10,10 @@ Workers append to ``<run>/events/w<id>.jsonl``:
 - ``{"kind": "restore", "step", "gen"}`` when a job comes back from a snapshot
   or checkpoint of ``step``: commits of steps ``>= step`` in generations below
   ``gen`` are superseded (those steps are trained again; the final history is
-  the one that counts).
+  the one that counts);
+- ``{"kind": "resume", "step", "time"}`` (``events/resume.jsonl``) when ``--resume`` continues the run from
+  ``step``: work and commits of steps ``>= step`` written before it belong to the job that stopped (their
+  steps are trained again by the resumed one, whose generations start again at 0).
 
 The committed attempt of a step is the generation its commit records name
 (they must agree). Only the work records of that attempt count; records of
@@ -58,18 +61,24 @@ def read_events(run_dir: str | Path) -> list[dict[str, Any]]:
 
 
 def check_ledger(run_dir: str | Path, *, n_slots: int, micro_batch: int, steps: int,
-                 start_step: int = 0) -> LedgerCheck:
-    """Verify exactly-once training of steps ``[start_step, steps)`` from the event files."""
+                 start_step: int = 0, n_workers: int | None = None) -> LedgerCheck:
+    """Verify exactly-once training of steps ``[start_step, steps)`` from the event files (``n_workers``: the
+    job's workers, default ``n_slots``; a step is degraded when a slot is computed by another worker than
+    its home worker, ``slot % n_workers``)."""
     records = read_events(run_dir)
     commit_gens: dict[int, set[int]] = defaultdict(set)
     work: dict[tuple[int, int], list[tuple[int, list[Any]]]] = defaultdict(list)
     restores = [(r["step"], r["gen"]) for r in records if r.get("kind") == "restore"]
+    resumes = [(r["step"], r["time"]) for r in records if r.get("kind") == "resume"]
+    homes = n_slots if n_workers is None else n_workers
 
-    def superseded(step: int, gen: int) -> bool:
-        return any(step >= s and gen < g for s, g in restores)
+    def superseded(r: dict[str, Any]) -> bool:
+        step = r["step"]
+        return any(step >= s and r["gen"] < g for s, g in restores) or \
+            any(step >= s and r.get("time", 0.0) < t for s, t in resumes)
 
     for r in records:
-        if r.get("kind") == "commit" and superseded(r["step"], r["gen"]):
+        if r.get("kind") in ("commit", "work") and superseded(r):
             continue
         if r.get("kind") == "commit":
             commit_gens[r["step"]].add(r["gen"])
@@ -94,7 +103,7 @@ def check_ledger(run_dir: str | Path, *, n_slots: int, micro_batch: int, steps: 
                 count[slot][row] += 1
             if mode != "exact":
                 approx += b - a
-        degraded += any(worker != slot for worker, (slot, *_) in items)
+        degraded += any(worker != slot % homes for worker, (slot, *_) in items)
         for slot in range(n_slots):
             for row in range(micro_batch):
                 c = count[slot][row]
