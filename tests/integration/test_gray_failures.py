@@ -71,6 +71,22 @@ def test_nan_in_one_workers_gradient_is_applied_nowhere(tmp_path, corpus_overrid
     assert job.summary["param_digest"] == clean.summary["param_digest"], "bit for bit the run without it"
 
 
+def test_nan_under_hsdp_is_applied_nowhere(tmp_path, corpus_overrides):
+    """HSDP (2 replicas of 2 ranks): a NaN in one rank's gradient shard at step 3 reaches only its shard index's
+    reduction; the replicas' word on their reductions carries it to every rank, the step is done again with the
+    same rows, and the job ends bit for bit as without it."""
+    cfg = failover_config(corpus_overrides, 6, "train.shard_degree=2")
+    clean = run_job(cfg, tmp_path / "clean", nodes=2, workers_per_node=2)
+    job = run_job(cfg, tmp_path / "run", nodes=2, workers_per_node=2, fail_at="step=3:worker=3:nan")
+    check_invariants(job, live=[0, 1, 2, 3])
+    (e,) = job.events("fault_injected")
+    assert (e["worker"], e["step"], e["applied"]) == (3, 3, True) and math.isnan(e["after"]), e
+    assert sorted((n["worker"], n["step"], n["decision"]) for n in job.events("nonfinite_step")) == [
+        (w, 3, "retry") for w in range(4)], "every rank of every replica found it and did it again"
+    assert job.commit_gen(3) == 0 and all(math.isfinite(r["grad_norm"]) for r in job.train_records())
+    assert job.summary["param_digest"] == clean.summary["param_digest"], "bit for bit the run without it"
+
+
 def test_nan_recurring_in_one_workers_rows_fences_it(tmp_path, corpus_overrides):
     """The same worker's rows non-finite twice at step 3: it leaves fenced (its agent brings it back), the other
     covers its rows in the same step, and the job goes on."""

@@ -147,7 +147,8 @@ def _setup(context: StepLogContext, faults: tuple[FaultSpec, ...]) -> Callable[[
     def setup(trainer: Trainer) -> None:
         context.follow(trainer)
         if faults:
-            PhaseFaults(faults, trainer.events.write, trainer.job.model).install(trainer.protocol.on)
+            PhaseFaults(faults, trainer.events.write, trainer.job.model,
+                        lambda: trainer.protocol.sums).install(trainer.protocol.on)
     return setup
 
 

@@ -13,7 +13,9 @@ points, from outside the runtime:
   (:meth:`~unbroken.faults.injector.NodeFaults.worker_faults` drops it).
 * ``bitflip:target=grad``: after the backward pass of ``step``, one bit of
   one element of this worker's local gradient is flipped (the parameters'
-  ``.grad``, views of the buffer it all-reduces); ``target=param``: before
+  ``.grad``, views of the buffer it all-reduces; under HSDP, whose gradient
+  shards are copied into that buffer and dropped, the buffer's slice of each
+  parameter's local shard, through ``sums``); ``target=param``: before
   the forward pass of ``step``, of one of its parameters.
 * ``nan``: after the backward pass of ``step``, one element of this worker's
   local gradient is set to NaN. One ``nan`` spec fires per backward pass: the
@@ -69,13 +71,17 @@ class GrayFaults:
         record: called with each ``fault_injected`` event.
         clock: the time source of ``slow`` (seconds).
         sleep: how ``slow`` waits.
+        sums: the flat buffer of gradient sums this worker just computed (the step protocol's ``sums`` during
+            its ``backward`` hook point): where a gradient fault writes when no parameter holds a ``.grad``
+            (HSDP); its first elements are the trainable parameters' local gradients, in order.
     """
 
     def __init__(self, specs: tuple[FaultSpec, ...], model: torch.nn.Module,
                  record: Callable[[dict[str, Any]], None], *, clock: Callable[[], float] = time.perf_counter,
-                 sleep: Callable[[float], None] = time.sleep) -> None:
+                 sleep: Callable[[float], None] = time.sleep,
+                 sums: Callable[[], torch.Tensor | None] = lambda: None) -> None:
         self.specs, self.model, self.record = specs, model, record
-        self.clock, self.sleep = clock, sleep
+        self.clock, self.sleep, self.sums = clock, sleep, sums
         self._t0: float | None = None
         self._done: set[int] = set()  # indices of specs whose event was written (each fires once)
 
@@ -135,6 +141,8 @@ class GrayFaults:
             t = p.grad if grad else p
             if t is not None and t.numel() and t.dtype in _EXPONENT_BITS:
                 named.append((n, _local(t).detach()))
+        if grad and not named:
+            named = self._in_sums()
         if not named:
             logger.warning("fault %s at step %d: this worker holds no %s to change", format_fail_at([spec]), step,
                            "gradient" if grad else "parameter")
@@ -163,6 +171,21 @@ class GrayFaults:
         logger.warning("fault %s at step %d: %s[%d] %r -> %r", format_fail_at([spec]), step, name, k, before, after)
         self._event(spec, step, applied=True, tensor="grad" if grad else "param", param=name, index=k, bit=bit,
                     before=before, after=after)
+
+    def _in_sums(self) -> list[tuple[str, torch.Tensor]]:
+        """Each trainable parameter's local gradient as its slice of the sums buffer (empty without one)."""
+        buf = self.sums()
+        if buf is None:
+            return []
+        named, offset = [], 0
+        for n, p in self.model.named_parameters():
+            if not p.requires_grad:
+                continue
+            local = _local(p)
+            if local.numel() and offset + local.numel() <= buf.numel():
+                named.append((n, buf[offset : offset + local.numel()]))
+            offset += local.numel()
+        return named
 
     def _event(self, spec: FaultSpec, step: int, **detail: Any) -> None:
         self.record({"kind": "event", "event": "fault_injected", "by": "worker", "worker": spec.index,

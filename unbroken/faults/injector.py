@@ -269,15 +269,16 @@ class PhaseFaults:
         specs: this worker's phase specs.
         record: called with an event dict just before the signal is sent.
         model: the worker's model; needed by gray failures only.
+        sums: the gradient sums just computed, for gray failures (:class:`~unbroken.faults.gray.GrayFaults`).
     """
 
     def __init__(self, specs: Iterable[FaultSpec], record: Callable[[dict[str, Any]], None],
-                 model: torch.nn.Module | None = None) -> None:
+                 model: torch.nn.Module | None = None, sums: Callable[[], torch.Tensor | None] = lambda: None) -> None:
         every = tuple(specs)
         self.specs = tuple(s for s in every if not is_gray(s))
         self.gray = tuple(s for s in every if is_gray(s))
         self.record = record
-        self.model = model
+        self.model, self.sums = model, sums
 
     def install(self, on: Callable[[Any, Callable[[int], None]], None]) -> None:
         """Register a hook for every phase some spec names.
@@ -288,7 +289,7 @@ class PhaseFaults:
         if self.gray:
             if self.model is None:
                 raise ValueError(f"fault {format_fail_at(self.gray)}: a gray failure needs the worker's model")
-            GrayFaults(self.gray, self.model, self.record).install(on)
+            GrayFaults(self.gray, self.model, self.record, sums=self.sums).install(on)
         for phase in sorted({"forward" if s.phase == "any" else s.phase for s in self.specs}):
             on(phase, functools.partial(self._fire, phase))
 

@@ -120,6 +120,9 @@ class StepProtocol:
         self.events, self.timeout_s, self.config_hash = events, timeout_s, config_hash
         self.step: int | None = None
         """The step in flight (for log lines)."""
+        self.sums: torch.Tensor | None = None
+        """The sums this worker just computed (its reduction buffer), during the ``backward`` hook point only (no
+        reference outlives it: the buffer goes with its step)."""
         self._hooks: dict[str, list[Callable[[int], None]]] = {p: [] for p in PHASES}  # a layout names a phase
         self._pruned_below = 0
         self._spare: torch.Tensor | None = None  # the host copy of the sums posted last (see _keep)
@@ -335,7 +338,11 @@ class StepProtocol:
         """Gradient sums of ``items`` (the ``forward`` and ``backward`` hook points around it)."""
         self._phase("forward", step)
         buf = self.job.gradient_sums(step, items)
-        self._phase("backward", step)
+        self.sums = buf
+        try:
+            self._phase("backward", step)
+        finally:
+            self.sums = None
         return buf
 
     def _reduce(self, step: int, local: torch.Tensor, items: list[SlotWork],
@@ -366,8 +373,7 @@ class StepProtocol:
     def _replica_word(self, step: int, ok: bool, reduced: torch.Tensor | None) -> bool | None:
         """HSDP: this worker's word to its replica on its reduction (:meth:`ViewChanges.replica_word`); returns
         whether every rank's reduced part is finite (None without HSDP: the caller looks at ``reduced`` itself)."""
-        self.views.replica_word(step, ok)
-        return None
+        return self.views.replica_word(step, ok, reduced)
 
     def _vote(self, step: int) -> None:
         """Vote ``commit`` for ``step`` under the current view (see the module docstring).

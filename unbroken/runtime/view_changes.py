@@ -38,6 +38,7 @@ import torch
 
 from unbroken.jsonl import JsonlWriter
 from unbroken.runtime.membership import Fenced, MemberDied, Membership, NoLiveWorker, View, ViewChanged
+from unbroken.runtime.nonfinite import finite
 from unbroken.runtime.process_group import CollectiveFailed, ViewGroup
 from unbroken.runtime.state_transfer import transfer_state
 from unbroken.sharding.layout import StateLayout
@@ -224,7 +225,7 @@ class ViewChanges:
 
     # -- an attempt of a step, and leaving a view after a failed one ------------------
 
-    def replica_word(self, step: int, ok: bool) -> None:
+    def replica_word(self, step: int, ok: bool, reduced: torch.Tensor | None = None) -> bool | None:
         """HSDP: tell the other ranks of this replica whether this worker's reduction of this attempt (its shard
         index's part of the step) completed, and learn theirs; the leader also says whether it admits joiners
         at the step's end. Every rank of a replica gets here once per attempt, its reduction completed or not,
@@ -232,24 +233,26 @@ class ViewChanges:
         may be a view ahead of its sibling, waiting in the store for the sibling's items). A member may vote
         ``commit`` only once every rank of its replica holds its part: then every part of the step is defined (a
         completed reduction means every member of that index's group contributed, one per live replica), and
-        every member holding a part holds the same as its peers.
+        every member holding a part holds the same as its peers. The word also says whether every rank's reduced
+        part (``reduced``) is finite, which it returns (:mod:`unbroken.runtime.nonfinite`; None without HSDP).
 
         Raises:
             CollectiveFailed: ``ok`` and another rank's reduction failed, or the collective itself failed (a
                 rank died: its replica goes down).
         """
         if self.replica is None:
-            return
+            return None
         admit = self.view.leader == self.me and bool(
             self.plan.admissible(self.m.pending_joins(self.view, self.job.n_workers), self.view.members))
-        got = self.replica.agree(ok, admit)
+        got = self.replica.agree(ok, admit, bad=reduced is not None and not finite(reduced))
         if got is None:
             raise CollectiveFailed(f"the replica's word on the reductions of step {step} in view {self.view.gen} "
                                    "failed")
-        every, self._admits = got
+        every, self._admits, bad = got
         if ok and not every:
             raise CollectiveFailed(f"the reduction of another shard index of step {step} in view {self.view.gen} "
                                    "did not complete")
+        return not bad
 
     @property
     def _check_every(self) -> float:
