@@ -26,6 +26,7 @@ from _faults import MICRO_BATCH, Job, check_invariants, failover_config, run_job
 from _reference import checkpoint_params, reference_train
 from unbroken.agent.launcher import JobFailed
 from unbroken.faults.chaos import run_chaos
+from unbroken.report.run_report import summarize_run
 from unbroken.runtime.ledger import read_events
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
@@ -69,6 +70,9 @@ def test_nan_in_one_workers_gradient_is_applied_nowhere(tmp_path, corpus_overrid
         "the ledger holds each row of step 3 once, in the view it was computed in"
     assert job.commit_gen(3) == 0 and not job.events("reconfigured"), "done again in the same view"
     assert job.summary["param_digest"] == clean.summary["param_digest"], "bit for bit the run without it"
+    failures = summarize_run(job.run_dir)["failure_details"]
+    assert [(f["step"], f["gen"], f["reason"].startswith("non-finite")) for f in failures] == [(3, 0, True)], \
+        "unbroken report lists it"
 
 
 def test_nan_under_hsdp_is_applied_nowhere(tmp_path, corpus_overrides):

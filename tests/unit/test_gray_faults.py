@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import struct
 from typing import Any, Callable
@@ -171,6 +172,41 @@ def test_nan_makes_one_gradient_element_nan_after_the_backward() -> None:
     (e,) = events
     assert math.isfinite(e["before"]) and math.isnan(e["after"]) and e["bit"] is None
     assert int(torch.isnan(_flat(model, True)).sum()) == 1 and torch.isfinite(_flat(model, False)).all()
+
+
+def test_nan_given_twice_fires_in_two_backward_passes() -> None:
+    """A spec given twice: the step's first two computations non-finite (a retry of the step sees the second)."""
+    events: list[dict[str, Any]] = []
+    model, hooks = _model(), Hooks()
+    spec = fail_at(step=1, worker=0, how="nan")
+    PhaseFaults([spec, spec], events.append, model).install(hooks.on)
+    for _ in range(3):
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        hooks.run("backward", 1)
+        events.append({"nan": int(torch.isnan(_flat(model, True)).sum())})
+    assert [e.get("nan", "fault") for e in events] == ["fault", 1, "fault", 1, 0]
+    assert events[0]["index"] == events[2]["index"], "the same element: the same spec's seed"
+
+
+def test_a_gradient_fault_without_gradients_writes_into_the_sums_buffer() -> None:
+    """HSDP: the gradient shards are copied into the reduction buffer and dropped before the backward hook point;
+    the fault writes into the buffer's slice of the parameters' local gradients, in parameter order."""
+    events: list[dict[str, Any]] = []
+    model, hooks = _model(), Hooks()
+    for p in model.parameters():
+        p.grad = None
+    n = sum(p.numel() for p in model.parameters())
+    sums = torch.zeros(n + 3)  # the gradients, then the buffer's scalars
+    PhaseFaults([fail_at(step=0, worker=0, how="nan"), fail_at(step=0, worker=0, how="bitflip", tensor="grad")],
+                events.append, model, lambda: sums).install(hooks.on)
+    hooks.run("backward", 0)
+    nan, flip = events
+    names = [name for name, _ in model.named_parameters()]
+    offsets = dict(zip(names, [0, *itertools.accumulate(p.numel() for p in model.parameters())]))
+    assert nan["applied"] and math.isnan(sums[offsets[nan["param"]] + nan["index"]])
+    assert flip["applied"] and float(sums[offsets[flip["param"]] + flip["index"]]) == flip["after"] != 0.0
+    assert torch.isfinite(sums[n:]).all() and int(torch.isnan(sums).sum()) == 1
 
 
 def test_slow_sleeps_factor_minus_one_times_the_measured_compute_in_its_window() -> None:
