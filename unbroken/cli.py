@@ -479,6 +479,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace, list[str]], int]] = {
 
 
 def main(argv: list[str] | None = None) -> int:
+    own_process = argv is None  # this process's command line (not a caller's): a preempted job may leave at once
     argv = sys.argv[1:] if argv is None else argv
     ap = build_parser()
     overrides, rest = _split_overrides(argv)
@@ -489,13 +490,18 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
-        return COMMANDS[args.command](args, overrides)
+        code = COMMANDS[args.command](args, overrides)
     except (ValueError, CheckpointError, StoreAccessDenied, ConnectionError) as exc:
         print(f"unbroken {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"unbroken {args.command}: interrupted", file=sys.stderr)
         return 130
+    from unbroken.agent.preemption import EXIT_PREEMPTED, leave_at_once
+
+    if own_process and code == EXIT_PREEMPTED:
+        leave_at_once(code)  # all is on disk and said; the scheduler's grace is short (unbroken.agent.preemption)
+    return code
 
 
 if __name__ == "__main__":

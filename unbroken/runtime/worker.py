@@ -287,7 +287,10 @@ class Trainer:
             if due and (moments := self.protocol.layout.moments_range()) is not None:
                 with self.m.busy():  # ZeRO-1: every member writes its range of the moments
                     self._parts_writer().save(done, view.gen, *moments)
-            if self.snapshots is not None and self.snapshots.take(done, view, self.job.layout.host_votes(reduced)):
+            # A preemption's last step is saved by the final checkpoint at once: no snapshot to wait for or compete
+            # with its write (every member knows the stop from the same reduction: all skip it alike).
+            if self.snapshots is not None and not stop and self.snapshots.take(done, view,
+                                                                               self.job.layout.host_votes(reduced)):
                 self.protocol.layout.snapshotted(done)  # ZeRO-1: the moments' copies of this step are kept
             self.events.write({"kind": "commit", "step": step, "gen": view.gen, "worker": self.spec.worker})
             if self.store_latency is not None and (latency := self.store_latency.due(
