@@ -158,7 +158,7 @@ def _compilation(trainer: Trainer, compilation: Compilation | None, secret: str)
     """Under ``train.compile``: the job's compile cache loaded before the first step (unless a standby compiled
     ahead), and after each step the view's leader writes it when it built graphs the cache lacks (its first
     step's, when it compiled from scratch). The first step's ``compiled`` event says what this process compiled
-    and how long it took."""
+    and how long it took (``graphs``: the graphs dynamo captured so far, the approximate path's warm-up's too)."""
     if compilation is None:
         compilation = Compilation.of(trainer.cfg, trainer.job.device)
         if compilation is None:
@@ -178,7 +178,8 @@ def _compilation(trainer: Trainer, compilation: Compilation | None, secret: str)
                 trainer.event("compile_cache_written", step=step, **written)
         if not told:
             told = True
-            trainer.event("compiled", step=step, pid=os.getpid(), **compilation.stats())
+            trainer.event("compiled", step=step, pid=os.getpid(), graphs=compile_stats().get("graphs", 0),
+                          **compilation.stats())
 
     trainer.protocol.on("confirm", after_step)
     return compilation
