@@ -207,7 +207,8 @@ def _launch(host: StoreHost, cfg: Config, run_dir: Path, *, overwrite: bool, res
                                  store_faults=store_faults, preempt=preempt, health_check=health_check,
                                  resume_memory=resume and not mode.restarts_job and same_layout)
         preempted_after = host.store.stop_point()[1]
-    summary = summarise(run_dir, cfg, info, time.time() - t0, resume_from, nodes=nodes, t0=t0)
+    summary = summarise(run_dir, cfg, info, time.time() - t0, resume_from, nodes=nodes, t0=t0,
+                        verify=preempted_after is None)
     if mode.restarts_job:
         summary["job_restarts"] = restarts
         summary["steps_redone"] = sum(r["failed_at_step"] - r["restarted_from_step"] for r in restarts)

@@ -11,6 +11,7 @@ from unbroken.config import Config, config_hash
 from unbroken.faults.fail_at import parse_fail_at
 from unbroken.jsonl import read_jsonl
 from unbroken.checkpoint.checkpointer import latest_checkpoint
+from unbroken.checkpoint.files import committed_checkpoints
 
 __all__ = ["agent_counts", "snapshot_summary", "summarise"]
 
@@ -42,8 +43,10 @@ def agent_counts(run_dir: Path, since: float, workers_per_node: int) -> dict[str
 
 
 def summarise(run_dir: Path, cfg: Config, info: dict[str, Any], wall_s: float, resume_from: Path | None, *,
-              nodes: int, t0: float) -> dict[str, Any]:
-    """The summary of the launch that started at ``t0`` (its agents' events from then on)."""
+              nodes: int, t0: float, verify: bool = True) -> dict[str, Any]:
+    """The summary of the launch that started at ``t0`` (its agents' events from then on). ``verify=False`` (a
+    preempted job, whose grace is short): its ``checkpoint`` is the newest committed one, not read back (its
+    final save hashed the bytes it wrote; a ``--resume`` checks them)."""
     records = read_jsonl(run_dir / "metrics.jsonl")
     train = [r for r in records if r["kind"] == "train"]
     val = [r for r in records if r["kind"] == "val"]
@@ -55,7 +58,7 @@ def summarise(run_dir: Path, cfg: Config, info: dict[str, Any], wall_s: float, r
     agree = bool(per_index) and all(len(d) == 1 for d in per_index.values())
     digests = sorted(d for ds in per_index.values() for d in ds)
     steady = [r["tokens_per_s"] for r in train[len(train) // 5 :]] or [0.0]
-    ckpt = latest_checkpoint(run_dir)
+    ckpt = latest_checkpoint(run_dir) if verify else next(iter(committed_checkpoints(run_dir / "checkpoints")), None)
     return {
         "run_dir": str(run_dir), "config_hash": config_hash(cfg), "workers": cfg.train.workers,
         "nodes": nodes, "workers_per_node": cfg.train.workers // nodes,

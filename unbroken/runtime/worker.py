@@ -108,6 +108,7 @@ class Trainer:
         self.steps_trained: int | None = None
         """Steps this incarnation trained (set once it finished: the report's store usage per step)."""
         self.last_step = self.cfg.train.steps  # a preemption's agreed step ends the job earlier
+        self._final_digest: str | None = None
         latency = self.store.request_latency()
         self.store_latency = None if latency is None else LatencyReport(latency)
         """The ``store_latency`` events: this worker's store requests' p50/p99, every few seconds."""
@@ -325,6 +326,9 @@ class Trainer:
         self.steps_trained = steps - start
         with self.m.busy():
             self.protocol.finish(steps)
+            # The report's digest while the final checkpoint is written (the leader's in its writer's threads; the
+            # others only wait for done): the parameters no longer change, and the worker's end comes sooner.
+            self._final_digest = self.param_digest()
             self._finish(steps, last)
             if self.shard_checkpoints is not None:  # after the final checkpoint's parts (HSDP: written in _finish)
                 self.shard_checkpoints.close()
@@ -456,6 +460,8 @@ class Trainer:
     def param_digest(self) -> str:
         """A digest of every trainable parameter's bytes, in order; under HSDP of this worker's shards (equal
         across the workers of one shard index): :func:`~unbroken.runtime.digest.param_digest`."""
+        if self._final_digest is not None:  # the parameters after the last step (train)
+            return self._final_digest
         return param_digest([local_of(p).detach() for p in self.job.layout.params])
 
 
