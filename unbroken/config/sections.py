@@ -246,6 +246,15 @@ class FaultConfig:
     (and, on a CPU job with the built-in data and model, prepared both): workers, joiners and standbys are
     forked from it, so a cold start costs a fork, not an interpreter (:mod:`unbroken.agent.template`).
     ``false``: every worker starts as a fresh process. Changes nothing trained."""
+    straggler_factor: float = 0.0
+    """A worker whose compute time per row stays above this many times the live workers' median for
+    ``straggler_steps`` steps in a row is a straggler: it keeps a share of its rows in proportion to its
+    speed and the others take the rest, exact, in the same step, until it is back at or below
+    ``(1 + factor) / 2`` for as many steps (:mod:`unbroken.runtime.stragglers`; data parallelism and ZeRO-1,
+    not HSDP). 0: off (rows never move for speed, so a run is reproducible bit for bit); 1.5 is a fair value.
+    Must be 0 or > 1."""
+    straggler_steps: int = 5
+    """Steps in a row a worker must be slow (or back) before its rows move (or come back); >= 1."""
     recovery: str = "takeover"
     """One of :data:`unbroken.runtime.recovery.RECOVERIES`: ``takeover``: survivors finish the step and carry on (unbroken);
     ``restart``: plain data parallelism, any failure restarts every worker from

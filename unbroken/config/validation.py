@@ -134,6 +134,13 @@ def _mecefo_fault(cfg: Config, need: Need) -> None:
                               ("fault.recovery", f.recovery, RECOVERY_NAMES)):
         need(value in names, f"{key}={value!r}: expected one of {', '.join(names)}")
     need(math.isfinite(f.job_hours) and f.job_hours > 0, f"fault.job_hours={f.job_hours}: must be a finite number > 0")
+    need(f.straggler_factor == 0 or (math.isfinite(f.straggler_factor) and f.straggler_factor > 1),
+         f"fault.straggler_factor={f.straggler_factor}: must be 0 (off) or a number > 1 (a worker that many times "
+         f"slower than the median is a straggler; at or below 1 every worker would be one), e.g. 1.5")
+    need(f.straggler_steps >= 1, f"fault.straggler_steps={f.straggler_steps}: must be >= 1 (steps in a row)")
+    need(f.straggler_factor == 0 or t.shard_degree <= 1, f"fault.straggler_factor={f.straggler_factor} with "
+         f"train.shard_degree={t.shard_degree}: stragglers are not rebalanced under HSDP; give "
+         f"fault.straggler_factor=0")
     need(
         f.cluster_workers is None or f.cluster_workers >= t.workers,
         f"fault.cluster_workers={f.cluster_workers}: must be >= train.workers={t.workers} (or none)",

@@ -64,6 +64,7 @@ __all__ = [
     "home_of",
     "home_slots",
     "missing_rows",
+    "rebalance",
     "takeover_policy",
 ]
 
@@ -257,6 +258,40 @@ def _checked_workers(n_slots: int, n_workers: int, live: Collection[int], micro_
     if not workers:
         raise NoLiveWorker(f"no live worker among {n_workers} workers; the step must wait for a worker to return")
     return workers
+
+
+def rebalance(assignment: Assignment, keep: Mapping[int, int], *, n_workers: int,
+              micro_batch: int) -> dict[int, list[SlotWork]]:
+    """``assignment`` with each slow worker ``w`` in ``keep`` computing only rows ``[0, keep[w])`` of its whole
+    exact home slots, the rest of them split over the other workers of the assignment (``spread``'s split,
+    exact). Every ``(slot, row)`` stays in exactly one item; workers not in ``keep`` keep their items first.
+
+    Raises:
+        ValueError: a ``keep`` outside ``[1, micro_batch]``.
+    """
+    out = {w: list(items) for w, items in assignment.items()}
+    others = sorted(w for w in out if w not in keep)
+    if not others:
+        return out
+    missing: list[tuple[int, tuple[int, int]]] = []
+    for w, rows in sorted(keep.items()):
+        if w not in out or rows == micro_batch:
+            continue
+        if not 1 <= rows <= micro_batch:
+            raise ValueError(f"worker {w} keeps {rows} rows of a slot of {micro_batch}")
+        mine = []
+        for it in out[w]:
+            if home_of(it.slot, n_workers) == w and it.rows == (0, micro_batch) and it.mode == "exact":
+                mine.append(SlotWork(it.slot, (0, rows)))
+                missing.append((it.slot, (rows, micro_batch)))
+            else:
+                mine.append(it)
+        out[w] = mine
+    spread = POLICIES["spread"]
+    for slot, gap in missing:
+        for worker, item in spread.cover(slot, gap, others, n_workers):
+            out[worker].append(item)
+    return out
 
 
 def missing_rows(

@@ -37,6 +37,7 @@ from typing import Any
 
 from unbroken.report import series as rs
 from unbroken.report.recovery_phases import recoveries
+from unbroken.report.stragglers import straggler_episodes
 from unbroken.jsonl import read_jsonl
 from unbroken.runtime.ledger import check_ledger, read_events
 
@@ -65,7 +66,17 @@ def summarize_run(run_dir: str | Path) -> dict[str, Any]:
                                 "max": max(stalls) if stalls else None},
         "rejoins": _rejoins(events), "recoveries": recoveries(read_events(run_dir)), "compiles": _compiles(events),
         "snapshots": _snapshots(run_dir, events), **_ledger(run_dir, cfg, len(train)),
+        "stragglers": _stragglers(run_dir, cfg, steps),
     }
+
+
+def _stragglers(run_dir: Path, cfg: dict[str, Any], steps: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
+    """The run's straggler episodes (:func:`~unbroken.report.stragglers.straggler_episodes`)."""
+    if not (run_dir / "events").is_dir():
+        return []
+    mb, global_batch, workers = cfg["data"]["micro_batch"], cfg["train"].get("global_batch", 0), cfg["train"]["workers"]
+    return straggler_episodes(read_events(run_dir), steps, n_slots=global_batch // mb if global_batch else workers,
+                              n_workers=workers, micro_batch=mb, last_step=cfg["train"]["steps"] - 1)
 
 
 def _snapshots(run_dir: Path, events: list[dict[str, Any]]) -> dict[str, Any]:
@@ -312,6 +323,11 @@ def _run_text(s: dict[str, Any]) -> str:
             parts.append("start " + ", ".join(f"{k} {v:.2f} s" for k, v in r["start_phases"].items()))
         where = f" ({'; '.join(parts)})" if parts else ""
         lines.append(f"  worker {r['worker']} back at step {r['step']} after {_fmt(r['down_to_back_s'])}{where}")
+    for ep in s.get("stragglers", []):
+        lines.append(f"  straggler: worker {ep['worker']} from step {ep['since']} "
+                     f"{'to ' + str(ep['until']) if ep['until'] is not None else 'to the end'} ({ep['steps']} steps), "
+                     f"{ep['rows_moved']} rows moved to the others, step time "
+                     f"{'-' if ep['cost'] is None else format(ep['cost'], '.2f')} x the other steps")
     lines += [_recovery_line(r) for r in s.get("recoveries", [])]
     lines += [_compile_line(c) for c in s.get("compiles", [])]
     lines += _snapshot_lines(s["snapshots"])

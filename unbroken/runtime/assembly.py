@@ -37,6 +37,7 @@ from unbroken.runtime.recovery import recovery
 from unbroken.runtime.snapshot_hooks import job_id, node_map, snapshotter_for
 from unbroken.runtime.worker_spec import WorkerSpec
 from unbroken.runtime.state_source import StateSource
+from unbroken.runtime.stragglers import Stragglers
 from unbroken.sharding.layout import StateLayout
 from unbroken.sharding.parallelism import Parallelism, parallelism_for
 from unbroken.snapshot.cadence import auto as auto_cadence
@@ -110,7 +111,7 @@ def assemble(cfg: Config, spec: WorkerSpec, membership: Membership, prepared: Pr
                                                           n_workers=job.n_workers),
         layout=layout, replica=_replica_sync(cfg, parallelism, job, device, membership),
         announcer=job.layout,  # admissions announced in the reduction (runtime/view_changes.py)
-        state=state)
+        state=state, stragglers=_stragglers(cfg, job, event))
     if snapshots is not None:
         # Before this step's reduction completes, the last step's snapshot is consistent: with a fixed
         # interval sealed (a commit of step s+1 means every member sealed its share of step s, the restore
@@ -165,3 +166,12 @@ def _replica_sync(cfg: Config, parallelism: Parallelism, job: Job, device: torch
     from unbroken.sharding.hsdp import ReplicaSync
 
     return ReplicaSync(job.replica, parallelism.shard_degree, device, cfg.train.timeout_s, waiting=membership.advance)
+
+
+def _stragglers(cfg: Config, job: Job, event: Callable[..., None]) -> Stragglers | None:
+    """The straggler decision (``fault.straggler_factor``; the job's buffers carry the timings), or None: off."""
+    f = cfg.fault
+    if not f.straggler_factor or not job.layout.n_timings:
+        return None
+    return Stragglers(n_workers=job.n_workers, n_slots=job.n_slots, micro_batch=job.micro_batch,
+                      factor=f.straggler_factor, steps=f.straggler_steps, on_event=event, buffers=job.layout)

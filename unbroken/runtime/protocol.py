@@ -54,6 +54,7 @@ from unbroken.mecefo.gradients import GradLayout, SlotWork, slot_rows
 from unbroken.mecefo.takeover import TakeoverPolicy
 from unbroken.runtime.membership import Fenced, Membership, MemberDied, MissedCommit, View, ViewChanged
 from unbroken.runtime.nonfinite import NonFiniteSteps
+from unbroken.runtime.stragglers import Stragglers
 from unbroken.runtime.process_group import CollectiveFailed, ViewGroup
 from unbroken.runtime.view_changes import (CHECK_EVERY_S, MAX_SAME_VIEW_RETRIES, AdmissionWord, RetriesExhausted,
                                            ViewChanges)
@@ -114,7 +115,8 @@ class StepProtocol:
     def __init__(self, membership: Membership, job: StepJob, *, policy: TakeoverPolicy, events: JsonlWriter,
                  timeout_s: float, config_hash: str = "", backend: str = "auto", plan: WorkPlan | None = None,
                  layout: StateLayout | None = None, replica: ReplicaSync | None = None,
-                 announcer: AdmissionWord | None = None, state: StateSource | None = None) -> None:
+                 announcer: AdmissionWord | None = None, state: StateSource | None = None,
+                 stragglers: Stragglers | None = None) -> None:
         self.m, self.store, self.job, self.policy = membership, membership.store, job, policy
         self.me = membership.worker
         self.events, self.timeout_s, self.config_hash = events, timeout_s, config_hash
@@ -144,6 +146,9 @@ class StepProtocol:
         self.nonfinite = NonFiniteSteps(membership, announcer if isinstance(announcer, GradLayout)
                                         and replica is None else None, self._event)
         """A reduction found not finite is applied nowhere (:mod:`unbroken.runtime.nonfinite`)."""
+        self.stragglers = stragglers
+        """A slow worker's rows moved to the others (:mod:`unbroken.runtime.stragglers`); None: off."""
+        self._computed = (0.0, 0)  # this step's compute seconds and rows so far (the stragglers' timing)
 
     # -- what the view changes hold, as the step reads it ---------------------------
 
@@ -254,6 +259,7 @@ class StepProtocol:
                 and rejoin with the state (its agent restarts it).
         """
         self.step = step
+        self._computed = (0.0, 0)
         items: list[SlotWork] = []
         local: torch.Tensor | None = None
         again = False  # the last attempt's reduction was not finite: the same items, computed afresh
@@ -287,6 +293,9 @@ class StepProtocol:
                                             lambda phase: self._phase(phase, step))
                 self._vote(step)
                 self.need_exchange = False
+                if self.stragglers is not None:
+                    view = self.view
+                    self.stragglers.reduced(view.gen, step, view.members, reduced, leader=view.leader == self.me)
                 return reduced, items
             except (ViewChanged, CollectiveFailed, MemberDied) as exc:
                 again = False
@@ -332,10 +341,13 @@ class StepProtocol:
         return out
 
     def _assigned(self) -> list[SlotWork]:
-        return self.plan.assign(self.me, self.view.members)
+        view = self.view
+        keep = self.stragglers.keep(view.gen, view.members) if self.stragglers is not None else None
+        return self.plan.assign(self.me, view.members, keep)
 
     def _compute(self, step: int, items: list[SlotWork]) -> torch.Tensor:
         """Gradient sums of ``items`` (the ``forward`` and ``backward`` hook points around it)."""
+        t0 = time.perf_counter()
         self._phase("forward", step)
         buf = self.job.gradient_sums(step, items)
         self.sums = buf
@@ -343,6 +355,8 @@ class StepProtocol:
             self._phase("backward", step)
         finally:
             self.sums = None
+        seconds, rows = self._computed
+        self._computed = (seconds + time.perf_counter() - t0, rows + sum(i.n_rows for i in items))
         return buf
 
     def _reduce(self, step: int, local: torch.Tensor, items: list[SlotWork],
@@ -367,6 +381,8 @@ class StepProtocol:
         self.layout.before_reduction(check or self._check)  # ZeRO-1: the last step's shard copies sealed first
         self.views.announce(local, step)
         self.nonfinite.before_reduction(step, local)  # after the word: counted in it
+        if self.stragglers is not None:
+            self.stragglers.stamp(local, self.me, *self._computed)
         assert self.group is not None  # a step reduces in its view's group
         return self.group.allreduce(local, check or self._check, lambda: self._phase("allreduce", step))
 

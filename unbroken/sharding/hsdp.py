@@ -122,7 +122,8 @@ class ReplicaPlan:
     n_slots: int | None = None
     """Slots per step (a multiple of the shard degree); None: one per worker."""
 
-    def assign(self, me: int, live: Sequence[int]) -> list[SlotWork]:
+    def assign(self, me: int, live: Sequence[int], keep: Mapping[int, int] | None = None) -> list[SlotWork]:
+        """``keep`` (slow workers' rows) is not used: stragglers are not rebalanced under HSDP."""
         return list(replica_assignment(self.policy, self.layout, live, self.micro_batch, self.n_slots).get(me, []))
 
     def complete(self, me: int, live: Sequence[int], done: Mapping[int, Sequence[SlotWork]]) -> list[SlotWork]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Mapping, Protocol, Sequence
 
 from unbroken.mecefo.gradients import SlotWork
-from unbroken.mecefo.takeover import TakeoverPolicy
+from unbroken.mecefo.takeover import TakeoverPolicy, rebalance
 
 __all__ = ["SlotPlan", "WorkPlan"]
 
@@ -20,7 +20,7 @@ __all__ = ["SlotPlan", "WorkPlan"]
 class WorkPlan(Protocol):
     """Who computes what in a step, and who reduces with whom (:class:`SlotPlan`'s methods)."""
 
-    def assign(self, me: int, live: Sequence[int]) -> list[SlotWork]: ...
+    def assign(self, me: int, live: Sequence[int], keep: Mapping[int, int] | None = None) -> list[SlotWork]: ...
 
     def complete(self, me: int, live: Sequence[int], done: Mapping[int, Sequence[SlotWork]]) -> list[SlotWork]: ...
 
@@ -50,10 +50,14 @@ class SlotPlan:
         self.policy, self.n_slots, self.micro_batch = policy, n_slots, micro_batch
         self.n_workers = n_slots if n_workers is None else n_workers
 
-    def assign(self, me: int, live: Sequence[int]) -> list[SlotWork]:
-        """``me``'s work of a step that starts with ``live``."""
-        return list(self.policy.assign(n_slots=self.n_slots, live=live, micro_batch=self.micro_batch,
-                                       n_workers=self.n_workers).get(me, []))
+    def assign(self, me: int, live: Sequence[int], keep: Mapping[int, int] | None = None) -> list[SlotWork]:
+        """``me``'s work of a step that starts with ``live``; ``keep``: rows per home slot of slow workers
+        (:mod:`unbroken.runtime.stragglers`), the rest of their slots going to the others."""
+        plan = self.policy.assign(n_slots=self.n_slots, live=live, micro_batch=self.micro_batch,
+                                  n_workers=self.n_workers)
+        if keep:
+            plan = rebalance(plan, keep, n_workers=self.n_workers, micro_batch=self.micro_batch)
+        return list(plan.get(me, []))
 
     def complete(self, me: int, live: Sequence[int], done: Mapping[int, Sequence[SlotWork]]) -> list[SlotWork]:
         """``me``'s extra work so that ``live``, having computed ``done``, cover the step exactly once."""
