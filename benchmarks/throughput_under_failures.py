@@ -8,6 +8,13 @@ with ``--max-down 1``, the traces' own rates with ``--max-down none``), once per
 default ``neighbor,spread,spread-approx``), and reports each run's tokens/s over the failure-free run's.
 Throughput is committed tokens over the wall clock from the first to the last applied step (``metrics.jsonl``).
 
+Where workers share cores (4 workers on this repository's 2-core machine), a dead worker's share of the cores goes
+to the survivors, and a run under failures can be faster than the failure-free one: the runs then measure the
+machine, not one device per worker. Each policy's row therefore also carries ``model``, its throughput from its
+phases as one device per worker would see it: every degraded step costs the covering worker's step, measured
+side by side against a normal one by ``unbroken bench takeover`` in the same invocation (one thread, compile off:
+``cover`` in the JSON), and every failure the run's measured stall per failure.
+
 Slots: a step's global batch is ``--slots`` micro-batches (default: one per worker). With more slots than workers the
 study passes ``train.global_batch = slots * data.micro_batch`` (several micro-batches per worker), so ``4 workers x
 8 slots`` (MeCeFO's n = 32) is a flag; a build whose config has no ``train.global_batch`` runs one slot per worker and
@@ -42,6 +49,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import statistics
 import tempfile
 from pathlib import Path
@@ -56,7 +64,7 @@ from unbroken.jsonl import read_jsonl
 from unbroken.report.run_report import summarize_run
 from unbroken.runtime.ledger import read_events
 
-__all__ = ["PAPER_LOSS_HIGH", "drop_the_step", "main", "restart_from_memory", "slot_overrides"]
+__all__ = ["PAPER_LOSS_HIGH", "covered", "drop_the_step", "main", "restart_from_memory", "slot_overrides"]
 
 PAPER_LOSS_HIGH = 0.0418
 """MeCeFO's throughput loss under its high failure rate (the paper's abstract and Table 3)."""
@@ -130,6 +138,33 @@ def restart_from_memory(trace: FailureTrace, *, step_s: float, detect_s: float, 
             "phases": {"step_s": step_s, "detect_s": detect_s, "restart_s": restart_s}}
 
 
+def covered(trace: FailureTrace, *, step_s: float, stall_s: float, cover_ratio: float) -> dict[str, Any]:
+    """Throughput of a takeover policy relative to failure-free, from its phases: every degraded step takes the
+    covering worker's step (``cover_ratio`` normal steps: the others wait for it at the reduction), every failure
+    its stall; nothing is lost. One down worker's ratio stands for every degraded step (exact with
+    ``max_down`` 1)."""
+    steps = trace.n_steps
+    failures = sum(len(trace.failures_at(s)) for s in range(steps))
+    degraded = sum(1 for s in range(steps) if trace.down_at(s))
+    seconds = (steps - degraded) * step_s + degraded * step_s * cover_ratio + failures * stall_s
+    return {"modelled": True, "throughput_ratio": (steps * step_s) / seconds, "failures": failures,
+            "phases": {"step_s": step_s, "stall_s": stall_s, "cover_ratio": cover_ratio}}
+
+
+def _cover_ratios(a: argparse.Namespace, tmp: Path, workers: int) -> dict[str, Any] | None:
+    """Each policy's covering step over a normal one, measured side by side (``unbroken bench takeover``, one
+    thread, compile off); None with ``--cover-repeats 0``."""
+    if not a.cover_repeats:
+        return None
+    from unbroken.bench import takeover
+
+    r = takeover.main(["--preset", a.preset, "--slots", str(workers), "--threads", "1", "--compile", "off",
+                       "--repeats", str(a.cover_repeats), "--policies", a.policies, "--out", str(tmp / "takeover.json"),
+                       *[f"--{o}" for o in a.overrides]])
+    return {"time_ratio": {p: v["time_ratio"]["off"] for p, v in r["policies"].items()},
+            "flop_ratio": {p: v["flop_ratio"] for p, v in r["policies"].items()}, "repeats": a.cover_repeats}
+
+
 def _trace_of(cfg: Config) -> FailureTrace:
     """The trace the launcher draws for ``cfg`` (:func:`unbroken.agent.launcher.launch`'s arguments)."""
     return generate_trace(cfg.fault.trace, n_workers=cfg.train.workers, n_steps=cfg.train.steps,
@@ -137,7 +172,8 @@ def _trace_of(cfg: Config) -> FailureTrace:
                           min_live=1, cluster_workers=cfg.fault.cluster_workers, max_down=cfg.fault.max_down)
 
 
-def _one_trace(a: argparse.Namespace, tmp: Path, trace: str, base: dict[str, Any]) -> dict[str, Any]:
+def _one_trace(a: argparse.Namespace, tmp: Path, trace: str, base: dict[str, Any],
+               cover: dict[str, Any] | None) -> dict[str, Any]:
     rows: dict[str, Any] = {}
     cfg = None
     for policy in a.policies.split(","):
@@ -146,6 +182,9 @@ def _one_trace(a: argparse.Namespace, tmp: Path, trace: str, base: dict[str, Any
         rows[policy] = {"throughput_ratio": r["tokens_per_s"] / base["tokens_per_s"], **r}
     assert cfg is not None
     drawn = _trace_of(cfg)
+    for policy, ratio in (cover["time_ratio"] if cover is not None else {}).items():
+        rows[policy]["model"] = covered(drawn, step_s=base["median_step_s"],
+                                        stall_s=rows[policy]["stall_median_s"] or 0.0, cover_ratio=ratio)
     stalls = [r["stall_median_s"] for r in rows.values() if r["stall_median_s"] is not None]
     # A worker's start: of those that came back in the trace runs (forked, the state received from a peer) or,
     # where none came back through a cold start (warm standbys), of the failure-free run's first starts.
@@ -185,6 +224,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                                     "none: the traces' own rates)")
     ap.add_argument("--standby", action=argparse.BooleanOptionalAction, default=True,
                     help="each node keeps a warm standby (a returning worker starts from it)")
+    ap.add_argument("--cover-repeats", type=int, default=6,
+                    help="timed repetitions of each policy's covering step (unbroken bench takeover) for the "
+                         "policies' modelled rows (0: none)")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/throughput_under_failures.json"))
     a, overrides = parse_with_overrides(ap, argv)
     a.overrides = overrides
@@ -197,10 +239,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "modelled": "drop-the-step and checkpoint-restart-from-memory are modelled from phases measured in the same "
                     "invocation (benchmarks/throughput_under_failures.py's docstring); every other row is a run",
         "paper": {"trace": "high", "throughput_loss": PAPER_LOSS_HIGH}}
+    result["load_average"] = {"start": os.getloadavg()}
     with tempfile.TemporaryDirectory(prefix="unbroken-tuf-") as tmp:
+        result["cover"] = cover = _cover_ratios(a, Path(tmp), base_cfg.train.workers)
         base = _run(a, Path(tmp), "failure_free", base_cfg, standby=a.standby)
         result["failure_free"] = base
-        result["traces"] = {t: _one_trace(a, Path(tmp), t, base) for t in a.traces.split(",")}
+        result["traces"] = {t: _one_trace(a, Path(tmp), t, base, cover) for t in a.traces.split(",")}
+    result["load_average"]["end"] = os.getloadavg()
     _print(result)
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(result, indent=1, default=str))
@@ -214,11 +259,15 @@ def _print(r: dict[str, Any]) -> None:
     for name, t in r["traces"].items():
         print(f"trace {name}: {t['failures']} failures, degraded {t['degraded_fraction']:.0%} of steps")
         for row, v in t["rows"].items():
-            ratio = v["throughput_ratio"]
-            loss = "n/a" if ratio is None else f"{1 - ratio:+.2%} loss"
-            print(f"  {row:32s} {'n/a' if ratio is None else f'{ratio:.3f}'}  ({loss})"
-                  f"{'  modelled' if v.get('modelled') else ''}")
+            print(f"  {row:32s} {_ratio(v)}{'  modelled' if v.get('modelled') else ''}"
+                  f"{'  (from its phases: ' + _ratio(v['model']) + ')' if 'model' in v else ''}")
     print(f"MeCeFO's paper, trace high: {r['paper']['throughput_loss']:.2%} loss")
+
+
+
+def _ratio(row: dict[str, Any]) -> str:
+    ratio = row["throughput_ratio"]
+    return "n/a" if ratio is None else f"{ratio:.3f} ({1 - ratio:+.2%} loss)"
 
 
 if __name__ == "__main__":

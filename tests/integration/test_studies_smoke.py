@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from benchmarks import failover_stall, final_checkpoint_write, recovery_load, throughput_reference
+from benchmarks import (failover_stall, final_checkpoint_write, recovery_load, throughput_reference,
+                        throughput_under_failures)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -82,3 +83,26 @@ def test_final_checkpoint_write_study(tmp_path, corpus_overrides):
     assert all(len(final["seconds"][k]) == 3 and all(x > 0 for x in final["seconds"][k]) for k in ("unbroken",
                                                                                                   "dcp_hf"))
     assert final["state_bytes"] > 0 and final["directory"] == str(tmp_path) and not list(tmp_path.glob("unbroken-final-*"))
+
+
+def test_throughput_under_failures_study(tmp_path, corpus_overrides):
+    """Two workers, one trace, one policy: the run's ratio to the failure-free run, every row trained once, and the
+    two comparisons modelled from the phases the runs measured (said so in the JSON)."""
+    out = tmp_path / "tuf.json"
+    result = throughput_under_failures.main(["--preset", "debug", "--nodes", "1", "--workers-per-node", "2",
+                                             "--steps", "12", "--traces", "high", "--policies", "neighbor",
+                                             "--cover-repeats", "1", "--out", str(out),
+                                             *[f"--{o}" for o in corpus_overrides]])
+    assert json.loads(out.read_text())["traces"] == json.loads(json.dumps(result["traces"]))
+    assert result["benchmark"] == "throughput_under_failures" and result["slots"] == result["workers"] == 2
+    assert "modelled" in result["modelled"] and result["paper"]["throughput_loss"] == 0.0418
+    rows = result["traces"]["high"]["rows"]
+    run = rows["neighbor"]
+    assert run["failures"] >= 1 and run["ledger_ok"] and run["lost_steps"] == 0
+    assert run["throughput_ratio"] == pytest.approx(run["tokens_per_s"] / result["failure_free"]["tokens_per_s"])
+    for name in ("drop-the-step", "checkpoint-restart-from-memory"):
+        assert rows[name]["modelled"] and 0 < rows[name]["throughput_ratio"] < 1, rows[name]
+    assert rows["drop-the-step"]["phases"]["detect_s"] == run["stall_median_s"]
+    cover = result["cover"]["time_ratio"]["neighbor"]  # the covering step, measured in the same invocation
+    assert cover > 1 and run["model"]["phases"]["cover_ratio"] == cover
+    assert run["model"]["modelled"] and 0 < run["model"]["throughput_ratio"] < 1

@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from benchmarks.throughput_under_failures import drop_the_step, restart_from_memory, slot_overrides
+from benchmarks.throughput_under_failures import covered, drop_the_step, restart_from_memory, slot_overrides
 from unbroken.config import load_config
 from unbroken.faults.traces import FailureTrace, Outage
 
@@ -32,10 +32,17 @@ def test_a_restart_from_memory_costs_the_step_in_flight_the_detection_and_a_star
     assert row["throughput_ratio"] == pytest.approx(10 / 13.5)
 
 
+def test_a_policy_from_its_phases_costs_its_covering_step_while_degraded_and_its_stall_per_failure():
+    row = covered(TRACE, step_s=1.0, stall_s=0.5, cover_ratio=1.5)
+    assert row["modelled"] and row["failures"] == 1
+    assert row["throughput_ratio"] == pytest.approx(10 / (6 + 4 * 1.5 + 0.5))  # nothing lost, only slower
+
+
 def test_no_failure_costs_nothing():
     quiet = FailureTrace(n_workers=4, n_steps=10, outages=())
     assert drop_the_step(quiet, step_s=1.0, detect_s=0.5)["throughput_ratio"] == 1.0
     assert restart_from_memory(quiet, step_s=1.0, detect_s=0.5, restart_s=2.0)["throughput_ratio"] == 1.0
+    assert covered(quiet, step_s=1.0, stall_s=0.5, cover_ratio=1.7)["throughput_ratio"] == 1.0
 
 
 def test_slots_are_one_per_worker_or_a_global_batch_of_several_micro_batches(corpus_overrides):
