@@ -154,8 +154,8 @@ class TrainConfig:
     weights, optimizer moments, loss and gradient reduction; ``fp32``: float32 throughout."""
     compile: bool | None = None
     """``torch.compile`` each transformer block's exact forward (and the loss), as torchtitan does,
-    and MeCeFO's approximate mode as a graph of its own (compiled at the first approximate step a
-    covering worker takes; eager, with a warning, where it cannot compile). None: on for CUDA, off
+    and MeCeFO's approximate mode as a graph of its own (compiled at each worker's start when the
+    policy approximates, so a takeover compiles nothing; eager, with a warning, where it cannot compile). None: on for CUDA, off
     on CPU (where compile time would dominate short jobs). Needs a working compiler toolchain
     (Triton on CUDA, a C++ compiler on CPU),
     checked before training."""
