@@ -30,6 +30,7 @@ BENCHMARKS: dict[str, Callable[[list[str] | None], dict[str, Any]]] = {
     "hsdp": _lazy("hsdp"),
     "takeover": _lazy("takeover"),
     "recovery": _lazy("recovery"),
+    "straggler": _lazy("straggler"),
 }
 
 __all__ = ["BENCHMARKS"]
