@@ -184,8 +184,9 @@ def _one_trace(a: argparse.Namespace, tmp: Path, trace: str, base: dict[str, Any
     drawn = _trace_of(cfg)
     for policy, ratio in (cover["time_ratio"] if cover is not None else {}).items():
         rows[policy]["model"] = covered(drawn, step_s=base["median_step_s"],
-                                        stall_s=rows[policy]["stall_median_s"] or 0.0, cover_ratio=ratio)
-    stalls = [r["stall_median_s"] for r in rows.values() if r["stall_median_s"] is not None]
+                                        stall_s=max(0.0, rows[policy]["stall_median_s"] or 0.0), cover_ratio=ratio)
+    # A stall is a gap minus a normal step: on a noisy machine a few come out below zero (counted as none).
+    stalls = [max(0.0, r["stall_median_s"]) for r in rows.values() if r["stall_median_s"] is not None]
     # A worker's start: of those that came back in the trace runs (forked, the state received from a peer) or,
     # where none came back through a cold start (warm standbys), of the failure-free run's first starts.
     starts = [r["rejoin_start_s"] for r in rows.values() if r["rejoin_start_s"] is not None]
