@@ -15,7 +15,7 @@ import unbroken
 ROOT = Path(unbroken.__file__).parent
 
 LAYERS: list[set[str]] = [
-    {"unbroken", "cli", "cli_parser", "api", "demo", "console", "export"},  # commands (may use each other)
+    {"unbroken", "cli", "cli_parser", "cli_resume", "api", "demo", "console", "export"},  # commands (may use each other)
     {"bench"},  # benchmarks: they run jobs and read their reports
     {"report", "cluster"},  # a run's report; clusters (Slurm) around the agent
     {"agent"},  # one per node: starts, watches and restarts workers
