@@ -11,15 +11,10 @@ from typing import Iterable
 
 from unbroken.config import Config
 from unbroken.models.factory import check_placement
-from unbroken.sharding.replica_layout import ReplicaLayout, check_layout
+from unbroken.sharding.parallelism import check_replicas, replicas_of
+from unbroken.sharding.replica_layout import ReplicaLayout
 
 __all__ = ["check_launch", "replicas_of"]
-
-
-def replicas_of(cfg: Config) -> ReplicaLayout:
-    """The job's replicas as its config lays them out (``train.shard_degree``; the agent package reads it only
-    here). Raises ValueError where the degree does not divide the workers (:func:`check_launch` says why)."""
-    return ReplicaLayout(cfg.train.workers, cfg.train.shard_degree)
 
 
 def check_launch(cfg: Config, workers_per_node: int, *, standby: bool,
@@ -35,10 +30,4 @@ def check_launch(cfg: Config, workers_per_node: int, *, standby: bool,
     """
     if placed is not None:
         check_placement(cfg.train.device, placed, cfg.train.backend)
-    degree = cfg.train.shard_degree
-    if degree > 1:
-        check_layout(cfg.train.workers, workers_per_node, degree)
-        if standby:
-            raise ValueError(f"a warm standby with train.shard_degree={degree}: a standby is one worker, HSDP "
-                             "restarts whole replicas; drop --standby")
-    return replicas_of(cfg)
+    return check_replicas(cfg, workers_per_node, standby=standby)

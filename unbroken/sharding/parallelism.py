@@ -32,7 +32,8 @@ from unbroken.sharding.work_plan import SlotPlan, WorkPlan
 if TYPE_CHECKING:
     from unbroken.snapshot.replicas import ReplicaStore
 
-__all__ = ["Kind", "Parallelism", "ReplicaLayout", "check_layout", "kind_of", "parallelism_for"]
+__all__ = ["Kind", "Parallelism", "ReplicaLayout", "check_layout", "check_replicas", "kind_of", "parallelism_for",
+           "replicas_of"]
 
 Kind = Literal["replicated", "zero1", "hsdp"]
 
@@ -140,3 +141,22 @@ def kind_of(cfg: Config) -> Kind:
 def parallelism_for(cfg: Config, world: int, worker: int) -> Parallelism:
     """Where ``worker`` of a job of ``world`` workers stands under ``cfg`` (validated)."""
     return Parallelism(kind=kind_of(cfg), worker=worker, replicas=ReplicaLayout(world, cfg.train.shard_degree))
+
+
+def replicas_of(cfg: Config) -> ReplicaLayout:
+    """The job's replicas as its config lays them out (``train.shard_degree``). Raises ValueError where the
+    degree does not divide the workers (:func:`check_replicas` says why)."""
+    return ReplicaLayout(cfg.train.workers, cfg.train.shard_degree)
+
+
+def check_replicas(cfg: Config, workers_per_node: int, *, standby: bool) -> ReplicaLayout:
+    """The job's replicas, refused (ValueError naming the fix) unless each is whole on one node of
+    ``workers_per_node`` workers, and under HSDP without a warm ``standby`` (a standby is one worker; HSDP
+    restarts whole replicas)."""
+    degree = cfg.train.shard_degree
+    if degree > 1:
+        check_layout(cfg.train.workers, workers_per_node, degree)
+        if standby:
+            raise ValueError(f"a warm standby with train.shard_degree={degree}: a standby is one worker, HSDP "
+                             "restarts whole replicas; drop --standby")
+    return replicas_of(cfg)
