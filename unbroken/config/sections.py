@@ -255,6 +255,10 @@ class FaultConfig:
     Must be 0 or > 1."""
     straggler_steps: int = 5
     """Steps in a row a worker must be slow (or back) before its rows move (or come back); >= 1."""
+    straggler_replace_s: float = 0.0
+    """A worker that has been a straggler for this many seconds leaves the job (marked dead, how:
+    ``straggler``; event ``straggler_replaced``) and its agent starts a replacement (a warm standby where the
+    node has one) that rejoins with the state: a GPU slow for good is not worth its share. 0: never."""
     recovery: str = "takeover"
     """One of :data:`unbroken.runtime.recovery.RECOVERIES`: ``takeover``: survivors finish the step and carry on (unbroken);
     ``restart``: plain data parallelism, any failure restarts every worker from

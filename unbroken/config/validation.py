@@ -138,6 +138,8 @@ def _mecefo_fault(cfg: Config, need: Need) -> None:
          f"fault.straggler_factor={f.straggler_factor}: must be 0 (off) or a number > 1 (a worker that many times "
          f"slower than the median is a straggler; at or below 1 every worker would be one), e.g. 1.5")
     need(f.straggler_steps >= 1, f"fault.straggler_steps={f.straggler_steps}: must be >= 1 (steps in a row)")
+    need(math.isfinite(f.straggler_replace_s) and f.straggler_replace_s >= 0,
+         f"fault.straggler_replace_s={f.straggler_replace_s}: must be a number of seconds >= 0 (0: never)")
     need(f.straggler_factor == 0 or t.shard_degree <= 1, f"fault.straggler_factor={f.straggler_factor} with "
          f"train.shard_degree={t.shard_degree}: stragglers are not rebalanced under HSDP; give "
          f"fault.straggler_factor=0")

@@ -174,4 +174,5 @@ def _stragglers(cfg: Config, job: Job, event: Callable[..., None]) -> Stragglers
     if not f.straggler_factor or not job.layout.n_timings:
         return None
     return Stragglers(n_workers=job.n_workers, n_slots=job.n_slots, micro_batch=job.micro_batch,
-                      factor=f.straggler_factor, steps=f.straggler_steps, on_event=event, buffers=job.layout)
+                      factor=f.straggler_factor, steps=f.straggler_steps, on_event=event, buffers=job.layout,
+                      replace_s=f.straggler_replace_s)

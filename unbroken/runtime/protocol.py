@@ -43,6 +43,7 @@ same one.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from typing import TYPE_CHECKING, Any, Callable, Literal, Protocol
@@ -296,6 +297,7 @@ class StepProtocol:
                 if self.stragglers is not None:
                     view = self.view
                     self.stragglers.reduced(view.gen, step, view.members, reduced, leader=view.leader == self.me)
+                    self._replace_if_slow(step)
                 return reduced, items
             except (ViewChanged, CollectiveFailed, MemberDied) as exc:
                 again = False
@@ -314,6 +316,23 @@ class StepProtocol:
                                            "state") from None
                     self.need_exchange = False
                     return reduced, items
+
+    def _replace_if_slow(self, step: int) -> None:
+        """This worker has been a straggler for ``fault.straggler_replace_s``: it leaves (marked dead, how
+        ``straggler``) after voting for ``step``, and its agent starts a replacement that rejoins with the state.
+
+        Raises:
+            Fenced: it leaves.
+        """
+        assert self.stragglers is not None
+        limit, slow_s = self.stragglers.replace_s, self.stragglers.slow_for_s(self.me)
+        if not limit or slow_s is None or slow_s < limit:
+            return
+        reason = (f"a straggler for {slow_s:.0f} s (fault.straggler_replace_s={limit:g}): it leaves after step "
+                  f"{step} and a replacement rejoins")
+        self._event("straggler_replaced", step=step, gen=self.view.gen, slow_s=round(slow_s, 3), reason=reason)
+        self.m.mark_dead(self.me, json.dumps({"by": self.me, "how": "straggler", "step": step, "t": time.time()}))
+        raise Fenced(f"worker {self.me}: {reason}")
 
     def _keep(self, local: torch.Tensor) -> torch.Tensor | None:
         """A copy of ``local`` before its reduction is posted, when it lives in host memory (a CPU run): a

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
+import time
 from typing import Callable, Protocol, Sequence
 
 import torch
@@ -53,6 +54,8 @@ class Episode:
     keep: int
     ratio: float
     rows_moved: int = 0
+    since_s: float = 0.0
+    """When this member found it slow (its own monotonic clock)."""
 
 
 class Stragglers:
@@ -67,14 +70,18 @@ class Stragglers:
         on_event: ``on_event(name, **fields)`` for the view leader's events (None: none).
         buffers: where the reduction buffers carry the timings (None: :meth:`stamp` and :meth:`reduced` are
             not used; :meth:`observe` is given the vectors).
+        replace_s: a straggler this many seconds is replaced (the step protocol acts on it; 0: never).
     """
 
     def __init__(self, *, n_workers: int, n_slots: int, micro_batch: int, factor: float, steps: int,
-                 on_event: Callable[..., None] | None = None, buffers: Timings | None = None) -> None:
+                 on_event: Callable[..., None] | None = None, buffers: Timings | None = None,
+                 replace_s: float = 0.0) -> None:
         if not factor > 1 or steps < 1:
             raise ValueError(f"straggler factor {factor} must be > 1 and steps {steps} >= 1")
         self.n_workers, self.n_slots, self.micro_batch = n_workers, n_slots, micro_batch
         self.factor, self.steps, self.on_event, self.buffers = factor, steps, on_event, buffers
+        self.replace_s = replace_s
+        """A straggler this long leaves the job and is replaced (``fault.straggler_replace_s``; 0: never)."""
         self.release = (1.0 + factor) / 2.0
         self._alpha = 2.0 / (steps + 1.0)
         self.gen: int | None = None
@@ -130,7 +137,7 @@ class Stragglers:
                 self.above[w] = self.above.get(w, 0) + 1 if ratio > self.factor else 0
                 if self.above[w] >= self.steps:
                     self.below[w] = 0
-                    self.slow[w] = Episode(worker=w, start=step + 1, keep=0, ratio=ratio)
+                    self.slow[w] = Episode(worker=w, start=step + 1, keep=0, ratio=ratio, since_s=time.monotonic())
                     if leader and self.on_event is not None:
                         self.on_event("straggler", slow=w, step=step + 1, gen=gen, ratio=round(ratio, 3))
             else:
@@ -139,6 +146,11 @@ class Stragglers:
                     self.above[w] = 0
                     self._end(self.slow.pop(w), step + 1, leader, "caught up")
         self._shares(live)
+
+    def slow_for_s(self, worker: int) -> float | None:
+        """How long ``worker`` has been a straggler (by this member's clock), or None: it is not one."""
+        ep = self.slow.get(worker)
+        return None if ep is None else time.monotonic() - ep.since_s
 
     def _shares(self, live: Sequence[int]) -> None:
         """Each slow worker's rows per home slot: its share of the step in proportion to its speed."""
