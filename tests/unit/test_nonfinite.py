@@ -69,6 +69,16 @@ def test_the_count_of_nonfinite_members_leaves_the_leaders_bits_alone() -> None:
     assert layout.nonfinite_count(bufs[2]) == 0
 
 
+def test_the_cost_benchmark_times_the_check_beside_one_slots_compute(tmp_path: Path,
+                                                                    corpus_overrides: list[str]) -> None:
+    from benchmarks.nonfinite_check import main
+
+    result = main(["--presets", "debug", "--steps", "1", "--out", str(tmp_path / "out.json"), *corpus_overrides])
+    (row,) = result["rows"]
+    assert row["preset"] == "debug" and row["buffer_floats"] > 0 and row["check_s"] > 0 < row["compute_one_slot_s"]
+    assert json.loads((tmp_path / "out.json").read_text())["rows"] == [row]
+
+
 WORKER = """
 import json, os, sys, torch
 from pathlib import Path
