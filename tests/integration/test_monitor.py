@@ -64,7 +64,7 @@ def _scrape(run: Path) -> dict[str, float]:
 
 
 def _scrape_until(run: Path, ok: Any, timeout_s: float = 60.0) -> dict[str, float]:
-    """Scrape until ``ok(samples)`` (the monitor follows the files every half second), within ``timeout_s``."""
+    """Scrape until ``ok(samples)`` (the monitor follows the files every second), within ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
