@@ -211,3 +211,11 @@ def test_nonfinite_rows_of_two_members_stop_the_job_naming_the_step_and_slots(tm
     for log in logs:
         assert [e["decision"] for e in events(log, "nonfinite_step")] == ["retry", "stop"]
         assert len(events(log, "nonfinite_stop")) == 1
+
+
+def test_a_leader_whose_rows_stay_nonfinite_is_fenced_like_any_member(tmp_path: Path) -> None:
+    got, logs, failure = run_pair(tmp_path, (2, 0))
+    assert [g["end"] for g in got] == ["fenced", "done"] and failure is None
+    assert got[1]["gen"] == 1 and got[1]["sums"] == [[(1 * 4 + 2 * 4) * (step + 1)] * 3 for step in range(3)]
+    (view,) = [e for e in events(logs[1], "view_adopted") if e["gen"] == 1]
+    assert view["members"] == [1] and view["reason"] == "dead [0]", "worker 1 went on alone, leading"
