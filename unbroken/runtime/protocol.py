@@ -16,6 +16,9 @@ For step ``s`` under view ``g`` a worker:
    member whose own all-reduce did not complete (a peer died in the middle of
    it) cannot, so it leaves (exit 3, fenced) and its agent brings it back as a
    joiner, with the state;
+   before voting, each member looks at the reduced buffer: an attempt whose
+   reduction is not finite is never voted on, but done again with the same
+   rows, or its culprit fenced, or the job stopped (:mod:`unbroken.runtime.nonfinite`);
 4. on commit: the caller applies the optimizer step.
 
 If anything fails in 2–3 the worker aborts the attempt, agrees on view ``g+1``
