@@ -14,9 +14,10 @@ warm-up excluded); the pairs alternate their order (off-on, on-off, ...), so nei
 other load drifts (``ratio_of_medians`` is printed beside it). The scraper is a process of its own, as a
 Prometheus server is, not a thread of the launcher that hosts the job's store. On a machine other work shares,
 the runs' spread can exceed the 1 % sought, so each watched run's monitor also says what it cost
-(``RUN/monitor/usage.json``): ``monitor_machine_share`` is its CPU seconds while the job trained over the
-machine's CPU seconds in that time, what it could take from a job that fills the machine at most (it runs at a
-lower priority than the workers).
+(``RUN/monitor/usage.json``): ``monitor_machine_share`` is its CPU seconds while the job trained with every
+sink started over the machine's CPU seconds in that time, what it could take from a job that fills the machine
+at most (it runs at a lower priority than the workers); ``monitor_startup_cpu_s`` the rest (mostly importing
+the sinks' libraries, once per job, while the workers start).
 """
 
 from __future__ import annotations
@@ -64,8 +65,10 @@ def _scraper(run_dir: Path, every_s: float) -> subprocess.Popen[bytes]:
                             stdin=subprocess.PIPE)
 
 
-def _run(args: argparse.Namespace, overrides: list[str], watched: bool, out: Path) -> tuple[float, float | None]:
-    """The run's steady-state tokens/s, and with the watchers on their share of the machine while it trained."""
+def _run(args: argparse.Namespace, overrides: list[str], watched: bool,
+         out: Path) -> tuple[float, tuple[float, float] | None]:
+    """The run's steady-state tokens/s, and with the watchers on their share of the machine while it trained and
+    the CPU seconds of their start."""
     cfg = load_config(preset_name=args.preset, overrides=[f"train.steps={args.steps}", "train.val_every=0",
                                                           *overrides, *(WATCHERS if watched else [])])
     scraper = _scraper(out, args.scrape_s) if watched else None
@@ -83,7 +86,9 @@ def _run(args: argparse.Namespace, overrides: list[str], watched: bool, out: Pat
     share = None
     if watched:
         usage = json.loads((out / "monitor" / "usage.json").read_text())
-        share = usage["training_cpu_s"] / (usage["training_s"] * (os.cpu_count() or 1))
+        if usage.get("steady_s"):  # (none: the job ended before every sink started)
+            share = (usage["steady_cpu_s"] / (usage["steady_s"] * (os.cpu_count() or 1)),
+                     usage["cpu_s"] - usage["steady_cpu_s"])
     return float(summary["tokens_per_s"]), share
 
 
@@ -98,7 +103,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--out", type=Path, default=None, help="where the runs go (default: a temporary directory)")
     args, overrides = parse_with_overrides(ap, argv)
     figures: dict[str, list[float]] = {"off": [], "on": []}
-    shares: list[float] = []
+    shares: list[tuple[float, float]] = []
     with tempfile.TemporaryDirectory() as tmp:
         root = args.out or Path(tmp)
         for i in range(args.pairs):
@@ -113,7 +118,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               "tokens_per_s_off": figures["off"], "tokens_per_s_on": figures["on"], "pair_ratios": pair_ratios,
               "median_off": off, "median_on": on, "ratio": ratio, "ratio_of_medians": on / off,
               "target": TARGET_RATIO, "meets_target": ratio >= TARGET_RATIO,
-              "monitor_machine_share": [round(x, 5) for x in shares],
+              "monitor_machine_share": [round(x, 5) for x, _ in shares],
+              "monitor_startup_cpu_s": [round(x, 3) for _, x in shares],
               "load_average_1m": round(os.getloadavg()[0], 2), "machine": machine_description()}
     print(json.dumps(result, indent=1))
     return result

@@ -79,6 +79,8 @@ class _Recorder:
 
     def __init__(self) -> None:
         self.items: list[tuple[str, Any]] = []
+        self.started = threading.Event()
+        self.started.set()
 
     def put(self, kind: str, payload: dict[str, Any]) -> None:
         self.items.append((kind, payload.get("step")))

@@ -20,6 +20,7 @@ import argparse
 import json
 import logging
 import os
+import resource
 import sys
 import threading
 import time
@@ -39,8 +40,11 @@ MONITOR_DIR = "monitor"
 """Under the run directory: the W&B run id, the endpoint's address, what was sent."""
 PROGRESS_FILE = "progress.json"
 USAGE_FILE = "usage.json"
-"""What this monitor cost (``cpu_s``: its CPU seconds, all threads; ``training_cpu_s`` and ``training_s``: its
-CPU and wall seconds from the first ``train`` line it read to its end), written when it ends."""
+"""What this monitor cost, written when it ends: ``cpu_s``, its CPU seconds (all threads, and its children
+that ended: W&B's service); ``steady_cpu_s`` and ``steady_s``, its CPU and wall seconds while the job trained
+with every sink started (from the first ``train`` line read once each sink opened, or failed to, to the job's
+end, before the sinks' last flush): what watching costs a running job, its start-up (importing the sinks'
+libraries) left out."""
 POLL_S = 1.0
 """Between two reads of the run directory: the sinks' freshness, and the monitor's whole cost per period."""
 NICE = 10
@@ -90,7 +94,7 @@ class Monitor:
         self.sent_step, self.sent_event = int(sent.get("step", 0)), float(sent.get("event_time", 0.0))
         self._backlog = True  # the first read: what an earlier monitor of the job may have sent
         self._last_train = 0  # the newest train line read by this monitor
-        self._training_from: tuple[float, float] | None = None  # (wall, CPU seconds) at the first train line
+        self._steady_from: tuple[float, float] | None = None  # (wall, CPU seconds): USAGE_FILE
 
     def poll(self) -> None:
         items = self.follower.read()
@@ -103,8 +107,9 @@ class Monitor:
                 self.sent_step = last
         for kind, rec in items:
             getattr(self.state, kind)(rec)
-            if self._training_from is None and rec.get("kind") == "train":
-                self._training_from = (time.monotonic(), time.process_time())
+            if self._steady_from is None and rec.get("kind") == "train" and all(r.started.is_set()
+                                                                                 for r in self.runners):
+                self._steady_from = (time.monotonic(), _cpu_s())
             if kind == "record":
                 step = int(rec.get("step", 0))
                 if rec.get("kind") == "train":
@@ -125,6 +130,8 @@ class Monitor:
             self._save_progress()
 
     def finish(self, finished: bool, message: str) -> None:
+        steady = None if self._steady_from is None else (time.monotonic() - self._steady_from[0],
+                                                         _cpu_s() - self._steady_from[1])
         self.poll()
         if not finished:
             text = stopped(self.run_dir.name, message)
@@ -133,24 +140,27 @@ class Monitor:
         for runner in self.runners:
             runner.close(CLOSE_TIMEOUT_S)
         self._save_progress()
-        self._save_usage()
+        self._save_usage(steady)
 
     def _send(self, kind: str, payload: dict[str, Any]) -> None:
         for runner in self.runners:
             runner.put(kind, payload)
 
-    def _save_usage(self) -> None:
-        cpu, usage = time.process_time(), {}
-        if self._training_from is not None:
-            usage = {"training_cpu_s": round(cpu - self._training_from[1], 3),
-                     "training_s": round(time.monotonic() - self._training_from[0], 3)}
-        (self.run_dir / MONITOR_DIR / USAGE_FILE).write_text(json.dumps({"cpu_s": round(cpu, 3), **usage}))
+    def _save_usage(self, steady: tuple[float, float] | None) -> None:
+        usage = {} if steady is None else {"steady_s": round(steady[0], 3), "steady_cpu_s": round(steady[1], 3)}
+        (self.run_dir / MONITOR_DIR / USAGE_FILE).write_text(json.dumps({"cpu_s": round(_cpu_s(), 3), **usage}))
 
     def _save_progress(self) -> None:
         self._progress.parent.mkdir(parents=True, exist_ok=True)
         tmp = self._progress.with_suffix(".tmp")
         tmp.write_text(json.dumps({"step": self.sent_step, "event_time": self.sent_event}))
         tmp.replace(self._progress)
+
+
+def _cpu_s() -> float:
+    """CPU seconds of this process and of its children that ended."""
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + children.ru_utime + children.ru_stime
 
 
 def _read_end(end: threading.Event, outcome: dict[str, Any]) -> None:

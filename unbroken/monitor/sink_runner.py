@@ -51,6 +51,8 @@ class SinkRunner:
         self._dropped = 0
         self.failures = 0
         """Failures in a row (0: working)."""
+        self.started = threading.Event()
+        """Set once the sink opened, or first failed to (what it costs from then on is its steady cost)."""
         self._thread = threading.Thread(target=self._run, name=f"monitor-{sink.name}", daemon=True)
         self._thread.start()
 
@@ -88,6 +90,7 @@ class SinkRunner:
                 if not opened:
                     self.sink.open()
                     opened = True
+                    self.started.set()
                 if item is not None:
                     self.sink.handle(*item)
                     with self._cond:
@@ -95,6 +98,7 @@ class SinkRunner:
                             self._items.popleft()
             except Exception as exc:  # any failure of a watcher's service: said once, retried, never raised
                 self.failures += 1
+                self.started.set()
                 if self.failures == 1:
                     logger.warning("monitor: %s failed (%s: %s); retrying with backoff, training goes on",
                                    self.sink.name, type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
