@@ -1,6 +1,6 @@
 """Throughput under failures in MeCeFO's setting, per takeover policy: ``python -m benchmarks.throughput_under_failures``.
 
-MeCeFO's headline (Table 3 of the paper): under its ``high`` failure regime a job loses 4.18 % of its failure-free
+MeCeFO's headline (the paper's abstract): under its ``high`` failure regime a job loses 4.18 % of its failure-free
 throughput. This study runs the same job (``--preset``, default ``tiny``, ``--nodes`` x ``--workers-per-node``
 workers, default 2 x 2) failure-free and under each failure trace (``--traces``, default ``high,mid,low``:
 :data:`unbroken.faults.trace_presets.TRACE_PRESETS`, drawn over ``--job-hours`` of wall clock, one failure at a time
@@ -67,7 +67,7 @@ from unbroken.runtime.ledger import read_events
 __all__ = ["PAPER_LOSS_HIGH", "covered", "drop_the_step", "main", "restart_from_memory", "slot_overrides"]
 
 PAPER_LOSS_HIGH = 0.0418
-"""MeCeFO's throughput loss under its high failure rate (the paper's abstract and Table 3)."""
+"""MeCeFO's throughput loss under its high failure rate (the paper's abstract)."""
 
 
 def slot_overrides(cfg: Config, slots: int) -> list[str]:
