@@ -259,6 +259,13 @@ class FaultConfig:
     """A worker that has been a straggler for this many seconds leaves the job (marked dead, how:
     ``straggler``; event ``straggler_replaced``) and its agent starts a replacement (a warm standby where the
     node has one) that rejoins with the state: a GPU slow for good is not worth its share. 0: never."""
+    param_check_every: int | Literal["auto"] = "auto"
+    """Every this many steps the replicas' parameter checksums are compared in the step's own reduction
+    (:mod:`unbroken.runtime.param_check`): a step whose members' parameters differ is not applied; the members
+    outside a strict majority leave fenced and rejoin with the state, and with no strict majority (two workers)
+    the job stops naming them. 0: off. ``auto``: every step (one read of the parameters: about 0.1-0.2 % of one
+    slot's compute for ``debug`` and ``tiny`` on a CPU, ``python -m benchmarks.param_check``), off under HSDP
+    (``train.shard_degree > 1``), where a number is refused."""
     recovery: str = "takeover"
     """One of :data:`unbroken.runtime.recovery.RECOVERIES`: ``takeover``: survivors finish the step and carry on (unbroken);
     ``restart``: plain data parallelism, any failure restarts every worker from
@@ -360,6 +367,14 @@ class Config:
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
+
+    @property
+    def param_check_interval(self) -> int:
+        """Steps between parameter checks (``fault.param_check_every``, ``auto`` resolved); 0: off."""
+        every = self.fault.param_check_every
+        if every == "auto":
+            return 1 if self.train.shard_degree <= 1 else 0
+        return every
 
     @property
     def n_slots(self) -> int:

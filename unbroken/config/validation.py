@@ -140,6 +140,13 @@ def _mecefo_fault(cfg: Config, need: Need) -> None:
     need(f.straggler_steps >= 1, f"fault.straggler_steps={f.straggler_steps}: must be >= 1 (steps in a row)")
     need(math.isfinite(f.straggler_replace_s) and f.straggler_replace_s >= 0,
          f"fault.straggler_replace_s={f.straggler_replace_s}: must be a number of seconds >= 0 (0: never)")
+    every = f.param_check_every
+    need(every == "auto" or (isinstance(every, int) and every >= 0),
+         f"fault.param_check_every={every!r}: must be auto (every step, off under HSDP) or a number of steps >= 0 "
+         "(0: off)")
+    need(not isinstance(every, int) or every == 0 or t.shard_degree <= 1, f"fault.param_check_every={every} with "
+         f"train.shard_degree={t.shard_degree}: the replicas' parameters are not compared under HSDP; give "
+         "fault.param_check_every=0 (or auto)")
     need(f.straggler_factor == 0 or t.shard_degree <= 1, f"fault.straggler_factor={f.straggler_factor} with "
          f"train.shard_degree={t.shard_degree}: stragglers are not rebalanced under HSDP; give "
          f"fault.straggler_factor=0")
@@ -247,6 +254,7 @@ def config_hash(cfg: Config) -> str:
     d["data"].pop("cache_dir", None)
     d["model"]["parallelize"] = ""  # HSDP's sharding recipe: where the state lives (as shard_degree)
     d["fault"].pop("store_timeout_s", None)  # how long to wait for the store, not what is trained
+    d["fault"].pop("param_check_every", None)  # what is compared, not what is trained
     d.pop("snapshot", None)  # how the state is protected, not what is trained
     d.pop("monitor", None)  # how the run is watched, not what is trained
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]

@@ -314,7 +314,8 @@ def build_job(cfg: Config, device: torch.device, prepared: Prepared | None = Non
     adapter = adapter_for(model, rank=m.rank, tau=m.tau, approximates=takeover_policy(m.policy).approximates,
                           policy=m.policy)
     layout = GradLayout(model, adapter, votes=VOTE_SLOTS if auto_cadence(cfg) else 0,
-                        timings=cfg.train.workers if cfg.fault.straggler_factor and shard is None else 0)
+                        timings=cfg.train.workers if cfg.fault.straggler_factor and shard is None else 0,
+                        checksums=2 * cfg.train.workers if cfg.param_check_interval and shard is None else 0)
     o = cfg.optim
     if o.factory:
         optimizer = user_optimizer(cfg, model, BuildContext(cfg=cfg, device=device, seed=cfg.train.seed,

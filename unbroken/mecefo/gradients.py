@@ -68,12 +68,15 @@ def slot_rows(items: Sequence[SlotWork]) -> list[list[object]]:
 class GradLayout:
     """Where each trainable parameter's gradient sits in the flat buffer.
 
-    The buffer is ``[grads..., weight per group..., votes..., timings..., admit, loss_sum, token_count]``,
+    The buffer is ``[grads..., weight per group..., votes..., timings..., checksums..., admit, loss_sum,
+    token_count]``,
     all float32, so one all-reduce carries everything a step needs. ``votes``
     slots (none unless asked) carry small non-negative counts every worker adds
     to (:mod:`unbroken.snapshot.cadence`: the snapshot interval's proposals);
     ``timings`` (one per worker, none unless asked) each worker's compute seconds per
     row in its own, 0 in the others' (:mod:`unbroken.runtime.stragglers`);
+    ``checksums`` (one per worker, none unless asked) each worker's checksum of its
+    parameters in its own, 0 in the others' (:mod:`unbroken.runtime.param_check`);
     ``admit`` is the view leader's word (:mod:`unbroken.runtime.view_changes`):
     1 if the boundary after the step admits joiners, plus 2 if the job stops
     after the step (a preemption's); every other member adds 0, so every member
@@ -82,7 +85,8 @@ class GradLayout:
     member whose own sums are not finite adds 4 more (:mod:`unbroken.runtime.nonfinite`).
     """
 
-    def __init__(self, model: torch.nn.Module, adapter: ModelAdapter, *, votes: int = 0, timings: int = 0) -> None:
+    def __init__(self, model: torch.nn.Module, adapter: ModelAdapter, *, votes: int = 0, timings: int = 0,
+                 checksums: int = 0) -> None:
         self.names: list[str] = []
         self.params: list[torch.nn.Parameter] = []
         self.groups: list[int] = []
@@ -100,7 +104,8 @@ class GradLayout:
         self.n_grad = offset
         self.n_votes = votes
         self.n_timings = timings
-        self.size = offset + len(self.group_names) + votes + timings + 3
+        self.n_checksums = checksums
+        self.size = offset + len(self.group_names) + votes + timings + checksums + 3
         self._host: tuple[weakref.ref, int, torch.Tensor] | None = None  # (buffer, version, its scalars on the host)
         self.copied: set[int] = set()
         """Parameters whose gradient autograd kept apart from the buffer (:meth:`replaced`)."""
@@ -138,9 +143,14 @@ class GradLayout:
         at = len(self.group_names) + self.n_votes
         return self.scalars(buf)[at : at + self.n_timings].tolist()
 
+    def checksums(self, buf: torch.Tensor) -> torch.Tensor:
+        """``buf``'s parameter checksums (a view; empty unless asked): worker ``w``'s at ``w``."""
+        at = self.n_grad + len(self.group_names) + self.n_votes + self.n_timings
+        return buf[at : at + self.n_checksums]
+
     def word(self, buf: torch.Tensor) -> torch.Tensor:
         """``buf``'s leader's word (one element, a view): written by every member before the reduction."""
-        at = self.n_grad + len(self.group_names) + self.n_votes + self.n_timings
+        at = self.n_grad + len(self.group_names) + self.n_votes + self.n_timings + self.n_checksums
         return buf[at : at + 1]
 
     def write_word(self, buf: torch.Tensor, *, admit: bool, stop: bool) -> None:

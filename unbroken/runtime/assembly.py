@@ -32,6 +32,7 @@ from unbroken.jsonl import JsonlWriter
 from unbroken.mecefo.takeover import takeover_policy
 from unbroken.models.factory import bind_device, place_model
 from unbroken.runtime.membership import Membership
+from unbroken.runtime.param_check import ParamCheck
 from unbroken.runtime.protocol import StepProtocol
 from unbroken.runtime.recovery import recovery
 from unbroken.runtime.snapshot_hooks import job_id, node_map, snapshotter_for
@@ -111,7 +112,7 @@ def assemble(cfg: Config, spec: WorkerSpec, membership: Membership, prepared: Pr
                                                           n_workers=job.n_workers),
         layout=layout, replica=_replica_sync(cfg, parallelism, job, device, membership),
         announcer=job.layout,  # admissions announced in the reduction (runtime/view_changes.py)
-        state=state, stragglers=_stragglers(cfg, job, event))
+        state=state, stragglers=_stragglers(cfg, job, event), param_check=_param_check(cfg, job, membership, event))
     if snapshots is not None:
         # Before this step's reduction completes, the last step's snapshot is consistent: with a fixed
         # interval sealed (a commit of step s+1 means every member sealed its share of step s, the restore
@@ -166,6 +167,14 @@ def _replica_sync(cfg: Config, parallelism: Parallelism, job: Job, device: torch
     from unbroken.sharding.hsdp import ReplicaSync
 
     return ReplicaSync(job.replica, parallelism.shard_degree, device, cfg.train.timeout_s, waiting=membership.advance)
+
+
+def _param_check(cfg: Config, job: Job, membership: Membership, event: Callable[..., None]) -> ParamCheck | None:
+    """The replicas' parameter checksums compared in each reduction (``fault.param_check_every``; the job's
+    buffers carry them), or None: off."""
+    if not cfg.param_check_interval or not job.layout.n_checksums:
+        return None
+    return ParamCheck(membership, job.layout, job.layout.params, every=cfg.param_check_interval, event=event)
 
 
 def _stragglers(cfg: Config, job: Job, event: Callable[..., None]) -> Stragglers | None:

@@ -18,7 +18,9 @@ For step ``s`` under view ``g`` a worker:
    joiner, with the state;
    before voting, each member looks at the reduced buffer: an attempt whose
    reduction is not finite is never voted on, but done again with the same
-   rows, or its culprit fenced, or the job stopped (:mod:`unbroken.runtime.nonfinite`);
+   rows, or its culprit fenced, or the job stopped (:mod:`unbroken.runtime.nonfinite`); nor is one whose
+   members' parameter checksums differ (:mod:`unbroken.runtime.param_check`: the minority fenced, or the job
+   stopped);
 4. on commit: the caller applies the optimizer step.
 
 If anything fails in 2–3 the worker aborts the attempt, agrees on view ``g+1``
@@ -58,6 +60,7 @@ from unbroken.mecefo.gradients import GradLayout, SlotWork, slot_rows
 from unbroken.mecefo.takeover import TakeoverPolicy
 from unbroken.runtime.membership import Fenced, Membership, MemberDied, MissedCommit, View, ViewChanged
 from unbroken.runtime.nonfinite import NonFiniteSteps
+from unbroken.runtime.param_check import ParamCheck
 from unbroken.runtime.stragglers import Stragglers
 from unbroken.runtime.process_group import CollectiveFailed, ViewGroup
 from unbroken.runtime.view_changes import (CHECK_EVERY_S, MAX_SAME_VIEW_RETRIES, AdmissionWord, RetriesExhausted,
@@ -120,7 +123,7 @@ class StepProtocol:
                  timeout_s: float, config_hash: str = "", backend: str = "auto", plan: WorkPlan | None = None,
                  layout: StateLayout | None = None, replica: ReplicaSync | None = None,
                  announcer: AdmissionWord | None = None, state: StateSource | None = None,
-                 stragglers: Stragglers | None = None) -> None:
+                 stragglers: Stragglers | None = None, param_check: ParamCheck | None = None) -> None:
         self.m, self.store, self.job, self.policy = membership, membership.store, job, policy
         self.me = membership.worker
         self.events, self.timeout_s, self.config_hash = events, timeout_s, config_hash
@@ -140,7 +143,7 @@ class StepProtocol:
         """How the state is laid out across ranks (:mod:`unbroken.sharding.layout`): replicated, HSDP's shards,
         or ZeRO-1's moments (updated and all-gathered before the vote, re-sharded when the view changes)."""
         self.plan: WorkPlan = plan if plan is not None else SlotPlan(policy, job.n_slots, job.micro_batch,
-                                                                            job.n_workers)
+                                                                     job.n_workers)
         """Who computes what and reduces with whom (HSDP's :class:`~unbroken.sharding.hsdp.ReplicaPlan`)."""
         self.views = ViewChanges(membership, job, plan=self.plan, layout=self.layout, replica=replica,
                                  announcer=announcer, state=state, events=events, phase=self._phase,
@@ -153,6 +156,9 @@ class StepProtocol:
         self.stragglers = stragglers
         """A slow worker's rows moved to the others (:mod:`unbroken.runtime.stragglers`); None: off."""
         self._computed = (0.0, 0)  # this step's compute seconds and rows so far (the stragglers' timing)
+        self.param_check = param_check
+        """The members' parameter checksums compared in the reduction (:mod:`unbroken.runtime.param_check`);
+        None: off."""
 
     # -- what the view changes hold, as the step reads it ---------------------------
 
@@ -289,6 +295,8 @@ class StepProtocol:
                     self._replica_word(step, ok=False, reduced=None)  # HSDP: its siblings wait for its word
                     raise
                 shards_finite = self._replica_word(step, ok=True, reduced=reduced)
+                if self.param_check is not None:  # a reduction of gradients from differing parameters: none applies it
+                    self.param_check.after_reduction(step, self.view.gen, reduced, self.view.members)
                 if self.nonfinite.after_reduction(step, self.view.gen, reduced, items, shards_finite):
                     local, again = None, True  # reduced in place: computed again, by the same members
                     continue
@@ -405,6 +413,8 @@ class StepProtocol:
         self.nonfinite.before_reduction(step, local)  # after the word: counted in it
         if self.stragglers is not None:
             self.stragglers.stamp(local, self.me, *self._computed)
+        if self.param_check is not None:
+            self.param_check.stamp(step, local)
         assert self.group is not None  # a step reduces in its view's group
         return self.group.allreduce(local, check or self._check, lambda: self._phase("allreduce", step))
 

@@ -35,6 +35,7 @@ from unbroken.store.job_store import JobStore
 from unbroken.runtime.membership import (EXIT_FENCED, EXIT_REJOIN, SHARD_LOST, Fenced, Membership, MissedCommit,
                                          NoLiveWorker)
 from unbroken.runtime.nonfinite import NonFiniteStop
+from unbroken.runtime.param_check import ParamMismatchStop
 from unbroken.runtime.start_phases import StartClock
 from unbroken.store.backend import job_secret
 from unbroken.runtime.worker import (EXIT_NO_LIVE_WORKER, EXIT_REFUSED, EXIT_STORE_LOST, JoinRefused, Trainer,
@@ -138,7 +139,7 @@ def run(spec: WorkerSpec, *, store: JobStore | None = None, prepared: Prepared |
         logger.error("%s", exc)
         store.fail(str(exc))
         return EXIT_REFUSED
-    except NonFiniteStop as exc:  # every member stops alike; the first to record it names the step and slots
+    except (NonFiniteStop, ParamMismatchStop) as exc:  # every member stops alike; the first to record it says why
         store.fail(f"stopped: {exc}")
         return EXIT_REFUSED
     except StateNotCapturable as exc:  # the launcher's JobFailed says "the job stopped: ..."
