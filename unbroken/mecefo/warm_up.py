@@ -12,9 +12,13 @@ that are not trained on. A block that cannot compile falls back to eager
 there, at the start, rather than during the takeover.
 
 Invariants: a warm-up changes no parameter, optimizer state, gradient or RNG
-state, and leaves no low-rank basis a step would use, so a run with it trains
-bit for bit as one without; a takeover by a single worker's loss then
-compiles no new graph.
+state, and leaves no low-rank basis a step would use; a takeover by a single
+worker's loss then compiles no new graph. With one row count (``neighbor``:
+the whole micro-batch) the takeover runs the very graph a run without warm-up
+would compile, so the two train bit for bit alike; with several
+(``spread-approx``) the second and later counts run the graph with a dynamic
+batch dimension, as a run without warm-up does from its second count on, so
+its first takeover may differ in rounding.
 """
 
 from __future__ import annotations
