@@ -60,6 +60,14 @@ def test_the_checksum_is_the_words_sum_modulo_2_32_whatever_the_order() -> None:
     assert int(checksum([])) == 0
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_checksum_on_a_gpu_is_the_cpus() -> None:
+    g = torch.Generator().manual_seed(2)
+    tensors = [torch.randn(1 << 20, generator=g) * 1e38, torch.randn(33, generator=g).to(torch.bfloat16)]
+    on_gpu = checksum([t.cuda() for t in tensors])
+    assert on_gpu.device.type == "cuda" and int(on_gpu) == int(checksum(tensors))
+
+
 @pytest.mark.parametrize("values, want", [
     ({0: 5, 1: 5, 2: 5}, ("agree", ())),
     ({0: 5}, ("agree", ())),

@@ -1,0 +1,59 @@
+"""Silently wrong parameters in a real job (CPU, gloo): a bit flipped in one worker's parameters before its forward
+pass is found by the replicas' checksums in the same step's reduction (:mod:`unbroken.runtime.param_check`).
+
+With three workers the two that agree are a strict majority: the step is applied nowhere, the odd worker leaves
+fenced, the others take its rows over in the same step, and it rejoins with a peer's state, so the run ends with
+every worker's parameters equal. With two nobody can tell which is wrong: the job stops, naming both.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from _faults import MICRO_BATCH, check_invariants, failover_config, run_job
+from unbroken.agent.launcher import JobFailed
+from unbroken.report.run_report import summarize_run
+from unbroken.runtime.ledger import read_events
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+
+
+def test_a_flipped_parameter_fences_its_worker_which_rejoins(tmp_path, corpus_overrides):
+    cfg = failover_config(corpus_overrides, 8, "train.workers=3")
+    job = run_job(cfg, tmp_path / "run", nodes=1, workers_per_node=3, restart="on-failure", pace=True,
+                  fail_at="step=3:worker=1:bitflip:target=param")
+    check_invariants(job, live=[0, 1, 2])  # the ledger exactly once, every worker's parameters equal at the end
+    assert job.summary["workers_agree"]
+    (e,) = job.events("fault_injected")
+    assert (e["worker"], e["step"], e["how"], e["tensor"], e["applied"]) == (1, 3, "bitflip", "param", True)
+    (fenced,) = job.events("param_mismatch_fenced")
+    assert (fenced["worker"], fenced["step"], fenced["gen"]) == (1, 3, 0)
+    # Every member that read the reduction decided alike; one still polling its all-reduce when worker 1's mark
+    # arrived leaves the attempt for that death instead (it never votes on it either way).
+    decided = job.events("param_mismatch")
+    assert {(m["decision"], tuple(m["wrong"]), m["step"], m["gen"]) for m in decided} == {("fence", (1,), 3, 0)}
+    assert 1 in {m["worker"] for m in decided} and len(decided) >= 2, decided
+    (exit_,) = job.events("worker_exit", worker=1, clean=False)
+    assert exit_["code"] == 3 and exit_["fenced"], "it left fenced"
+    (view,) = [v for v in job.events("view_adopted", worker=0) if v["step"] == 3 and v["gen"] == 1]
+    assert view["members"] == [0, 2] and view["reason"] == "dead [1]"
+    assert job.commit_gen(3) == 1 and [i for i in job.committed_items(3) if i[1] == 1] == [
+        (2, 1, 0, MICRO_BATCH, "approx")], "its rows of step 3 taken over by its neighbour, once"
+    assert len(job.events("rejoined", worker=1)) == 1, "its agent replaced it, with a peer's state"
+    assert all(math.isfinite(r["grad_norm"]) for r in job.train_records())
+    failures = summarize_run(job.run_dir)["failure_details"]
+    assert [(f["step"], f["gen"]) for f in failures] == [(3, 0)], "unbroken report lists it"
+
+
+def test_a_flipped_parameter_between_two_workers_stops_the_job(tmp_path, corpus_overrides):
+    cfg = failover_config(corpus_overrides, 6, "train.workers=2")
+    with pytest.raises(JobFailed) as failed:
+        run_job(cfg, tmp_path / "run", nodes=1, workers_per_node=2, fail_at="step=3:worker=1:bitflip:target=param")
+    message = str(failed.value)
+    assert message.startswith("the job stopped: step 3: the parameters of workers 0 and 1 differ"), message
+    assert "no strict majority" in message and "continue with: unbroken train --resume" in message
+    records = read_events(tmp_path / "run")
+    assert not [r for r in records if r.get("kind") == "commit" and r["step"] >= 3], "step 3 applied nowhere"
+    assert sorted(r["worker"] for r in records if r.get("event") == "param_mismatch_stop") == [0, 1]
