@@ -144,3 +144,5 @@ def test_a_rewind_keeps_the_failure_marks_it_would_hide(tmp_path: Path) -> None:
     failures = [(e.step, e.value) for e in acc.Scalars("events/failures")]
     assert failures == [(5, 1.0), (20, 2.0)]
     assert [e.step for e in acc.Scalars("train/loss")] == list(range(1, 31))
+    texts = [(e.step, e.tensor_proto.string_val[0].decode()) for e in acc.Tensors("events/text_summary")]
+    assert {(5, "worker 1 died (exit code -9)"), (20, "worker 0 died (exit code -9)")} <= set(texts), texts
