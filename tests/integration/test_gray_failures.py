@@ -1,8 +1,10 @@
 """Gray failures injected into a real job (CPU, gloo, 2 workers): a slow worker, a flipped bit, a NaN; and a
 process slowed from outside by ``unbroken chaos``.
 
-Nothing detects a slow or wrong worker yet: the job trains through a slow worker and
-applies a wrong gradient like any other. A non-finite one is applied nowhere
+Here the job trains through a slow worker (its rows move only with ``fault.straggler_factor``:
+tests/integration/test_straggler_job.py) and applies a wrong gradient like any other (wrong
+parameters are caught by the parameter check: tests/integration/test_param_check_job.py). A
+non-finite one is applied nowhere
 (:mod:`unbroken.runtime.nonfinite`): the step is done again with the same rows, a
 worker whose rows stay non-finite is fenced, and rows non-finite on any other worker
 too stop the job. Each scenario asserts that observable effect and the worker's
