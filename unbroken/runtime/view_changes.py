@@ -226,19 +226,16 @@ class ViewChanges:
     # -- an attempt of a step, and leaving a view after a failed one ------------------
 
     def replica_word(self, step: int, ok: bool, reduced: torch.Tensor | None = None) -> bool | None:
-        """HSDP: tell the other ranks of this replica whether this worker's reduction of this attempt (its shard
-        index's part of the step) completed, and learn theirs; the leader also says whether it admits joiners
-        at the step's end. Every rank of a replica gets here once per attempt, its reduction completed or not,
-        so the collective always matches (no earlier point of an attempt would: a rank whose item exchange failed
-        may be a view ahead of its sibling, waiting in the store for the sibling's items). A member may vote
-        ``commit`` only once every rank of its replica holds its part: then every part of the step is defined (a
-        completed reduction means every member of that index's group contributed, one per live replica), and
-        every member holding a part holds the same as its peers. The word also says whether every rank's reduced
-        part (``reduced``) is finite, which it returns (:mod:`unbroken.runtime.nonfinite`; None without HSDP).
+        """HSDP: tell this replica's other ranks whether this worker's reduction of this attempt (its shard
+        index's part) completed, and learn theirs; the leader also says whether it admits joiners at the step's
+        end; returned: whether every rank's reduced part (``reduced``) is finite (None without HSDP). Every rank
+        gets here once per attempt, completed or not, so the collective always matches (a rank whose item
+        exchange failed may be a view ahead, waiting for its sibling's items). A member votes ``commit`` only
+        once every rank of its replica holds its part: then every part of the step is defined and the same as
+        its peers'.
 
         Raises:
-            CollectiveFailed: ``ok`` and another rank's reduction failed, or the collective itself failed (a
-                rank died: its replica goes down).
+            CollectiveFailed: ``ok`` and another rank's reduction failed, or the collective failed (a rank died).
         """
         if self.replica is None:
             return None

@@ -134,17 +134,15 @@ class JobStore(StandbyKeys, WorkerKeys):
 
     def usage(self) -> dict[str, float]:
         """Requests this connection sent and the seconds they took (``seconds`` where the backend times them)."""
-        b = self.backend
-        return {"round_trips": int(getattr(b, "round_trips", 0)),
-                "seconds": round(float(getattr(getattr(b, "client", None), "seconds", 0.0)), 4)}
+        return {"round_trips": int(getattr(self.backend, "round_trips", 0)),
+                "seconds": round(float(getattr(getattr(self.backend, "client", None), "seconds", 0.0)), 4)}
 
     def request_latency(self) -> LatencyHistogram | None:
         """This connection's running histogram of request seconds (None where the backend keeps none: etcd)."""
         return getattr(getattr(self.backend, "client", None), "latency", None)
 
     @property
-    def launch(self) -> str | None:
-        """The launch id of the embedded store (None on etcd): the processes an agent starts pin it."""
+    def launch(self) -> str | None:  # the embedded store's launch id (None on etcd): an agent's processes pin it
         return getattr(self.backend, "launch", None)
 
     def close(self) -> None:
