@@ -60,7 +60,7 @@ def _snapshot_memory_is_released():
 def etcd_cluster():
     """One real 3-member etcd cluster on loopback for the whole session (skipped where etcd is not installed)."""
     pytest.importorskip("etcd3gw", reason="the etcd client is not installed: pip install 'unbroken[etcd]'")
-    from unbroken.bench.local_etcd import EtcdNotFound, LocalEtcd
+    from unbroken.store.local_etcd import EtcdNotFound, LocalEtcd
 
     try:
         cluster = LocalEtcd(3)

@@ -22,7 +22,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from unbroken.bench.local_etcd import free_ports
+from unbroken.store.local_etcd import free_ports
 
 COMMANDS = ("slurmctld", "slurmd", "sbatch", "srun", "scontrol", "sinfo", "squeue", "scancel")
 INSTALL = "apt-get install slurm-wlm (scripts/setup.sh installs it where it runs as root)"

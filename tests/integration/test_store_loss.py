@@ -92,7 +92,7 @@ STORE_TIMEOUT_S = 4.0
 def test_etcd_without_quorum_stops_cleanly_after_the_store_timeout(tmp_path, corpus_overrides,
                                                                                       monkeypatch, caplog):
     pytest.importorskip("etcd3gw", reason="the etcd client is not installed: pip install 'unbroken[etcd]'")
-    from unbroken.bench.local_etcd import EtcdNotFound, LocalEtcd
+    from unbroken.store.local_etcd import EtcdNotFound, LocalEtcd
 
     try:
         cluster = LocalEtcd(3)

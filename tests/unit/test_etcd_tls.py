@@ -49,7 +49,7 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def tls_etcd(tmp_path_factory):
-    from unbroken.bench.local_etcd import EtcdNotFound, etcd_binary
+    from unbroken.store.local_etcd import EtcdNotFound, etcd_binary
 
     try:
         binary = etcd_binary()

@@ -1,7 +1,7 @@
 """Store benchmark: the embedded store and a 3-member etcd cluster, side by side in one run.
 
 ``unbroken bench store --preset tiny --out benchmarks/results/store.json`` starts
-its own etcd cluster on loopback (:class:`~unbroken.bench.local_etcd.LocalEtcd`;
+its own etcd cluster on loopback (:class:`~unbroken.store.local_etcd.LocalEtcd`;
 or give ``--store etcd://...`` with ``UNBROKEN_STORE_PIDS`` for the member kill)
 and measures, alternating the two stores so that drift cancels:
 
@@ -44,7 +44,7 @@ import torch
 
 from unbroken.agent.launcher import launch
 from unbroken.bench._args import parse_with_overrides
-from unbroken.bench.local_etcd import LocalEtcd
+from unbroken.store.local_etcd import LocalEtcd
 from unbroken.report.run_report import summarize_run
 from unbroken.bench.machine import machine_description
 from unbroken.config import Config, load_config

@@ -5,7 +5,7 @@ count, kills from outside:
 
 - on etcd (``--store etcd://...``): member ``I`` of the cluster, by SIGKILL to
   the pid found in the JSON file named by ``$UNBROKEN_STORE_PIDS``
-  (``{"0": pid, ...}``; :class:`~unbroken.bench.local_etcd.LocalEtcd` writes
+  (``{"0": pid, ...}``; :class:`~unbroken.store.local_etcd.LocalEtcd` writes
   one). With three members the job carries on: every client moves to a live
   member within its request timeout.
 - on the embedded store (``store=0``, the only one): the launcher process itself,
