@@ -30,19 +30,21 @@ AGENT_BY_HAND = """
     run_dir, ours, other = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
     argv = ["--run-dir", str(run_dir), "--store", ours, "--node-rank", "0", "--nnodes", "1",
             "--workers-per-node", "1"]
-    template = prestart_template(argv)  # as `unbroken agent` does: before the agent has connected to any store
-    assert template is not None, "no template forked"
+    early = prestart_template(argv)  # as `unbroken agent` does: before the agent has connected to any store
+    assert early is not None, "no template forked"
 
     import argparse
     from unbroken.agent._process import ForkedChild
     from unbroken.agent.agent import Agent
     from unbroken.agent.options import add_agent_args, options_from
+    from unbroken.agent.template_client import Template
 
     ap = argparse.ArgumentParser()
     add_agent_args(ap)
-    agent = Agent(options_from(ap.parse_args(argv)), template=template)
+    agent = Agent(options_from(ap.parse_args(argv)), template=early)
     agent.join_store()  # the agent's start: it connects to its store and learns the launch
-    template.attach(event=lambda *args, **fields: None, ready_timeout_s=180)
+    # as the agent's start does once it has its event log and deadline: its template, around the early one
+    agent.template = template = Template(run_dir=run_dir, node=0, world=1, ready_timeout_s=180, early=early)
     template.wait_ready(180, lambda: None)
     assert template.ready, "the template did not get ready"
     cmd = [sys.executable, "-m", "unbroken.agent.worker_process", "--run-dir", str(run_dir), "--worker", "0",

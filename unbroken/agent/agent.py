@@ -1,18 +1,16 @@
 """Per-node agent: runs a node's workers, marks their deaths, fences, restarts, injects faults.
 
 One agent per node (machine); on one machine several agents on loopback play
-several nodes. Node ``R`` owns workers ``R*W .. R*W + W-1`` (worker ``w``'s
-home slot is ``w``; the job has ``N*W``)::
+several nodes. Node ``R`` owns workers ``R*W .. R*W + W-1`` (the job has ``N*W``)::
 
     python -m unbroken.agent.command --node-rank R --nnodes N --workers-per-node W --store HOST:PORT
         --run-dir DIR [--restart never|on-failure] [--restart-delay-s S] [--fail-at SPEC]
         [--faults-trace JSON] [--standby] [--start-step S] [--resume CKPT]
         [--startup-liveness-s S] [--startup-deadline-s S]
 
-(also ``unbroken agent``). Exit 0: the job is done. 1: the job failed, the
-store was lost; 75: preempted, the final checkpoint committed (:mod:`unbroken.agent.preemption`);
-130/143: interrupted. 2: refused to start (store unreachable,
-node rank taken, config differs).
+(also ``unbroken agent``). Exit 0: the job is done. 1: the job failed, the store was lost; 75: preempted,
+the final checkpoint committed (:mod:`unbroken.agent.preemption`); 130/143: interrupted. 2: refused to start
+(store unreachable, node rank taken, config differs).
 
 The store keys an agent reads and writes, the files it keeps in the run
 directory and the worker command line are listed in ``docs/design.md``
@@ -58,7 +56,7 @@ from unbroken.agent._supervision import Limits, StartupWatch
 from unbroken.agent.node import EventLog, Node
 from unbroken.agent.launch_checks import check_launch
 from unbroken.agent.restarts import Restarts
-from unbroken.agent.template_client import Template, TemplateFailed
+from unbroken.agent.template_client import EarlyTemplate, Template, TemplateFailed
 from unbroken.agent.rendezvous import NodeRegistration, StartRefused, wait_for_lost_node
 from unbroken.agent.options import AgentOptions
 from unbroken.agent.health_check import check_node
@@ -127,11 +125,11 @@ class Agent:
         worker_cmd: tests only: the command that replaces ``python -m
             unbroken.agent.worker_process`` (a stand-in worker script).
         template: the node's template process, started with the agent's process (None: the agent starts
-            one itself, where the job wants one).
+            one itself, where the job wants one); the agent builds its :class:`Template` around it.
     """
 
     def __init__(self, opts: AgentOptions, *, worker_cmd: Sequence[str] | None = None,
-                 template: Template | None = None) -> None:
+                 template: EarlyTemplate | None = None) -> None:
         self.opts = opts
         self.node = opts.node_rank
         self.log = _NodeLog(self._origin)
@@ -142,7 +140,8 @@ class Agent:
         self.events: EventLog | None = None
         self.restarts = Restarts(policy=opts.restart, delay_s=opts.restart_delay_s, log=self.log,
                                  logs_dir=opts.run_dir / "logs")
-        self.template = template
+        self._early = template
+        self.template: Template | None = None  # built around it (or anew) once the job wants one
         self.child_env: dict[str, str] = {}
         """What the environment of each process this agent starts must hold beyond its template's: the job's
         secret and the store's launch id (:meth:`join_store`)."""
@@ -260,9 +259,9 @@ class Agent:
         fault_file = fault_plan_file(self.opts.faults_file, self.specs, run_dir=self.run_dir, node=self.node)
         if job_cfg.fault.template:
             self._start_template(limits, rdv, node.event)
-        elif self.template is not None:  # started early from an older config
-            self.template.close()
-            self.template = None
+        elif self._early is not None:  # started early from an older config
+            self._early.close()
+            self._early = None
         watch = StartupWatch(node.store, limits, node=self.node)
         starter = Starter(node, launch=self.launch, base_cmd=self.base_cmd, fault_file=fault_file, watch=watch,
                           restarts=self.restarts, plan=plan, restorer=restorer, limits=limits)
@@ -308,7 +307,7 @@ class Agent:
         """A spare node: wait (its template importing and preparing meanwhile) for a node whose agent and
         workers are known dead, then become that node; False if the job finished first."""
         self.log.info("spare node: waiting for a lost node (template %s)",
-                      "starting" if self.template is not None else "off")
+                      "starting" if self._early is not None else "off")
         self._spare_since = time.monotonic()
         def interrupted() -> bool:  # a spare holds no state: a preemption stops it at once
             self.interrupted = self.interrupted or (self.preempted[0] if self.preempted is not None else None)
@@ -321,28 +320,29 @@ class Agent:
             raise AgentError(str(exc), 128 + (self.interrupted or 0)) from None
         if node is None:
             self.log.info("the job finished before any node was lost: the spare leaves")
-            if self.template is not None:
-                self.template.close()
+            if self._early is not None:
+                self._early.close()
             return False
         self.opts = dataclasses.replace(self.opts, node_rank=node, spare=False)
         self.node = node
-        if self.template is not None:
-            self.template.take_rank(node)
+        if self._early is not None:
+            self._early.take_rank(node)
         self.log.warning("spare node: taking over node %d (its agent and workers are gone)", node)
         return True
 
     def _start_template(self, limits: Limits, rdv: NodeRegistration, event: EventLog) -> None:
         """Start the node's template (:mod:`unbroken.agent.template`), unless it started with the agent's
         process (:func:`unbroken.agent.command.prestart_template`), and wait for it: workers fork from it."""
-        if self.template is None:
-            if self.base_cmd[1:] != ["-m", "unbroken.agent.worker_process"]:  # a test's stand-in worker
-                return
-            if not become_subreaper():
-                self.log.warning("cannot adopt forked workers here (no PR_SET_CHILD_SUBREAPER): no template")
-                return
-            self.template = Template(run_dir=self.run_dir, node=self.node, world=self.opts.n_workers)
+        early, self._early = self._early, None
+        if early is None and self.base_cmd[1:] != ["-m", "unbroken.agent.worker_process"]:  # a stand-in worker
+            return
+        if early is None and not become_subreaper():
+            self.log.warning("cannot adopt forked workers here (no PR_SET_CHILD_SUBREAPER): no template")
+            return
+        self.template = Template(run_dir=self.run_dir, node=self.node, world=self.opts.n_workers, event=event,
+                                 ready_timeout_s=limits.deadline_s, early=early)
+        if early is None:
             self.template.start(time.monotonic(), fork=True)
-        self.template.attach(event=event, ready_timeout_s=limits.deadline_s)
         self.template.wait_ready(limits.deadline_s, lambda: rdv.heartbeat(time.monotonic()))
 
     def launch(self, cmd: Sequence[str], *, log: Path, header: str) -> Child:
@@ -472,8 +472,8 @@ class Agent:
         parts = self._parts
         if parts is not None:
             parts.starter.close_standby()  # it holds no state: SIGKILL
-        if self.template is not None:
-            self.template.close()
+        for template in (t for t in (self.template, self._early) if t is not None):
+            template.close()
         if parts is not None:
             node = parts.node
             stop_all([inc.proc for inc in node.workers.values()], grace_s=self.opts.grace_s)

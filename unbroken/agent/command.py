@@ -13,19 +13,18 @@ import logging
 import os
 import signal
 import sys
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
 from unbroken.agent._process import become_subreaper
-from unbroken.agent.template_client import Template
+from unbroken.agent.template_client import EarlyTemplate
 from unbroken.monitor import watch_job
 
 if TYPE_CHECKING:
     from unbroken.agent.options import AgentOptions
 
 
-def prestart_template(argv: Sequence[str] | None) -> Template | None:
+def prestart_template(argv: Sequence[str] | None) -> EarlyTemplate | None:
     """Start the node's template process as a fork of this one, once the agent's imports are done and before
     it starts a thread: the template imports only what a worker needs beyond the agent (its start costs a
     fifth of a fresh interpreter's CPU, and no later than one would be ready, whose imports are a superset).
@@ -62,13 +61,11 @@ def prestart_template(argv: Sequence[str] | None) -> Template | None:
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     import unbroken.agent.agent  # noqa: F401 (torch and the agent's modules, before the fork)
 
-    template = Template(run_dir=a.run_dir, node=node, world=a.nnodes * a.workers_per_node)
-    template.start(time.monotonic(), fork=True)
-    return template
+    return EarlyTemplate(run_dir=a.run_dir, node=node, world=a.nnodes * a.workers_per_node)
 
 
 def run_agent(opts: AgentOptions, *, worker_cmd: Sequence[str] | None = None,
-              template: Template | None = None) -> int:
+              template: EarlyTemplate | None = None) -> int:
     """Run an agent in this process (main thread): SIGINT stops it and its workers; the first SIGTERM or
     SIGUSR1 stops the job with a final checkpoint (:mod:`unbroken.agent.preemption`), a second one at once.
 

@@ -95,26 +95,95 @@ class TemplateFailed(RuntimeError):
     """The template says the job cannot start on this node (its message is the reason)."""
 
 
-class Template:
-    """One node's template process, as its agent sees it."""
+TemplateProc = subprocess.Popen[bytes] | _ForkedTemplate
+
+
+def _command(run_dir: Path, node: int, world: int) -> list[str]:
+    return [sys.executable, "-m", "unbroken.agent.template", "--run-dir", str(run_dir), "--world", str(world),
+            "--node-rank", str(node)]
+
+
+def _log(run_dir: Path, node: int) -> Path:
+    # A spare node's template is named by its agent until the spare takes a node's rank.
+    return run_dir / "logs" / (f"template{node}.log" if node >= 0 else f"template-spare{os.getpid()}.log")
+
+
+def _start_process(cmd: list[str], log: Path, node: int, *, fork: bool) -> TemplateProc:
+    """The template's process: with ``fork``, a fork of this (the agent's) process, which has imported torch and
+    unbroken already, when it runs no thread yet; else a fresh interpreter."""
+    proc: TemplateProc | None = _fork_template(cmd, log) if fork else None
+    if proc is None:
+        log_line(log, f"node {node} template: " + " ".join(cmd))
+        with log.open("ab") as fh:
+            proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=fh,
+                                    start_new_session=True, env=child_env({**os.environ, "OPENBLAS_NUM_THREADS": "1"}))
+    logger.info("[node %d] template started (pid %d%s)", node, proc.pid,
+                ", forked from the agent" if isinstance(proc, _ForkedTemplate) else "")
+    return proc
+
+
+def _stop_process(proc: TemplateProc) -> None:
+    """SIGKILL a template (it holds nothing), reap it, close its pipes."""
+    send(proc, signal.SIGKILL)  # type: ignore[arg-type]  # a _ForkedTemplate has what send uses
+    try:
+        proc.wait(timeout=10.0)
+    except subprocess.TimeoutExpired:
+        pass
+    close_pipes(proc)  # type: ignore[arg-type]
+
+
+class EarlyTemplate:
+    """A node's template process started with its agent's process (:func:`unbroken.agent.command.
+    prestart_template`), before the agent has an event log or a start-up deadline: the agent builds its
+    :class:`Template` around it once it has them (``Template(..., early=...)``), or stops it."""
 
     def __init__(self, *, run_dir: Path, node: int, world: int) -> None:
         self.run_dir, self.node, self.world = run_dir, node, world
-        self._event: Callable[..., None] = lambda *args, **fields: None
-        self.ready_timeout_s = 300.0
-        self.cmd = [sys.executable, "-m", "unbroken.agent.template", "--run-dir", str(run_dir),
-                    "--world", str(world), "--node-rank", str(node)]
-        # A spare node's template is named by its agent until the spare takes a node's rank.
-        self.log = run_dir / "logs" / (f"template{node}.log" if node >= 0 else f"template-spare{os.getpid()}.log")
-        self.proc: subprocess.Popen[bytes] | _ForkedTemplate | None = None
+        self.cmd, self.log = _command(run_dir, node, world), _log(run_dir, node)
+        self.started = time.monotonic()
+        self.proc: TemplateProc | None = _start_process(self.cmd, self.log, node, fork=True)
+
+    def take_rank(self, node: int) -> None:
+        """A spare's template: its agent took node ``node``'s rank."""
+        self.node = node
+
+    def close(self) -> None:
+        """Stop it (the job wants no template after all, or the agent leaves first)."""
+        if self.proc is not None:
+            _stop_process(self.proc)
+            self.proc = None
+
+
+class Template:
+    """One node's template process, as its agent sees it.
+
+    Args:
+        run_dir, node, world: the job's run directory, this node's rank (-1: a spare's), the job's workers.
+        event: the agent's event writer (``event(name, worker, **fields)``).
+        ready_timeout_s: the longest a template may take to get ready before it is replaced.
+        early: the template started with the agent's process, taken over (None: :meth:`start` one).
+    """
+
+    def __init__(self, *, run_dir: Path, node: int, world: int,
+                 event: Callable[..., None] = lambda *args, **fields: None, ready_timeout_s: float = 300.0,
+                 early: EarlyTemplate | None = None) -> None:
+        self.run_dir, self.node, self.world = run_dir, node, world
+        self._event, self.ready_timeout_s = event, ready_timeout_s
+        self.cmd = early.cmd if early is not None else _command(run_dir, node, world)
+        self.log = early.log if early is not None else _log(run_dir, node)
+        self.proc: TemplateProc | None = early.proc if early is not None else None
         self.ready = False
         self.enabled = True
         self.failures = 0
         self.forks = 0
-        self._started = 0.0
+        self._started = early.started if early is not None else 0.0
         self._lost_at = 0.0
         self._lines = LineBuffer()
         self._fork_error: str | None = None  # the error the last forked worker that failed died of
+        if early is not None:
+            early.proc = None  # this client owns it now
+            if self.proc is not None:
+                logger.info("[node %d] template started with the agent (pid %d)", self.node, self.proc.pid)
 
     # -- lifecycle ------------------------------------------------------------------
 
@@ -122,25 +191,11 @@ class Template:
         """A spare's template: its agent took node ``node``'s rank (its log lines name that node from now on)."""
         self.node = node
 
-    def attach(self, *, event: Callable[..., None], ready_timeout_s: float) -> None:
-        """The agent's event writer and start-up deadline (a template may start before the agent has them)."""
-        self._event, self.ready_timeout_s = event, ready_timeout_s
-        if self.proc is not None:
-            logger.info("[node %d] template started with the agent (pid %d)", self.node, self.proc.pid)
-
     def start(self, now: float, *, fork: bool = False) -> None:
         """Start the template: with ``fork``, as a fork of this (the agent's) process, which has imported
         torch and unbroken already, when it runs no thread yet; else as a fresh interpreter."""
         self._lines, self.ready, self._started = LineBuffer(), False, now
-        self.proc = _fork_template(self.cmd, self.log) if fork else None
-        if self.proc is None:
-            log_line(self.log, f"node {self.node} template: " + " ".join(self.cmd))
-            with self.log.open("ab") as fh:
-                self.proc = subprocess.Popen(self.cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=fh,
-                                             start_new_session=True,
-                                             env=child_env({**os.environ, "OPENBLAS_NUM_THREADS": "1"}))
-        logger.info("[node %d] template started (pid %d%s)", self.node, self.proc.pid,
-                    ", forked from the agent" if isinstance(self.proc, _ForkedTemplate) else "")
+        self.proc = _start_process(self.cmd, self.log, self.node, fork=fork)
 
     def wait_ready(self, timeout_s: float, beat: Callable[[], None]) -> None:
         """The node's first start: wait (beating) until the template is ready, dead or late.
@@ -275,12 +330,7 @@ class Template:
     def _stop(self) -> None:
         """SIGKILL the template (it holds nothing), reap it, close its pipes."""
         assert self.proc is not None
-        send(self.proc, signal.SIGKILL)  # type: ignore[arg-type]  # a _ForkedTemplate has what send uses
-        try:
-            self.proc.wait(timeout=10.0)
-        except subprocess.TimeoutExpired:
-            pass
-        close_pipes(self.proc)  # type: ignore[arg-type]
+        _stop_process(self.proc)
         self.proc = None
 
     def _read(self, timeout_s: float) -> dict[str, Any] | None:
