@@ -147,6 +147,11 @@ class EarlyTemplate:
         """A spare's template: its agent took node ``node``'s rank."""
         self.node = node
 
+    def hand_over(self) -> TemplateProc | None:
+        """Its process, for the agent's :class:`Template` to own from now on (this one forgets it)."""
+        proc, self.proc = self.proc, None
+        return proc
+
     def close(self) -> None:
         """Stop it (the job wants no template after all, or the agent leaves first)."""
         if self.proc is not None:
@@ -171,7 +176,7 @@ class Template:
         self._event, self.ready_timeout_s = event, ready_timeout_s
         self.cmd = early.cmd if early is not None else _command(run_dir, node, world)
         self.log = early.log if early is not None else _log(run_dir, node)
-        self.proc: TemplateProc | None = early.proc if early is not None else None
+        self.proc: TemplateProc | None = early.hand_over() if early is not None else None
         self.ready = False
         self.enabled = True
         self.failures = 0
@@ -180,10 +185,8 @@ class Template:
         self._lost_at = 0.0
         self._lines = LineBuffer()
         self._fork_error: str | None = None  # the error the last forked worker that failed died of
-        if early is not None:
-            early.proc = None  # this client owns it now
-            if self.proc is not None:
-                logger.info("[node %d] template started with the agent (pid %d)", self.node, self.proc.pid)
+        if self.proc is not None:
+            logger.info("[node %d] template started with the agent (pid %d)", self.node, self.proc.pid)
 
     # -- lifecycle ------------------------------------------------------------------
 
