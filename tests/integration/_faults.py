@@ -238,6 +238,18 @@ def check_invariants(job: Job, *, live: list[int]) -> None:
     assert not slow, f"view changes took longer than {bound} s: {[(e['worker'], e['gen'], e['seconds']) for e in slow]}"
 
 
+def check_fenced_and_taken_over(job: Job, *, worker: int, step: int, by: int, rejoined: str) -> None:
+    """``worker`` left fenced in ``step`` of view 0, the rest moved on in view 1 and its neighbour ``by`` took its
+    slot of that step over once, approximated; its agent replaced it (``rejoined``: the message otherwise)."""
+    (exit_,) = job.events("worker_exit", worker=worker, clean=False)
+    assert exit_["code"] == 3 and exit_["fenced"], "it left fenced"
+    (view,) = [v for v in job.events("view_adopted", worker=0) if v["step"] == step and v["gen"] == 1]
+    assert view["members"] == sorted({0, 1, 2} - {worker}) and view["reason"] == f"dead [{worker}]"
+    assert job.commit_gen(step) == 1 and [i for i in job.committed_items(step) if i[1] == worker] == [
+        (by, worker, 0, MICRO_BATCH, "approx")], f"its rows of step {step} taken over by its neighbour, once"
+    assert len(job.events("rejoined", worker=worker)) == 1, rejoined
+
+
 def etcd_keys_left(job: Job) -> int:
     """How many keys of the job (under its secret's namespace) are still on its etcd cluster."""
     from unbroken.store.etcd_backend import EtcdBackend

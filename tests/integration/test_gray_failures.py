@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from _faults import MICRO_BATCH, Job, check_invariants, failover_config, run_job
+from _faults import MICRO_BATCH, Job, check_fenced_and_taken_over, check_invariants, failover_config, run_job
 from _reference import checkpoint_params, reference_train
 from unbroken.agent.launcher import JobFailed
 from unbroken.faults.chaos import run_chaos
@@ -106,13 +106,7 @@ def test_nan_recurring_in_one_workers_rows_fences_it(tmp_path, corpus_overrides)
     assert len(job.events("fault_injected", worker=1)) == 2
     (fenced,) = job.events("nonfinite_fenced")
     assert (fenced["worker"], fenced["step"], fenced["items"]) == (1, 3, [[1, 0, MICRO_BATCH, "exact"]])
-    (exit_,) = job.events("worker_exit", worker=1, clean=False)
-    assert exit_["code"] == 3 and exit_["fenced"], "it left fenced"
-    (view,) = [v for v in job.events("view_adopted", worker=0) if v["step"] == 3 and v["gen"] == 1]
-    assert view["members"] == [0, 2] and view["reason"] == "dead [1]"
-    assert job.commit_gen(3) == 1 and [i for i in job.committed_items(3) if i[1] == 1] == [
-        (2, 1, 0, MICRO_BATCH, "approx")], "its rows of step 3 taken over by its neighbour, once"
-    assert len(job.events("rejoined", worker=1)) == 1, "its agent replaced it"
+    check_fenced_and_taken_over(job, worker=1, step=3, by=2, rejoined="its agent replaced it")
     assert all(math.isfinite(r["grad_norm"]) for r in job.train_records())
 
 

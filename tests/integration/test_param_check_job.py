@@ -12,7 +12,7 @@ import math
 
 import pytest
 
-from _faults import MICRO_BATCH, check_invariants, failover_config, run_job
+from _faults import check_fenced_and_taken_over, check_invariants, failover_config, run_job
 from unbroken.agent.launcher import JobFailed
 from unbroken.report.run_report import summarize_run
 from unbroken.runtime.ledger import read_events
@@ -35,13 +35,7 @@ def test_a_flipped_parameter_fences_its_worker_which_rejoins(tmp_path, corpus_ov
     decided = job.events("param_mismatch")
     assert {(m["decision"], tuple(m["wrong"]), m["step"], m["gen"]) for m in decided} == {("fence", (1,), 3, 0)}
     assert 1 in {m["worker"] for m in decided} and len(decided) >= 2, decided
-    (exit_,) = job.events("worker_exit", worker=1, clean=False)
-    assert exit_["code"] == 3 and exit_["fenced"], "it left fenced"
-    (view,) = [v for v in job.events("view_adopted", worker=0) if v["step"] == 3 and v["gen"] == 1]
-    assert view["members"] == [0, 2] and view["reason"] == "dead [1]"
-    assert job.commit_gen(3) == 1 and [i for i in job.committed_items(3) if i[1] == 1] == [
-        (2, 1, 0, MICRO_BATCH, "approx")], "its rows of step 3 taken over by its neighbour, once"
-    assert len(job.events("rejoined", worker=1)) == 1, "its agent replaced it, with a peer's state"
+    check_fenced_and_taken_over(job, worker=1, step=3, by=2, rejoined="its agent replaced it, with a peer's state")
     assert all(math.isfinite(r["grad_norm"]) for r in job.train_records())
     failures = summarize_run(job.run_dir)["failure_details"]
     assert [(f["step"], f["gen"]) for f in failures] == [(3, 0)], "unbroken report lists it"
