@@ -83,7 +83,8 @@ def home_of(slot: int, n_workers: int) -> int:
 
 def degraded_homes(n_slots: int, n_workers: int, members: Collection[int]) -> list[int]:
     """The slots whose home worker is not among ``members``, ascending (a metrics line's ``degraded``)."""
-    return [k for k in range(n_slots) if home_of(k, n_workers) not in set(members)]
+    live = set(members)
+    return [k for k in range(n_slots) if home_of(k, n_workers) not in live]
 
 
 class NoLiveWorker(RuntimeError):
