@@ -74,9 +74,15 @@ def _stragglers(run_dir: Path, cfg: dict[str, Any], steps: dict[int, dict[str, A
     """The run's straggler episodes (:func:`~unbroken.report.stragglers.straggler_episodes`)."""
     if not (run_dir / "events").is_dir():
         return []
-    mb, global_batch, workers = cfg["data"]["micro_batch"], cfg["train"].get("global_batch", 0), cfg["train"]["workers"]
-    return straggler_episodes(read_events(run_dir), steps, n_slots=global_batch // mb if global_batch else workers,
-                              n_workers=workers, micro_batch=mb, last_step=cfg["train"]["steps"] - 1)
+    return straggler_episodes(read_events(run_dir), steps, n_slots=_slots(cfg), n_workers=cfg["train"]["workers"],
+                              micro_batch=cfg["data"]["micro_batch"], last_step=cfg["train"]["steps"] - 1)
+
+
+def _slots(cfg: dict[str, Any]) -> int:
+    """Micro-batches per step of a saved config (:attr:`unbroken.config.Config.n_slots`; an older run's config
+    has no ``train.global_batch``)."""
+    mb, global_batch = cfg["data"]["micro_batch"], cfg["train"].get("global_batch", 0)
+    return global_batch // mb if global_batch else cfg["train"]["workers"]
 
 
 def _snapshots(run_dir: Path, events: list[dict[str, Any]]) -> dict[str, Any]:
@@ -115,9 +121,7 @@ def _ledger(run_dir: Path, cfg: dict[str, Any], train_lines: int) -> dict[str, A
         return {"committed_steps": train_lines, "lost_steps": None, "rows_trained_never": None,
                 "rows_trained_twice": None, "degraded_steps": None, "approx_rows": None, "ledger_ok": None,
                 "ledger_examples": []}
-    mb, global_batch = cfg["data"]["micro_batch"], cfg["train"].get("global_batch", 0)
-    n_slots = global_batch // mb if global_batch else cfg["train"]["workers"]
-    ledger = check_ledger(run_dir, n_slots=n_slots, micro_batch=mb, steps=cfg["train"]["steps"],
+    ledger = check_ledger(run_dir, n_slots=_slots(cfg), micro_batch=cfg["data"]["micro_batch"], steps=cfg["train"]["steps"],
                           start_step=_start_step(run_dir), n_workers=cfg["train"]["workers"])
     return {"committed_steps": ledger.committed, "lost_steps": len(ledger.lost_steps),
             "rows_trained_never": ledger.rows_never, "rows_trained_twice": ledger.rows_twice,
