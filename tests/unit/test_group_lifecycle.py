@@ -100,15 +100,16 @@ def test_a_group_with_a_pending_operation_is_parked_then_released():
 def test_a_construction_given_up_on_releases_what_it_built():
     """A member gives up building view 0's group (its check fires: the view changed); the peer it was
     waiting for arrives later and the construction completes in the abandoned thread: that group is
-    released at once, so the peer's first collective fails fast instead of running into the timeout."""
+    released at once, so the peer fails fast instead of running into the timeout: in its first collective,
+    or, when the release closes the connections while the peer is still meshing them, in its construction."""
     store = JobStore.host("127.0.0.1", 0, clients=2, secret="test")
     arrived = threading.Event()
 
     def peer(result: dict) -> None:
         arrived.wait(30)
-        g = ViewGroup(store.group_store(0), gen=0, rank=1, size=2, device=torch.device("cpu"), timeout_s=60)
         t0 = time.monotonic()
         try:
+            g = ViewGroup(store.group_store(0), gen=0, rank=1, size=2, device=torch.device("cpu"), timeout_s=60)
             g.allreduce(torch.ones(4), lambda: None)
         except process_group.CollectiveFailed as exc:
             result["failed"] = str(exc)
