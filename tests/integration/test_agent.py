@@ -29,6 +29,7 @@ from unbroken.faults.fail_at import fail_at
 from unbroken.jsonl import read_jsonl
 from unbroken.store.job_store import JobStore
 from unbroken.store.backend import job_secret
+from unbroken.store.view import View
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -207,6 +208,48 @@ def test_killed_worker_is_marked_dead_at_once_and_rejoins(job: Job) -> None:
     assert exit_ev["worker"] == 1 and exit_ev["signal"] == signal.SIGKILL and not exit_ev["injected"]
     assert [e["join"] for e in job.events(event="worker_start") if e["worker"] == 1] == [False, True]
     assert job.pid(0) == pids[0], "the other worker is untouched"
+    job.store.set_done()
+    assert agent.wait(timeout=15) == 0
+
+
+def _adopted(run_dir: Path, w: int, pid: int, gen: int) -> None:
+    """The record a worker's process writes once it entered view ``gen`` (the stand-in enters none)."""
+    path = run_dir / "events" / f"w{w}.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as fh:
+        fh.write(json.dumps({"kind": "event", "event": "view_adopted", "worker": w, "gen": gen, "pid": pid,
+                             "time": time.time()}) + "\n")
+
+
+def test_an_exit_seen_only_after_the_restore_that_counted_it_is_not_marked(job: Job) -> None:
+    """Both members of view 0 are killed while their agent is stopped; meanwhile the job is restored as another
+    agent does it (each death counted by a mark of silence, the marks cleared, a restored view 1 naming both
+    published). The agent, continued, sees both exits: it marks neither (the mark would read as the death of
+    the restored view's member: the next incarnation would not enter view 1, and its other members would wait
+    for it there) and restarts both. A death of an incarnation that entered view 1 is marked."""
+    agent = job.agent("--restart", "on-failure")
+    pids = job.started(0, 1)
+    for w, pid in pids.items():
+        _adopted(job.run_dir, w, pid, gen=0)
+    os.kill(agent.pid, signal.SIGSTOP)
+    try:
+        for pid in pids.values():
+            os.kill(pid, signal.SIGKILL)
+        for w in pids:
+            job.store.mark_dead(w, json.dumps({"by": "agent", "node": 1, "how": "heartbeat", "gen": 0}))
+            job.store.clear_dead(w)
+        job.store.propose(job.store.view(0), View(gen=1, members=(0, 1), step=0, reason="restored (test)",
+                                                  restore={"source": "memory", "step": 0}))
+    finally:
+        os.kill(agent.pid, signal.SIGCONT)
+    until(lambda: {e["pid"] for e in job.events(event="worker_exit")} >= set(pids.values()), 30.0)
+    assert [job.store.dead_mark(w) for w in pids] == [None, None], "a death the restore counted was marked"
+    new = job.started(0, 1)
+    assert set(new.values()).isdisjoint(pids.values()) and agent.poll() is None
+    _adopted(job.run_dir, 1, new[1], gen=1)
+    os.kill(new[1], signal.SIGKILL)  # a member of view 1 dies: marked, as any death
+    until(lambda: job.store.dead_mark(1) is not None, 30.0)
+    assert json.loads(job.store.dead_mark(1))["how"] == "exit"
     job.store.set_done()
     assert agent.wait(timeout=15) == 0
 

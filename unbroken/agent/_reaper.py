@@ -22,7 +22,7 @@ from unbroken.agent._exit_watch import exiting_returncode
 from unbroken.agent._job_error import CONSEQUENCE_EXIT_CODES, death_error
 from unbroken.agent._process import HANG_HOWS, ForkedChild, describe_exit, dump_stacks, exit_status, remove_pid, send
 from unbroken.agent._restore import JobRestore
-from unbroken.agent._run_files import last_self_fault, was_admitted
+from unbroken.agent._run_files import last_self_fault, newest_adopted_gen, was_admitted
 from unbroken.agent._supervision import Incarnation, StartupWatch, decode_mark
 from unbroken.agent.node import Node
 from unbroken.agent.restarts import Restarts
@@ -119,7 +119,7 @@ class Reaper:
             self.template.forked_failed(error)  # twice alike before admission: workers start fresh (the fork...)
         reason = json.dumps({"by": "agent", "node": node.rank, "how": "exit", "code": code, "signal": sig,
                              "error": error, "t": time.time()})
-        node.store.mark_dead(w, reason)
+        self._mark_dead(inc, reason)
         fired = last_self_fault(node.run_dir, w)
         progress = max(node.read_progress(), fired[0] if fired is not None else 0)
         cause = self.plan.on_death(w, progress, fired)
@@ -138,6 +138,37 @@ class Reaper:
                          "not restarting" if restart is None else
                          f"restart at step {restart.at_step}" if restart.at_step is not None else
                          f"restart in {node.opts.restart_delay_s:.1f} s")
+
+    def _mark_dead(self, inc: Incarnation, reason: str) -> None:
+        """Mark dead the worker whose incarnation ``inc`` died, unless its death is already behind the job.
+
+        A job restore publishes its view only once every member of the view before it is marked dead (a
+        member on another node by its heartbeat's silence, when this agent has not seen its exit yet), and
+        then clears every member's mark. An exit this agent sees only after that, of an incarnation that had
+        entered an older view, is of a death the restore already counted: a mark written now would be read
+        as the death of the new view's member (its next incarnation would not enter the restored view, and
+        the other members would wait for it there). Such a mark is not written, or withdrawn when the view
+        was published between the check and the write.
+        """
+        store, w = self.node.store, inc.worker
+        if self._counted_by_restore(inc):
+            self.node.log.info("worker %d: its death was counted by the job restore of view %d; not marked",
+                               w, store.gen())
+            return
+        if store.mark_dead(w, reason) and self._counted_by_restore(inc):
+            store.unmark_dead(w, reason)
+
+    def _counted_by_restore(self, inc: Incarnation) -> bool:
+        """Is the current view a restored view that names ``inc``'s worker and is newer than every view the
+        incarnation entered (which was at least one)?"""
+        store = self.node.store
+        if not store.has_view():
+            return False
+        view = store.current_view()
+        if view.restore is None or inc.worker not in view.members:
+            return False
+        adopted = newest_adopted_gen(self.node.run_dir, inc.worker, inc.proc.pid, since=inc.born - 1.0)
+        return adopted is not None and adopted < view.gen
 
     def fence(self) -> None:
         """SIGKILL any running worker of this node that someone marked dead after it started."""

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from unbroken.jsonl import read_jsonl
 
-__all__ = ["fired_before", "last_self_fault", "last_worker_record", "write_layout"]
+__all__ = ["fired_before", "last_self_fault", "last_worker_record", "newest_adopted_gen", "write_layout"]
 
 
 def fired_before(run_dir: Path, node: int) -> set[str]:
@@ -43,6 +43,37 @@ def last_worker_record(run_dir: Path, worker: int) -> dict:
     except ValueError:
         return {}
     return last if isinstance(last, dict) else {}
+
+
+def newest_adopted_gen(run_dir: Path, worker: int, pid: int, since: float, chunk: int = 1 << 16) -> int | None:
+    """The generation of the newest view the incarnation ``pid`` of ``worker`` adopted (its ``view_adopted``
+    record), or None if it adopted none. The event file is read backwards from its end, and only as far as
+    the records written since ``since`` (the incarnation's wall-clock start): one chunk, most of the time."""
+    path = Path(run_dir) / "events" / f"w{worker}.jsonl"
+    try:
+        fh = path.open("rb")
+    except FileNotFoundError:
+        return None
+    with fh:
+        end = fh.seek(0, os.SEEK_END)
+        tail = b""  # the start of a line whose beginning lies in the next chunk back
+        while end > 0:
+            start = max(0, end - chunk)
+            fh.seek(start)
+            lines = (fh.read(end - start) + tail).split(b"\n")
+            tail, end = (lines.pop(0) if start > 0 else b""), start
+            for line in reversed(lines):
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    continue  # a torn last line, or an empty one
+                if not isinstance(rec, dict):
+                    continue
+                if rec.get("event") == "view_adopted" and rec.get("pid") == pid:
+                    return int(rec["gen"])
+                if float(rec.get("time", since)) < since:
+                    return None
+    return None
 
 
 def was_admitted(run_dir: Path, worker: int, pid: int) -> bool:

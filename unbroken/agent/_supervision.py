@@ -150,6 +150,8 @@ class Incarnation:
     join: bool
     started: float
     mark_at_spawn: str | None  # a dead/<w> mark left by the previous incarnation
+    born: float = dataclasses.field(default_factory=time.time)
+    """Wall-clock time of its start (its event records from then on are its own)."""
     fenced: bool = False
     reason: Any = None
     """Why it was fenced: the dead mark a peer wrote, or this watch's verdict."""

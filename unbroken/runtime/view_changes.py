@@ -31,6 +31,7 @@ collective may still use it; every member that applies a step decides alike whet
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import TYPE_CHECKING, Callable, Protocol
 
@@ -194,7 +195,7 @@ class ViewChanges:
         self.layout.reshard(view, lambda t: group.allreduce(t, self.check).clone(),
                             lambda t, src: group.broadcast_into(t, src, self.check))
         self._event("view_adopted", gen=view.gen, members=list(view.members), step=view.step,
-                    joiners=list(view.joiners), reason=view.reason, build_s=group.build_s,
+                    joiners=list(view.joiners), reason=view.reason, build_s=group.build_s, pid=os.getpid(),
                     adopt_s=time.perf_counter() - t0)
 
     def _arrive(self, view: View) -> None:
