@@ -7,7 +7,7 @@ genuine connection it recorded (a client holding the secret wrote ``failed`` thr
 replayed again and again; and bursts of idle connections. The 2-node x 1-worker job ends as every scenario
 must (:func:`_faults.check_invariants`) with no failure at all, and every attempt of the attacker was
 refused. On etcd, where anyone with access to the cluster can write, a 2-node x 2-worker job goes on through
-forged, replayed and deleted counters and decision keys (:class:`EtcdAttacker`).
+forged, replayed and deleted counters, decision keys, views, items and rendezvous keys (:class:`EtcdAttacker`).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import os
 import socket
 import threading
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
@@ -165,11 +166,15 @@ class EtcdAttacker:
     - ``outcome/<g>`` is deleted after every ``OUTCOME_EVERY``-th decision until it was brought back ``BACK``
       times (before, the voters waited and the job stopped after the store timeout).
 
-    Paced by the job's own writes, so whatever the machine's speed it answers each of them."""
+    Paced by the job's own writes, so whatever the machine's speed it answers each of them. Another thread of it
+    (:meth:`run_write_once`) deletes every view, items and rendezvous key (``view/``, ``items/``, ``pg/``) right
+    after each write of the job there, all through the run, the view change of a worker's loss included
+    (before, their readers waited for a key written and deleted before they read it, and the job stopped after
+    the store timeout)."""
 
     ACTIONS = ("forge", "replay", "delete")
     EVERY = 8
-    FROM, UNTIL_LEFT = 3, 12
+    FROM, UNTIL_LEFT = 3, 20
     OUTCOME_EVERY = 4
     BACK = 3
 
@@ -187,6 +192,8 @@ class EtcdAttacker:
         self.deleted_at: dict[str, int] = {}  # decision key -> the revision of the attacker's last delete
         self.stop = threading.Event()
         self.ns = ""
+        self.write_once = EtcdBackend(url, "not the job's secret", timeout_s=10)  # its own client, for its thread
+        self.deleted: dict[str, int] = {"view": 0, "items": 0, "pg": 0}  # the job's writes deleted, per kind
 
     def _k(self, key: str) -> str:
         return base64.b64encode((self.ns + key).encode()).decode()
@@ -227,7 +234,9 @@ class EtcdAttacker:
             else:
                 applied = self._applied()
                 self.victim_window[0] |= applied >= self.FROM
-                self.victim_window[1] |= applied >= STEPS_ETCD - self.UNTIL_LEFT
+                # Over once view 0 is (its applied steps pruned: the job moved to another view).
+                self.victim_window[1] |= applied >= STEPS_ETCD - self.UNTIL_LEFT or (self.victim_window[0]
+                                                                                     and self._kv("applied/0") is None)
                 for w in self.workers:
                     for key in (f"hb/{w}", f"prog/{w}"):
                         self._answer(key, victim=w == self.victim and self.victim_window[0]
@@ -239,6 +248,25 @@ class EtcdAttacker:
                 self._decision("gen")
                 self._decision("outcome/0")
             self.stop.wait(0.01)
+
+    def run_write_once(self) -> None:
+        """Delete every ``view/``, ``items/`` and ``pg/`` key of the job as soon as it is written (one read of the
+        three prefixes every few milliseconds: the job's readers poll every 2 to 50 ms)."""
+        answered: set[tuple[str, str]] = set()
+        while not self.stop.is_set():
+            if self.ns:
+                ranges = [{"request_range": {"key": self._k(p), "range_end": self._k(p[:-1] + "0"),
+                                             "keys_only": True}} for p in ("view/", "items/", "pg/")]
+                out = self.write_once.call("kv/txn", {"compare": [], "success": ranges, "failure": []})
+                for kvs in (r.get("response_range", {}).get("kvs", []) for r in out.get("responses", [])):
+                    for kv in kvs:
+                        if (kv["key"], kv["mod_revision"]) in answered:
+                            continue
+                        answered.add((kv["key"], kv["mod_revision"]))
+                        self.write_once.call("kv/deleterange", {"key": kv["key"]})
+                        kind = base64.b64decode(kv["key"]).decode()[len(self.ns):].partition("/")[0]
+                        self.deleted[kind] += 1
+            self.stop.wait(0.003)
 
     def _fresh(self, key: str) -> dict | None:
         """The key's kv if the job wrote it since the attacker's last look (None: gone, seen, or its own)."""
@@ -285,31 +313,49 @@ class EtcdAttacker:
 
 
 STEPS_ETCD = 80
+KILL = 62
+"""Worker 1 is killed at step ``KILL`` (once the victim's window is over): a view change, its view, items and
+rendezvous keys deleted right after they are written."""
 
 
 def test_a_writer_without_the_secret_on_etcd_never_fences_a_live_worker(tmp_path, corpus_overrides, etcd_cluster):
     """A 2-node x 2-worker job on a real 3-member etcd cluster while :class:`EtcdAttacker` deletes, forges and
     replays its workers' counters after every beat, deletes one worker's counters after every beat for most of
-    the run, deletes ``gen`` and ``outcome/0`` until each was brought back three times, and plants death marks:
-    the job ends as every scenario must (:func:`_faults.check_invariants`: every step, the ledger exactly once,
-    identical parameters), no worker is marked dead or fenced, and the attacker did every kind of thing."""
+    the run, deletes ``gen`` and ``outcome/0`` until each was brought back three times, plants death marks, and
+    deletes every view, items and rendezvous key right after it is written, through worker 1's kill at step
+    ``KILL`` and the view change that follows: the job ends as every scenario must
+    (:func:`_faults.check_invariants`: every step, the ledger exactly once, identical parameters), no live
+    worker is marked dead or fenced, and the attacker did every kind of thing."""
     cfg = failover_config(corpus_overrides, STEPS_ETCD, "fault.heartbeat_timeout_s=2.5",
                           "fault.progress_timeout_s=6.0", "train.timeout_s=30")
     attacker = EtcdAttacker(etcd_cluster.url, [0, 1, 2, 3], victim=3)
-    thread = threading.Thread(target=attacker.run, daemon=True)
-    thread.start()
+    threads = [threading.Thread(target=attacker.run, daemon=True),
+               threading.Thread(target=attacker.run_write_once, daemon=True)]
+    for thread in threads:
+        thread.start()
     try:
-        job = run_job(cfg, tmp_path / "run", nodes=2, workers_per_node=2, store=etcd_cluster.url)
+        job = run_job(cfg, tmp_path / "run", nodes=2, workers_per_node=2, store=etcd_cluster.url,
+                      fail_at=f"step={KILL}:worker=1:kill:phase=forward")
     finally:
         attacker.stop.set()
-        thread.join(30)
-    check_invariants(job, live=[0, 1, 2, 3])
-    assert job.summary["failures"] == 0, "the attack made no worker fail"
-    assert not job.events("fence") and not job.events("attempt_aborted"), "no live worker fenced"
-    assert not job.events("worker_exit", clean=False)
+        for thread in threads:
+            thread.join(30)
+    check_invariants(job, live=[0, 2, 3])
+    assert job.summary["failures"] == 1, "the planned kill only"
+    assert not job.events("fence"), "no live worker fenced"
+    assert {e["step"] for e in job.events("attempt_aborted")} <= {KILL}, "no attempt aborted but the kill's"
+    assert [e["worker"] for e in job.events("worker_exit", clean=False)] == [1]
     marks = [line for log in (job.run_dir / "logs").glob("w*.log") for line in log.read_text().splitlines()
-             if "declared worker" in line]
-    assert not marks, "no worker was marked dead, not even once the job was done"
-    assert attacker.victim_window == [True, True], "the victim's counters were deleted from step 3 to the end"
+             if "declared worker" in line and "declared worker 1 dead" not in line]
+    assert not marks, "no live worker was marked dead, not even once the job was done"
+    assert attacker.victim_window == [True, True], "the victim's counters deleted from step 3 to step 60"
     assert attacker.back == {"gen": 3, "outcome": 3}, "gen and outcome/0 each brought back three times"
     assert all(n >= 3 for n in attacker.done.values()), attacker.done
+    assert attacker.deleted["view"] >= 2 and attacker.deleted["items"] >= 3 and attacker.deleted["pg"] >= 7, \
+        f"every view, member's items and rank's rendezvous key deleted right after written: {attacker.deleted}"
+    assert _read_from_history(job.run_dir), "a reader read a deleted key from its etcd history"
+
+
+def _read_from_history(run_dir: Path) -> int:
+    """How many of the job's processes' logs say they read a key another writer deleted from its history."""
+    return sum("read from its etcd history" in log.read_text() for log in (run_dir / "logs").glob("*.log"))

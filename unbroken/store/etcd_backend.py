@@ -41,11 +41,11 @@ idempotent in their result, adds carry their marker.
 Process groups rendezvous on :class:`EtcdGroupStore`, a Python
 ``torch.distributed.Store`` over the same backend (gloo and NCCL call its
 ``set``/``get``/``wait`` from C++), so the rendezvous survives a member's loss too
-(:mod:`unbroken.store.etcd_group_store`). What another writer did to a key is
-read back through the key's history (:mod:`unbroken.store.etcd_history`: a
-forged counter's newest authentic value; a deleted ``gen`` or ``outcome/<g>``
-brought back with the newest decision written there); the launch's namespace
-and the job's pointer to it are kept by :mod:`unbroken.store.etcd_launch`.
+(:mod:`unbroken.store.etcd_group_store`). What another writer did to a key is read back through the key's
+history (:mod:`unbroken.store.etcd_history`: a forged counter's newest authentic value; a deleted ``gen`` or
+``outcome/<g>`` brought back with the newest decision written there; a view, items or rendezvous key gone or
+forged, read there by a waiting read); the launch's namespace and the job's pointer to it are kept by
+:mod:`unbroken.store.etcd_launch`.
 
 Invariant: every key written is under the job's prefix and namespace.
 """
@@ -71,7 +71,7 @@ from unbroken.store.backend import (ETCD_SCHEME, SECRET_ENV, UNSEEN, StoreAccess
                                            _namespace)
 from unbroken.store.etcd_group_store import EtcdGroupStore
 from unbroken.store.etcd_launch import clear_launch, point_here, range_end, read_pointer
-from unbroken.store.etcd_history import RESTORED, last_authentic, last_before_gone, restore, restored_value
+from unbroken.store.etcd_history import RESTORED, fill_written, last_authentic, last_before_gone, restore, restored_value
 from unbroken.store.seal import Sealer, launch_key
 from unbroken.store.wire import LAUNCH_ENV
 
@@ -133,6 +133,7 @@ class EtcdBackend(StoreBackend):
         self._revision = 0  # the newest store revision any answer reported
         self._first_revision = -1  # the revision the launch's first key (``job``) was created at, once read
         self.restores_checked: dict[str, tuple[int, int]] = {}  # key -> a restored creation found the newest
+        self.written: dict[str, tuple[float, int, bytes | None, tuple[int, int]]] = {}  # fill_written's reads
 
     # -- plumbing ---------------------------------------------------------------
 
@@ -263,11 +264,12 @@ class EtcdBackend(StoreBackend):
 
     def wait_values(self, keys: list[str], timeout_s: float | None = None) -> list[bytes]:
         """The keys' authentic values, waiting for missing ones (like ``TCPStore``) up to the timeout; a key
-        that holds only values this launch did not write for longer than the store timeout stops the job."""
+        that holds only values this launch did not write for longer than the store timeout stops the job.
+        A write-once key gone or forged is read from its history after a grace (:func:`fill_written`)."""
         deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
         delay = WAIT_POLL_S[0]
         while True:
-            values = [self.open_value(k, kv) for k, kv in zip(keys, self.read_many(keys))]
+            values = fill_written(self, keys, self.peek(keys))
             if all(v is not None for v in values):
                 return values  # type: ignore[return-value]
             self._check_forged(keys)
@@ -414,8 +416,8 @@ class EtcdBackend(StoreBackend):
         kv = self.kv_of(responses[0])
         return kv is not None and _unb64(kv.get("value")).decode() == token
 
-    def check(self, keys: list[str]) -> bool:
-        return all(self.open_value(k, kv) is not None for k, kv in zip(keys, self.read_many(keys)))
+    def check(self, keys: list[str]) -> bool:  # polled as a wait: a write-once key read as wait_values does
+        return all(v is not None for v in fill_written(self, keys, self.peek(keys)))
 
     def peek(self, keys: list[str]) -> list[bytes | None]:
         """Authentic values, None for a missing (or foreign) one: one transaction of reads."""

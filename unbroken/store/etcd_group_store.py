@@ -3,7 +3,10 @@
 gloo and NCCL call its ``set``/``get``/``wait`` from C++; every call goes
 through :class:`~unbroken.store.etcd_backend.EtcdBackend` under the group's
 prefix (``pg/<g>[name]/``), so its values are sealed like every other key of
-the job and the rendezvous survives the loss of an etcd member.
+the job and the rendezvous survives the loss of an etcd member, and another
+writer's delete of a rendezvous key: gloo and NCCL only ``set`` its keys, never
+``add`` to them, so the backend's waiting reads read one found gone from its
+etcd history (:data:`unbroken.store.etcd_history.WRITE_ONCE`).
 
 Invariant: every key it reads or writes is under its prefix.
 """

@@ -84,7 +84,6 @@ __all__ = ["JobStore", "Outcome", "StoreKeyLost"]
 CURRENT_VIEW_READS = 100
 """A view replaced and pruned between reading ``gen`` and reading it is read again, this many times at most
 (each retry sees a newer generation; a missing view can only be a race that the next read wins)."""
-
 LOST_KEY_POLL_S = 0.1
 """A vote that finds its view's outcome key gone (not pruned) reads it again after this long."""
 STORE_TIMEOUT_S = 60.0
@@ -222,16 +221,16 @@ class JobStore(StandbyKeys, WorkerKeys):
         return View.from_json(self.backend.get(f"view/{gen}"))
 
     def current_view(self) -> View:
-        """The newest view (read again if it was replaced and pruned between the two reads).
+        """The newest view (read again if it was replaced and pruned between the two reads; waited for if ``gen``
+        still names it: another writer deleted it, and etcd reads it from the key's history meanwhile).
 
         Raises:
             RuntimeError: ``gen`` names a view that stays missing (the store lost keys).
         """
         for _ in range(CURRENT_VIEW_READS):
             gen = self.gen()
-            raw = _opt(self.backend, f"view/{gen}")
-            if raw is not None:
-                return View.from_json(raw)
+            if (raw := _opt(self.backend, f"view/{gen}")) is not None or self.gen() == gen:
+                return View.from_json(raw) if raw is not None else self.view(gen)
         raise RuntimeError(f"the store's current generation {gen} names no view after {CURRENT_VIEW_READS} reads")
 
     def publish_initial(self, view: View) -> None:
@@ -461,7 +460,8 @@ class JobStore(StandbyKeys, WorkerKeys):
         if gen is None:
             return None if restored is None else int(restored)
         raw, applied = self.backend.peek([f"view/{int(gen)}", f"applied/{int(gen)}"])
-        reached = View.from_json(raw).step + int(applied or 0) if raw else 0
+        view = raw if raw is not None else _opt(self.backend, f"view/{int(gen)}")  # deleted: etcd reads its history
+        reached = View.from_json(view).step + int(applied or 0) if view else 0
         return max(reached, int(restored) if restored is not None else 0)
 
     def set_done(self) -> None:

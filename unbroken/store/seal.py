@@ -29,7 +29,8 @@ records are bounded, ``SEEN_KEYS``, and forgetting them loses nothing).
 What is not sealed cannot be stopped here: a writer with access can delete
 keys, or overwrite them, which no reader then accepts: the job waits (a
 deleted heartbeat is silence, judged like any other; a deleted decision key is
-brought back from its etcd history, :mod:`unbroken.store.etcd_history`), and
+brought back from its etcd history, and a deleted view, items or rendezvous
+key read from there, :mod:`unbroken.store.etcd_history`), and
 stops once ``fault.store_timeout_s`` has passed with the message naming the
 key; it never acts on what that writer put there. An etcd user per job (role-based access on
 the job's prefix) closes that, as docs/design.md says.
