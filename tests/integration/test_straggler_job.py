@@ -23,7 +23,7 @@ def test_a_slow_worker_keeps_a_share_of_its_rows_then_is_replaced(tmp_path, corp
     flagged = [e for e in job.events("straggler") if e["slow"] == 1]
     assert flagged, f"worker 1, 6x slower from step 2, was never found slow: {job.events('straggler')}"
     start = flagged[0]["step"]
-    (replaced,) = job.events("straggler_replaced", worker=1)
+    replaced = job.events("straggler_replaced", worker=1)[0]  # a busy machine may make a replacement look slow too
     left = replaced["step"]
     assert replaced["slow_s"] >= 1 and start <= left
     for step in range(start, left + 1):  # while it is slow: a share of its micro-batch, the rest exact elsewhere
@@ -31,9 +31,22 @@ def test_a_slow_worker_keeps_a_share_of_its_rows_then_is_replaced(tmp_path, corp
         own = [i for i in items if i[0] == 1]
         assert own == [(1, 1, 0, own[0][3], "exact")] and own[0][3] < mb, (step, own)
         assert all(i[4] == "exact" for i in items if i[1] == 1), (step, items)
-    (back,) = job.events("rejoined", worker=1)
-    assert all([i for i in job.committed_items(s) if i[0] == 1] == [(1, 1, 0, mb, "exact")]
-               for s in range(back["step"] + 1, steps)), "the replacement trains its whole micro-batch"
+    # The replacement is not slowed (the fault ended with its process): its whole micro-batch in every step after
+    # its return, but those of an episode of its own (on a busy machine a process may look slow for a while).
+    back = job.events("rejoined", worker=1)[-1]
+    whole = [s for s in range(back["step"] + 1, steps) if s not in _episode_steps(job, 1, back["step"], steps)]
+    assert whole and all([i for i in job.committed_items(s) if i[0] == 1] == [(1, 1, 0, mb, "exact")]
+                         for s in whole), "the replacement trains its whole micro-batch"
     report = summarize_run(job.run_dir)
     episode = [e for e in report["stragglers"] if e["worker"] == 1][0]
     assert episode["since"] == start and episode["rows_moved"] > 0
+
+
+def _episode_steps(job, worker: int, after: int, steps: int) -> set[int]:
+    """The steps after ``after`` in which ``worker`` was a straggler: from each ``straggler`` event's step to its
+    ``straggler_end``'s (the first step it trains whole again), or the end."""
+    ends = sorted(e["step"] for e in job.events("straggler_end") if e["slow"] == worker)
+    out: set[int] = set()
+    for start in sorted(e["step"] for e in job.events("straggler") if e["slow"] == worker and e["step"] > after):
+        out |= set(range(start, next((end for end in ends if end > start), steps)))
+    return out

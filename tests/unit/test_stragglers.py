@@ -46,31 +46,35 @@ def test_a_worker_twice_as_slow_for_n_steps_keeps_its_share_and_comes_back_after
     events = []
     s = Stragglers(n_workers=4, n_slots=4, micro_batch=8, factor=1.5, steps=3,
                    on_event=lambda name, **f: events.append((name, f)))
-    _feed(s, [1.0, 2.0, 1.0, 1.0], 2)
+    _feed(s, [1.0, 9.0, 1.0, 1.0], 3)  # the view's first N = 3 steps: not counted, however slow
+    assert s.keep(0, range(4)) == {} and events == []
+    _feed(s, [1.0, 2.0, 1.0, 1.0], 2, start=3)
     assert s.keep(0, range(4)) == {}, "two steps slow are not yet N = 3"
-    _feed(s, [1.0, 2.0, 1.0, 1.0], 1, start=2)
+    _feed(s, [1.0, 2.0, 1.0, 1.0], 1, start=5)
     # speeds 1, 0.5, 1, 1: its share of 32 rows is 32 * 0.5 / 3.5 = 4.57 -> 4 rows of its slot
     assert s.keep(0, range(4)) == {1: 4}
-    assert events == [("straggler", {"slow": 1, "step": 3, "gen": 0, "ratio": 2.0})]
+    assert events == [("straggler", {"slow": 1, "step": 6, "gen": 0, "ratio": 2.0})]
     # then back to normal: its smoothed time falls, its share grows; once at or below (1 + 1.5) / 2 for 3 steps
     # it keeps all again. Moved: 8 - keep for every step run with a keep.
     moved = 0
-    for step, per_row in enumerate([[1.0, 2.0, 1.0, 1.0]] * 2 + [[1.0] * 4] * 20, start=3):
+    for step, per_row in enumerate([[1.0, 2.0, 1.0, 1.0]] * 2 + [[1.0] * 4] * 20, start=6):
         moved += 8 - s.keep(0, range(4)).get(1, 8)
         s.observe(0, step, range(4), per_row, leader=True)
     assert s.keep(0, range(4)) == {}
     name, fields = events[-1]
     assert name == "straggler_end" and fields["slow"] == 1 and fields["why"] == "caught up"
-    assert fields["rows_moved"] == moved and fields["since"] == 3 and moved > 8
+    assert fields["rows_moved"] == moved and fields["since"] == 6 and moved > 8
 
 
 def test_a_view_change_starts_over_and_a_member_not_in_the_view_keeps_nothing():
     s = Stragglers(n_workers=4, n_slots=8, micro_batch=4, factor=1.5, steps=1)
-    _feed(s, [1.0, 1.0, 3.0, 1.0], 1)
+    _feed(s, [1.0, 1.0, 3.0, 1.0], 2)  # the view's first step is not counted (N = 1)
     assert s.keep(0, range(4)) == {2: 1}  # 32 rows * (1/3) / (3 + 1/3) / 2 home slots = 1.6 -> 1
     assert s.keep(1, range(4)) == {}, "another view: nothing decided yet"
     assert s.keep(0, (0, 1, 3)) == {}
-    _feed(s, [1.0, 1.0, 3.0, 1.0], 1, gen=1, start=1)
+    _feed(s, [1.0, 1.0, 3.0, 1.0], 1, gen=1, start=2)
+    assert s.keep(1, range(4)) == {}, "the new view's first step is not counted"
+    _feed(s, [1.0, 1.0, 3.0, 1.0], 1, gen=1, start=3)
     assert s.keep(1, range(4)) == {2: 1}
 
 

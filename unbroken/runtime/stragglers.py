@@ -13,6 +13,8 @@ ledger keeps every ``(step, slot, row)`` once.
 
 Rule, with ``factor`` F and ``steps`` N (``fault.straggler_factor``, ``fault.straggler_steps``):
 
+- a view's first N committed steps are not counted (a joiner's first steps in its process pay for its
+  allocations and caches, several times a step's compute: counted, they would flag every replacement);
 - a worker's time per row is smoothed (an exponential mean over about N steps) and compared with the
   median of the live workers' smoothed times;
 - a worker above F times the median for N committed steps in a row is *slow*; a slow worker at or below
@@ -85,6 +87,8 @@ class Stragglers:
         self.release = (1.0 + factor) / 2.0
         self._alpha = 2.0 / (steps + 1.0)
         self.gen: int | None = None
+        self.warm = 0
+        """The current view's committed steps seen, up to ``steps`` (until then none is counted)."""
         self.mean: dict[int, float] = {}
         self.above: dict[int, int] = {}
         self.below: dict[int, int] = {}
@@ -106,7 +110,7 @@ class Stragglers:
     def _reset(self, gen: int, step: int, leader: bool) -> None:
         for ep in list(self.slow.values()):
             self._end(ep, step, leader, "view change")
-        self.gen, self.mean, self.above, self.below, self.slow = gen, {}, {}, {}, {}
+        self.gen, self.warm, self.mean, self.above, self.below, self.slow = gen, 0, {}, {}, {}, {}
 
     def keep(self, gen: int, members: Sequence[int]) -> dict[int, int]:
         """Rows per home slot each slow member of view ``gen`` keeps next step (others: all, not listed)."""
@@ -120,6 +124,9 @@ class Stragglers:
         0: the worker computed nothing or is not a member)."""
         if gen != self.gen:
             self._reset(gen, step, leader)
+        if self.warm < self.steps:
+            self.warm += 1
+            return
         live = [w for w in members if per_row[w] > 0]
         for w in live:
             x = float(per_row[w])
