@@ -155,9 +155,9 @@ def test_a_whole_job_killed_restores_its_shards_from_memory_and_resumes_unsharde
       the boundary it joins at from the node's snapshot memory (the live replica's rank of that index sealed
       it there), with no transfer;
     - every worker dies in step 6 with the cross-replica reduction in flight (the snapshot of step 6, taken
-      after step 5, sealed by then): the agents restore the job from snapshot memory at step 6 (0 steps
-      lost): the workers of each shard index snapshotted their shards together, and each rank loads its
-      shards back from them;
+      after step 5, sealed by then on a quiet machine): the agents restore the job from snapshot memory at the
+      newest step every rank sealed, step 6 (0 steps lost) or one before: the workers of each shard index
+      snapshotted their shards together, and each rank loads its shards back from them;
     - the node is lost at step 13: no agent is left, the job stops and names ``--resume``;
     - ``--resume`` with ``train.shard_degree=1`` continues from the checkpoint of step 12, or of step 8 (it
       is committed before the loss: the save of step 12 first waited for it), with every worker
@@ -177,20 +177,27 @@ def test_a_whole_job_killed_restores_its_shards_from_memory_and_resumes_unsharde
         run_job(cfg, run, nodes=1, workers_per_node=4, restart="on-failure",
                 fail_at=f"step=2:worker=3:kill:phase=forward,{kills},step=13:node=0:kill")
     assert f"continue with: unbroken train --resume {run}" in str(failed.value)
+    restores = [e for e in read_events(run) if e.get("event") == "job_restore"]
+    (restore,) = restores
     rejoined = [e for e in read_events(run) if e.get("event") == "rejoin_from_memory"]
-    early = [e for e in rejoined if e["step"] <= 6]
+    early = [e for e in rejoined if e["time"] < restore["time"]]
     assert sorted(e["worker"] for e in early) == [2, 3] and len({e["step"] for e in early}) == 1, rejoined
     assert 2 <= early[0]["step"] <= 6, rejoined
-    restores = [e for e in read_events(run) if e.get("event") == "job_restore"]
-    assert [(e["restored_from"], e["step"]) for e in restores] == [("memory", 6)], restores
+    # Step 6's snapshot (taken after step 5) is written beside step 6: on a busy machine the agent can fence a
+    # rank of the replica that died first before that rank sealed it, and every shard index needs all of its
+    # ranks' fragments. The restore takes the newest step every rank sealed before it: 6, or one before.
+    sealed = [{e["step"] for e in read_events(run) if e.get("event") == "snapshot_sealed" and e["worker"] == w
+               and e["time"] < restore["time"]} for w in range(4)]
+    step = max(set.intersection(*sealed))
+    assert (restore["restored_from"], restore["step"]) == ("memory", step) and step <= 6, (restores, sealed)
     plans = {(e["worker"], e["shard_index"]) for e in read_events(run) if e.get("event") == "snapshot_plan"}
     assert plans == {(0, 0), (1, 1), (2, 0), (3, 1)}, plans
     loaded = [e for e in read_events(run) if e.get("event") == "restored"]
-    assert all((e["restored_from"], e["step"]) == ("memory", 6) for e in loaded), loaded
+    assert all((e["restored_from"], e["step"]) == ("memory", step) for e in loaded), loaded
     # The step-6 kills land milliseconds apart: a replica whose agent restarted it before the last death can
     # make up the restored view alone; the other replica then rejoins it from memory at once.
     restored = sorted(e["worker"] for e in loaded)
-    late = sorted(e["worker"] for e in rejoined if e["step"] > 6)
+    late = sorted(e["worker"] for e in rejoined if e["time"] > restore["time"])
     assert restored in ([0, 1, 2, 3], [0, 1], [2, 3]) and sorted(restored + late) == [0, 1, 2, 3], rejoined
 
     flat = config_from_dict(cfg.to_dict())
