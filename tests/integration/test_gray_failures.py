@@ -124,7 +124,10 @@ def test_nan_recurring_on_two_workers_rows_stops_the_job(tmp_path, corpus_overri
     assert "continue with: unbroken train --resume" in message
     records = read_events(tmp_path / "run")
     assert not [r for r in records if r.get("kind") == "commit" and r["step"] >= 3], "step 3 applied nowhere"
-    assert sorted(r["worker"] for r in records if r.get("event") == "nonfinite_stop") == [0, 1]
+    # Every member decides alike; the first to stop fails the job, and on a busy machine its agent may stop the
+    # other before that one wrote its own record.
+    stops = [r for r in records if r.get("event") == "nonfinite_stop"]
+    assert stops and all((r["step"], r["culprits"]) == (3, 2) for r in stops), stops
 
 
 def test_bitflip_in_one_workers_gradient_changes_the_final_parameters(tmp_path, corpus_overrides):
