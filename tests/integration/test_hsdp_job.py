@@ -185,11 +185,14 @@ def test_a_whole_job_killed_restores_its_shards_from_memory_and_resumes_unsharde
     assert 2 <= early[0]["step"] <= 6, rejoined
     # Step 6's snapshot (taken after step 5) is written beside step 6: on a busy machine the agent can fence a
     # rank of the replica that died first before that rank sealed it, and every shard index needs all of its
-    # ranks' fragments. The restore takes the newest step every rank sealed before it: 6, or one before.
+    # ranks' fragments. The restore takes the newest step every rank sealed before it: 6, or one before. A
+    # worker reports a seal when its training thread next waits for it, so a rank killed in between sealed a
+    # step it never reported: the reported seals bound the restored step from below.
     sealed = [{e["step"] for e in read_events(run) if e.get("event") == "snapshot_sealed" and e["worker"] == w
                and e["time"] < restore["time"]} for w in range(4)]
-    step = max(set.intersection(*sealed))
-    assert (restore["restored_from"], restore["step"]) == ("memory", step) and step <= 6, (restores, sealed)
+    reported = max(set.intersection(*sealed))
+    assert restore["restored_from"] == "memory" and reported <= restore["step"] <= 6, (restores, sealed)
+    step = restore["step"]
     plans = {(e["worker"], e["shard_index"]) for e in read_events(run) if e.get("event") == "snapshot_plan"}
     assert plans == {(0, 0), (1, 1), (2, 0), (3, 1)}, plans
     loaded = [e for e in read_events(run) if e.get("event") == "restored"]

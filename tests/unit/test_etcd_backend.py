@@ -202,3 +202,44 @@ def test_a_gone_clients_markers_vanish_and_its_counts_stay(etcd_cluster, monkeyp
         assert gone[0].mark_dead(7, "again") and store.deaths() == 4, "an idle client's next add takes a new lease"
     finally:
         store.backend.clear()
+
+
+def test_an_add_whose_create_landed_unsealed_with_its_answer_lost_counts_once(etcd_cluster):
+    """A counter's create is sealed for the revision its writer guesses; a wrong guess is put right by a second
+    write. When the create's answer is lost (the member timed out after applying it) and the client sends it
+    again, the resend finds the key moved and the marker says the create landed: unsealed, so every other
+    adder would read it as absent and count from 0. It is sealed where it stands: the next adder counts 2."""
+    store = JobStore.create_on_etcd(etcd_cluster.url, timeout_s=10, secret="lost-create", job={"t": 1})
+    try:
+        other = JobStore.connect(etcd_cluster.url, timeout_s=10, secret="lost-create")
+        backend, cluster = store.backend, store.backend.cluster
+        send, lost = cluster.call, []
+
+        def call(path: str, payload: dict) -> dict:
+            puts = [op["request_put"]["key"] for op in payload.get("success", []) if "request_put" in op]
+            if path == "kv/txn" and backend.prefixed("arrive/9") in puts and not lost:
+                other.backend.set("elsewhere", "x")  # the store moves on: the create's guess is wrong
+                lost.append(send(path, payload))  # applied; its answer never arrives
+            return send(path, payload)  # ... and the request is sent again
+
+        cluster.call = call
+        assert backend.add("arrive/9", 1) == 1 and lost[0].get("succeeded"), "the first send applied the create"
+        cluster.call = send
+        assert other.backend.add("arrive/9", 1) == 2, "the create that landed counts"
+        assert store.arrived(9) == 2 and other.arrived(9) == 2
+
+        # Another adder writes over the unsealed create before the resend (it counted from 0): added again.
+        def call_raced(path: str, payload: dict) -> dict:
+            puts = [op["request_put"]["key"] for op in payload.get("success", []) if "request_put" in op]
+            if path == "kv/txn" and backend.prefixed("arrive/8") in puts and len(lost) == 1:
+                other.backend.set("elsewhere", "y")
+                lost.append(send(path, payload))
+                assert other.backend.add("arrive/8", 1) == 1
+            return send(path, payload)
+
+        cluster.call = call_raced
+        assert backend.add("arrive/8", 1) == 2 and lost[1].get("succeeded")
+        cluster.call = send
+        assert store.arrived(8) == 2 and other.backend.add("arrive/8", 1) == 3
+    finally:
+        store.backend.clear()

@@ -7,40 +7,32 @@ gateway with :mod:`etcd3gw` (pure Python: no grpc or protobuf pins).
 
 Operations, each one HTTP round trip in the common case:
 
-- ``compare_set``: one etcd transaction (compare the value, or that the key is
-  absent, then put; else read), with ``TCPStore``'s semantics: a missing key
-  with a non-empty ``expected`` echoes ``expected`` and creates nothing;
-- ``add``: a transaction guarded by the key's revision (read first, unless this
-  client wrote the counter last: a worker's own heartbeat is one round trip;
-  retried on a lost race); each adder also writes its own marker key in that transaction,
-  so an add whose answer was lost (its member died mid-request) is recognised
-  when retried on another member and never counted twice;
+- ``compare_set``: one etcd transaction (compare the value, or that the key is absent, then put; else read), with
+  ``TCPStore``'s semantics: a missing key with a non-empty ``expected`` echoes ``expected`` and creates nothing;
+- ``add``: a transaction guarded by the key's revision (read first, unless this client wrote the counter last: a
+  worker's own heartbeat is one round trip; retried on a lost race); each adder also writes its own marker key in
+  that transaction, so an add whose answer was lost (its member died or timed out mid-request) is recognised when
+  sent again and never counted twice, nor lost (a create that landed unsealed is sealed, or made again);
 - ``check`` / ``multi_get``: one transaction of reads;
-- ``get`` / ``multi_get`` of a missing key wait for it (like ``TCPStore``) up
-  to the operation timeout.
+- ``get`` / ``multi_get`` of a missing key wait for it (like ``TCPStore``) up to the operation timeout.
 
-Leases: counters a client declares with :meth:`EtcdBackend.lease_keys` (a
-worker's heartbeat and progress) are written under its lease, refreshed by its
-own adds once a third of the TTL has passed (one ``lease/keepalive`` request):
-when it stops, etcd deletes them by itself a TTL later. Every adder's markers
-go under its lease too (a client that declared no counters takes one of
-``MARKER_TTL_S``): a marker matters only while its add is being retried, so
-the markers of the thousands of clients a long job sees come and go (one per
-worker, joiner or standby incarnation on ``deaths``, ``joins`` and the beats)
-are deleted by etcd once their client is gone instead of piling up.
+Leases: counters a client declares with :meth:`EtcdBackend.lease_keys` (a worker's heartbeat and progress) are
+written under its lease, refreshed by its own adds once a third of the TTL has passed (one ``lease/keepalive``
+request): when it stops, etcd deletes them by itself a TTL later. Every adder's markers go under its lease too (a
+client that declared no counters takes one of ``MARKER_TTL_S``): a marker matters only while its add is being
+retried, so the markers of the thousands of clients a long job sees come and go (one per worker, joiner or
+standby incarnation on ``deaths``, ``joins`` and the beats) are deleted by etcd once their client is gone instead
+of piling up.
 
-Failover (:mod:`unbroken.store.etcd_client`): a client talks to one member (chosen by its pid, so the job's
-clients are spread over the cluster); a member that refuses, resets or does not
-answer within ``REQUEST_TIMEOUT_S`` is left for the next one, until the
-store timeout (``fault.store_timeout_s``: no quorum), saying so every
-``WAIT_LOG_S``, after which :class:`StoreUnavailable` (a
-``torch.distributed.DistStoreError``, like a lost ``TCPStore``) is raised. Every
-operation is safe to send again: puts, deletes and compare-and-sets are
-idempotent in their result, adds carry their marker.
+Failover (:mod:`unbroken.store.etcd_client`): a client talks to one member (chosen by its pid, so the job's clients
+are spread over the cluster); a member that refuses, resets or does not answer within ``REQUEST_TIMEOUT_S`` is left
+for the next one, until the store timeout (``fault.store_timeout_s``: no quorum), saying so every ``WAIT_LOG_S``,
+after which :class:`StoreUnavailable` (a ``torch.distributed.DistStoreError``, like a lost ``TCPStore``) is raised.
+Every operation is safe to send again: puts, deletes and compare-and-sets are idempotent in their result, adds
+carry their marker.
 
-Process groups rendezvous on :class:`EtcdGroupStore`, a Python
-``torch.distributed.Store`` over the same backend (gloo and NCCL call its
-``set``/``get``/``wait`` from C++), so the rendezvous survives a member's loss too
+Process groups rendezvous on :class:`EtcdGroupStore`, a Python ``torch.distributed.Store`` over the same backend
+(gloo and NCCL call its ``set``/``get``/``wait`` from C++), so the rendezvous survives a member's loss too
 (:mod:`unbroken.store.etcd_group_store`). What another writer did to a key is read back through the key's
 history (:mod:`unbroken.store.etcd_history`: a forged counter's newest authentic value; a deleted ``gen`` or
 ``outcome/<g>`` brought back with the newest decision written there; a view, items or rendezvous key gone or
@@ -71,7 +63,8 @@ from unbroken.store.backend import (ETCD_SCHEME, SECRET_ENV, UNSEEN, StoreAccess
                                            _namespace)
 from unbroken.store.etcd_group_store import EtcdGroupStore
 from unbroken.store.etcd_launch import clear_launch, point_here, range_end, read_pointer
-from unbroken.store.etcd_history import RESTORED, fill_written, last_authentic, last_before_gone, restore, restored_value
+from unbroken.store.etcd_history import (RESTORED, fill_written, last_authentic, last_before_gone, restore,
+                                         restored_value, sealed_at)
 from unbroken.store.seal import Sealer, launch_key
 from unbroken.store.wire import LAUNCH_ENV
 
@@ -340,24 +333,27 @@ class EtcdBackend(StoreBackend):
         kv = self.kvs.get(key) if amount and key in self.kvs else self.read_many([key])[0]
         if amount == 0 and kv is not None:  # a read (a missing counter is created at 0, as TCPStore's add does)
             return self._count(key, kv)
-        marker = f"{key}{MARKER}{self._me}"
+        marker, leased = f"{key}{MARKER}{self._me}", key in self._leased
         while True:
             token = f"{self._me}:{next(self._seq)}"  # one per try: a lost create's marker is not this try's
             base = self._count(key, kv)
             lease = self._lease()  # the marker's, and the counter's if it is leased
             try:
-                ok, kv = self.write_sealed(key, kv, str(base + amount).encode(), lease if key in self._leased else "",
-                                     also=[self._put(marker, token, lease)])
+                ok, kv = self.write_sealed(key, kv, str(base + amount).encode(), lease if leased else "",
+                                           also=[self._put(marker, token, lease)])
             except RequestRefused:
                 self._lease_id = ""  # it expired after its refresh (this process stood still): a new one
                 kv = self.read_many([key])[0]
                 continue
+            landed = None if ok or ok is None else self._landed(marker, token)
+            if landed is not None and sealed_at(self, key, landed):
+                value = self.open_value(key, kv)
+                return int(value) if value is not None else base + amount
+            if landed is not None and kv is not None and int(kv["mod_revision"]) == landed:  # unsealed: seal it
+                ok, kv = self.write_sealed(key, kv, str(base + amount).encode(), lease if leased else "")
             if ok:
                 self._counted[key] = base + amount
                 return base + amount
-            if ok is not None and self._landed(marker, token):
-                value = self.open_value(key, kv)
-                return int(value) if value is not None else base + amount
 
     def _count(self, key: str, kv: dict[str, Any] | None) -> int:
         """A counter's value: 0 when absent (never written, or its lease expired), the last value this client
@@ -410,11 +406,14 @@ class EtcdBackend(StoreBackend):
             out.append(value if value is not None or kv is None else UNSEEN)
         return out
 
-    def _landed(self, marker: str, token: str) -> bool:
-        """An earlier try of this add committed although its answer was lost (the retry found our marker)."""
+    def _landed(self, marker: str, token: str) -> int | None:
+        """The revision this try of an add committed at although its answer was lost (the resend found the key
+        moved, and our marker holds the try's token); None if it did not commit. A create whose guess of its
+        revision was wrong landed unsealed (:meth:`write_sealed`'s second write was never sent): every adder reads
+        it as absent, so the add seals it where it stands, or adds again once another adder wrote over it."""
         _, responses = self.txn([], [self._read(marker)], [])
         kv = self.kv_of(responses[0])
-        return kv is not None and _unb64(kv.get("value")).decode() == token
+        return int(kv["mod_revision"]) if kv is not None and _unb64(kv.get("value")).decode() == token else None
 
     def check(self, keys: list[str]) -> bool:  # polled as a wait: a write-once key read as wait_values does
         return all(v is not None for v in fill_written(self, keys, self.peek(keys)))

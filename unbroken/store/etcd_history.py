@@ -46,7 +46,7 @@ from unbroken.store.etcd_client import RequestRefused
 from unbroken.store.seal import Sealer
 
 __all__ = ["HISTORY_READS", "RESTORED", "SCAN_REVISIONS", "WRITE_ONCE", "fill_written", "last_authentic",
-           "last_before_gone", "last_written", "newest_decision", "restore", "restored_value"]
+           "last_before_gone", "last_written", "newest_decision", "restore", "restored_value", "sealed_at"]
 
 logger = logging.getLogger(__name__)
 
@@ -156,6 +156,17 @@ def last_before_gone(backend: EtcdBackend, key: str) -> bytes | None:
         if value is not None:
             return value if _place(kv) >= backend.sealer.seen.get(key, (0, 0)) else None
     return None
+
+
+def sealed_at(backend: EtcdBackend, key: str, revision: int) -> bool:
+    """Whether the value written at ``key`` in store ``revision`` is authentic there (True where the history is
+    compacted: nothing to put right any more)."""
+    try:
+        kv = (backend.call("kv/range", {"key": backend.prefixed(key), "revision": str(revision)}).get("kvs")
+              or [None])[0]
+    except RequestRefused:
+        return True
+    return kv is not None and backend.sealer.verify(key, _value(kv), _place(kv)[1], _place(kv)[0]) is not None
 
 
 def _order(value: bytes) -> int:
