@@ -52,3 +52,6 @@ def test_failover_scenarios_on_etcd(tmp_path, corpus_overrides, etcd_cluster, mo
     assert fences.get(5) == "no progress", fences
     assert job.committed_items(12) and 4 in {i[0] for i in job.committed_items(12)}, "step 12 counts worker 4"
     assert job.summary["failures"] == 4
+    # Each live worker's etcd requests reach its store_latency reports (the last one at its last step).
+    latency = {e["worker"]: e for e in job.events("store_latency")}
+    assert set(latency) >= {0, 3} and all(latency[w]["calls"] > 0 and latency[w]["p99_s"] > 0 for w in (0, 3))

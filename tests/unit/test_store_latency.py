@@ -69,6 +69,21 @@ def test_a_client_counts_the_requests_that_wait_for_nothing() -> None:
         store.close()
 
 
+def test_an_etcd_client_counts_every_request_it_sends(etcd_cluster) -> None:
+    """On etcd a wait for a key is a series of reads: each is a request of its own, counted like any other."""
+    store = JobStore.create_on_etcd(etcd_cluster.url, timeout_s=10, secret="latency", job={"t": 1})
+    try:
+        latency = store.request_latency()
+        assert latency is not None and latency is store.backend.cluster.latency
+        before, trips = latency.calls, store.backend.round_trips
+        store.backend.set("k", "v")
+        assert store.backend.get("k") == b"v"
+        assert latency.calls - before == store.backend.round_trips - trips >= 2, "one count per request"
+        assert 0 < latency.max_s < 10 and store.usage()["seconds"] > 0
+    finally:
+        store.backend.clear()
+
+
 def test_the_watchers_and_the_status_line_show_each_workers_newest_figures() -> None:
     state = JobState(workers=2)
     for worker, p99 in ((0, 0.002), (1, 0.009), (0, 0.004)):

@@ -21,6 +21,7 @@ except ImportError:  # pragma: no cover - reported by EtcdBackend.connect
     etcd_exceptions = None  # type: ignore[assignment]
 
 from unbroken.store.backend import ETCD_SCHEME, ETCD_TLS_ENV, ETCDS_SCHEME, is_etcd_address
+from unbroken.store.latency import LatencyHistogram
 
 __all__ = ["Cluster", "DEFAULT_PREFIX", "INSECURE_ENV", "INSECURE_FLAG", "RequestRefused", "StoreUnavailable", "check_transport",
            "is_etcd", "parse_etcd", "tls_files"]
@@ -157,11 +158,23 @@ class Cluster:
                         for h, p in endpoints]
         self.current = os.getpid() % len(self.clients)
         self.round_trips = 0
+        self.seconds = 0.0  # what the calls took, failovers included
+        self.latency = LatencyHistogram()  # each call's seconds (a wait for a key is a series of calls: each)
         self.store_timeout_s = store_timeout_s
         self.lost = False
 
     def call(self, path: str, payload: dict[str, Any]) -> dict[str, Any]:
-        """POST ``payload`` to ``/v3/<path>`` of a live member; raises :class:`StoreUnavailable` at the deadline."""
+        """POST ``payload`` to ``/v3/<path>`` of a live member; raises :class:`StoreUnavailable` at the deadline.
+        Its seconds, from the first try to the answer or the error, are counted into :attr:`latency`."""
+        t0 = time.perf_counter()
+        try:
+            return self._call(path, payload)
+        finally:
+            seconds = time.perf_counter() - t0
+            self.seconds += seconds
+            self.latency.add(seconds)
+
+    def _call(self, path: str, payload: dict[str, Any]) -> dict[str, Any]:
         t0 = time.monotonic()
         limit = REQUEST_TIMEOUT_S if self.lost else self.store_timeout_s
         last, tries, next_log = "", 0, 0.0

@@ -1,19 +1,15 @@
 """The job's coordination store: every key the job uses, behind typed methods.
 
-This is the only module (with its parts :mod:`unbroken.store.worker_keys`,
-the workers' and agents' keys, and :mod:`unbroken.store.standby_keys`, the
-warm standby's) that names coordination keys or calls the store's
-``get/set/compare_set/add``; the launcher, the agents, the standby, the step
-protocol and the workers all go through :class:`JobStore`. The backend is a
-:class:`StoreBackend`: the job's embedded store (:class:`EmbeddedBackend`),
-hosted by the launcher (or node 0's agent), or an etcd v3 cluster
+This is the only module (with its parts :mod:`unbroken.store.worker_keys`, the workers' and agents' keys, and
+:mod:`unbroken.store.standby_keys`, the warm standby's) that names coordination keys or calls the store's
+``get/set/compare_set/add``; the launcher, the agents, the standby, the step protocol and the workers all go
+through :class:`JobStore`. The backend is a :class:`StoreBackend`: the job's embedded store
+(:class:`EmbeddedBackend`), hosted by the launcher (or node 0's agent), or an etcd v3 cluster
 (:class:`~unbroken.store.etcd_backend.EtcdBackend`, ``--store etcd://...``).
 
-Access (:mod:`unbroken.store.backend`): the embedded store listens
-on the job's host only and serves only connections that prove they hold the
-job's secret, of its launch, so nobody else can read or change anything; on
-etcd every key lives under a namespace derived from the secret and every
-value is sealed.
+Access (:mod:`unbroken.store.backend`): the embedded store listens on the job's host only and serves only
+connections that prove they hold the job's secret, of its launch, so nobody else can read or change anything; on
+etcd every key lives under a namespace derived from the secret and every value is sealed.
 
 Key schema (``<g>`` a view generation, ``<w>`` a worker, ``<R>`` a node rank):
 
@@ -134,11 +130,15 @@ class JobStore(StandbyKeys, WorkerKeys):
     def usage(self) -> dict[str, float]:
         """Requests this connection sent and the seconds they took (``seconds`` where the backend times them)."""
         return {"round_trips": int(getattr(self.backend, "round_trips", 0)),
-                "seconds": round(float(getattr(getattr(self.backend, "client", None), "seconds", 0.0)), 4)}
+                "seconds": round(float(getattr(self._connection, "seconds", 0.0)), 4)}
 
     def request_latency(self) -> LatencyHistogram | None:
-        """This connection's running histogram of request seconds (None where the backend keeps none: etcd)."""
-        return getattr(getattr(self.backend, "client", None), "latency", None)
+        """This connection's running histogram of request seconds (None for a backend that keeps none)."""
+        return getattr(self._connection, "latency", None)
+
+    @property
+    def _connection(self) -> object:  # what sends the requests: the embedded store's client, or etcd's cluster
+        return getattr(self.backend, "client", None) or getattr(self.backend, "cluster", None)
 
     @property
     def launch(self) -> str | None:  # the embedded store's launch id (None on etcd): an agent's processes pin it
