@@ -15,7 +15,7 @@ import pytest
 from _faults import check_fenced_and_taken_over, check_invariants, failover_config, run_job
 from unbroken.agent.launcher import JobFailed
 from unbroken.report.run_report import summarize_run
-from unbroken.runtime.ledger import read_events
+from unbroken.runtime.ledger import check_ledger, read_events
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -51,3 +51,22 @@ def test_a_flipped_parameter_between_two_workers_stops_the_job(tmp_path, corpus_
     records = read_events(tmp_path / "run")
     assert not [r for r in records if r.get("kind") == "commit" and r["step"] >= 3], "step 3 applied nowhere"
     assert sorted(r["worker"] for r in records if r.get("event") == "param_mismatch_stop") == [0, 1]
+
+
+def test_under_hsdp_a_flipped_shard_takes_its_replica_out_and_the_others_train_on(tmp_path, corpus_overrides):
+    """3 replicas of 2 ranks (one per node), a bit flipped in worker 3's shard (replica 1, shard index 1) at step
+    3: only index 1's ranks see the checksums differ, the replica's word tells index 0's, so both ranks of replica
+    1 leave (not restarted here) and replicas 0 and 2 finish step 3 and the run, every row once, equal."""
+    cfg = failover_config(corpus_overrides, 8, "train.workers=6", "train.shard_degree=2", "mecefo.policy=spread",
+                          "fault.heartbeat_timeout_s=6.0")
+    job = run_job(cfg, tmp_path / "run", nodes=3, workers_per_node=2, fail_at="step=3:worker=3:bitflip:target=param")
+    ledger = check_ledger(job.run_dir, n_slots=cfg.n_slots, micro_batch=cfg.data.micro_batch, steps=8)
+    assert ledger.ok and ledger.committed == 8, ledger.to_json()
+    assert job.summary["steps"] == 8 and job.summary["workers_agree"], job.summary["param_digest"]
+    assert sorted(job.final_view()["members"]) == [0, 1, 4, 5]
+    fenced = sorted((e["worker"], e["step"]) for e in job.events("param_mismatch_fenced"))
+    assert fenced == [(2, 3), (3, 3)], fenced
+    decided = job.events("param_mismatch")
+    assert {(m["decision"], tuple(m["wrong"]), m["step"]) for m in decided} == {("fence", (2, 3), 3)}, decided
+    assert job.commit_gen(3) > 0 and job.committers(3) == {0, 1, 4, 5}, "step 3 applied only without replica 1"
+    assert {i[1] for i in job.committed_items(3)} == set(range(cfg.n_slots))

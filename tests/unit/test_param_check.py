@@ -13,6 +13,7 @@ from unbroken.config import load_config
 from unbroken.mecefo.gradients import GradLayout
 from unbroken.runtime.membership import Fenced, MemberDied, Membership
 from unbroken.runtime.param_check import HALF, ParamCheck, ParamMismatchStop, checksum, halves, judge
+from unbroken.sharding.replica_layout import ReplicaLayout
 from unbroken.store.job_store import JobStore
 
 pytestmark = pytest.mark.timeout(120)
@@ -101,14 +102,15 @@ def test_the_region_sits_before_the_word_and_leaves_it_alone() -> None:
     assert buf[layout.n_grad + 1 + 3 : layout.n_grad + 1 + 3 + 6].eq(HALF - 1).all()
 
 
-def test_param_check_every_auto_is_every_step_off_under_hsdp() -> None:
+def test_param_check_every_auto_is_every_step_under_hsdp_too() -> None:
     assert load_config(preset_name="debug").param_check_interval == 1
     assert load_config(preset_name="debug", overrides=["fault.param_check_every=4"]).param_check_interval == 4
     hsdp = load_config(preset_name="debug", overrides=["train.workers=4", "train.shard_degree=2"])
-    assert hsdp.param_check_interval == 0
-    with pytest.raises(ValueError, match="fault.param_check_every=2 with train.shard_degree=2"):
-        load_config(preset_name="debug", overrides=["train.workers=4", "train.shard_degree=2",
-                                                     "fault.param_check_every=2"])
+    assert hsdp.param_check_interval == 1
+    assert load_config(preset_name="debug", overrides=["train.workers=4", "train.shard_degree=2",
+                                                        "fault.param_check_every=2"]).param_check_interval == 2
+    with pytest.raises(ValueError, match="fault.param_check_every=-1: must be auto"):
+        load_config(preset_name="debug", overrides=["fault.param_check_every=-1"])
 
 
 @pytest.fixture
@@ -175,6 +177,63 @@ def test_two_members_that_differ_stop_the_job(store: JobStore) -> None:
         check.after_reduction(2, 4, reduced, (0, 1))
     assert [e["event"] for e in logs[0]] == ["param_mismatch", "attempt_aborted", "param_mismatch_stop"]
     assert not store.is_marked_dead(0)
+
+
+def hsdp_round(store: JobStore, shards: list[torch.Tensor], k: int, step: int = 5) -> tuple[list, list[dict]]:
+    """Workers ``0..len(shards)-1`` in replicas of ``k`` ranks, worker ``w`` holding ``shards[w]``: each stamps its
+    checksum, its shard index's buffers are summed (the cross-replica reduction), each rank finds, the ranks of a
+    replica sum their marks (the replica's word), and each settles: what each raised (None: nothing), and its
+    events."""
+    n, replicas = len(shards), ReplicaLayout(len(shards), k)
+    layout = GradLayout(torch.nn.Linear(2, 2), OneGroup(), checksums=2 * n)
+    logs: list[list[dict]] = [[] for _ in range(n)]
+    checks = [ParamCheck(Membership(store, w, heartbeat_timeout_s=2.0), layout, [shards[w]], every=1,
+                         event=lambda name, log=logs[w], **fields: log.append({"event": name, **fields}),
+                         replicas=replicas) for w in range(n)]
+    bufs = [layout.new_buffer() for _ in range(n)]
+    for check, buf in zip(checks, bufs):
+        check.stamp(step, buf)
+    reduced = {i: sum(bufs[w] for w in replicas.shard_peers(i, range(n))) for i in range(k)}
+    found = [checks[w].find(step, reduced[replicas.index_of(w)], range(n)) for w in range(n)]
+    marks = [checks[w].marks(found[w]) for w in range(n)]
+    pooled = {r: [sum(col) for col in zip(*(marks[w] for w in replicas.replica_members(r)))]
+              for r in range(replicas.replicas)}
+    raised: list = []
+    for w in range(n):
+        try:
+            checks[w].settle(step, 7, found[w], pooled[replicas.replica_of(w)])
+            raised.append(None)
+        except (Fenced, MemberDied, ParamMismatchStop) as exc:
+            raised.append(exc)
+    return raised, logs
+
+
+def test_under_hsdp_a_replica_with_one_wrong_shard_leaves_whole_and_every_rank_knows(store: JobStore) -> None:
+    """3 replicas of 2 ranks: a bit flipped in worker 3's shard (replica 1, index 1) is seen by index 1's ranks
+    only; the replica's word carries it to index 0's, so both ranks of replica 1 leave and every other rank moves
+    on without them. With equal shards nothing is raised."""
+    shards = [torch.arange(6.0) + 10 * (w % 2) for w in range(6)]  # a shard index's shards are equal
+    raised, logs = hsdp_round(store, [s.clone() for s in shards], k=2)
+    assert raised == [None] * 6 and not any(logs)
+    shards[3] = flipped(shards[3], 4, 30)
+    raised, logs = hsdp_round(store, shards, k=2)
+    assert [type(e).__name__ for e in raised] == ["MemberDied", "MemberDied", "Fenced", "Fenced", "MemberDied",
+                                                  "MemberDied"]
+    assert all("workers 2 and 3 disagree with the majority" in str(raised[w]) for w in (0, 1, 4, 5))
+    assert store.is_marked_dead(2) and store.is_marked_dead(3) and not store.is_marked_dead(1)
+    assert [e["event"] for e in logs[2]] == ["param_mismatch", "param_mismatch_fenced"]
+    assert (logs[2][0]["decision"], logs[2][0]["wrong"]) == ("fence", [2, 3])
+    assert len(set(logs[2][0]["checksums"].values())) == 1, "index 0's checksums agree: it learnt it from the word"
+    assert set(logs[3][0]["checksums"]) == {"1", "3", "5"}
+
+
+def test_under_hsdp_two_replicas_that_differ_in_one_shard_stop_every_rank(store: JobStore) -> None:
+    shards = [torch.ones(4) for _ in range(4)]
+    shards[1] = flipped(shards[1], 0, 3)
+    raised, logs = hsdp_round(store, shards, k=2)
+    assert all(isinstance(e, ParamMismatchStop) for e in raised)
+    assert "workers 1 and 3 differ" in str(raised[1]) and "replicas differ in one shard" in str(raised[0])
+    assert not any(store.is_marked_dead(w) for w in range(4))
 
 
 def test_the_cost_benchmark_times_the_checksum_beside_one_slots_compute(tmp_path: Path,

@@ -263,9 +263,9 @@ class FaultConfig:
     """Every this many steps the replicas' parameter checksums are compared in the step's own reduction
     (:mod:`unbroken.runtime.param_check`): a step whose members' parameters differ is not applied; the members
     outside a strict majority leave fenced and rejoin with the state, and with no strict majority (two workers)
-    the job stops naming them. 0: off. ``auto``: every step (one read of the parameters: about 0.1-0.2 % of one
-    slot's compute for ``debug`` and ``tiny`` on a CPU, ``python -m benchmarks.param_check``), off under HSDP
-    (``train.shard_degree > 1``), where a number is refused."""
+    the job stops naming them; under HSDP each shard index's checksums are compared across the replicas, and a
+    replica found wrong leaves whole. 0: off. ``auto``: every step (one read of the parameters: about 0.1-0.2 %
+    of one slot's compute for ``debug`` and ``tiny`` on a CPU, ``python -m benchmarks.param_check``)."""
     recovery: str = "takeover"
     """One of :data:`unbroken.runtime.recovery.RECOVERIES`: ``takeover``: survivors finish the step and carry on (unbroken);
     ``restart``: plain data parallelism, any failure restarts every worker from
@@ -372,9 +372,7 @@ class Config:
     def param_check_interval(self) -> int:
         """Steps between parameter checks (``fault.param_check_every``, ``auto`` resolved); 0: off."""
         every = self.fault.param_check_every
-        if every == "auto":
-            return 1 if self.train.shard_degree <= 1 else 0
-        return every
+        return 1 if every == "auto" else every
 
     @property
     def n_slots(self) -> int:

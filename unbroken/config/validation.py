@@ -142,11 +142,7 @@ def _mecefo_fault(cfg: Config, need: Need) -> None:
          f"fault.straggler_replace_s={f.straggler_replace_s}: must be a number of seconds >= 0 (0: never)")
     every = f.param_check_every
     need(every == "auto" or (isinstance(every, int) and every >= 0),
-         f"fault.param_check_every={every!r}: must be auto (every step, off under HSDP) or a number of steps >= 0 "
-         "(0: off)")
-    need(not isinstance(every, int) or every == 0 or t.shard_degree <= 1, f"fault.param_check_every={every} with "
-         f"train.shard_degree={t.shard_degree}: the replicas' parameters are not compared under HSDP; give "
-         "fault.param_check_every=0 (or auto)")
+         f"fault.param_check_every={every!r}: must be auto (every step) or a number of steps >= 0 (0: off)")
     need(f.straggler_factor == 0 or t.shard_degree <= 1, f"fault.straggler_factor={f.straggler_factor} with "
          f"train.shard_degree={t.shard_degree}: stragglers are not rebalanced under HSDP; give "
          f"fault.straggler_factor=0")

@@ -315,7 +315,7 @@ def build_job(cfg: Config, device: torch.device, prepared: Prepared | None = Non
                           policy=m.policy)
     layout = GradLayout(model, adapter, votes=VOTE_SLOTS if auto_cadence(cfg) else 0,
                         timings=cfg.train.workers if cfg.fault.straggler_factor and shard is None else 0,
-                        checksums=2 * cfg.train.workers if cfg.param_check_interval and shard is None else 0)
+                        checksums=2 * cfg.train.workers if cfg.param_check_interval else 0)
     o = cfg.optim
     if o.factory:
         optimizer = user_optimizer(cfg, model, BuildContext(cfg=cfg, device=device, seed=cfg.train.seed,

@@ -44,6 +44,7 @@ from unbroken.sharding.parallelism import Parallelism, parallelism_for
 from unbroken.snapshot.cadence import auto as auto_cadence
 from unbroken.snapshot.replicas import ReplicaStore
 from unbroken.snapshot.snapshotter import Snapshotter
+from unbroken.state.parts import local_of
 
 __all__ = ["WorkerParts", "assemble"]
 
@@ -112,7 +113,8 @@ def assemble(cfg: Config, spec: WorkerSpec, membership: Membership, prepared: Pr
                                                           n_workers=job.n_workers),
         layout=layout, replica=_replica_sync(cfg, parallelism, job, device, membership),
         announcer=job.layout,  # admissions announced in the reduction (runtime/view_changes.py)
-        state=state, stragglers=_stragglers(cfg, job, event), param_check=_param_check(cfg, job, membership, event))
+        state=state, stragglers=_stragglers(cfg, job, event),
+        param_check=_param_check(cfg, job, membership, event, parallelism))
     if snapshots is not None:
         # Before this step's reduction completes, the last step's snapshot is consistent: with a fixed
         # interval sealed (a commit of step s+1 means every member sealed its share of step s, the restore
@@ -169,12 +171,14 @@ def _replica_sync(cfg: Config, parallelism: Parallelism, job: Job, device: torch
     return ReplicaSync(job.replica, parallelism.shard_degree, device, cfg.train.timeout_s, waiting=membership.advance)
 
 
-def _param_check(cfg: Config, job: Job, membership: Membership, event: Callable[..., None]) -> ParamCheck | None:
+def _param_check(cfg: Config, job: Job, membership: Membership, event: Callable[..., None],
+                 parallelism: Parallelism) -> ParamCheck | None:
     """The replicas' parameter checksums compared in each reduction (``fault.param_check_every``; the job's
-    buffers carry them), or None: off."""
+    buffers carry them), or None: off. Under HSDP each rank checksums its own shards."""
     if not cfg.param_check_interval or not job.layout.n_checksums:
         return None
-    return ParamCheck(membership, job.layout, job.layout.params, every=cfg.param_check_interval, event=event)
+    return ParamCheck(membership, job.layout, [local_of(p) for p in job.layout.params], every=cfg.param_check_interval,
+                      event=event, replicas=parallelism.replicas if parallelism.hsdp else None)
 
 
 def _stragglers(cfg: Config, job: Job, event: Callable[..., None]) -> Stragglers | None:

@@ -24,7 +24,13 @@ word by ``+-2**k`` with ``k`` below its width (the sign bit too, by two's comple
 property for every fold: a carry across the fold's boundary can cancel the change.) Several flips cancel with
 probability about ``2**-32``.
 
-Not under HSDP (each rank holds other shards: the comparison would be per shard index); under
+Under HSDP (:class:`~unbroken.sharding.replica_layout.ReplicaLayout`) each rank checksums its own shards,
+and a rank's reduction sums the buffers of its shard index's workers, one per live replica: each rank judges
+its index's checksums (:meth:`ParamCheck.find`), and the ranks of a replica pool their findings in the word
+they exchange after every reduction (:meth:`ParamCheck.marks`: whether any index had no strict majority, and
+which replicas an index found wrong), so every rank of every replica acts alike (:meth:`ParamCheck.settle`): an
+index's checksums are the same on every replica, and every replica has a rank of every index. A replica found
+wrong leaves whole (each of its ranks marks itself dead), as after any death of one of its ranks. Under
 ``fault.recovery=restart`` (plain data parallelism) the checksums are written but not compared.
 
 Invariants: a step whose members' checksums differ is never voted on, so never applied; every member takes the
@@ -44,8 +50,9 @@ from typing import Callable, Hashable, Iterable, Literal, Mapping, Protocol, Seq
 import torch
 
 from unbroken.runtime.membership import Fenced, MemberDied, Membership
+from unbroken.sharding.replica_layout import ReplicaLayout
 
-__all__ = ["HALF", "PARAM_MISMATCH", "ParamCheck", "ParamMismatchStop", "Verdict", "checksum", "judge"]
+__all__ = ["Finding", "HALF", "PARAM_MISMATCH", "ParamCheck", "ParamMismatchStop", "Verdict", "checksum", "judge"]
 
 logger = logging.getLogger(__name__)
 
@@ -110,22 +117,33 @@ def judge(values: Mapping[int, Hashable]) -> Verdict:
     return Verdict("stop", tuple(sorted(values)))
 
 
+@dataclass(frozen=True)
+class Finding:
+    """What a member read in a checked step's reduction: the checksums it compares (``{worker: checksum}``: the
+    view's members, or under HSDP its shard index's, one per live replica) and the rule's verdict on them."""
+
+    values: Mapping[int, int]
+    verdict: Verdict
+
+
 class ParamCheck:
     """One member's side of the check (module docstring), called by the step protocol around each reduction.
 
     Args:
         membership: this worker's failure detector (its marks fence).
         buffers: where the reduction buffers carry the checksums.
-        params: this worker's parameters (their local tensors).
+        params: this worker's parameters (their local tensors: its shards under HSDP).
         every: check every this many steps (>= 1).
         event: writes one event of this worker (``event(name, **fields)``).
+        replicas: HSDP's layout (None: plain data parallelism, every member compared with every other).
     """
 
     def __init__(self, membership: Membership, buffers: Checksums, params: Sequence[torch.Tensor], *, every: int,
-                 event: Callable[..., None]) -> None:
+                 event: Callable[..., None], replicas: ReplicaLayout | None = None) -> None:
         if every < 1:
             raise ValueError(f"param check every {every} steps: must be >= 1")
         self.m, self.buffers, self.params, self.every, self.event = membership, buffers, params, every, event
+        self.replicas = replicas
 
     def checks(self, step: int) -> bool:
         """Whether ``step``'s reduction carries the checksums."""
@@ -140,32 +158,64 @@ class ParamCheck:
             me = self.m.worker
             slots[2 * me : 2 * me + 2] = halves(checksum(self.params))
 
-    def after_reduction(self, step: int, gen: int, reduced: torch.Tensor, members: Sequence[int]) -> None:
-        """After the reduction, before anything looks at its gradients: returns if the members' checksums agree.
-
-        Raises:
-            Fenced: this worker's parameters differ from the majority's: it leaves (marked dead).
-            MemberDied: another member's do: the members move to the view without it.
-            ParamMismatchStop: they differ with no strict majority: the job stops.
-        """
+    def find(self, step: int, reduced: torch.Tensor, members: Sequence[int]) -> Finding | None:
+        """After the reduction: the checksums this member compares and the verdict on them (None: ``step`` is not
+        checked, or there is nobody to compare with)."""
+        if self.replicas is not None:  # the workers of this rank's shard index, one per live replica
+            members = self.replicas.shard_peers(self.replicas.index_of(self.m.worker), members)
         if not self.checks(step) or len(members) < 2:
-            return
+            return None
         slots = self.buffers.checksums(reduced).tolist()
         values = {w: round(slots[2 * w]) + HALF * round(slots[2 * w + 1]) for w in members}
-        verdict = judge(values)
-        if verdict.decision == "agree":
+        return Finding(values, judge(values))
+
+    def marks(self, finding: Finding | None) -> list[int]:
+        """HSDP: this rank's part of its replica's word (summed over the replica's ranks): whether its index's
+        checksums had no strict majority, then a mark per replica its index found wrong (``[]`` without HSDP)."""
+        if self.replicas is None:
+            return []
+        out = [0] * (1 + self.replicas.replicas)
+        if finding is not None and finding.verdict.decision == "stop":
+            out[0] = 1
+        elif finding is not None and finding.verdict.decision == "fence":
+            for w in finding.verdict.wrong:
+                out[1 + self.replicas.replica_of(w)] = 1
+        return out
+
+    def after_reduction(self, step: int, gen: int, reduced: torch.Tensor, members: Sequence[int]) -> None:
+        """Plain data parallelism: :meth:`find` then :meth:`settle`."""
+        self.settle(step, gen, self.find(step, reduced, members))
+
+    def settle(self, step: int, gen: int, finding: Finding | None, pooled: Sequence[int] | None = None) -> None:
+        """After the reduction (under HSDP after the replica's word, ``pooled`` its summed :meth:`marks`), before
+        anything looks at its gradients: returns if the checksums agree.
+
+        Raises:
+            Fenced: this worker's parameters (its replica's, under HSDP) differ from the majority's: it leaves.
+            MemberDied: another member's (replica's) do: the members move to the view without it.
+            ParamMismatchStop: they differ with no strict majority: the job stops.
+        """
+        verdict = None if finding is None else finding.verdict
+        if self.replicas is not None and pooled:  # what every rank of every replica found, alike everywhere
+            layout = self.replicas
+            wrong = tuple(w for r, n in enumerate(pooled[1:]) if n for w in layout.replica_members(r))
+            verdict = Verdict("stop", verdict.wrong if verdict is not None and verdict.decision == "stop" else ()) \
+                if pooled[0] else Verdict("fence", wrong) if wrong else None
+        if verdict is None or verdict.decision == "agree":
             return
-        me = self.m.worker
+        me, values = self.m.worker, {} if finding is None else finding.values
         fields = {"step": step, "gen": gen, "checksums": {str(w): v for w, v in values.items()},
                   "decision": verdict.decision, "wrong": list(verdict.wrong)}
         self.event("param_mismatch", **fields)
         logger.error("step %d: the members' parameter checksums differ (%s): %s", step,
-                     ", ".join(f"worker {w}: {v}" for w, v in values.items()), verdict.decision)
+                     ", ".join(f"worker {w}: {v}" for w, v in values.items()) or "another shard index's",
+                     verdict.decision)
         if verdict.decision == "fence":
             if me in verdict.wrong:
-                theirs = next(values[w] for w in members if w not in verdict.wrong)
+                theirs = next((values[w] for w in values if w not in verdict.wrong), None)
                 reason = (f"its parameters at step {step} differ from those of the majority of the view's members "
-                          f"(checksum {values[me]}, theirs {theirs})")
+                          + (f"(checksum {values[me]}, theirs {theirs})" if me in values and theirs is not None
+                             else "(in another shard of its replica)"))
                 self.event("param_mismatch_fenced", step=step, gen=gen, reason=reason)
                 self.m.mark_dead(me, json.dumps({"by": me, "how": PARAM_MISMATCH, "step": step, "t": time.time()}))
                 raise Fenced(f"worker {me}: {reason}")
@@ -173,9 +223,10 @@ class ParamCheck:
             raise MemberDied(f"step {step}'s parameter checksums differ in view {gen}: worker{'' if one else 's'} "
                              f"{_names(verdict.wrong)} {'disagrees' if one else 'disagree'} with the majority and "
                              f"{'is' if one else 'are'} fenced")
-        message = (f"step {step}: the parameters of workers {_names(verdict.wrong)} differ (checksums "
-                   f"{', '.join(str(values[w]) for w in verdict.wrong)}) and no strict majority of the view's "
-                   "members agrees, so none can be told wrong; the step was not applied")
+        named = (f"workers {_names(verdict.wrong)} differ (checksums {', '.join(str(values[w]) for w in verdict.wrong)})"
+                 if verdict.wrong else "replicas differ in one shard")
+        message = (f"step {step}: the parameters of {named} and no strict majority of the view's members agrees, "
+                   "so none can be told wrong; the step was not applied")
         self.event("attempt_aborted", step=step, gen=gen, reason=message)
         self.event("param_mismatch_stop", step=step, gen=gen, message=message)
         raise ParamMismatchStop(message)

@@ -60,7 +60,7 @@ from unbroken.mecefo.gradients import GradLayout, SlotWork, slot_rows
 from unbroken.mecefo.takeover import TakeoverPolicy
 from unbroken.runtime.membership import Fenced, Membership, MemberDied, MissedCommit, View, ViewChanged
 from unbroken.runtime.nonfinite import NonFiniteSteps
-from unbroken.runtime.param_check import ParamCheck
+from unbroken.runtime.param_check import Finding, ParamCheck
 from unbroken.runtime.stragglers import Stragglers
 from unbroken.runtime.process_group import CollectiveFailed, ViewGroup
 from unbroken.runtime.view_changes import (CHECK_EVERY_S, MAX_SAME_VIEW_RETRIES, AdmissionWord, RetriesExhausted,
@@ -294,9 +294,10 @@ class StepProtocol:
                 except (ViewChanged, CollectiveFailed, MemberDied):
                     self._replica_word(step, ok=False, reduced=None)  # HSDP: its siblings wait for its word
                     raise
-                shards_finite = self._replica_word(step, ok=True, reduced=reduced)
+                found = None if self.param_check is None else self.param_check.find(step, reduced, self.view.members)
+                shards_finite = self._replica_word(step, ok=True, reduced=reduced, found=found)
                 if self.param_check is not None:  # a reduction of gradients from differing parameters: none applies it
-                    self.param_check.after_reduction(step, self.view.gen, reduced, self.view.members)
+                    self.param_check.settle(step, self.view.gen, found, self.views.pooled)
                 if self.nonfinite.after_reduction(step, self.view.gen, reduced, items, shards_finite):
                     local, again = None, True  # reduced in place: computed again, by the same members
                     continue
@@ -418,10 +419,13 @@ class StepProtocol:
         assert self.group is not None  # a step reduces in its view's group
         return self.group.allreduce(local, check or self._check, lambda: self._phase("allreduce", step))
 
-    def _replica_word(self, step: int, ok: bool, reduced: torch.Tensor | None) -> bool | None:
-        """HSDP: this worker's word to its replica on its reduction (:meth:`ViewChanges.replica_word`); returns
-        whether every rank's reduced part is finite (None without HSDP: the caller looks at ``reduced`` itself)."""
-        return self.views.replica_word(step, ok, reduced)
+    def _replica_word(self, step: int, ok: bool, reduced: torch.Tensor | None,
+                      found: Finding | None = None) -> bool | None:
+        """HSDP: this worker's word to its replica on its reduction (:meth:`ViewChanges.replica_word`, with what
+        its parameter check ``found``); returns whether every rank's reduced part is finite (None without HSDP:
+        the caller looks at ``reduced`` itself)."""
+        marks = [] if self.param_check is None else self.param_check.marks(found)
+        return self.views.replica_word(step, ok, reduced, marks)
 
     def _vote(self, step: int) -> None:
         """Vote ``commit`` for ``step`` under the current view (see the module docstring).

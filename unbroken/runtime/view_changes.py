@@ -33,7 +33,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import TYPE_CHECKING, Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 
 import torch
 
@@ -122,6 +122,7 @@ class ViewChanges:
         self.voted = -1  # the last step this worker saw committed under the current view
         self.same_view_retries = 0
         self._admits = False  # HSDP: the leader announced, in this attempt's replica sync, that it admits joiners
+        self.pooled: list[int] = []  # HSDP: the replica's ranks' parameter check marks, summed, of that sync
         self._admit_next = False  # the committed step's reduction announced an admission at its boundary
         self._next_check = 0.0
 
@@ -199,11 +200,8 @@ class ViewChanges:
                     adopt_s=time.perf_counter() - t0)
 
     def _arrive(self, view: View) -> None:
-        """Wait until every member of ``view`` is here, watching for deaths meanwhile.
-
-        Building a group blocks until all members connect; a member that died
-        after the view was proposed would make that wait last the whole timeout.
-        """
+        """Wait until every member of ``view`` is here, watching for deaths meanwhile (building a group blocks
+        until all members connect: one that died after the view was proposed would make that wait its timeout)."""
         n = len(view.members)
         if self.store.arrive(view.gen) < n:
             self.wait_for(lambda: self.store.arrived(view.gen) >= n, f"arrival of the members of view {view.gen}")
@@ -226,14 +224,15 @@ class ViewChanges:
 
     # -- an attempt of a step, and leaving a view after a failed one ------------------
 
-    def replica_word(self, step: int, ok: bool, reduced: torch.Tensor | None = None) -> bool | None:
+    def replica_word(self, step: int, ok: bool, reduced: torch.Tensor | None = None,
+                     marks: Sequence[int] = ()) -> bool | None:
         """HSDP: tell this replica's other ranks whether this worker's reduction of this attempt (its shard
         index's part) completed, and learn theirs; the leader also says whether it admits joiners at the step's
-        end; returned: whether every rank's reduced part (``reduced``) is finite (None without HSDP). Every rank
-        gets here once per attempt, completed or not, so the collective always matches (a rank whose item
-        exchange failed may be a view ahead, waiting for its sibling's items). A member votes ``commit`` only
-        once every rank of its replica holds its part: then every part of the step is defined and the same as
-        its peers'.
+        end, each rank its parameter check's ``marks`` (summed into :attr:`pooled`); returned: whether every
+        rank's reduced part (``reduced``) is finite (None without HSDP). Every rank gets here once per attempt,
+        completed or not, so the collective always matches (a rank whose item exchange failed may be a view
+        ahead, waiting for its sibling's items). A member votes ``commit`` only once every rank of its replica
+        holds its part: then every part of the step is defined and the same as its peers'.
 
         Raises:
             CollectiveFailed: ``ok`` and another rank's reduction failed, or the collective failed (a rank died).
@@ -242,11 +241,11 @@ class ViewChanges:
             return None
         admit = self.view.leader == self.me and bool(
             self.plan.admissible(self.m.pending_joins(self.view, self.job.n_workers), self.view.members))
-        got = self.replica.agree(ok, admit, bad=reduced is not None and not finite(reduced))
+        got = self.replica.agree(ok, admit, bad=reduced is not None and not finite(reduced), marks=marks)
         if got is None:
             raise CollectiveFailed(f"the replica's word on the reductions of step {step} in view {self.view.gen} "
                                    "failed")
-        every, self._admits, bad = got
+        every, self._admits, bad, self.pooled = got
         if ok and not every:
             raise CollectiveFailed(f"the reduction of another shard index of step {step} in view {self.view.gen} "
                                    "did not complete")

@@ -159,7 +159,8 @@ class ReplicaSync:
       completed reduction means every member of its index's group contributed), and does the view's leader
       admit joiners at the step's end? One small all-reduce, in place of a count in the job store that every
       member would wait on, and of a broadcast from the leader at every step boundary. It also carries
-      whether any rank found its reduced part not finite (:mod:`unbroken.runtime.nonfinite`).
+      whether any rank found its reduced part not finite (:mod:`unbroken.runtime.nonfinite`), and what the
+      ranks found of the replicas' parameter checksums (:mod:`unbroken.runtime.param_check`).
     - :meth:`boundary`: the leader's view generation at a step boundary it announced (a broadcast), and the
       final checkpoint's writer's word to its siblings.
 
@@ -179,14 +180,15 @@ class ReplicaSync:
                  waiting: Callable[[], None] = lambda: None) -> None:
         self.group, self.size, self.device, self.timeout_s, self.waiting = group, size, device, timeout_s, waiting
 
-    def agree(self, ok: bool, flag: bool = False, bad: bool = False) -> tuple[bool, bool, bool] | None:
-        """(is every rank's ``ok`` true, is any rank's ``flag``, is any rank's ``bad``), or None (the collective
-        failed)."""
-        t = torch.tensor([int(ok), int(flag), int(bad)], dtype=torch.int64, device=self.device)
+    def agree(self, ok: bool, flag: bool = False, bad: bool = False,
+              marks: Sequence[int] = ()) -> tuple[bool, bool, bool, list[int]] | None:
+        """(is every rank's ``ok`` true, is any rank's ``flag``, is any rank's ``bad``, the ranks' ``marks``
+        summed: every rank gives as many), or None (the collective failed)."""
+        t = torch.tensor([int(ok), int(flag), int(bad), *marks], dtype=torch.int64, device=self.device)
         if not self._run(lambda: dist.all_reduce(t, group=self.group, async_op=True)):
             return None
-        done, flags, bads = t.tolist()
-        return done == self.size, flags > 0, bads > 0
+        done, flags, bads, *summed = t.tolist()
+        return done == self.size, flags > 0, bads > 0, summed
 
     def boundary(self, index: int, value: int) -> int:
         """``value`` (>= 0) of the rank with shard index ``index`` (a broadcast; the others pass -1), or -2: the
