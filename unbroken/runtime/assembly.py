@@ -44,7 +44,6 @@ from unbroken.sharding.parallelism import Parallelism, parallelism_for
 from unbroken.snapshot.cadence import auto as auto_cadence
 from unbroken.snapshot.replicas import ReplicaStore
 from unbroken.snapshot.snapshotter import Snapshotter
-from unbroken.state.parts import local_of
 
 __all__ = ["WorkerParts", "assemble"]
 
@@ -177,8 +176,8 @@ def _param_check(cfg: Config, job: Job, membership: Membership, event: Callable[
     buffers carry them), or None: off. Under HSDP each rank checksums its own shards."""
     if not cfg.param_check_interval or not job.layout.n_checksums:
         return None
-    return ParamCheck(membership, job.layout, [local_of(p) for p in job.layout.params], every=cfg.param_check_interval,
-                      event=event, replicas=parallelism.replicas if parallelism.hsdp else None)
+    return ParamCheck(membership, job.layout, job.layout.params, every=cfg.param_check_interval, event=event,
+                      replicas=parallelism.replicas if parallelism.hsdp else None)
 
 
 def _stragglers(cfg: Config, job: Job, event: Callable[..., None]) -> Stragglers | None:

@@ -51,6 +51,7 @@ import torch
 
 from unbroken.runtime.membership import Fenced, MemberDied, Membership
 from unbroken.sharding.replica_layout import ReplicaLayout
+from unbroken.state.parts import local_of
 
 __all__ = ["Finding", "HALF", "PARAM_MISMATCH", "ParamCheck", "ParamMismatchStop", "Verdict", "checksum", "judge"]
 
@@ -132,7 +133,7 @@ class ParamCheck:
     Args:
         membership: this worker's failure detector (its marks fence).
         buffers: where the reduction buffers carry the checksums.
-        params: this worker's parameters (their local tensors: its shards under HSDP).
+        params: this worker's parameters (under HSDP the checksum reads their local shards).
         every: check every this many steps (>= 1).
         event: writes one event of this worker (``event(name, **fields)``).
         replicas: HSDP's layout (None: plain data parallelism, every member compared with every other).
@@ -156,7 +157,7 @@ class ParamCheck:
         slots.zero_()
         if self.checks(step):
             me = self.m.worker
-            slots[2 * me : 2 * me + 2] = halves(checksum(self.params))
+            slots[2 * me : 2 * me + 2] = halves(checksum(local_of(p) for p in self.params))  # read as they are now
 
     def find(self, step: int, reduced: torch.Tensor, members: Sequence[int]) -> Finding | None:
         """After the reduction: the checksums this member compares and the verdict on them (None: ``step`` is not
