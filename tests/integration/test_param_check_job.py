@@ -1,9 +1,11 @@
 """Silently wrong parameters in a real job (CPU, gloo): a bit flipped in one worker's parameters before its forward
 pass is found by the replicas' checksums in the same step's reduction (:mod:`unbroken.runtime.param_check`).
 
-With three workers the two that agree are a strict majority: the step is applied nowhere, the odd worker leaves
-fenced, the others take its rows over in the same step, and it rejoins with a peer's state, so the run ends with
-every worker's parameters equal. With two nobody can tell which is wrong: the job stops, naming both.
+With three workers the two that agree are a strict majority: the step is applied nowhere, the odd worker takes
+the majority's parameters and the step is done again with the same rows, so the run ends bit for bit as the run
+without the fault; flipped again in that step, the odd worker leaves fenced, the others take its rows over in the
+same step, and it rejoins with a peer's state, so the run ends with every worker's parameters equal. With two
+nobody can tell which is wrong: the job stops, naming both.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import math
 
 import pytest
 
-from _faults import check_fenced_and_taken_over, check_invariants, failover_config, run_job
+from _faults import MICRO_BATCH, check_fenced_and_taken_over, check_invariants, failover_config, run_job
 from unbroken.agent.launcher import JobFailed
 from unbroken.report.run_report import summarize_run
 from unbroken.runtime.ledger import check_ledger, read_events
@@ -20,21 +22,41 @@ from unbroken.runtime.ledger import check_ledger, read_events
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 
-def test_a_flipped_parameter_fences_its_worker_which_rejoins(tmp_path, corpus_overrides):
-    cfg = failover_config(corpus_overrides, 8, "train.workers=3")
-    job = run_job(cfg, tmp_path / "run", nodes=1, workers_per_node=3, restart="on-failure", pace=True,
-                  fail_at="step=3:worker=1:bitflip:target=param")
-    check_invariants(job, live=[0, 1, 2])  # the ledger exactly once, every worker's parameters equal at the end
-    assert job.summary["workers_agree"]
+def test_a_flipped_parameter_is_repaired_and_the_run_ends_bit_for_bit_as_without_it(tmp_path, corpus_overrides):
+    cfg = failover_config(corpus_overrides, 6, "train.workers=3")
+    clean = run_job(cfg, tmp_path / "clean", nodes=1, workers_per_node=3)
+    job = run_job(cfg, tmp_path / "run", nodes=1, workers_per_node=3, fail_at="step=3:worker=1:bitflip:target=param")
+    check_invariants(job, live=[0, 1, 2])
     (e,) = job.events("fault_injected")
     assert (e["worker"], e["step"], e["how"], e["tensor"], e["applied"]) == (1, 3, "bitflip", "param", True)
+    decided = job.events("param_mismatch")
+    assert sorted((m["worker"], m["decision"], tuple(m["wrong"]), m["step"], m["gen"]) for m in decided) == [
+        (w, "repair", (1,), 3, 0) for w in range(3)], "every member found it in the same attempt"
+    (repaired,) = job.events("param_repaired")
+    assert (repaired["worker"], repaired["step"], repaired["source"]) == (1, 3, 0)
+    assert repaired["checksum"] == decided[0]["checksums"]["0"], "it holds the majority's parameters again"
+    assert job.commit_gen(3) == 0 and not job.events("reconfigured") and not job.events("param_mismatch_fenced")
+    assert job.committed_items(3) == [(w, w, 0, MICRO_BATCH, "exact") for w in range(3)], "done again, alike"
+    assert job.summary["param_digest"] == clean.summary["param_digest"], "bit for bit the run without it"
+
+
+def test_a_parameter_flipped_again_after_its_repair_fences_its_worker_which_rejoins(tmp_path, corpus_overrides):
+    cfg = failover_config(corpus_overrides, 8, "train.workers=3")
+    job = run_job(cfg, tmp_path / "run", nodes=1, workers_per_node=3, restart="on-failure", pace=True,
+                  fail_at="step=3:worker=1:bitflip:target=param,step=3:worker=1:bitflip:target=param")
+    check_invariants(job, live=[0, 1, 2])  # the ledger exactly once, every worker's parameters equal at the end
+    assert job.summary["workers_agree"]
+    assert [(e["worker"], e["step"], e["applied"]) for e in job.events("fault_injected")] == [(1, 3, True)] * 2
     (fenced,) = job.events("param_mismatch_fenced")
     assert (fenced["worker"], fenced["step"], fenced["gen"]) == (1, 3, 0)
-    # Every member that read the reduction decided alike; one still polling its all-reduce when worker 1's mark
-    # arrived leaves the attempt for that death instead (it never votes on it either way).
+    # Every member that read the reduction decided alike: the first attempt repaired, the second fenced; one still
+    # polling its all-reduce when worker 1's mark arrived leaves the attempt for that death instead (it never
+    # votes on it either way).
     decided = job.events("param_mismatch")
-    assert {(m["decision"], tuple(m["wrong"]), m["step"], m["gen"]) for m in decided} == {("fence", (1,), 3, 0)}
-    assert 1 in {m["worker"] for m in decided} and len(decided) >= 2, decided
+    assert {(m["decision"], tuple(m["wrong"]), m["step"], m["gen"]) for m in decided} == {
+        ("repair", (1,), 3, 0), ("fence", (1,), 3, 0)}
+    fence = [m for m in decided if m["decision"] == "fence"]
+    assert 1 in {m["worker"] for m in fence} and len(fence) >= 2, decided
     check_fenced_and_taken_over(job, worker=1, step=3, by=2, rejoined="its agent replaced it, with a peer's state")
     assert all(math.isfinite(r["grad_norm"]) for r in job.train_records())
     failures = summarize_run(job.run_dir)["failure_details"]

@@ -166,6 +166,25 @@ def test_the_members_agree_on_equal_parameters_and_fence_the_odd_one(store: JobS
     checks[0].after_reduction(3, 0, reduced, (0, 1, 2))
 
 
+def test_where_parameters_are_replicated_a_mismatch_is_repaired_once_a_step_then_fenced(store: JobStore) -> None:
+    models = [torch.nn.Linear(4, 3) for _ in range(3)]
+    for m in models[1:]:
+        m.load_state_dict(models[0].state_dict())
+    with torch.no_grad():
+        models[2].bias.view(-1)[1:2].view(torch.int32).__ixor__(1 << 29)
+    layout = GradLayout(models[0], OneGroup(), checksums=6)
+    checks, reduced, logs = reduce_three(layout, models, store, step=4)
+    for check in checks:
+        check.repairs = True
+    found = [c.find(4, reduced, (0, 1, 2)) for c in checks]
+    verdicts = [c.settle(4, 0, f) for c, f in zip(checks, found)]
+    assert all(v is not None and (v.decision, v.wrong) == ("repair", (2,)) for v in verdicts)
+    assert [e["event"] for e in logs[2]] == ["param_mismatch", "attempt_aborted"] and not store.is_marked_dead(2)
+    with pytest.raises(Fenced, match="worker 2: its parameters at step 4 differ"):  # again at that step
+        checks[2].settle(4, 0, found[2])
+    assert checks[0].settle(5, 0, checks[0].find(4, reduced, (0, 1, 2))).decision == "repair", "a later step's"
+
+
 def test_two_members_that_differ_stop_the_job(store: JobStore) -> None:
     models = [torch.nn.Linear(4, 3) for _ in range(3)]
     layout = GradLayout(models[0], OneGroup(), checksums=6)

@@ -16,7 +16,10 @@ points, from outside the runtime:
   ``.grad``, views of the buffer it all-reduces; under HSDP, whose gradient
   shards are copied into that buffer and dropped, the buffer's slice of each
   parameter's local shard, through ``sums``); ``target=param``: before
-  the forward pass of ``step``, of one of its parameters.
+  the forward pass of ``step``, of one of its parameters (one such spec per
+  forward pass: given twice, it flips the parameters of the step's first two
+  computations, the second after the first was repaired:
+  :mod:`unbroken.runtime.param_check`).
 * ``nan``: after the backward pass of ``step``, one element of this worker's
   local gradient is set to NaN. One ``nan`` spec fires per backward pass: the
   same spec given twice makes the step's first two computations on this worker
@@ -99,9 +102,10 @@ class GrayFaults:
         return None
 
     def _forward(self, step: int) -> None:
-        for i, s in enumerate(self.specs):
+        for i, s in enumerate(self.specs):  # one per forward pass: the spec given twice flips two computations
             if s.how == "bitflip" and s.tensor == "param" and s.step == step and i not in self._done:
                 self._flip(i, s, step)
+                break
         if self.slow_factor(step) is not None:
             self._sync()  # what was queued before the step is not its compute
             self._t0 = self.clock()

@@ -177,7 +177,8 @@ def _param_check(cfg: Config, job: Job, membership: Membership, event: Callable[
     if not cfg.param_check_interval or not job.layout.n_checksums:
         return None
     return ParamCheck(membership, job.layout, job.layout.params, every=cfg.param_check_interval, event=event,
-                      replicas=parallelism.replicas if parallelism.hsdp else None)
+                      replicas=parallelism.replicas if parallelism.hsdp else None,
+                      repairs=not parallelism.hsdp and not parallelism.zero1)
 
 
 def _stragglers(cfg: Config, job: Job, event: Callable[..., None]) -> Stragglers | None:

@@ -8,10 +8,14 @@ reduction every member holds the same vector, so every member decides the same (
 
 * the live members' checksums all equal: the step goes on (to the non-finite check and the vote);
 * they differ and a strict majority agrees: the step is not applied (its reduction holds gradients computed
-  with a wrong parameter). Each member outside the majority marks itself dead (``how``: ``param-mismatch``;
-  event ``param_mismatch_fenced``) and leaves fenced (exit 3; its agent restarts it and it rejoins with the
-  state from a peer); the others move to the view without it as after any death, the takeover covering its
-  rows for the same step;
+  with a wrong parameter). The first time at a step, where the members' parameters are replicated (plain data
+  parallelism, no ZeRO-1), the corruption is undone in place (``repair``): the majority's first member
+  broadcasts its parameters into the others' (:meth:`ParamCheck.repair`; event ``param_repaired``) and the
+  attempt is done again by the same members with the same rows, so the run ends bit for bit as the run without
+  the fault. Again at that step, or where it cannot be repaired, each member outside the majority marks itself
+  dead (``how``: ``param-mismatch``; event ``param_mismatch_fenced``) and leaves fenced (exit 3; its agent
+  restarts it and it rejoins with the state from a peer); the others move to the view without it as after any
+  death, the takeover covering its rows for the same step;
 * they differ with no strict majority (two members, or a tie): nobody can tell which is wrong, so the **job
   stops**, naming the step and the workers (the agents keep the snapshot memory for ``unbroken train --resume``).
 
@@ -101,9 +105,9 @@ def halves(value: torch.Tensor) -> torch.Tensor:
 class Verdict:
     """What the members do with a step's reduced checksums (:func:`judge`)."""
 
-    decision: Literal["agree", "fence", "stop"]
+    decision: Literal["agree", "repair", "fence", "stop"]
     wrong: tuple[int, ...] = ()
-    """``fence``: the members outside the majority; ``stop``: every member (none can be told right)."""
+    """``repair``, ``fence``: the members outside the majority; ``stop``: every member (none can be told right)."""
 
 
 def judge(values: Mapping[int, Hashable]) -> Verdict:
@@ -137,14 +141,17 @@ class ParamCheck:
         every: check every this many steps (>= 1).
         event: writes one event of this worker (``event(name, **fields)``).
         replicas: HSDP's layout (None: plain data parallelism, every member compared with every other).
+        repairs: whether a mismatch may be undone in place (the members' parameters replicated: not under HSDP
+            or ZeRO-1).
     """
 
     def __init__(self, membership: Membership, buffers: Checksums, params: Sequence[torch.Tensor], *, every: int,
-                 event: Callable[..., None], replicas: ReplicaLayout | None = None) -> None:
+                 event: Callable[..., None], replicas: ReplicaLayout | None = None, repairs: bool = False) -> None:
         if every < 1:
             raise ValueError(f"param check every {every} steps: must be >= 1")
         self.m, self.buffers, self.params, self.every, self.event = membership, buffers, params, every, event
-        self.replicas = replicas
+        self.replicas, self.repairs = replicas, repairs and replicas is None
+        self._repaired_at: int | None = None  # the step whose mismatch was last repaired (again there: fenced)
 
     def checks(self, step: int) -> bool:
         """Whether ``step``'s reduction carries the checksums."""
@@ -187,9 +194,11 @@ class ParamCheck:
         """Plain data parallelism: :meth:`find` then :meth:`settle`."""
         self.settle(step, gen, self.find(step, reduced, members))
 
-    def settle(self, step: int, gen: int, finding: Finding | None, pooled: Sequence[int] | None = None) -> None:
+    def settle(self, step: int, gen: int, finding: Finding | None,
+               pooled: Sequence[int] | None = None) -> Verdict | None:
         """After the reduction (under HSDP after the replica's word, ``pooled`` its summed :meth:`marks`), before
-        anything looks at its gradients: returns if the checksums agree.
+        anything looks at its gradients: None if the checksums agree; a ``repair`` verdict if the members are to
+        undo the mismatch (:meth:`repair`) and do the attempt again.
 
         Raises:
             Fenced: this worker's parameters (its replica's, under HSDP) differ from the majority's: it leaves.
@@ -203,7 +212,10 @@ class ParamCheck:
             verdict = Verdict("stop", verdict.wrong if verdict is not None and verdict.decision == "stop" else ()) \
                 if pooled[0] else Verdict("fence", wrong) if wrong else None
         if verdict is None or verdict.decision == "agree":
-            return
+            return None
+        if verdict.decision == "fence" and self.repairs and self._repaired_at != step:
+            self._repaired_at = step
+            verdict = Verdict("repair", verdict.wrong)
         me, values = self.m.worker, {} if finding is None else finding.values
         fields = {"step": step, "gen": gen, "checksums": {str(w): v for w, v in values.items()},
                   "decision": verdict.decision, "wrong": list(verdict.wrong)}
@@ -211,6 +223,11 @@ class ParamCheck:
         logger.error("step %d: the members' parameter checksums differ (%s): %s", step,
                      ", ".join(f"worker {w}: {v}" for w, v in values.items()) or "another shard index's",
                      verdict.decision)
+        if verdict.decision == "repair":
+            self.event("attempt_aborted", step=step, gen=gen, param_mismatch=True, reason="parameter checksums "
+                       f"differ: workers {_names(verdict.wrong)} take the majority's parameters, the step is done "
+                       "again with the same rows")
+            return verdict
         if verdict.decision == "fence":
             if me in verdict.wrong:
                 theirs = next((values[w] for w in values if w not in verdict.wrong), None)
@@ -231,6 +248,28 @@ class ParamCheck:
         self.event("attempt_aborted", step=step, gen=gen, reason=message)
         self.event("param_mismatch_stop", step=step, gen=gen, message=message)
         raise ParamMismatchStop(message)
+
+
+    def repair(self, step: int, gen: int, verdict: Verdict, peers: Sequence[int],
+               broadcast: Callable[[torch.Tensor, int], object]) -> None:
+        """Undo a mismatch in place: the majority's first member broadcasts its parameters (group rank in
+        ``peers``) into those of the members outside it; every member of the group takes part (the others
+        receive into scratch, so what they hold is never written).
+
+        Raises:
+            Whatever ``broadcast`` raises (a collective that failed: the members move to a new view, where a
+            mismatch again at this step fences).
+        """
+        me, source = self.m.worker, min(w for w in peers if w not in verdict.wrong)
+        with torch.no_grad():
+            for p in self.params:
+                t = local_of(p)
+                broadcast(t if me == source or me in verdict.wrong else torch.empty_like(t), peers.index(source))
+        if me in verdict.wrong:
+            self.event("param_repaired", step=step, gen=gen, source=source,
+                       checksum=int(checksum(local_of(p) for p in self.params)) % (HALF * HALF))
+            logger.warning("step %d: this worker's parameters differed from the majority's: worker %d's taken",
+                           step, source)
 
 
 def _names(workers: Sequence[int]) -> str:

@@ -297,7 +297,14 @@ class StepProtocol:
                 found = None if self.param_check is None else self.param_check.find(step, reduced, self.view.members)
                 shards_finite = self._replica_word(step, ok=True, reduced=reduced, found=found)
                 if self.param_check is not None:  # a reduction of gradients from differing parameters: none applies it
-                    self.param_check.settle(step, self.view.gen, found, self.views.pooled)
+                    repair = self.param_check.settle(step, self.view.gen, found, self.views.pooled)
+                    if repair is not None:  # the odd members take the majority's parameters: done again, alike
+                        group = self.group
+                        assert group is not None
+                        self.param_check.repair(step, self.view.gen, repair, self.peers,
+                                                lambda t, src: group.broadcast_into(t, src, self._check))
+                        local, again = None, True
+                        continue
                 if self.nonfinite.after_reduction(step, self.view.gen, reduced, items, shards_finite):
                     local, again = None, True  # reduced in place: computed again, by the same members
                     continue
