@@ -330,4 +330,8 @@ def test_a_replica_lost_while_the_other_is_admitted_restores_the_job_from_memory
     assert any(e["code"] == 4 for e in left) or marked, (left, marked)
     restores = job.events("job_restore")
     assert [e["restored_from"] for e in restores] == ["memory"] and restores[0]["step"] <= admitted, restores
-    assert sorted(e["worker"] for e in job.events("restored")) == [0, 1, 2, 3]
+    # A replica whose ranks were restarted before the other replica's left can make up the restored view alone;
+    # the other is then admitted to it as a joiner (as in the whole-job kill above).
+    restored = sorted(e["worker"] for e in job.events("restored"))
+    late = {j for e in job.events("view_adopted") if e["time"] > restores[0]["time"] for j in e["joiners"]}
+    assert restored in ([0, 1, 2, 3], [0, 1], [2, 3]) and set(restored) | late == {0, 1, 2, 3}, (restored, late)
