@@ -241,14 +241,14 @@ class ParamCheck:
             raise MemberDied(f"step {step}'s parameter checksums differ in view {gen}: worker{'' if one else 's'} "
                              f"{_names(verdict.wrong)} {'disagrees' if one else 'disagree'} with the majority and "
                              f"{'is' if one else 'are'} fenced")
-        named = (f"workers {_names(verdict.wrong)} differ (checksums {', '.join(str(values[w]) for w in verdict.wrong)})"
-                 if verdict.wrong else "replicas differ in one shard")
+        sums = ", ".join(str(values[w]) for w in verdict.wrong)
+        named = f"workers {_names(verdict.wrong)} differ (checksums {sums})" if verdict.wrong else \
+            "replicas differ in one shard"
         message = (f"step {step}: the parameters of {named} and no strict majority of the view's members agrees, "
                    "so none can be told wrong; the step was not applied")
         self.event("attempt_aborted", step=step, gen=gen, reason=message)
         self.event("param_mismatch_stop", step=step, gen=gen, message=message)
         raise ParamMismatchStop(message)
-
 
     def repair(self, step: int, gen: int, verdict: Verdict, peers: Sequence[int],
                broadcast: Callable[[torch.Tensor, int], object]) -> None:
