@@ -144,17 +144,17 @@ def test_the_members_agree_on_equal_parameters_and_fence_the_odd_one(store: JobS
     layout = GradLayout(models[0], OneGroup(), checksums=6)
     checks, reduced, logs = reduce_three(layout, models, store, step=3)
     for check in checks:
-        check.after_reduction(3, 0, reduced, (0, 1, 2))  # they agree: nothing raised
+        check.settle(3, 0, check.find(3, reduced, (0, 1, 2)))  # they agree: nothing raised
     assert not any(logs)
 
     with torch.no_grad():
         models[1].weight.view(-1)[5:6].view(torch.int32).__ixor__(1 << 27)
     checks, reduced, logs = reduce_three(layout, models, store, step=3)
     with pytest.raises(Fenced, match="worker 1: its parameters at step 3 differ"):
-        checks[1].after_reduction(3, 0, reduced, (0, 1, 2))
+        checks[1].settle(3, 0, checks[1].find(3, reduced, (0, 1, 2)))
     for w in (0, 2):
         with pytest.raises(MemberDied, match="worker 1 disagrees with the majority and is fenced"):
-            checks[w].after_reduction(3, 0, reduced, (0, 1, 2))
+            checks[w].settle(3, 0, checks[w].find(3, reduced, (0, 1, 2)))
     assert store.is_marked_dead(1) and not store.is_marked_dead(0)
     assert json.loads(store.dead_mark(1) or "{}")["how"] == "param-mismatch"
     assert [e["event"] for e in logs[1]] == ["param_mismatch", "param_mismatch_fenced"]
@@ -163,7 +163,7 @@ def test_the_members_agree_on_equal_parameters_and_fence_the_odd_one(store: JobS
     # a step without the check carries no checksums: nothing compared
     checks, reduced, logs = reduce_three(layout, models, store, step=3, every=2)
     assert not layout.checksums(reduced).any()
-    checks[0].after_reduction(3, 0, reduced, (0, 1, 2))
+    checks[0].settle(3, 0, checks[0].find(3, reduced, (0, 1, 2)))
 
 
 def test_where_parameters_are_replicated_a_mismatch_is_repaired_once_a_step_then_fenced(store: JobStore) -> None:
@@ -193,7 +193,7 @@ def test_two_members_that_differ_stop_the_job(store: JobStore) -> None:
                        event=lambda name, **fields: logs[0].append({"event": name, **fields}))
     with pytest.raises(ParamMismatchStop, match=r"step 2: the parameters of workers 0 and 1 differ .* no strict "
                                                 r"majority"):
-        check.after_reduction(2, 4, reduced, (0, 1))
+        check.settle(2, 4, check.find(2, reduced, (0, 1)))
     assert [e["event"] for e in logs[0]] == ["param_mismatch", "attempt_aborted", "param_mismatch_stop"]
     assert not store.is_marked_dead(0)
 

@@ -190,10 +190,6 @@ class ParamCheck:
                 out[1 + self.replicas.replica_of(w)] = 1
         return out
 
-    def after_reduction(self, step: int, gen: int, reduced: torch.Tensor, members: Sequence[int]) -> None:
-        """Plain data parallelism: :meth:`find` then :meth:`settle`."""
-        self.settle(step, gen, self.find(step, reduced, members))
-
     def settle(self, step: int, gen: int, finding: Finding | None,
                pooled: Sequence[int] | None = None) -> Verdict | None:
         """After the reduction (under HSDP after the replica's word, ``pooled`` its summed :meth:`marks`), before
